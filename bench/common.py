@@ -1,0 +1,64 @@
+"""Shared benchmark helpers: timing, medians, memory bandwidth, table printing, cache dirs."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def cache_dir(name: str) -> Path:
+    root = Path(os.environ.get("MMSERVE_CACHE", Path.home() / ".cache" / "mmserve"))
+    path = root / "bench" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def timeit(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Read bandwidth in bytes/s: the median time to sum a `gib` GiB float32 tensor."""
+    x = torch.ones(int(gib * (1 << 30)) // 4)
+    x.sum()  # touch the pages once
+    seconds = median([timeit(x.sum) for _ in range(repeats)])
+    return x.numel() * 4 / seconds
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def print_table(rows: list[tuple], header: tuple) -> None:
+    cells = [tuple(str(c) for c in header)] + [tuple(_fmt(c) for c in row) for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    for i, row in enumerate(cells):
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |")
+        if i == 0:
+            print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+    return str(value)

@@ -1,0 +1,82 @@
+"""Engine options: one frozen, validated dataclass.
+
+Values derived at start-up from the model and the device (number of KV blocks, the effective
+`max_model_len`) live in `CacheLayout` (see `model_runner.py`), never written back here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+GiB = 1 << 30
+
+
+def _check_range(name: str, value: int | float | None, lo: float, hi: float | None = None) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        upper = "inf" if hi is None else hi
+        raise ValueError(f"{name} must be in [{lo}, {upper}], got {value}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Options of one engine instance.
+
+    Attributes:
+        block_size: tokens per KV-cache block (the unit of allocation and of prefix caching).
+        kv_cache_bytes: bytes for the paged KV cache of all layers; None = automatic (CPU: up to
+            4 GiB and at most a quarter of available RAM; CUDA: 85% of free memory after loading
+            the weights), never more than `max_num_seqs` full-length sequences need.
+        max_num_batched_tokens: token budget of one engine step (decode tokens + prefill chunks).
+        max_num_seqs: most requests running at once.
+        max_model_len: longest sequence (prompt + output); None = the model's context length.
+        enable_prefix_caching: reuse KV blocks of identical prefixes across requests.
+        encoder_cache_size: encoder-output cache capacity, in embeddings (multimodal models).
+        max_num_encoder_input_tokens: encoder compute budget of one step, in embeddings.
+        processed_cache_items: processed-input cache size, in items (0 disables it).
+    """
+
+    block_size: int = 16
+    kv_cache_bytes: int | None = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    encoder_cache_size: int = 16384
+    max_num_encoder_input_tokens: int = 16384
+    processed_cache_items: int = 64
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise ValueError(
+                f"block_size must be a power of two in [1, 256], got {self.block_size}"
+            )
+        _check_range("kv_cache_bytes", self.kv_cache_bytes, 1)
+        _check_range("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 20)
+        _check_range("max_num_seqs", self.max_num_seqs, 1, 4096)
+        _check_range("max_model_len", self.max_model_len, 2, 1 << 24)
+        _check_range("encoder_cache_size", self.encoder_cache_size, 1)
+        _check_range("max_num_encoder_input_tokens", self.max_num_encoder_input_tokens, 1)
+        _check_range("processed_cache_items", self.processed_cache_items, 0)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(
+                f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}"
+            )
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float):
+                raise ValueError(f"{f.name} must be an integer, got {value!r}")
+
+    @classmethod
+    def from_options(cls, **options: object) -> EngineConfig:
+        """Build from keyword options, naming any unknown option in the error."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown engine option(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}"
+            )
+        return cls(**options)  # type: ignore[arg-type]

@@ -1,0 +1,250 @@
+"""LLMEngine: the synchronous core. `step()` = schedule -> run -> postprocess.
+
+It is single-threaded by design: `LLM` calls it from the caller's thread, `AsyncLLM` from its one
+engine thread. Prompt processing (`make_request`) only reads immutable state, so it may run in
+any thread; everything else must be called from the thread that steps the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.device import resolve_device, resolve_dtype
+from engine.encoder_cache import EncoderCacheManager
+from engine.hub import resolve_model
+from engine.model_runner import ModelRunner, StepResult
+from engine.outputs import CompletionOutput, PlaceholderInfo, RequestOutput
+from engine.processing import InputProcessor, ProcessedPrompt
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from models.registry import resolve
+
+log = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """Owns the scheduler, the block manager, the encoder cache and the model runner."""
+
+    def __init__(
+        self, model: str | Path, *, device: str = "auto", dtype: str = "auto", **options: Any
+    ) -> None:
+        self.config = EngineConfig.from_options(**options)
+        self.model_path = resolve_model(model)
+        self.model_id = str(model)
+        hf_config = AutoConfig.from_pretrained(self.model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        spec = resolve(hf_config)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device, getattr(hf_config, "dtype", None))
+        self.runner = ModelRunner(
+            self.model_path, hf_config, spec.model, self.config, self.device, self.dtype
+        )
+        layout = self.runner.layout
+        self.max_model_len = layout.max_model_len
+        mm_processor = None
+        if spec.processor is not None:
+            mm_processor = spec.processor(hf_config, self.tokenizer, self.model_id, self.config)
+        self.processor = InputProcessor(
+            self.tokenizer, self.runner.vocab_size, self.max_model_len, mm_processor
+        )
+        self.block_manager = BlockManager(
+            layout.num_blocks, layout.block_size, self.config.enable_prefix_caching
+        )
+        self.encoder_cache = EncoderCacheManager(self.config.encoder_cache_size)
+        self.scheduler = Scheduler(self.config, self.block_manager, self.encoder_cache)
+        self.eos_token_ids = _eos_ids(self.model_path, self.tokenizer)
+        self.num_steps = 0
+        self.num_errors = 0
+        log.info(
+            "engine ready: %s on %s/%s, %d KV blocks x %d tokens, max_model_len %d",
+            self.model_id, self.device, str(self.dtype).removeprefix("torch."),
+            layout.num_blocks, layout.block_size, self.max_model_len,
+        )
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def make_request(
+        self,
+        processed: ProcessedPrompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Build a Request from a processed prompt (safe to call from any thread)."""
+        n = len(processed.token_ids)
+        req = Request(
+            request_id=request_id or uuid.uuid4().hex,
+            prompt_token_ids=processed.token_ids,
+            sampling_params=params,
+            eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+            max_tokens=min(params.max_tokens, self.max_model_len - n),
+            prompt=processed.text,
+            mm_features=processed.mm_features,
+            position_info=processed.position_info,
+        )
+        if arrival_time is not None:
+            req.metrics.arrival_time = arrival_time
+        req.metrics.stages.update(processed.stages)
+        req.detokenizer = IncrementalDetokenizer(
+            self.tokenizer, params.stop, params.skip_special_tokens
+        )
+        return req
+
+    def add_request(self, req: Request) -> None:
+        if self.scheduler.find(req.request_id) is not None:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        req.metrics.queued_time = time.monotonic()
+        self.scheduler.add(req)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Finish a request now, freeing its KV blocks and cache references."""
+        req = self.scheduler.find(request_id)
+        if req is None:
+            return None
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        return self._output(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if not out.chunks:
+            return []
+        t0 = time.monotonic()
+        try:
+            result = self.runner.execute(out)
+        except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
+            log.exception("engine step failed")
+            return self._fail(out, e)
+        self.num_steps += 1
+        self.scheduler.update_after_step(out)
+        return self._postprocess(out, result, time.monotonic() - t0)
+
+    def _postprocess(
+        self, out: SchedulerOutput, result: StepResult, seconds: float
+    ) -> list[RequestOutput]:
+        now = time.monotonic()
+        outputs = []
+        for chunk, token, logprobs in zip(out.chunks, result.tokens, result.logprobs, strict=True):
+            req = chunk.req
+            if chunk.start < req.num_prompt_tokens:
+                req.metrics.prefill_chunks.append((chunk.num_tokens, seconds))
+            if result.encoder_time and any(r is req for r, _ in out.encoder_inputs):
+                req.metrics.encoder_time += result.encoder_time
+                req.metrics.encoder_calls += 1
+            if token is None:
+                continue
+            req.append_token(token)
+            if logprobs is not None:
+                req.logprobs.append(logprobs)
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+                self._drop_media(req)
+            req.metrics.last_token_time = now
+            status = self._check_stop(req, token)
+            if status is not None:
+                self.scheduler.finish(req, status)
+            outputs.append(self._output(req))
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        stop_string = req.detokenizer.add(token)
+        if stop_string is not None:
+            req.stop_reason = stop_string
+            return RequestStatus.FINISHED_STOPPED
+        if token in req.eos_token_ids or token in req.sampling_params.stop_token_ids:
+            req.stop_reason = None if token in req.eos_token_ids else token
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _drop_media(self, req: Request) -> None:
+        """The prompt is in the KV cache now: encoder inputs are no longer needed."""
+        for feature in req.mm_features:
+            feature.data = None
+
+    def _fail(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        self.num_errors += 1
+        outputs = []
+        for chunk in out.chunks:
+            chunk.req.error = f"{type(error).__name__}: {error}"
+            self.scheduler.finish(chunk.req, RequestStatus.FINISHED_ERROR)
+            outputs.append(self._output(chunk.req))
+        return outputs
+
+    def _output(self, req: Request) -> RequestOutput:
+        finished = req.finished
+        if finished and req.metrics.finished_time is None:
+            req.metrics.finished_time = time.monotonic()
+        delta_text = req.detokenizer.delta(finished)
+        sent, req.num_streamed_tokens = req.num_streamed_tokens, req.num_output_tokens
+        completion = CompletionOutput(
+            index=0,
+            text=req.detokenizer.streamed_text,
+            token_ids=list(req.output_token_ids),
+            finish_reason=req.status.value if finished else None,
+            stop_reason=req.stop_reason,
+            logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None else None,
+            delta_text=delta_text,
+            delta_token_ids=req.output_token_ids[sent:],
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[completion],
+            finished=finished,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            metrics=req.metrics.snapshot(),
+            multi_modal_placeholders=[
+                PlaceholderInfo(
+                    f.modality, f.placeholder.offset, f.placeholder.length,
+                    f.placeholder.num_embeds, f.identifier, f.cache_hit,
+                )
+                for f in req.mm_features
+            ],
+            error=req.error,
+        )
+
+    # ---- introspection ----------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Engine-wide counters for the UI panels (plain numbers)."""
+        return {
+            "requests_running": len(self.scheduler.running),
+            "requests_waiting": len(self.scheduler.waiting),
+            "steps": self.num_steps,
+            "step_errors": self.num_errors,
+            **self.block_manager.stats(),
+            **self.encoder_cache.stats(),
+        }
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+
+def _eos_ids(path: Path, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    try:
+        gen = GenerationConfig.from_pretrained(path)
+    except OSError:
+        return frozenset(ids)
+    eos = gen.eos_token_id
+    ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return frozenset(ids)

@@ -1,0 +1,203 @@
+"""Owns device memory (weights, KV cache, encoder outputs) and executes one scheduled step.
+
+`execute` turns a SchedulerOutput into tensors built on the host (token ids, positions, attention
+indices, sampling options), moves them to the device once, runs the batched encoders for the
+media items scheduled this step, splices their embeddings into the chunk, runs the decoder over
+the flat token batch and samples one token for every chunk that reached the end of its request.
+The only host sync is reading the sampled tokens back at the end.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.attention import build_metadata
+from engine.config import EngineConfig, GiB
+from engine.device import to_device
+from engine.sampler import SamplingBatch, sample
+from engine.scheduler import SchedulerOutput
+from models.loader import build_on_meta, iter_checkpoint, load_weights
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """KV-cache geometry derived at start-up from the options, the model and the device."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    bytes_per_block: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+@dataclass
+class StepResult:
+    """Per chunk of the step (aligned with `SchedulerOutput.chunks`): the sampled token or None,
+    and its logprobs entry ({token id: logprob}, sampled token first) when asked for."""
+
+    tokens: list[int | None]
+    logprobs: list[dict[int, float] | None]
+    encoder_time: float = 0.0
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        path: Path,
+        hf_config,
+        model_cls: type,
+        config: EngineConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        max_len = _max_model_len(hf_config, config)
+        self.model = build_on_meta(
+            lambda: model_cls.from_hf_config(hf_config, max_len, device), device, dtype
+        )
+        load_weights(self.model, iter_checkpoint(path), self.model.checkpoint_map())
+        self.model.eval()
+        self.vocab_size = self.model.cfg.vocab_size
+        self.layout = self._plan_kv_cache(max_len)
+        self.kv_caches = self._allocate_kv_cache()
+        # Encoder outputs by content hash; which ones exist is decided by EncoderCacheManager.
+        self.encoder_outputs: dict[str, torch.Tensor] = {}
+
+    # ---- start-up ---------------------------------------------------------------------------
+
+    def _plan_kv_cache(self, max_model_len: int) -> CacheLayout:
+        cfg, bs = self.model.cfg, self.config.block_size
+        elem = torch.finfo(self.dtype).bits // 8
+        per_block = 2 * cfg.num_layers * bs * cfg.num_kv_heads * cfg.head_dim * elem
+        useful = self.config.max_num_seqs * -(-max_model_len // bs) * per_block
+        budget = self.config.kv_cache_bytes
+        if budget is None:
+            budget = min(_default_kv_bytes(self.device), useful)
+        num_blocks = budget // per_block
+        if num_blocks * bs < max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * bs} tokens ({budget} bytes at "
+                f"{per_block} bytes per {bs}-token block), fewer than max_model_len="
+                f"{max_model_len}; raise kv_cache_bytes to at least "
+                f"{-(-max_model_len // bs) * per_block} or lower max_model_len"
+            )
+        return CacheLayout(num_blocks, bs, max_model_len, per_block)
+
+    def _allocate_kv_cache(self) -> list[torch.Tensor]:
+        cfg, lay = self.model.cfg, self.layout
+        shape = (2, lay.num_blocks, lay.block_size, cfg.num_kv_heads, cfg.head_dim)
+        # Zeros, not empty: padded gathers read unused slots, and NaN garbage there would
+        # leak through SDPA's masked softmax (0 * NaN).
+        caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                  for _ in range(cfg.num_layers)]
+        for attn, cache in zip(self.model.attention_layers(), caches, strict=True):
+            attn.kv_cache = cache
+        return caches
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        for identifier in out.freed_encoder_hashes:
+            self.encoder_outputs.pop(identifier, None)
+        encoder_time = self._run_encoders(out) if out.encoder_inputs else 0.0
+
+        chunks = out.chunks
+        ids: list[int] = []
+        for c in chunks:
+            ids.extend(c.req.all_token_ids[c.start : c.end])
+        input_ids = to_device(torch.tensor(ids, dtype=torch.int64), self.device)
+        positions = self._positions(chunks)
+        meta = build_metadata(
+            [c.start for c in chunks], [c.num_tokens for c in chunks],
+            [c.req.block_ids for c in chunks], self.layout.block_size, self.device,
+        )
+        embeds = self._splice_embeddings(input_ids, chunks)
+        hidden = self.model(input_ids, positions, meta, embeds)
+
+        ends, sampling = [], []
+        offset = 0
+        for c in chunks:
+            offset += c.num_tokens
+            if c.samples:
+                ends.append(offset - 1)
+                sampling.append(c.req)
+        if not sampling:
+            return StepResult([None] * len(chunks), [None] * len(chunks), encoder_time)
+        rows = to_device(torch.tensor(ends, dtype=torch.int64), self.device)
+        logits = self.model.compute_logits(hidden[rows])
+        batch = SamplingBatch.from_requests(sampling, self.vocab_size, self.device)
+        result = sample(logits, batch)
+        return self._collect(chunks, result, encoder_time)
+
+    def _positions(self, chunks) -> torch.Tensor:
+        pos: list[int] = []
+        for c in chunks:
+            pos.extend(range(c.start, c.end))
+        return to_device(torch.tensor(pos, dtype=torch.int64), self.device)
+
+    def _run_encoders(self, out: SchedulerOutput) -> float:
+        raise NotImplementedError("multimodal encoders are not wired into this runner yet")
+
+    def _splice_embeddings(self, input_ids, chunks) -> torch.Tensor | None:
+        return None
+
+    def _collect(self, chunks, result, encoder_time: float) -> StepResult:
+        # The step's single host sync; everything below reads host copies.
+        tokens = result.tokens.tolist()
+        logprobs = None if result.logprobs is None else result.logprobs.tolist()
+        top = None
+        if result.top_ids is not None:
+            top = (result.top_ids.tolist(), result.top_logprobs.tolist())
+        out = StepResult([], [], encoder_time)
+        row = 0
+        for c in chunks:
+            if not c.samples:
+                out.tokens.append(None)
+                out.logprobs.append(None)
+                continue
+            k = c.req.sampling_params.logprobs
+            entry = None
+            if k is not None:
+                entry = {tokens[row]: logprobs[row]}
+                if k and top is not None:
+                    for t, v in zip(top[0][row][:k], top[1][row][:k], strict=True):
+                        entry.setdefault(t, v)
+            out.tokens.append(tokens[row])
+            out.logprobs.append(entry)
+            row += 1
+        return out
+
+
+def _max_model_len(hf_config, config: EngineConfig) -> int:
+    text_cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    model_max = getattr(text_cfg, "max_position_embeddings", None) or 2048
+    if config.max_model_len is None:
+        return model_max
+    if config.max_model_len > model_max:
+        raise ValueError(
+            f"max_model_len={config.max_model_len} exceeds the model's context length "
+            f"(max_position_embeddings={model_max})"
+        )
+    return config.max_model_len
+
+
+def _default_kv_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.85)
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        available = 16 * GiB
+    return min(4 * GiB, available // 4)
+

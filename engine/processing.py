@@ -1,0 +1,170 @@
+"""Prompt -> token ids (+ media spans): chat template, tokenization, placeholder expansion.
+
+Runs in the caller's thread (LLM) or a worker thread (AsyncLLM), never in the engine loop.
+A prompt is a string, a list of token ids, or a dict
+`{"prompt" | "prompt_token_ids": ..., "multi_modal_data": {...}, "mm_processor_kwargs": {...}}`.
+Media is decoded before `process` is called (engine.media); the model's multimodal processor
+turns the decoded items into encoder inputs and expands each placeholder into the exact number
+of tokens its encoder emits.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.chat import MODALITIES, parse_messages
+from engine.media import MediaLimits, load_request_media, load_request_media_sync
+from engine.request import MultiModalFeature
+
+PromptType = str | list[int] | dict
+
+
+@dataclass
+class ParsedPrompt:
+    """A prompt split into its parts, before media is decoded."""
+
+    text: str | None
+    token_ids: list[int] | None
+    mm_data: dict[str, list[Any]]
+    mm_kwargs: dict[str, Any]
+    add_special_tokens: bool = True
+    stages: dict[str, float] = field(default_factory=dict)  # seconds per stage so far
+
+
+@dataclass
+class ProcessedPrompt:
+    """What a request needs from processing: final token ids, media spans, position data."""
+
+    text: str | None
+    token_ids: list[int]
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
+    position_info: Any = None
+    stages: dict[str, float] = field(default_factory=dict)
+
+
+class InputProcessor:
+    """Tokenizes prompts and, for multimodal models, delegates media to the model's processor."""
+
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        max_model_len: int,
+        mm_processor=None,
+        media_limits: MediaLimits | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.mm_processor = mm_processor
+        self.media_limits = media_limits or MediaLimits()
+
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        return () if self.mm_processor is None else tuple(self.mm_processor.modalities)
+
+    def parse(self, prompt: PromptType) -> ParsedPrompt:
+        if isinstance(prompt, str):
+            return ParsedPrompt(prompt, None, {}, {})
+        if isinstance(prompt, list):
+            return ParsedPrompt(None, self._check_ids(prompt), {}, {})
+        if not isinstance(prompt, dict):
+            kind = type(prompt).__name__
+            raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {kind}")
+        unknown = set(prompt) - {
+            "prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs",
+            "add_special_tokens",
+        }
+        if unknown:
+            raise ValueError(f"unknown prompt field(s): {', '.join(sorted(unknown))}")
+        text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+        if (text is None) == (ids is None):
+            raise ValueError("a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'")
+        mm_data = self._check_mm_data(prompt.get("multi_modal_data") or {})
+        return ParsedPrompt(
+            text=text,
+            token_ids=None if ids is None else self._check_ids(ids),
+            mm_data=mm_data,
+            mm_kwargs=dict(prompt.get("mm_processor_kwargs") or {}),
+            add_special_tokens=bool(prompt.get("add_special_tokens", True)),
+        )
+
+    def render_chat(self, messages: list[dict], **template_kwargs: Any) -> ParsedPrompt:
+        """Apply the model's chat template (with the generation prompt) to OpenAI messages."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template; use generate() with a prompt")
+        mm_kwargs = template_kwargs.pop("mm_processor_kwargs", None) or {}
+        rendered, media = parse_messages(messages)
+        text = self.tokenizer.apply_chat_template(
+            rendered, tokenize=False, add_generation_prompt=True, **template_kwargs
+        )
+        return ParsedPrompt(text, None, self._check_mm_data(media), mm_kwargs, False)
+
+    def load_media_sync(self, parsed: ParsedPrompt) -> dict[str, list[Any]]:
+        """Decode the prompt's media in this thread (items of one prompt in parallel)."""
+        if not parsed.mm_data:
+            return {}
+        t0 = time.perf_counter()
+        media = load_request_media_sync(
+            parsed.mm_data, limits=self.media_limits, **self._loader_kwargs(parsed)
+        )
+        parsed.stages["media_load"] = time.perf_counter() - t0
+        return media
+
+    async def load_media(self, parsed: ParsedPrompt) -> dict[str, list[Any]]:
+        """Decode the prompt's media concurrently in worker threads, off the event loop."""
+        if not parsed.mm_data:
+            return {}
+        t0 = time.perf_counter()
+        media = await load_request_media(
+            parsed.mm_data, limits=self.media_limits, **self._loader_kwargs(parsed)
+        )
+        parsed.stages["media_load"] = time.perf_counter() - t0
+        return media
+
+    def _loader_kwargs(self, parsed: ParsedPrompt) -> dict[str, Any]:
+        return self.mm_processor.loader_kwargs(parsed.mm_kwargs)
+
+    def process(self, parsed: ParsedPrompt, media: dict[str, list[Any]]) -> ProcessedPrompt:
+        """Tokenize and (for media) expand placeholders; `media` holds decoded items."""
+        t0 = time.perf_counter()
+        ids = parsed.token_ids
+        if ids is None:
+            ids = self.tokenizer.encode(parsed.text, add_special_tokens=parsed.add_special_tokens)
+        if self.mm_processor is not None:
+            out = self.mm_processor.process(ids, media, parsed.mm_kwargs)
+            out.text = parsed.text
+        else:
+            out = ProcessedPrompt(parsed.text, list(ids))
+        out.stages.setdefault("preprocess", time.perf_counter() - t0)
+        out.stages.update(parsed.stages)
+        if not out.token_ids:
+            raise ValueError("the prompt is empty")
+        if len(out.token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(out.token_ids)} tokens, but max_model_len is "
+                f"{self.max_model_len} (prompt and output must fit); shorten the prompt"
+            )
+        return out
+
+    def _check_ids(self, ids: list[int]) -> list[int]:
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        return list(ids)
+
+    def _check_mm_data(self, mm_data: dict) -> dict[str, list[Any]]:
+        if not isinstance(mm_data, dict):
+            raise ValueError("multi_modal_data must be a dict like {'image': [...]}")
+        out = {}
+        for modality, items in mm_data.items():
+            if modality not in MODALITIES:
+                raise ValueError(f"unknown modality {modality!r} (known: {', '.join(MODALITIES)})")
+            if modality not in self.modalities:
+                accepted = ", ".join(self.modalities) or "text only"
+                raise ValueError(f"this model does not accept {modality} inputs ({accepted})")
+            items = items if isinstance(items, (list, tuple)) else [items]
+            if items:
+                out[modality] = list(items)
+        return out

@@ -1,0 +1,80 @@
+"""SamplingParams: how one request's tokens are chosen and when its generation stops."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling options (the vLLM names, which our users already know).
+
+    temperature 0 means greedy. top_k 0 (or -1) disables top-k; top_p 1 and min_p 0 disable
+    those filters. `seed` makes one request reproducible whatever else shares its batch.
+    `stop` strings end generation and are not included in the text; `stop_token_ids` end it too.
+    `logprobs=k` returns, for every sampled token, its log-probability and the k most likely.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = field(default=())
+    stop_token_ids: tuple[int, ...] = field(default=())
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Accept a single string / lists for convenience; store tuples (frozen, hashable).
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, rule: str) -> ValueError:
+            return ValueError(f"SamplingParams.{name} {rule}, got {getattr(self, name)!r}")
+
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise bad("max_tokens", "must be an integer >= 1")
+        if not _is_num(self.temperature) or not 0.0 <= self.temperature <= 100.0:
+            raise bad("temperature", "must be in [0, 100]")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise bad("top_k", "must be 0 or -1 (disabled) or a positive integer")
+        if not _is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be in (0, 1]")
+        if not _is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be in [0, 1]")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+            raise bad("seed", "must be None or an integer in [0, 2**63)")
+        if not _is_num(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 10.0:
+            raise bad("repetition_penalty", "must be in (0, 10]")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "must be non-empty strings")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be non-negative integers")
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= _MAX_LOGPROBS
+        ):
+            raise bad("logprobs", f"must be None or an integer in [0, {_MAX_LOGPROBS}]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v  # v == v: not NaN

@@ -1,0 +1,169 @@
+"""Tiny random-weight checkpoints in real Hugging Face format, built locally (no Hub needed).
+
+Used by the tests (as the reference and as our input), the benchmarks (real shapes, random
+weights) and the offline demo of `python app.py`. Each checkpoint is a directory with
+config.json, safetensors weights, generation_config.json and a byte-level BPE tokenizer trained
+here with the `tokenizers` library, whose special tokens and chat template match the family's.
+
+Weights are drawn with a larger scale than the usual 0.02 so that logits are decisive (random
+tiny models with the default init give near-ties that flip greedy tokens on 1e-6 noise).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+# A small mixed-language corpus: enough merges for realistic tokens, multi-byte characters
+# (accents, CJK, emoji) so that streaming must handle characters split across tokens.
+_CORPUS = """
+The quick brown fox jumps over the lazy dog. A picture is worth a thousand words.
+Describe the image in detail. What is shown in this video? Transcribe the audio clip.
+The engine schedules requests, caches keys and values in blocks, and streams tokens.
+Images, videos and audio are encoded once and cached by their content hash.
+Café, naïve, façade, jalapeño, Straße, smörgåsbord, crème brûlée, déjà vu.
+你好，世界。这是一个多模态模型。图像、视频和音频。
+こんにちは世界。日本語のテキストです。
+Привет, мир! Это тест.
+Emoji: 😀 🎉 🚀 🐱 👍 ❤️ — and “quotes”, ‘single’, ellipsis…
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 3.14159 2.71828
+def main():\n    return {"key": [1, 2, 3]}\n
+""".strip()
+
+QWEN_SPECIAL = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>",
+    "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
+    "<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>",
+]
+LLAMA_SPECIAL = [
+    "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+    "<|eot_id|>",
+]
+
+# ChatML with the Qwen family's media placeholders (the same layout as Qwen2-VL's template).
+QWEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif part['type'] == 'audio' %}<|audio_bos|><|AUDIO|><|audio_eos|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+LLAMA_CHAT_TEMPLATE = (
+    "<|begin_of_text|>{% for message in messages %}"
+    "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+    "{{ message['content'] }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+
+def train_tokenizer(special: list[str], vocab_size: int, chat_template: str, eos: str):
+    """A byte-level BPE tokenizer trained on the built-in corpus, as a transformers tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS] * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=special[0])
+    fast.chat_template = chat_template
+    return fast
+
+
+def qwen_tokenizer(vocab_size: int = 600):
+    return train_tokenizer(QWEN_SPECIAL, vocab_size, QWEN_CHAT_TEMPLATE, "<|im_end|>")
+
+
+def llama_tokenizer(vocab_size: int = 600):
+    return train_tokenizer(LLAMA_SPECIAL, vocab_size, LLAMA_CHAT_TEMPLATE, "<|eot_id|>")
+
+
+@torch.no_grad()
+def randomize(model: torch.nn.Module, std: float = 0.25, seed: int = 0) -> None:
+    """Re-draw every parameter: matrices N(0, std), biases N(0, 0.1), norm scales 1 + N(0, 0.1)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+        owner = name.split(".")[-2] if "." in name else ""
+        if ("norm" in owner or owner.startswith("ln")) and name.endswith("weight"):
+            p.copy_(1.0 + 0.1 * noise)
+        elif p.dim() >= 2:
+            p.copy_(std * noise)
+        else:
+            p.copy_(0.1 * noise)
+
+
+def save_checkpoint(model, tokenizer, path: Path, eos_ids: list[int], **save_kwargs) -> Path:
+    """save_pretrained the model and tokenizer, plus a generation_config with the EOS ids."""
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, **save_kwargs)
+    tokenizer.save_pretrained(path)
+    gen = {"eos_token_id": eos_ids, "do_sample": False}
+    (path / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    return path
+
+
+def build_text_model(
+    path: Path,
+    family: str = "qwen2",
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    vocab_size: int | None = None,
+    max_position_embeddings: int = 1024,
+    tie_word_embeddings: bool = False,
+    rope_parameters: dict | None = None,
+    seed: int = 0,
+    std: float = 0.25,
+    **save_kwargs,
+) -> Path:
+    """A tiny Qwen2ForCausalLM ("qwen2") or LlamaForCausalLM ("llama") checkpoint at `path`."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = qwen_tokenizer() if family == "qwen2" else llama_tokenizer()
+    vocab = vocab_size or len(tokenizer)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if rope_parameters is not None:
+        common["rope_parameters"] = rope_parameters
+    if family == "qwen2":
+        config, cls = Qwen2Config(**common), Qwen2ForCausalLM
+    elif family == "llama":
+        config, cls = LlamaConfig(**common), LlamaForCausalLM
+    else:
+        raise ValueError(f"unknown family {family!r} (qwen2, llama)")
+    torch.manual_seed(seed)
+    model = cls(config)
+    randomize(model, std=std, seed=seed)
+    return save_checkpoint(model, tokenizer, Path(path), [tokenizer.eos_token_id], **save_kwargs)

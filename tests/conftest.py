@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny random checkpoints in Hugging Face format, built once per session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def qwen2_path(tmp_path_factory):
+    from models.tiny import build_text_model
+
+    return build_text_model(tmp_path_factory.mktemp("ckpt") / "qwen2", "qwen2")
+
+
+@pytest.fixture(scope="session")
+def llama_path(tmp_path_factory):
+    """Llama with tied embeddings, llama3 rope scaling and a sharded checkpoint."""
+    from models.tiny import build_text_model
+
+    rope = {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256,
+    }
+    return build_text_model(
+        tmp_path_factory.mktemp("ckpt") / "llama", "llama", tie_word_embeddings=True,
+        rope_parameters=rope, num_kv_heads=1, max_shard_size="100KB",
+    )
+
+
+@pytest.fixture(scope="session")
+def hf_models():
+    """Cache of transformers reference models by checkpoint path (float32, eval)."""
+    from transformers import AutoModelForCausalLM
+
+    cache = {}
+
+    def get(path):
+        if path not in cache:
+            cache[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        return cache[path]
+
+    return get
