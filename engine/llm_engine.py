@@ -23,7 +23,7 @@ from engine.encoder_cache import EncoderCacheManager
 from engine.hub import resolve_model
 from engine.model_runner import ModelRunner, StepResult
 from engine.outputs import CompletionOutput, PlaceholderInfo, RequestOutput
-from engine.processing import InputProcessor, ProcessedPrompt
+from engine.processing import EncoderBudget, InputProcessor, ProcessedPrompt
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -52,10 +52,15 @@ class LLMEngine:
         layout = self.runner.layout
         self.max_model_len = layout.max_model_len
         mm_processor = None
+        budget = None
         if spec.processor is not None:
-            mm_processor = spec.processor(hf_config, self.tokenizer, self.model_id, self.config)
+            mm_processor = spec.processor(
+                hf_config, self.tokenizer, self.model_path, self.model_id, self.config
+            )
+            budget = _encoder_budget(self.config, mm_processor)
         self.processor = InputProcessor(
-            self.tokenizer, self.runner.vocab_size, self.max_model_len, mm_processor
+            self.tokenizer, self.runner.vocab_size, self.max_model_len, mm_processor,
+            encoder_budget=budget,
         )
         self.block_manager = BlockManager(
             layout.num_blocks, layout.block_size, self.config.enable_prefix_caching
@@ -235,6 +240,21 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+
+def _encoder_budget(config: EngineConfig, mm_processor) -> EncoderBudget:
+    """Refuse a configuration in which the largest image could never be encoded."""
+    cache, step = config.encoder_cache_size, config.max_num_encoder_input_tokens
+    budget = EncoderBudget(cache, "encoder_cache_size") if cache <= step else EncoderBudget(
+        step, "max_num_encoder_input_tokens")
+    largest = mm_processor.max_embeds_per_image()
+    if largest > budget.max_embeds:
+        raise ValueError(
+            f"the largest image this model accepts needs {largest} embeddings, but "
+            f"{budget.setting} is {budget.max_embeds}; raise {budget.setting} to at least "
+            f"{largest} (or lower max_pixels in the checkpoint's preprocessor config)"
+        )
+    return budget
 
 
 def _eos_ids(path: Path, tokenizer) -> frozenset[int]:

@@ -10,6 +10,7 @@ The only host sync is reading the sampled tokens back at the end.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,16 +141,66 @@ class ModelRunner:
         return self._collect(chunks, result, encoder_time)
 
     def _positions(self, chunks) -> torch.Tensor:
+        """[T] positions, or [3, T] for mRoPE models (from each request's position_info)."""
+        if getattr(self.model, "uses_mrope", False):
+            rows = [c.req.position_info.window(c.start, c.end) for c in chunks]
+            return to_device(torch.cat(rows, dim=1), self.device)
         pos: list[int] = []
         for c in chunks:
             pos.extend(range(c.start, c.end))
         return to_device(torch.tensor(pos, dtype=torch.int64), self.device)
 
     def _run_encoders(self, out: SchedulerOutput) -> float:
-        raise NotImplementedError("multimodal encoders are not wired into this runner yet")
+        """One batched encoder call for every item scheduled this step, across requests."""
+        features = [req.mm_features[i] for req, i in out.encoder_inputs]
+        for f in features:
+            if f.data is None:
+                raise RuntimeError(
+                    f"{f.modality} {f.identifier[:12]}: its inputs were released after prefill "
+                    "and its embeddings were evicted; the request cannot be recomputed"
+                )
+        t0 = time.perf_counter()
+        embeds = self.model.encode([(f.modality, f.data) for f in features])
+        for f, emb in zip(features, embeds, strict=True):
+            if emb.shape[0] != f.placeholder.num_embeds:
+                raise RuntimeError(
+                    f"{f.modality} encoder returned {emb.shape[0]} embeddings but its placeholder "
+                    f"has {f.placeholder.num_embeds} embed positions"
+                )
+            self.encoder_outputs[f.identifier] = emb
+        return time.perf_counter() - t0
 
-    def _splice_embeddings(self, input_ids, chunks) -> torch.Tensor | None:
-        return None
+    def _splice_embeddings(self, input_ids: torch.Tensor, chunks) -> torch.Tensor | None:
+        """Token embeddings with each chunk's slice of its media embeddings written in place.
+
+        Destination rows and source slices are worked out on the host; the device sees one
+        `index_copy_` (integer indices: a boolean mask would force a sync).
+        """
+        rows: list[int] = []
+        pieces: list[torch.Tensor] = []
+        offset = 0
+        for c in chunks:
+            for f in c.req.mm_features:
+                span = f.placeholder
+                lo, hi = max(c.start, span.offset), min(c.end, span.end)
+                if lo >= hi:
+                    continue
+                emb = self.encoder_outputs.get(f.identifier)
+                if emb is None:
+                    raise RuntimeError(f"{f.modality} {f.identifier[:12]}: no encoder output")
+                first, last = span.embeds_before(lo), span.embeds_before(hi)
+                pieces.append(emb[first:last])
+                if span.is_embed is None:
+                    rows.extend(range(offset + lo - c.start, offset + hi - c.start))
+                else:
+                    rows.extend(offset + p - c.start for p in range(lo, hi)
+                                if span.is_embed[p - span.offset])
+            offset += c.num_tokens
+        if not pieces:
+            return None
+        embeds = self.model.embed_tokens(input_ids)
+        index = to_device(torch.tensor(rows, dtype=torch.int64), self.device)
+        return embeds.index_copy_(0, index, torch.cat(pieces).to(embeds.dtype))
 
     def _collect(self, chunks, result, encoder_time: float) -> StepResult:
         # The step's single host sync; everything below reads host copies.

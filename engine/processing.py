@@ -10,7 +10,10 @@ of tokens its encoder emits.
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +47,39 @@ class ProcessedPrompt:
     stages: dict[str, float] = field(default_factory=dict)
 
 
+class ProcessedCache:
+    """LRU of processed encoder inputs by content hash: a repeated item skips resizing and
+    normalizing. Shared by the worker threads that process prompts, hence the lock."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+
+    def get_or_compute(self, key: str, compute: Callable[[], Any]) -> Any:
+        with self._lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+                self.hits += 1
+                return self._items[key]
+        value = compute()  # outside the lock: other prompts keep processing meanwhile
+        if self.capacity:
+            with self._lock:
+                self._items[key] = value
+                while len(self._items) > self.capacity:
+                    self._items.popitem(last=False)
+        return value
+
+
+@dataclass(frozen=True)
+class EncoderBudget:
+    """The largest media item the engine can ever schedule, in embeddings, and why."""
+
+    max_embeds: int
+    setting: str  # the option that sets the bound, named in errors
+
+
 class InputProcessor:
     """Tokenizes prompts and, for multimodal models, delegates media to the model's processor."""
 
@@ -54,12 +90,14 @@ class InputProcessor:
         max_model_len: int,
         mm_processor=None,
         media_limits: MediaLimits | None = None,
+        encoder_budget: EncoderBudget | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.mm_processor = mm_processor
         self.media_limits = media_limits or MediaLimits()
+        self.encoder_budget = encoder_budget
 
     @property
     def modalities(self) -> tuple[str, ...]:
@@ -147,6 +185,16 @@ class InputProcessor:
                 f"the prompt has {len(out.token_ids)} tokens, but max_model_len is "
                 f"{self.max_model_len} (prompt and output must fit); shorten the prompt"
             )
+        budget = self.encoder_budget
+        for f in out.mm_features:
+            # An item larger than the per-step encoder budget or the cache could never be
+            # scheduled: refuse it now instead of letting the request wait forever.
+            if budget is not None and f.placeholder.num_embeds > budget.max_embeds:
+                raise ValueError(
+                    f"{f.modality} needs {f.placeholder.num_embeds} embeddings, more than the "
+                    f"encoder budget of {budget.max_embeds} ({budget.setting}); use a smaller "
+                    "or shorter item (mm_processor_kwargs max_pixels / fps) or raise the option"
+                )
         return out
 
     def _check_ids(self, ids: list[int]) -> list[int]:

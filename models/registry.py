@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from models.decoder import CausalLM
+from models.qwen2_vl import QwenVLForConditionalGeneration
+from models.qwen2_vl_processor import QwenVLProcessor
 
 
 @dataclass(frozen=True)
@@ -12,7 +14,8 @@ class ModelSpec:
     """How to build one architecture: the module class and, for multimodal models, the processor.
 
     `processor` is None for text-only models; otherwise a class constructed with
-    (hf_config, tokenizer, model_id) that expands placeholders and prepares encoder inputs.
+    (hf_config, tokenizer, model_path, model_id, engine_config) that expands placeholders and
+    prepares encoder inputs.
     """
 
     model: type
@@ -23,6 +26,10 @@ _REGISTRY: dict[str, ModelSpec] = {
     "LlamaForCausalLM": ModelSpec(CausalLM),
     "MistralForCausalLM": ModelSpec(CausalLM),
     "Qwen2ForCausalLM": ModelSpec(CausalLM),
+    "Qwen2VLForConditionalGeneration": ModelSpec(QwenVLForConditionalGeneration, QwenVLProcessor),
+    "Qwen2_5_VLForConditionalGeneration": ModelSpec(
+        QwenVLForConditionalGeneration, QwenVLProcessor
+    ),
 }
 
 

@@ -167,3 +167,78 @@ def build_text_model(
     model = cls(config)
     randomize(model, std=std, seed=seed)
     return save_checkpoint(model, tokenizer, Path(path), [tokenizer.eos_token_id], **save_kwargs)
+
+
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+
+
+def build_qwen2_vl_model(
+    path: Path,
+    variant: str = "qwen2_vl",
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    vision_width: int = 32,
+    vision_depth: int = 2,
+    max_image_tokens: int = 64,
+    seed: int = 0,
+    std: float = 0.25,
+) -> Path:
+    """A tiny Qwen2VLForConditionalGeneration ("qwen2_vl") or Qwen2.5-VL ("qwen2_5_vl").
+
+    Its preprocessor config keeps images small (at most `max_image_tokens` embeddings, video
+    frames a quarter of that) so that tests and the demo stay fast on a CPU.
+    """
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+    )
+
+    tokenizer = qwen_tokenizer()
+    special = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL}
+    heads = 4
+    half = hidden_size // heads // 2
+    section = [half - 2 * (half * 3 // 8), half * 3 // 8, half * 3 // 8]  # [2, 3, 3] for 8
+    text = dict(
+        hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=heads, num_key_value_heads=2, vocab_size=len(tokenizer),
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "mrope_section": section, "rope_theta": 1e6},
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        pad_token_id=special["<|endoftext|>"],
+    )
+    ids = dict(
+        image_token_id=special["<|image_pad|>"], video_token_id=special["<|video_pad|>"],
+        vision_start_token_id=special["<|vision_start|>"],
+        vision_end_token_id=special["<|vision_end|>"],
+    )
+    if variant == "qwen2_vl":
+        vision = dict(depth=vision_depth, embed_dim=vision_width, hidden_size=hidden_size,
+                      num_heads=4, mlp_ratio=2)
+        config, cls = Qwen2VLConfig(text_config=text, vision_config=vision, **ids), (
+            Qwen2VLForConditionalGeneration)
+    elif variant == "qwen2_5_vl":
+        vision = dict(depth=vision_depth + 1, hidden_size=vision_width, out_hidden_size=hidden_size,
+                      intermediate_size=vision_width * 3 // 2, num_heads=4, window_size=56,
+                      fullatt_block_indexes=[1], tokens_per_second=2)
+        config, cls = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids), (
+            Qwen2_5_VLForConditionalGeneration)
+    else:
+        raise ValueError(f"unknown variant {variant!r} (qwen2_vl, qwen2_5_vl)")
+    torch.manual_seed(seed)
+    model = cls(config)
+    randomize(model, std=std, seed=seed)
+    path = save_checkpoint(model, tokenizer, Path(path), [tokenizer.eos_token_id])
+    unit = 28 * 28  # one merged patch
+    preprocessor = {
+        "image_processor_type": "Qwen2VLImageProcessor", "patch_size": 14,
+        "temporal_patch_size": 2, "merge_size": 2, "min_pixels": 4 * unit,
+        "max_pixels": max_image_tokens * unit, "image_mean": CLIP_MEAN, "image_std": CLIP_STD,
+    }
+    (path / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    video = {**preprocessor, "max_pixels": max(4, max_image_tokens // 4) * unit, "fps": 2.0}
+    (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
+    return path

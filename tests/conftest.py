@@ -38,13 +38,30 @@ def llama_path(tmp_path_factory):
 @pytest.fixture(scope="session")
 def hf_models():
     """Cache of transformers reference models by checkpoint path (float32, eval)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     cache = {}
 
     def get(path):
         if path not in cache:
-            cache[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            vision = (path / "preprocessor_config.json").exists()
+            auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+            cache[path] = auto.from_pretrained(path, dtype=torch.float32).eval()
         return cache[path]
 
     return get
+
+
+@pytest.fixture(scope="session", params=["qwen2_vl", "qwen2_5_vl"])
+def vl_path(request, tmp_path_factory):
+    """Tiny Qwen2-VL and Qwen2.5-VL checkpoints (each test using this runs for both)."""
+    from models.tiny import build_qwen2_vl_model
+
+    return build_qwen2_vl_model(tmp_path_factory.mktemp("ckpt") / request.param, request.param)
+
+
+@pytest.fixture(scope="session")
+def qwen2_vl_path(tmp_path_factory):
+    from models.tiny import build_qwen2_vl_model
+
+    return build_qwen2_vl_model(tmp_path_factory.mktemp("ckpt") / "qwen2_vl_only", "qwen2_vl")

@@ -59,6 +59,35 @@ def test_decoder_forward_has_no_host_sync(qwen2_path, starts, lens, tables):
     assert forward_ops(model, starts, lens, tables) == []
 
 
+def test_vision_tower_and_splice_have_no_host_sync(qwen2_vl_path):
+    from engine.request import MultiModalFeature, PlaceholderRange, Request
+    from engine.sampling_params import SamplingParams
+    from engine.scheduler import ScheduledChunk
+    from models.qwen_vl_vision import build_vision_batch
+
+    runner = LLM(qwen2_vl_path, max_model_len=256).engine.runner
+    model = runner.model
+    grids = [(1, 8, 12), (2, 4, 4)]
+    pixels = [torch.randn(t * h * w, 3 * 2 * 14 * 14) for t, h, w in grids]
+    batch = build_vision_batch(pixels, grids, model.visual.cfg, torch.device("cpu"),
+                               torch.float32)  # host side, before the forward
+    with torch.inference_mode(), SyncRecorder() as rec:
+        merged = model.visual(batch)
+    assert rec.seen == [] and merged.shape[0] == sum(batch.sizes)
+
+    span = PlaceholderRange(3, batch.sizes[0])
+    feature = MultiModalFeature("image", "h0", span)
+    runner.encoder_outputs["h0"] = merged[: batch.sizes[0]]
+    req = Request("r", list(range(40, 70)), SamplingParams(), frozenset(), 4,
+                  mm_features=[feature])
+    ids = torch.tensor(req.all_token_ids[:20])
+    chunk = ScheduledChunk(req, 0, 20)  # the span is cut by the chunk's end
+    with torch.inference_mode(), SyncRecorder() as rec:
+        embeds = runner._splice_embeddings(ids, [chunk])
+    assert rec.seen == []
+    torch.testing.assert_close(embeds[3:20], merged[:17])
+
+
 def test_recorder_catches_a_sync():
     with SyncRecorder() as rec:
         t = torch.ones(3)
@@ -66,7 +95,10 @@ def test_recorder_catches_a_sync():
     assert "boolean index" in rec.seen and "_local_scalar_dense" in rec.seen
 
 
-FORWARD_FILES = ["engine/attention.py", "models/layers.py", "models/decoder.py"]
+FORWARD_FILES = [
+    "engine/attention.py", "models/layers.py", "models/decoder.py", "models/qwen2_vl.py",
+    "models/qwen_vl_vision.py",
+]
 HOST_READS = re.compile(r"\.(tolist|item|cpu|numpy)\(\)|torch\.nonzero|\bint\(\w+\[")
 
 

@@ -1,0 +1,176 @@
+"""Prompt processing for Qwen2-VL / Qwen2.5-VL: media items -> patches, placeholder spans, mRoPE.
+
+The chat template writes `<|vision_start|><|image_pad|><|vision_end|>` per image (`<|video_pad|>`
+per video). Each pad token becomes t*h*w / merge^2 pad tokens, the number of embeddings the
+vision tower emits for that item, and the span gets a PlaceholderRange. The i-th placeholder of a
+modality takes the i-th item of that modality.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.hashing import hash_image, hash_video
+from engine.processing import ProcessedCache, ProcessedPrompt
+from engine.request import MultiModalFeature, PlaceholderRange
+from models.mrope import mrope_positions, window_positions
+from models.qwen_vl_preprocess import VisionPreprocessConfig, preprocess_image, preprocess_video
+
+_KWARGS = ("min_pixels", "max_pixels", "fps", "max_frames")
+
+
+@dataclass(frozen=True)
+class MRopePositions:
+    """A request's mRoPE positions: its prompt's [3, P] and the decode delta."""
+
+    prompt: torch.Tensor
+    delta: int
+
+    def window(self, start: int, end: int) -> torch.Tensor:
+        """Positions [3, end - start] of sequence indices [start, end)."""
+        return window_positions(self.prompt, self.delta, start, end)
+
+
+class QwenVLProcessor:
+    modalities = ("image", "video")
+
+    def __init__(self, hf_config, tokenizer, model_path: Path, model_id: str, engine_config):
+        self.model_id = model_id
+        self.image_token_id = hf_config.image_token_id
+        self.video_token_id = hf_config.video_token_id
+        self.vision_start_token_id = hf_config.vision_start_token_id
+        vision = hf_config.vision_config
+        self.tokens_per_second = (
+            getattr(vision, "tokens_per_second", None)
+            if hf_config.model_type == "qwen2_5_vl" else None
+        )
+        self.cfg = VisionPreprocessConfig.from_hf(*_preprocessor_configs(model_path))
+        self.cache = ProcessedCache(engine_config.processed_cache_items)
+
+    def loader_kwargs(self, mm_kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Options for engine.media: how many frames to sample from a video."""
+        _check_kwargs(mm_kwargs)
+        video = {"fps": float(mm_kwargs.get("fps", self.cfg.video_fps))}
+        if "max_frames" in mm_kwargs:
+            video["max_frames"] = int(mm_kwargs["max_frames"])
+        return {"video_kwargs": video}
+
+    def max_embeds_per_image(self) -> int:
+        """The largest image (max_pixels) in embeddings, for the start-up budget check."""
+        return self.cfg.max_pixels // self.cfg.factor**2
+
+    def process(
+        self, token_ids: list[int], media: dict[str, list], mm_kwargs: dict[str, Any]
+    ) -> ProcessedPrompt:
+        _check_kwargs(mm_kwargs)
+        images, videos = media.get("image", []), media.get("video", [])
+        for name, token, items in (("image", self.image_token_id, images),
+                                   ("video", self.video_token_id, videos)):
+            found = token_ids.count(token)
+            if found != len(items):
+                raise ValueError(
+                    f"the prompt has {found} {name} placeholder(s) but {len(items)} {name}(s) "
+                    f"were given; each {name} needs one placeholder (the chat template adds it)"
+                )
+        stages = {"hashing": 0.0, "preprocess": 0.0}
+        encoded = {
+            "image": [self._image(img, mm_kwargs, stages) for img in images],
+            "video": [self._video(vid, mm_kwargs, stages) for vid in videos],
+        }
+        t0 = time.perf_counter()
+        ids, features = self._expand(token_ids, encoded)
+        grids = {m: [tuple(f.data["grid_thw"]) for f in features if f.modality == m]
+                 for m in self.modalities}
+        positions, delta = mrope_positions(
+            ids,
+            image_grid_thw=grids["image"],
+            video_grid_thw=grids["video"],
+            second_per_grid_ts=[f.data["second_per_grid_t"] for f in features
+                                if f.modality == "video"],
+            spatial_merge_size=self.cfg.merge_size,
+            image_token_id=self.image_token_id,
+            video_token_id=self.video_token_id,
+            vision_start_token_id=self.vision_start_token_id,
+            tokens_per_second=self.tokens_per_second,
+        )
+        stages["preprocess"] += time.perf_counter() - t0
+        return ProcessedPrompt(None, ids, features, MRopePositions(positions, delta), stages)
+
+    def _image(self, image, kw, stages) -> tuple[str, dict]:
+        options = {"min_pixels": int(kw.get("min_pixels", self.cfg.min_pixels)),
+                   "max_pixels": int(kw.get("max_pixels", self.cfg.max_pixels))}
+        t0 = time.perf_counter()
+        identifier = hash_image(image, model_id=self.model_id, processor_kwargs=options)
+        t1 = time.perf_counter()
+
+        def compute():
+            pixels, grid = preprocess_image(image, self.cfg, **options)
+            return {"pixel_values": pixels, "grid_thw": grid}
+
+        data = self.cache.get_or_compute(identifier, compute)
+        stages["hashing"] += t1 - t0
+        stages["preprocess"] += time.perf_counter() - t1
+        return identifier, data
+
+    def _video(self, video, kw, stages) -> tuple[str, dict]:
+        options = {"min_pixels": int(kw.get("min_pixels", self.cfg.video_min_pixels)),
+                   "max_pixels": int(kw.get("max_pixels", self.cfg.video_max_pixels))}
+        t0 = time.perf_counter()
+        identifier = hash_video(video, model_id=self.model_id, processor_kwargs=options)
+        t1 = time.perf_counter()
+
+        def compute():
+            pixels, grid = preprocess_video(video.frames, self.cfg, **options)
+            # Seconds covered by one temporal patch (Qwen2.5-VL's temporal positions).
+            per_grid = self.cfg.temporal_patch_size / video.sampled_fps
+            return {"pixel_values": pixels, "grid_thw": grid, "second_per_grid_t": per_grid}
+
+        data = self.cache.get_or_compute(identifier, compute)
+        stages["hashing"] += t1 - t0
+        stages["preprocess"] += time.perf_counter() - t1
+        return identifier, data
+
+    def _expand(self, token_ids: list[int], encoded: dict[str, list]):
+        """Repeat each pad token to its item's embedding count; one feature per item."""
+        merge = self.cfg.merge_size**2
+        pads = {self.image_token_id: "image", self.video_token_id: "video"}
+        queues = {m: iter(items) for m, items in encoded.items()}
+        ids: list[int] = []
+        features: list[MultiModalFeature] = []
+        for token in token_ids:
+            modality = pads.get(token)
+            if modality is None:
+                ids.append(token)
+                continue
+            identifier, data = next(queues[modality])
+            t, h, w = data["grid_thw"]
+            n = t * h * w // merge
+            span = PlaceholderRange(len(ids), n)
+            features.append(MultiModalFeature(modality, identifier, span, data))
+            ids.extend([token] * n)
+        return ids, features
+
+
+def _check_kwargs(mm_kwargs: dict[str, Any]) -> None:
+    unknown = set(mm_kwargs) - set(_KWARGS)
+    if unknown:
+        raise ValueError(
+            f"unknown mm_processor_kwargs {', '.join(sorted(unknown))} "
+            f"(Qwen-VL accepts {', '.join(_KWARGS)})"
+        )
+
+
+def _preprocessor_configs(path: Path) -> tuple[dict, dict | None]:
+    """The checkpoint's preprocessor_config.json (empty if absent) and video config, if any."""
+    image = path / "preprocessor_config.json"
+    video = path / "video_preprocessor_config.json"
+    return (
+        json.loads(image.read_text()) if image.exists() else {},
+        json.loads(video.read_text()) if video.exists() else None,
+    )

@@ -1,0 +1,218 @@
+"""Turn RGB images and video frames into the flattened patch rows (plus their t/h/w grid) that the
+Qwen2-VL / Qwen2.5-VL vision tower consumes, with PIL for resizing and torch for the rest."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+MAX_ASPECT_RATIO = 200
+
+
+def smart_resize(
+    height: int,
+    width: int,
+    factor: int = 28,
+    min_pixels: int = 56 * 56,
+    max_pixels: int = 28 * 28 * 1280,
+) -> tuple[int, int]:
+    """The (height, width) Qwen resizes an image to: both multiples of ``factor``, area within
+    [min_pixels, max_pixels] where possible, aspect ratio kept as closely as possible.
+
+    Each side is rounded to the nearest multiple (Python's round-half-to-even); if the area is
+    then too large both sides are scaled down and floored (never below ``factor``), if too small
+    scaled up and ceiled. Tiny images are accepted (1x1 becomes 56x56 with the defaults).
+    """
+    if height <= 0 or width <= 0:
+        raise ValueError(f"image size must be positive, got {height}x{width}")
+    ratio = max(height, width) / min(height, width)
+    if ratio > MAX_ASPECT_RATIO:
+        raise ValueError(
+            f"image of {height}x{width} has aspect ratio {ratio:.1f}, "
+            f"above the {MAX_ASPECT_RATIO} the Qwen vision tower accepts"
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    if h_bar == 0 or w_bar == 0:
+        raise ValueError(
+            f"image of {height}x{width} rounds to {h_bar}x{w_bar}: a side is below the "
+            f"patch factor {factor}; raise min_pixels (now {min_pixels})"
+        )
+    return h_bar, w_bar
+
+
+@dataclass(frozen=True)
+class VisionPreprocessConfig:
+    """Patch geometry, pixel budgets and normalization of a Qwen2-VL-family processor.
+
+    Image budgets default to HF's Qwen2-VL image processor (56*56 to 28*28*1280 pixels), video
+    budgets to its video processor (128*28*28 to 768*28*28 per frame). ``video_fps`` is the
+    frame sampling rate that qwen-vl-utils uses (HF's video processor leaves it unset).
+    """
+
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    video_min_pixels: int = 128 * 28 * 28
+    video_max_pixels: int = 768 * 28 * 28
+    video_fps: float = 2.0
+    image_mean: tuple[float, ...] = CLIP_MEAN
+    image_std: tuple[float, ...] = CLIP_STD
+
+    @property
+    def factor(self) -> int:
+        """Side granularity in pixels: one merged patch."""
+        return self.patch_size * self.merge_size
+
+    @classmethod
+    def from_hf(cls, image_config: Any, video_config: Any = None) -> VisionPreprocessConfig:
+        """Read a checkpoint's preprocessor_config.json (a dict) or a HF image processor/processor.
+
+        Pixel budgets come from ``min_pixels``/``max_pixels`` when present, which win over
+        ``size: {"shortest_edge", "longest_edge"}``, as in HF. Like HF, a checkpoint without a
+        video_preprocessor_config.json (``video_config`` None) reuses the image config's budgets
+        for videos, and falls back to the video defaults only where it sets none.
+        """
+        if hasattr(image_config, "image_processor"):  # a full processor
+            if video_config is None:
+                video_config = getattr(image_config, "video_processor", None)
+            image_config = image_config.image_processor
+        image = _as_dict(image_config)
+        video = image if video_config is None else _as_dict(video_config)
+        default = cls()
+        min_pixels, max_pixels = _pixel_budget(image, default.min_pixels, default.max_pixels)
+        video_min, video_max = _pixel_budget(
+            video, default.video_min_pixels, default.video_max_pixels
+        )
+        return cls(
+            patch_size=_first(image.get("patch_size"), default.patch_size),
+            temporal_patch_size=_first(
+                image.get("temporal_patch_size"), default.temporal_patch_size
+            ),
+            merge_size=_first(image.get("merge_size"), default.merge_size),
+            min_pixels=min_pixels,
+            max_pixels=max_pixels,
+            video_min_pixels=video_min,
+            video_max_pixels=video_max,
+            video_fps=float(_first(video.get("fps"), default.video_fps)),
+            image_mean=tuple(_first(image.get("image_mean"), default.image_mean)),
+            image_std=tuple(_first(image.get("image_std"), default.image_std)),
+        )
+
+
+def _as_dict(config: Any) -> dict[str, Any]:
+    return dict(config) if isinstance(config, Mapping) else config.to_dict()
+
+
+def _first(*values: Any) -> Any:
+    return next(v for v in values if v is not None)
+
+
+def _pixel_budget(config: Mapping[str, Any], lo: int, hi: int) -> tuple[int, int]:
+    size = config.get("size") or {}
+    return (
+        _first(config.get("min_pixels"), size.get("shortest_edge"), size.get("min_pixels"), lo),
+        _first(config.get("max_pixels"), size.get("longest_edge"), size.get("max_pixels"), hi),
+    )
+
+
+def preprocess_image(
+    image: Image.Image,
+    cfg: VisionPreprocessConfig,
+    *,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """Patch rows float32 [grid_t*grid_h*grid_w, 3*temporal_patch_size*patch_size**2] and
+    grid (1, grid_h, grid_w) of an RGB image; the image fills every temporal slot of its patch.
+
+    ``min_pixels``/``max_pixels`` override the config's image budget for this call.
+    """
+    if image.mode != "RGB":
+        raise ValueError(f"expected an RGB image, got mode {image.mode!r}")
+    h, w = smart_resize(
+        image.height,
+        image.width,
+        cfg.factor,
+        _first(min_pixels, cfg.min_pixels),
+        _first(max_pixels, cfg.max_pixels),
+    )
+    pixels = torch.from_numpy(_resize(np.asarray(image)[None], h, w))  # [1, h, w, 3] uint8
+    return _patchify(pixels.expand(cfg.temporal_patch_size, -1, -1, -1), cfg)
+
+
+def preprocess_video(
+    frames: np.ndarray,
+    cfg: VisionPreprocessConfig,
+    *,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """Patch rows and grid (grid_t, grid_h, grid_w) of uint8 RGB frames [N, H, W, 3].
+
+    All frames get one smart_resize size (the video budget unless overridden); consecutive
+    frames share a temporal patch, an odd tail padded by repeating the last frame.
+    """
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or not len(frames):
+        raise ValueError(
+            f"expected uint8 frames [N>0, H, W, 3], got {frames.dtype} {tuple(frames.shape)}"
+        )
+    h, w = smart_resize(
+        frames.shape[1],
+        frames.shape[2],
+        cfg.factor,
+        _first(min_pixels, cfg.video_min_pixels),
+        _first(max_pixels, cfg.video_max_pixels),
+    )
+    video = torch.from_numpy(_resize(frames, h, w))  # [N, h, w, 3] uint8
+    if pad := -len(video) % cfg.temporal_patch_size:
+        video = torch.cat([video, video[-1:].expand(pad, -1, -1, -1)])  # [N + pad, h, w, 3]
+    return _patchify(video, cfg)
+
+
+def _resize(frames: np.ndarray, height: int, width: int) -> np.ndarray:
+    """uint8 [N, H, W, 3] -> uint8 [N, height, width, 3] with PIL's bicubic filter (HF's)."""
+    if frames.shape[1:3] == (height, width):
+        return frames.copy()
+    out = np.empty((len(frames), height, width, 3), dtype=np.uint8)
+    for i, frame in enumerate(frames):
+        out[i] = Image.fromarray(frame).resize((width, height), Image.Resampling.BICUBIC)
+    return out
+
+
+def _patchify(
+    frames: torch.Tensor, cfg: VisionPreprocessConfig
+) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """uint8 [T, H, W, 3] (T a multiple of temporal_patch_size) -> normalized patch rows.
+
+    Rows run over (t, h-block, w-block, h-in-block, w-in-block) so each merge_size**2 group of
+    patches is contiguous; a row holds (channel, temporal slot, y, x).
+    """
+    p, m, tp = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
+    t, h, w, c = frames.shape
+    grid = (t // tp, h // p, w // p)
+    blocks = frames.reshape(grid[0], tp, grid[1] // m, m, p, grid[2] // m, m, p, c)
+    blocks = blocks.permute(0, 2, 5, 3, 6, 8, 1, 4, 7)  # [gt, gh/m, gw/m, m, m, c, tp, p, p]
+    x = blocks.to(torch.float32, memory_format=torch.contiguous_format)
+    mean = torch.tensor(cfg.image_mean, dtype=torch.float32).view(c, 1, 1, 1)
+    std = torch.tensor(cfg.image_std, dtype=torch.float32).view(c, 1, 1, 1)
+    x.mul_(1 / 255).sub_(mean).div_(std)
+    return x.reshape(grid[0] * grid[1] * grid[2], c * tp * p * p), grid

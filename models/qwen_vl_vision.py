@@ -1,0 +1,257 @@
+"""The Qwen2-VL and Qwen2.5-VL vision towers, batched over every item of a step.
+
+Patches of all items (images and videos, from any requests) are concatenated into one sequence;
+attention never crosses an item's frame: each frame is a segment (Qwen2-VL), and Qwen2.5-VL's
+windowed layers use smaller segments (windows of merged patches, after reordering the patches
+window by window). Segments are padded into a batch [S, L] on the host (`SegmentIndex`), so the
+forward is one SDPA call per layer with a key-padding mask, no host sync and no Python loop per
+item. The merger fuses each 2x2 block of patches into one LLM embedding; `VisionBatch.sizes`
+splits the output back per item.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.device import to_device
+from models.layers import ACTIVATIONS, GatedMLP, RMSNorm
+
+
+@dataclass
+class SegmentIndex:
+    """Host-built indices to pad S segments of a flat sequence into [S, L] and back."""
+
+    gather: torch.Tensor  # [S * L] int64: padded slot -> flat row (padding -> row 0)
+    scatter: torch.Tensor  # [N] int64: flat row -> padded slot
+    mask: torch.Tensor | None  # [S, 1, 1, L] bool key mask; None when no segment is padded
+    num: int
+    length: int
+
+    @classmethod
+    def build(cls, lengths: list[int], device: torch.device) -> SegmentIndex:
+        num, longest = len(lengths), max(lengths)
+        gather = torch.zeros(num, longest, dtype=torch.int64)
+        scatter = torch.empty(sum(lengths), dtype=torch.int64)
+        offset = 0
+        for s, n in enumerate(lengths):
+            gather[s, :n] = torch.arange(offset, offset + n)
+            scatter[offset : offset + n] = torch.arange(s * longest, s * longest + n)
+            offset += n
+        mask = None
+        if min(lengths) != longest:
+            valid = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]
+            mask = to_device(valid[:, None, None, :], device)
+        return cls(to_device(gather.view(-1), device), to_device(scatter, device), mask, num,
+                   longest)
+
+
+@dataclass
+class VisionBatch:
+    """Everything the tower needs for one step, built on the host from the items' grids."""
+
+    pixel_values: torch.Tensor  # [N, C * tps * ps * ps]
+    positions: torch.Tensor  # [N, 2] int64 (row, column) of each patch, block-major
+    frames: SegmentIndex  # one segment per frame: full attention
+    windows: SegmentIndex | None  # Qwen2.5-VL windowed attention (in window order)
+    window_order: torch.Tensor | None  # [N / merge^2] merged-patch permutation into windows
+    window_restore: torch.Tensor | None  # its inverse
+    sizes: list[int]  # merged embeddings per item
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """Shape of either tower, read once from the checkpoint's vision_config."""
+
+    width: int
+    depth: int
+    num_heads: int
+    out_dim: int
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    in_channels: int
+    hidden_act: str
+    mlp_hidden: int
+    gated_rms: bool  # Qwen2.5-VL: RMSNorm + gated MLP; Qwen2-VL: LayerNorm + plain MLP
+    window_size: int | None
+    full_attention_layers: tuple[int, ...]
+    rope_theta: float
+
+    @classmethod
+    def from_hf(cls, vc, qwen25: bool) -> VisionConfig:
+        width = vc.hidden_size if qwen25 else vc.embed_dim
+        return cls(
+            width=width,
+            depth=vc.depth,
+            num_heads=vc.num_heads,
+            out_dim=vc.out_hidden_size if qwen25 else vc.hidden_size,
+            patch_size=vc.patch_size,
+            temporal_patch_size=vc.temporal_patch_size,
+            merge_size=vc.spatial_merge_size,
+            in_channels=vc.in_channels,
+            hidden_act=vc.hidden_act,
+            mlp_hidden=vc.intermediate_size if qwen25 else int(width * vc.mlp_ratio),
+            gated_rms=qwen25,
+            window_size=vc.window_size if qwen25 else None,
+            full_attention_layers=tuple(vc.fullatt_block_indexes) if qwen25 else (),
+            rope_theta=float((getattr(vc, "rope_parameters", None) or {}).get("rope_theta", 1e4)),
+        )
+
+
+def build_vision_batch(
+    pixel_values: list[torch.Tensor], grids: list[tuple[int, int, int]], cfg: VisionConfig,
+    device: torch.device, dtype: torch.dtype,
+) -> VisionBatch:
+    """Concatenate items and derive positions, frame segments and (2.5) window segments."""
+    m = cfg.merge_size
+    positions, frame_lengths, sizes = [], [], []
+    order, window_lengths = [], []
+    merged_offset = 0
+    for t, h, w in grids:
+        # Patch (row, col) in block-major order: each m x m block is contiguous.
+        rows = torch.arange(h)[:, None].expand(h, w).reshape(h // m, m, w // m, m)
+        cols = torch.arange(w)[None, :].expand(h, w).reshape(h // m, m, w // m, m)
+        block = torch.stack([rows.transpose(1, 2).flatten(), cols.transpose(1, 2).flatten()], 1)
+        positions.append(block.repeat(t, 1))
+        frame_lengths += [h * w] * t
+        sizes.append(t * h * w // (m * m))
+        if cfg.window_size is not None:
+            idx, lens = _window_order(t, h // m, w // m, cfg.window_size // m // cfg.patch_size)
+            order.append(idx + merged_offset)
+            window_lengths += [n * m * m for n in lens]
+        merged_offset += t * h * w // (m * m)
+    window_order = window_restore = windows = None
+    if cfg.window_size is not None:
+        perm = torch.cat(order)
+        window_order = to_device(perm, device)
+        window_restore = to_device(torch.argsort(perm), device)
+        windows = SegmentIndex.build(window_lengths, device)
+    pixels = torch.cat(pixel_values).to(dtype)
+    return VisionBatch(
+        pixel_values=pixels if device.type == "cpu" else to_device(pixels, device),
+        positions=to_device(torch.cat(positions), device),
+        frames=SegmentIndex.build(frame_lengths, device),
+        windows=windows,
+        window_order=window_order,
+        window_restore=window_restore,
+        sizes=sizes,
+    )
+
+
+def _window_order(t: int, gh: int, gw: int, win: int) -> tuple[torch.Tensor, list[int]]:
+    """Merged-patch indices of a [t, gh, gw] grid listed window by window (win x win windows,
+    the last ones cut at the edge), and the number of merged patches in each window."""
+    index = torch.arange(t * gh * gw).view(t, gh, gw)
+    order, lengths = [], []
+    for f in range(t):
+        for r in range(0, gh, win):
+            for c in range(0, gw, win):
+                window = index[f, r : r + win, c : c + win].flatten()
+                order.append(window)
+                lengths.append(window.numel())
+    return torch.cat(order), lengths
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.width // cfg.num_heads
+        self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
+        self.proj = nn.Linear(cfg.width, cfg.width)
+
+    def forward(self, x: torch.Tensor, cos, sin, seg: SegmentIndex) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)  # [N, H, D]
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        shape = (seg.num, seg.length, self.num_heads, self.head_dim)
+        q, k, v = (t[seg.gather].view(shape).transpose(1, 2) for t in (q, k, v))  # [S, H, L, D]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=seg.mask)
+        out = out.transpose(1, 2).reshape(seg.num * seg.length, -1)[seg.scatter]
+        return self.proj(out)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary in float32 (as the reference does); x [N, H, D], cos/sin [N, 1, D/2]."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class PlainMLP(nn.Module):
+    def __init__(self, width: int, hidden: int, act: str) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.act = nn.Linear(width, hidden), nn.Linear(hidden, width), act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(ACTIVATIONS[self.act](self.fc1(x)))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        norm = (lambda: RMSNorm(cfg.width, 1e-6)) if cfg.gated_rms else (
+            lambda: nn.LayerNorm(cfg.width, eps=1e-6))
+        self.norm1, self.norm2 = norm(), norm()
+        self.attn = VisionAttention(cfg)
+        self.mlp = (GatedMLP(cfg.width, cfg.mlp_hidden, bias=True, act=cfg.hidden_act)
+                    if cfg.gated_rms else PlainMLP(cfg.width, cfg.mlp_hidden, cfg.hidden_act))
+
+    def forward(self, x, cos, sin, seg: SegmentIndex) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, seg)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.merged = cfg.width * cfg.merge_size**2
+        self.ln_q = RMSNorm(cfg.width, 1e-6) if cfg.gated_rms else nn.LayerNorm(cfg.width, 1e-6)
+        self.mlp = nn.Sequential(
+            nn.Linear(self.merged, self.merged), nn.GELU(), nn.Linear(self.merged, cfg.out_dim)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.merged))  # [N / merge^2, out_dim]
+
+
+class VisionTower(nn.Module):
+    """Patch embedding (a Conv3d with stride == kernel, applied as one matmul), 2-D rotary,
+    blocks, merger."""
+
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        c, t, p = cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size
+        self.patch_embed = nn.Module()
+        self.patch_embed.proj = nn.Module()
+        self.patch_embed.proj.weight = nn.Parameter(torch.empty(cfg.width, c, t, p, p))
+        self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
+        self.merger = PatchMerger(cfg)
+        head_dim = cfg.width // cfg.num_heads
+        quarter = head_dim // 2  # rows and columns each rotate half of the head dim
+        steps = torch.arange(0, quarter, 2, dtype=torch.int64, device="cpu").float()
+        self.inv_freq = 1.0 / cfg.rope_theta ** (steps / quarter)  # [head_dim / 4], not a param
+
+    def forward(self, batch: VisionBatch) -> torch.Tensor:
+        """-> merged embeddings [sum(sizes), out_dim], items in input order."""
+        weight = self.patch_embed.proj.weight
+        x = batch.pixel_values @ weight.view(weight.shape[0], -1).t()  # [N, width]
+        freqs = batch.positions[..., None].float() * self.inv_freq.to(x.device)  # [N, 2, D/4]
+        freqs = freqs.flatten(1)[:, None]  # [N, 1, D/2]: row angles, then column angles
+        cos, sin = freqs.cos(), freqs.sin()
+        if batch.window_order is not None:
+            x, cos, sin = (self._by_window(t, batch.window_order) for t in (x, cos, sin))
+        for i, block in enumerate(self.blocks):
+            windowed = batch.windows is not None and i not in self.cfg.full_attention_layers
+            x = block(x, cos, sin, batch.windows if windowed else batch.frames)
+        merged = self.merger(x)
+        if batch.window_restore is not None:
+            merged = merged[batch.window_restore]
+        return merged
+
+    def _by_window(self, t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        unit = self.cfg.merge_size**2
+        return t.view(-1, unit, *t.shape[1:])[order].flatten(0, 1)

@@ -1,0 +1,268 @@
+"""Images and videos through the whole engine, matched against transformers, for Qwen2-VL and
+Qwen2.5-VL: greedy tokens identical and prefill logits within tolerance, with chunked prefill
+across a span, encoder-cache hits and evictions, prefix-cache hits, batched encoders, and every
+cache reference released at the end."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from engine import LLM, SamplingParams
+
+N = 10
+GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
+
+
+def image(h: int, w: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def video(frames: int, h: int, w: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, (frames, h, w, 3), dtype=np.uint8)
+
+
+def user(*parts) -> list[dict]:
+    content = []
+    for part in parts:
+        if isinstance(part, str):
+            content.append({"type": "text", "text": part})
+        elif isinstance(part, Image.Image):
+            content.append({"type": "image", "image": part})
+        else:
+            content.append({"type": "video", "video": part})
+    return [{"role": "user", "content": content}]
+
+
+CASES = {
+    "one_image": user(image(120, 200, 0), "Describe the image in detail."),
+    "two_images": user("Compare", image(64, 64, 1), "with", image(200, 90, 2), "please."),
+    "video": user(video(4, 56, 84, 3), "What is shown in this video?"),
+    "image_and_video": user(image(80, 80, 4), video(3, 56, 56, 5), "What changed?"),
+    "text_only": user("Hello there, how are you today?"),
+}
+
+
+def processed(llm: LLM, messages):
+    p = llm.engine.processor
+    parsed = p.render_chat(messages)
+    return p.process(parsed, p.load_media_sync(parsed))
+
+
+def hf_inputs(hf, proc) -> dict:
+    ids = torch.tensor([proc.token_ids])
+    kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+              "mm_token_type_ids": (ids == hf.config.image_token_id).int()
+              + 2 * (ids == hf.config.video_token_id).int()}
+    for modality, key in (("image", "pixel_values"), ("video", "pixel_values_videos")):
+        data = [f.data for f in proc.mm_features if f.modality == modality]
+        if data:
+            kwargs[key] = torch.cat([d["pixel_values"] for d in data])
+            kwargs[f"{modality}_grid_thw"] = torch.tensor([d["grid_thw"] for d in data])
+            if modality == "video" and hf.config.model_type == "qwen2_5_vl":
+                kwargs["second_per_grid_ts"] = torch.tensor(
+                    [d["second_per_grid_t"] for d in data], dtype=torch.float32)
+    return kwargs
+
+
+@contextlib.contextmanager
+def trained_rope(hf, proc):
+    """Have transformers use the mRoPE positions the checkpoints were trained with.
+
+    transformers 5.23 places text after a video whose time extent exceeds its grid inside the
+    video's time range (tests/test_mrope.py pins this and checks our positions against an
+    independent transcription of the trained rule); everything else stays transformers' own.
+    """
+    original = hf.model.get_rope_index
+
+    def positions(input_ids, *args, **kwargs):
+        window = proc.position_info.window(0, input_ids.shape[1])  # [3, L]
+        return window[:, None, :], torch.tensor([[proc.position_info.delta]])
+
+    hf.model.get_rope_index = positions
+    try:
+        yield
+    finally:
+        hf.model.get_rope_index = original
+
+
+def hf_greedy(hf, proc, n: int = N) -> list[int]:
+    kwargs = hf_inputs(hf, proc)
+    never = hf.config.text_config.vocab_size
+    with torch.no_grad(), trained_rope(hf, proc):
+        out = hf.generate(**kwargs, max_new_tokens=n, do_sample=False, eos_token_id=never,
+                          pad_token_id=never)
+    return out[0, len(proc.token_ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def refs(vl_path, hf_models):
+    """transformers' greedy continuation of every case (processed by a throwaway engine)."""
+    llm = LLM(vl_path, max_model_len=1024)
+    hf = hf_models(vl_path)
+    return {name: hf_greedy(hf, processed(llm, msgs)) for name, msgs in CASES.items()}
+
+
+def _all_cases(llm: LLM) -> dict[str, list[int]]:
+    outs = llm.chat(list(CASES.values()), GREEDY)
+    return {name: o.outputs[0].token_ids for name, o in zip(CASES, outs, strict=True)}
+
+
+def _assert_released(llm: LLM) -> None:
+    llm.engine.check_integrity()
+    stats = llm.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["encoder_cache_referenced"] == 0
+
+
+def test_each_case_alone_matches(vl_path, refs):
+    llm = LLM(vl_path, max_model_len=1024)
+    for name, msgs in CASES.items():
+        out = llm.chat(msgs, GREEDY)[0]
+        assert out.outputs[0].token_ids == refs[name], name
+    _assert_released(llm)
+
+
+def test_batch_of_multimodal_requests_matches(vl_path, refs):
+    llm = LLM(vl_path, max_model_len=1024)
+    assert _all_cases(llm) == refs
+    _assert_released(llm)
+
+
+def test_span_split_across_prefill_chunks(vl_path, refs):
+    """A 16-token budget is smaller than every image: spans are computed over several steps."""
+    llm = LLM(vl_path, max_model_len=1024, max_num_batched_tokens=16)
+    assert _all_cases(llm) == refs
+    _assert_released(llm)
+
+
+def test_prefill_logits_match(vl_path, hf_models):
+    llm = LLM(vl_path, max_model_len=1024, max_num_batched_tokens=24)
+    hf = hf_models(vl_path)
+    msgs = CASES["image_and_video"]
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=5)
+    out = llm.chat(msgs, params)[0].outputs[0]
+    proc = processed(llm, msgs)
+    kwargs = hf_inputs(hf, proc)
+    ids = torch.tensor([proc.token_ids + out.token_ids[:-1]])
+    kwargs.update(input_ids=ids, attention_mask=torch.ones_like(ids),
+                  mm_token_type_ids=torch.nn.functional.pad(kwargs["mm_token_type_ids"], (0, 2)))
+    with torch.no_grad(), trained_rope(hf, proc):
+        ref = hf(**kwargs).logits[0, len(proc.token_ids) - 1 :].log_softmax(-1)
+    for step, entry in enumerate(out.logprobs):
+        top = ref[step].topk(5)
+        assert list(entry) == top.indices.tolist()
+        torch.testing.assert_close(torch.tensor(list(entry.values())), top.values,
+                                   atol=1e-4, rtol=0)
+
+
+def test_encoder_cache_hit_skips_the_encoder(vl_path, hf_models):
+    llm = LLM(vl_path, max_model_len=1024, enable_prefix_caching=False)
+    hf = hf_models(vl_path)
+    calls = _count_tower_calls(llm)
+    picture = image(120, 200, 7)
+    first = llm.chat(user(picture, "Describe the image."), GREEDY)[0]
+    assert calls == [1] and first.multi_modal_placeholders[0].cache_hit is False
+    second_msgs = user(picture, "What colour dominates this picture?")
+    second = llm.chat(second_msgs, GREEDY)[0]
+    assert calls == [1], "the encoder ran again for a cached image"
+    assert second.multi_modal_placeholders[0].cache_hit is True
+    assert second.metrics.encoder_cache_hits == 1 and second.metrics.encoder_calls == 0
+    assert second.outputs[0].token_ids == hf_greedy(hf, processed(llm, second_msgs))
+    assert llm.engine.processor.mm_processor.cache.hits >= 1  # preprocessing skipped too
+    _assert_released(llm)
+
+
+def test_tiny_encoder_cache_evicts_and_stays_correct(vl_path, refs):
+    """A cache that holds one image's embeddings at a time: entries are evicted between uses."""
+    llm = LLM(vl_path, max_model_len=1024, encoder_cache_size=64,
+              max_num_encoder_input_tokens=64)
+    assert _all_cases(llm) == refs
+    assert _all_cases(llm) == refs  # the second round hits some entries, recomputes evicted ones
+    _assert_released(llm)
+
+
+def test_prefix_cache_hits_on_image_prompts(vl_path, refs):
+    llm = LLM(vl_path, max_model_len=1024)
+    msgs = CASES["two_images"]
+    assert llm.chat(msgs, GREEDY)[0].outputs[0].token_ids == refs["two_images"]
+    again = llm.chat(msgs, GREEDY)[0]
+    assert again.num_cached_tokens >= 16 * ((len(again.prompt_token_ids) - 1) // 16)
+    assert again.outputs[0].token_ids == refs["two_images"]
+    assert again.metrics.encoder_calls == 0  # all spans came from the KV cache
+    _assert_released(llm)
+
+
+def test_same_text_different_image_never_shares_kv(vl_path, hf_models):
+    llm = LLM(vl_path, max_model_len=1024)
+    hf = hf_models(vl_path)
+    a, b = user(image(64, 64, 11), "Describe."), user(image(64, 64, 12), "Describe.")
+    llm.chat(a, GREEDY)
+    out = llm.chat(b, GREEDY)[0]
+    span = out.multi_modal_placeholders[0]
+    assert out.num_cached_tokens <= span.offset  # nothing past the image's start was reused
+    assert out.outputs[0].token_ids == hf_greedy(hf, processed(llm, b))
+
+
+def test_four_images_in_one_step_are_one_encoder_forward(qwen2_vl_path):
+    llm = LLM(qwen2_vl_path, max_model_len=1024)
+    calls = _count_tower_calls(llm)
+    prompts = [user(image(60 + 10 * i, 90, 20 + i), f"Image {i}?") for i in range(4)]
+    outs = llm.chat(prompts, GREEDY)
+    assert calls == [1]
+    assert all(o.metrics.encoder_calls == 1 for o in outs)
+    _assert_released(llm)
+
+
+def test_abort_releases_cache_references(qwen2_vl_path):
+    llm = LLM(qwen2_vl_path, max_model_len=1024, max_num_batched_tokens=16)
+    engine = llm.engine
+    p = engine.processor
+    for i in range(3):
+        parsed = p.render_chat(user(image(100, 100, 30 + i), "Describe."))
+        req = engine.make_request(p.process(parsed, p.load_media_sync(parsed)),
+                                  SamplingParams(max_tokens=50, ignore_eos=True), f"r{i}")
+        engine.add_request(req)
+    for _ in range(3):
+        engine.step()
+    assert engine.stats()["encoder_cache_referenced"] > 0
+    for i in range(3):
+        engine.abort_request(f"r{i}")
+    _assert_released(llm)
+
+
+def test_placeholder_typed_without_media_is_a_clear_error(qwen2_vl_path):
+    llm = LLM(qwen2_vl_path, max_model_len=1024)
+    prompt = "<|vision_start|><|image_pad|><|vision_end|> what is this?"
+    with pytest.raises(ValueError, match="1 image placeholder.*but 0 image"):
+        llm.generate(prompt, GREEDY)
+    with pytest.raises(ValueError, match="0 image placeholder.*but 1 image"):
+        llm.generate({"prompt": "no placeholder", "multi_modal_data": {"image": image(8, 8, 0)}})
+    assert llm.generate("plain text still works", GREEDY)[0].outputs[0].finish_reason == "length"
+
+
+def test_item_larger_than_the_encoder_budget_is_refused(qwen2_vl_path):
+    with pytest.raises(ValueError, match="raise encoder_cache_size to at least 64"):
+        LLM(qwen2_vl_path, encoder_cache_size=32)
+    # The checkpoint's max_pixels allows 64 embeddings; a per-request override asks for ~320.
+    llm = LLM(qwen2_vl_path, max_model_len=1024, encoder_cache_size=100)
+    with pytest.raises(ValueError, match=r"image needs \d+ embeddings, more than the encoder "
+                       r"budget of 100 \(encoder_cache_size\)"):
+        llm.chat(user(image(500, 500, 0), "hi"), GREEDY,
+                 mm_processor_kwargs={"max_pixels": 28 * 28 * 100000})
+    assert llm.chat(user(image(50, 50, 0), "hi"), GREEDY)[0].outputs[0].finish_reason == "length"
+
+
+def _count_tower_calls(llm: LLM) -> list[int]:
+    calls = [0]
+
+    def hook(*_):
+        calls[0] += 1
+
+    llm.engine.runner.model.visual.register_forward_hook(hook)
+    return calls
