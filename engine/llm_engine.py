@@ -243,14 +243,14 @@ class LLMEngine:
 
 
 def _encoder_budget(config: EngineConfig, mm_processor) -> EncoderBudget:
-    """Refuse a configuration in which the largest image could never be encoded."""
+    """Refuse a configuration in which the largest media item could never be encoded."""
     cache, step = config.encoder_cache_size, config.max_num_encoder_input_tokens
     budget = EncoderBudget(cache, "encoder_cache_size") if cache <= step else EncoderBudget(
         step, "max_num_encoder_input_tokens")
-    largest = mm_processor.max_embeds_per_image()
+    largest = mm_processor.max_embeds_per_item()
     if largest > budget.max_embeds:
         raise ValueError(
-            f"the largest image this model accepts needs {largest} embeddings, but "
+            f"the largest media item this model accepts needs {largest} embeddings, but "
             f"{budget.setting} is {budget.max_embeds}; raise {budget.setting} to at least "
             f"{largest} (or lower max_pixels in the checkpoint's preprocessor config)"
         )

@@ -4,6 +4,12 @@ The chat template writes `<|vision_start|><|image_pad|><|vision_end|>` per image
 per video). Each pad token becomes t*h*w / merge^2 pad tokens, the number of embeddings the
 vision tower emits for that item, and the span gets a PlaceholderRange. The i-th placeholder of a
 modality takes the i-th item of that modality.
+
+A video becomes one encoder item per temporal patch (two frames), with consecutive spans: the
+tower never attends across temporal patches, so each one's embeddings are the same whether
+encoded alone or with the rest. The scheduler can then spread a long video's encoder work over
+its prefill chunks instead of stalling every running stream for one huge encoder step. The
+video's mRoPE positions are still computed from its whole grid.
 """
 
 from __future__ import annotations
@@ -61,9 +67,10 @@ class QwenVLProcessor:
             video["max_frames"] = int(mm_kwargs["max_frames"])
         return {"video_kwargs": video}
 
-    def max_embeds_per_image(self) -> int:
-        """The largest image (max_pixels) in embeddings, for the start-up budget check."""
-        return self.cfg.max_pixels // self.cfg.factor**2
+    def max_embeds_per_item(self) -> int:
+        """The largest encoder item in embeddings (an image at max_pixels, or one temporal patch
+        of a video at its max_pixels), for the start-up budget check."""
+        return max(self.cfg.max_pixels, self.cfg.video_max_pixels) // self.cfg.factor**2
 
     def process(
         self, token_ids: list[int], media: dict[str, list], mm_kwargs: dict[str, Any]
@@ -85,14 +92,11 @@ class QwenVLProcessor:
         }
         t0 = time.perf_counter()
         ids, features = self._expand(token_ids, encoded)
-        grids = {m: [tuple(f.data["grid_thw"]) for f in features if f.modality == m]
-                 for m in self.modalities}
         positions, delta = mrope_positions(
             ids,
-            image_grid_thw=grids["image"],
-            video_grid_thw=grids["video"],
-            second_per_grid_ts=[f.data["second_per_grid_t"] for f in features
-                                if f.modality == "video"],
+            image_grid_thw=[data["grid_thw"] for _, data in encoded["image"]],
+            video_grid_thw=[data["grid_thw"] for _, data in encoded["video"]],
+            second_per_grid_ts=[data["second_per_grid_t"] for _, data in encoded["video"]],
             spatial_merge_size=self.cfg.merge_size,
             image_token_id=self.image_token_id,
             video_token_id=self.video_token_id,
@@ -137,7 +141,8 @@ class QwenVLProcessor:
         return identifier, data
 
     def _expand(self, token_ids: list[int], encoded: dict[str, list]):
-        """Repeat each pad token to its item's embedding count; one feature per item."""
+        """Repeat each pad token to its item's embedding count; one feature per image and per
+        temporal patch of a video."""
         merge = self.cfg.merge_size**2
         pads = {self.image_token_id: "image", self.video_token_id: "video"}
         queues = {m: iter(items) for m, items in encoded.items()}
@@ -150,11 +155,25 @@ class QwenVLProcessor:
                 continue
             identifier, data = next(queues[modality])
             t, h, w = data["grid_thw"]
-            n = t * h * w // merge
-            span = PlaceholderRange(len(ids), n)
-            features.append(MultiModalFeature(modality, identifier, span, data))
-            ids.extend([token] * n)
+            parts = [(identifier, data)] if modality == "image" else _temporal_patches(
+                identifier, data)
+            for part_id, part in parts:
+                n = h * w // merge * part["grid_thw"][0]
+                features.append(MultiModalFeature(
+                    modality, part_id, PlaceholderRange(len(ids), n), part))
+                ids.extend([token] * n)
         return ids, features
+
+
+def _temporal_patches(identifier: str, data: dict) -> list[tuple[str, dict]]:
+    """Split a processed video into one encoder item per temporal patch (views, no copies)."""
+    t, h, w = data["grid_thw"]
+    rows = h * w  # patch rows per temporal patch
+    return [
+        (f"{identifier}:t{i}",
+         {"pixel_values": data["pixel_values"][i * rows : (i + 1) * rows], "grid_thw": (1, h, w)})
+        for i in range(t)
+    ]
 
 
 def _check_kwargs(mm_kwargs: dict[str, Any]) -> None:

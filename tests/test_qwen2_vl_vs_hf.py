@@ -52,22 +52,35 @@ CASES = {
 def processed(llm: LLM, messages):
     p = llm.engine.processor
     parsed = p.render_chat(messages)
-    return p.process(parsed, p.load_media_sync(parsed))
+    media = p.load_media_sync(parsed)
+    proc = p.process(parsed, media)
+    proc.videos = media.get("video", [])  # the reference needs each video's sampling rate
+    return proc
 
 
 def hf_inputs(hf, proc) -> dict:
+    """transformers' inputs for our processed prompt: one pixel tensor and grid per image, and
+    per video (our features split a video into temporal patches; concatenated back here)."""
     ids = torch.tensor([proc.token_ids])
     kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
               "mm_token_type_ids": (ids == hf.config.image_token_id).int()
               + 2 * (ids == hf.config.video_token_id).int()}
-    for modality, key in (("image", "pixel_values"), ("video", "pixel_values_videos")):
-        data = [f.data for f in proc.mm_features if f.modality == modality]
-        if data:
-            kwargs[key] = torch.cat([d["pixel_values"] for d in data])
-            kwargs[f"{modality}_grid_thw"] = torch.tensor([d["grid_thw"] for d in data])
-            if modality == "video" and hf.config.model_type == "qwen2_5_vl":
-                kwargs["second_per_grid_ts"] = torch.tensor(
-                    [d["second_per_grid_t"] for d in data], dtype=torch.float32)
+    images = [f.data for f in proc.mm_features if f.modality == "image"]
+    if images:
+        kwargs["pixel_values"] = torch.cat([d["pixel_values"] for d in images])
+        kwargs["image_grid_thw"] = torch.tensor([d["grid_thw"] for d in images])
+    videos: dict[str, list] = {}
+    for f in proc.mm_features:
+        if f.modality == "video":
+            videos.setdefault(f.identifier.rsplit(":t", 1)[0], []).append(f.data)
+    if videos:
+        parts = list(videos.values())
+        kwargs["pixel_values_videos"] = torch.cat([d["pixel_values"] for p in parts for d in p])
+        kwargs["video_grid_thw"] = torch.tensor(
+            [(len(p), *p[0]["grid_thw"][1:]) for p in parts])
+        if hf.config.model_type == "qwen2_5_vl":
+            kwargs["second_per_grid_ts"] = torch.tensor(
+                [2 / v.sampled_fps for v in proc.videos], dtype=torch.float32)
     return kwargs
 
 
@@ -207,6 +220,20 @@ def test_same_text_different_image_never_shares_kv(vl_path, hf_models):
     span = out.multi_modal_placeholders[0]
     assert out.num_cached_tokens <= span.offset  # nothing past the image's start was reused
     assert out.outputs[0].token_ids == hf_greedy(hf, processed(llm, b))
+
+
+def test_long_video_encoder_work_is_spread_over_prefill_chunks(vl_path, hf_models):
+    """Each temporal patch of a video is its own encoder item: with small chunks, the encoder
+    runs a few patches per step alongside the chunk that needs them, never the whole video."""
+    llm = LLM(vl_path, max_model_len=1024, max_num_batched_tokens=24)
+    calls = _count_tower_calls(llm)
+    msgs = user("Watch this:", video(16, 56, 112, 40), "What happens?")
+    out = llm.chat(msgs, GREEDY)[0]
+    spans = out.multi_modal_placeholders
+    assert len(spans) == 8 and all(s.modality == "video" for s in spans)  # 16 frames, 2 per patch
+    assert [s.offset for s in spans] == [spans[0].offset + i * spans[0].length for i in range(8)]
+    assert calls[0] >= 4 and out.metrics.encoder_calls == calls[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf_models(vl_path), processed(llm, msgs))
 
 
 def test_four_images_in_one_step_are_one_encoder_forward(qwen2_vl_path):
