@@ -127,7 +127,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         if not out.chunks:
-            return []
+            return self._refuse_unschedulable()
         t0 = time.monotonic()
         try:
             result = self.runner.execute(out)
@@ -181,6 +181,19 @@ class LLMEngine:
         """The prompt is in the KV cache now: encoder inputs are no longer needed."""
         for feature in req.mm_features:
             feature.data = None
+
+    def _refuse_unschedulable(self) -> list[RequestOutput]:
+        """Nothing runs, yet the oldest waiting request got no tokens: it never will (its
+        blocks or media cannot fit even an idle engine). Fail it instead of spinning."""
+        if self.scheduler.running or not self.scheduler.waiting:
+            return []
+        req = self.scheduler.waiting[0]
+        req.error = (
+            f"request needs more than the idle engine can give ({req.num_tokens} tokens, "
+            f"{len(req.mm_features)} media items); raise kv_cache_bytes or encoder_cache_size"
+        )
+        self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+        return [self._output(req)]
 
     def _fail(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         self.num_errors += 1

@@ -132,3 +132,20 @@ def test_unsupported_architecture_lists_the_supported(qwen2_path, tmp_path):
     (other / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="unsupported architecture.*Qwen2ForCausalLM"):
         LLM(other)
+
+
+def test_a_request_that_can_never_run_fails_instead_of_hanging(qwen2_path):
+    """Defence in depth: if validation ever lets through a request an idle engine cannot
+    schedule, it finishes with an error and the engine keeps serving."""
+    from engine.sampling_params import SamplingParams as SP
+
+    llm = LLM(qwen2_path, max_model_len=64)
+    engine = llm.engine
+    processed = engine.processor.process(engine.processor.parse([1, 2, 3]), {})
+    stuck = engine.make_request(processed, SP(max_tokens=4), "stuck")
+    engine.add_request(stuck)
+    engine.block_manager.free.clear()  # simulate an impossible allocation
+    outs = engine.step()
+    assert outs[0].finished and outs[0].outputs[0].finish_reason == "error"
+    assert "raise kv_cache_bytes" in outs[0].error
+    assert not engine.has_unfinished()

@@ -1,0 +1,254 @@
+"""Images and videos, this engine vs transformers, side by side in one run.
+
+    python -m bench.multimodal [--model PATH] [--dtype float32] [--runs 3]
+
+Without --model it builds (once, cached) a random-weight checkpoint with Qwen2-VL-2B's widths
+(vision 1280, decoder 1536) and 8 vision + 8 decoder layers. Measures:
+- TTFT for a new image (cold), for a seen image behind new text (encoder-cache hit: the KV of
+  the image cannot be reused, its embeddings can), and for a repeated request (prefix-cache hit);
+- the vision tower on 8 images from 8 requests: one batched forward vs one forward per image;
+- total output tokens/s of 8 concurrent image requests vs transformers one after another;
+- inter-token latency of 4 running streams while a long video prompt is admitted, with chunked
+  prefill (small step budget) and without (the whole prompt in one step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from bench.common import cache_dir, machine, median, print_table, timeit
+
+QWEN2_VL_2B_WIDTHS = dict(vision_width=1280, vision_depth=8, vision_heads=16, hidden=1536,
+                          intermediate=8960, layers=8, heads=12, kv_heads=2, vocab=151936)
+
+
+def build_checkpoint() -> Path:
+    """Qwen2-VL-2B widths, fewer layers, random weights (std 0.02), default image budgets."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    from models.tiny import CLIP_MEAN, CLIP_STD, qwen_tokenizer, save_checkpoint
+
+    path = cache_dir("qwen2-vl-2b-widths")
+    if (path / "config.json").exists():
+        return path
+    print(f"building a random checkpoint with Qwen2-VL-2B widths in {path} (once)")
+    w = QWEN2_VL_2B_WIDTHS
+    tok = qwen_tokenizer()
+    ids = {t: tok.convert_tokens_to_ids(t) for t in
+           ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")}
+    config = Qwen2VLConfig(
+        text_config=dict(
+            hidden_size=w["hidden"], intermediate_size=w["intermediate"],
+            num_hidden_layers=w["layers"], num_attention_heads=w["heads"],
+            num_key_value_heads=w["kv_heads"], vocab_size=w["vocab"],
+            max_position_embeddings=8192, eos_token_id=tok.eos_token_id, bos_token_id=None,
+            rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24],
+                             "rope_theta": 1e6},
+        ),
+        vision_config=dict(depth=w["vision_depth"], embed_dim=w["vision_width"],
+                           hidden_size=w["hidden"], num_heads=w["vision_heads"], mlp_ratio=4),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = Qwen2VLForConditionalGeneration(config)
+    save_checkpoint(model, tok, path, [tok.eos_token_id])
+    pre = {"patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+           "min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1280,
+           "image_mean": CLIP_MEAN, "image_std": CLIP_STD}
+    (path / "preprocessor_config.json").write_text(json.dumps(pre))
+    return path
+
+
+def picture(seed: int, size: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
+
+
+def chat(text_before: str, image: Image.Image, text_after: str) -> list[dict]:
+    return [{"role": "user", "content": [
+        {"type": "text", "text": text_before}, {"type": "image", "image": image},
+        {"type": "text", "text": text_after}]}]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--image-size", type=int, default=336)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--video-frames", type=int, default=32)
+    args = parser.parse_args()
+    path = args.model or build_checkpoint()
+    print(f"machine: {machine()}; checkpoint {path.name}; dtype {args.dtype}")
+    rows = []
+    rows += ttft_rows(path, args)
+    rows += encoder_rows(path, args)
+    rows += concurrency_rows(path, args)
+    rows += itl_rows(path, args)
+    print()
+    print_table([r[:4] for r in rows], ("metric", "value", "reference", "ratio"))
+    print("\nsummary: " + "; ".join(f"{r[0]}: {r[3]:.2f} (target {r[4]})" for r in rows
+                                   if r[4]))
+
+
+def _llm(path, args, **options):
+    from engine import LLM
+
+    return LLM(path, device="cpu", dtype=args.dtype, max_model_len=4096, **options)
+
+
+def ttft_rows(path: Path, args) -> list[tuple]:
+    from engine import SamplingParams
+
+    llm = _llm(path, args)
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    llm.chat(chat("warm up", picture(999, args.image_size), "go"), one)
+    cold, hit, prefix = [], [], []
+    for run in range(args.runs):
+        img = picture(run, args.image_size)
+        first = chat("Look:", img, "Describe the image in detail.")
+        cold.append(llm.chat(first, one)[0].metrics.ttft)
+        # New text before the image: its KV blocks cannot be reused, its embeddings can.
+        second = chat(f"Question {run}: in one word,", img, "what colour dominates?")
+        out = llm.chat(second, one)[0]
+        assert out.multi_modal_placeholders[0].cache_hit
+        hit.append(out.metrics.ttft)
+        prefix.append(llm.chat(first, one)[0].metrics.ttft)
+    c, h, p = median(cold), median(hit), median(prefix)
+    print(f"TTFT cold {c:.3f} s, encoder-cache hit {h:.3f} s, prefix-cache hit {p:.3f} s")
+    return [
+        ("TTFT, encoder-cache hit / cold (s)", h, c, h / c, "<= 0.5"),
+        ("TTFT, prefix-cache hit / cold (s)", p, c, p / c, "<= 0.15"),
+    ]
+
+
+def encoder_rows(path: Path, args) -> list[tuple]:
+    llm = _llm(path, args)
+    proc = llm.engine.processor
+    items = []
+    for i in range(8):
+        parsed = proc.parse({"prompt": "<|vision_start|><|image_pad|><|vision_end|>",
+                             "multi_modal_data": {"image": picture(100 + i, args.image_size)}})
+        feature = proc.process(parsed, proc.load_media_sync(parsed)).mm_features[0]
+        items.append((feature.modality, feature.data))
+    model = llm.engine.runner.model
+    with torch.inference_mode():
+        model.encode(items[:1])
+        batched, loop = [], []
+        for _ in range(args.runs):
+            batched.append(timeit(lambda: model.encode(items)))
+            loop.append(timeit(lambda: [model.encode([it]) for it in items]))
+    b, lp = median(batched), median(loop)
+    print(f"vision tower, 8 images: batched {b:.3f} s, one by one {lp:.3f} s")
+    return [("encoder, 8 images batched / loop (s)", b, lp, b / lp, "<= 0.8")]
+
+
+def concurrency_rows(path: Path, args) -> list[tuple]:
+    from transformers import AutoModelForImageTextToText
+
+    from engine import SamplingParams
+
+    llm = _llm(path, args)
+    hf = AutoModelForImageTextToText.from_pretrained(path, dtype=llm.engine.dtype).eval()
+    n = args.new_tokens
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    never = hf.config.text_config.vocab_size
+    ours_tps, hf_tps = [], []
+    for run in range(args.runs):
+        msgs = [chat(f"Request {i}.", picture(1000 * run + i, args.image_size), "Describe it.")
+                for i in range(8)]
+        t0 = time.perf_counter()
+        outs = llm.chat(msgs, params)
+        ours_tps.append(sum(len(o.outputs[0].token_ids) for o in outs)
+                        / (time.perf_counter() - t0))
+        proc = llm.engine.processor
+        inputs = []
+        for m in msgs:
+            parsed = proc.render_chat(m)
+            p = proc.process(parsed, proc.load_media_sync(parsed))
+            ids = torch.tensor([p.token_ids])
+            d = p.mm_features[0].data
+            inputs.append(dict(input_ids=ids, attention_mask=torch.ones_like(ids),
+                               pixel_values=d["pixel_values"],
+                               image_grid_thw=torch.tensor([d["grid_thw"]]),
+                               mm_token_type_ids=(ids == hf.config.image_token_id).int()))
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for kw in inputs:
+                hf.generate(**kw, max_new_tokens=n, do_sample=False, eos_token_id=never,
+                            pad_token_id=never)
+        hf_tps.append(8 * n / (time.perf_counter() - t0))
+        print(f"run {run + 1}: 8 concurrent {ours_tps[-1]:.2f} tok/s, "
+              f"transformers sequential {hf_tps[-1]:.2f} tok/s")
+    o, h = median(ours_tps), median(hf_tps)
+    return [("8 concurrent image requests (output tok/s)", o, h, o / h, ">= 4")]
+
+
+def itl_rows(path: Path, args) -> list[tuple]:
+    results = {}
+    for label, budget in (("on", 128), ("off", 16384)):
+        results[label] = asyncio.run(_itl(path, args, budget))
+        p50, p99 = results[label]
+        print(f"chunked prefill {label} (budget {budget}): ITL p50 {p50 * 1000:.0f} ms, "
+              f"p99 {p99 * 1000:.0f} ms")
+    on, off = results["on"], results["off"]
+    return [
+        ("ITL p99 / p50 during a long video prefill, chunking on", on[1], on[0],
+         on[1] / on[0], "<= 3"),
+        ("ITL p99 / p50 during a long video prefill, chunking off", off[1], off[0],
+         off[1] / off[0], ""),
+    ]
+
+
+async def _itl(path: Path, args, budget: int) -> tuple[float, float]:
+    """p50 and p99 gap between tokens of 4 text streams while a video prompt is prefilled."""
+    from engine import AsyncLLM, SamplingParams
+
+    llm = AsyncLLM(path, device="cpu", dtype=args.dtype, max_model_len=8192,
+                   max_num_batched_tokens=budget, max_num_encoder_input_tokens=budget,
+                   encoder_cache_size=16384)
+    stamps: list[list[float]] = [[] for _ in range(4)]
+    video_window: list[float] = []
+
+    async def stream(i: int) -> None:
+        params = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)
+        async for _ in llm.generate(f"stream {i}: tell me a long story", params):
+            stamps[i].append(time.perf_counter())
+            if video_window and len(video_window) == 2:
+                return
+
+    async def video() -> None:
+        while min(len(s) for s in stamps) < 3:
+            await asyncio.sleep(0.01)
+        frames = np.random.default_rng(7).integers(
+            0, 256, (args.video_frames, 224, 224, 3), dtype=np.uint8)
+        msgs = [{"role": "user", "content": [{"type": "video", "video": frames},
+                                             {"type": "text", "text": "What happens?"}]}]
+        video_window.append(time.perf_counter())
+        async for _ in llm.chat(msgs, SamplingParams(max_tokens=1, ignore_eos=True)):
+            pass
+        video_window.append(time.perf_counter())
+
+    try:
+        await asyncio.gather(video(), *(stream(i) for i in range(4)))
+    finally:
+        llm.shutdown()
+    start, end = video_window
+    gaps = [b - a for s in stamps for a, b in zip(s, s[1:], strict=False) if start <= b <= end]
+    gaps.sort()
+    return gaps[len(gaps) // 2], gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]
+
+
+if __name__ == "__main__":
+    main()
