@@ -11,6 +11,7 @@ one that touches the scheduler; it never waits on media. A caller that stops ite
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -55,6 +56,7 @@ class AsyncLLM:
         self._stats: dict[str, Any] = self.engine.stats()
         self._error: BaseException | None = None
         self._stopping = False
+        self._preprocessing = 0  # touched only from event loops, under _lock
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -77,8 +79,11 @@ class AsyncLLM:
         """Stream RequestOutputs for one prompt until it finishes (the last has finished=True)."""
         arrival = time.monotonic()
         parsed = self.processor.parse(prompt)
-        async for out in self._stream(parsed, sampling_params, request_id, arrival):
-            yield out
+        async with contextlib.aclosing(
+            self._stream(parsed, sampling_params, request_id, arrival)
+        ) as stream:
+            async for out in stream:
+                yield out
 
     async def chat(
         self,
@@ -90,8 +95,11 @@ class AsyncLLM:
         """Like generate, for OpenAI-style messages rendered with the model's chat template."""
         arrival = time.monotonic()
         parsed = self.processor.render_chat(messages, **template_kwargs)
-        async for out in self._stream(parsed, sampling_params, request_id, arrival):
-            yield out
+        async with contextlib.aclosing(
+            self._stream(parsed, sampling_params, request_id, arrival)
+        ) as stream:
+            async for out in stream:
+                yield out
 
     async def abort(self, request_id: str) -> None:
         """Stop a request; returns once its KV blocks and cache references are freed."""
@@ -100,8 +108,9 @@ class AsyncLLM:
         await asyncio.wrap_future(done)
 
     def stats(self) -> dict[str, Any]:
-        """Engine-wide counters as of the last step (a snapshot; safe from any thread)."""
-        return dict(self._stats)
+        """Engine-wide counters as of the last step (a snapshot; safe from any thread), plus
+        `requests_preprocessing`: requests still loading media or being processed."""
+        return {**self._stats, "requests_preprocessing": self._preprocessing}
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread; requests still in flight fail with EngineDeadError."""
@@ -126,12 +135,18 @@ class AsyncLLM:
             stream = self._streams[request_id] = _Stream(asyncio.get_running_loop())
         finished = False
         try:
-            media = await self.processor.load_media(parsed)
-            processed = await asyncio.to_thread(self.processor.process, parsed, media)
-            req = self.engine.make_request(
-                processed, params or SamplingParams(), request_id, arrival_time=arrival
-            )
-            self._submit(("add", req))
+            with self._lock:
+                self._preprocessing += 1
+            try:
+                media = await self.processor.load_media(parsed)
+                processed = await asyncio.to_thread(self.processor.process, parsed, media)
+                req = self.engine.make_request(
+                    processed, params or SamplingParams(), request_id, arrival_time=arrival
+                )
+                self._submit(("add", req))
+            finally:
+                with self._lock:
+                    self._preprocessing -= 1
             while not finished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -160,9 +175,13 @@ class AsyncLLM:
                 self._handle(self._commands.get() if idle else None)
                 while not self._commands.empty():
                     self._handle(self._commands.get_nowait())
+                outputs = []
                 if self.engine.has_unfinished() and not self._stopping:
-                    self._deliver(self.engine.step())
+                    outputs = self.engine.step()
+                # Refresh before delivering: a caller that sees a token also sees its request
+                # counted in stats().
                 self._stats = self.engine.stats()
+                self._deliver(outputs)
         except BaseException as e:  # noqa: BLE001 - report to every waiting caller, then stop
             log.exception("engine loop died")
             self._error = e
@@ -182,9 +201,10 @@ class AsyncLLM:
         elif kind == "abort":
             _, request_id, done = command
             out = self.engine.abort_request(request_id)
+            self._stats = self.engine.stats()
             if out is not None:
                 self._deliver([out])
-            if done is not None:
+            if done is not None and not done.done():  # the awaiting caller may be cancelled
                 done.set_result(None)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-_MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20
+
+
+class SamplingParamsError(ValueError):
+    """An invalid sampling option; `field` names it (front ends map it to their own names)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -42,7 +50,8 @@ class SamplingParams:
 
     def _validate(self) -> None:
         def bad(name: str, rule: str) -> ValueError:
-            return ValueError(f"SamplingParams.{name} {rule}, got {getattr(self, name)!r}")
+            got = getattr(self, name)
+            return SamplingParamsError(name, f"SamplingParams.{name} {rule}, got {got!r}")
 
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise bad("max_tokens", "must be an integer >= 1")
@@ -63,9 +72,9 @@ class SamplingParams:
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
         if self.logprobs is not None and (
-            not _is_int(self.logprobs) or not 0 <= self.logprobs <= _MAX_LOGPROBS
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
-            raise bad("logprobs", f"must be None or an integer in [0, {_MAX_LOGPROBS}]")
+            raise bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
 
     @property
     def greedy(self) -> bool:

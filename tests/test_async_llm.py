@@ -115,3 +115,40 @@ async def test_bad_prompt_fails_alone(engine):
 
 async def _collect(stream):
     return [o async for o in stream]
+
+
+async def test_cancelled_abort_call_does_not_kill_the_engine(engine):
+    """A caller cancelled while awaiting abort() must not break the engine thread."""
+    params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+    stream = engine.generate("keep going", params, request_id="cancel-abort")
+    await stream.__anext__()
+    task = asyncio.create_task(engine.abort("cancel-abort"))
+    await asyncio.sleep(0)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await stream.aclose()
+    await _wait_idle(engine)
+    out = [o async for o in engine.generate("still alive", SamplingParams(max_tokens=3))]
+    assert out[-1].finished
+
+
+async def test_stats_count_requests_still_preprocessing(engine, monkeypatch):
+    import threading
+
+    release = threading.Event()
+    original = engine.processor.process
+
+    def slow_process(parsed, media):
+        release.wait(5)  # runs in a worker thread, like real media processing
+        return original(parsed, media)
+
+    monkeypatch.setattr(engine.processor, "process", slow_process)
+    task = asyncio.create_task(_collect(engine.generate("slow", SamplingParams(max_tokens=2))))
+    for _ in range(200):
+        if engine.stats()["requests_preprocessing"] == 1:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.stats()["requests_preprocessing"] == 1
+    release.set()
+    assert (await task)[-1].finished
+    assert engine.stats()["requests_preprocessing"] == 0

@@ -1,0 +1,222 @@
+"""OpenAI response bodies and server-sent-event chunks, built from the engine's RequestOutputs.
+
+Token strings in logprobs are single tokens decoded with the tokenizer (special tokens kept);
+a token that holds part of a multi-byte character decodes to U+FFFD, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine import AsyncLLM, RequestOutput
+
+SSE_DONE = "data: [DONE]\n\n"
+# JSON has no infinity; a token the model rules out gets this floor instead (vLLM does the same).
+_MIN_LOGPROB = -9999.0
+
+
+def sse(payload: dict) -> str:
+    """One server-sent event carrying a JSON payload."""
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+@dataclass(frozen=True)
+class ResponseContext:
+    """What every body and chunk of one request carries, and how to render its logprobs."""
+
+    id: str
+    model: str
+    tokenizer: Any
+    num_logprobs: int | None  # top alternatives per token; None: no logprobs
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def envelope(self, object_name: str) -> dict:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
+
+
+def model_list(engines: Mapping[str, AsyncLLM], created: int) -> dict:
+    """GET /v1/models: one entry per served model name."""
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "mmserve",
+                "max_model_len": llm.engine.max_model_len,
+            }
+            for name, llm in engines.items()
+        ],
+    }
+
+
+def usage(out: RequestOutput) -> dict:
+    prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+    }
+
+
+def chat_completion(ctx: ResponseContext, final: RequestOutput) -> dict:
+    """The non-streaming chat.completion body."""
+    c = final.outputs[0]
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": c.text},
+        "logprobs": _chat_logprobs(ctx, c.token_ids, c.logprobs),
+        "finish_reason": c.finish_reason,
+    }
+    return {**ctx.envelope("chat.completion"), "choices": [choice], "usage": usage(final)}
+
+
+def text_completion(ctx: ResponseContext, final: RequestOutput) -> dict:
+    """The non-streaming text_completion body."""
+    c = final.outputs[0]
+    choice = {
+        "index": 0,
+        "text": c.text,
+        "logprobs": _completion_logprobs(ctx, c.token_ids, c.logprobs, 0),
+        "finish_reason": c.finish_reason,
+    }
+    return {**ctx.envelope("text_completion"), "choices": [choice], "usage": usage(final)}
+
+
+class _Stream:
+    """Turns one request's successive outputs into stream chunks: a chunk per output that
+    carries new text (or new logprobs), then one with the finish_reason, then the usage."""
+
+    object_name: str
+
+    def __init__(self, ctx: ResponseContext) -> None:
+        self.ctx = ctx
+        self._sent = 0  # output tokens already covered by a chunk
+
+    def chunks(self, out: RequestOutput) -> list[dict]:
+        c = out.outputs[0]
+        ids = c.token_ids[self._sent:]
+        entries = None if c.logprobs is None else c.logprobs[self._sent:len(c.token_ids)]
+        self._sent = len(c.token_ids)
+        chunks = []
+        if c.delta_text or entries:
+            chunks.append(self._chunk(self._choice(c.delta_text, ids, entries, None)))
+        if out.finished:
+            chunks.append(self._chunk(self._choice("", [], None, c.finish_reason)))
+            if self.ctx.include_usage:
+                chunks.append({**self.ctx.envelope(self.object_name), "choices": [],
+                               "usage": usage(out)})
+        return chunks
+
+    def _chunk(self, choice: dict) -> dict:
+        chunk = {**self.ctx.envelope(self.object_name), "choices": [choice]}
+        if self.ctx.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def _choice(
+        self, text: str, ids: list[int], entries: list[dict] | None, finish_reason: str | None
+    ) -> dict:
+        raise NotImplementedError
+
+
+class ChatStream(_Stream):
+    """chat.completion.chunk events; the first one announces the assistant role."""
+
+    object_name = "chat.completion.chunk"
+
+    def __init__(self, ctx: ResponseContext) -> None:
+        super().__init__(ctx)
+        self._started = False
+
+    def chunks(self, out: RequestOutput) -> list[dict]:
+        chunks = super().chunks(out)
+        if not self._started:
+            self._started = True
+            role = {"index": 0, "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None, "finish_reason": None}
+            chunks.insert(0, self._chunk(role))
+        return chunks
+
+    def _choice(self, text, ids, entries, finish_reason):
+        return {
+            "index": 0,
+            "delta": {"content": text} if finish_reason is None else {},
+            "logprobs": _chat_logprobs(self.ctx, ids, entries),
+            "finish_reason": finish_reason,
+        }
+
+
+class CompletionStream(_Stream):
+    """text_completion events."""
+
+    object_name = "text_completion"
+
+    def __init__(self, ctx: ResponseContext) -> None:
+        super().__init__(ctx)
+        self._offset = 0  # text_offset of the next token
+
+    def _choice(self, text, ids, entries, finish_reason):
+        logprobs = _completion_logprobs(self.ctx, ids, entries, self._offset)
+        if logprobs is not None:
+            self._offset += sum(len(t) for t in logprobs["tokens"])
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def _chat_logprobs(ctx: ResponseContext, ids: list[int], entries: list[dict] | None):
+    if entries is None:
+        return None
+    tok = ctx.tokenizer
+    return {
+        "content": [
+            {
+                **_token_logprob(tok, token, entry[token]),
+                "top_logprobs": [_token_logprob(tok, t, v) for t, v in _top(entry, ctx)],
+            }
+            for token, entry in zip(ids, entries, strict=True)
+        ]
+    }
+
+
+def _completion_logprobs(
+    ctx: ResponseContext, ids: list[int], entries: list[dict] | None, offset: int
+):
+    if entries is None:
+        return None
+    tokens = [_decode(ctx.tokenizer, t) for t in ids]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [_finite(e[t]) for t, e in zip(ids, entries, strict=True)],
+        "top_logprobs": [
+            {_decode(ctx.tokenizer, t): _finite(v) for t, v in _top(e, ctx)} for e in entries
+        ],
+        "text_offset": list(itertools.accumulate(map(len, tokens), initial=offset))[:-1],
+    }
+
+
+def _top(entry: dict[int, float], ctx: ResponseContext) -> list[tuple[int, float]]:
+    # The engine's entry holds the sampled token first, then the top k (the sampled token
+    # once, even if it is among them): the k best of the entry are the top k.
+    return sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[: ctx.num_logprobs]
+
+
+def _token_logprob(tokenizer, token: int, logprob: float) -> dict:
+    text = _decode(tokenizer, token)
+    return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
+
+
+def _decode(tokenizer, token: int) -> str:
+    return tokenizer.decode([token], skip_special_tokens=False)
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else _MIN_LOGPROB
