@@ -126,17 +126,18 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
+        failed = [self._output(req) for req in out.failed]
         if not out.chunks:
-            return self._refuse_unschedulable()
+            return failed + self._refuse_unschedulable()
         t0 = time.monotonic()
         try:
             result = self.runner.execute(out)
         except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
             log.exception("engine step failed")
-            return self._fail(out, e)
+            return failed + self._fail(out, e)
         self.num_steps += 1
         self.scheduler.update_after_step(out)
-        return self._postprocess(out, result, time.monotonic() - t0)
+        return failed + self._postprocess(out, result, time.monotonic() - t0)
 
     def _postprocess(
         self, out: SchedulerOutput, result: StepResult, seconds: float

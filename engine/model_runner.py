@@ -153,12 +153,6 @@ class ModelRunner:
     def _run_encoders(self, out: SchedulerOutput) -> float:
         """One batched encoder call for every item scheduled this step, across requests."""
         features = [req.mm_features[i] for req, i in out.encoder_inputs]
-        for f in features:
-            if f.data is None:
-                raise RuntimeError(
-                    f"{f.modality} {f.identifier[:12]}: its inputs were released after prefill "
-                    "and its embeddings were evicted; the request cannot be recomputed"
-                )
         t0 = time.perf_counter()
         embeds = self.model.encode([(f.modality, f.data) for f in features])
         for f, emb in zip(features, embeds, strict=True):

@@ -119,7 +119,8 @@ def test_prefix_hit_is_recorded_once_at_admission():
 
 
 def _image(identifier, offset, length) -> MultiModalFeature:
-    return MultiModalFeature("image", identifier, PlaceholderRange(offset, length))
+    # data stands for the encoder inputs; None would mean "dropped after prefill"
+    return MultiModalFeature("image", identifier, PlaceholderRange(offset, length), data={})
 
 
 def test_chunk_is_cut_before_an_image_that_does_not_fit_the_encoder_budget():
@@ -199,3 +200,24 @@ def test_soak_random_traffic_keeps_every_invariant():
     assert s.blocks.num_used_blocks == 0
     assert s.encoder_cache.num_referenced == 0
     s.check_integrity()
+
+
+def test_preempted_request_whose_media_is_gone_fails_alone():
+    """After prefill the engine drops media inputs; if such a request is preempted and its
+    embeddings are evicted (and its KV is not in the prefix cache either), it is failed with a
+    clear error and the others keep running."""
+    s = make_sched(max_num_batched_tokens=100, enable_prefix_caching=False)
+    lost = make_req("lost", 20, features=[_image("img", 2, 8)])
+    other = make_req("other", 5, max_tokens=3, first_token=50)
+    s.add(lost)
+    s.add(other)
+    run_step(s)
+    lost.mm_features[0].data = None  # what the engine does after the first token
+    s._preempt(lost, SchedulerOutput())
+    s.encoder_cache.can_allocate(1000, 1000, 0)  # evict everything unreferenced
+    s.encoder_cache.drain_freed()
+    out = run_step(s)
+    assert out.failed == [lost] and lost.status is RequestStatus.FINISHED_ERROR
+    assert "cannot be recomputed" in lost.error
+    assert [c.req.request_id for c in out.chunks] == ["other"]
+    drain(s)
