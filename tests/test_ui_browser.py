@@ -1,0 +1,133 @@
+"""The app in a real browser: Playwright drives Debian's chromium (never a downloaded browser)
+to upload an image, watch the reply stream in, read the placeholder panel, and stop a long
+generation. Screenshots go to test-artifacts/."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from app import build_app
+from tests.ui_fixtures import VL, demo_engines, demo_root, running_app, wait_idle
+from ui.demo import DEMO_NOTE, ensure_samples
+
+CHROMIUM = Path("/usr/bin/chromium")
+# Without the background-networking flags chromium's own connections are refused by a closed
+# network; Playwright adds --headless and a fresh, empty user-data directory itself. The fake
+# media device stands in for a webcam.
+FLAGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--use-fake-device-for-media-stream", "--use-fake-ui-for-media-stream",
+]
+ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
+
+pytestmark = [
+    pytest.mark.browser,
+    # Gradio's queue statistics use pandas options that pandas 3 deprecates; not ours to fix.
+    pytest.mark.filterwarnings("ignore::pandas.errors.Pandas4Warning"),
+    pytest.mark.skipif(
+        not CHROMIUM.exists(),
+        reason="Debian's chromium is not installed (apt-get install chromium chromium-driver)",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = demo_root(tmp_path_factory)
+    with demo_engines(root) as engines:
+        app = build_app(engines, notes=dict.fromkeys(engines, DEMO_NOTE))
+        with running_app(app) as url:
+            yield engines, ensure_samples(root), url
+
+
+@pytest.fixture(scope="module")
+def page(served):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=FLAGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000}, permissions=["camera"])
+        page.set_default_timeout(20_000)
+        page.goto(served[2])
+        page.locator("#composer textarea").wait_for()
+        page.get_by_text("Generation settings").click()
+        yield page
+        browser.close()
+
+
+def set_max_tokens(page, n: int) -> None:
+    field = page.locator("#max-tokens input[type=number]")
+    field.fill(str(n))
+    field.press("Enter")
+
+
+def send(page, text: str, files=()) -> None:
+    if files:
+        page.locator("#composer input[type=file]").set_input_files([str(f) for f in files])
+        page.locator("#composer .thumbnail-item").first.wait_for()
+    page.locator("#composer textarea").fill(text)
+    page.locator("#composer textarea").press("Enter")
+
+
+def screenshot(page, name: str) -> None:
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=ARTIFACTS / name, full_page=True)
+
+
+def test_upload_an_image_and_see_its_placeholder(page, served):
+    from playwright.sync_api import expect
+
+    engines, samples, _ = served
+    set_max_tokens(page, 24)
+    send(page, "Describe this image.", [samples.image])
+    expect(page.locator("#chatbot [data-testid=user] img")).to_have_count(1)
+    expect(page.locator("#chatbot [data-testid=bot]").last).not_to_be_empty()
+    expect(page.locator("#placeholders")).to_contain_text("image 1 · @36 ×54 · 54 embeds")
+    expect(page.locator("#items")).to_contain_text("image 1")
+    expect(page.locator("#timing")).to_contain_text("finish length")
+    expect(page.locator("#cache")).to_contain_text("encoded by this request")
+    wait_idle(engines[VL])
+    screenshot(page, "ui-browser-image.png")
+
+
+def test_a_webcam_snapshot_is_attached_to_the_message(page):
+    from playwright.sync_api import expect
+
+    page.get_by_text("Webcam snapshot").click()
+    page.get_by_text("Click to Access Webcam").click()
+    page.get_by_label("capture photo").click()
+    expect(page.locator("#composer .thumbnail-item")).to_have_count(1)
+    send(page, "What do you see?")
+    expect(page.locator("#chatbot [data-testid=user] img")).to_have_count(2)
+    expect(page.locator("#placeholders")).to_contain_text("image 2 · @")
+    page.get_by_text("Webcam snapshot").click()
+
+
+def test_stop_aborts_a_long_generation(page, served):
+    from playwright.sync_api import expect
+
+    engines, _, _ = served
+    set_max_tokens(page, 4000)
+    replies = page.locator("#chatbot [data-testid=bot]")
+    n = replies.count()
+    send(page, "Now tell me a very long story about it.")
+    reply = replies.nth(n)
+    page.wait_for_function(
+        "el => el.innerText.length > 40", arg=reply.element_handle(), polling=50
+    )
+    seen = len(reply.inner_text())
+    page.wait_for_function(
+        f"el => el.innerText.length > {seen}", arg=reply.element_handle(), polling=50
+    )  # more text arrives: the reply streams
+    page.locator("#stop").click()
+    expect(page.locator("#timing")).to_contain_text("finish abort")
+    stats = wait_idle(engines[VL])
+    assert stats["encoder_cache_referenced"] == 0
+    # The engine panel refreshes every second: it shows the freed blocks.
+    expect(page.locator("#engine")).to_contain_text("0 running · 0 waiting")
+    expect(page.locator("#engine")).to_contain_text("KV blocks in use: 0 /")
+    assert "output 4000 tok" not in page.locator("#timing").inner_text()
+    screenshot(page, "ui-browser-stopped.png")

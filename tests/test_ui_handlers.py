@@ -1,0 +1,284 @@
+"""The chat handler and the panel functions, without a server: media routing, history with
+earlier media, plain-English errors, Stop, Regenerate, and what the panels show."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+from pathlib import Path
+
+import gradio as gr
+import pytest
+
+from tests.ui_fixtures import AUDIO, NO_AUDIO, VL, demo_engines, demo_root, wait_idle
+from ui import build_demo, panels, show_result
+from ui.chat import EMPTY_DRAFT, Chat, ChatSettings, engine_messages, modality_of
+from ui.demo import ensure_demo_models, ensure_samples, sample_examples
+
+GREEDY = ChatSettings(temperature=0.0, max_tokens=12)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    with demo_engines(demo_root(tmp_path_factory)) as engines:
+        yield engines
+
+
+@pytest.fixture(scope="module")
+def samples(tmp_path_factory):
+    return ensure_samples(demo_root(tmp_path_factory))
+
+
+@pytest.fixture
+def chat(engines):
+    return Chat(engines, update_interval=0.0)
+
+
+async def run(stream) -> list:
+    return [update async for update in stream]
+
+
+def image_turn(samples, text="Describe this image.") -> dict:
+    return {"text": text, "files": [str(samples.image)]}
+
+
+# ---- media routing and history -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "modality"),
+    [("a.png", "image"), ("b.JPG", "image"), ("c.mp4", "video"), ("d.webm", "video"),
+     ("e.wav", "audio"), ("f.mp3", "audio"), ("g.flac", "audio")],
+)
+def test_files_are_routed_by_type(name, modality):
+    assert modality_of(name) == modality
+
+
+def test_unsupported_file_type_is_a_plain_error():
+    with pytest.raises(gr.Error) as err:
+        modality_of("/tmp/gradio/abc/report.pdf")
+    assert err.value.message.startswith("report.pdf is not an image, video or audio file")
+
+
+def test_history_keeps_earlier_media_in_the_prompt(samples, engines):
+    history = [
+        {"role": "user", "content": [{"path": str(samples.image)}, "What is this?"]},
+        {"role": "assistant", "content": "A picture."},
+        # Gradio's normalised form, as the Chatbot hands history back:
+        {"role": "user", "content": [
+            {"type": "file", "file": {"path": str(samples.video)}},
+            {"type": "text", "text": "And this?"},
+        ]},
+        {"role": "user", "content": [{"type": "text", "text": "Compare them."}]},
+    ]
+    processor = engines[VL].processor
+    messages, names = engine_messages(
+        history, "Be brief.", processor.modalities, processor.media_limits
+    )
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    first, _, last = messages[1:]
+    assert first["content"][0] == {"type": "image", "image": samples.image.read_bytes()}
+    assert messages[2]["content"] == "A picture."
+    assert [p["type"] for p in last["content"]] == ["video", "text", "text"]
+    assert names == {"image": ["shapes.png"], "video": ["bouncing.mp4"]}
+
+
+# ---- streaming turns ---------------------------------------------------------------------------
+
+
+async def test_a_turn_streams_and_the_panels_show_its_image(chat, engines, samples):
+    updates = await run(chat.respond(image_turn(samples), [], VL, GREEDY, "s-stream"))
+    echo, *streamed = updates
+    assert echo.draft == EMPTY_DRAFT and echo.output is None
+    assert echo.history[-1]["role"] == "user"
+    outputs = [u.output for u in streamed if u.output is not None]
+    assert len(outputs) >= 3, "tokens should arrive in several updates"
+    texts = [o.outputs[0].text for o in outputs]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))
+    final = outputs[-1]
+    assert final.finished and updates[-1].history[-1] == {"role": "assistant", "content": texts[-1]}
+
+    (ph,) = final.multi_modal_placeholders
+    table = panels.placeholder_table(final)
+    assert table.to_dict("records") == [{
+        "item": "image 1", "modality": "image", "offset": ph.offset, "length": ph.length,
+        "embeds": ph.num_embeds, "hash": ph.identifier[:8], "cache": panels.MISS,
+    }]
+    strip = panels.placeholder_html(final, engines[VL].tokenizer)
+    assert f"image 1 · @{ph.offset} ×{ph.length} · {ph.num_embeds} embeds" in strip
+    assert ph.identifier[:8] in strip
+    labels = [label for label, _, _ in panels.timing_rows(final)]
+    for stage in ("media load", "preprocess", "hashing", "queue", "encoder",
+                  "prefill chunk 1", "first token (TTFT)", "decode"):
+        assert any(label.startswith(stage) for label in labels), stage
+    assert "TTFT" in panels.timing_html(final) and "tok/s" in panels.timing_html(final)
+
+
+async def test_second_turn_keeps_the_image_and_reuses_its_prefix(chat, samples):
+    first = await run(chat.respond(image_turn(samples), [], VL, GREEDY, "s-history"))
+    history = first[-1].history
+    second = await run(chat.respond({"text": "More detail?"}, history, VL, GREEDY, "s-history"))
+    final = second[-1].output
+    (ph,) = final.multi_modal_placeholders
+    assert final.num_cached_tokens >= ph.offset + ph.length
+    assert panels.cache_status(final, ph) == panels.PREFIX
+    assert len(second[-1].history) == 4
+
+
+async def test_a_repeated_image_hits_the_encoder_cache(chat, samples):
+    await run(chat.respond(image_turn(samples), [], VL, GREEDY, "s-hit"))
+    # Another system prompt changes the prefix, so the image is looked up, not prefix-cached.
+    other = dataclasses.replace(GREEDY, system_prompt="You are terse.")
+    updates = await run(chat.respond(image_turn(samples), [], VL, other, "s-hit"))
+    final = updates[-1].output
+    assert panels.placeholder_table(final)["cache"].tolist() == [panels.HIT]
+    assert final.metrics.encoder_cache_hits == 1
+    assert ">hit</span> image 1" in panels.cache_html(final)
+
+
+async def test_a_video_reaches_the_engine_as_frame_groups(chat, samples):
+    video = {"text": "What happens?", "files": [str(samples.video)]}
+    final = (await run(chat.respond(video, [], VL, GREEDY, "s-video")))[-1].output
+    assert {p.modality for p in final.multi_modal_placeholders} == {"video"}
+    assert panels.item_labels(final) == ["video 1 · t0", "video 1 · t1"]
+
+
+async def test_audio_reaches_the_audio_model(chat, engines, samples):
+    if AUDIO not in engines:
+        pytest.skip(NO_AUDIO)
+    audio = {"text": "Transcribe.", "files": [str(samples.audio)]}
+    final = (await run(chat.respond(audio, [], AUDIO, GREEDY, "s-audio")))[-1].output
+    assert [p.modality for p in final.multi_modal_placeholders] == ["audio"]
+
+
+async def test_regenerate_replaces_the_last_reply(chat, samples):
+    settings = dataclasses.replace(GREEDY, temperature=1.0, seed=7)
+    first = await run(chat.respond(image_turn(samples), [], VL, settings, "s-regen"))
+    history = first[-1].history
+    again = await run(chat.regenerate(history, VL, settings, "s-regen"))
+    assert again[0].history == history[:-1], "the old reply is removed first"
+    assert again[-1].history[:-1] == history[:-1]
+    assert again[-1].history[-1] == history[-1], "same seed, same reply"
+    assert again[-1].output.multi_modal_placeholders, "the turn's image is kept"
+
+
+async def test_stop_aborts_and_frees_the_engine(chat, engines, samples):
+    long = dataclasses.replace(GREEDY, max_tokens=3000)
+    updates = []
+    async for update in chat.respond(image_turn(samples), [], VL, long, "s-stop"):
+        updates.append(update)
+        if update.output is not None and len(update.output.outputs[0].token_ids) >= 3:
+            await chat.stop("s-stop")
+    final = updates[-1].output
+    assert final.finished and final.outputs[0].finish_reason == "abort"
+    assert len(final.outputs[0].token_ids) < 3000
+    stats = wait_idle(engines[VL])
+    assert stats["encoder_cache_referenced"] == 0
+
+
+# ---- errors ------------------------------------------------------------------------------------
+
+
+async def error_of(stream) -> tuple[str, list]:
+    updates = []
+    with pytest.raises(gr.Error) as err:
+        async for update in stream:
+            updates.append(update)
+    return err.value.message, updates
+
+
+async def test_wrong_modality_is_refused_before_anything_changes(chat, samples):
+    turn = {"text": "Listen.", "files": [str(samples.audio)]}
+    message, updates = await error_of(chat.respond(turn, [], VL, GREEDY, "s-err"))
+    assert message.startswith("This model does not accept audio inputs (it takes image and video)")
+    assert updates == []
+
+
+async def test_undecodable_media_names_the_file_and_restores_the_turn(chat, tmp_path):
+    bad = tmp_path / "broken.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n not really a png")
+    turn = {"text": "What is it?", "files": [str(bad)]}
+    message, updates = await error_of(chat.respond(turn, [], VL, GREEDY, "s-err"))
+    assert message.startswith("Image 1 (broken.png): could not decode the image")
+    assert updates[-1].history == [] and updates[-1].draft == turn
+
+
+async def test_too_large_and_too_long_are_plain_errors(chat, engines, samples):
+    processor = engines[VL].processor
+    limits = processor.media_limits
+    processor.media_limits = dataclasses.replace(limits, max_item_bytes=1000)
+    try:
+        message, _ = await error_of(chat.respond(image_turn(samples), [], VL, GREEDY, "s-err"))
+    finally:
+        processor.media_limits = limits
+    assert message.startswith("shapes.png is ") and "larger than the limit" in message
+
+    essay = {"text": "word " * 5000}
+    message, _ = await error_of(chat.respond(essay, [], VL, GREEDY, "s-err"))
+    assert "max_model_len is 4096" in message and message.startswith("The prompt has")
+    bad = dataclasses.replace(GREEDY, top_p=0.0)
+    message, _ = await error_of(chat.respond({"text": "hi"}, [], VL, bad, "s-err"))
+    assert message.startswith("Invalid setting: SamplingParams.top_p")
+
+
+# ---- panels ------------------------------------------------------------------------------------
+
+
+async def test_long_prompts_are_elided_and_the_engine_panel_counts(chat, engines):
+    essay = {"text": "The quick brown fox jumps over the lazy dog. " * 40}
+    final = (await run(chat.respond(essay, [], VL, GREEDY, "s-long")))[-1].output
+    strip = panels.placeholder_html(final, engines[VL].tokenizer, max_run=50)
+    assert f"… {len(final.prompt_token_ids) - 50} tokens …" in strip
+    engine = panels.engine_html(wait_idle(engines[VL]))
+    assert "KV blocks in use</b>: 0 /" in engine and "Encoder cache hit rate" in engine
+
+
+async def test_show_result_renders_every_panel(chat, engines, samples):
+    final = (await run(chat.respond(image_turn(samples), [], VL, GREEDY, "s-nb")))[-1].output
+    view = show_result(engines[VL], final)
+    html = view._repr_html_()
+    for part in ("mm-placeholders", "<table", "This request", "mm-engine", "mm-timing"):
+        assert part in html
+
+
+@pytest.mark.usefixtures("engines")  # the demo directory is built by then
+async def test_the_notebook_runs(tmp_path_factory, monkeypatch):
+    """Execute the example notebook's code cells in order (top-level await allowed), except
+    those tagged "server" (launching the app), against the session's demo directory."""
+    monkeypatch.setenv("MMSERVE_DEMO_DIR", str(demo_root(tmp_path_factory)))
+    notebook = json.loads((ROOT / "examples" / "notebook.ipynb").read_text())
+    namespace: dict = {}
+    for cell in notebook["cells"]:
+        if cell["cell_type"] != "code" or "server" in cell["metadata"].get("tags", []):
+            continue
+        source = "".join(cell["source"])
+        code = compile(source, "notebook cell", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+        result = eval(code, namespace)  # our own notebook's code
+        if result is not None:  # a cell with top-level await compiles to a coroutine
+            await result
+    assert "mm-placeholders" in namespace["view"]._repr_html_()
+    assert isinstance(namespace["demo"], gr.Blocks)
+
+
+def test_the_demo_is_generated_once_and_its_examples_fit_the_models(engines, tmp_path_factory):
+    root = demo_root(tmp_path_factory)
+    paths = ensure_demo_models(root)
+    config = paths[VL] / "config.json"
+    built = config.stat().st_mtime_ns
+    assert ensure_demo_models(root) == paths and config.stat().st_mtime_ns == built
+    modalities = {name: llm.processor.modalities for name, llm in engines.items()}
+    rows = sample_examples(modalities, ensure_samples(root))
+    by_files = {tuple(Path(f).suffix for f in message["files"]): model for message, model in rows}
+    expected = {(".png",): VL, (".mp4",): VL, (".png", ".mp4"): VL}
+    if AUDIO in engines:
+        expected[(".wav",)] = AUDIO
+    assert by_files == expected
+
+
+def test_build_demo_takes_one_engine_or_several(engines):
+    assert isinstance(build_demo(engines[VL]), gr.Blocks)
+    assert isinstance(build_demo(engines), gr.Blocks)
+    with pytest.raises(ValueError, match="at least one engine"):
+        build_demo({})

@@ -1,0 +1,170 @@
+"""The offline demo: tiny random-weight checkpoints and small sample media, generated once into a
+cache directory so that `python app.py` works on a fresh machine without the Hugging Face Hub."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+log = logging.getLogger(__name__)
+
+DEMO_DIR_ENV = "MMSERVE_DEMO_DIR"
+
+DEMO_NOTE = (
+    "Random-weight demo model: the text it writes is meaningless, but everything the engine "
+    "does with your media (placeholders, encoder and prefix caches, batching, timing) is real."
+)
+
+
+@dataclass(frozen=True)
+class DemoModel:
+    """One checkpoint of the demo lineup, built by `models.tiny.<builder>(path, **kwargs)`."""
+
+    name: str
+    builder: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+DEMO_LINEUP = (
+    DemoModel("demo-qwen2-vl", "build_qwen2_vl_model", {"variant": "qwen2_vl"}),
+    DemoModel("demo-qwen2-audio", "build_qwen2_audio_model"),
+)
+
+
+@dataclass(frozen=True)
+class Samples:
+    """Paths of the generated sample media."""
+
+    image: Path
+    video: Path
+    audio: Path
+
+
+def demo_dir() -> Path:
+    """Where the demo lives: $MMSERVE_DEMO_DIR, else <XDG cache>/mmserve/demo."""
+    if os.environ.get(DEMO_DIR_ENV):
+        return Path(os.environ[DEMO_DIR_ENV]).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "mmserve" / "demo"
+
+
+def ensure_demo_models(root: Path | None = None) -> dict[str, Path]:
+    """Build the demo lineup under `root/models` unless already there; name -> checkpoint.
+
+    A lineup entry whose builder `models.tiny` does not provide is left out with a warning.
+    """
+    import models.tiny as tiny  # imports torch: only when a checkpoint may need building
+
+    root = (root or demo_dir()) / "models"
+    paths = {}
+    for model in DEMO_LINEUP:
+        builder = getattr(tiny, model.builder, None)
+        if builder is None:
+            log.warning("demo model %s left out: models.tiny has no %s", model.name, model.builder)
+            continue
+        path = root / model.name
+        if not (path / "config.json").exists():
+            log.info("generating demo model %s (random weights) in %s, once", model.name, path)
+            _build_atomically(path, functools.partial(builder, **model.kwargs))
+        paths[model.name] = path
+    return paths
+
+
+def _build_atomically(path: Path, build: Callable[[Path], object]) -> None:
+    """Build into a sibling temporary directory, then rename: an interrupted build leaves no
+    half checkpoint, and of two processes building at once the first rename wins."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        build(tmp)
+        os.replace(tmp, path)
+    except OSError:
+        if not (path / "config.json").exists():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def ensure_samples(root: Path | None = None) -> Samples:
+    """Write the sample image (PNG), video (H.264 MP4) and audio (WAV) under `root/samples`
+    unless already there."""
+    folder = (root or demo_dir()) / "samples"
+    folder.mkdir(parents=True, exist_ok=True)
+    samples = Samples(folder / "shapes.png", folder / "bouncing.mp4", folder / "chirp.wav")
+    for path, write in (
+        (samples.image, _write_image),
+        (samples.video, _write_video),
+        (samples.audio, _write_audio),
+    ):
+        if not path.exists():
+            tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
+            write(tmp)
+            os.replace(tmp, path)
+    return samples
+
+
+def _shapes(width: int, height: int, t: float) -> Image.Image:
+    """A colourful test card; `t` in [0, 1) moves the ball."""
+    x = np.linspace(0, 1, width)[None, :, None]
+    y = np.linspace(0, 1, height)[:, None, None]
+    rgb = np.concatenate([x * np.ones_like(y), y * np.ones_like(x), (1 - x) * (1 - y)], axis=2)
+    img = Image.fromarray((rgb * 255).astype(np.uint8))
+    draw = ImageDraw.Draw(img)
+    draw.rectangle((width * 0.1, height * 0.55, width * 0.4, height * 0.9), fill=(20, 20, 160))
+    cx = width * (0.2 + 0.6 * t)
+    cy = height * (0.3 + 0.15 * math.sin(2 * math.pi * t))
+    r = min(width, height) * 0.15
+    draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=(230, 60, 40))
+    return img
+
+
+def _write_image(path: Path) -> None:
+    _shapes(320, 240, 0.25).save(path, format="PNG")
+
+
+def _write_video(path: Path, seconds: float = 2.0, fps: int = 12) -> None:
+    import av
+
+    with av.open(str(path), mode="w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = 160, 120, "yuv420p"
+        for i in range(int(seconds * fps)):
+            frame = av.VideoFrame.from_image(_shapes(160, 120, i / (seconds * fps)))
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+
+
+def _write_audio(path: Path, seconds: float = 2.0, rate: int = 16000) -> None:
+    import soundfile
+
+    t = np.arange(int(seconds * rate)) / rate
+    chirp = 0.3 * np.sin(2 * np.pi * (220 * t + 220 * t * t / seconds))
+    soundfile.write(path, chirp.astype(np.float32), rate, format="WAV")
+
+
+def sample_examples(modalities: Mapping[str, tuple[str, ...]], samples: Samples) -> list[list]:
+    """Rows [textbox value, model name] for gr.Examples: each sample with the first model that
+    accepts its modality, and an image-and-video turn for a model that takes both."""
+    wanted = [
+        (("image",), "Describe this image.", [samples.image]),
+        (("video",), "What happens in this video?", [samples.video]),
+        (("audio",), "Transcribe this audio clip.", [samples.audio]),
+        (("image", "video"), "Compare the picture with the video.", [samples.image, samples.video]),
+    ]
+    rows = []
+    for needs, text, files in wanted:
+        model = next((m for m, accepted in modalities.items() if set(needs) <= set(accepted)), None)
+        if model is not None:
+            rows.append([{"text": text, "files": [str(f) for f in files]}, model])
+    return rows

@@ -1,0 +1,180 @@
+"""The Gradio Blocks: the chat (model choice, multimodal composer, Stop/Regenerate/Clear,
+settings, examples) beside the live engine panels, and the event wiring between them."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+
+import gradio as gr
+
+from engine import AsyncLLM
+from ui import panels
+from ui.chat import EMPTY_DRAFT, Chat, ChatSettings, ChatUpdate
+from ui.demo import ensure_samples, sample_examples
+from ui.space import gpu
+
+TITLE = "mmserve: multimodal chat with live engine panels"
+_NO_REQUEST = '<div style="color:#6b7280;padding:6px">No request yet: send a message.</div>'
+
+
+def build_demo(
+    engines: Mapping[str, AsyncLLM] | AsyncLLM,
+    *,
+    notes: Mapping[str, str] | None = None,
+    examples: list[list] | None = None,
+) -> gr.Blocks:
+    """The app's Blocks for existing engines (a name -> engine mapping, or one engine named by
+    its model id). `notes` adds a line under a model's name (the demo's random-weight
+    warning); `examples` are gr.Examples rows [textbox value, model name], by default the
+    generated sample media. The queue is configured; call `.launch()` or mount it."""
+    if isinstance(engines, AsyncLLM):
+        engines = {engines.engine.model_id: engines}
+    if not engines:
+        raise ValueError("build_demo needs at least one engine")
+    chat = Chat(engines)
+    notes = notes or {}
+    names = list(engines)
+    if examples is None:
+        modalities = {name: llm.processor.modalities for name, llm in engines.items()}
+        examples = sample_examples(modalities, ensure_samples())
+    longest = max(llm.engine.max_model_len for llm in engines.values())
+
+    def model_info(model: str) -> str:
+        llm = engines[model]
+        takes = ", ".join(llm.processor.modalities) or "text only"
+        note = f"\n\n⚠️ {notes[model]}" if model in notes else ""
+        return f"Accepts **{takes}** · context **{llm.engine.max_model_len}** tokens{note}"
+
+    # No usage telemetry: a local app should not call home.
+    with gr.Blocks(title="mmserve", fill_width=True, analytics_enabled=False) as demo:
+        gr.Markdown(f"## {TITLE}")
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=5):
+                model = gr.Dropdown(names, value=names[0], label="Model",
+                                    interactive=len(names) > 1)
+                info = gr.Markdown(model_info(names[0]))
+                chatbot = gr.Chatbot(label="Chat", height=440, elem_id="chatbot")
+                composer = gr.MultimodalTextbox(
+                    sources=["upload", "microphone"], file_count="multiple", show_label=False,
+                    placeholder="Type a message; attach images, videos or audio (several at once)",
+                    elem_id="composer",
+                )
+                with gr.Row():
+                    stop = gr.Button("Stop", variant="stop", elem_id="stop")
+                    regenerate = gr.Button("Regenerate", elem_id="regenerate")
+                    clear = gr.Button("Clear", elem_id="clear")
+                with gr.Accordion("Generation settings", open=False):
+                    system = gr.Textbox(label="System prompt", lines=2)
+                    temperature = gr.Slider(0, 2, value=0.7, step=0.05, label="Temperature")
+                    top_p = gr.Slider(0.05, 1, value=1.0, step=0.05, label="Top p")
+                    max_tokens = gr.Slider(1, longest, value=min(256, longest), step=1,
+                                           label="Max new tokens", elem_id="max-tokens")
+                    seed = gr.Number(-1, precision=0, minimum=-1, label="Seed (-1: random)")
+                with gr.Accordion("Webcam snapshot", open=False):
+                    webcam = gr.Image(sources=["webcam"], type="filepath",
+                                      label="Captured frames are attached to your message")
+                if examples:
+                    gr.Examples(examples, inputs=[composer, model], cache_examples=False,
+                                label="Examples (generated sample media)")
+            with gr.Column(scale=4):
+                gr.Markdown("### Prompt: placeholder ranges")
+                placeholders = gr.HTML(_NO_REQUEST, elem_id="placeholders")
+                items = gr.Dataframe(headers=panels.TABLE_COLUMNS, interactive=False,
+                                     label="Media items", elem_id="items")
+                gr.Markdown("### Cache")
+                cache = gr.HTML(_NO_REQUEST, elem_id="cache")
+                engine_panel = gr.HTML(panels.engine_html(engines[names[0]].stats()),
+                                       elem_id="engine")
+                gr.Markdown("### Timing")
+                timing = gr.HTML(_NO_REQUEST, elem_id="timing")
+        timer = gr.Timer(1.0)
+
+        settings_inputs = [system, temperature, top_p, max_tokens, seed]
+        turn_outputs = [composer, chatbot, placeholders, items, cache, engine_panel, timing]
+
+        @gpu
+        async def send(
+            message: dict | None, history: list, name: str, system_prompt: str,
+            temperature: float, top_p: float, max_new_tokens: int, seed_value: float | None,
+            request: gr.Request,
+        ) -> AsyncIterator[tuple]:
+            settings = ChatSettings(system_prompt, temperature, top_p, max_new_tokens, seed_value)
+            view = _TurnView(engines[name])
+            async for update in chat.respond(message, history, name, settings, _session(request)):
+                yield view(update)
+
+        @gpu
+        async def again(
+            history: list, name: str, system_prompt: str, temperature: float, top_p: float,
+            max_new_tokens: int, seed_value: float | None, request: gr.Request,
+        ) -> AsyncIterator[tuple]:
+            settings = ChatSettings(system_prompt, temperature, top_p, max_new_tokens, seed_value)
+            view = _TurnView(engines[name])
+            async for update in chat.regenerate(history, name, settings, _session(request)):
+                yield view(update)
+
+        async def stop_turn(request: gr.Request) -> None:
+            await chat.stop(_session(request))
+
+        async def clear_chat(name: str, request: gr.Request) -> tuple:
+            await chat.stop(_session(request))
+            return ([], EMPTY_DRAFT, _NO_REQUEST, None, _NO_REQUEST,
+                    panels.engine_html(engines[name].stats()), _NO_REQUEST)
+
+        def attach(snapshot: str | None, message: dict | None) -> tuple[dict, None]:
+            message = message or EMPTY_DRAFT
+            files = [*message.get("files", []), *([snapshot] if snapshot else [])]
+            return {"text": message.get("text", ""), "files": files}, None
+
+        # Generation events share one concurrency group as wide as the engines' batches: each
+        # tab's turn then joins the running batch at once (continuous batching), while turns
+        # beyond that wait in Gradio's queue, which shows their position, instead of piling
+        # up decoded media in the engine.
+        width = sum(llm.engine.config.max_num_seqs for llm in engines.values())
+        generate = dict(concurrency_id="generate", concurrency_limit=width)
+        composer.submit(send, [composer, chatbot, model, *settings_inputs], turn_outputs,
+                        api_name="chat", show_progress="hidden", **generate)
+        regenerate.click(again, [chatbot, model, *settings_inputs], turn_outputs,
+                         api_name="regenerate", show_progress="hidden", **generate)
+        # Control and refresh events must never wait behind generations: no concurrency limit.
+        instant = dict(concurrency_limit=None, show_progress="hidden")
+        stop.click(stop_turn, None, None, api_name="stop", **instant)
+        clear.click(clear_chat, model, [chatbot, composer, placeholders, items, cache,
+                                        engine_panel, timing], api_name="clear", **instant)
+        chatbot.clear(stop_turn, None, None, api_visibility="private", **instant)
+        webcam.input(attach, [webcam, composer], [composer, webcam], api_visibility="private",
+                     **instant)
+        model.change(model_info, model, info, api_visibility="private", **instant)
+        timer.tick(lambda name: panels.engine_html(engines[name].stats()), model, engine_panel,
+                   api_name="engine_stats", **instant)
+
+    # The default limit covers the remaining events (loading an example). max_size bounds the
+    # backlog to about three more batches: past it, users are told at once that the app is busy.
+    demo.queue(default_concurrency_limit=width, max_size=4 * width)
+    return demo
+
+
+class _TurnView:
+    """Maps a turn's ChatUpdates to the outputs; the prompt panels (which do not change while
+    a request streams) are rendered once per request."""
+
+    def __init__(self, llm: AsyncLLM) -> None:
+        self.llm = llm
+        self.shown: str | None = None
+
+    def __call__(self, update: ChatUpdate) -> tuple:
+        draft = gr.skip() if update.draft is None else update.draft
+        out = update.output
+        if out is None:
+            return (draft, update.history, *[gr.skip()] * 5)
+        prompt: tuple = (gr.skip(), gr.skip())
+        if out.request_id != self.shown or out.finished:
+            self.shown = out.request_id
+            prompt = (panels.placeholder_html(out, self.llm.tokenizer),
+                      panels.placeholder_table(out))
+        return (draft, update.history, *prompt, panels.cache_html(out),
+                panels.engine_html(self.llm.stats()), panels.timing_html(out))
+
+
+def _session(request: gr.Request | None) -> str:
+    return getattr(request, "session_hash", None) or "default"
