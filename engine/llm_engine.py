@@ -266,7 +266,8 @@ def _encoder_budget(config: EngineConfig, mm_processor) -> EncoderBudget:
         raise ValueError(
             f"the largest media item this model accepts needs {largest} embeddings, but "
             f"{budget.setting} is {budget.max_embeds}; raise {budget.setting} to at least "
-            f"{largest} (or lower max_pixels in the checkpoint's preprocessor config)"
+            f"{largest} (or, for images and videos, lower max_pixels in the checkpoint's "
+            "preprocessor config)"
         )
     return budget
 

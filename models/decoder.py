@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
-from models.layers import GatedMLP, RMSNorm, RotaryTable, apply_rotary
+from models.layers import GatedMLP, Linear, RMSNorm, RotaryTable, apply_rotary
 from models.loader import Shard
 
 
@@ -77,8 +77,8 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.kv_cache = torch.empty(0)  # bound by the model runner
 
     def forward(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
@@ -112,7 +112,7 @@ class Decoder(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         self.rotary = self.make_rotary(max_positions, device)
 

@@ -9,6 +9,25 @@ import torch.nn.functional as F
 from torch import nn
 
 
+class Linear(nn.Linear):
+    """nn.Linear with a faster formulation for a few rows of float32 on the CPU.
+
+    MKL's GEMM for 2-64 rows streams the weight at a third to a half of its matrix-vector rate
+    (measured on this project's 2-core AVX-512 machines: a 9728x896 weight at 8 rows takes 6.0
+    ms with F.linear, 3.8 ms as (W @ x^T)^T), and batched decode runs exactly such shapes. The
+    row count is a host-side shape, so the choice costs no sync; the result is a transposed
+    view, which the following ops accept.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if 2 <= x.shape[0] <= 64 and x.dim() == 2 and x.dtype == torch.float32 and (
+            x.device.type == "cpu"
+        ):
+            out = (self.weight @ x.t()).t()  # [rows, out], a view of [out, rows]
+            return out if self.bias is None else out + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in float32, scaled by a learned weight."""
 
@@ -30,8 +49,8 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool = False, act: str = "silu"):
         super().__init__()
         self.intermediate = intermediate
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from models.decoder import CausalLM
+from models.qwen2_audio import QwenAudioForConditionalGeneration
+from models.qwen2_audio_processor import QwenAudioProcessor
 from models.qwen2_vl import QwenVLForConditionalGeneration
 from models.qwen2_vl_processor import QwenVLProcessor
 
@@ -29,6 +31,9 @@ _REGISTRY: dict[str, ModelSpec] = {
     "Qwen2VLForConditionalGeneration": ModelSpec(QwenVLForConditionalGeneration, QwenVLProcessor),
     "Qwen2_5_VLForConditionalGeneration": ModelSpec(
         QwenVLForConditionalGeneration, QwenVLProcessor
+    ),
+    "Qwen2AudioForConditionalGeneration": ModelSpec(
+        QwenAudioForConditionalGeneration, QwenAudioProcessor
     ),
 }
 

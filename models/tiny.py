@@ -242,3 +242,56 @@ def build_qwen2_vl_model(
     video = {**preprocessor, "max_pixels": max(4, max_image_tokens // 4) * unit, "fps": 2.0}
     (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
     return path
+
+
+def build_qwen2_audio_model(
+    path: Path,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int | None = None,
+    vocab_size: int | None = None,
+    audio_width: int = 32,
+    audio_layers: int = 2,
+    audio_heads: int = 4,
+    audio_ffn: int | None = None,
+    n_mels: int = 128,
+    max_position_embeddings: int = 4096,
+    seed: int = 0,
+    std: float = 0.25,
+) -> Path:
+    """A tiny Qwen2AudioForConditionalGeneration with a Whisper feature-extractor config.
+
+    The encoder keeps Qwen2-Audio's 30 s window (1500 positions); `n_mels` is written both to
+    the encoder config and to preprocessor_config.json's feature_size.
+    """
+    from transformers import Qwen2AudioConfig, Qwen2AudioForConditionalGeneration
+
+    tokenizer = qwen_tokenizer()
+    text = dict(
+        hidden_size=hidden_size, intermediate_size=intermediate_size or 2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads, vocab_size=vocab_size or len(tokenizer),
+        max_position_embeddings=max_position_embeddings, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None, pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+    )
+    audio = dict(
+        d_model=audio_width, encoder_layers=audio_layers, encoder_attention_heads=audio_heads,
+        encoder_ffn_dim=audio_ffn or 2 * audio_width, num_mel_bins=n_mels,
+        max_source_positions=1500,
+    )
+    config = Qwen2AudioConfig(audio_config=audio, text_config=text,
+                              audio_token_index=tokenizer.convert_tokens_to_ids("<|AUDIO|>"))
+    torch.manual_seed(seed)
+    model = Qwen2AudioForConditionalGeneration(config)
+    randomize(model, std=std, seed=seed)
+    path = save_checkpoint(model, tokenizer, Path(path), [tokenizer.eos_token_id])
+    preprocessor = {
+        "feature_extractor_type": "WhisperFeatureExtractor", "feature_size": n_mels,
+        "sampling_rate": 16000, "hop_length": 160, "chunk_length": 30, "n_fft": 400,
+        "padding_value": 0.0, "return_attention_mask": True,
+    }
+    (path / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    return path

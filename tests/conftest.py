@@ -65,3 +65,20 @@ def qwen2_vl_path(tmp_path_factory):
     from models.tiny import build_qwen2_vl_model
 
     return build_qwen2_vl_model(tmp_path_factory.mktemp("ckpt") / "qwen2_vl_only", "qwen2_vl")
+
+
+@pytest.fixture(scope="session")
+def qwen2_audio_path(tmp_path_factory):
+    from models.tiny import build_qwen2_audio_model
+
+    return build_qwen2_audio_model(tmp_path_factory.mktemp("ckpt") / "qwen2_audio")
+
+
+@pytest.fixture(scope="session")
+def hf_audio_model(qwen2_audio_path):
+    """transformers' Qwen2-Audio on the tiny checkpoint (float32, eval)."""
+    from transformers import Qwen2AudioForConditionalGeneration
+
+    return Qwen2AudioForConditionalGeneration.from_pretrained(
+        qwen2_audio_path, dtype=torch.float32
+    ).eval()

@@ -108,3 +108,18 @@ def test_forward_sources_never_read_tensors_back(path):
     if path == "engine/attention.py":  # build_metadata runs on the host before the forward
         source = source[source.index("def paged_attention") :]
     assert not HOST_READS.search(source), HOST_READS.search(source)
+
+
+def test_audio_encoder_has_no_host_sync(qwen2_audio_path):
+    from models.qwen2_audio import build_audio_batch, encoder_lengths, receptive_frames
+
+    model = LLM(qwen2_audio_path, max_model_len=256).engine.runner.model
+    frames = [3000, 201, 57]  # a full window and two shorter clips
+    features = [torch.randn(128, receptive_frames(n, 3000)) for n in frames]
+    batch = build_audio_batch(features, frames, torch.device("cpu"), torch.float32)  # host side
+    with torch.inference_mode(), SyncRecorder() as rec:
+        embeds = model.multi_modal_projector.linear(model.audio_tower(batch))
+    assert rec.seen == []
+    assert embeds.shape[0] == sum(encoder_lengths(n)[1] for n in frames)
+    source = (ROOT / "models/qwen2_audio.py").read_text()
+    assert not HOST_READS.search(source), HOST_READS.search(source)

@@ -1,0 +1,216 @@
+"""Qwen2-Audio: the Qwen2 decoder fed by a Whisper-style audio encoder, batched over every clip
+of a step.
+
+Encoder: two convolutions (the second halves the frame rate), learned positions, pre-LN
+transformer layers, average pooling by 2, a final LayerNorm, then a linear projector into the
+LLM's width. A clip of L mel frames gives (L + 1) // 2 encoder positions and half as many
+embeddings (`encoder_lengths`).
+
+Nothing is padded, neither to the 30 s window nor to the step's longest clip: each clip's
+features stop two frames past its real ones (the convolutions' reach: `receptive_frames`), so
+its real outputs equal the full-window ones. The clips' positions are packed into one sequence
+[N, width]: every matmul of the layers runs once for the whole step, while the convolutions
+and attention, whose cost depends on a clip's own length, run clip by clip over views of it.
+(Padding to the longest clip measured slower than a loop over clips on the CPU: a 30 s clip
+next to 2 s ones multiplies the short ones' attention and convolution work.) Pooling pairs
+never straddle a clip's end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.device import to_device
+from models.decoder import Decoder, DecoderConfig
+from models.layers import ACTIVATIONS
+
+
+def encoder_lengths(num_frames: int) -> tuple[int, int]:
+    """(encoder positions, output embeddings) for a clip of `num_frames` real mel frames."""
+    positions = (num_frames - 1) // 2 + 1  # conv2: kernel 3, stride 2, padding 1
+    return positions, positions // 2  # average pooling: kernel 2, stride 2
+
+
+def receptive_frames(num_frames: int, window_frames: int) -> int:
+    """Mel frames the clip's real outputs depend on: up to the last real position's conv
+    reach (two kernel-3 convolutions, the second with stride 2), within the window."""
+    positions, _ = encoder_lengths(num_frames)
+    return min(2 * positions + 1, window_frames)
+
+
+@dataclass(frozen=True)
+class AudioEncoderConfig:
+    """The encoder's shape, read once from the checkpoint's audio_config."""
+
+    num_mel_bins: int
+    width: int
+    num_layers: int
+    num_heads: int
+    ffn_dim: int
+    max_positions: int
+    activation: str
+
+    @classmethod
+    def from_hf(cls, ac) -> AudioEncoderConfig:
+        if getattr(ac, "scale_embedding", False):
+            raise NotImplementedError("audio encoders with scale_embedding are not built")
+        return cls(
+            num_mel_bins=ac.num_mel_bins,
+            width=ac.d_model,
+            num_layers=ac.encoder_layers,
+            num_heads=ac.encoder_attention_heads,
+            ffn_dim=ac.encoder_ffn_dim,
+            max_positions=ac.max_source_positions,
+            activation=ac.activation_function,
+        )
+
+
+@dataclass
+class AudioBatch:
+    """One step's clips, with the host-built indices that pack their encoder positions."""
+
+    features: torch.Tensor  # [n_mels, sum(frames)] the clips' receptive frames, concatenated
+    frames: list[int]  # mel frames per clip
+    lengths: list[int]  # encoder positions per clip (N in all)
+    positions: torch.Tensor  # [N] int64 position of each packed row within its clip
+    pairs: torch.Tensor  # [sum(sizes), 2] int64 packed rows averaged into each embedding
+    sizes: list[int]  # embeddings per clip
+
+
+def build_audio_batch(
+    features: list[torch.Tensor], num_frames: list[int], device: torch.device,
+    dtype: torch.dtype,
+) -> AudioBatch:
+    """Concatenate clips' features ([n_mels, f_i] each); indices to pack their outputs."""
+    lengths, sizes = zip(*(encoder_lengths(n) for n in num_frames), strict=True)
+    starts = accumulate(lengths[:-1], initial=0)  # first packed row of each clip
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    firsts = torch.cat([s + 2 * torch.arange(n) for s, n in zip(starts, sizes, strict=True)])
+    pairs = torch.stack([firsts, firsts + 1], dim=1)
+    return AudioBatch(
+        features=to_device(torch.cat(features, dim=1).to(dtype), device),
+        frames=[f.shape[-1] for f in features], lengths=list(lengths),
+        positions=to_device(positions, device), pairs=to_device(pairs, device),
+        sizes=list(sizes),
+    )
+
+
+class EncoderAttention(nn.Module):
+    def __init__(self, cfg: AudioEncoderConfig) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.width // cfg.num_heads
+        self.scale = self.head_dim**-0.5
+        self.q_proj = nn.Linear(cfg.width, cfg.width)
+        self.k_proj = nn.Linear(cfg.width, cfg.width, bias=False)
+        self.v_proj = nn.Linear(cfg.width, cfg.width)
+        self.out_proj = nn.Linear(cfg.width, cfg.width)
+
+    def forward(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """x [N, width] packed -> [N, width]; each clip attends only to its own positions."""
+        n = x.shape[0]
+        # Queries are scaled before the product, as in the checkpoint's reference.
+        q = (self.q_proj(x) * self.scale).view(n, self.num_heads, self.head_dim)  # [N, H, D]
+        k = self.k_proj(x).view(n, self.num_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.num_heads, self.head_dim)
+        # 4-D [1, H, n_i, D] per clip: the CPU's fused kernel takes no 3-D inputs.
+        out = torch.cat([
+            F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in clip), scale=1.0)
+            [0].transpose(0, 1)  # [n_i, H, D]
+            for clip in zip(q.split(lengths), k.split(lengths), v.split(lengths), strict=True)
+        ])
+        return self.out_proj(out.reshape(n, -1))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg: AudioEncoderConfig) -> None:
+        super().__init__()
+        self.self_attn_layer_norm = nn.LayerNorm(cfg.width)
+        self.self_attn = EncoderAttention(cfg)
+        self.final_layer_norm = nn.LayerNorm(cfg.width)
+        self.fc1 = nn.Linear(cfg.width, cfg.ffn_dim)
+        self.fc2 = nn.Linear(cfg.ffn_dim, cfg.width)
+        self.act = ACTIVATIONS[cfg.activation]
+
+    def forward(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        x = x + self.self_attn(self.self_attn_layer_norm(x), lengths)
+        x = x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
+        if x.dtype == torch.float16:  # deep stacks overflow float16; the reference clamps too
+            bound = torch.finfo(x.dtype).max - 1000
+            x = x.clamp(-bound, bound)
+        return x
+
+
+class AudioEncoder(nn.Module):
+    """Mel features -> pooled, normalised encoder states (before the projector)."""
+
+    def __init__(self, cfg: AudioEncoderConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.conv1 = nn.Conv1d(cfg.num_mel_bins, cfg.width, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv1d(cfg.width, cfg.width, kernel_size=3, stride=2, padding=1)
+        self.embed_positions = nn.Embedding(cfg.max_positions, cfg.width)
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layer_norm = nn.LayerNorm(cfg.width)
+
+    def forward(self, batch: AudioBatch) -> torch.Tensor:
+        """-> [sum(sizes), width], clips in batch order."""
+        clips = batch.features.split(batch.frames, dim=1)  # [n_mels, f_i] views
+        # The frame kept past a clip's end yields one more position, never used.
+        x = torch.cat([
+            F.gelu(self.conv2(F.gelu(self.conv1(f))))[:, :n]  # [width, n_i]
+            for f, n in zip(clips, batch.lengths, strict=True)
+        ], dim=1).T  # [N, width]
+        x = x + self.embed_positions(batch.positions)
+        for layer in self.layers:
+            x = layer(x, batch.lengths)
+        pooled = x[batch.pairs].mean(1)  # [sum(sizes), width]
+        return self.layer_norm(pooled)
+
+
+class QwenAudioForConditionalGeneration(Decoder):
+    """Decoder + audio encoder + projector. `encode` turns processed clips into embeddings."""
+
+    def __init__(self, hf_config, max_positions: int, device: torch.device) -> None:
+        super().__init__(DecoderConfig.from_hf(hf_config.text_config, qwen2_bias=True),
+                         max_positions, device)
+        self.audio_tower = AudioEncoder(AudioEncoderConfig.from_hf(hf_config.audio_config))
+        self.multi_modal_projector = nn.Module()
+        self.multi_modal_projector.linear = nn.Linear(self.audio_tower.cfg.width,
+                                                      self.cfg.hidden_size)
+
+    @classmethod
+    def from_hf_config(cls, hf_config, max_positions: int, device: torch.device):
+        return cls(hf_config, max_positions, device)
+
+    def encode(self, items: list[tuple[str, dict]]) -> list[torch.Tensor]:
+        """Items ("audio", {"input_features", "num_frames"}) -> embeddings [n_i, hidden] each,
+        every clip in one encoder forward."""
+        weight = self.embed_tokens.weight
+        batch = build_audio_batch(
+            [d["input_features"] for _, d in items], [d["num_frames"] for _, d in items],
+            weight.device, weight.dtype,
+        )
+        states = self.audio_tower(batch)  # [sum(sizes), width]
+        return list(self.multi_modal_projector.linear(states).split(batch.sizes))
+
+    def checkpoint_map(self) -> Callable:
+        """Both layouts: the Hub's (audio_tower.*, multi_modal_projector.*,
+        language_model.model.*, language_model.lm_head.*) and transformers 5's (model.audio_tower.*,
+        model.multi_modal_projector.*, model.language_model.*, lm_head.*)."""
+        hub_lm = self.weight_map(prefix="language_model.model.", lm_head="language_model.lm_head.")
+        new_lm = self.weight_map(prefix="model.language_model.", lm_head="lm_head.")
+
+        def mapping(name: str):
+            for module in ("audio_tower.", "multi_modal_projector."):
+                for prefix in ("model." + module, module):
+                    if name.startswith(prefix):
+                        return module + name[len(prefix):], None
+            return hub_lm(name) if name.startswith("language_model.") else new_lm(name)
+
+        return mapping

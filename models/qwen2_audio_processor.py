@@ -1,0 +1,180 @@
+"""Prompt processing for Qwen2-Audio: audio clips -> log-mel windows, placeholder spans, hashes.
+
+The chat template writes `<|audio_bos|><|AUDIO|><|audio_eos|>` per clip. The encoder sees one
+window of `chunk_length` seconds (30 s) at a time, so a clip is split into consecutive 30 s
+windows (the last one shorter), each its own encoder item with its own span and content hash.
+The clip's `<|AUDIO|>` token becomes, per window, as many `<|AUDIO|>` tokens as the encoder
+emits for that window's real frames, and consecutive windows are separated by
+`<|audio_eos|><|audio_bos|>`, so every window reads like a clip of its own:
+
+    <|audio_bos|> AUDIO x n1 <|audio_eos|><|audio_bos|> AUDIO x n2 <|audio_eos|>
+
+A window shorter than the encoder's minimum (3 frames, 20 ms, for one embedding) is padded with
+silence to it. Clips longer than `max_audio_duration_s` (default 600 s, 10 minutes; per request
+through mm_processor_kwargs) are refused, as are clips past engine.media's
+`MediaLimits.max_audio_duration_s` while decoding. The i-th `<|AUDIO|>` takes the i-th clip.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine.hashing import hash_audio
+from engine.media import AudioClip, MediaError
+from engine.processing import ProcessedCache, ProcessedPrompt
+from engine.request import MultiModalFeature, PlaceholderRange
+from models.qwen2_audio import encoder_lengths, receptive_frames
+from models.whisper_features import LogMelExtractor, MelConfig
+
+DEFAULT_MAX_AUDIO_DURATION_S = 600.0
+_MIN_FRAMES = 3  # the fewest mel frames from which the encoder emits an embedding
+_KWARGS = ("max_audio_duration_s",)
+
+
+class QwenAudioProcessor:
+    """Expands `<|AUDIO|>` placeholders into per-window spans and prepares their mel features."""
+
+    modalities = ("audio",)
+
+    def __init__(self, hf_config, tokenizer, model_path: Path, model_id: str, engine_config):
+        self.model_id = model_id
+        self.audio_token_id = hf_config.audio_token_id
+        self.bos_token_id, self.eos_token_id = (
+            _special_id(tokenizer, t) for t in ("<|audio_bos|>", "<|audio_eos|>"))
+        audio = hf_config.audio_config
+        self.mel = MelConfig.from_preprocessor(_preprocessor_config(model_path),
+                                               audio.num_mel_bins)
+        if self.mel.n_mels != audio.num_mel_bins:
+            raise ValueError(
+                f"preprocessor_config.json has feature_size {self.mel.n_mels} but the audio "
+                f"encoder expects {audio.num_mel_bins} mel bins"
+            )
+        if encoder_lengths(self.mel.window_frames)[0] > audio.max_source_positions:
+            raise ValueError(
+                f"a {self.mel.chunk_length} s window gives more encoder positions than the "
+                f"encoder's max_source_positions={audio.max_source_positions}"
+            )
+        self.extractor = LogMelExtractor(self.mel)
+        self.cache = ProcessedCache(engine_config.processed_cache_items)
+
+    def loader_kwargs(self, mm_kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Options for engine.media: decode audio at the feature extractor's rate."""
+        _max_duration(mm_kwargs)
+        return {"audio_kwargs": {"sample_rate": self.mel.sample_rate}}
+
+    def max_embeds_per_item(self) -> int:
+        """A full window's embeddings, for the start-up budget check."""
+        return encoder_lengths(self.mel.window_frames)[1]
+
+    def process(
+        self, token_ids: list[int], media: dict[str, list], mm_kwargs: dict[str, Any]
+    ) -> ProcessedPrompt:
+        limit = _max_duration(mm_kwargs)
+        clips = media.get("audio", [])
+        found = token_ids.count(self.audio_token_id)
+        if found != len(clips):
+            raise ValueError(
+                f"the prompt has {found} audio placeholder(s) but {len(clips)} audio clip(s) "
+                "were given; each clip needs one placeholder (the chat template adds it)"
+            )
+        stages = {"hashing": 0.0, "preprocess": 0.0}
+        windows = [self._windows(clip, i, limit) for i, clip in enumerate(clips, start=1)]
+        t0 = time.perf_counter()
+        options = asdict(self.mel)
+        keys = [[hash_audio(w, model_id=self.model_id, processor_kwargs=options) for w in clip]
+                for clip in windows]
+        t1 = time.perf_counter()
+        flat = [w for clip in windows for w in clip]
+        data = iter(self._features(flat, [k for clip in keys for k in clip]))
+        encoded = [[(key, next(data)) for key in clip] for clip in keys]
+        ids, features = self._expand(token_ids, encoded)
+        stages["hashing"] += t1 - t0
+        stages["preprocess"] += time.perf_counter() - t1
+        return ProcessedPrompt(None, ids, features, None, stages)
+
+    def _windows(self, clip: AudioClip, number: int, limit: float) -> list[AudioClip]:
+        """The clip cut into consecutive windows, the last one padded to the encoder minimum."""
+        if clip.sample_rate != self.mel.sample_rate:
+            raise ValueError(f"audio {number} is at {clip.sample_rate} Hz, expected "
+                             f"{self.mel.sample_rate} Hz (load it through engine.media)")
+        if clip.duration_s > limit:
+            raise MediaError(
+                f"audio {number}: duration {clip.duration_s:.1f} s exceeds the limit of "
+                f"{limit:g} s (mm_processor_kwargs max_audio_duration_s)"
+            )
+        size, shortest = self.mel.window_samples, (_MIN_FRAMES - 1) * self.mel.hop_length + 1
+        out = []
+        for start in range(0, len(clip.samples), size):
+            samples = clip.samples[start : start + size]
+            if len(samples) < shortest:
+                samples = np.pad(samples, (0, shortest - len(samples)))
+            out.append(AudioClip(samples, clip.sample_rate))
+        return out
+
+    def _features(self, windows: list[AudioClip], keys: list[str]) -> list[dict]:
+        """Encoder inputs per window, from the processed cache or, for every window of the
+        prompt at once, from one batched extraction on the first miss."""
+        extracted: list[dict] = []
+
+        def compute(i: int) -> dict:
+            if not extracted:
+                mel = self.extractor([w.samples for w in windows])
+                for row, n in zip(mel.features, mel.num_frames, strict=True):
+                    kept = receptive_frames(n, self.mel.window_frames)
+                    extracted.append({"input_features": row[:, :kept].clone(), "num_frames": n})
+            return extracted[i]
+
+        return [self.cache.get_or_compute(key, partial(compute, i)) for i, key in enumerate(keys)]
+
+    def _expand(self, token_ids: list[int], encoded: list[list[tuple[str, dict]]]):
+        """Each `<|AUDIO|>` -> its clip's windows' spans, separated by eos/bos tokens."""
+        clips = iter(encoded)
+        ids: list[int] = []
+        features: list[MultiModalFeature] = []
+        for token in token_ids:
+            if token != self.audio_token_id:
+                ids.append(token)
+                continue
+            for k, (identifier, data) in enumerate(next(clips)):
+                if k:
+                    ids.extend((self.eos_token_id, self.bos_token_id))
+                n = encoder_lengths(data["num_frames"])[1]
+                span = PlaceholderRange(len(ids), n)
+                features.append(MultiModalFeature("audio", identifier, span, data))
+                ids.extend([token] * n)
+        return ids, features
+
+
+def _max_duration(mm_kwargs: dict[str, Any]) -> float:
+    unknown = set(mm_kwargs) - set(_KWARGS)
+    if unknown:
+        raise ValueError(
+            f"unknown mm_processor_kwargs {', '.join(sorted(unknown))} "
+            f"(Qwen2-Audio accepts {', '.join(_KWARGS)})"
+        )
+    value = mm_kwargs.get("max_audio_duration_s", DEFAULT_MAX_AUDIO_DURATION_S)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (
+            math.isfinite(value) and value > 0):
+        raise ValueError(f"max_audio_duration_s must be a number > 0, got {value!r}")
+    return float(value)
+
+
+def _special_id(tokenizer, token: str) -> int:
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    if token_id is None or token_id == tokenizer.unk_token_id:
+        raise ValueError(f"the tokenizer has no {token} token, which Qwen2-Audio prompts need")
+    return token_id
+
+
+def _preprocessor_config(path: Path) -> dict:
+    """The checkpoint's preprocessor_config.json (empty if absent)."""
+    file = path / "preprocessor_config.json"
+    return json.loads(file.read_text()) if file.exists() else {}
