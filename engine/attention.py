@@ -6,13 +6,14 @@ Token t of a request lives in slot `block_ids[t // block_size] * block_size + t 
 A step's batch is flat: T tokens from B requests, each request contributing a contiguous chunk
 of `q_len` tokens that starts at its `start` (tokens before `start` are already in the cache).
 `build_metadata` turns that into index tensors on the host, moved to the device once; the forward
-then only gathers and scatters with them (no host sync, no data-dependent Python control flow):
-1. write the chunk's keys and values into their slots (`index_copy_`);
-2. gather each request's blocks into a padded [B, Hkv, L, D] view of its context;
-3. pad the queries to [B, Hq, max_q, D], run SDPA with a mask that is causal inside the chunk
-   and open to the whole cached prefix, and scatter the rows back to the flat order.
-A step with one request and an empty cache (a plain prefill) skips the gather and uses SDPA's
-causal kernel on the chunk itself.
+then only gathers and scatters with them (no host sync, no data-dependent Python control flow).
+The chunk's keys and values are first written into their slots (`index_copy_`), then:
+- one request with an empty cache (a plain prefill): SDPA's causal kernel on the chunk itself;
+- one request with one new token (single-stream decode): its blocks gathered and cut to its
+  exact context length, so every key is visible and no mask is needed;
+- anything else: each request's blocks gathered into a padded [B, Hkv, L, D] context, the
+  queries padded to [B, Hq, max_q, D], SDPA with an additive mask (built once per step, causal
+  inside each chunk and open to its cached prefix), rows scattered back to the flat order.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None  # [B, max_blocks] int64 (None on the causal fast path)
     query_pad_index: torch.Tensor | None  # [B * max_q] int64: padded row -> flat token
     output_index: torch.Tensor | None  # [T] int64: flat token -> padded row
-    mask: torch.Tensor | None  # [B, 1, max_q, L] bool, True = may attend
+    mask: torch.Tensor | None  # [B, 1, max_q, L] additive (0 or -inf), in the model dtype
     num_seqs: int
     max_q: int
+    context_len: int | None = None  # single-stream decode: keys to attend, no mask
 
 
 def build_metadata(
@@ -44,6 +46,7 @@ def build_metadata(
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device,
+    dtype: torch.dtype = torch.float32,
 ) -> AttentionMetadata:
     """Host-side construction of the step's attention indices (see the module docstring)."""
     slots: list[int] = []
@@ -54,6 +57,11 @@ def build_metadata(
     num_seqs, max_q = len(q_lens), max(q_lens)
     if num_seqs == 1 and starts[0] == 0:
         return AttentionMetadata(slot_mapping, None, None, None, None, 1, max_q)
+    if num_seqs == 1 and max_q == 1:
+        length = starts[0] + 1
+        table = torch.tensor(block_tables[0][: -(-length // block_size)], dtype=torch.int64)
+        return AttentionMetadata(slot_mapping, to_device(table[None], device), None, None, None,
+                                 1, 1, context_len=length)
 
     max_blocks = max(-(-(s + n) // block_size) for s, n in zip(starts, q_lens, strict=True))
     table = torch.zeros(num_seqs, max_blocks, dtype=torch.int64)  # padding points at block 0
@@ -70,7 +78,9 @@ def build_metadata(
     # (never an all-masked row, which would produce NaN) and are discarded afterwards.
     key = torch.arange(max_blocks * block_size)
     row = torch.tensor(starts, dtype=torch.int64)[:, None] + torch.arange(max_q)[None, :]
-    mask = (key[None, None, :] <= row[:, :, None])[:, None]  # [B, 1, max_q, L]
+    visible = (key[None, None, :] <= row[:, :, None])[:, None]  # [B, 1, max_q, L]
+    # Additive, built once here: a bool mask would be converted by SDPA in every layer.
+    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
     return AttentionMetadata(
         slot_mapping=slot_mapping,
         block_tables=to_device(table, device),
@@ -112,6 +122,12 @@ def paged_attention(
     ctx_shape = (b, -1, num_kv_heads, head_dim)
     keys = k_cache[meta.block_tables].view(ctx_shape).transpose(1, 2)  # [B, Hkv, L, D]
     values = v_cache[meta.block_tables].view(ctx_shape).transpose(1, 2)
+    if meta.context_len is not None:  # one sequence, one query: every key up to it is visible
+        keys, values = keys[:, :, : meta.context_len], values[:, :, : meta.context_len]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys, values, scale=scale, enable_gqa=gqa
+        )  # [1, Hq, 1, D]
+        return out.reshape(1, num_heads * head_dim)
     queries = q[meta.query_pad_index].view(b, max_q, num_heads, head_dim).transpose(1, 2)
     out = F.scaled_dot_product_attention(
         queries, keys, values, attn_mask=meta.mask, scale=scale, enable_gqa=gqa

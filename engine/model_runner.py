@@ -120,7 +120,7 @@ class ModelRunner:
         positions = self._positions(chunks)
         meta = build_metadata(
             [c.start for c in chunks], [c.num_tokens for c in chunks],
-            [c.req.block_ids for c in chunks], self.layout.block_size, self.device,
+            [c.req.block_ids for c in chunks], self.layout.block_size, self.device, self.dtype,
         )
         embeds = self._splice_embeddings(input_ids, chunks)
         hidden = self.model(input_ids, positions, meta, embeds)
