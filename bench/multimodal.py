@@ -230,7 +230,7 @@ async def _itl(path: Path, args, budget: int) -> tuple[float, float, float, int]
                 return
 
     async def video() -> None:
-        while min(len(s) for s in stamps) < 3:
+        while min(len(s) for s in stamps) < 6:
             await asyncio.sleep(0.01)
         frames = np.random.default_rng(7).integers(
             0, 256, (args.video_frames, 224, 224, 3), dtype=np.uint8)
