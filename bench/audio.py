@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.common import cache_dir, machine, median, print_table, timeit
+from bench.common import cache_dir, machine, matmul_flops, median, print_table, timeit
 
 RATE = 16000
 SHAPES = dict(
@@ -60,22 +60,15 @@ def conversation(wave: np.ndarray, before: str, after: str = "Transcribe the aud
                                          {"type": "text", "text": after}]}]
 
 
-def matmul_flops(n: int = 1024, repeats: int = 5) -> float:
-    """float32 matmul throughput in FLOP/s: the median of n x n products."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    return 2 * n**3 / median([timeit(lambda: a @ b) for _ in range(repeats)])
-
-
 def encoder_flops(cfg, frames: list[int]) -> float:
-    """FLOPs of one batched forward: convolutions over the clips padded to the longest, layers
-    over each clip's own positions."""
+    """FLOPs of one batched forward: each clip's convolutions over its own receptive frames,
+    and the layers over its own positions (nothing is padded)."""
     from models.qwen2_audio import encoder_lengths, receptive_frames
 
     w = cfg.width
-    longest = max(receptive_frames(f, 3000) for f in frames)
     lengths = [encoder_lengths(f)[0] for f in frames]
-    convs = 2 * 3 * (cfg.num_mel_bins * w * longest + w * w * max(lengths)) * len(frames)
+    convs = sum(2 * 3 * (cfg.num_mel_bins * w * receptive_frames(f, 3000) + w * w * t)
+                for f, t in zip(frames, lengths, strict=True))
     layers = sum(2 * t * (4 * w * w + 2 * w * cfg.ffn_dim) + 4 * t * t * w for t in lengths)
     return convs + cfg.num_layers * layers
 
@@ -182,11 +175,11 @@ def main() -> None:
 
     m = {key: median(v) for key, v in results.items()}
     flops = encoder_flops(model.audio_tower.cfg, [d["num_frames"] for _, d in batch])
-    peak = matmul_flops()
+    peak = matmul_flops(dtype)
     print(f"\nmachine: {machine()}; checkpoint {path.name}, {str(dtype)[6:]}; clips "
           f"{seconds[0]}-{seconds[-1]} s; {n} new tokens; median of {args.runs} runs")
     print(f"batched encoder: {flops / 1e9:.0f} GFLOP in {m['enc_batched']:.3g} s = "
-          f"{flops / m['enc_batched'] / 1e9:.0f} GFLOP/s; float32 matmul roofline "
+          f"{flops / m['enc_batched'] / 1e9:.0f} GFLOP/s; {str(dtype)[6:]} matmul roofline "
           f"{peak / 1e9:.0f} GFLOP/s ({flops / m['enc_batched'] / peak:.0%})\n")
     rows = [
         (f"encoder, {k} clips of 4-11 s (s): batched / per clip", "enc_batched", "enc_loop"),

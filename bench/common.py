@@ -37,6 +37,13 @@ def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     return x.numel() * 4 / seconds
 
 
+def matmul_flops(dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int = 5) -> float:
+    """Matmul throughput in FLOP/s for `dtype`: the median time of n x n products."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b
+    return 2 * n**3 / median([timeit(lambda: a @ b) for _ in range(repeats)])
+
+
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
