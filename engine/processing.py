@@ -72,6 +72,16 @@ class ProcessedCache:
         return value
 
 
+def check_mm_kwargs(mm_kwargs: dict[str, Any], accepted: tuple[str, ...], family: str) -> None:
+    """Refuse mm_processor_kwargs a model's processor does not know, naming those it does."""
+    unknown = set(mm_kwargs) - set(accepted)
+    if unknown:
+        raise ValueError(
+            f"unknown mm_processor_kwargs {', '.join(sorted(unknown))} "
+            f"({family} accepts {', '.join(accepted)})"
+        )
+
+
 @dataclass(frozen=True)
 class EncoderBudget:
     """The largest media item the engine can ever schedule, in embeddings, and why."""

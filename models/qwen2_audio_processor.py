@@ -29,7 +29,7 @@ import numpy as np
 
 from engine.hashing import hash_audio
 from engine.media import AudioClip, MediaError
-from engine.processing import ProcessedCache, ProcessedPrompt
+from engine.processing import ProcessedCache, ProcessedPrompt, check_mm_kwargs
 from engine.request import MultiModalFeature, PlaceholderRange
 from models.qwen2_audio import encoder_lengths, receptive_frames
 from models.whisper_features import LogMelExtractor, MelConfig
@@ -154,12 +154,7 @@ class QwenAudioProcessor:
 
 
 def _max_duration(mm_kwargs: dict[str, Any]) -> float:
-    unknown = set(mm_kwargs) - set(_KWARGS)
-    if unknown:
-        raise ValueError(
-            f"unknown mm_processor_kwargs {', '.join(sorted(unknown))} "
-            f"(Qwen2-Audio accepts {', '.join(_KWARGS)})"
-        )
+    check_mm_kwargs(mm_kwargs, _KWARGS, "Qwen2-Audio")
     value = mm_kwargs.get("max_audio_duration_s", DEFAULT_MAX_AUDIO_DURATION_S)
     if isinstance(value, bool) or not isinstance(value, int | float) or not (
             math.isfinite(value) and value > 0):

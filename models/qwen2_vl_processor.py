@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from engine.hashing import hash_image, hash_video
-from engine.processing import ProcessedCache, ProcessedPrompt
+from engine.processing import ProcessedCache, ProcessedPrompt, check_mm_kwargs
 from engine.request import MultiModalFeature, PlaceholderRange
 from models.mrope import mrope_positions, window_positions
 from models.qwen_vl_preprocess import VisionPreprocessConfig, preprocess_image, preprocess_video
@@ -61,7 +61,7 @@ class QwenVLProcessor:
 
     def loader_kwargs(self, mm_kwargs: dict[str, Any]) -> dict[str, Any]:
         """Options for engine.media: how many frames to sample from a video."""
-        _check_kwargs(mm_kwargs)
+        check_mm_kwargs(mm_kwargs, _KWARGS, "Qwen-VL")
         video = {"fps": float(mm_kwargs.get("fps", self.cfg.video_fps))}
         if "max_frames" in mm_kwargs:
             video["max_frames"] = int(mm_kwargs["max_frames"])
@@ -75,7 +75,7 @@ class QwenVLProcessor:
     def process(
         self, token_ids: list[int], media: dict[str, list], mm_kwargs: dict[str, Any]
     ) -> ProcessedPrompt:
-        _check_kwargs(mm_kwargs)
+        check_mm_kwargs(mm_kwargs, _KWARGS, "Qwen-VL")
         images, videos = media.get("image", []), media.get("video", [])
         for name, token, items in (("image", self.image_token_id, images),
                                    ("video", self.video_token_id, videos)):
@@ -174,15 +174,6 @@ def _temporal_patches(identifier: str, data: dict) -> list[tuple[str, dict]]:
          {"pixel_values": data["pixel_values"][i * rows : (i + 1) * rows], "grid_thw": (1, h, w)})
         for i in range(t)
     ]
-
-
-def _check_kwargs(mm_kwargs: dict[str, Any]) -> None:
-    unknown = set(mm_kwargs) - set(_KWARGS)
-    if unknown:
-        raise ValueError(
-            f"unknown mm_processor_kwargs {', '.join(sorted(unknown))} "
-            f"(Qwen-VL accepts {', '.join(_KWARGS)})"
-        )
 
 
 def _preprocessor_configs(path: Path) -> tuple[dict, dict | None]:

@@ -3,40 +3,18 @@ a stand-in engine that fails on demand, and a wait for an engine to go idle."""
 
 from __future__ import annotations
 
-import asyncio
-import socket
-import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from types import SimpleNamespace
 
 import httpx
 import openai
-import uvicorn
 from fastapi import FastAPI
 
-from engine import AsyncLLM
+from tests.helpers import serve_in_thread
 
 
-@contextmanager
-def running_server(app: FastAPI) -> Iterator[str]:
-    """Serve `app` with uvicorn on a free 127.0.0.1 port in a thread; yields the base URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
+def running_server(app: FastAPI):
+    """Serve `app` on a free 127.0.0.1 port in a thread (no lifespan); yields the base URL."""
+    return serve_in_thread(app, lifespan="off", startup_timeout=10)
 
 
 def in_process_client(app: FastAPI, api_key: str = "unused") -> openai.AsyncOpenAI:
@@ -68,13 +46,3 @@ class FailingEngine:
     async def abort(self, request_id: str) -> None:
         pass
 
-
-async def wait_idle(llm: AsyncLLM, timeout: float = 5.0) -> dict:
-    """The engine's stats once nothing runs, waits or holds a KV block."""
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = llm.stats()
-        if not (stats["requests_running"] or stats["requests_waiting"] or stats["kv_blocks_used"]):
-            return stats
-        assert time.monotonic() < deadline, f"engine did not become idle: {stats}"
-        await asyncio.sleep(0.02)

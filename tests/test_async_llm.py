@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from engine import LLM, AsyncLLM, SamplingParams
+from tests.helpers import wait_idle_async
 
 LONG = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
 
@@ -17,14 +18,6 @@ def engine(qwen2_path):
     yield llm
     llm.shutdown()
 
-
-async def _wait_idle(engine: AsyncLLM) -> dict:
-    for _ in range(200):
-        stats = engine.stats()
-        if stats["requests_running"] == 0 and stats["requests_waiting"] == 0:
-            return stats
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"engine did not become idle: {engine.stats()}")
 
 
 async def test_stream_deltas_join_to_the_final_text(engine, qwen2_path):
@@ -62,7 +55,7 @@ async def test_abort_mid_stream_frees_every_block(engine):
         final = out
     assert final.finished and final.outputs[0].finish_reason == "abort"
     assert len(final.outputs[0].token_ids) < 200
-    stats = await _wait_idle(engine)
+    stats = await wait_idle_async(engine)
     assert stats["kv_blocks_used"] == 0
 
 
@@ -77,7 +70,7 @@ async def test_consumer_that_goes_away_aborts_its_request(engine):
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    stats = await _wait_idle(engine)
+    stats = await wait_idle_async(engine)
     assert stats["kv_blocks_used"] == 0
 
 
@@ -102,7 +95,7 @@ async def test_duplicate_request_id_is_refused(engine):
         async for _ in engine.generate("two", params, request_id="dup"):
             pass
     await first.aclose()
-    await _wait_idle(engine)
+    await wait_idle_async(engine)
 
 
 async def test_bad_prompt_fails_alone(engine):
@@ -127,7 +120,7 @@ async def test_cancelled_abort_call_does_not_kill_the_engine(engine):
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     await stream.aclose()
-    await _wait_idle(engine)
+    await wait_idle_async(engine)
     out = [o async for o in engine.generate("still alive", SamplingParams(max_tokens=3))]
     assert out[-1].finished
 

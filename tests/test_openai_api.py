@@ -19,7 +19,8 @@ from api import create_app
 from engine import AsyncLLM, EngineDeadError
 from engine.media import MediaError, MediaFetchError
 from models import tiny
-from tests.api_fixtures import FailingEngine, in_process_client, running_server, wait_idle
+from tests.api_fixtures import FailingEngine, in_process_client, running_server
+from tests.helpers import wait_idle_async as wait_idle
 from tests.media_fixtures import (
     VideoSpec,
     encode_image,

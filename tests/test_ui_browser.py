@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from app import build_app
-from tests.ui_fixtures import VL, demo_engines, demo_root, running_app, wait_idle
+from tests.helpers import wait_idle
+from tests.ui_fixtures import VL, demo_engines, demo_root, running_app
 from ui.demo import DEMO_NOTE, ensure_samples
 
 CHROMIUM = Path("/usr/bin/chromium")

@@ -11,7 +11,8 @@ from pathlib import Path
 import gradio as gr
 import pytest
 
-from tests.ui_fixtures import AUDIO, NO_AUDIO, VL, demo_engines, demo_root, wait_idle
+from tests.helpers import wait_idle
+from tests.ui_fixtures import AUDIO, NO_AUDIO, VL, demo_engines, demo_root
 from ui import build_demo, panels, show_result
 from ui.chat import EMPTY_DRAFT, Chat, ChatSettings, engine_messages, modality_of
 from ui.demo import ensure_demo_models, ensure_samples, sample_examples

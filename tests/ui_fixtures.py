@@ -3,18 +3,15 @@
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import uvicorn
 from fastapi import FastAPI
 
 from engine import AsyncLLM
+from tests.helpers import serve_in_thread
 from ui.demo import ensure_demo_models, ensure_samples
 
 VL, AUDIO = "demo-qwen2-vl", "demo-qwen2-audio"
@@ -41,34 +38,8 @@ def demo_engines(root: Path) -> Iterator[dict[str, AsyncLLM]]:
             llm.shutdown()
 
 
-@contextmanager
-def running_app(app: FastAPI) -> Iterator[str]:
-    """Serve `app` with uvicorn on a free 127.0.0.1 port in a thread (lifespan on: Gradio's
-    queue starts with it); yields the base URL and stops the server on exit."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the app did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
+def running_app(app: FastAPI):
+    """Serve `app` on a free 127.0.0.1 port in a thread (lifespan on: Gradio's queue starts
+    with it); yields the base URL and stops the server on exit."""
+    return serve_in_thread(app)
 
-
-def wait_idle(llm: AsyncLLM, timeout: float = 10.0) -> dict:
-    """The engine's stats once nothing runs, waits or holds a KV block."""
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = llm.stats()
-        if not (stats["requests_running"] or stats["requests_waiting"] or stats["kv_blocks_used"]):
-            return stats
-        assert time.monotonic() < deadline, f"the engine did not become idle: {stats}"
-        time.sleep(0.02)

@@ -1,0 +1,58 @@
+"""Test helpers shared by several modules: serving an app in a thread, waiting for an engine
+to go idle."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import uvicorn
+
+
+@contextmanager
+def serve_in_thread(app, *, lifespan: str = "auto", startup_timeout: float = 30) -> Iterator[str]:
+    """Yields the base URL while `app` is served; stops the server on exit."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(app, log_level="warning", lifespan=lifespan,
+                            timeout_graceful_shutdown=1)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+def engine_idle(stats: dict) -> bool:
+    """Nothing running or waiting, and no KV block held."""
+    return not (stats["requests_running"] or stats["requests_waiting"] or stats["kv_blocks_used"])
+
+
+def wait_idle(llm, timeout: float = 10.0) -> dict:
+    """The engine's stats once it is idle (blocking)."""
+    deadline = time.monotonic() + timeout
+    while not engine_idle(stats := llm.stats()):
+        assert time.monotonic() < deadline, f"the engine did not become idle: {stats}"
+        time.sleep(0.02)
+    return stats
+
+
+async def wait_idle_async(llm, timeout: float = 10.0) -> dict:
+    """The engine's stats once it is idle (awaiting)."""
+    deadline = time.monotonic() + timeout
+    while not engine_idle(stats := llm.stats()):
+        assert time.monotonic() < deadline, f"the engine did not become idle: {stats}"
+        await asyncio.sleep(0.02)
+    return stats
