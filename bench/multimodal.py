@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from bench.common import cache_dir, machine, median, print_table, timeit
+from bench.common import cache_dir, machine, matmul_flops, median, print_table, timeit
 
 QWEN2_VL_2B_WIDTHS = dict(vision_width=1280, vision_depth=8, vision_heads=16, hidden=1536,
                           intermediate=8960, layers=8, heads=12, kv_heads=2, vocab=151936)
@@ -150,8 +150,26 @@ def encoder_rows(path: Path, args) -> list[tuple]:
             batched.append(timeit(lambda: model.encode(items)))
             loop.append(timeit(lambda: [model.encode([it]) for it in items]))
     b, lp = median(batched), median(loop)
-    print(f"vision tower, 8 images: batched {b:.3f} s, one by one {lp:.3f} s")
+    flops = vision_flops(model.visual.cfg, [tuple(data["grid_thw"]) for _, data in items])
+    peak = matmul_flops(getattr(torch, args.dtype))
+    print(f"vision tower, 8 images: batched {b:.3f} s, one by one {lp:.3f} s; "
+          f"{flops / 1e9:.0f} GFLOP = {flops / b / 1e9:.0f} GFLOP/s batched; {args.dtype} "
+          f"matmul roofline {peak / 1e9:.0f} GFLOP/s ({flops / b / peak:.0%})")
     return [("encoder, 8 images batched / loop (s)", b, lp, b / lp, "<= 0.8")]
+
+
+def vision_flops(cfg, grids: list[tuple[int, int, int]]) -> float:
+    """FLOPs of the vision tower on these items: patch embedding, blocks (each frame attends
+    within itself) and the 2x2 merger."""
+    w, m2 = cfg.width, cfg.merge_size**2
+    patch = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
+    total = 0.0
+    for t, h, wd in grids:
+        n, frame = t * h * wd, h * wd
+        block = 2 * n * (4 * w * w + 2 * w * cfg.mlp_hidden) + 4 * t * frame * frame * w
+        merger = 2 * (n // m2) * (m2 * w * m2 * w + m2 * w * cfg.out_dim)
+        total += 2 * n * patch * w + cfg.depth * block + merger
+    return total
 
 
 def concurrency_rows(path: Path, args) -> list[tuple]:
