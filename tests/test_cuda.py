@@ -45,7 +45,7 @@ def test_forward_does_not_synchronize(qwen2_path):
     starts, lens, tables = [20, 0], [1, 9], [[0, 1], [2]]
     ids = torch.arange(10, device=device)
     pos = torch.tensor([20] + list(range(9)), device=device)
-    meta = build_metadata(starts, lens, tables, 16, device)
+    meta = build_metadata(starts, lens, tables, 16, device, model.embed_tokens.weight.dtype)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
