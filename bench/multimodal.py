@@ -6,7 +6,8 @@ Without --model it builds (once, cached) a random-weight checkpoint with Qwen2-V
 (vision 1280, decoder 1536) and 8 vision + 8 decoder layers. Measures:
 - TTFT for a new image (cold), for a seen image behind new text (encoder-cache hit: the KV of
   the image cannot be reused, its embeddings can), and for a repeated request (prefix-cache hit);
-- the vision tower on 8 images from 8 requests: one batched forward vs one forward per image;
+- the vision tower on 8 images from 8 requests: one batched forward vs one forward per image,
+  and the batched forward's FLOP rate against the measured matmul throughput;
 - total output tokens/s of 8 concurrent image requests vs transformers one after another;
 - inter-token latency of 4 running streams while a long video prompt is admitted, with chunked
   prefill (small step budget) and without (the whole prompt in one step).
