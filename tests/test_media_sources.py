@@ -308,6 +308,25 @@ def test_slow_server_times_out(server) -> None:
     assert_good(load_image_sync(server.url("/a.png"), limits=limits))
 
 
+def test_slow_host_lookup_times_out(server, monkeypatch) -> None:
+    """getaddrinfo has no timeout; the lookup counts against url_timeout_s like the download."""
+    real = socket.getaddrinfo
+
+    def hanging(host, *args, **kwargs):
+        if host == "slow-dns.test":
+            time.sleep(2.0)
+        return real("127.0.0.1", *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", hanging)
+    limits = MediaLimits(allow_private_networks=True, url_timeout_s=0.3)
+    started = time.monotonic()
+    refused(
+        lambda: load_image_sync(server.url("/a.png", host="slow-dns.test"), limits=limits),
+        "image 1: download took longer than the limit of 0.3 s (MediaLimits.url_timeout_s)",
+    )
+    assert time.monotonic() - started < 1.5
+
+
 def test_declared_oversized_download_is_refused(server) -> None:
     limits = MediaLimits(allow_private_networks=True, max_item_bytes=1 << 20)
     refused(

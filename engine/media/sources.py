@@ -18,11 +18,18 @@ import threading
 import time
 import urllib.parse
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import av
 import httpx
 
 from engine.media.limits import MediaError, MediaFetchError, MediaLimits
+
+# Host lookups run here so that a slow resolver cannot outlast the download deadline (see
+# _checked_address); an abandoned lookup finishes in its thread, bounded by the resolver's own
+# timeouts.
+_RESOLVER = ThreadPoolExecutor(max_workers=4, thread_name_prefix="media-dns")
 
 Source = str | os.PathLike[str] | bytes | bytearray | memoryview
 
@@ -231,8 +238,12 @@ def _domain_allowed(host: str, limits: MediaLimits) -> bool:
     return any(host == d or host.endswith("." + d) for d in limits.allowed_domains)
 
 
-def _checked_address(url: httpx.URL, limits: MediaLimits, item: str) -> str:
-    """Resolve the URL's host, apply the host policy and return the address to connect to."""
+def _checked_address(url: httpx.URL, limits: MediaLimits, item: str, deadline: float) -> str:
+    """Resolve the URL's host, apply the host policy and return the address to connect to.
+
+    The lookup counts against the download's deadline: getaddrinfo has no timeout of its own,
+    so it runs in a resolver thread and is abandoned (left to finish there) when time is up.
+    """
     if url.scheme not in ("http", "https"):
         raise MediaError(f"{item}: unsupported URL scheme {url.scheme!r}; use http or https")
     host = url.raw_host.decode("ascii").lower().rstrip(".")
@@ -241,8 +252,11 @@ def _checked_address(url: httpx.URL, limits: MediaLimits, item: str) -> str:
     if not _domain_allowed(host, limits):
         raise MediaError(f"{item}: URL host is not in MediaLimits.allowed_domains")
     port = url.port or (443 if url.scheme == "https" else 80)
+    lookup = _RESOLVER.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        infos = lookup.result(timeout=max(deadline - time.monotonic(), 0.001))
+    except FutureTimeout as e:
+        raise _timeout(limits, item) from e
     except (socket.gaierror, UnicodeError) as e:
         raise MediaFetchError(f"{item}: could not resolve the URL host") from e
     # An IPv6 link-local answer may carry a "%scope" suffix.
@@ -268,7 +282,7 @@ def _fetch_url(url: str, limits: MediaLimits, item: str, budget: RequestBudget) 
                 target = httpx.URL(url)
             except (httpx.InvalidURL, TypeError) as e:
                 raise MediaError(f"{item}: invalid URL") from e
-            address = _checked_address(target, limits, item)
+            address = _checked_address(target, limits, item, deadline)
             outcome = _get(client, target, address, deadline, limits, item, budget)
             if isinstance(outcome, bytes):
                 return outcome
