@@ -1,0 +1,28 @@
+"""requirements.txt (what a Hugging Face Space installs) stays in step with pyproject.toml."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+ROOT = Path(__file__).resolve().parents[1]
+# The Space's Gradio comes from the README's sdk_version and brings these with it.
+FROM_GRADIO = {"gradio", "fastapi", "uvicorn", "pydantic"}
+
+
+def _name(requirement: str) -> str:
+    for i, ch in enumerate(requirement):
+        if ch in "<>=!~[; ":
+            return requirement[:i].lower().replace("_", "-")
+    return requirement.lower().replace("_", "-")
+
+
+def test_space_requirements_match_the_runtime_dependencies():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = {_name(r): r for r in project["dependencies"] if _name(r) not in FROM_GRADIO}
+    lines = (ROOT / "requirements.txt").read_text().splitlines()
+    listed = {_name(line): line for line in lines if line.strip() and not line.startswith("#")}
+    assert listed == wanted
