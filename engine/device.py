@@ -1,6 +1,9 @@
-"""Device and dtype chosen once at start-up, and the one way host tensors reach the device."""
+"""Device and dtype chosen once at start-up, the one way host tensors reach the device, and
+how device work is timed."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -68,3 +71,43 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return t
     return t.pin_memory().to(device, non_blocking=True)
+
+
+class DeviceTimer:
+    """Duration of the device work enqueued between `start()` and `stop()`.
+
+    On the CPU work runs as it is enqueued, so this is wall-clock time. On CUDA kernels run
+    asynchronously: events are recorded on the stream, and `seconds()` must only be called
+    once the stream has passed `stop()` (after the step's sync), so that timing adds no sync.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._events = None
+        if device.type == "cuda":
+            self._events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(2))
+        self._wall = [0.0, 0.0]
+
+    def start(self) -> DeviceTimer:
+        self._mark(0)
+        return self
+
+    def stop(self) -> DeviceTimer:
+        self._mark(1)
+        return self
+
+    def seconds(self) -> float:
+        if self._events is not None:
+            return self._events[0].elapsed_time(self._events[1]) / 1e3  # ms -> s
+        return self._wall[1] - self._wall[0]
+
+    def _mark(self, i: int) -> None:
+        if self._events is not None:
+            self._events[i].record()
+        else:
+            self._wall[i] = time.perf_counter()
+
+
+def wait_for_device(device: torch.device) -> None:
+    """Block until the device has finished the work enqueued so far (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()

@@ -4,13 +4,14 @@
 indices, sampling options), moves them to the device once, runs the batched encoders for the
 media items scheduled this step, splices their embeddings into the chunk, runs the decoder over
 the flat token batch and samples one token for every chunk that reached the end of its request.
-The only host sync is reading the sampled tokens back at the end.
+The only host sync is reading the sampled tokens back at the end; a step that samples nothing
+(all its chunks end mid-prompt) waits for the device instead, so that the step's time and its
+encoder time, which the panels show, are the device's real times.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import torch
 
 from engine.attention import build_metadata
 from engine.config import EngineConfig, GiB
-from engine.device import to_device
+from engine.device import DeviceTimer, to_device, wait_for_device
 from engine.sampler import SamplingBatch, sample
 from engine.scheduler import SchedulerOutput
 from models.loader import build_on_meta, iter_checkpoint, load_weights
@@ -45,7 +46,7 @@ class StepResult:
 
     tokens: list[int | None]
     logprobs: list[dict[int, float] | None]
-    encoder_time: float = 0.0
+    encoder_time: float = 0.0  # seconds the batched encoders ran this step
 
 
 class ModelRunner:
@@ -110,7 +111,7 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> StepResult:
         for identifier in out.freed_encoder_hashes:
             self.encoder_outputs.pop(identifier, None)
-        encoder_time = self._run_encoders(out) if out.encoder_inputs else 0.0
+        encoder = self._run_encoders(out) if out.encoder_inputs else None
 
         chunks = out.chunks
         ids: list[int] = []
@@ -133,12 +134,16 @@ class ModelRunner:
                 ends.append(offset - 1)
                 sampling.append(c.req)
         if not sampling:
-            return StepResult([None] * len(chunks), [None] * len(chunks), encoder_time)
-        rows = to_device(torch.tensor(ends, dtype=torch.int64), self.device)
-        logits = self.model.compute_logits(hidden[rows])
-        batch = SamplingBatch.from_requests(sampling, self.vocab_size, self.device)
-        result = sample(logits, batch)
-        return self._collect(chunks, result, encoder_time)
+            wait_for_device(self.device)
+            step = StepResult([None] * len(chunks), [None] * len(chunks))
+        else:
+            rows = to_device(torch.tensor(ends, dtype=torch.int64), self.device)
+            logits = self.model.compute_logits(hidden[rows])
+            batch = SamplingBatch.from_requests(sampling, self.vocab_size, self.device)
+            step = self._collect(chunks, sample(logits, batch))
+        if encoder is not None:  # the device is past the encoders now: reading costs no sync
+            step.encoder_time = encoder.seconds()
+        return step
 
     def _positions(self, chunks) -> torch.Tensor:
         """[T] positions, or [3, T] for mRoPE models (from each request's position_info)."""
@@ -150,10 +155,10 @@ class ModelRunner:
             pos.extend(range(c.start, c.end))
         return to_device(torch.tensor(pos, dtype=torch.int64), self.device)
 
-    def _run_encoders(self, out: SchedulerOutput) -> float:
+    def _run_encoders(self, out: SchedulerOutput) -> DeviceTimer:
         """One batched encoder call for every item scheduled this step, across requests."""
         features = [req.mm_features[i] for req, i in out.encoder_inputs]
-        t0 = time.perf_counter()
+        timer = DeviceTimer(self.device).start()
         embeds = self.model.encode([(f.modality, f.data) for f in features])
         for f, emb in zip(features, embeds, strict=True):
             if emb.shape[0] != f.placeholder.num_embeds:
@@ -162,7 +167,7 @@ class ModelRunner:
                     f"has {f.placeholder.num_embeds} embed positions"
                 )
             self.encoder_outputs[f.identifier] = emb
-        return time.perf_counter() - t0
+        return timer.stop()
 
     def _splice_embeddings(self, input_ids: torch.Tensor, chunks) -> torch.Tensor | None:
         """Token embeddings with each chunk's slice of its media embeddings written in place.
@@ -196,14 +201,14 @@ class ModelRunner:
         index = to_device(torch.tensor(rows, dtype=torch.int64), self.device)
         return embeds.index_copy_(0, index, torch.cat(pieces).to(embeds.dtype))
 
-    def _collect(self, chunks, result, encoder_time: float) -> StepResult:
+    def _collect(self, chunks, result) -> StepResult:
         # The step's single host sync; everything below reads host copies.
         tokens = result.tokens.tolist()
         logprobs = None if result.logprobs is None else result.logprobs.tolist()
         top = None
         if result.top_ids is not None:
             top = (result.top_ids.tolist(), result.top_logprobs.tolist())
-        out = StepResult([], [], encoder_time)
+        out = StepResult([], [])
         row = 0
         for c in chunks:
             if not c.samples:

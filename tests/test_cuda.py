@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -53,3 +55,21 @@ def test_forward_does_not_synchronize(qwen2_path):
             model.compute_logits(model(ids, pos, meta))
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_device_timer_measures_the_kernels_not_their_launch():
+    from engine.device import DeviceTimer
+
+    device = torch.device("cuda")
+    x = torch.randn(4096, 4096, device=device)
+    torch.cuda.synchronize()
+    timer = DeviceTimer(device).start()
+    for _ in range(20):
+        x = x @ x / 64
+    timer.stop()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        x = x @ x / 64
+    torch.cuda.synchronize()
+    assert timer.seconds() > 0.5 * (time.perf_counter() - t0)

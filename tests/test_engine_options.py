@@ -149,3 +149,4 @@ def test_a_request_that_can_never_run_fails_instead_of_hanging(qwen2_path):
     assert outs[0].finished and outs[0].outputs[0].finish_reason == "error"
     assert "raise kv_cache_bytes" in outs[0].error
     assert not engine.has_unfinished()
+

@@ -49,12 +49,13 @@ def served(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def page(served):
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import expect, sync_playwright
 
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=FLAGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1000}, permissions=["camera"])
-        page.set_default_timeout(20_000)
+        page.set_default_timeout(60_000)
+        expect.set_options(timeout=60_000)  # generous: a busy 2-core CI machine is slow
         page.goto(served[2])
         page.locator("#composer textarea").wait_for()
         page.get_by_text("Generation settings").click()
@@ -102,6 +103,10 @@ def test_a_webcam_snapshot_is_attached_to_the_message(page):
 
     page.get_by_text("Webcam snapshot").click()
     page.get_by_text("Click to Access Webcam").click()
+    # Capture only once chromium's fake camera delivers frames (slow on a loaded machine).
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('video')].some(v => v.readyState >= 2)"
+    )
     page.get_by_label("capture photo").click()
     expect(page.locator("#composer .thumbnail-item")).to_have_count(1)
     send(page, "What do you see?")
