@@ -1,5 +1,6 @@
 """Test helpers shared by several modules: serving an app in a thread, waiting for an engine
-to go idle."""
+to go idle, checking that a request released everything, counting encoder forwards, processing
+a chat the way the engine does."""
 
 from __future__ import annotations
 
@@ -56,3 +57,30 @@ async def wait_idle_async(llm, timeout: float = 10.0) -> dict:
         assert time.monotonic() < deadline, f"the engine did not become idle: {stats}"
         await asyncio.sleep(0.02)
     return stats
+
+
+def assert_released(llm) -> None:
+    """The engine's bookkeeping is consistent and no KV block or encoder output is referenced."""
+    llm.engine.check_integrity()
+    stats = llm.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["encoder_cache_referenced"] == 0
+
+
+def count_calls(module) -> list[int]:
+    """A one-element list that counts `module`'s forwards from now on."""
+    calls = [0]
+
+    def hook(*_):
+        calls[0] += 1
+
+    module.register_forward_hook(hook)
+    return calls
+
+
+def process_chat(llm, messages):
+    """The engine's processed prompt for `messages`, and the decoded media behind it (the
+    references need their sampling rates and samples)."""
+    p = llm.engine.processor
+    parsed = p.render_chat(messages)
+    media = p.load_media_sync(parsed)
+    return p.process(parsed, media), media

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from tests.helpers import assert_released
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -42,8 +43,7 @@ def _check(llm: LLM, prompts, expected) -> None:
     for out, want in zip(outs, expected, strict=True):
         assert out.outputs[0].token_ids == want
         assert out.outputs[0].finish_reason == "length"
-    llm.engine.check_integrity()
-    assert llm.stats()["kv_blocks_used"] == 0
+    assert_released(llm)
 
 
 def test_batch_matches_transformers(qwen2_path, reference):

@@ -17,6 +17,7 @@ from transformers import WhisperFeatureExtractor
 from engine import LLM, SamplingParams
 from engine.media import MediaError, load_audio_sync
 from models.qwen2_audio import encoder_lengths
+from tests.helpers import assert_released, count_calls, process_chat
 from tests.media_fixtures import VideoSpec, encode_av_audio, encode_soundfile, encode_video, tone
 
 N = 10
@@ -51,10 +52,7 @@ CASES = {
 
 def processed(llm: LLM, messages):
     """Our processed prompt, with the decoded clips the reference needs."""
-    p = llm.engine.processor
-    parsed = p.render_chat(messages)
-    media = p.load_media_sync(parsed)
-    proc = p.process(parsed, media)
+    proc, media = process_chat(llm, messages)
     proc.clips = media.get("audio", [])
     return proc
 
@@ -94,22 +92,6 @@ def refs(llm, hf_audio_model):
     return {name: hf_greedy(hf_audio_model, processed(llm, msgs)) for name, msgs in CASES.items()}
 
 
-def _assert_released(llm: LLM) -> None:
-    llm.engine.check_integrity()
-    stats = llm.stats()
-    assert stats["kv_blocks_used"] == 0 and stats["encoder_cache_referenced"] == 0
-
-
-def _count_encoder_calls(llm: LLM) -> list[int]:
-    calls = [0]
-
-    def hook(*_):
-        calls[0] += 1
-
-    llm.engine.runner.model.audio_tower.register_forward_hook(hook)
-    return calls
-
-
 def test_placeholders_match_the_transformers_processor(llm):
     from transformers import Qwen2AudioProcessor
 
@@ -130,16 +112,16 @@ def test_encoder_budget_below_one_window_is_refused_at_start_up(qwen2_audio_path
 def test_each_case_alone_matches(llm, refs):
     for name, msgs in CASES.items():
         assert llm.chat(msgs, GREEDY)[0].outputs[0].token_ids == refs[name], name
-    _assert_released(llm)
+    assert_released(llm)
 
 
 def test_batch_with_text_only_mates_is_one_encoder_forward(qwen2_audio_path, refs):
     llm = LLM(qwen2_audio_path, max_model_len=2048)
-    calls = _count_encoder_calls(llm)
+    calls = count_calls(llm.engine.runner.model.audio_tower)
     outs = llm.chat(list(CASES.values()), GREEDY)
     assert {n: o.outputs[0].token_ids for n, o in zip(CASES, outs, strict=True)} == refs
     assert calls == [1]  # three clips of two requests, padded to the longest
-    _assert_released(llm)
+    assert_released(llm)
 
 
 def test_span_split_across_prefill_chunks(qwen2_audio_path, refs):
@@ -147,7 +129,7 @@ def test_span_split_across_prefill_chunks(qwen2_audio_path, refs):
     outs = llm.chat(list(CASES.values()), GREEDY)
     assert {n: o.outputs[0].token_ids for n, o in zip(CASES, outs, strict=True)} == refs
     assert len(outs[0].metrics.prefill_chunks) > 5
-    _assert_released(llm)
+    assert_released(llm)
 
 
 def test_prefill_and_decode_logits_match(qwen2_audio_path, hf_audio_model):
@@ -189,7 +171,7 @@ def test_encoder_padded_to_the_longest_clip_equals_the_full_window(llm, hf_audio
 
 def test_encoder_cache_hit_skips_the_encoder(qwen2_audio_path, hf_audio_model):
     llm = LLM(qwen2_audio_path, max_model_len=2048, enable_prefix_caching=False)
-    calls = _count_encoder_calls(llm)
+    calls = count_calls(llm.engine.runner.model.audio_tower)
     clip = (tone(660, RATE, 2.5), RATE)
     first = llm.chat(user(clip, "Transcribe the audio clip."), GREEDY)[0]
     assert calls == [1] and first.multi_modal_placeholders[0].cache_hit is False
@@ -200,7 +182,7 @@ def test_encoder_cache_hit_skips_the_encoder(qwen2_audio_path, hf_audio_model):
     assert second.metrics.encoder_cache_hits == 1 and second.metrics.encoder_calls == 0
     assert second.outputs[0].token_ids == hf_greedy(hf_audio_model, processed(llm, msgs))
     assert llm.engine.processor.mm_processor.cache.hits >= 1  # the mel features were reused
-    _assert_released(llm)
+    assert_released(llm)
 
 
 def test_long_clip_splits_into_30_second_windows(llm, hf_audio_model):
@@ -214,7 +196,7 @@ def test_long_clip_splits_into_30_second_windows(llm, hf_audio_model):
     assert out.prompt_token_ids[spans[0].offset + 750 : spans[1].offset] == tokens
     assert out.prompt_token_ids[spans[1].offset + 125] == tokens[0]
     assert out.outputs[0].token_ids == hf_greedy(hf_audio_model, processed(llm, msgs))
-    _assert_released(llm)
+    assert_released(llm)
 
 
 def test_a_tail_too_short_to_encode_is_padded_with_silence(llm):
@@ -232,7 +214,7 @@ def test_clips_over_the_maximum_duration_are_refused(llm):
     with pytest.raises(ValueError, match="unknown mm_processor_kwargs max_pixels"):
         llm.chat(msgs, GREEDY, mm_processor_kwargs={"max_pixels": 5})
     assert llm.chat(CASES["one_clip"], GREEDY)[0].outputs[0].finish_reason == "length"
-    _assert_released(llm)
+    assert_released(llm)
 
 
 def _data_url(data: bytes, mime: str) -> str:
@@ -270,7 +252,7 @@ def test_decoded_files_reach_the_model(llm, name, part):
     (span,) = out.multi_modal_placeholders
     assert span.length == encoder_lengths(-(-len(resampled.samples) // 160))[1]
     assert span.length == pytest.approx(2.0 * 25, abs=3)  # 25 embeddings per second
-    _assert_released(llm)
+    assert_released(llm)
 
 
 def test_bad_audio_is_refused_and_the_engine_keeps_serving(llm):
@@ -282,4 +264,4 @@ def test_bad_audio_is_refused_and_the_engine_keeps_serving(llm):
     with pytest.raises(MediaError, match="exceeds the limit"):
         llm.chat(user((np.zeros(1000 * 700, np.int16), 1000)), GREEDY)
     assert llm.chat(CASES["one_clip"], GREEDY)[0].outputs[0].finish_reason == "length"
-    _assert_released(llm)
+    assert_released(llm)

@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 from engine import LLM, SamplingParams
+from tests.helpers import assert_released, count_calls, process_chat
 
 N = 10
 GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
@@ -50,10 +51,7 @@ CASES = {
 
 
 def processed(llm: LLM, messages):
-    p = llm.engine.processor
-    parsed = p.render_chat(messages)
-    media = p.load_media_sync(parsed)
-    proc = p.process(parsed, media)
+    proc, media = process_chat(llm, messages)
     proc.videos = media.get("video", [])  # the reference needs each video's sampling rate
     return proc
 
@@ -127,31 +125,25 @@ def _all_cases(llm: LLM) -> dict[str, list[int]]:
     return {name: o.outputs[0].token_ids for name, o in zip(CASES, outs, strict=True)}
 
 
-def _assert_released(llm: LLM) -> None:
-    llm.engine.check_integrity()
-    stats = llm.stats()
-    assert stats["kv_blocks_used"] == 0 and stats["encoder_cache_referenced"] == 0
-
-
 def test_each_case_alone_matches(vl_path, refs):
     llm = LLM(vl_path, max_model_len=1024)
     for name, msgs in CASES.items():
         out = llm.chat(msgs, GREEDY)[0]
         assert out.outputs[0].token_ids == refs[name], name
-    _assert_released(llm)
+    assert_released(llm)
 
 
 def test_batch_of_multimodal_requests_matches(vl_path, refs):
     llm = LLM(vl_path, max_model_len=1024)
     assert _all_cases(llm) == refs
-    _assert_released(llm)
+    assert_released(llm)
 
 
 def test_span_split_across_prefill_chunks(vl_path, refs):
     """A 16-token budget is smaller than every image: spans are computed over several steps."""
     llm = LLM(vl_path, max_model_len=1024, max_num_batched_tokens=16)
     assert _all_cases(llm) == refs
-    _assert_released(llm)
+    assert_released(llm)
 
 
 def test_prefill_logits_match(vl_path, hf_models):
@@ -177,7 +169,7 @@ def test_prefill_logits_match(vl_path, hf_models):
 def test_encoder_cache_hit_skips_the_encoder(vl_path, hf_models):
     llm = LLM(vl_path, max_model_len=1024, enable_prefix_caching=False)
     hf = hf_models(vl_path)
-    calls = _count_tower_calls(llm)
+    calls = count_calls(llm.engine.runner.model.visual)
     picture = image(120, 200, 7)
     first = llm.chat(user(picture, "Describe the image."), GREEDY)[0]
     assert calls == [1] and first.multi_modal_placeholders[0].cache_hit is False
@@ -188,7 +180,7 @@ def test_encoder_cache_hit_skips_the_encoder(vl_path, hf_models):
     assert second.metrics.encoder_cache_hits == 1 and second.metrics.encoder_calls == 0
     assert second.outputs[0].token_ids == hf_greedy(hf, processed(llm, second_msgs))
     assert llm.engine.processor.mm_processor.cache.hits >= 1  # preprocessing skipped too
-    _assert_released(llm)
+    assert_released(llm)
 
 
 def test_tiny_encoder_cache_evicts_and_stays_correct(vl_path, refs):
@@ -197,7 +189,7 @@ def test_tiny_encoder_cache_evicts_and_stays_correct(vl_path, refs):
               max_num_encoder_input_tokens=64)
     assert _all_cases(llm) == refs
     assert _all_cases(llm) == refs  # the second round hits some entries, recomputes evicted ones
-    _assert_released(llm)
+    assert_released(llm)
 
 
 def test_prefix_cache_hits_on_image_prompts(vl_path, refs):
@@ -208,7 +200,7 @@ def test_prefix_cache_hits_on_image_prompts(vl_path, refs):
     assert again.num_cached_tokens >= 16 * ((len(again.prompt_token_ids) - 1) // 16)
     assert again.outputs[0].token_ids == refs["two_images"]
     assert again.metrics.encoder_calls == 0  # all spans came from the KV cache
-    _assert_released(llm)
+    assert_released(llm)
 
 
 def test_same_text_different_image_never_shares_kv(vl_path, hf_models):
@@ -226,7 +218,7 @@ def test_long_video_encoder_work_is_spread_over_prefill_chunks(vl_path, hf_model
     """Each temporal patch of a video is its own encoder item: with small chunks, the encoder
     runs a few patches per step alongside the chunk that needs them, never the whole video."""
     llm = LLM(vl_path, max_model_len=1024, max_num_batched_tokens=24)
-    calls = _count_tower_calls(llm)
+    calls = count_calls(llm.engine.runner.model.visual)
     msgs = user("Watch this:", video(16, 56, 112, 40), "What happens?")
     out = llm.chat(msgs, GREEDY)[0]
     spans = out.multi_modal_placeholders
@@ -242,12 +234,12 @@ def test_long_video_encoder_work_is_spread_over_prefill_chunks(vl_path, hf_model
 
 def test_four_images_in_one_step_are_one_encoder_forward(qwen2_vl_path):
     llm = LLM(qwen2_vl_path, max_model_len=1024)
-    calls = _count_tower_calls(llm)
+    calls = count_calls(llm.engine.runner.model.visual)
     prompts = [user(image(60 + 10 * i, 90, 20 + i), f"Image {i}?") for i in range(4)]
     outs = llm.chat(prompts, GREEDY)
     assert calls == [1]
     assert all(o.metrics.encoder_calls == 1 for o in outs)
-    _assert_released(llm)
+    assert_released(llm)
 
 
 def test_abort_releases_cache_references(qwen2_vl_path):
@@ -264,7 +256,7 @@ def test_abort_releases_cache_references(qwen2_vl_path):
     assert engine.stats()["encoder_cache_referenced"] > 0
     for i in range(3):
         engine.abort_request(f"r{i}")
-    _assert_released(llm)
+    assert_released(llm)
 
 
 def test_placeholder_typed_without_media_is_a_clear_error(qwen2_vl_path):
@@ -287,13 +279,3 @@ def test_item_larger_than_the_encoder_budget_is_refused(qwen2_vl_path):
         llm.chat(user(image(500, 500, 0), "hi"), GREEDY,
                  mm_processor_kwargs={"max_pixels": 28 * 28 * 100000})
     assert llm.chat(user(image(50, 50, 0), "hi"), GREEDY)[0].outputs[0].finish_reason == "length"
-
-
-def _count_tower_calls(llm: LLM) -> list[int]:
-    calls = [0]
-
-    def hook(*_):
-        calls[0] += 1
-
-    llm.engine.runner.model.visual.register_forward_hook(hook)
-    return calls
