@@ -109,25 +109,16 @@ class QwenVLProcessor:
     def _image(self, image, kw, stages) -> tuple[str, dict]:
         options = {"min_pixels": int(kw.get("min_pixels", self.cfg.min_pixels)),
                    "max_pixels": int(kw.get("max_pixels", self.cfg.max_pixels))}
-        t0 = time.perf_counter()
-        identifier = hash_image(image, model_id=self.model_id, processor_kwargs=options)
-        t1 = time.perf_counter()
 
         def compute():
             pixels, grid = preprocess_image(image, self.cfg, **options)
             return {"pixel_values": pixels, "grid_thw": grid}
 
-        data = self.cache.get_or_compute(identifier, compute)
-        stages["hashing"] += t1 - t0
-        stages["preprocess"] += time.perf_counter() - t1
-        return identifier, data
+        return self._hashed_and_processed(hash_image, image, options, compute, stages)
 
     def _video(self, video, kw, stages) -> tuple[str, dict]:
         options = {"min_pixels": int(kw.get("min_pixels", self.cfg.video_min_pixels)),
                    "max_pixels": int(kw.get("max_pixels", self.cfg.video_max_pixels))}
-        t0 = time.perf_counter()
-        identifier = hash_video(video, model_id=self.model_id, processor_kwargs=options)
-        t1 = time.perf_counter()
 
         def compute():
             pixels, grid = preprocess_video(video.frames, self.cfg, **options)
@@ -135,6 +126,13 @@ class QwenVLProcessor:
             per_grid = self.cfg.temporal_patch_size / video.sampled_fps
             return {"pixel_values": pixels, "grid_thw": grid, "second_per_grid_t": per_grid}
 
+        return self._hashed_and_processed(hash_video, video, options, compute, stages)
+
+    def _hashed_and_processed(self, hash_fn, item, options, compute, stages) -> tuple[str, dict]:
+        """The item's content hash, and its encoder inputs (from the cache when seen before)."""
+        t0 = time.perf_counter()
+        identifier = hash_fn(item, model_id=self.model_id, processor_kwargs=options)
+        t1 = time.perf_counter()
         data = self.cache.get_or_compute(identifier, compute)
         stages["hashing"] += t1 - t0
         stages["preprocess"] += time.perf_counter() - t1
