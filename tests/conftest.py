@@ -82,3 +82,12 @@ def hf_audio_model(qwen2_audio_path):
     return Qwen2AudioForConditionalGeneration.from_pretrained(
         qwen2_audio_path, dtype=torch.float32
     ).eval()
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    """Keep each phase's report on the test item (`item.report_call`), so fixtures can act on
+    a failure (the browser tests save a screenshot)."""
+    report = yield
+    setattr(item, f"report_{report.when}", report)
+    return report

@@ -1,6 +1,6 @@
 """Test helpers shared by several modules: serving an app in a thread, waiting for an engine
-to go idle, checking that a request released everything, counting encoder forwards, processing
-a chat the way the engine does."""
+to go idle or pacing its steps, checking that a request released everything, counting encoder
+forwards, processing a chat the way the engine does."""
 
 from __future__ import annotations
 
@@ -57,6 +57,19 @@ async def wait_idle_async(llm, timeout: float = 10.0) -> dict:
         assert time.monotonic() < deadline, f"the engine did not become idle: {stats}"
         await asyncio.sleep(0.02)
     return stats
+
+
+def pace_steps(monkeypatch, llm, seconds: float) -> None:
+    """Make each of `llm`'s engine steps take `seconds` longer (for this test), so the tiny
+    model, which decodes about 100 tokens/s, streams at the pace of a real one."""
+    engine = llm.engine
+    step = engine.step
+
+    def paced_step():
+        time.sleep(seconds)
+        return step()
+
+    monkeypatch.setattr(engine, "step", paced_step)
 
 
 def assert_released(llm) -> None:

@@ -8,9 +8,10 @@ import os
 from pathlib import Path
 
 import pytest
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from app import build_app
-from tests.helpers import wait_idle
+from tests.helpers import pace_steps, wait_idle
 from tests.ui_fixtures import VL, demo_engines, demo_root, running_app
 from ui.demo import DEMO_NOTE, ensure_samples
 
@@ -63,6 +64,14 @@ def page(served):
         browser.close()
 
 
+@pytest.fixture(autouse=True)
+def screenshot_on_failure(request, page):
+    yield
+    report = getattr(request.node, "report_call", None)
+    if report is not None and report.failed:
+        screenshot(page, f"failed-{request.node.name}.png")
+
+
 def set_max_tokens(page, n: int) -> None:
     field = page.locator("#max-tokens input[type=number]")
     field.fill(str(n))
@@ -74,7 +83,22 @@ def send(page, text: str, files=()) -> None:
         page.locator("#composer input[type=file]").set_input_files([str(f) for f in files])
         page.locator("#composer .thumbnail-item").first.wait_for()
     page.locator("#composer textarea").fill(text)
-    page.locator("#composer textarea").press("Enter")
+    sent = page.locator("#chatbot [data-testid=user]")
+    before = sent.count()
+    # Gradio ignores a submit while the previous one is still pending (trigger_mode "once"),
+    # which on a loaded machine can outlast the reply's last update: press Enter until the
+    # message shows. A press while this submit is pending is ignored the same way.
+    for _ in range(30):
+        page.locator("#composer textarea").press("Enter")
+        try:
+            page.wait_for_function(
+                f"() => document.querySelectorAll('#chatbot [data-testid=user]').length > {before}",
+                timeout=2_000,
+            )
+            return
+        except PlaywrightTimeout:
+            continue
+    raise AssertionError(f"the message {text!r} was never sent")
 
 
 def screenshot(page, name: str) -> None:
@@ -98,27 +122,37 @@ def test_upload_an_image_and_see_its_placeholder(page, served):
     screenshot(page, "ui-browser-image.png")
 
 
-def test_a_webcam_snapshot_is_attached_to_the_message(page):
+def test_a_webcam_snapshot_is_attached_to_the_message(page, served):
     from playwright.sync_api import expect
 
     page.get_by_text("Webcam snapshot").click()
     page.get_by_text("Click to Access Webcam").click()
-    # Capture only once chromium's fake camera delivers frames (slow on a loaded machine).
+    # Capture only once chromium's fake camera delivers frames (slow on a loaded machine): a
+    # click before that captures nothing. (Not any <video>: the examples' sample video can be
+    # ready first.)
     page.wait_for_function(
-        "() => [...document.querySelectorAll('video')].some(v => v.readyState >= 2)"
+        "() => { const v = document.querySelector('#webcam video');"
+        " return v !== null && v.readyState >= 2 && v.videoWidth > 0; }"
     )
-    page.get_by_label("capture photo").click()
+    page.locator("#webcam").get_by_label("capture photo").click()
     expect(page.locator("#composer .thumbnail-item")).to_have_count(1)
     send(page, "What do you see?")
     expect(page.locator("#chatbot [data-testid=user] img")).to_have_count(2)
     expect(page.locator("#placeholders")).to_contain_text("image 2 · @")
+    expect(page.locator("#timing")).to_contain_text("finish length")
+    wait_idle(served[0][VL])
     page.get_by_text("Webcam snapshot").click()
 
 
-def test_stop_aborts_a_long_generation(page, served):
+def test_stop_aborts_a_long_generation(page, served, monkeypatch):
     from playwright.sync_api import expect
 
     engines, _, _ = served
+    # The tiny model decodes ~100 tokens/s and may sample EOS within seconds, before a lagging
+    # browser has shown the stream: pace it like a real model and let only Stop (or 4000
+    # tokens, minutes away) end the reply.
+    pace_steps(monkeypatch, engines[VL], 0.05)
+    monkeypatch.setattr(engines[VL].engine, "eos_token_ids", frozenset())
     set_max_tokens(page, 4000)
     replies = page.locator("#chatbot [data-testid=bot]")
     n = replies.count()

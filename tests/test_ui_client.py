@@ -11,6 +11,7 @@ from gradio_client.client import Job
 from gradio_client.exceptions import AppError
 
 from app import build_app
+from tests.helpers import pace_steps
 from tests.ui_fixtures import AUDIO, NO_AUDIO, VL, demo_engines, demo_root, running_app
 from ui.demo import ensure_samples
 
@@ -110,8 +111,11 @@ def test_a_wrong_modality_is_reported_in_plain_words(served):
         send(client, "Listen.", [samples.audio])
 
 
-def test_two_tabs_share_one_batch(served):
+def test_two_tabs_share_one_batch(served, monkeypatch):
     engines, samples, client, url = served
+    # Paced like a real model (the tiny one decodes 100 tokens in about a second), so that on a
+    # loaded machine the second tab's turn arrives while the first still runs.
+    pace_steps(monkeypatch, engines[VL], 0.05)
     tabs = [client, Client(url, verbose=False)]  # two sessions, like two browser tabs
     jobs = [submit(tab, "Describe this image.", [samples.image], max_tokens=100) for tab in tabs]
     peak = 0

@@ -71,7 +71,7 @@ def build_demo(
                                            label="Max new tokens", elem_id="max-tokens")
                     seed = gr.Number(-1, precision=0, minimum=-1, label="Seed (-1: random)")
                 with gr.Accordion("Webcam snapshot", open=False):
-                    webcam = gr.Image(sources=["webcam"], type="filepath",
+                    webcam = gr.Image(sources=["webcam"], type="filepath", elem_id="webcam",
                                       label="Captured frames are attached to your message")
                 if examples:
                     gr.Examples(examples, inputs=[composer, model], cache_examples=False,
