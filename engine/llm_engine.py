@@ -158,7 +158,6 @@ class LLMEngine:
                 req.logprobs.append(logprobs)
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
-                self._drop_media(req)
             req.metrics.last_token_time = now
             status = self._check_stop(req, token)
             if status is not None:
@@ -177,11 +176,6 @@ class LLMEngine:
         if req.num_output_tokens >= req.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
-
-    def _drop_media(self, req: Request) -> None:
-        """The prompt is in the KV cache now: encoder inputs are no longer needed."""
-        for feature in req.mm_features:
-            feature.data = None
 
     def _refuse_unschedulable(self) -> list[RequestOutput]:
         """Nothing runs, yet the oldest waiting request got no tokens: it never will (its

@@ -59,8 +59,9 @@ class PlaceholderRange:
 class MultiModalFeature:
     """One media item of a request: its span, its content hash and its encoder inputs.
 
-    `data` holds the processed encoder inputs (tensors); the engine drops it once the request's
-    prompt has been computed, after which only the span and the hash ride along.
+    `data` holds the processed encoder inputs (tensors). They stay until the request ends, as
+    in vLLM: a request preempted after its prompt was computed recomputes it, and its
+    embeddings may have been evicted from the encoder cache meanwhile.
     """
 
     modality: str

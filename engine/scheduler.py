@@ -98,9 +98,6 @@ class Scheduler:
                 continue
             start = req.num_computed_tokens
             n, items = self._plan_encoder(req, start, min(req.num_tokens - start, budget), out)
-            if n < 0:
-                self._fail_lost_media(req, out)
-                continue
             if n == 0:
                 continue
             while not self.blocks.allocate(req, start + n):
@@ -119,9 +116,6 @@ class Scheduler:
             hits = self.blocks.find_cached_prefix(req)
             start = len(hits) * self.blocks.block_size
             n, items = self._plan_encoder(req, start, min(req.num_tokens - start, budget), out)
-            if n < 0:
-                self._fail_lost_media(req, out)
-                continue
             if n == 0 or not self.blocks.allocate(req, start + n, hits):
                 self.encoder_cache.release_request(req)  # undo this step's cache lookups
                 break
@@ -146,8 +140,8 @@ class Scheduler:
 
         Returns the (possibly shorter) token count and the indices of the items whose encoder
         must run this step. Items already computed, already planned or in the cache cost nothing.
-        A count of -1 means an item must be encoded again but its inputs were already dropped
-        (after prefill; the request was then preempted and the entry evicted).
+        A request preempted after its prompt was computed may have lost its entries to eviction
+        meanwhile: it kept its encoder inputs, so they are simply encoded again.
         """
         budget = self.config.max_num_encoder_input_tokens - out.num_encoder_embeds
         items: list[int] = []
@@ -162,8 +156,6 @@ class Scheduler:
             if self.encoder_cache.lookup(req, feature.identifier):
                 _note_cache_result(req, idx, hit=True)
                 continue
-            if feature.data is None:
-                return -1, []
             size = span.num_embeds
             if not self.encoder_cache.can_allocate(size, budget - planned, planned):
                 return max(span.offset - start, 0), items
@@ -178,15 +170,6 @@ class Scheduler:
             self.encoder_cache.allocate(req, feature.identifier, feature.placeholder.num_embeds)
             _note_cache_result(req, idx, hit=False)
             out.encoder_inputs.append((req, idx))
-
-    def _fail_lost_media(self, req: Request, out: SchedulerOutput) -> None:
-        req.error = (
-            "the request was preempted after its prompt was computed, and its media embeddings "
-            "were evicted meanwhile; it cannot be recomputed (raise kv_cache_bytes or "
-            "encoder_cache_size to avoid this under load)"
-        )
-        self.finish(req, RequestStatus.FINISHED_ERROR)
-        out.failed.append(req)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Send a running request back to the front of the waiting queue, freeing its blocks.

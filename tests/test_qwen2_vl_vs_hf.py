@@ -1,11 +1,12 @@
 """Images and videos through the whole engine, matched against transformers, for Qwen2-VL and
 Qwen2.5-VL: greedy tokens identical and prefill logits within tolerance, with chunked prefill
-across a span, encoder-cache hits and evictions, prefix-cache hits, batched encoders, and every
-cache reference released at the end."""
+across a span, encoder-cache hits and evictions, prefix-cache hits, batched encoders, preemption
+after prefill (media encoded again), and every cache reference released at the end."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import numpy as np
 import pytest
@@ -279,3 +280,21 @@ def test_item_larger_than_the_encoder_budget_is_refused(qwen2_vl_path):
         llm.chat(user(image(500, 500, 0), "hi"), GREEDY,
                  mm_processor_kwargs={"max_pixels": 28 * 28 * 100000})
     assert llm.chat(user(image(50, 50, 0), "hi"), GREEDY)[0].outputs[0].finish_reason == "length"
+
+
+def test_preempted_requests_encode_their_media_again(vl_path, hf_models):
+    """Room for two of six image prompts and an encoder cache of one image, no prefix cache:
+    requests are preempted after their first tokens and their embeddings evicted by the next
+    request's image; on recompute the encoder runs again on the inputs the request kept."""
+    per_block = 2 * 2 * 2 * 16 * 16 * 4  # layers, K and V, kv heads, head dim, block, fp32
+    llm = LLM(vl_path, max_model_len=256, kv_cache_bytes=16 * per_block,
+              enable_prefix_caching=False, encoder_cache_size=64,
+              max_num_encoder_input_tokens=64)
+    chats = [user(image(168, 224, 20 + i), "Describe the image.") for i in range(6)]
+    outs = llm.chat(chats, dataclasses.replace(GREEDY, max_tokens=30))  # decodes past a block
+    hf = hf_models(vl_path)
+    assert [o.outputs[0].token_ids for o in outs] == [
+        hf_greedy(hf, processed(llm, msgs), 30) for msgs in chats]
+    again = [o for o in outs if o.metrics.num_preemptions and o.metrics.encoder_calls > 1]
+    assert again, "no request was preempted and encoded again"
+    assert_released(llm)
