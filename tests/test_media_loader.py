@@ -161,7 +161,7 @@ async def test_decoding_runs_concurrently_in_worker_threads(monkeypatch) -> None
     def blocking_decode(data, **kwargs):
         decode_threads.append(threading.get_ident())
         barrier.wait()
-        time.sleep(0.2)
+        time.sleep(0.2)  # the event loop must keep ticking meanwhile
         return decode_image(data, **kwargs)
 
     monkeypatch.setattr(loader, "decode_image", blocking_decode)
@@ -174,13 +174,10 @@ async def test_decoding_runs_concurrently_in_worker_threads(monkeypatch) -> None
             ticks += 1
 
     task = asyncio.create_task(ticker())
-    started = time.perf_counter()
     loaded = await load_request_media({"image": [PNG, PNG, PNG]})
-    elapsed = time.perf_counter() - started
     task.cancel()
     assert len(loaded["image"]) == 3
     assert loop_thread not in decode_threads and len(set(decode_threads)) == 3
-    assert elapsed < 0.55  # three 0.2 s decodes overlapped
     assert ticks >= 5  # the event loop kept running meanwhile
 
 
