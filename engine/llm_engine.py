@@ -126,18 +126,17 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
-        failed = [self._output(req) for req in out.failed]
         if not out.chunks:
-            return failed + self._refuse_unschedulable()
+            return self._refuse_unschedulable()
         t0 = time.monotonic()
         try:
             result = self.runner.execute(out)
         except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
             log.exception("engine step failed")
-            return failed + self._fail(out, e)
+            return self._fail(out, e)
         self.num_steps += 1
         self.scheduler.update_after_step(out)
-        return failed + self._postprocess(out, result, time.monotonic() - t0)
+        return self._postprocess(out, result, time.monotonic() - t0)
 
     def _postprocess(
         self, out: SchedulerOutput, result: StepResult, seconds: float

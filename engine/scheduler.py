@@ -51,8 +51,6 @@ class SchedulerOutput:
     # Encoder-cache entries evicted this step: the runner drops their tensors.
     freed_encoder_hashes: list[str] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    # Requests finished with an error while scheduling (they can never be recomputed).
-    failed: list[Request] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
