@@ -43,6 +43,9 @@ pytestmark = [
 def served(tmp_path_factory):
     root = demo_root(tmp_path_factory)
     with demo_engines(root) as engines:
+        # Replies here sample (temperature 0.7) from random weights: without EOS they end only
+        # at max tokens or Stop, so each test knows which finish to wait for.
+        engines[VL].engine.eos_token_ids = frozenset()
         app = build_app(engines, notes=dict.fromkeys(engines, DEMO_NOTE))
         with running_app(app) as url:
             yield engines, ensure_samples(root), url
@@ -148,11 +151,9 @@ def test_stop_aborts_a_long_generation(page, served, monkeypatch):
     from playwright.sync_api import expect
 
     engines, _, _ = served
-    # The tiny model decodes ~100 tokens/s and may sample EOS within seconds, before a lagging
-    # browser has shown the stream: pace it like a real model and let only Stop (or 4000
-    # tokens, minutes away) end the reply.
+    # The tiny model decodes ~100 tokens/s, faster than a loaded browser renders the stream:
+    # pace it like a real model so that Stop lands mid-reply (4000 tokens are minutes away).
     pace_steps(monkeypatch, engines[VL], 0.05)
-    monkeypatch.setattr(engines[VL].engine, "eos_token_ids", frozenset())
     set_max_tokens(page, 4000)
     replies = page.locator("#chatbot [data-testid=bot]")
     n = replies.count()
