@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
 import uvicorn
 
 
@@ -77,6 +78,16 @@ def assert_released(llm) -> None:
     llm.engine.check_integrity()
     stats = llm.stats()
     assert stats["kv_blocks_used"] == 0 and stats["encoder_cache_referenced"] == 0
+
+
+def assert_top_logprobs(logprobs: list[dict[int, float]], ref, k: int) -> None:
+    """Each step's top-k {token: logprob} equals the top k of `ref[step]` (a [steps, vocab]
+    tensor of log-probabilities): the same tokens in order, values within 1e-4."""
+    for step, entry in enumerate(logprobs):
+        top = ref[step].topk(k)
+        assert list(entry) == top.indices.tolist(), f"step {step}"
+        torch.testing.assert_close(torch.tensor(list(entry.values())), top.values,
+                                   atol=1e-4, rtol=0)
 
 
 def count_calls(module) -> list[int]:

@@ -17,7 +17,7 @@ from transformers import WhisperFeatureExtractor
 from engine import LLM, SamplingParams
 from engine.media import MediaError, load_audio_sync
 from models.qwen2_audio import encoder_lengths
-from tests.helpers import assert_released, count_calls, process_chat
+from tests.helpers import assert_released, assert_top_logprobs, count_calls, process_chat
 from tests.media_fixtures import VideoSpec, encode_av_audio, encode_soundfile, encode_video, tone
 
 N = 10
@@ -143,11 +143,7 @@ def test_prefill_and_decode_logits_match(qwen2_audio_path, hf_audio_model):
     kwargs.update(input_ids=ids, attention_mask=torch.ones_like(ids))
     with torch.no_grad():
         ref = hf_audio_model(**kwargs).logits[0, len(proc.token_ids) - 1 :].log_softmax(-1)
-    for step, entry in enumerate(out.logprobs):
-        top = ref[step].topk(5)
-        assert list(entry) == top.indices.tolist()
-        torch.testing.assert_close(torch.tensor(list(entry.values())), top.values,
-                                   atol=1e-4, rtol=0)
+    assert_top_logprobs(out.logprobs, ref, k=5)
 
 
 def test_encoder_padded_to_the_longest_clip_equals_the_full_window(llm, hf_audio_model):

@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from engine import LLM, SamplingParams
-from tests.helpers import assert_released, count_calls, process_chat
+from tests.helpers import assert_released, assert_top_logprobs, count_calls, process_chat
 
 N = 10
 GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
@@ -160,11 +160,7 @@ def test_prefill_logits_match(vl_path, hf_models):
                   mm_token_type_ids=torch.nn.functional.pad(kwargs["mm_token_type_ids"], (0, 2)))
     with torch.no_grad(), trained_rope(hf, proc):
         ref = hf(**kwargs).logits[0, len(proc.token_ids) - 1 :].log_softmax(-1)
-    for step, entry in enumerate(out.logprobs):
-        top = ref[step].topk(5)
-        assert list(entry) == top.indices.tolist()
-        torch.testing.assert_close(torch.tensor(list(entry.values())), top.values,
-                                   atol=1e-4, rtol=0)
+    assert_top_logprobs(out.logprobs, ref, k=5)
 
 
 def test_encoder_cache_hit_skips_the_encoder(vl_path, hf_models):
