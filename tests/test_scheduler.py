@@ -119,7 +119,7 @@ def test_prefix_hit_is_recorded_once_at_admission():
 
 
 def _image(identifier, offset, length) -> MultiModalFeature:
-    # data stands for the encoder inputs; None would mean "dropped after prefill"
+    # data stands for the encoder inputs the request keeps until it ends
     return MultiModalFeature("image", identifier, PlaceholderRange(offset, length), data={})
 
 
