@@ -5,25 +5,79 @@ Token t of a request lives in slot `block_ids[t // block_size] * block_size + t 
 
 A step's batch is flat: T tokens from B requests, each request contributing a contiguous chunk
 of `q_len` tokens that starts at its `start` (tokens before `start` are already in the cache).
-`build_metadata` turns that into index tensors on the host, moved to the device once; the forward
-then only gathers and scatters with them (no host sync, no data-dependent Python control flow).
-The chunk's keys and values are first written into their slots (`index_copy_`), then:
-- one request with an empty cache (a plain prefill): SDPA's causal kernel on the chunk itself;
-- one request with one new token (single-stream decode): its blocks gathered and cut to its
-  exact context length, so every key is visible and no mask is needed;
-- anything else: each request's blocks gathered into a padded [B, Hkv, L, D] context, the
-  queries padded to [B, Hq, max_q, D], SDPA with an additive mask (built once per step, causal
-  inside each chunk and open to its cached prefix), rows scattered back to the flat order.
+The step's cost is the sum of its requests' costs: nothing is padded to another request's
+length. `build_metadata` splits the step, on the host, into attention groups:
+- every multi-token chunk is a group of its own: its queries against its context, with a mask
+  no larger than its own [q_len, context] (none at all for a plain prefill, which runs SDPA's
+  causal kernel on the chunk's own keys);
+- the single-token chunks (decodes) are batched, bucketed by context length so that padding a
+  decode to its bucket's longest context stays within `DECODE_PADDING` of the useful work.
+Each group reads only the cache blocks its layers can see: a sliding-window layer starts at the
+block holding its first visible key. Keys are gathered from those blocks per layer (PyTorch has
+no paged kernel on the CPU); the gather is bounded by the group's own context.
+
+Layers differ in how they attend (`LayerAttention`: sliding window, logit soft-cap), so the
+metadata holds one key view per distinct window. Bidirectional spans (media whose tokens see
+each other both ways, as Gemma 3's images do) open the mask inside the span; the scheduler keeps
+every such span inside one chunk. The forward only slices, gathers and scatters with index
+tensors built here (no host sync, no data-dependent Python control flow).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from engine.device import to_device
+
+# A decode bucket's padded work (longest context x members) stays within this factor of the
+# sum of its members' contexts.
+DECODE_PADDING = 1.25
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """How one layer attends. `sliding_window`: a query at position p sees keys k with
+    p - k < sliding_window (transformers' convention); `softcap`: scores become
+    softcap * tanh(scores / softcap) before the softmax."""
+
+    sliding_window: int | None = None
+    softcap: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.softcap is not None and self.softcap <= 0:
+            raise ValueError(f"softcap must be > 0, got {self.softcap}")
+
+
+@dataclass
+class KeyView:
+    """Where one group's keys come from, for the layers of one window size.
+
+    `block_table` [B, nb] lists the blocks to gather (None: the chunk's own new keys, a prefill
+    from position 0). `length` cuts the gathered keys when no mask is needed (one sequence);
+    `mask` is additive [B, 1, q_len, L] in the model dtype, or None (`causal` says whether
+    SDPA's causal kernel applies).
+    """
+
+    block_table: torch.Tensor | None
+    length: int | None
+    mask: torch.Tensor | None
+    causal: bool = False
+
+
+@dataclass
+class AttentionGroup:
+    """Queries that attend together: one multi-token chunk, or a bucket of decodes."""
+
+    rows: slice | torch.Tensor  # the group's rows of the flat batch ([B] int64 for decodes)
+    num_seqs: int
+    q_len: int
+    views: dict[int | None, KeyView] = field(default_factory=dict)
 
 
 @dataclass
@@ -31,13 +85,17 @@ class AttentionMetadata:
     """Index tensors for one step (all on the model's device)."""
 
     slot_mapping: torch.Tensor  # [T] int64
-    block_tables: torch.Tensor | None  # [B, max_blocks] int64 (None on the causal fast path)
-    query_pad_index: torch.Tensor | None  # [B * max_q] int64: padded row -> flat token
-    output_index: torch.Tensor | None  # [T] int64: flat token -> padded row
-    mask: torch.Tensor | None  # [B, 1, max_q, L] additive (0 or -inf), in the model dtype
-    num_seqs: int
-    max_q: int
-    context_len: int | None = None  # single-stream decode: keys to attend, no mask
+    num_tokens: int
+    groups: list[AttentionGroup]
+
+    def mask_bytes(self) -> int:
+        """Bytes held by the step's masks (distinct tensors counted once)."""
+        seen: dict[int, int] = {}
+        for g in self.groups:
+            for v in g.views.values():
+                if v.mask is not None:
+                    seen[id(v.mask)] = v.mask.numel() * v.mask.element_size()
+        return sum(seen.values())
 
 
 def build_metadata(
@@ -47,50 +105,133 @@ def build_metadata(
     block_size: int,
     device: torch.device,
     dtype: torch.dtype = torch.float32,
+    *,
+    windows: Sequence[int | None] = (None,),
+    bidirectional: Sequence[Sequence[tuple[int, int]]] | None = None,
 ) -> AttentionMetadata:
-    """Host-side construction of the step's attention indices (see the module docstring)."""
+    """Host-side construction of the step's attention indices (see the module docstring).
+
+    `windows`: the distinct sliding windows of the model's layers (None for full attention).
+    `bidirectional`: per chunk, the absolute [lo, hi) spans inside it whose tokens see each
+    other both ways (each lies wholly inside its chunk).
+    """
     slots: list[int] = []
     for start, n, blocks in zip(starts, q_lens, block_tables, strict=True):
         for pos in range(start, start + n):
             slots.append(blocks[pos // block_size] * block_size + pos % block_size)
     slot_mapping = to_device(torch.tensor(slots, dtype=torch.int64), device)
-    num_seqs, max_q = len(q_lens), max(q_lens)
-    if num_seqs == 1 and starts[0] == 0:
-        return AttentionMetadata(slot_mapping, None, None, None, None, 1, max_q)
-    if num_seqs == 1 and max_q == 1:
-        length = starts[0] + 1
-        table = torch.tensor(block_tables[0][: -(-length // block_size)], dtype=torch.int64)
-        return AttentionMetadata(slot_mapping, to_device(table[None], device), None, None, None,
-                                 1, 1, context_len=length)
+    spans = bidirectional or [()] * len(starts)
+    windows = tuple(dict.fromkeys(windows))
+    shape = _Shape(block_size, device, dtype)
 
-    max_blocks = max(-(-(s + n) // block_size) for s, n in zip(starts, q_lens, strict=True))
-    table = torch.zeros(num_seqs, max_blocks, dtype=torch.int64)  # padding points at block 0
-    pad_index = torch.zeros(num_seqs, max_q, dtype=torch.int64)
-    out_index = torch.empty(sum(q_lens), dtype=torch.int64)
-    offset = 0
-    for b, (n, blocks) in enumerate(zip(q_lens, block_tables, strict=True)):
-        used = blocks[:max_blocks]
-        table[b, : len(used)] = torch.tensor(used, dtype=torch.int64)
-        pad_index[b, :n] = torch.arange(offset, offset + n)
-        out_index[offset : offset + n] = torch.arange(b * max_q, b * max_q + n)
-        offset += n
-    # Row i of request b may see keys 0..start_b + i. Padded rows see a finite prefix too
-    # (never an all-masked row, which would produce NaN) and are discarded afterwards.
-    key = torch.arange(max_blocks * block_size)
-    row = torch.tensor(starts, dtype=torch.int64)[:, None] + torch.arange(max_q)[None, :]
-    visible = (key[None, None, :] <= row[:, :, None])[:, None]  # [B, 1, max_q, L]
-    # Additive, built once here: a bool mask would be converted by SDPA in every layer.
-    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
-    return AttentionMetadata(
-        slot_mapping=slot_mapping,
-        block_tables=to_device(table, device),
-        query_pad_index=to_device(pad_index.view(-1), device),
-        output_index=to_device(out_index, device),
-        mask=to_device(mask, device),
-        num_seqs=num_seqs,
-        max_q=max_q,
-    )
+    groups: list[AttentionGroup] = []
+    decodes: list[tuple[int, int, list[int]]] = []  # (row, context length, blocks)
+    row = 0
+    for start, n, blocks, own_spans in zip(starts, q_lens, block_tables, spans, strict=True):
+        if n == 1:
+            decodes.append((row, start + 1, blocks))
+        else:
+            group = AttentionGroup(slice(row, row + n), 1, n)
+            for w in windows:
+                group.views[w] = _chunk_view(shape, start, n, blocks, w, own_spans)
+            groups.append(group)
+        row += n
+    for bucket in _bucket_decodes([d[1] for d in decodes]):
+        members = [decodes[i] for i in bucket]
+        rows = torch.tensor([m[0] for m in members], dtype=torch.int64)
+        group = AttentionGroup(to_device(rows, device), len(members), 1)
+        for w in windows:
+            group.views[w] = _decode_view(shape, [m[1] for m in members], [m[2] for m in members],
+                                          w)
+        groups.append(group)
+    return AttentionMetadata(slot_mapping, row, groups)
 
+
+@dataclass(frozen=True)
+class _Shape:
+    block_size: int
+    device: torch.device
+    dtype: torch.dtype
+
+
+def _first_block(first_query: int, window: int | None, block_size: int) -> int:
+    """The first cache block holding a key that the query at `first_query` may see."""
+    return 0 if window is None else max(first_query - window + 1, 0) // block_size
+
+
+def _chunk_view(
+    shape: _Shape, start: int, n: int, blocks: list[int], window: int | None,
+    spans: Sequence[tuple[int, int]],
+) -> KeyView:
+    end, bs = start + n, shape.block_size
+    binds = window is not None and window < end  # some query cannot see some earlier key
+    if start == 0 and not binds and not spans:
+        return KeyView(None, None, None, causal=True)
+    first = 0 if start == 0 else _first_block(start, window, bs)
+    key0 = first * bs
+    table = None
+    length = end - key0
+    if start > 0:
+        used = blocks[first : -(-end // bs)]
+        table = to_device(torch.tensor(used, dtype=torch.int64)[None], shape.device)
+        length = len(used) * bs
+    keys = torch.arange(key0, key0 + length)[None, :]
+    rows = torch.arange(start, end)[:, None]
+    visible = keys <= rows
+    if window is not None:
+        visible &= rows - keys < window
+    for lo, hi in spans:
+        if not start <= lo < hi <= end:
+            raise ValueError(
+                f"bidirectional span [{lo}, {hi}) is not inside chunk [{start}, {end})"
+            )
+        visible[lo - start : hi - start, lo - key0 : hi - key0] = True
+    mask = _additive(visible, shape.dtype)[None, None]  # [1, 1, q, L]
+    return KeyView(table, None, to_device(mask, shape.device))
+
+
+def _decode_view(
+    shape: _Shape, contexts: list[int], tables: list[list[int]], window: int | None
+) -> KeyView:
+    bs = shape.block_size
+    firsts = [_first_block(c - 1, window, bs) for c in contexts]
+    spans = [-(-c // bs) - f for c, f in zip(contexts, firsts, strict=True)]
+    width = max(spans)
+    table = torch.zeros(len(contexts), width, dtype=torch.int64)  # padding points at block 0
+    for b, (blocks, f, s) in enumerate(zip(tables, firsts, spans, strict=True)):
+        table[b, :s] = torch.tensor(blocks[f : f + s], dtype=torch.int64)
+    table = to_device(table, shape.device)
+    binds = window is not None and any(c > window for c in contexts)
+    if len(contexts) == 1 and not binds:  # every key up to the query is visible
+        return KeyView(table, contexts[0] - firsts[0] * bs, None)
+    keys = torch.tensor(firsts)[:, None] * bs + torch.arange(width * bs)[None, :]
+    query = torch.tensor(contexts)[:, None] - 1
+    visible = keys <= query
+    if window is not None:
+        visible &= query - keys < window
+    mask = _additive(visible, shape.dtype)[:, None, None]  # [B, 1, 1, L]
+    return KeyView(table, None, to_device(mask, shape.device))
+
+
+def _bucket_decodes(contexts: list[int]) -> list[list[int]]:
+    """Indices of decodes grouped so each group's padded work stays within DECODE_PADDING."""
+    order = sorted(range(len(contexts)), key=lambda i: -contexts[i])
+    buckets: list[list[int]] = []
+    longest = total = 0
+    for i in order:
+        c = contexts[i]
+        if buckets and longest * (len(buckets[-1]) + 1) <= DECODE_PADDING * (total + c):
+            buckets[-1].append(i)
+            total += c
+        else:
+            buckets.append([i])
+            longest = total = c
+    return buckets
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # Additive, built once per step: a bool mask would be converted by SDPA in every layer.
+    return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
 
 
 def paged_attention(
@@ -100,6 +241,7 @@ def paged_attention(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    layer: LayerAttention = LayerAttention(),
 ) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D], storing k/v in the cache first."""
     num_tokens, num_heads, head_dim = q.shape
@@ -107,30 +249,72 @@ def paged_attention(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-    gqa = num_heads != num_kv_heads
 
-    if meta.block_tables is None:  # one request, empty cache: causal attention on the chunk
-        # 4-D inputs: with a batch dimension SDPA takes its flash kernel on the CPU too (the
-        # 3-D form falls back to the math path, ~3x slower with GQA).
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            is_causal=True, scale=scale, enable_gqa=gqa,
-        )  # [1, Hq, T, D]
-        return out[0].transpose(0, 1).reshape(num_tokens, num_heads * head_dim)
+    if len(meta.groups) == 1 and meta.groups[0].num_seqs == 1:  # one request: no scatter
+        return _attend_group(q, k, v, k_cache, v_cache, meta.groups[0], scale, layer).reshape(
+            num_tokens, num_heads * head_dim
+        )
+    out = q.new_empty(num_tokens, num_heads, head_dim)
+    for group in meta.groups:
+        result = _attend_group(q, k, v, k_cache, v_cache, group, scale, layer)
+        if isinstance(group.rows, slice):
+            out[group.rows] = result
+        else:
+            out.index_copy_(0, group.rows, result)
+    return out.view(num_tokens, num_heads * head_dim)
 
-    b, max_q = meta.num_seqs, meta.max_q
-    ctx_shape = (b, -1, num_kv_heads, head_dim)
-    keys = k_cache[meta.block_tables].view(ctx_shape).transpose(1, 2)  # [B, Hkv, L, D]
-    values = v_cache[meta.block_tables].view(ctx_shape).transpose(1, 2)
-    if meta.context_len is not None:  # one sequence, one query: every key up to it is visible
-        keys, values = keys[:, :, : meta.context_len], values[:, :, : meta.context_len]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], keys, values, scale=scale, enable_gqa=gqa
-        )  # [1, Hq, 1, D]
-        return out.reshape(1, num_heads * head_dim)
-    queries = q[meta.query_pad_index].view(b, max_q, num_heads, head_dim).transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=meta.mask, scale=scale, enable_gqa=gqa
-    )  # [B, Hq, max_q, D]
-    out = out.transpose(1, 2).reshape(b * max_q, num_heads * head_dim)
-    return out[meta.output_index]
+
+def _attend_group(q, k, v, k_cache, v_cache, group: AttentionGroup, scale: float,
+                  layer: LayerAttention) -> torch.Tensor:
+    """One group's attention -> [B * q_len, Hq, D] in the order of its rows."""
+    view = group.views[layer.sliding_window]
+    b, n = group.num_seqs, group.q_len
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k.shape[1]
+    # [B, Hq, q_len, D]; 4-D inputs let SDPA take its flash kernel on the CPU too (the 3-D
+    # form falls back to the math path, ~3x slower with GQA).
+    queries = q[group.rows].view(b, n, num_heads, head_dim).transpose(1, 2)
+    if view.block_table is None:  # a prefill from position 0: the chunk's own keys
+        keys, values = k[group.rows].transpose(0, 1)[None], v[group.rows].transpose(0, 1)[None]
+    else:
+        ctx = (b, -1, num_kv_heads, head_dim)
+        keys = k_cache[view.block_table].view(ctx).transpose(1, 2)  # [B, Hkv, L, D]
+        values = v_cache[view.block_table].view(ctx).transpose(1, 2)
+        if view.length is not None:
+            keys, values = keys[:, :, : view.length], values[:, :, : view.length]
+    out = attend(queries, keys, values, view.mask, view.causal, scale, layer.softcap)
+    return out.transpose(1, 2).reshape(b * n, num_heads, head_dim)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] (Hq a multiple of Hkv) -> [B, Hq, Lq, D].
+
+    SDPA where it can; soft-capped scores take the explicit path (SDPA has no soft-cap), with
+    the softmax in float32.
+    """
+    gqa = q.shape[1] != k.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale,
+            enable_gqa=gqa,
+        )
+    if gqa:
+        repeat = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores + mask
+    elif causal:
+        lq, lk = q.shape[2], k.shape[2]
+        hidden = torch.ones(lq, lk, dtype=torch.bool, device=q.device).triu(lk - lq + 1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    return torch.matmul(scores.softmax(-1).to(v.dtype), v)

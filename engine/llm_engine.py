@@ -58,6 +58,7 @@ class LLMEngine:
                 hf_config, self.tokenizer, self.model_path, self.model_id, self.config
             )
             budget = _encoder_budget(self.config, mm_processor)
+            _check_bidirectional_budget(self.config, mm_processor.max_bidirectional_span())
         self.processor = InputProcessor(
             self.tokenizer, self.runner.vocab_size, self.max_model_len, mm_processor,
             encoder_budget=budget,
@@ -263,6 +264,16 @@ def _encoder_budget(config: EngineConfig, mm_processor) -> EncoderBudget:
             "preprocessor config)"
         )
     return budget
+
+
+def _check_bidirectional_budget(config: EngineConfig, largest_span: int) -> None:
+    """A bidirectional span is prefilled in one chunk: the step's token budget must hold it."""
+    if largest_span > config.max_num_batched_tokens:
+        raise ValueError(
+            f"this model attends media spans of up to {largest_span} tokens both ways, and each "
+            f"must be prefilled in one chunk, but max_num_batched_tokens is "
+            f"{config.max_num_batched_tokens}; raise it to at least {largest_span}"
+        )
 
 
 def _eos_ids(path: Path, tokenizer) -> frozenset[int]:

@@ -69,6 +69,7 @@ class ModelRunner:
         load_weights(self.model, iter_checkpoint(path), self.model.checkpoint_map())
         self.model.eval()
         self.vocab_size = self.model.cfg.vocab_size
+        self.windows = self.model.attention_windows()
         self.layout = self._plan_kv_cache(max_len)
         self.kv_caches = self._allocate_kv_cache()
         # Encoder outputs by content hash; which ones exist is decided by EncoderCacheManager.
@@ -122,6 +123,7 @@ class ModelRunner:
         meta = build_metadata(
             [c.start for c in chunks], [c.num_tokens for c in chunks],
             [c.req.block_ids for c in chunks], self.layout.block_size, self.device, self.dtype,
+            windows=self.windows, bidirectional=[_bidirectional_spans(c) for c in chunks],
         )
         embeds = self._splice_embeddings(input_ids, chunks)
         hidden = self.model(input_ids, positions, meta, embeds)
@@ -226,6 +228,17 @@ class ModelRunner:
             out.logprobs.append(entry)
             row += 1
         return out
+
+
+def _bidirectional_spans(chunk) -> list[tuple[int, int]]:
+    """The chunk's bidirectional media spans, absolute [lo, hi); the scheduler keeps each whole
+    inside one chunk, except for the part a prefix-cache hit already computed."""
+    spans = []
+    for f in chunk.req.mm_features:
+        span = f.placeholder
+        if span.bidirectional and span.offset < chunk.end and span.end > chunk.start:
+            spans.append((max(span.offset, chunk.start), span.end))
+    return spans
 
 
 def _max_model_len(hf_config, config: EngineConfig) -> int:

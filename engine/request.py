@@ -30,12 +30,14 @@ class PlaceholderRange:
 
     `is_embed` is None when every position receives an encoder embedding; otherwise a mask of
     `length` booleans (structure tokens such as row breaks sit inside the span but keep their
-    text embedding).
+    text embedding). `bidirectional` spans are attended both ways inside themselves (Gemma 3's
+    images); the scheduler never cuts a prefill chunk inside one.
     """
 
     offset: int
     length: int
     is_embed: tuple[bool, ...] | None = None
+    bidirectional: bool = False
 
     def __post_init__(self) -> None:
         if self.is_embed is not None and len(self.is_embed) != self.length:

@@ -11,7 +11,9 @@ reset; it is recomputed later) until the allocation fits. A waiting request neve
 Media items add a second budget (`_plan_encoder`): a chunk whose window overlaps an item's span
 that is not in the encoder cache needs the item's encoder to run this step, within the per-step
 encoder compute budget and the cache space; a chunk that cannot have it is cut to end just before
-the span. Encoder-cache space is allocated only once the chunk's KV blocks are.
+the span. Encoder-cache space is allocated only once the chunk's KV blocks are. A chunk never
+ends inside a bidirectional span (its tokens attend to each other both ways, so the whole span
+must be computed together): it ends before the span instead.
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ class Scheduler:
             if budget == 0 or req.status is not RequestStatus.RUNNING:  # preempted this step
                 continue
             start = req.num_computed_tokens
-            n, items = self._plan_encoder(req, start, min(req.num_tokens - start, budget), out)
+            n, items = self._plan_encoder(req, start, _chunk_len(req, start, budget), out)
             if n == 0:
                 continue
             while not self.blocks.allocate(req, start + n):
@@ -113,7 +115,7 @@ class Scheduler:
             req = self.waiting[0]
             hits = self.blocks.find_cached_prefix(req)
             start = len(hits) * self.blocks.block_size
-            n, items = self._plan_encoder(req, start, min(req.num_tokens - start, budget), out)
+            n, items = self._plan_encoder(req, start, _chunk_len(req, start, budget), out)
             if n == 0 or not self.blocks.allocate(req, start + n, hits):
                 self.encoder_cache.release_request(req)  # undo this step's cache lookups
                 break
@@ -218,6 +220,18 @@ class Scheduler:
         assert not any(r.block_ids for r in self.waiting), "a waiting request holds KV blocks"
         self.blocks.check_integrity(live)
         self.encoder_cache.check_integrity(live)
+
+
+def _chunk_len(req: Request, start: int, budget: int) -> int:
+    """Tokens from `start` within `budget`, cut so that no bidirectional span is split."""
+    end = min(req.num_tokens, start + budget)
+    for feature in req.mm_features:  # sorted by offset
+        span = feature.placeholder
+        if span.offset >= end:
+            break
+        if span.bidirectional and span.offset < end < span.end:
+            return max(span.offset - start, 0)
+    return end - start
 
 
 def _note_cache_result(req: Request, idx: int, hit: bool) -> None:

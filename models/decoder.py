@@ -1,7 +1,8 @@
 """The Llama-architecture decoder shared by Llama, Mistral and Qwen2 (and the Qwen VL/Audio LMs).
 
 GQA attention over the paged cache (engine.attention), RoPE from precomputed tables, RMSNorm,
-SwiGLU, optional qkv bias (Qwen2), tied or untied embeddings. q/k/v and gate/up are fused into
+SwiGLU, optional qkv bias (Qwen2), tied or untied embeddings, per-layer sliding windows and
+attention-logit soft-capping. q/k/v and gate/up are fused into
 one matmul each; `weight_map` says which checkpoint tensor fills which rows.
 """
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention
+from engine.attention import AttentionMetadata, LayerAttention, paged_attention
 from models.layers import GatedMLP, Linear, RMSNorm, RotaryTable, apply_rotary
 from models.loader import Shard
 
@@ -37,6 +38,15 @@ class DecoderConfig:
     o_bias: bool
     mlp_bias: bool
     hidden_act: str
+    # One entry per layer: its sliding window (None: full attention) and logit soft-cap.
+    layer_attention: tuple[LayerAttention, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.layer_attention and len(self.layer_attention) != self.num_layers:
+            raise ValueError(
+                f"layer_attention has {len(self.layer_attention)} entries for "
+                f"{self.num_layers} layers"
+            )
 
     @classmethod
     def from_hf(cls, cfg, *, qwen2_bias: bool = False, tie: bool | None = None):
@@ -46,8 +56,6 @@ class DecoderConfig:
         `attention_bias` (on q/k/v and o).
         """
         attention_bias = bool(getattr(cfg, "attention_bias", False))
-        if getattr(cfg, "use_sliding_window", False):
-            raise NotImplementedError("sliding-window attention (use_sliding_window) is not built")
         heads = cfg.num_attention_heads
         return cls(
             vocab_size=cfg.vocab_size,
@@ -65,11 +73,29 @@ class DecoderConfig:
             o_bias=attention_bias and not qwen2_bias,
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
             hidden_act=cfg.hidden_act,
+            layer_attention=layer_attention_from_hf(cfg),
         )
 
 
+def layer_attention_from_hf(cfg) -> tuple[LayerAttention, ...]:
+    """Per-layer windows from `layer_types` ("sliding_attention" layers use `sliding_window`);
+    without `layer_types`, a set `sliding_window` applies to every layer (Mistral)."""
+    window = getattr(cfg, "sliding_window", None)
+    softcap = getattr(cfg, "attn_logit_softcapping", None)
+    kinds = getattr(cfg, "layer_types", None)
+    if kinds is None:
+        kinds = ["sliding_attention" if window else "full_attention"] * cfg.num_hidden_layers
+    unknown = set(kinds) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise NotImplementedError(f"layer types {sorted(unknown)} are not supported")
+    return tuple(
+        LayerAttention(window if kind == "sliding_attention" else None, softcap)
+        for kind in kinds
+    )
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig) -> None:
+    def __init__(self, cfg: DecoderConfig, layout: LayerAttention) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
@@ -77,6 +103,7 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
+        self.layout = layout
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.kv_cache = torch.empty(0)  # bound by the model runner
@@ -88,14 +115,16 @@ class Attention(nn.Module):
         qk = apply_rotary(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        return self.o_proj(paged_attention(q, k, v, self.kv_cache, meta, self.scale))
+        return self.o_proj(
+            paged_attention(q, k, v, self.kv_cache, meta, self.scale, self.layout)
+        )
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig) -> None:
+    def __init__(self, cfg: DecoderConfig, layout: LayerAttention) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layout)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act)
 
@@ -111,7 +140,8 @@ class Decoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        layouts = cfg.layer_attention or (LayerAttention(),) * cfg.num_layers
+        self.layers = nn.ModuleList(DecoderLayer(cfg, layout) for layout in layouts)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
@@ -147,6 +177,10 @@ class Decoder(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.layers]
+
+    def attention_windows(self) -> tuple[int | None, ...]:
+        """The distinct sliding windows of the layers (None: full attention)."""
+        return tuple(dict.fromkeys(a.layout.sliding_window for a in self.attention_layers()))
 
     def weight_map(self, prefix: str = "model.", lm_head: str = "lm_head.") -> Callable:
         """Maps a checkpoint tensor name to (our parameter name, row shard) or None (skip)."""

@@ -70,6 +70,10 @@ class QwenAudioProcessor:
         _max_duration(mm_kwargs)
         return {"audio_kwargs": {"sample_rate": self.mel.sample_rate}}
 
+    def max_bidirectional_span(self) -> int:
+        """The longest span attended both ways (0: every span is causal)."""
+        return 0
+
     def max_embeds_per_item(self) -> int:
         """A full window's embeddings, for the start-up budget check."""
         return encoder_lengths(self.mel.window_frames)[1]

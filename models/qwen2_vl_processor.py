@@ -67,6 +67,10 @@ class QwenVLProcessor:
             video["max_frames"] = int(mm_kwargs["max_frames"])
         return {"video_kwargs": video}
 
+    def max_bidirectional_span(self) -> int:
+        """The longest span attended both ways (0: every span is causal)."""
+        return 0
+
     def max_embeds_per_item(self) -> int:
         """The largest encoder item in embeddings (an image at max_pixels, or one temporal patch
         of a video at its max_pixels), for the start-up budget check."""

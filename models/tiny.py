@@ -135,10 +135,19 @@ def build_text_model(
     rope_parameters: dict | None = None,
     seed: int = 0,
     std: float = 0.25,
+    config_overrides: dict | None = None,
     **save_kwargs,
 ) -> Path:
-    """A tiny Qwen2ForCausalLM ("qwen2") or LlamaForCausalLM ("llama") checkpoint at `path`."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """A tiny Qwen2ForCausalLM ("qwen2"), LlamaForCausalLM ("llama") or MistralForCausalLM
+    ("mistral") checkpoint at `path`; `config_overrides` go to the config as they are."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     tokenizer = qwen_tokenizer() if family == "qwen2" else llama_tokenizer()
     vocab = vocab_size or len(tokenizer)
@@ -157,12 +166,15 @@ def build_text_model(
     )
     if rope_parameters is not None:
         common["rope_parameters"] = rope_parameters
+    common.update(config_overrides or {})
     if family == "qwen2":
         config, cls = Qwen2Config(**common), Qwen2ForCausalLM
     elif family == "llama":
         config, cls = LlamaConfig(**common), LlamaForCausalLM
+    elif family == "mistral":
+        config, cls = MistralConfig(**common), MistralForCausalLM
     else:
-        raise ValueError(f"unknown family {family!r} (qwen2, llama)")
+        raise ValueError(f"unknown family {family!r} (qwen2, llama, mistral)")
     torch.manual_seed(seed)
     model = cls(config)
     randomize(model, std=std, seed=seed)

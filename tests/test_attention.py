@@ -1,0 +1,295 @@
+"""Attention without padding across requests: sliding windows, soft-capping, bidirectional spans.
+
+Windowed checkpoints are checked against transformers (logits and greedy tokens, chunked and
+unchunked, with prefix-cache hits); soft-capping and bidirectional masks against attention
+written out by hand; a step mixing a long chunk with many decodes against the same requests
+run alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.attention import (
+    DECODE_PADDING,
+    LayerAttention,
+    attend,
+    build_metadata,
+    paged_attention,
+)
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.encoder_cache import EncoderCacheManager
+from engine.request import MultiModalFeature, PlaceholderRange, Request
+from engine.sampling_params import SamplingParams as Params
+from engine.scheduler import Scheduler
+
+ATOL = 2e-4
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def windowed_paths(tmp_path_factory):
+    """Qwen2 with `use_sliding_window` on its second layer only (windows differ per layer) and
+    Mistral with a window on every layer; both windows far shorter than the prompts."""
+    from models.tiny import build_text_model
+
+    root = tmp_path_factory.mktemp("windowed")
+    qwen = build_text_model(
+        root / "qwen2_sw", "qwen2", num_layers=2,
+        config_overrides={"use_sliding_window": True, "sliding_window": 7, "max_window_layers": 1},
+    )
+    mistral = build_text_model(
+        root / "mistral_sw", "mistral", num_layers=2, config_overrides={"sliding_window": 5},
+    )
+    return {"qwen2": qwen, "mistral": mistral}
+
+
+@pytest.fixture(params=["qwen2", "mistral"])
+def windowed(request, windowed_paths, hf_models):
+    path = windowed_paths[request.param]
+    hf = hf_models(path)
+    assert hf.config.sliding_window is not None  # the reference really uses a window
+    return path, hf
+
+
+def _run(model, seqs, block_size=16):
+    """seqs: (all ids, start, end, block ids) -> logits [end - start, V] per sequence."""
+    ids, pos = [], []
+    for all_ids, start, end, _ in seqs:
+        ids += all_ids[start:end]
+        pos += range(start, end)
+    meta = build_metadata(
+        [s for _, s, _, _ in seqs], [e - s for _, s, e, _ in seqs], [b for *_, b in seqs],
+        block_size, CPU, windows=model.attention_windows(),
+    )
+    with torch.inference_mode():
+        logits = model.compute_logits(model(torch.tensor(ids), torch.tensor(pos), meta))
+    out, offset = [], 0
+    for _, s, e, _ in seqs:
+        out.append(logits[offset : offset + e - s])
+        offset += e - s
+    return out
+
+
+def test_windows_are_read_per_layer(windowed_paths):
+    qwen = LLM(windowed_paths["qwen2"], max_model_len=256).engine.runner.model
+    mistral = LLM(windowed_paths["mistral"], max_model_len=256).engine.runner.model
+    assert [a.layout.sliding_window for a in qwen.attention_layers()] == [None, 7]
+    assert [a.layout.sliding_window for a in mistral.attention_layers()] == [5, 5]
+
+
+def test_sliding_window_logits_match_transformers(windowed):
+    path, hf = windowed
+    # 4-token blocks, so that windowed layers skip whole blocks.
+    llm = LLM(path, device="cpu", dtype="float32", max_model_len=256, block_size=4)
+    model = llm.engine.runner.model
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, llm.engine.runner.vocab_size, (45,), generator=gen).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    blocks = [9, 2, 11, 0, 5, 7, 3, 13, 1, 8, 12, 6]  # deliberately non-contiguous
+    (whole,) = _run(model, [(ids, 0, 45, blocks)], block_size=4)
+    torch.testing.assert_close(whole, ref, atol=ATOL, rtol=0)
+    # Chunks that read earlier chunks from the cache, then decodes.
+    got = []
+    for start, end in [(0, 13), (13, 30), (30, 40)] + [(p, p + 1) for p in range(40, 45)]:
+        got += _run(model, [(ids, start, end, blocks)], block_size=4)
+    torch.testing.assert_close(torch.cat(got), ref, atol=ATOL, rtol=0)
+
+
+def test_sliding_window_greedy_with_chunks_and_prefix_hits(windowed):
+    path, hf = windowed
+    prompt = list(range(5, 60))
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    for batched in (2048, 16):  # unchunked, then 16-token chunks
+        llm = LLM(path, max_model_len=256, max_num_batched_tokens=batched, block_size=8)
+        first = llm.generate([{"prompt_token_ids": prompt}], params)[0]
+        again = llm.generate([{"prompt_token_ids": prompt}], params)[0]  # prefix-cache hit
+        assert first.outputs[0].token_ids == ref
+        assert again.num_cached_tokens >= 48
+        assert again.outputs[0].token_ids == ref
+
+
+def _reference(q, k, v, visible, scale, softcap=None):
+    """Attention written out: q [Lq, H, D], k/v [Lk, Hkv, D], visible [Lq, Lk] bool."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q.shape[0], -1)
+
+
+def _cache(num_blocks=8, block_size=4, heads=2, dim=8):
+    return torch.zeros(2, num_blocks, block_size, heads, dim)
+
+
+def test_softcap_matches_reference_in_chunks_and_decodes():
+    gen = torch.Generator().manual_seed(0)
+    n, heads, kv_heads, dim, cap = 11, 4, 2, 8, 2.5
+    q = torch.randn(n, heads, dim, generator=gen) * 3  # large scores, so the cap matters
+    k = torch.randn(n, kv_heads, dim, generator=gen) * 3
+    v = torch.randn(n, kv_heads, dim, generator=gen)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    ref = _reference(q, k, v, causal, 0.3, softcap=cap)
+    assert not torch.allclose(ref, _reference(q, k, v, causal, 0.3))
+    layer = LayerAttention(softcap=cap)
+    cache, table = _cache(), [3, 0, 6]
+    got = []
+    for start, end in [(0, 6), (6, 9), (9, 10), (10, 11)]:
+        meta = build_metadata([start], [end - start], [table], 4, CPU)
+        got.append(paged_attention(q[start:end], k[start:end], v[start:end], cache, meta, 0.3,
+                                   layer))
+    torch.testing.assert_close(torch.cat(got), ref, atol=1e-5, rtol=0)
+
+
+def test_attend_softcap_causal_without_mask():
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 5, 4, generator=gen) for _ in range(3))
+    got = attend(q, k, v, None, True, 0.5, softcap=1.0)
+    visible = torch.ones(5, 5, dtype=torch.bool).tril()
+    ref = _reference(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), visible,
+                     0.5, softcap=1.0)
+    torch.testing.assert_close(got[0].transpose(0, 1).reshape(5, -1), ref, atol=1e-6, rtol=0)
+
+
+def test_bidirectional_span_mask_matches_hand_written():
+    # A 12-token chunk after 4 cached tokens; a span at [7, 11) is attended both ways.
+    meta = build_metadata([4], [12], [[0, 1, 2, 3]], 4, CPU, bidirectional=[[(7, 11)]])
+    (group,) = meta.groups
+    mask = group.views[None].mask[0, 0]  # [12 queries, 16 keys]
+    expected = torch.zeros(12, 16, dtype=torch.bool)
+    for i in range(12):
+        row = 4 + i
+        for key in range(16):
+            expected[i, key] = key <= row or (7 <= row < 11 and 7 <= key < 11)
+    assert torch.equal(mask == 0, expected)
+    # Row 7 (the span's first token) sees the whole span, row 11 (after it) is causal again.
+    assert (mask[3, 7:11] == 0).all() and (mask[3, 11:] < 0).all()
+    assert (mask[7, 12:] < 0).all()
+
+
+def test_bidirectional_span_with_window_and_attention_output():
+    gen = torch.Generator().manual_seed(2)
+    n, spans, window = 10, [(2, 7)], 3
+    q = torch.randn(n, 2, 8, generator=gen)
+    k = torch.randn(n, 2, 8, generator=gen)
+    v = torch.randn(n, 2, 8, generator=gen)
+    visible = torch.zeros(n, n, dtype=torch.bool)
+    for r in range(n):
+        for c in range(n):
+            visible[r, c] = (c <= r and r - c < window) or (2 <= r < 7 and 2 <= c < 7)
+    meta = build_metadata([0], [n], [[0, 1, 2]], 4, CPU, windows=(None, window),
+                          bidirectional=[spans])
+    out = paged_attention(q, k, v, _cache(), meta, 0.35, LayerAttention(window))
+    torch.testing.assert_close(out, _reference(q, k, v, visible, 0.35), atol=1e-5, rtol=0)
+
+
+def test_a_span_outside_its_chunk_is_a_bug():
+    with pytest.raises(ValueError, match="not inside chunk"):
+        build_metadata([0], [8], [[0, 1]], 4, CPU, bidirectional=[[(6, 10)]])
+
+
+def _scheduler(budget: int) -> Scheduler:
+    config = EngineConfig(max_num_batched_tokens=budget, max_num_seqs=4,
+                          max_num_encoder_input_tokens=4096, encoder_cache_size=4096)
+    return Scheduler(config, BlockManager(64, 4, True), EncoderCacheManager(4096))
+
+
+def _request(rid: str, n: int, spans: list[tuple[int, int]], bidirectional=True) -> Request:
+    req = Request(rid, list(range(n)), Params(max_tokens=4), frozenset(), 4)
+    req.mm_features = [
+        MultiModalFeature("image", f"{rid}-{i}", PlaceholderRange(lo, hi - lo,
+                                                                   bidirectional=bidirectional))
+        for i, (lo, hi) in enumerate(spans)
+    ]
+    return req
+
+
+def test_scheduler_never_cuts_a_bidirectional_span():
+    sched = _scheduler(budget=20)
+    req = _request("a", 60, [(12, 28), (40, 45)])
+    sched.add(req)
+    cuts = []
+    while req.num_computed_tokens < req.num_tokens:
+        out = sched.schedule()
+        (chunk,) = out.chunks
+        cuts.append((chunk.start, chunk.end))
+        sched.update_after_step(out)
+    assert cuts == [(0, 12), (12, 32), (32, 52), (52, 60)]
+    for lo, hi in [(12, 28), (40, 45)]:
+        assert any(s <= lo and hi <= e for s, e in cuts)
+    # A causal span of the same shape is cut wherever the budget ends.
+    sched = _scheduler(budget=20)
+    causal = _request("b", 60, [(12, 28)], bidirectional=False)
+    sched.add(causal)
+    assert sched.schedule().chunks[0].end == 20
+
+
+def test_startup_refuses_a_budget_smaller_than_the_largest_span():
+    from engine.llm_engine import _check_bidirectional_budget
+
+    with pytest.raises(ValueError, match="up to 300 tokens.*max_num_batched_tokens is 256"):
+        _check_bidirectional_budget(EngineConfig(max_num_batched_tokens=256), 300)
+    _check_bidirectional_budget(EngineConfig(max_num_batched_tokens=256), 256)
+
+
+def test_decodes_are_bucketed_by_context_and_masks_stay_small():
+    # One 512-token chunk beside 32 decodes: masks are the chunk's own [q, context] plus each
+    # decode bucket's [B, L]; nothing grows as batch x longest chunk x context.
+    contexts = [100] * 16 + [3000] * 16
+    starts = [512] + [c - 1 for c in contexts]
+    lens = [512] + [1] * 32
+    tables = [list(range(64))] + [list(range(200))] * 32
+    meta = build_metadata(starts, lens, tables, 16, CPU)
+    chunk, *decodes = meta.groups
+    assert chunk.q_len == 512 and chunk.num_seqs == 1
+    assert len(decodes) == 2  # the short contexts are not all padded to 3000
+    decode_bytes = 0
+    for group in decodes:
+        members = [contexts[r - 512] for r in group.rows.tolist()]
+        width = group.views[None].mask.shape[-1]
+        assert width == -(-max(members) // 16) * 16
+        assert len(members) * max(members) <= DECODE_PADDING * sum(members)
+        decode_bytes += len(members) * width * 4
+    assert meta.mask_bytes() == 512 * 1024 * 4 + decode_bytes
+
+
+def test_long_chunk_beside_many_decodes_gives_the_tokens_each_gets_alone(qwen2_path):
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(3 + i, 12 + 3 * i))} for i in range(12)]
+    long_prompt = {"prompt_token_ids": [(7 * i) % 500 + 3 for i in range(300)]}
+    alone = LLM(qwen2_path, max_model_len=512, enable_prefix_caching=False)
+    expected = [alone.generate([p], params)[0].outputs[0].token_ids
+                for p in [*prompts, long_prompt]]
+    llm = LLM(qwen2_path, max_model_len=512, enable_prefix_caching=False,
+              max_num_batched_tokens=140)
+    engine = llm.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(engine.make_request(_process(engine, p), params, f"s{i}"))
+    engine.step()  # the short prompts prefill; from now on they decode
+    engine.add_request(engine.make_request(_process(engine, long_prompt), params, "L"))
+    mixed = 0
+    done = {}
+    while engine.has_unfinished():
+        out = engine.scheduler.schedule()
+        lens = sorted(c.num_tokens for c in out.chunks)
+        mixed += lens[-1] > 1 and lens[0] == 1
+        result = engine.runner.execute(out)
+        engine.scheduler.update_after_step(out)
+        for o in engine._postprocess(out, result, 0.0):
+            if o.finished:
+                done[o.request_id] = o.outputs[0].token_ids
+    assert mixed >= 2  # the long prompt's chunks really shared steps with decodes
+    assert [done[f"s{i}"] for i in range(12)] + [done["L"]] == expected
+
+
+def _process(engine, prompt):
+    return engine.processor.process(engine.processor.parse(prompt), {})
