@@ -1,7 +1,10 @@
 """Attention over the paged KV cache, and the per-step metadata that drives it.
 
-Cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (keys, values).
-Token t of a request lives in slot `block_ids[t // block_size] * block_size + t % block_size`.
+Cache layout per layer: [2, num_kv_heads, num_blocks, block_size, head_dim] (keys, values).
+Token t of a request lives in slot `block_ids[t // block_size] * block_size + t % block_size`
+of every head. Heads outermost, so that a request's gathered keys are contiguous per head
+([Hkv, B, L, D]): the matrix products of attention then read them in place (with tokens
+outermost, a strided [L, D] operand measured several times slower on the CPU).
 
 A step's batch is flat: T tokens from B requests, each request contributing a contiguous chunk
 of `q_len` tokens that starts at its `start` (tokens before `start` are already in the cache).
@@ -25,6 +28,8 @@ tensors built here (no host sync, no data-dependent Python control flow).
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -32,6 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.device import to_device
+
+log = logging.getLogger(__name__)
 
 # A decode bucket's padded work (longest context x members) stays within this factor of the
 # sum of its members' contexts.
@@ -68,6 +75,9 @@ class KeyView:
     length: int | None
     mask: torch.Tensor | None
     causal: bool = False
+    # Gathered keys and values [2, Hkv, B * nb, block_size, D], allocated by the first layer
+    # and reused by the others (layers run one after another).
+    workspace: torch.Tensor | None = None
 
 
 @dataclass
@@ -87,15 +97,26 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64
     num_tokens: int
     groups: list[AttentionGroup]
+    decode_kernel: str = "sdpa"  # how decode groups attend: "sdpa" or "matmul"
 
     def mask_bytes(self) -> int:
         """Bytes held by the step's masks (distinct tensors counted once)."""
-        seen: dict[int, int] = {}
+        return _nbytes(v.mask for g in self.groups for v in g.views.values())
+
+    def nbytes(self) -> int:
+        """Bytes held by all of the step's metadata tensors (distinct tensors counted once)."""
+        tensors = [self.slot_mapping]
         for g in self.groups:
+            if isinstance(g.rows, torch.Tensor):
+                tensors.append(g.rows)
             for v in g.views.values():
-                if v.mask is not None:
-                    seen[id(v.mask)] = v.mask.numel() * v.mask.element_size()
-        return sum(seen.values())
+                tensors += [v.mask, v.block_table]
+        return _nbytes(tensors)
+
+
+def _nbytes(tensors) -> int:
+    seen = {id(t): t.numel() * t.element_size() for t in tensors if t is not None}
+    return sum(seen.values())
 
 
 def build_metadata(
@@ -108,13 +129,17 @@ def build_metadata(
     *,
     windows: Sequence[int | None] = (None,),
     bidirectional: Sequence[Sequence[tuple[int, int]]] | None = None,
+    decode_kernel: str = "sdpa",
 ) -> AttentionMetadata:
     """Host-side construction of the step's attention indices (see the module docstring).
 
     `windows`: the distinct sliding windows of the model's layers (None for full attention).
     `bidirectional`: per chunk, the absolute [lo, hi) spans inside it whose tokens see each
-    other both ways (each lies wholly inside its chunk).
+    other both ways (each lies wholly inside its chunk). `decode_kernel`: see
+    `choose_decode_kernel`.
     """
+    if decode_kernel not in KERNELS:
+        raise ValueError(f"decode_kernel must be one of {KERNELS}, got {decode_kernel!r}")
     slots: list[int] = []
     for start, n, blocks in zip(starts, q_lens, block_tables, strict=True):
         for pos in range(start, start + n):
@@ -144,7 +169,7 @@ def build_metadata(
             group.views[w] = _decode_view(shape, [m[1] for m in members], [m[2] for m in members],
                                           w)
         groups.append(group)
-    return AttentionMetadata(slot_mapping, row, groups)
+    return AttentionMetadata(slot_mapping, row, groups, decode_kernel)
 
 
 @dataclass(frozen=True)
@@ -246,17 +271,16 @@ def paged_attention(
     """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D], storing k/v in the cache first."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    slots = kv_cache.view(2, num_kv_heads, -1, head_dim)  # [2, Hkv, num_slots, D]
+    slots[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+    slots[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
 
     if len(meta.groups) == 1 and meta.groups[0].num_seqs == 1:  # one request: no scatter
-        return _attend_group(q, k, v, k_cache, v_cache, meta.groups[0], scale, layer).reshape(
-            num_tokens, num_heads * head_dim
-        )
+        out = _attend_group(q, k, v, kv_cache, meta.groups[0], scale, layer, meta.decode_kernel)
+        return out.reshape(num_tokens, num_heads * head_dim)
     out = q.new_empty(num_tokens, num_heads, head_dim)
     for group in meta.groups:
-        result = _attend_group(q, k, v, k_cache, v_cache, group, scale, layer)
+        result = _attend_group(q, k, v, kv_cache, group, scale, layer, meta.decode_kernel)
         if isinstance(group.rows, slice):
             out[group.rows] = result
         else:
@@ -264,26 +288,46 @@ def paged_attention(
     return out.view(num_tokens, num_heads * head_dim)
 
 
-def _attend_group(q, k, v, k_cache, v_cache, group: AttentionGroup, scale: float,
-                  layer: LayerAttention) -> torch.Tensor:
+def _attend_group(q, k, v, kv_cache, group: AttentionGroup, scale: float,
+                  layer: LayerAttention, decode_kernel: str) -> torch.Tensor:
     """One group's attention -> [B * q_len, Hq, D] in the order of its rows."""
     view = group.views[layer.sliding_window]
     b, n = group.num_seqs, group.q_len
     num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k.shape[1]
     # [B, Hq, q_len, D]; 4-D inputs let SDPA take its flash kernel on the CPU too (the 3-D
     # form falls back to the math path, ~3x slower with GQA).
     queries = q[group.rows].view(b, n, num_heads, head_dim).transpose(1, 2)
     if view.block_table is None:  # a prefill from position 0: the chunk's own keys
         keys, values = k[group.rows].transpose(0, 1)[None], v[group.rows].transpose(0, 1)[None]
     else:
-        ctx = (b, -1, num_kv_heads, head_dim)
-        keys = k_cache[view.block_table].view(ctx).transpose(1, 2)  # [B, Hkv, L, D]
-        values = v_cache[view.block_table].view(ctx).transpose(1, 2)
-        if view.length is not None:
-            keys, values = keys[:, :, : view.length], values[:, :, : view.length]
-    out = attend(queries, keys, values, view.mask, view.causal, scale, layer.softcap)
+        keys, values = gather_blocks(kv_cache, view, b)
+    kernel = decode_kernel if n == 1 else "sdpa"
+    out = attend(queries, keys, values, view.mask, view.causal, scale, layer.softcap, kernel)
     return out.transpose(1, 2).reshape(b * n, num_heads, head_dim)
+
+
+def gather_blocks(kv_cache: torch.Tensor, view: KeyView, b: int):
+    """The view's blocks out of the paged cache -> keys, values [B, Hkv, L, D] (views of a
+    head-major [Hkv, B, L, D] workspace).
+
+    `index_select` along the block dimension copies whole blocks (several times faster than
+    advanced indexing on the CPU), one head at a time, into a workspace the step's layers share.
+    """
+    blocks = view.block_table.view(-1)
+    _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
+    if view.workspace is None:
+        shape = (2, num_kv_heads, blocks.numel(), block_size, head_dim)
+        view.workspace = kv_cache.new_empty(shape)
+    for i in range(2):
+        for h in range(num_kv_heads):
+            torch.index_select(kv_cache[i, h], 0, blocks, out=view.workspace[i, h])
+    keys, values = view.workspace.view(2, num_kv_heads, b, -1, head_dim).transpose(1, 2)
+    if view.length is not None:
+        keys, values = keys[:, :, : view.length], values[:, :, : view.length]
+    return keys, values
+
+
+KERNELS = ("sdpa", "matmul")
 
 
 def attend(
@@ -294,27 +338,72 @@ def attend(
     causal: bool,
     scale: float,
     softcap: float | None = None,
+    kernel: str = "sdpa",
 ) -> torch.Tensor:
     """q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] (Hq a multiple of Hkv) -> [B, Hq, Lq, D].
 
-    SDPA where it can; soft-capped scores take the explicit path (SDPA has no soft-cap), with
-    the softmax in float32.
+    `mask`: additive, broadcastable to [B, 1, Lq, Lk]; `causal` (without a mask): query i sees
+    keys up to i + Lk - Lq. "sdpa" is PyTorch's fused attention; "matmul" is two batched
+    matmuls with the query heads of each KV head stacked as rows (no KV copies for GQA) and
+    the softmax in float32. Soft-capped scores always take "matmul" (SDPA has no soft-cap).
     """
-    gqa = q.shape[1] != k.shape[1]
-    if softcap is None:
+    if softcap is None and kernel == "sdpa":
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale,
-            enable_gqa=gqa,
+            enable_gqa=q.shape[1] != k.shape[1],
         )
-    if gqa:
-        repeat = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    b, num_heads, lq, d = q.shape
+    num_kv_heads, lk = k.shape[1], k.shape[2]
+    group = num_heads // num_kv_heads
+    # Head-major [Hkv, B, ...]: gathered keys are contiguous in that order (see gather_blocks).
+    queries = q.reshape(b, num_kv_heads, group * lq, d).transpose(0, 1)
+    scores = torch.matmul(queries, k.transpose(0, 1).transpose(-1, -2))
+    scores = scores.float() * scale  # [Hkv, B, G * Lq, Lk]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(num_kv_heads, b, group, lq, lk)
     if mask is not None:
-        scores = scores + mask
+        scores = scores + mask.transpose(0, 1)[:, :, None]  # [1, B, 1, Lq, Lk]
     elif causal:
-        lq, lk = q.shape[2], k.shape[2]
         hidden = torch.ones(lq, lk, dtype=torch.bool, device=q.device).triu(lk - lq + 1)
         scores = scores.masked_fill(hidden, float("-inf"))
-    return torch.matmul(scores.softmax(-1).to(v.dtype), v)
+    probs = scores.softmax(-1).to(v.dtype).view(num_kv_heads, b, group * lq, lk)
+    out = torch.matmul(probs, v.transpose(0, 1))  # [Hkv, B, G * Lq, D]
+    return out.transpose(0, 1).reshape(b, num_heads, lq, d)
+
+
+_CHOICES: dict[tuple, str] = {}
+
+
+def choose_decode_kernel(
+    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> str:
+    """The faster decode kernel on this machine, by measurement (once per shape and dtype).
+
+    Batched decode is a matrix-vector workload whose fastest formulation differs between CPUs
+    and dtypes (SDPA's fused CPU kernel is tuned for long query blocks), so both are timed on
+    a batch-8, 1024-key decode (a few milliseconds) and the faster kept. CUDA keeps SDPA.
+    """
+    if device.type != "cpu":
+        return "sdpa"
+    key = (num_heads, num_kv_heads, head_dim, dtype)
+    if key not in _CHOICES:
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randn(8, num_heads, 1, head_dim, generator=gen).to(dtype)
+        k = torch.randn(8, num_kv_heads, 1024, head_dim, generator=gen).to(dtype)
+        mask = torch.zeros(8, 1, 1, 1024, dtype=dtype)
+        times = {}
+        for kernel in KERNELS:
+            run = lambda kernel=kernel: attend(q, k, k, mask, False, 0.1, None, kernel)  # noqa: E731
+            run()
+            samples = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                run()
+                samples.append(time.perf_counter() - t0)
+            times[kernel] = sorted(samples)[2]
+        _CHOICES[key] = min(times, key=times.get)
+        log.info("decode attention kernel for %s heads %d/%d x %d: %s (%s)", dtype, num_heads,
+                 num_kv_heads, head_dim, _CHOICES[key],
+                 ", ".join(f"{k} {t * 1e3:.2f} ms" for k, t in times.items()))
+    return _CHOICES[key]

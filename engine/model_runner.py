@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import build_metadata
+from engine.attention import build_metadata, choose_decode_kernel
 from engine.config import EngineConfig, GiB
 from engine.device import DeviceTimer, to_device, wait_for_device
 from engine.sampler import SamplingBatch, sample
@@ -70,6 +70,10 @@ class ModelRunner:
         self.model.eval()
         self.vocab_size = self.model.cfg.vocab_size
         self.windows = self.model.attention_windows()
+        cfg = self.model.cfg
+        self.decode_kernel = choose_decode_kernel(
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype, device
+        )
         self.layout = self._plan_kv_cache(max_len)
         self.kv_caches = self._allocate_kv_cache()
         # Encoder outputs by content hash; which ones exist is decided by EncoderCacheManager.
@@ -97,7 +101,7 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> list[torch.Tensor]:
         cfg, lay = self.model.cfg, self.layout
-        shape = (2, lay.num_blocks, lay.block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (2, cfg.num_kv_heads, lay.num_blocks, lay.block_size, cfg.head_dim)
         # Zeros, not empty: padded gathers read unused slots, and NaN garbage there would
         # leak through SDPA's masked softmax (0 * NaN).
         caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -124,6 +128,7 @@ class ModelRunner:
             [c.start for c in chunks], [c.num_tokens for c in chunks],
             [c.req.block_ids for c in chunks], self.layout.block_size, self.device, self.dtype,
             windows=self.windows, bidirectional=[_bidirectional_spans(c) for c in chunks],
+            decode_kernel=self.decode_kernel,
         )
         embeds = self._splice_embeddings(input_ids, chunks)
         hidden = self.model(input_ids, positions, meta, embeds)

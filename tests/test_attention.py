@@ -128,7 +128,7 @@ def _reference(q, k, v, visible, scale, softcap=None):
 
 
 def _cache(num_blocks=8, block_size=4, heads=2, dim=8):
-    return torch.zeros(2, num_blocks, block_size, heads, dim)
+    return torch.zeros(2, heads, num_blocks, block_size, dim)
 
 
 def test_softcap_matches_reference_in_chunks_and_decodes():
@@ -293,3 +293,48 @@ def test_long_chunk_beside_many_decodes_gives_the_tokens_each_gets_alone(qwen2_p
 
 def _process(engine, prompt):
     return engine.processor.process(engine.processor.parse(prompt), {})
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "matmul"])
+@pytest.mark.parametrize("window", [None, 6])
+def test_decode_kernels_match_reference_in_a_mixed_step(kernel, window):
+    """Decodes at different contexts (two buckets) beside a chunk, for both decode kernels."""
+    gen = torch.Generator().manual_seed(4)
+    heads, kv_heads, dim, bs = 4, 2, 8, 4
+    cache = _cache(num_blocks=40, block_size=bs, heads=kv_heads, dim=dim)
+    contexts = [3, 9, 30, 31]
+    seqs = [torch.randn(c, 3, kv_heads, dim, generator=gen) for c in contexts]  # q, k, v
+    tables = [list(range(8 * i, 8 * i + 8)) for i in range(4)]
+    for (c, seq, table) in zip(contexts, seqs, tables, strict=True):  # prefill all but one
+        meta = build_metadata([0], [c - 1], [table], bs, CPU, windows=(None, window))
+        paged_attention(seq[:-1, 0].repeat_interleave(2, 1), seq[:-1, 1], seq[:-1, 2], cache,
+                        meta, 0.3, LayerAttention(window))
+    chunk_q = torch.randn(7, heads, dim, generator=gen)
+    chunk_kv = torch.randn(7, 2, kv_heads, dim, generator=gen)
+    meta = build_metadata([c - 1 for c in contexts] + [0], [1, 1, 1, 1, 7],
+                          tables + [[32, 33]], bs, CPU, windows=(None, window),
+                          decode_kernel=kernel)
+    assert len(meta.groups) == 4  # the chunk; decodes bucketed as {31, 30}, {9}, {3}
+    q = torch.cat([s[-1:, 0].repeat_interleave(2, 1) for s in seqs] + [chunk_q])
+    k = torch.cat([s[-1:, 1] for s in seqs] + [chunk_kv[:, 0]])
+    v = torch.cat([s[-1:, 2] for s in seqs] + [chunk_kv[:, 1]])
+    out = paged_attention(q, k, v, cache, meta, 0.3, LayerAttention(window))
+    for i, (c, seq) in enumerate(zip(contexts, seqs, strict=True)):
+        key = torch.arange(c)
+        visible = (key <= c - 1) & ((c - 1 - key < window) if window else True)
+        ref = _reference(seq[-1:, 0].repeat_interleave(2, 1), seq[:, 1], seq[:, 2],
+                         visible[None], 0.3)
+        torch.testing.assert_close(out[i : i + 1], ref, atol=1e-5, rtol=0)
+    rows, cols = torch.arange(7)[:, None], torch.arange(7)[None, :]
+    visible = (cols <= rows) & ((rows - cols < window) if window else True)
+    ref = _reference(chunk_q, chunk_kv[:, 0], chunk_kv[:, 1], visible, 0.3)
+    torch.testing.assert_close(out[4:], ref, atol=1e-5, rtol=0)
+
+
+def test_decode_kernel_is_chosen_by_measurement():
+    from engine.attention import KERNELS, choose_decode_kernel
+
+    assert choose_decode_kernel(4, 2, 8, torch.float32, CPU) in KERNELS
+    assert choose_decode_kernel(4, 2, 8, torch.float32, torch.device("cuda")) == "sdpa"
+    with pytest.raises(ValueError, match="decode_kernel"):
+        build_metadata([0], [2], [[0]], 4, CPU, decode_kernel="fast")
