@@ -53,7 +53,7 @@ class Stepper:
         self.rng = random.Random(0)
 
     def metadata(self, shape: list[tuple[int, int]]):
-        from engine.attention import build_metadata
+        from models.attention import build_metadata
 
         need = [-(-(s + n) // self.block_size) for s, n in shape]
         pool = self.rng.sample(range(self.num_blocks), sum(need))
@@ -99,7 +99,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     from engine import LLM
-    from engine.attention import gather_blocks
+    from models.attention import gather_blocks
 
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
@@ -123,13 +123,22 @@ def main() -> None:
           f"{weights / 1e6:.0f} MB; KV {kv_token} bytes per token\n")
 
     # 1. Decode steps against their bytes roofline.
+    # The attention's own share: the step's growth over the shortest context, against the
+    # KV bytes added (the weights and the linears cost the same at every context).
     rows = []
     for b in batches:
+        base = None
         for c in contexts:
             seconds = med(lambda b=b, c=c: stepper.step([(c, 1)] * b))
             read = weights + b * (c + 1) * kv_token
-            rows.append((b, c, seconds * 1e3, read / 1e6, seconds / (read / bandwidth)))
-    print_table(rows, ("batch", "context", "step (ms)", "bytes read (MB)", "x roofline"))
+            kv_x = "-"
+            if base is None:
+                base = (seconds, c)
+            elif c > base[1]:
+                kv_x = (seconds - base[0]) / (b * (c - base[1]) * kv_token / bandwidth)
+            rows.append((b, c, seconds * 1e3, read / 1e6, seconds / (read / bandwidth), kv_x))
+    print_table(rows, ("batch", "context", "step (ms)", "bytes read (MB)", "x roofline",
+                       "added time / added KV bytes' roofline"))
     at_4k = [r for r in rows if r[0] == 8 and r[1] >= 4096]
 
     # 2. A long chunk beside decodes, against its parts.

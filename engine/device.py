@@ -1,11 +1,15 @@
-"""Device and dtype chosen once at start-up, the one way host tensors reach the device, and
-how device work is timed."""
+"""Device and dtype chosen once at start-up, and how device work is timed. (`to_device`, the one
+way host-built tensors reach the device, lives with the model layers, which use it too.)"""
 
 from __future__ import annotations
 
 import time
 
 import torch
+
+from models.layers import to_device
+
+__all__ = ["DeviceTimer", "resolve_device", "resolve_dtype", "to_device", "wait_for_device"]
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -64,13 +68,6 @@ def cpu_has_native_bf16() -> bool:
     except OSError:
         return False
     return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Move a host tensor built this step: pinned + non_blocking on CUDA, as-is on the CPU."""
-    if device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 class DeviceTimer:

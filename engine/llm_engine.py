@@ -27,6 +27,7 @@ from engine.processing import EncoderBudget, InputProcessor, ProcessedPrompt
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from models.interfaces import ProcessorContext
 from models.registry import resolve
 
 log = logging.getLogger(__name__)
@@ -54,9 +55,10 @@ class LLMEngine:
         mm_processor = None
         budget = None
         if spec.processor is not None:
-            mm_processor = spec.processor(
-                hf_config, self.tokenizer, self.model_path, self.model_id, self.config
-            )
+            mm_processor = spec.processor(ProcessorContext(
+                hf_config, self.tokenizer, self.model_path, self.model_id,
+                self.config.processed_cache_items,
+            ))
             budget = _encoder_budget(self.config, mm_processor)
             _check_bidirectional_budget(self.config, mm_processor.max_bidirectional_span())
         self.processor = InputProcessor(

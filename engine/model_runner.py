@@ -17,11 +17,12 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import build_metadata, choose_decode_kernel
 from engine.config import EngineConfig, GiB
 from engine.device import DeviceTimer, to_device, wait_for_device
 from engine.sampler import SamplingBatch, sample
 from engine.scheduler import SchedulerOutput
+from models.attention import build_metadata, choose_decode_kernel
+from models.interfaces import LanguageModel
 from models.loader import build_on_meta, iter_checkpoint, load_weights
 
 
@@ -54,7 +55,7 @@ class ModelRunner:
         self,
         path: Path,
         hf_config,
-        model_cls: type,
+        model_cls: type[LanguageModel],
         config: EngineConfig,
         device: torch.device,
         dtype: torch.dtype,
@@ -153,8 +154,9 @@ class ModelRunner:
         return step
 
     def _positions(self, chunks) -> torch.Tensor:
-        """[T] positions, or [3, T] for mRoPE models (from each request's position_info)."""
-        if getattr(self.model, "uses_mrope", False):
+        """[T] positions, or [rows, T] for multi-row (mRoPE) models, from each request's
+        position_info."""
+        if self.model.position_rows > 1:
             rows = [c.req.position_info.window(c.start, c.end) for c in chunks]
             return to_device(torch.cat(rows, dim=1), self.device)
         pos: list[int] = []
@@ -204,7 +206,7 @@ class ModelRunner:
             offset += c.num_tokens
         if not pieces:
             return None
-        embeds = self.model.embed_tokens(input_ids)
+        embeds = self.model.embed(input_ids)
         index = to_device(torch.tensor(rows, dtype=torch.int64), self.device)
         return embeds.index_copy_(0, index, torch.cat(pieces).to(embeds.dtype))
 

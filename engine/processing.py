@@ -10,16 +10,13 @@ of tokens its encoder emits.
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.chat import MODALITIES, parse_messages
 from engine.media import MediaLimits, load_request_media, load_request_media_sync
-from engine.request import MultiModalFeature
+from models.interfaces import MultimodalProcessor, ProcessedPrompt
 
 PromptType = str | list[int] | dict
 
@@ -34,52 +31,6 @@ class ParsedPrompt:
     mm_kwargs: dict[str, Any]
     add_special_tokens: bool = True
     stages: dict[str, float] = field(default_factory=dict)  # seconds per stage so far
-
-
-@dataclass
-class ProcessedPrompt:
-    """What a request needs from processing: final token ids, media spans, position data."""
-
-    text: str | None
-    token_ids: list[int]
-    mm_features: list[MultiModalFeature] = field(default_factory=list)
-    position_info: Any = None
-    stages: dict[str, float] = field(default_factory=dict)
-
-
-class ProcessedCache:
-    """LRU of processed encoder inputs by content hash: a repeated item skips resizing and
-    normalizing. Shared by the worker threads that process prompts, hence the lock."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._items: OrderedDict[str, Any] = OrderedDict()
-        self._lock = threading.Lock()
-        self.hits = 0
-
-    def get_or_compute(self, key: str, compute: Callable[[], Any]) -> Any:
-        with self._lock:
-            if key in self._items:
-                self._items.move_to_end(key)
-                self.hits += 1
-                return self._items[key]
-        value = compute()  # outside the lock: other prompts keep processing meanwhile
-        if self.capacity:
-            with self._lock:
-                self._items[key] = value
-                while len(self._items) > self.capacity:
-                    self._items.popitem(last=False)
-        return value
-
-
-def check_mm_kwargs(mm_kwargs: dict[str, Any], accepted: tuple[str, ...], family: str) -> None:
-    """Refuse mm_processor_kwargs a model's processor does not know, naming those it does."""
-    unknown = set(mm_kwargs) - set(accepted)
-    if unknown:
-        raise ValueError(
-            f"unknown mm_processor_kwargs {', '.join(sorted(unknown))} "
-            f"({family} accepts {', '.join(accepted)})"
-        )
 
 
 @dataclass(frozen=True)
@@ -98,7 +49,7 @@ class InputProcessor:
         tokenizer,
         vocab_size: int,
         max_model_len: int,
-        mm_processor=None,
+        mm_processor: MultimodalProcessor | None = None,
         media_limits: MediaLimits | None = None,
         encoder_budget: EncoderBudget | None = None,
     ) -> None:

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from engine.metrics import RequestMetrics
 from engine.sampling_params import SamplingParams
+from models.interfaces import MultiModalFeature, PlaceholderRange, PositionInfo
+
+if TYPE_CHECKING:
+    from engine.detokenizer import IncrementalDetokenizer
+
+__all__ = ["MultiModalFeature", "PlaceholderRange", "Request", "RequestStatus"]
 
 
 class RequestStatus(enum.Enum):
@@ -22,56 +28,6 @@ class RequestStatus(enum.Enum):
     @property
     def finished(self) -> bool:
         return self.name.startswith("FINISHED")
-
-
-@dataclass(frozen=True)
-class PlaceholderRange:
-    """Where one media item sits in the prompt: `length` token positions from `offset`.
-
-    `is_embed` is None when every position receives an encoder embedding; otherwise a mask of
-    `length` booleans (structure tokens such as row breaks sit inside the span but keep their
-    text embedding). `bidirectional` spans are attended both ways inside themselves (Gemma 3's
-    images); the scheduler never cuts a prefill chunk inside one.
-    """
-
-    offset: int
-    length: int
-    is_embed: tuple[bool, ...] | None = None
-    bidirectional: bool = False
-
-    def __post_init__(self) -> None:
-        if self.is_embed is not None and len(self.is_embed) != self.length:
-            raise ValueError(f"is_embed has {len(self.is_embed)} entries for length {self.length}")
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.length
-
-    @property
-    def num_embeds(self) -> int:
-        return self.length if self.is_embed is None else sum(self.is_embed)
-
-    def embeds_before(self, pos: int) -> int:
-        """Embed positions of this span that lie before absolute position `pos`."""
-        k = min(max(pos - self.offset, 0), self.length)
-        return k if self.is_embed is None else sum(self.is_embed[:k])
-
-
-@dataclass
-class MultiModalFeature:
-    """One media item of a request: its span, its content hash and its encoder inputs.
-
-    `data` holds the processed encoder inputs (tensors). They stay until the request ends, as
-    in vLLM: a request preempted after its prompt was computed recomputes it, and its
-    embeddings may have been evicted from the encoder cache meanwhile.
-    """
-
-    modality: str
-    identifier: str
-    placeholder: PlaceholderRange
-    data: dict[str, Any] | None = None
-    # Filled by the engine for the UI: did this item hit the encoder cache?
-    cache_hit: bool | None = None
 
 
 @dataclass
@@ -89,8 +45,8 @@ class Request:
     max_tokens: int
     prompt: str | None = None
     mm_features: list[MultiModalFeature] = field(default_factory=list)
-    # Model-specific per-request position data (mRoPE ids and decode delta), set by the processor.
-    position_info: Any = None
+    # Multi-row positions (mRoPE), from the processor; None for 1-D positions.
+    position_info: PositionInfo | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
     status: RequestStatus = RequestStatus.WAITING
@@ -104,7 +60,7 @@ class Request:
     stop_reason: str | int | None = None
     error: str | None = None
     # Output-side state, owned by the engine's postprocessing.
-    detokenizer: Any = None  # IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None = None
     num_streamed_tokens: int = 0
 
     def __post_init__(self) -> None:

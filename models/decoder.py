@@ -1,6 +1,6 @@
 """The Llama-architecture decoder shared by Llama, Mistral and Qwen2 (and the Qwen VL/Audio LMs).
 
-GQA attention over the paged cache (engine.attention), RoPE from precomputed tables, RMSNorm,
+GQA attention over the paged cache (models.attention), RoPE from precomputed tables, RMSNorm,
 SwiGLU, optional qkv bias (Qwen2), tied or untied embeddings, per-layer sliding windows and
 attention-logit soft-capping. q/k/v and gate/up are fused into
 one matmul each; `weight_map` says which checkpoint tensor fills which rows.
@@ -8,13 +8,14 @@ one matmul each; `weight_map` says which checkpoint tensor fills which rows.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata, LayerAttention, paged_attention
+from models.attention import AttentionMetadata, LayerAttention, paged_attention
+from models.interfaces import EncoderItem
 from models.layers import GatedMLP, Linear, RMSNorm, RotaryTable, apply_rotary
 from models.loader import Shard
 
@@ -134,7 +135,12 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    """Embeddings, layers, final norm and LM head. Positions are [T] (or [3, T] for mRoPE)."""
+    """Embeddings, layers, final norm and LM head. Positions are [T] (or [3, T] for mRoPE).
+
+    A `models.interfaces.LanguageModel`; families with encoders subclass it and add `encode`.
+    """
+
+    position_rows = 1
 
     def __init__(self, cfg: DecoderConfig, max_positions: int, device: torch.device) -> None:
         super().__init__()
@@ -170,6 +176,12 @@ class Decoder(nn.Module):
         for layer in self.layers:
             h = layer(h, cos, sin, meta)
         return self.norm(h)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def encode(self, items: Sequence[EncoderItem]) -> list[torch.Tensor]:
+        raise NotImplementedError(f"{type(self).__name__} takes no media")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] in float32."""

@@ -1,4 +1,5 @@
-"""Small building blocks shared by our decoders and encoders: RMSNorm, gated MLP, rotary tables."""
+"""Small building blocks shared by our decoders and encoders: RMSNorm, gated MLP, rotary tables,
+and the one way host-built tensors reach the device."""
 
 from __future__ import annotations
 
@@ -7,6 +8,13 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Move a host tensor built this step: pinned + non_blocking on CUDA, as-is on the CPU."""
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 class Linear(nn.Linear):

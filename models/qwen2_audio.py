@@ -26,9 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.device import to_device
 from models.decoder import Decoder, DecoderConfig
-from models.layers import ACTIVATIONS
+from models.layers import ACTIVATIONS, to_device
 
 
 def encoder_lengths(num_frames: int) -> tuple[int, int]:

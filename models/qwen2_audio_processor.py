@@ -29,8 +29,13 @@ import numpy as np
 
 from engine.hashing import hash_audio
 from engine.media import AudioClip, MediaError
-from engine.processing import ProcessedCache, ProcessedPrompt, check_mm_kwargs
-from engine.request import MultiModalFeature, PlaceholderRange
+from models.interfaces import (
+    MultiModalFeature,
+    PlaceholderRange,
+    ProcessedPrompt,
+    ProcessorContext,
+)
+from models.processor_base import ProcessedCache, check_mm_kwargs
 from models.qwen2_audio import encoder_lengths, receptive_frames
 from models.whisper_features import LogMelExtractor, MelConfig
 
@@ -44,13 +49,14 @@ class QwenAudioProcessor:
 
     modalities = ("audio",)
 
-    def __init__(self, hf_config, tokenizer, model_path: Path, model_id: str, engine_config):
-        self.model_id = model_id
+    def __init__(self, ctx: ProcessorContext) -> None:
+        hf_config, tokenizer = ctx.hf_config, ctx.tokenizer
+        self.model_id = ctx.model_id
         self.audio_token_id = hf_config.audio_token_id
         self.bos_token_id, self.eos_token_id = (
             _special_id(tokenizer, t) for t in ("<|audio_bos|>", "<|audio_eos|>"))
         audio = hf_config.audio_config
-        self.mel = MelConfig.from_preprocessor(_preprocessor_config(model_path),
+        self.mel = MelConfig.from_preprocessor(_preprocessor_config(ctx.model_path),
                                                audio.num_mel_bins)
         if self.mel.n_mels != audio.num_mel_bins:
             raise ValueError(
@@ -63,7 +69,7 @@ class QwenAudioProcessor:
                 f"encoder's max_source_positions={audio.max_source_positions}"
             )
         self.extractor = LogMelExtractor(self.mel)
-        self.cache = ProcessedCache(engine_config.processed_cache_items)
+        self.cache = ProcessedCache(ctx.processed_cache_items)
 
     def loader_kwargs(self, mm_kwargs: dict[str, Any]) -> dict[str, Any]:
         """Options for engine.media: decode audio at the feature extractor's rate."""

@@ -20,7 +20,7 @@ from models.qwen_vl_vision import VisionConfig, VisionTower, build_vision_batch
 class QwenVLForConditionalGeneration(Decoder):
     """Decoder + vision tower. `encode` turns processed items into LLM embeddings."""
 
-    uses_mrope = True
+    position_rows = 3  # mRoPE: (temporal, row, column)
 
     def __init__(self, hf_config, max_positions: int, device: torch.device) -> None:
         text = hf_config.text_config

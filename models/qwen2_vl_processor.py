@@ -17,15 +17,21 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from engine.hashing import hash_image, hash_video
-from engine.processing import ProcessedCache, ProcessedPrompt, check_mm_kwargs
-from engine.request import MultiModalFeature, PlaceholderRange
+from models.interfaces import (
+    MultiModalFeature,
+    PlaceholderRange,
+    ProcessedPrompt,
+    ProcessorContext,
+)
 from models.mrope import mrope_positions, window_positions
+from models.processor_base import ProcessedCache, check_mm_kwargs, hashed_and_processed
 from models.qwen_vl_preprocess import VisionPreprocessConfig, preprocess_image, preprocess_video
 
 _KWARGS = ("min_pixels", "max_pixels", "fps", "max_frames")
@@ -46,8 +52,9 @@ class MRopePositions:
 class QwenVLProcessor:
     modalities = ("image", "video")
 
-    def __init__(self, hf_config, tokenizer, model_path: Path, model_id: str, engine_config):
-        self.model_id = model_id
+    def __init__(self, ctx: ProcessorContext) -> None:
+        hf_config = ctx.hf_config
+        self.model_id = ctx.model_id
         self.image_token_id = hf_config.image_token_id
         self.video_token_id = hf_config.video_token_id
         self.vision_start_token_id = hf_config.vision_start_token_id
@@ -56,8 +63,8 @@ class QwenVLProcessor:
             getattr(vision, "tokens_per_second", None)
             if hf_config.model_type == "qwen2_5_vl" else None
         )
-        self.cfg = VisionPreprocessConfig.from_hf(*_preprocessor_configs(model_path))
-        self.cache = ProcessedCache(engine_config.processed_cache_items)
+        self.cfg = VisionPreprocessConfig.from_hf(*_preprocessor_configs(ctx.model_path))
+        self.cache = ProcessedCache(ctx.processed_cache_items)
 
     def loader_kwargs(self, mm_kwargs: dict[str, Any]) -> dict[str, Any]:
         """Options for engine.media: how many frames to sample from a video."""
@@ -118,7 +125,8 @@ class QwenVLProcessor:
             pixels, grid = preprocess_image(image, self.cfg, **options)
             return {"pixel_values": pixels, "grid_thw": grid}
 
-        return self._hashed_and_processed(hash_image, image, options, compute, stages)
+        identify = partial(hash_image, image, model_id=self.model_id, processor_kwargs=options)
+        return hashed_and_processed(self.cache, identify, compute, stages)
 
     def _video(self, video, kw, stages) -> tuple[str, dict]:
         options = {"min_pixels": int(kw.get("min_pixels", self.cfg.video_min_pixels)),
@@ -130,17 +138,8 @@ class QwenVLProcessor:
             per_grid = self.cfg.temporal_patch_size / video.sampled_fps
             return {"pixel_values": pixels, "grid_thw": grid, "second_per_grid_t": per_grid}
 
-        return self._hashed_and_processed(hash_video, video, options, compute, stages)
-
-    def _hashed_and_processed(self, hash_fn, item, options, compute, stages) -> tuple[str, dict]:
-        """The item's content hash, and its encoder inputs (from the cache when seen before)."""
-        t0 = time.perf_counter()
-        identifier = hash_fn(item, model_id=self.model_id, processor_kwargs=options)
-        t1 = time.perf_counter()
-        data = self.cache.get_or_compute(identifier, compute)
-        stages["hashing"] += t1 - t0
-        stages["preprocess"] += time.perf_counter() - t1
-        return identifier, data
+        identify = partial(hash_video, video, model_id=self.model_id, processor_kwargs=options)
+        return hashed_and_processed(self.cache, identify, compute, stages)
 
     def _expand(self, token_ids: list[int], encoded: dict[str, list]):
         """Repeat each pad token to its item's embedding count; one feature per image and per

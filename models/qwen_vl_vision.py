@@ -17,8 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.device import to_device
-from models.layers import ACTIVATIONS, GatedMLP, RMSNorm
+from models.layers import ACTIVATIONS, GatedMLP, RMSNorm, to_device
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from models.decoder import CausalLM
+from models.interfaces import LanguageModel, ProcessorFactory
 from models.qwen2_audio import QwenAudioForConditionalGeneration
 from models.qwen2_audio_processor import QwenAudioProcessor
 from models.qwen2_vl import QwenVLForConditionalGeneration
@@ -13,15 +14,11 @@ from models.qwen2_vl_processor import QwenVLProcessor
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """How to build one architecture: the module class and, for multimodal models, the processor.
+    """How to build one architecture: the model class and, for multimodal models, the processor
+    (built from a ProcessorContext; None for text-only models). See models/interfaces.py."""
 
-    `processor` is None for text-only models; otherwise a class constructed with
-    (hf_config, tokenizer, model_path, model_id, engine_config) that expands placeholders and
-    prepares encoder inputs.
-    """
-
-    model: type
-    processor: type | None = None
+    model: type[LanguageModel]
+    processor: ProcessorFactory | None = None
 
 
 _REGISTRY: dict[str, ModelSpec] = {
@@ -56,3 +53,8 @@ def resolve(hf_config) -> ModelSpec:
 
 def supported_architectures() -> list[str]:
     return sorted(_REGISTRY)
+
+
+def registered() -> dict[str, ModelSpec]:
+    """Every registered architecture and its spec."""
+    return dict(_REGISTRY)

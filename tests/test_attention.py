@@ -12,19 +12,19 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.attention import (
-    DECODE_PADDING,
-    LayerAttention,
-    attend,
-    build_metadata,
-    paged_attention,
-)
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.encoder_cache import EncoderCacheManager
 from engine.request import MultiModalFeature, PlaceholderRange, Request
 from engine.sampling_params import SamplingParams as Params
 from engine.scheduler import Scheduler
+from models.attention import (
+    DECODE_PADDING,
+    LayerAttention,
+    attend,
+    build_metadata,
+    paged_attention,
+)
 
 ATOL = 2e-4
 CPU = torch.device("cpu")
@@ -332,7 +332,7 @@ def test_decode_kernels_match_reference_in_a_mixed_step(kernel, window):
 
 
 def test_decode_kernel_is_chosen_by_measurement():
-    from engine.attention import KERNELS, choose_decode_kernel
+    from models.attention import KERNELS, choose_decode_kernel
 
     assert choose_decode_kernel(4, 2, 8, torch.float32, CPU) in KERNELS
     assert choose_decode_kernel(4, 2, 8, torch.float32, torch.device("cuda")) == "sdpa"

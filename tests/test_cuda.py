@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from engine import LLM, SamplingParams
-from engine.attention import build_metadata
+from models.attention import build_metadata
 
 pytestmark = [
     pytest.mark.gpu,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import LLM
-from engine.attention import build_metadata
+from models.attention import build_metadata
 
 ATOL = 2e-4
 

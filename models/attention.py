@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.device import to_device
+from models.layers import to_device
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,199 @@
+"""The seams between the engine and a model family: what each side may ask of the other.
+
+Both sides import this module and nothing of each other's internals. A family provides:
+- a **model** (`LanguageModel`, an `nn.Module`) that builds from a Hugging Face config, maps
+  checkpoint names to its parameters, runs the decoder over the paged KV cache, declares its
+  attention layout per layer, how many rows its positions have (1, or 3 for mRoPE), and, when it
+  takes media, `encode`s processed items into embeddings;
+- a **processor** (`MultimodalProcessor`, built from a `ProcessorContext`) that turns a
+  tokenized prompt and its decoded media into final token ids, one `MultiModalFeature` per
+  encoder item (its encoder inputs, its `PlaceholderRange`, its content hash) and, for
+  multi-row positions, a `PositionInfo`.
+The registry (models/registry.py) pairs them by `architectures[0]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # this module stays importable without torch (the bookkeeping uses it)
+    import torch
+
+# ---- what a processor hands the engine ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlaceholderRange:
+    """Where one media item sits in the prompt: `length` token positions from `offset`.
+
+    `is_embed` is None when every position receives an encoder embedding; otherwise a mask of
+    `length` booleans (structure tokens such as row breaks sit inside the span but keep their
+    text embedding). `bidirectional` spans are attended both ways inside themselves (Gemma 3's
+    images); the scheduler never cuts a prefill chunk inside one.
+    """
+
+    offset: int
+    length: int
+    is_embed: tuple[bool, ...] | None = None
+    bidirectional: bool = False
+
+    def __post_init__(self) -> None:
+        if self.is_embed is not None and len(self.is_embed) != self.length:
+            raise ValueError(f"is_embed has {len(self.is_embed)} entries for length {self.length}")
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+    @property
+    def num_embeds(self) -> int:
+        return self.length if self.is_embed is None else sum(self.is_embed)
+
+    def embeds_before(self, pos: int) -> int:
+        """Embed positions of this span that lie before absolute position `pos`."""
+        k = min(max(pos - self.offset, 0), self.length)
+        return k if self.is_embed is None else sum(self.is_embed[:k])
+
+
+@dataclass
+class MultiModalFeature:
+    """One encoder item of a request: its span, its content hash and its encoder inputs.
+
+    `data` holds the processed encoder inputs (tensors), passed back to the model's `encode`
+    as they are. They stay until the request ends, as in vLLM: a request preempted after its
+    prompt was computed recomputes it, and its embeddings may have been evicted from the
+    encoder cache meanwhile.
+    """
+
+    modality: str
+    identifier: str
+    placeholder: PlaceholderRange
+    data: dict[str, Any] | None = None
+    # Filled by the engine for the UI: did this item hit the encoder cache?
+    cache_hit: bool | None = None
+
+
+@runtime_checkable
+class PositionInfo(Protocol):
+    """Per-request positions of a model whose positions have several rows (mRoPE)."""
+
+    def window(self, start: int, end: int) -> torch.Tensor:
+        """Positions int64 [rows, end - start] of sequence indices [start, end), prompt or
+        generated."""
+        ...
+
+
+@dataclass
+class ProcessedPrompt:
+    """What a request needs from processing: final token ids, media items, position data."""
+
+    text: str | None
+    token_ids: list[int]
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
+    position_info: PositionInfo | None = None
+    stages: dict[str, float] = field(default_factory=dict)  # seconds per stage
+
+
+@dataclass(frozen=True)
+class ProcessorContext:
+    """What a processor is built from."""
+
+    hf_config: Any  # transformers PretrainedConfig
+    tokenizer: Any  # transformers tokenizer
+    model_path: Path
+    model_id: str  # part of every content hash: one model's embeddings never serve another
+    processed_cache_items: int  # LRU size for processed encoder inputs (0: off)
+
+
+@runtime_checkable
+class MultimodalProcessor(Protocol):
+    """Turns a tokenized prompt and its decoded media into what the engine schedules."""
+
+    modalities: tuple[str, ...]
+
+    def loader_kwargs(self, mm_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """Options for engine.media's loaders (e.g. how many video frames to sample),
+        validated; unknown mm_processor_kwargs are a ValueError."""
+        ...
+
+    def max_embeds_per_item(self) -> int:
+        """The largest encoder item in embeddings, for the start-up budget check."""
+        ...
+
+    def max_bidirectional_span(self) -> int:
+        """The longest span attended both ways (0: every span is causal)."""
+        ...
+
+    def process(
+        self, token_ids: list[int], media: dict[str, list], mm_kwargs: Mapping[str, Any]
+    ) -> ProcessedPrompt:
+        """Expand each placeholder to its item's token count; one feature per encoder item,
+        sorted by offset; position info for multi-row positions."""
+        ...
+
+
+# ---- what the engine asks of a model -----------------------------------------------------------
+
+EncoderItem = tuple[str, dict[str, Any]]  # (modality, MultiModalFeature.data)
+WeightMap = Callable[[str], "tuple[str, Any] | None"]  # checkpoint name -> (ours, row shard)
+
+
+class TextShape(Protocol):
+    """The decoder shape the engine sizes the KV cache and the sampler with."""
+
+    vocab_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@runtime_checkable
+class LanguageModel(Protocol):
+    """A decoder over the paged KV cache (an nn.Module), optionally fed by encoders."""
+
+    cfg: TextShape
+    position_rows: int  # 1, or 3 for mRoPE (then every request carries a PositionInfo)
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any, max_positions: int, device: torch.device) -> Any:
+        """Build the module (on the meta device; weights come from `checkpoint_map`)."""
+        ...
+
+    def checkpoint_map(self) -> WeightMap:
+        """Checkpoint tensor name -> (our parameter name, row shard) or None (skip)."""
+        ...
+
+    def attention_layers(self) -> list[Any]:
+        """Modules with a `kv_cache` attribute the runner binds, one per layer."""
+        ...
+
+    def attention_windows(self) -> tuple[int | None, ...]:
+        """The distinct sliding windows of the layers (None: full attention)."""
+        ...
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> token embeddings [T, H] (what media embeddings are spliced into)."""
+        ...
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """-> final hidden states [T, H]; positions [T] or [rows, T]."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] in float32."""
+        ...
+
+    def encode(self, items: Sequence[EncoderItem]) -> list[torch.Tensor]:
+        """Processed items -> embeddings [n_i, H] each, all in one batched forward per
+        modality; text-only models raise."""
+        ...
+
+
+ProcessorFactory = Callable[[ProcessorContext], MultimodalProcessor]
