@@ -1,15 +1,19 @@
-"""The Llama-architecture decoder shared by Llama, Mistral and Qwen2 (and the Qwen VL/Audio LMs).
+"""The pre-norm decoder shared by every family, assembled from options named by feature.
 
-GQA attention over the paged cache (models.attention), RoPE from precomputed tables, RMSNorm,
-SwiGLU, optional qkv bias (Qwen2), tied or untied embeddings, per-layer sliding windows and
-attention-logit soft-capping. q/k/v and gate/up are fused into
-one matmul each; `weight_map` says which checkpoint tensor fills which rows.
+GQA attention over the paged cache (models.attention) with q/k/v fused into one matmul, RoPE
+from precomputed tables (one per distinct rope setting: Gemma 3's local and global layers use
+different bases), RMSNorm, a gated MLP with gate/up fused. Options: bias on q/k/v and on o,
+RMSNorm over each head's q and k (`qk_norm`), norms that scale by (1 + w) (`norm_unit_offset`),
+norms after attention and MLP as well (`sandwich_norms`), scaled token embeddings
+(`embed_scale`), the attention scale, per-layer sliding windows and soft-caps, a final logit
+soft-cap, tied or untied LM head. `weight_map` says which checkpoint tensor fills which rows.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -22,7 +26,7 @@ from models.loader import Shard
 
 @dataclass(frozen=True)
 class DecoderConfig:
-    """The decoder's shape, converted once from a Hugging Face text config."""
+    """The decoder's shape and features, converted once from a Hugging Face text config."""
 
     vocab_size: int
     hidden_size: int
@@ -32,33 +36,50 @@ class DecoderConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope: dict
     max_position_embeddings: int
     tie_word_embeddings: bool
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
     hidden_act: str
+    # One rope setting per layer (`rope_parameters` entries; identical dicts share a table).
+    layer_rope: tuple[dict, ...] = ()
     # One entry per layer: its sliding window (None: full attention) and logit soft-cap.
     layer_attention: tuple[LayerAttention, ...] = ()
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    norm_unit_offset: bool = False
+    sandwich_norms: bool = False
+    embed_scale: float | None = None
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    final_logit_softcap: float | None = None
+    extra: dict = field(default_factory=dict, compare=False)  # family data, e.g. mrope_section
 
     def __post_init__(self) -> None:
-        if self.layer_attention and len(self.layer_attention) != self.num_layers:
+        for name in ("layer_rope", "layer_attention"):
+            n = len(getattr(self, name))
+            if n != self.num_layers:
+                raise ValueError(f"{name} has {n} entries for {self.num_layers} layers")
+        if self.num_heads % self.num_kv_heads:
             raise ValueError(
-                f"layer_attention has {len(self.layer_attention)} entries for "
-                f"{self.num_layers} layers"
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
             )
 
+    @property
+    def rope(self) -> dict:
+        """The first layer's rope setting (models with one setting for every layer)."""
+        return self.layer_rope[0]
+
     @classmethod
-    def from_hf(cls, cfg, *, qwen2_bias: bool = False, tie: bool | None = None):
+    def from_hf(cls, cfg, **features) -> DecoderConfig:
         """Read a transformers text config (LlamaConfig, Qwen2Config, a VLM's text_config).
 
-        `qwen2_bias`: the Qwen2 layout (bias on q/k/v, none on o); otherwise Llama's
-        `attention_bias` (on q/k/v and o).
+        Fields every family names alike are read here (Llama's `attention_bias` puts a bias on
+        q/k/v and o); `features` set the options a family's config does not spell out, e.g.
+        Qwen2's `qkv_bias=True`.
         """
         attention_bias = bool(getattr(cfg, "attention_bias", False))
         heads = cfg.num_attention_heads
-        return cls(
+        options = dict(
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
             intermediate_size=cfg.intermediate_size,
@@ -67,15 +88,29 @@ class DecoderConfig:
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
             rms_norm_eps=cfg.rms_norm_eps,
-            rope=dict(getattr(cfg, "rope_parameters", None) or {"rope_type": "default"}),
             max_position_embeddings=cfg.max_position_embeddings,
-            tie_word_embeddings=bool(cfg.tie_word_embeddings if tie is None else tie),
-            qkv_bias=qwen2_bias or attention_bias,
-            o_bias=attention_bias and not qwen2_bias,
-            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
-            hidden_act=cfg.hidden_act,
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            hidden_act=getattr(cfg, "hidden_act", None) or cfg.hidden_activation,
+            layer_rope=layer_rope_from_hf(cfg),
             layer_attention=layer_attention_from_hf(cfg),
+            qkv_bias=attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+            final_logit_softcap=getattr(cfg, "final_logit_softcapping", None),
         )
+        options.update(features)
+        return cls(**options)
+
+
+def _layer_kinds(cfg) -> list[str]:
+    kinds = getattr(cfg, "layer_types", None)
+    if kinds is None:
+        window = getattr(cfg, "sliding_window", None)
+        kinds = ["sliding_attention" if window else "full_attention"] * cfg.num_hidden_layers
+    unknown = set(kinds) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise NotImplementedError(f"layer types {sorted(unknown)} are not supported")
+    return list(kinds)
 
 
 def layer_attention_from_hf(cfg) -> tuple[LayerAttention, ...]:
@@ -83,16 +118,20 @@ def layer_attention_from_hf(cfg) -> tuple[LayerAttention, ...]:
     without `layer_types`, a set `sliding_window` applies to every layer (Mistral)."""
     window = getattr(cfg, "sliding_window", None)
     softcap = getattr(cfg, "attn_logit_softcapping", None)
-    kinds = getattr(cfg, "layer_types", None)
-    if kinds is None:
-        kinds = ["sliding_attention" if window else "full_attention"] * cfg.num_hidden_layers
-    unknown = set(kinds) - {"sliding_attention", "full_attention"}
-    if unknown:
-        raise NotImplementedError(f"layer types {sorted(unknown)} are not supported")
     return tuple(
         LayerAttention(window if kind == "sliding_attention" else None, softcap)
-        for kind in kinds
+        for kind in _layer_kinds(cfg)
     )
+
+
+def layer_rope_from_hf(cfg) -> tuple[dict, ...]:
+    """Per-layer rope settings: `rope_parameters` itself, or its entry for the layer's type
+    when it is keyed by layer type (Gemma 3: local and global bases)."""
+    rope = dict(getattr(cfg, "rope_parameters", None) or {"rope_type": "default"})
+    kinds = _layer_kinds(cfg)
+    if set(rope) <= {"sliding_attention", "full_attention"}:
+        return tuple(dict(rope[kind]) for kind in kinds)
+    return (rope,) * len(kinds)
 
 
 class Attention(nn.Module):
@@ -103,17 +142,25 @@ class Attention(nn.Module):
         )
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attn_scale or cfg.head_dim**-0.5
         self.layout = layout
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_unit_offset)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_unit_offset)
+        self.qk_norm = cfg.qk_norm
         self.kv_cache = torch.empty(0)  # bound by the model runner
 
     def forward(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         # q and k are adjacent in the fused projection: rotate both heads at once.
-        qk = apply_rotary(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        qk = apply_rotary(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         return self.o_proj(
@@ -122,16 +169,28 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig, layout: LayerAttention) -> None:
+    def __init__(self, cfg: DecoderConfig, layout: LayerAttention, rope_index: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)  # noqa: E731
+        self.rope_index = rope_index
+        self.sandwich = cfg.sandwich_norms
+        self.input_layernorm = norm()
         self.self_attn = Attention(cfg, layout)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Without sandwich norms this is the norm before the MLP (the checkpoints' naming).
+        self.post_attention_layernorm = norm()
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act)
 
-    def forward(self, h, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, rotary: list, meta: AttentionMetadata) -> torch.Tensor:
+        cos, sin = rotary[self.rope_index]
+        attn = self.self_attn(self.input_layernorm(h), cos, sin, meta)
+        if not self.sandwich:
+            h = h + attn
+            return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.post_attention_layernorm(attn)
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
 class Decoder(nn.Module):
@@ -146,22 +205,26 @@ class Decoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        layouts = cfg.layer_attention or (LayerAttention(),) * cfg.num_layers
-        self.layers = nn.ModuleList(DecoderLayer(cfg, layout) for layout in layouts)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        ropes = list({repr(sorted(r.items())): r for r in cfg.layer_rope}.values())
+        index = [ropes.index(r) for r in cfg.layer_rope]
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, layout, i)
+            for layout, i in zip(cfg.layer_attention, index, strict=True)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
-        self.rotary = self.make_rotary(max_positions, device)
+        self.rotaries = [self.make_rotary(max_positions, rope, device) for rope in ropes]
 
     def tie_weights(self) -> None:
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def make_rotary(self, max_positions: int, device: torch.device) -> RotaryTable:
-        return RotaryTable(self.cfg.head_dim, max_positions, self.cfg.rope, device)
+    def make_rotary(self, max_positions: int, rope: dict, device: torch.device) -> RotaryTable:
+        return RotaryTable(self.cfg.head_dim, max_positions, rope, device)
 
-    def rotary_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
-        return self.rotary.lookup(positions, dtype)
+    def rotary_cos_sin(self, rotary: RotaryTable, positions: torch.Tensor, dtype: torch.dtype):
+        return rotary.lookup(positions, dtype)
 
     def forward(
         self,
@@ -171,21 +234,27 @@ class Decoder(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids [T] (or inputs_embeds [T, H]) -> final hidden states [T, H]."""
-        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        cos, sin = self.rotary_cos_sin(positions, h.dtype)
+        h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        rotary = [self.rotary_cos_sin(r, positions, h.dtype) for r in self.rotaries]
         for layer in self.layers:
-            h = layer(h, cos, sin, meta)
+            h = layer(h, rotary, meta)
         return self.norm(h)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
+        h = self.embed_tokens(input_ids)
+        if self.cfg.embed_scale is not None:
+            # The reference rounds the scale to the weights' dtype first.
+            h = h * torch.tensor(self.cfg.embed_scale, dtype=h.dtype)
+        return h
 
     def encode(self, items: Sequence[EncoderItem]) -> list[torch.Tensor]:
         raise NotImplementedError(f"{type(self).__name__} takes no media")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] in float32."""
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.cfg.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.layers]
@@ -223,12 +292,56 @@ class Decoder(nn.Module):
 
 
 class CausalLM(Decoder):
-    """A text-only causal LM (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)."""
+    """A text-only causal LM (Llama, Mistral; subclasses add a family's features)."""
+
+    @classmethod
+    def decoder_features(cls, hf_config) -> dict:
+        """Options the family's config does not spell out (see DecoderConfig.from_hf)."""
+        return {}
 
     @classmethod
     def from_hf_config(cls, hf_config, max_positions: int, device: torch.device) -> CausalLM:
-        qwen2 = hf_config.model_type == "qwen2"
-        return cls(DecoderConfig.from_hf(hf_config, qwen2_bias=qwen2), max_positions, device)
+        cfg = DecoderConfig.from_hf(hf_config, **cls.decoder_features(hf_config))
+        return cls(cfg, max_positions, device)
 
     def checkpoint_map(self) -> Callable:
         return self.weight_map()
+
+
+class Qwen2CausalLM(CausalLM):
+    """Qwen2: bias on q/k/v, none on o."""
+
+    @classmethod
+    def decoder_features(cls, hf_config) -> dict:
+        return QWEN2_FEATURES
+
+
+class Qwen3CausalLM(CausalLM):
+    """Qwen3: RMSNorm over each head's q and k, no biases (Llama's `attention_bias` field)."""
+
+    @classmethod
+    def decoder_features(cls, hf_config) -> dict:
+        return {"qk_norm": True}
+
+
+QWEN2_FEATURES = {"qkv_bias": True, "o_bias": False}
+
+
+def gemma_features(cfg) -> dict:
+    """Gemma 2/3 decoders: (1 + w) norms before and after attention and MLP, qk-norm,
+    embeddings scaled by sqrt(hidden), attention scaled by `query_pre_attn_scalar`."""
+    return {
+        "qk_norm": True,
+        "norm_unit_offset": True,
+        "sandwich_norms": True,
+        "embed_scale": math.sqrt(cfg.hidden_size),
+        "attn_scale": cfg.query_pre_attn_scalar**-0.5,
+    }
+
+
+class GemmaCausalLM(CausalLM):
+    """Gemma 3 text-only (Gemma3ForCausalLM)."""
+
+    @classmethod
+    def decoder_features(cls, hf_config) -> dict:
+        return gemma_features(hf_config)

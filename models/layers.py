@@ -46,14 +46,19 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32, scaled by a learned weight."""
+    """Root-mean-square norm computed in float32, scaled by a learned weight, or by (1 + weight)
+    with `unit_offset` (Gemma's checkpoints store the weight that way)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.unit_offset:  # the reference scales in float32, then casts
+            normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
         if x.dtype == torch.float32:  # one fused kernel instead of six
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Reduced precision: normalize in float32, scale in the input dtype (the reference's

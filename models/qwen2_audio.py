@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.decoder import Decoder, DecoderConfig
+from models.decoder import QWEN2_FEATURES, Decoder, DecoderConfig
 from models.layers import ACTIVATIONS, to_device
 
 
@@ -176,7 +176,7 @@ class QwenAudioForConditionalGeneration(Decoder):
     """Decoder + audio encoder + projector. `encode` turns processed clips into embeddings."""
 
     def __init__(self, hf_config, max_positions: int, device: torch.device) -> None:
-        super().__init__(DecoderConfig.from_hf(hf_config.text_config, qwen2_bias=True),
+        super().__init__(DecoderConfig.from_hf(hf_config.text_config, **QWEN2_FEATURES),
                          max_positions, device)
         self.audio_tower = AudioEncoder(AudioEncoderConfig.from_hf(hf_config.audio_config))
         self.multi_modal_projector = nn.Module()

@@ -12,7 +12,8 @@ from collections.abc import Callable
 
 import torch
 
-from models.decoder import Decoder, DecoderConfig
+from models.decoder import QWEN2_FEATURES, Decoder, DecoderConfig
+from models.layers import RotaryTable
 from models.loader import Shard
 from models.qwen_vl_vision import VisionConfig, VisionTower, build_vision_batch
 
@@ -24,9 +25,9 @@ class QwenVLForConditionalGeneration(Decoder):
 
     def __init__(self, hf_config, max_positions: int, device: torch.device) -> None:
         text = hf_config.text_config
-        tie = getattr(hf_config, "tie_word_embeddings", False)
-        super().__init__(DecoderConfig.from_hf(text, qwen2_bias=True, tie=tie), max_positions,
-                         device)
+        tie = bool(getattr(hf_config, "tie_word_embeddings", False))
+        cfg = DecoderConfig.from_hf(text, **QWEN2_FEATURES, tie_word_embeddings=tie)
+        super().__init__(cfg, max_positions, device)
         self.qwen25 = hf_config.model_type == "qwen2_5_vl"
         self.visual = VisionTower(VisionConfig.from_hf(hf_config.vision_config, self.qwen25))
         half = self.cfg.head_dim // 2
@@ -41,9 +42,9 @@ class QwenVLForConditionalGeneration(Decoder):
     def from_hf_config(cls, hf_config, max_positions: int, device: torch.device):
         return cls(hf_config, max_positions, device)
 
-    def rotary_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+    def rotary_cos_sin(self, rotary: RotaryTable, positions: torch.Tensor, dtype: torch.dtype):
         """positions [3, T] -> cos, sin [T, 1, D/2], each band from its own position row."""
-        cos, sin = self.rotary.cos[positions], self.rotary.sin[positions]  # [3, T, D/2]
+        cos, sin = rotary.cos[positions], rotary.sin[positions]  # [3, T, D/2]
         band = self.band[None, :].expand(positions.shape[1], -1)  # [T, D/2]
         cos = cos.gather(0, band[None]).squeeze(0)
         sin = sin.gather(0, band[None]).squeeze(0)

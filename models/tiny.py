@@ -120,6 +120,15 @@ def save_checkpoint(model, tokenizer, path: Path, eos_ids: list[int], **save_kwa
     return path
 
 
+TEXT_FAMILIES = {  # family -> transformers (config class, model class)
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+}
+
+
 def build_text_model(
     path: Path,
     family: str = "qwen2",
@@ -138,18 +147,11 @@ def build_text_model(
     config_overrides: dict | None = None,
     **save_kwargs,
 ) -> Path:
-    """A tiny Qwen2ForCausalLM ("qwen2"), LlamaForCausalLM ("llama") or MistralForCausalLM
-    ("mistral") checkpoint at `path`; `config_overrides` go to the config as they are."""
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        MistralConfig,
-        MistralForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
+    """A tiny text-only checkpoint of one of TEXT_FAMILIES at `path`; `config_overrides` go to
+    the config as they are."""
+    import transformers
 
-    tokenizer = qwen_tokenizer() if family == "qwen2" else llama_tokenizer()
+    tokenizer = qwen_tokenizer() if family.startswith("qwen") else llama_tokenizer()
     vocab = vocab_size or len(tokenizer)
     common = dict(
         vocab_size=vocab,
@@ -167,14 +169,11 @@ def build_text_model(
     if rope_parameters is not None:
         common["rope_parameters"] = rope_parameters
     common.update(config_overrides or {})
-    if family == "qwen2":
-        config, cls = Qwen2Config(**common), Qwen2ForCausalLM
-    elif family == "llama":
-        config, cls = LlamaConfig(**common), LlamaForCausalLM
-    elif family == "mistral":
-        config, cls = MistralConfig(**common), MistralForCausalLM
-    else:
-        raise ValueError(f"unknown family {family!r} (qwen2, llama, mistral)")
+    if family not in TEXT_FAMILIES:
+        raise ValueError(f"unknown family {family!r} ({', '.join(TEXT_FAMILIES)})")
+    config_name, model_name = TEXT_FAMILIES[family]
+    config = getattr(transformers, config_name)(**common)
+    cls = getattr(transformers, model_name)
     torch.manual_seed(seed)
     model = cls(config)
     randomize(model, std=std, seed=seed)
