@@ -292,39 +292,18 @@ class Decoder(nn.Module):
 
 
 class CausalLM(Decoder):
-    """A text-only causal LM (Llama, Mistral; subclasses add a family's features)."""
-
-    @classmethod
-    def decoder_features(cls, hf_config) -> dict:
-        """Options the family's config does not spell out (see DecoderConfig.from_hf)."""
-        return {}
+    """A text-only causal LM of any family in TEXT_FEATURES (Llama, Mistral, Qwen2/3, Gemma 3)."""
 
     @classmethod
     def from_hf_config(cls, hf_config, max_positions: int, device: torch.device) -> CausalLM:
-        cfg = DecoderConfig.from_hf(hf_config, **cls.decoder_features(hf_config))
-        return cls(cfg, max_positions, device)
+        return cls(DecoderConfig.from_hf(hf_config, **text_features(hf_config)), max_positions,
+                   device)
 
     def checkpoint_map(self) -> Callable:
         return self.weight_map()
 
 
-class Qwen2CausalLM(CausalLM):
-    """Qwen2: bias on q/k/v, none on o."""
-
-    @classmethod
-    def decoder_features(cls, hf_config) -> dict:
-        return QWEN2_FEATURES
-
-
-class Qwen3CausalLM(CausalLM):
-    """Qwen3: RMSNorm over each head's q and k, no biases (Llama's `attention_bias` field)."""
-
-    @classmethod
-    def decoder_features(cls, hf_config) -> dict:
-        return {"qk_norm": True}
-
-
-QWEN2_FEATURES = {"qkv_bias": True, "o_bias": False}
+QWEN2_FEATURES = {"qkv_bias": True, "o_bias": False}  # bias on q/k/v, none on o
 
 
 def gemma_features(cfg) -> dict:
@@ -339,9 +318,22 @@ def gemma_features(cfg) -> dict:
     }
 
 
-class GemmaCausalLM(CausalLM):
-    """Gemma 3 text-only (Gemma3ForCausalLM)."""
+# Options each family's text config does not spell out, by `model_type`; the rest is read from
+# the config (DecoderConfig.from_hf). Llama and Mistral need none.
+TEXT_FEATURES: dict[str, Callable[[object], dict]] = {
+    "llama": lambda cfg: {},
+    "mistral": lambda cfg: {},
+    "qwen2": lambda cfg: QWEN2_FEATURES,
+    "qwen3": lambda cfg: {"qk_norm": True},
+    "gemma3_text": gemma_features,
+}
 
-    @classmethod
-    def decoder_features(cls, hf_config) -> dict:
-        return gemma_features(hf_config)
+
+def text_features(cfg) -> dict:
+    """The feature options of a text config's family (a clear error for unknown families)."""
+    if cfg.model_type not in TEXT_FEATURES:
+        raise NotImplementedError(
+            f"text model type {cfg.model_type!r} is not supported "
+            f"({', '.join(sorted(TEXT_FEATURES))})"
+        )
+    return TEXT_FEATURES[cfg.model_type](cfg)

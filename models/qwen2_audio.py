@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.decoder import QWEN2_FEATURES, Decoder, DecoderConfig
-from models.layers import ACTIVATIONS, to_device
+from models.layers import to_device
+from models.vit import Segments, ViTConfig, vit_blocks
 
 
 def encoder_lengths(num_frames: int) -> tuple[int, int]:
@@ -100,51 +101,6 @@ def build_audio_batch(
     )
 
 
-class EncoderAttention(nn.Module):
-    def __init__(self, cfg: AudioEncoderConfig) -> None:
-        super().__init__()
-        self.num_heads, self.head_dim = cfg.num_heads, cfg.width // cfg.num_heads
-        self.scale = self.head_dim**-0.5
-        self.q_proj = nn.Linear(cfg.width, cfg.width)
-        self.k_proj = nn.Linear(cfg.width, cfg.width, bias=False)
-        self.v_proj = nn.Linear(cfg.width, cfg.width)
-        self.out_proj = nn.Linear(cfg.width, cfg.width)
-
-    def forward(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        """x [N, width] packed -> [N, width]; each clip attends only to its own positions."""
-        n = x.shape[0]
-        # Queries are scaled before the product, as in the checkpoint's reference.
-        q = (self.q_proj(x) * self.scale).view(n, self.num_heads, self.head_dim)  # [N, H, D]
-        k = self.k_proj(x).view(n, self.num_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_heads, self.head_dim)
-        # 4-D [1, H, n_i, D] per clip: the CPU's fused kernel takes no 3-D inputs.
-        out = torch.cat([
-            F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in clip), scale=1.0)
-            [0].transpose(0, 1)  # [n_i, H, D]
-            for clip in zip(q.split(lengths), k.split(lengths), v.split(lengths), strict=True)
-        ])
-        return self.out_proj(out.reshape(n, -1))
-
-
-class EncoderLayer(nn.Module):
-    def __init__(self, cfg: AudioEncoderConfig) -> None:
-        super().__init__()
-        self.self_attn_layer_norm = nn.LayerNorm(cfg.width)
-        self.self_attn = EncoderAttention(cfg)
-        self.final_layer_norm = nn.LayerNorm(cfg.width)
-        self.fc1 = nn.Linear(cfg.width, cfg.ffn_dim)
-        self.fc2 = nn.Linear(cfg.ffn_dim, cfg.width)
-        self.act = ACTIVATIONS[cfg.activation]
-
-    def forward(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        x = x + self.self_attn(self.self_attn_layer_norm(x), lengths)
-        x = x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
-        if x.dtype == torch.float16:  # deep stacks overflow float16; the reference clamps too
-            bound = torch.finfo(x.dtype).max - 1000
-            x = x.clamp(-bound, bound)
-        return x
-
-
 class AudioEncoder(nn.Module):
     """Mel features -> pooled, normalised encoder states (before the projector)."""
 
@@ -154,7 +110,11 @@ class AudioEncoder(nn.Module):
         self.conv1 = nn.Conv1d(cfg.num_mel_bins, cfg.width, kernel_size=3, padding=1)
         self.conv2 = nn.Conv1d(cfg.width, cfg.width, kernel_size=3, stride=2, padding=1)
         self.embed_positions = nn.Embedding(cfg.max_positions, cfg.width)
-        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.num_layers))
+        # Whisper's layers: LayerNorm (eps 1e-5), separate q/k/v with no key bias, plain MLP.
+        self.blocks = vit_blocks(ViTConfig(
+            width=cfg.width, depth=cfg.num_layers, num_heads=cfg.num_heads, mlp_hidden=cfg.ffn_dim,
+            act=cfg.activation, norm="layer", norm_eps=1e-5, fused_qkv=False, k_bias=False,
+        ))
         self.layer_norm = nn.LayerNorm(cfg.width)
 
     def forward(self, batch: AudioBatch) -> torch.Tensor:
@@ -166,8 +126,9 @@ class AudioEncoder(nn.Module):
             for f, n in zip(clips, batch.lengths, strict=True)
         ], dim=1).T  # [N, width]
         x = x + self.embed_positions(batch.positions)
-        for layer in self.layers:
-            x = layer(x, batch.lengths)
+        clips = Segments(batch.lengths)  # one attention call per clip (see the module docstring)
+        for block in self.blocks:
+            x = block(x, clips)
         pooled = x[batch.pairs].mean(1)  # [sum(sizes), width]
         return self.layer_norm(pooled)
 
@@ -209,7 +170,19 @@ class QwenAudioForConditionalGeneration(Decoder):
             for module in ("audio_tower.", "multi_modal_projector."):
                 for prefix in ("model." + module, module):
                     if name.startswith(prefix):
-                        return module + name[len(prefix):], None
+                        return module + _audio_block_name(name[len(prefix):]), None
             return hub_lm(name) if name.startswith("language_model.") else new_lm(name)
 
         return mapping
+
+
+_AUDIO_BLOCK_NAMES = {"self_attn_layer_norm": "norm1", "final_layer_norm": "norm2",
+                      "self_attn": "attn", "fc1": "mlp.fc1", "fc2": "mlp.fc2"}
+
+
+def _audio_block_name(name: str) -> str:
+    """Whisper's `layers.N.<module>...` -> our shared blocks' `blocks.N.<module>...`."""
+    if not name.startswith("layers."):
+        return name
+    _, index, module, rest = name.split(".", 3)
+    return f"blocks.{index}.{_AUDIO_BLOCK_NAMES.get(module, module)}.{rest}"

@@ -3,10 +3,10 @@
 Patches of all items (images and videos, from any requests) are concatenated into one sequence;
 attention never crosses an item's frame: each frame is a segment (Qwen2-VL), and Qwen2.5-VL's
 windowed layers use smaller segments (windows of merged patches, after reordering the patches
-window by window). Segments are padded into a batch [S, L] on the host (`SegmentIndex`), so the
-forward is one SDPA call per layer with a key-padding mask, no host sync and no Python loop per
-item. The merger fuses each 2x2 block of patches into one LLM embedding; `VisionBatch.sizes`
-splits the output back per item.
+window by window). The blocks are the shared ViT blocks (models/vit.py) with 2-D rotary angles;
+segments are padded into a batch on the host, so the forward is one SDPA call per layer with a
+key-padding mask, no host sync and no Python loop per item. The merger fuses each 2x2 block of
+patches into one LLM embedding; `VisionBatch.sizes` splits the output back per item.
 """
 
 from __future__ import annotations
@@ -14,38 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from models.layers import ACTIVATIONS, GatedMLP, RMSNorm, to_device
-
-
-@dataclass
-class SegmentIndex:
-    """Host-built indices to pad S segments of a flat sequence into [S, L] and back."""
-
-    gather: torch.Tensor  # [S * L] int64: padded slot -> flat row (padding -> row 0)
-    scatter: torch.Tensor  # [N] int64: flat row -> padded slot
-    mask: torch.Tensor | None  # [S, 1, 1, L] bool key mask; None when no segment is padded
-    num: int
-    length: int
-
-    @classmethod
-    def build(cls, lengths: list[int], device: torch.device) -> SegmentIndex:
-        num, longest = len(lengths), max(lengths)
-        gather = torch.zeros(num, longest, dtype=torch.int64)
-        scatter = torch.empty(sum(lengths), dtype=torch.int64)
-        offset = 0
-        for s, n in enumerate(lengths):
-            gather[s, :n] = torch.arange(offset, offset + n)
-            scatter[offset : offset + n] = torch.arange(s * longest, s * longest + n)
-            offset += n
-        mask = None
-        if min(lengths) != longest:
-            valid = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]
-            mask = to_device(valid[:, None, None, :], device)
-        return cls(to_device(gather.view(-1), device), to_device(scatter, device), mask, num,
-                   longest)
+from models.layers import to_device
+from models.projectors import PatchMerger
+from models.vit import Segments, ViTConfig, vit_blocks
 
 
 @dataclass
@@ -54,8 +27,8 @@ class VisionBatch:
 
     pixel_values: torch.Tensor  # [N, C * tps * ps * ps]
     positions: torch.Tensor  # [N, 2] int64 (row, column) of each patch, block-major
-    frames: SegmentIndex  # one segment per frame: full attention
-    windows: SegmentIndex | None  # Qwen2.5-VL windowed attention (in window order)
+    frames: Segments  # one segment per frame: full attention
+    windows: Segments | None  # Qwen2.5-VL windowed attention (in window order)
     window_order: torch.Tensor | None  # [N / merge^2] merged-patch permutation into windows
     window_restore: torch.Tensor | None  # its inverse
     sizes: list[int]  # merged embeddings per item
@@ -75,7 +48,8 @@ class VisionConfig:
     in_channels: int
     hidden_act: str
     mlp_hidden: int
-    gated_rms: bool  # Qwen2.5-VL: RMSNorm + gated MLP; Qwen2-VL: LayerNorm + plain MLP
+    norm: str  # "rms" (Qwen2.5-VL) or "layer" (Qwen2-VL)
+    gated_mlp: bool  # Qwen2.5-VL
     window_size: int | None
     full_attention_layers: tuple[int, ...]
     rope_theta: float
@@ -94,7 +68,8 @@ class VisionConfig:
             in_channels=vc.in_channels,
             hidden_act=vc.hidden_act,
             mlp_hidden=vc.intermediate_size if qwen25 else int(width * vc.mlp_ratio),
-            gated_rms=qwen25,
+            norm="rms" if qwen25 else "layer",
+            gated_mlp=qwen25,
             window_size=vc.window_size if qwen25 else None,
             full_attention_layers=tuple(vc.fullatt_block_indexes) if qwen25 else (),
             rope_theta=float((getattr(vc, "rope_parameters", None) or {}).get("rope_theta", 1e4)),
@@ -128,12 +103,12 @@ def build_vision_batch(
         perm = torch.cat(order)
         window_order = to_device(perm, device)
         window_restore = to_device(torch.argsort(perm), device)
-        windows = SegmentIndex.build(window_lengths, device)
+        windows = Segments.build(window_lengths, device)
     pixels = torch.cat(pixel_values).to(dtype)
     return VisionBatch(
         pixel_values=pixels if device.type == "cpu" else to_device(pixels, device),
         positions=to_device(torch.cat(positions), device),
-        frames=SegmentIndex.build(frame_lengths, device),
+        frames=Segments.build(frame_lengths, device),
         windows=windows,
         window_order=window_order,
         window_restore=window_restore,
@@ -155,67 +130,6 @@ def _window_order(t: int, gh: int, gw: int, win: int) -> tuple[torch.Tensor, lis
     return torch.cat(order), lengths
 
 
-class VisionAttention(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
-        super().__init__()
-        self.num_heads, self.head_dim = cfg.num_heads, cfg.width // cfg.num_heads
-        self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
-        self.proj = nn.Linear(cfg.width, cfg.width)
-
-    def forward(self, x: torch.Tensor, cos, sin, seg: SegmentIndex) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)  # [N, H, D]
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        shape = (seg.num, seg.length, self.num_heads, self.head_dim)
-        q, k, v = (t[seg.gather].view(shape).transpose(1, 2) for t in (q, k, v))  # [S, H, L, D]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=seg.mask)
-        out = out.transpose(1, 2).reshape(seg.num * seg.length, -1)[seg.scatter]
-        return self.proj(out)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary in float32 (as the reference does); x [N, H, D], cos/sin [N, 1, D/2]."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-
-
-class PlainMLP(nn.Module):
-    def __init__(self, width: int, hidden: int, act: str) -> None:
-        super().__init__()
-        self.fc1, self.fc2, self.act = nn.Linear(width, hidden), nn.Linear(hidden, width), act
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(ACTIVATIONS[self.act](self.fc1(x)))
-
-
-class VisionBlock(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
-        super().__init__()
-        norm = (lambda: RMSNorm(cfg.width, 1e-6)) if cfg.gated_rms else (
-            lambda: nn.LayerNorm(cfg.width, eps=1e-6))
-        self.norm1, self.norm2 = norm(), norm()
-        self.attn = VisionAttention(cfg)
-        self.mlp = (GatedMLP(cfg.width, cfg.mlp_hidden, bias=True, act=cfg.hidden_act)
-                    if cfg.gated_rms else PlainMLP(cfg.width, cfg.mlp_hidden, cfg.hidden_act))
-
-    def forward(self, x, cos, sin, seg: SegmentIndex) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, seg)
-        return x + self.mlp(self.norm2(x))
-
-
-class PatchMerger(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
-        super().__init__()
-        self.merged = cfg.width * cfg.merge_size**2
-        self.ln_q = RMSNorm(cfg.width, 1e-6) if cfg.gated_rms else nn.LayerNorm(cfg.width, 1e-6)
-        self.mlp = nn.Sequential(
-            nn.Linear(self.merged, self.merged), nn.GELU(), nn.Linear(self.merged, cfg.out_dim)
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.ln_q(x).view(-1, self.merged))  # [N / merge^2, out_dim]
-
-
 class VisionTower(nn.Module):
     """Patch embedding (a Conv3d with stride == kernel, applied as one matmul), 2-D rotary,
     blocks, merger."""
@@ -227,8 +141,12 @@ class VisionTower(nn.Module):
         self.patch_embed = nn.Module()
         self.patch_embed.proj = nn.Module()
         self.patch_embed.proj.weight = nn.Parameter(torch.empty(cfg.width, c, t, p, p))
-        self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
-        self.merger = PatchMerger(cfg)
+        self.blocks = vit_blocks(ViTConfig(
+            width=cfg.width, depth=cfg.depth, num_heads=cfg.num_heads, mlp_hidden=cfg.mlp_hidden,
+            act=cfg.hidden_act, norm=cfg.norm, norm_eps=1e-6, gated_mlp=cfg.gated_mlp,
+            rotary=True,
+        ))
+        self.merger = PatchMerger(cfg.width, cfg.merge_size, cfg.out_dim, cfg.norm == "rms")
         head_dim = cfg.width // cfg.num_heads
         quarter = head_dim // 2  # rows and columns each rotate half of the head dim
         steps = torch.arange(0, quarter, 2, dtype=torch.int64, device="cpu").float()
@@ -245,7 +163,7 @@ class VisionTower(nn.Module):
             x, cos, sin = (self._by_window(t, batch.window_order) for t in (x, cos, sin))
         for i, block in enumerate(self.blocks):
             windowed = batch.windows is not None and i not in self.cfg.full_attention_layers
-            x = block(x, cos, sin, batch.windows if windowed else batch.frames)
+            x = block(x, batch.windows if windowed else batch.frames, (cos, sin))
         merged = self.merger(x)
         if batch.window_restore is not None:
             merged = merged[batch.window_restore]

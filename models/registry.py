@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.decoder import CausalLM, GemmaCausalLM, Qwen2CausalLM, Qwen3CausalLM
+from models.decoder import CausalLM
 from models.interfaces import LanguageModel, ProcessorFactory
 from models.qwen2_audio import QwenAudioForConditionalGeneration
 from models.qwen2_audio_processor import QwenAudioProcessor
@@ -24,9 +24,9 @@ class ModelSpec:
 _REGISTRY: dict[str, ModelSpec] = {
     "LlamaForCausalLM": ModelSpec(CausalLM),
     "MistralForCausalLM": ModelSpec(CausalLM),
-    "Qwen2ForCausalLM": ModelSpec(Qwen2CausalLM),
-    "Qwen3ForCausalLM": ModelSpec(Qwen3CausalLM),
-    "Gemma3ForCausalLM": ModelSpec(GemmaCausalLM),
+    "Qwen2ForCausalLM": ModelSpec(CausalLM),
+    "Qwen3ForCausalLM": ModelSpec(CausalLM),
+    "Gemma3ForCausalLM": ModelSpec(CausalLM),
     "Qwen2VLForConditionalGeneration": ModelSpec(QwenVLForConditionalGeneration, QwenVLProcessor),
     "Qwen2_5_VLForConditionalGeneration": ModelSpec(
         QwenVLForConditionalGeneration, QwenVLProcessor
