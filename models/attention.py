@@ -48,8 +48,9 @@ DECODE_PADDING = 1.25
 @dataclass(frozen=True)
 class LayerAttention:
     """How one layer attends. `sliding_window`: a query at position p sees keys k with
-    p - k < sliding_window (transformers' convention); `softcap`: scores become
-    softcap * tanh(scores / softcap) before the softmax."""
+    p - k < sliding_window (transformers' convention; it bounds bidirectional spans too, as
+    transformers' Gemma 3 masks do); `softcap`: scores become softcap * tanh(scores / softcap)
+    before the softmax."""
 
     sliding_window: int | None = None
     softcap: float | None = None
@@ -203,14 +204,14 @@ def _chunk_view(
     keys = torch.arange(key0, key0 + length)[None, :]
     rows = torch.arange(start, end)[:, None]
     visible = keys <= rows
-    if window is not None:
-        visible &= rows - keys < window
     for lo, hi in spans:
         if not start <= lo < hi <= end:
             raise ValueError(
                 f"bidirectional span [{lo}, {hi}) is not inside chunk [{start}, {end})"
             )
         visible[lo - start : hi - start, lo - key0 : hi - key0] = True
+    if window is not None:  # after the spans: a window limits how far back even they see
+        visible &= rows - keys < window
     mask = _additive(visible, shape.dtype)[None, None]  # [1, 1, q, L]
     return KeyView(table, None, to_device(mask, shape.device))
 

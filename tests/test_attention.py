@@ -185,7 +185,8 @@ def test_bidirectional_span_with_window_and_attention_output():
     visible = torch.zeros(n, n, dtype=torch.bool)
     for r in range(n):
         for c in range(n):
-            visible[r, c] = (c <= r and r - c < window) or (2 <= r < 7 and 2 <= c < 7)
+            # transformers' Gemma 3 rule: AND(window, OR(causal, same span))
+            visible[r, c] = (c <= r or (2 <= r < 7 and 2 <= c < 7)) and r - c < window
     meta = build_metadata([0], [n], [[0, 1, 2]], 4, CPU, windows=(None, window),
                           bidirectional=[spans])
     out = paged_attention(q, k, v, _cache(), meta, 0.35, LayerAttention(window))
