@@ -131,7 +131,10 @@ class InputProcessor:
         t0 = time.perf_counter()
         ids = parsed.token_ids
         if ids is None:
-            ids = self.tokenizer.encode(parsed.text, add_special_tokens=parsed.add_special_tokens)
+            text = parsed.text
+            if self.mm_processor is not None:
+                text = self.mm_processor.expand_text(text, media, parsed.mm_kwargs)
+            ids = self.tokenizer.encode(text, add_special_tokens=parsed.add_special_tokens)
         if self.mm_processor is not None:
             out = self.mm_processor.process(ids, media, parsed.mm_kwargs)
             out.text = parsed.text

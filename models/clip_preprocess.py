@@ -208,16 +208,19 @@ def select_best_resolution(
     return best
 
 
-def unpadded_grid(
-    orig_height: int, orig_width: int, grid_height: int, grid_width: int
-) -> tuple[int, int]:
-    """(height, width) in patches of an anyres feature grid once the rows or columns that cover
-    only the letterbox padding are dropped (LLaVA-NeXT's unpad_image); padding is symmetric."""
-    if orig_width / orig_height > grid_width / grid_height:
-        fitted = int(round(orig_height * (grid_width / orig_width), 7))
-        return grid_height - (grid_height - fitted) // 2 * 2, grid_width
-    fitted = int(round(orig_width * (grid_height / orig_height), 7))
-    return grid_height, grid_width - (grid_width - fitted) // 2 * 2
+def unpad_bounds(image_size: tuple[int, int], height: int, width: int) -> tuple[int, ...]:
+    """(top, bottom, left, right) of the part of a [height, width] anyres feature grid that
+    holds the image (LLaVA-NeXT's unpad_image): the image was scaled to fit the grid's
+    resolution and centred, so whole rows (a wide image) or columns (a tall one) on both sides
+    are padding. The model cuts its features and the processor counts tokens with this."""
+    orig_h, orig_w = image_size
+    if orig_w / orig_h > width / height:
+        fitted = int(round(orig_h * (width / orig_w), 7))
+        pad = (height - fitted) // 2
+        return pad, height - pad, 0, width
+    fitted = int(round(orig_w * (height / orig_h), 7))
+    pad = (width - fitted) // 2
+    return 0, height, pad, width - pad
 
 
 def llava_next_num_image_tokens(
@@ -239,9 +242,10 @@ def llava_next_num_image_tokens(
     _check_strategy(strategy)
     best_h, best_w = select_best_resolution((orig_height, orig_width), pinpoints)
     side = image_size // patch_size
-    grid_h, grid_w = unpadded_grid(
-        orig_height, orig_width, best_h // image_size * side, best_w // image_size * side
+    top, bottom, left, right = unpad_bounds(
+        (orig_height, orig_width), best_h // image_size * side, best_w // image_size * side
     )
+    grid_h, grid_w = bottom - top, right - left
     base = side * side + num_additional_image_tokens
     return grid_h * grid_w + grid_h + base - (strategy == "default")
 

@@ -11,7 +11,7 @@ transformers' `hidden_states`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -58,9 +58,13 @@ class ClipVisionConfig:
 
 
 class ClipVisionTower(nn.Module):
-    def __init__(self, cfg: ClipVisionConfig) -> None:
+    """`final_norm`: keep the checkpoint's `post_layernorm` for towers whose consumer reads the
+    last hidden state (Gemma 3) rather than an intermediate layer (LLaVA)."""
+
+    def __init__(self, cfg: ClipVisionConfig, final_norm: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
+        self.final_norm = final_norm
         w = cfg.vit.width
         self.patch_embedding = nn.Conv2d(cfg.channels, w, cfg.patch_size, cfg.patch_size,
                                          bias=cfg.patch_bias)
@@ -70,6 +74,8 @@ class ClipVisionTower(nn.Module):
         if cfg.pre_norm:
             self.pre_layrnorm = nn.LayerNorm(w, eps=cfg.vit.norm_eps)
         self.blocks = vit_blocks(cfg.vit)
+        if final_norm:
+            self.post_layernorm = nn.LayerNorm(w, eps=cfg.vit.norm_eps)
 
     def resolve_layers(self, layers: Sequence[int]) -> tuple[int, ...]:
         """Hidden-state indices, negative ones counted from the end, checked."""
@@ -99,10 +105,15 @@ class ClipVisionTower(nn.Module):
             states[i] = x
         return torch.cat([states[i] for i in layers], dim=-1).view(b, positions, -1)
 
-    @staticmethod
-    def checkpoint_name(name: str, width: int) -> tuple[str, Shard | None] | None:
-        """A name inside the checkpoint's `vision_model.` -> ours (None: not used by LLaVA)."""
-        if name.startswith(("post_layernorm.", "head.")) or name.endswith("position_ids"):
+    def last_hidden_state(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[B, C, S, S] -> the final block's output after `post_layernorm`: [B, P, width]."""
+        return self.post_layernorm(self(pixel_values, (self.cfg.vit.depth,)))
+
+    def checkpoint_name(self, name: str) -> tuple[str, Shard | None] | None:
+        """A name inside the checkpoint's `vision_model.` -> ours (None: a tensor not used)."""
+        width = self.cfg.vit.width
+        if name.startswith("head.") or name.endswith("position_ids") or (
+                name.startswith("post_layernorm.") and not self.final_norm):
             return None
         for prefix in ("embeddings.", ""):
             if name.startswith(prefix + "patch_embedding") or name.startswith(
@@ -133,3 +144,25 @@ def select_features(states: torch.Tensor, strategy: str) -> torch.Tensor:
         f"vision_feature_select_strategy must be 'default' or 'full', got {strategy!r}"
     )
 
+
+def vlm_checkpoint_map(model: nn.Module, own: tuple[str, ...]) -> Callable:
+    """The weight map of a decoder with a CLIP/SigLIP `vision_tower`, in both layouts: the
+    Hub's (language_model.model.*, language_model.lm_head.*, vision_tower[.vision_model].*,
+    <own>*) and transformers 5's (model.language_model.*, lm_head.*,
+    model.vision_tower[.vision_model].*, model.<own>*). `own` lists the model's other names."""
+    hub_lm = model.weight_map(prefix="language_model.model.", lm_head="language_model.lm_head.")
+    new_lm = model.weight_map(prefix="model.language_model.", lm_head="lm_head.")
+
+    def mapping(name: str):
+        if name.startswith("language_model."):
+            return hub_lm(name)
+        inner = name.removeprefix("model.")
+        if inner.startswith("vision_tower."):  # "vision_model." follows in Hub checkpoints
+            inner = inner[len("vision_tower."):].removeprefix("vision_model.")
+            target = model.vision_tower.checkpoint_name(inner)
+            return None if target is None else ("vision_tower." + target[0], target[1])
+        if inner.startswith(own):
+            return inner, None
+        return new_lm(name)
+
+    return mapping

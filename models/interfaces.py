@@ -127,6 +127,11 @@ class MultimodalProcessor(Protocol):
         """The longest span attended both ways (0: every span is causal)."""
         ...
 
+    def expand_text(self, text: str, media: dict[str, list], mm_kwargs: Mapping[str, Any]) -> str:
+        """A text prompt with its placeholders already written out, before tokenizing (for
+        families whose reference expands text, so that tokens merge alike); else `text`."""
+        ...
+
     def process(
         self, token_ids: list[int], media: dict[str, list], mm_kwargs: Mapping[str, Any]
     ) -> ProcessedPrompt:

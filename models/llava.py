@@ -7,7 +7,7 @@ item of a step goes through the tower in one forward. LLaVA-NeXT then lays each 
 features out as one grid, cuts off the rows or columns that only hold padding (the processor
 letterboxed the image into the grid's resolution), appends the learned `image_newline` to every
 row, and puts the base image's features first. The processor counts tokens with the same
-arithmetic (models/clip_preprocess.py), so counts and embeddings always agree.
+arithmetic (`unpad_bounds`), so counts and embeddings always agree.
 """
 
 from __future__ import annotations
@@ -17,7 +17,13 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from models.clip_vision import ClipVisionConfig, ClipVisionTower, select_features
+from models.clip_preprocess import unpad_bounds
+from models.clip_vision import (
+    ClipVisionConfig,
+    ClipVisionTower,
+    select_features,
+    vlm_checkpoint_map,
+)
 from models.decoder import Decoder, DecoderConfig, text_features
 from models.interfaces import EncoderItem
 from models.layers import to_device
@@ -83,37 +89,6 @@ class LlavaForConditionalGeneration(Decoder):
         return torch.cat([base, grid.flatten(1, 2).transpose(0, 1)])
 
     def checkpoint_map(self) -> Callable:
-        """Both layouts: the Hub's (language_model.model.*, language_model.lm_head.*,
-        vision_tower.vision_model.*, multi_modal_projector.*, image_newline) and transformers
-        5's (model.language_model.*, lm_head.*, model.vision_tower.vision_model.*, ...)."""
-        hub_lm = self.weight_map(prefix="language_model.model.", lm_head="language_model.lm_head.")
-        new_lm = self.weight_map(prefix="model.language_model.", lm_head="lm_head.")
-        width = self.vision_tower.cfg.vit.width
+        """See vlm_checkpoint_map."""
+        return vlm_checkpoint_map(self, ("multi_modal_projector.", "image_newline"))
 
-        def mapping(name: str):
-            if name.startswith("language_model."):
-                return hub_lm(name)
-            inner = name.removeprefix("model.")
-            if inner.startswith("vision_tower.vision_model."):
-                target = ClipVisionTower.checkpoint_name(
-                    inner[len("vision_tower.vision_model."):], width)
-                return None if target is None else ("vision_tower." + target[0], target[1])
-            if inner.startswith("multi_modal_projector.") or inner == "image_newline":
-                return inner, None
-            return new_lm(name)
-
-        return mapping
-
-
-def unpad_bounds(image_size: tuple[int, int], height: int, width: int) -> tuple[int, ...]:
-    """(top, bottom, left, right) of the part of a [height, width] feature grid that holds the
-    image: the processor scaled the image to fit the grid's resolution and centred it, so whole
-    rows (a wide image) or columns (a tall one) on both sides are padding."""
-    orig_h, orig_w = image_size
-    if orig_w / orig_h > width / height:
-        new_h = int(round(orig_h * (width / orig_w), 7))
-        pad = (height - new_h) // 2
-        return pad, height - pad, 0, width
-    new_w = int(round(orig_w * (height / orig_h), 7))
-    pad = (width - new_w) // 2
-    return 0, height, pad, width - pad

@@ -1,5 +1,6 @@
-"""Helpers every family's processor shares: the processed-inputs cache, option checks, and
-hashing an item before processing it (so that a repeated item skips resizing and normalizing).
+"""Helpers every family's processor shares: defaults for the optional parts of the processor
+interface, the processed-inputs cache, option checks, and hashing an item before processing it
+(so that a repeated item skips resizing and normalizing).
 """
 
 from __future__ import annotations
@@ -9,6 +10,17 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
+
+
+class ProcessorDefaults:
+    """What most processors do for the optional parts of models.interfaces.MultimodalProcessor:
+    no bidirectional spans, no text-level expansion."""
+
+    def max_bidirectional_span(self) -> int:
+        return 0
+
+    def expand_text(self, text: str, media: dict[str, list], mm_kwargs: Mapping[str, Any]) -> str:
+        return text
 
 
 class ProcessedCache:

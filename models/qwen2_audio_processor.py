@@ -35,7 +35,7 @@ from models.interfaces import (
     ProcessedPrompt,
     ProcessorContext,
 )
-from models.processor_base import ProcessedCache, check_mm_kwargs
+from models.processor_base import ProcessedCache, ProcessorDefaults, check_mm_kwargs
 from models.qwen2_audio import encoder_lengths, receptive_frames
 from models.whisper_features import LogMelExtractor, MelConfig
 
@@ -44,7 +44,7 @@ _MIN_FRAMES = 3  # the fewest mel frames from which the encoder emits an embeddi
 _KWARGS = ("max_audio_duration_s",)
 
 
-class QwenAudioProcessor:
+class QwenAudioProcessor(ProcessorDefaults):
     """Expands `<|AUDIO|>` placeholders into per-window spans and prepares their mel features."""
 
     modalities = ("audio",)
@@ -76,9 +76,6 @@ class QwenAudioProcessor:
         _max_duration(mm_kwargs)
         return {"audio_kwargs": {"sample_rate": self.mel.sample_rate}}
 
-    def max_bidirectional_span(self) -> int:
-        """The longest span attended both ways (0: every span is causal)."""
-        return 0
 
     def max_embeds_per_item(self) -> int:
         """A full window's embeddings, for the start-up budget check."""

@@ -31,7 +31,12 @@ from models.interfaces import (
     ProcessorContext,
 )
 from models.mrope import mrope_positions, window_positions
-from models.processor_base import ProcessedCache, check_mm_kwargs, hashed_and_processed
+from models.processor_base import (
+    ProcessedCache,
+    ProcessorDefaults,
+    check_mm_kwargs,
+    hashed_and_processed,
+)
 from models.qwen_vl_preprocess import VisionPreprocessConfig, preprocess_image, preprocess_video
 
 _KWARGS = ("min_pixels", "max_pixels", "fps", "max_frames")
@@ -49,7 +54,7 @@ class MRopePositions:
         return window_positions(self.prompt, self.delta, start, end)
 
 
-class QwenVLProcessor:
+class QwenVLProcessor(ProcessorDefaults):
     modalities = ("image", "video")
 
     def __init__(self, ctx: ProcessorContext) -> None:
@@ -74,9 +79,6 @@ class QwenVLProcessor:
             video["max_frames"] = int(mm_kwargs["max_frames"])
         return {"video_kwargs": video}
 
-    def max_bidirectional_span(self) -> int:
-        """The longest span attended both ways (0: every span is causal)."""
-        return 0
 
     def max_embeds_per_item(self) -> int:
         """The largest encoder item in embeddings (an image at max_pixels, or one temporal patch

@@ -5,7 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from models.decoder import CausalLM
+from models.gemma3 import Gemma3ForConditionalGeneration
+from models.gemma3_processor import Gemma3Processor
 from models.interfaces import LanguageModel, ProcessorFactory
+from models.llava import LlavaForConditionalGeneration
+from models.llava_processor import LlavaProcessor
 from models.qwen2_audio import QwenAudioForConditionalGeneration
 from models.qwen2_audio_processor import QwenAudioProcessor
 from models.qwen2_vl import QwenVLForConditionalGeneration
@@ -30,6 +34,11 @@ _REGISTRY: dict[str, ModelSpec] = {
     "Qwen2VLForConditionalGeneration": ModelSpec(QwenVLForConditionalGeneration, QwenVLProcessor),
     "Qwen2_5_VLForConditionalGeneration": ModelSpec(
         QwenVLForConditionalGeneration, QwenVLProcessor
+    ),
+    "Gemma3ForConditionalGeneration": ModelSpec(Gemma3ForConditionalGeneration, Gemma3Processor),
+    "LlavaForConditionalGeneration": ModelSpec(LlavaForConditionalGeneration, LlavaProcessor),
+    "LlavaNextForConditionalGeneration": ModelSpec(
+        LlavaForConditionalGeneration, LlavaProcessor
     ),
     "Qwen2AudioForConditionalGeneration": ModelSpec(
         QwenAudioForConditionalGeneration, QwenAudioProcessor

@@ -27,7 +27,7 @@ from models.clip_preprocess import (
     preprocess_clip,
     preprocess_llava_next,
     select_best_resolution,
-    unpadded_grid,
+    unpad_bounds,
 )
 
 PINPOINTS = [[28, 56], [56, 28], [56, 56], [84, 28], [28, 84]]
@@ -203,8 +203,8 @@ def test_llava_next_token_arithmetic_matches_processor(tokenizer):
             best = select_best_resolution((h, w), pinpoints)
             rows, cols = best[0] // image_size, best[1] // image_size
             feats, newlines = proc._get_unpadded_features(h, w, side, side, rows, cols)
-            cur_h, cur_w = unpadded_grid(h, w, rows * side, cols * side)
-            assert (cur_h * cur_w, cur_h) == (feats, newlines)
+            top, bottom, left, right = unpad_bounds((h, w), rows * side, cols * side)
+            assert ((bottom - top) * (right - left), bottom - top) == (feats, newlines)
 
 
 @pytest.mark.parametrize("strategy", ["default", "full"])

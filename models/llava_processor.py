@@ -1,0 +1,120 @@
+"""Prompt processing for LLaVA-1.5 and LLaVA-NeXT: images -> tower inputs, `<image>` spans.
+
+The chat template writes one `<image>` per image; it becomes as many `<image>` tokens as the
+model emits for that image, one span per image. LLaVA-1.5: the tower's patches of the one
+center-cropped image (less the class token with the "default" feature strategy). LLaVA-NeXT:
+the base image's patches, then the unpadded grid of its tiles with one newline per row, counted
+with the same `unpad_bounds` the model cuts with, so the count and the embeddings agree.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+
+from engine.hashing import hash_image
+from models.clip_preprocess import (
+    ClipPreprocessConfig,
+    llava_next_num_image_tokens,
+    llava_num_image_tokens,
+    preprocess_clip,
+    preprocess_llava_next,
+)
+from models.interfaces import (
+    MultiModalFeature,
+    PlaceholderRange,
+    ProcessedPrompt,
+    ProcessorContext,
+)
+from models.processor_base import (
+    ProcessedCache,
+    ProcessorDefaults,
+    check_mm_kwargs,
+    hashed_and_processed,
+)
+
+
+class LlavaProcessor(ProcessorDefaults):
+    modalities = ("image",)
+
+    def __init__(self, ctx: ProcessorContext) -> None:
+        cfg = ctx.hf_config
+        self.model_id = ctx.model_id
+        self.image_token_id = cfg.image_token_index
+        self.anyres = cfg.model_type == "llava_next"
+        vision = cfg.vision_config
+        self.tile, self.patch = vision.image_size, vision.patch_size
+        self.side = self.tile // self.patch  # patches per tile side
+        self.strategy = cfg.vision_feature_select_strategy
+        self.class_tokens = int(vision.model_type.startswith("clip"))
+        self.per_tile = llava_num_image_tokens(self.tile, self.patch, self.strategy,
+                                               self.class_tokens)
+        self.pinpoints = [tuple(p) for p in getattr(cfg, "image_grid_pinpoints", None) or []]
+        path = ctx.model_path / "preprocessor_config.json"
+        self.pre = ClipPreprocessConfig.from_hf(
+            json.loads(path.read_text()) if path.exists() else {})
+        self.cache = ProcessedCache(ctx.processed_cache_items)
+
+    def loader_kwargs(self, mm_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        check_mm_kwargs(mm_kwargs, (), "LLaVA")
+        return {}
+
+
+    def max_embeds_per_item(self) -> int:
+        if not self.anyres:
+            return self.per_tile
+        # The grid's features bound the unpadded ones: every row kept, plus its newline.
+        return self.per_tile + max(
+            (h // self.tile * self.side) * (w // self.tile * self.side + 1)
+            for h, w in self.pinpoints
+        )
+
+    def num_tokens(self, image_size: tuple[int, int]) -> int:
+        """Tokens one image of (height, width) becomes."""
+        if not self.anyres:
+            return self.per_tile
+        return llava_next_num_image_tokens(*image_size, self.pinpoints, self.tile, self.patch,
+                                           self.strategy, self.class_tokens)
+
+    def process(
+        self, token_ids: list[int], media: dict[str, list], mm_kwargs: Mapping[str, Any]
+    ) -> ProcessedPrompt:
+        check_mm_kwargs(mm_kwargs, (), "LLaVA")
+        images = media.get("image", [])
+        found = token_ids.count(self.image_token_id)
+        if found != len(images):
+            raise ValueError(
+                f"the prompt has {found} image placeholder(s) but {len(images)} image(s) were "
+                "given; each image needs one placeholder (the chat template adds it)"
+            )
+        stages: dict[str, float] = {}
+        encoded = iter([self._image(image, stages) for image in images])
+        ids: list[int] = []
+        features: list[MultiModalFeature] = []
+        for token in token_ids:
+            if token != self.image_token_id:
+                ids.append(token)
+                continue
+            identifier, data = next(encoded)
+            n = self.num_tokens(data["image_size"])
+            features.append(MultiModalFeature("image", identifier,
+                                              PlaceholderRange(len(ids), n), data))
+            ids.extend([token] * n)
+        return ProcessedPrompt(None, ids, features, None, stages)
+
+    def _image(self, image, stages: dict[str, float]) -> tuple[str, dict]:
+        options = {"anyres": self.anyres, "tile": self.tile}
+
+        def compute() -> dict:
+            size = (image.height, image.width)
+            if not self.anyres:
+                pixels = preprocess_clip(image, self.pre)[None]
+                return {"pixel_values": pixels, "image_size": size, "grid": (1, 1)}
+            pixels, size, grid = preprocess_llava_next(image, self.pre)
+            return {"pixel_values": pixels, "image_size": tuple(size), "grid": tuple(grid)}
+
+        identify = partial(hash_image, image, model_id=self.model_id, processor_kwargs=options)
+        return hashed_and_processed(self.cache, identify, compute, stages)
+
