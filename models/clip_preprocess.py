@@ -94,13 +94,14 @@ class ClipPreprocessConfig:
 
     @classmethod
     def from_hf(cls, d: Mapping[str, Any]) -> ClipPreprocessConfig:
-        """Read a preprocessor_config.json dict (CLIP, SigLIP, LLaVA or LLaVA-NeXT processor).
+        """Read a preprocessor_config.json dict (CLIP, SigLIP, Gemma 3, LLaVA or LLaVA-NeXT).
 
         Missing keys take the defaults of the class named by ``image_processor_type``; like HF,
         an int ``size`` is a shortest edge and an int ``crop_size`` a square.
         """
         kind = str(d.get("image_processor_type") or "")
-        siglip = kind.startswith("Siglip")
+        # SigLIP's and Gemma 3's processors resize to a fixed size and never center-crop.
+        siglip = kind.startswith(("Siglip", "Gemma3"))
         size = _first(d.get("size"), {"height": 224, "width": 224} if siglip else 224)
         if isinstance(size, int):
             size = {"shortest_edge": size}
