@@ -1,7 +1,9 @@
 """EncoderCacheManager: which media items' encoder outputs are kept, for whom. Bookkeeping only.
 
 The runner holds the tensors (hash -> embeddings); this class decides what they may occupy.
-Capacity is counted in embeddings, not bytes: an item costs `PlaceholderRange.num_embeds`.
+Capacity is counted in embeddings, not bytes: an item costs `PlaceholderRange.num_embeds` times
+`vectors_per_embed` (1, or 1 + K for a DeepStack model, whose items also hold K per-layer
+residuals of the same shape).
 
 State:
 - `free`: capacity not held by any entry; `reclaimable`: `free` plus the unreferenced entries.
@@ -25,8 +27,9 @@ from engine.request import Request
 class EncoderCacheManager:
     """Ref-counted, LRU-evicting bookkeeping of encoder outputs keyed by content hash."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, vectors_per_embed: int = 1) -> None:
         self.capacity = capacity
+        self.vectors_per_embed = vectors_per_embed
         self.free = capacity
         self.reclaimable = capacity
         self.cached: dict[str, set[str]] = {}
@@ -52,11 +55,12 @@ class EncoderCacheManager:
     def can_allocate(self, num_embeds: int, compute_budget: int, planned: int) -> bool:
         """Whether an item of `num_embeds` fits this step, evicting unreferenced entries if needed.
 
-        `planned` counts the embeddings already planned (not yet allocated) this step.
+        `compute_budget` bounds the encoder's work (embeddings); `planned` counts the embeddings
+        already planned (not yet allocated) this step.
         """
         if num_embeds > compute_budget:
             return False
-        needed = num_embeds + planned
+        needed = (num_embeds + planned) * self.vectors_per_embed
         if needed <= self.free:
             return True
         if needed > self.reclaimable:
@@ -72,10 +76,11 @@ class EncoderCacheManager:
     def allocate(self, req: Request, identifier: str, num_embeds: int) -> None:
         """Reserve space for an item whose encoder runs this step, referenced by `req`."""
         assert identifier not in self.cached, f"{identifier} allocated twice"
+        size = num_embeds * self.vectors_per_embed
         self.cached[identifier] = {req.request_id}
-        self.sizes[identifier] = num_embeds
-        self.free -= num_embeds
-        self.reclaimable -= num_embeds
+        self.sizes[identifier] = size
+        self.free -= size
+        self.reclaimable -= size
         self.misses += 1
 
     def release(self, req: Request, identifier: str) -> None:

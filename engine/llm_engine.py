@@ -54,12 +54,13 @@ class LLMEngine:
         self.max_model_len = layout.max_model_len
         mm_processor = None
         budget = None
+        vectors_per_embed = 1 + self.runner.model.deepstack_layers
         if spec.processor is not None:
             mm_processor = spec.processor(ProcessorContext(
                 hf_config, self.tokenizer, self.model_path, self.model_id,
                 self.config.processed_cache_items,
             ))
-            budget = _encoder_budget(self.config, mm_processor)
+            budget = _encoder_budget(self.config, mm_processor, vectors_per_embed)
             _check_bidirectional_budget(self.config, mm_processor.max_bidirectional_span())
         self.processor = InputProcessor(
             self.tokenizer, self.runner.vocab_size, self.max_model_len, mm_processor,
@@ -68,7 +69,7 @@ class LLMEngine:
         self.block_manager = BlockManager(
             layout.num_blocks, layout.block_size, self.config.enable_prefix_caching
         )
-        self.encoder_cache = EncoderCacheManager(self.config.encoder_cache_size)
+        self.encoder_cache = EncoderCacheManager(self.config.encoder_cache_size, vectors_per_embed)
         self.scheduler = Scheduler(self.config, self.block_manager, self.encoder_cache)
         self.eos_token_ids = _eos_ids(self.model_path, self.tokenizer)
         self.num_steps = 0
@@ -252,18 +253,21 @@ class LLMEngine:
         self.scheduler.check_integrity()
 
 
-def _encoder_budget(config: EngineConfig, mm_processor) -> EncoderBudget:
-    """Refuse a configuration in which the largest media item could never be encoded."""
-    cache, step = config.encoder_cache_size, config.max_num_encoder_input_tokens
+def _encoder_budget(config: EngineConfig, mm_processor, vectors_per_embed: int) -> EncoderBudget:
+    """Refuse a configuration in which the largest media item could never be encoded (an item
+    occupies `vectors_per_embed` vectors per embedding in the cache: DeepStack residuals)."""
+    cache = config.encoder_cache_size // vectors_per_embed
+    step = config.max_num_encoder_input_tokens
     budget = EncoderBudget(cache, "encoder_cache_size") if cache <= step else EncoderBudget(
         step, "max_num_encoder_input_tokens")
     largest = mm_processor.max_embeds_per_item()
     if largest > budget.max_embeds:
         raise ValueError(
             f"the largest media item this model accepts needs {largest} embeddings, but "
-            f"{budget.setting} is {budget.max_embeds}; raise {budget.setting} to at least "
-            f"{largest} (or, for images and videos, lower max_pixels in the checkpoint's "
-            "preprocessor config)"
+            f"{budget.setting} allows {budget.max_embeds}; raise {budget.setting} to at least "
+            f"{largest * (vectors_per_embed if budget.setting == 'encoder_cache_size' else 1)} "
+            "(or, for images and videos, lower max_pixels in the checkpoint's preprocessor "
+            "config)"
         )
     return budget
 

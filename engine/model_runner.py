@@ -131,8 +131,8 @@ class ModelRunner:
             windows=self.windows, bidirectional=[_bidirectional_spans(c) for c in chunks],
             decode_kernel=self.decode_kernel,
         )
-        embeds = self._splice_embeddings(input_ids, chunks)
-        hidden = self.model(input_ids, positions, meta, embeds)
+        embeds, residuals = self._splice_embeddings(input_ids, chunks)
+        hidden = self.model(input_ids, positions, meta, embeds, residuals)
 
         ends, sampling = [], []
         offset = 0
@@ -170,16 +170,18 @@ class ModelRunner:
         timer = DeviceTimer(self.device).start()
         embeds = self.model.encode([(f.modality, f.data) for f in features])
         for f, emb in zip(features, embeds, strict=True):
-            if emb.shape[0] != f.placeholder.num_embeds:
+            if emb.shape[-2] != f.placeholder.num_embeds:  # [n, H] or [1 + K, n, H]
                 raise RuntimeError(
-                    f"{f.modality} encoder returned {emb.shape[0]} embeddings but its placeholder "
-                    f"has {f.placeholder.num_embeds} embed positions"
+                    f"{f.modality} encoder returned {emb.shape[-2]} embeddings but its "
+                    f"placeholder has {f.placeholder.num_embeds} embed positions"
                 )
             self.encoder_outputs[f.identifier] = emb
         return timer.stop()
 
-    def _splice_embeddings(self, input_ids: torch.Tensor, chunks) -> torch.Tensor | None:
-        """Token embeddings with each chunk's slice of its media embeddings written in place.
+    def _splice_embeddings(self, input_ids: torch.Tensor, chunks):
+        """Token embeddings with each chunk's slice of its media embeddings written in place,
+        and, for DeepStack models, the slices' per-layer residuals with their rows:
+        (embeds [T, H] or None, (rows [R], residuals [K, R, H]) or None).
 
         Destination rows and source slices are worked out on the host; the device sees one
         `index_copy_` (integer indices: a boolean mask would force a sync).
@@ -197,7 +199,7 @@ class ModelRunner:
                 if emb is None:
                     raise RuntimeError(f"{f.modality} {f.identifier[:12]}: no encoder output")
                 first, last = span.embeds_before(lo), span.embeds_before(hi)
-                pieces.append(emb[first:last])
+                pieces.append(emb[..., first:last, :])
                 if span.is_embed is None:
                     rows.extend(range(offset + lo - c.start, offset + hi - c.start))
                 else:
@@ -205,10 +207,13 @@ class ModelRunner:
                                 if span.is_embed[p - span.offset])
             offset += c.num_tokens
         if not pieces:
-            return None
+            return None, None
         embeds = self.model.embed(input_ids)
         index = to_device(torch.tensor(rows, dtype=torch.int64), self.device)
-        return embeds.index_copy_(0, index, torch.cat(pieces).to(embeds.dtype))
+        media = torch.cat(pieces, dim=-2).to(embeds.dtype)  # [R, H] or [1 + K, R, H]
+        if media.dim() == 2:
+            return embeds.index_copy_(0, index, media), None
+        return embeds.index_copy_(0, index, media[0]), (index, media[1:])
 
     def _collect(self, chunks, result) -> StepResult:
         # The step's single host sync; everything below reads host copies.

@@ -200,6 +200,7 @@ class Decoder(nn.Module):
     """
 
     position_rows = 1
+    deepstack_layers = 0  # per-layer media residuals each encoder item carries (DeepStack)
 
     def __init__(self, cfg: DecoderConfig, max_positions: int, device: torch.device) -> None:
         super().__init__()
@@ -232,12 +233,18 @@ class Decoder(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         inputs_embeds: torch.Tensor | None = None,
+        residuals: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """input_ids [T] (or inputs_embeds [T, H]) -> final hidden states [T, H]."""
+        """input_ids [T] (or inputs_embeds [T, H]) -> final hidden states [T, H].
+
+        `residuals` (rows [R] int64, values [K, R, H]): added to the rows' hidden states after
+        each of the first K layers (DeepStack's per-layer media features)."""
         h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         rotary = [self.rotary_cos_sin(r, positions, h.dtype) for r in self.rotaries]
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             h = layer(h, rotary, meta)
+            if residuals is not None and i < residuals[1].shape[0]:
+                h = h.index_add(0, residuals[0], residuals[1][i].to(h.dtype))
         return self.norm(h)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -324,7 +331,10 @@ TEXT_FEATURES: dict[str, Callable[[object], dict]] = {
     "llama": lambda cfg: {},
     "mistral": lambda cfg: {},
     "qwen2": lambda cfg: QWEN2_FEATURES,
+    "qwen2_vl_text": lambda cfg: QWEN2_FEATURES,
+    "qwen2_5_vl_text": lambda cfg: QWEN2_FEATURES,
     "qwen3": lambda cfg: {"qk_norm": True},
+    "qwen3_vl_text": lambda cfg: {"qk_norm": True},
     "gemma3_text": gemma_features,
 }
 

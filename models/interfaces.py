@@ -162,6 +162,7 @@ class LanguageModel(Protocol):
 
     cfg: TextShape
     position_rows: int  # 1, or 3 for mRoPE (then every request carries a PositionInfo)
+    deepstack_layers: int  # K: each encoder output is [1 + K, n, H] (DeepStack) when K > 0
 
     @classmethod
     def from_hf_config(cls, hf_config: Any, max_positions: int, device: torch.device) -> Any:
@@ -187,8 +188,10 @@ class LanguageModel(Protocol):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
         inputs_embeds: torch.Tensor | None = None,
+        residuals: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """-> final hidden states [T, H]; positions [T] or [rows, T]."""
+        """-> final hidden states [T, H]; positions [T] or [rows, T]; `residuals` (rows [R],
+        values [K, R, H]) are added to those rows after each of the first K layers."""
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -196,8 +199,8 @@ class LanguageModel(Protocol):
         ...
 
     def encode(self, items: Sequence[EncoderItem]) -> list[torch.Tensor]:
-        """Processed items -> embeddings [n_i, H] each, all in one batched forward per
-        modality; text-only models raise."""
+        """Processed items -> embeddings [n_i, H] each ([1 + K, n_i, H] with K DeepStack
+        layers), all in one batched forward per modality; text-only models raise."""
         ...
 
 

@@ -25,15 +25,21 @@ class MLPProjector(nn.Module):
 
 class PatchMerger(nn.Module):
     """[N, width] patches in block-major order -> [N / merge^2, out_dim]: each block of merge^2
-    patches normed, concatenated, and sent through Linear-GELU-Linear (Qwen-VL's merger)."""
+    patches concatenated and sent through Linear-GELU-Linear (Qwen-VL's merger), normed per
+    patch before the concatenation, or over the concatenation with `postshuffle_norm`."""
 
-    def __init__(self, width: int, merge: int, out_dim: int, rms_norm: bool) -> None:
+    def __init__(self, width: int, merge: int, out_dim: int, rms_norm: bool,
+                 postshuffle_norm: bool = False) -> None:
         super().__init__()
         self.merged = width * merge**2
-        self.ln_q = RMSNorm(width, 1e-6) if rms_norm else nn.LayerNorm(width, 1e-6)
+        self.postshuffle = postshuffle_norm
+        normed = self.merged if postshuffle_norm else width
+        self.ln_q = RMSNorm(normed, 1e-6) if rms_norm else nn.LayerNorm(normed, 1e-6)
         self.mlp = nn.Sequential(
             nn.Linear(self.merged, self.merged), nn.GELU(), nn.Linear(self.merged, out_dim)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.postshuffle:
+            return self.mlp(self.ln_q(x.view(-1, self.merged)))
         return self.mlp(self.ln_q(x).view(-1, self.merged))

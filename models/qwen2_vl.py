@@ -1,9 +1,15 @@
-"""Qwen2-VL and Qwen2.5-VL: the Qwen2 decoder with multimodal rotary positions (mRoPE) and the
-vision tower of models/qwen_vl_vision.py. Images and videos share the tower, so one step's items
-of both modalities go through it in a single forward.
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL: a Qwen decoder with multimodal rotary positions (mRoPE)
+and the vision towers of models/qwen_vl_vision.py. Images and videos share the tower, so one
+step's items of both modalities go through it in a single forward.
 
 mRoPE: positions are [3, T] (temporal, row, column). The rotary table is indexed by each row and
-the head dimension is split into `mrope_section` bands, band i taking its angles from row i % 3.
+every frequency takes its angle from one row: Qwen2/2.5-VL split the frequencies into
+`mrope_section` bands (band i from row i % 3); Qwen3-VL interleaves them (t, h, w, t, h, w...,
+each row for as many frequencies as its section says, the rest from t).
+
+Qwen3-VL's DeepStack: the tower also returns K residuals per item (features of intermediate
+blocks, merged), which the decoder adds to the item's positions after its first K layers; an
+item's encoder output is then [1 + K, n, hidden] (see models/decoder.py `residuals`).
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from models.decoder import QWEN2_FEATURES, Decoder, DecoderConfig
+from models.decoder import Decoder, DecoderConfig, text_features
 from models.layers import RotaryTable
 from models.loader import Shard
 from models.qwen_vl_vision import VisionConfig, VisionTower, build_vision_batch
@@ -26,17 +32,14 @@ class QwenVLForConditionalGeneration(Decoder):
     def __init__(self, hf_config, max_positions: int, device: torch.device) -> None:
         text = hf_config.text_config
         tie = bool(getattr(hf_config, "tie_word_embeddings", False))
-        cfg = DecoderConfig.from_hf(text, **QWEN2_FEATURES, tie_word_embeddings=tie)
+        cfg = DecoderConfig.from_hf(text, **text_features(text), tie_word_embeddings=tie)
         super().__init__(cfg, max_positions, device)
-        self.qwen25 = hf_config.model_type == "qwen2_5_vl"
-        self.visual = VisionTower(VisionConfig.from_hf(hf_config.vision_config, self.qwen25))
-        half = self.cfg.head_dim // 2
-        section = list(self.cfg.rope.get("mrope_section", [16, 24, 24]))
-        if sum(section) != half:
-            raise ValueError(f"mrope_section {section} must sum to head_dim / 2 = {half}")
-        # For each frequency index, which position row (t, h, w) drives it.
-        bands = torch.cat([torch.full((n,), i % 3, device="cpu") for i, n in enumerate(section)])
-        self.band = bands.to(device)  # [D/2] int64
+        self.visual = VisionTower(VisionConfig.from_hf(hf_config.vision_config))
+        self.deepstack_layers = len(self.visual.cfg.deepstack_layers)
+        interleaved = hf_config.model_type == "qwen3_vl"
+        default = [24, 20, 20] if interleaved else [16, 24, 24]
+        section = list(self.cfg.rope.get("mrope_section", default))
+        self.band = mrope_bands(section, self.cfg.head_dim // 2, interleaved).to(device)
 
     @classmethod
     def from_hf_config(cls, hf_config, max_positions: int, device: torch.device):
@@ -51,7 +54,8 @@ class QwenVLForConditionalGeneration(Decoder):
         return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
 
     def encode(self, items: list[tuple[str, dict]]) -> list[torch.Tensor]:
-        """Items (modality, {"pixel_values", "grid_thw"}) -> embeddings [n_i, hidden] each.
+        """Items (modality, {"pixel_values", "grid_thw"}) -> embeddings [n_i, hidden] each
+        ([1 + K, n_i, hidden] with K DeepStack layers).
 
         All items, images and videos alike, run through the tower in one forward.
         """
@@ -60,7 +64,7 @@ class QwenVLForConditionalGeneration(Decoder):
             [d["pixel_values"] for _, d in items], [tuple(d["grid_thw"]) for _, d in items],
             self.visual.cfg, device, dtype,
         )
-        return list(self.visual(batch).split(batch.sizes))
+        return list(self.visual(batch).split(batch.sizes, dim=-2))
 
     def checkpoint_map(self) -> Callable:
         """Both layouts: the Hub's (model.layers.*, visual.*) and transformers 5's
@@ -70,6 +74,9 @@ class QwenVLForConditionalGeneration(Decoder):
         inter = self.visual.cfg.mlp_hidden
         vision_fused = {"gate_proj": ("gate_up_proj", Shard(0, inter)),
                         "up_proj": ("gate_up_proj", Shard(inter, inter))}
+        # Qwen3-VL's names for the same modules (blocks' MLP, mergers).
+        renamed = {"linear_fc1": "fc1", "linear_fc2": "fc2"}
+        merger_renamed = {"norm": "ln_q", "linear_fc1": "mlp.0", "linear_fc2": "mlp.2"}
 
         def mapping(name: str):
             for prefix in ("model.visual.", "visual."):
@@ -78,9 +85,25 @@ class QwenVLForConditionalGeneration(Decoder):
                     if len(parts) >= 2 and parts[-2] in vision_fused:
                         target, shard = vision_fused[parts[-2]]
                         return ".".join(parts[:-2] + [target, parts[-1]]), shard
+                    merger = parts[1] in ("merger", "deepstack_merger_list")
+                    table = merger_renamed if merger else renamed
+                    parts[-2] = table.get(parts[-2], parts[-2])
                     return ".".join(parts), None
             if name.startswith("model.language_model."):
                 return new_lm(name)
             return old_lm(name)
 
         return mapping
+
+
+def mrope_bands(section: list[int], half: int, interleaved: bool) -> torch.Tensor:
+    """For each of the head's `half` frequencies, the position row (0 t, 1 h, 2 w) that drives
+    it: contiguous bands of `section` sizes, or interleaved t, h, w (Qwen3-VL). int64 [half]."""
+    if sum(section) != half:
+        raise ValueError(f"mrope_section {section} must sum to head_dim / 2 = {half}")
+    if not interleaved:
+        return torch.cat([torch.full((n,), i % 3, device="cpu") for i, n in enumerate(section)])
+    band = torch.zeros(half, dtype=torch.int64, device="cpu")  # explicit: built under meta
+    for row in (1, 2):
+        band[row : 3 * section[row] : 3] = row
+    return band

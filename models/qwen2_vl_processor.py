@@ -1,4 +1,4 @@
-"""Prompt processing for Qwen2-VL / Qwen2.5-VL: media items -> patches, placeholder spans, mRoPE.
+"""Prompt processing for Qwen2-VL / Qwen2.5-VL / Qwen3-VL: media -> patches, spans, mRoPE.
 
 The chat template writes `<|vision_start|><|image_pad|><|vision_end|>` per image (`<|video_pad|>`
 per video). Each pad token becomes t*h*w / merge^2 pad tokens, the number of embeddings the
@@ -9,7 +9,9 @@ A video becomes one encoder item per temporal patch (two frames), with consecuti
 tower never attends across temporal patches, so each one's embeddings are the same whether
 encoded alone or with the rest. The scheduler can then spread a long video's encoder work over
 its prefill chunks instead of stalling every running stream for one huge encoder step. The
-video's mRoPE positions are still computed from its whole grid.
+video's mRoPE positions are still computed from its whole grid. Qwen3-VL writes every temporal
+group as "<t seconds><|vision_start|>" + pads + "<|vision_end|>" (t: the mean time of the group's
+frames); each group's span covers that text too, with `is_embed` marking the pads.
 """
 
 from __future__ import annotations
@@ -63,6 +65,10 @@ class QwenVLProcessor(ProcessorDefaults):
         self.image_token_id = hf_config.image_token_id
         self.video_token_id = hf_config.video_token_id
         self.vision_start_token_id = hf_config.vision_start_token_id
+        self.vision_end_token_id = hf_config.vision_end_token_id
+        # Qwen3-VL writes each temporal group of a video as its own "<t seconds>" + vision span.
+        self.video_timestamps = hf_config.model_type == "qwen3_vl"
+        self.tokenizer = ctx.tokenizer
         vision = hf_config.vision_config
         self.tokens_per_second = (
             getattr(vision, "tokens_per_second", None)
@@ -105,11 +111,15 @@ class QwenVLProcessor(ProcessorDefaults):
         }
         t0 = time.perf_counter()
         ids, features = self._expand(token_ids, encoded)
+        videos = [data for _, data in encoded["video"]]
+        if self.video_timestamps:  # every temporal group is a span of its own
+            videos = [{**d, "grid_thw": (1, *d["grid_thw"][1:])}
+                      for d in videos for _ in range(d["grid_thw"][0])]
         positions, delta = mrope_positions(
             ids,
             image_grid_thw=[data["grid_thw"] for _, data in encoded["image"]],
-            video_grid_thw=[data["grid_thw"] for _, data in encoded["video"]],
-            second_per_grid_ts=[data["second_per_grid_t"] for _, data in encoded["video"]],
+            video_grid_thw=[d["grid_thw"] for d in videos],
+            second_per_grid_ts=[d["second_per_grid_t"] for d in videos],
             spatial_merge_size=self.cfg.merge_size,
             image_token_id=self.image_token_id,
             video_token_id=self.video_token_id,
@@ -138,7 +148,8 @@ class QwenVLProcessor(ProcessorDefaults):
             pixels, grid = preprocess_video(video.frames, self.cfg, **options)
             # Seconds covered by one temporal patch (Qwen2.5-VL's temporal positions).
             per_grid = self.cfg.temporal_patch_size / video.sampled_fps
-            return {"pixel_values": pixels, "grid_thw": grid, "second_per_grid_t": per_grid}
+            return {"pixel_values": pixels, "grid_thw": grid, "second_per_grid_t": per_grid,
+                    "group_seconds": _group_seconds(video.timestamps, self.cfg)}
 
         identify = partial(hash_video, video, model_id=self.model_id, processor_kwargs=options)
         return hashed_and_processed(self.cache, identify, compute, stages)
@@ -160,11 +171,21 @@ class QwenVLProcessor(ProcessorDefaults):
             t, h, w = data["grid_thw"]
             parts = [(identifier, data)] if modality == "image" else _temporal_patches(
                 identifier, data)
-            for part_id, part in parts:
+            for i, (part_id, part) in enumerate(parts):
                 n = h * w // merge * part["grid_thw"][0]
-                features.append(MultiModalFeature(
-                    modality, part_id, PlaceholderRange(len(ids), n), part))
-                ids.extend([token] * n)
+                if modality == "video" and self.video_timestamps:
+                    head = self.tokenizer.encode(f"<{data['group_seconds'][i]:.1f} seconds>",
+                                                 add_special_tokens=False)
+                    head.append(self.vision_start_token_id)
+                    # One span per group: its timestamp text and vision tokens sit inside it
+                    # as text (is_embed False), the pads take the embeddings.
+                    mask = (False,) * len(head) + (True,) * n + (False,)
+                    span = PlaceholderRange(len(ids), len(mask), mask)
+                    ids.extend([*head, *[token] * n, self.vision_end_token_id])
+                else:
+                    span = PlaceholderRange(len(ids), n)
+                    ids.extend([token] * n)
+                features.append(MultiModalFeature(modality, part_id, span, part))
         return ids, features
 
 
@@ -177,6 +198,15 @@ def _temporal_patches(identifier: str, data: dict) -> list[tuple[str, dict]]:
          {"pixel_values": data["pixel_values"][i * rows : (i + 1) * rows], "grid_thw": (1, h, w)})
         for i in range(t)
     ]
+
+
+def _group_seconds(timestamps, cfg: VisionPreprocessConfig) -> list[float]:
+    """Per temporal group, the mean of its first and last frames' times (an odd tail repeats
+    the last frame, as the frames do)."""
+    times = [float(t) for t in timestamps]
+    times += [times[-1]] * (-len(times) % cfg.temporal_patch_size)
+    k = cfg.temporal_patch_size
+    return [(times[i] + times[i + k - 1]) / 2 for i in range(0, len(times), k)]
 
 
 def _preprocessor_configs(path: Path) -> tuple[dict, dict | None]:

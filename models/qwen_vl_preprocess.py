@@ -57,6 +57,36 @@ def smart_resize(
     return h_bar, w_bar
 
 
+def smart_resize_clip(
+    num_frames: int, height: int, width: int, factor: int, min_pixels: int, max_pixels: int,
+    temporal_factor: int = 2,
+) -> tuple[int, int]:
+    """Qwen3-VL's video resize: like `smart_resize`, but the budget bounds frames x height x
+    width over the whole clip (frames rounded to the temporal factor), and sides below the
+    factor are first scaled up to it."""
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    ratio = max(height, width) / min(height, width)
+    if ratio > MAX_ASPECT_RATIO:
+        raise ValueError(
+            f"video of {height}x{width} has aspect ratio {ratio:.1f}, "
+            f"above the {MAX_ASPECT_RATIO} the Qwen vision tower accepts"
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    t_bar = round(num_frames / temporal_factor) * temporal_factor
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt(num_frames * height * width / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
 @dataclass(frozen=True)
 class VisionPreprocessConfig:
     """Patch geometry, pixel budgets and normalization of a Qwen2-VL-family processor.
@@ -76,6 +106,8 @@ class VisionPreprocessConfig:
     video_fps: float = 2.0
     image_mean: tuple[float, ...] = CLIP_MEAN
     image_std: tuple[float, ...] = CLIP_STD
+    # Qwen3-VL: a video's pixel budget covers all of its frames together, not each frame.
+    video_budget_per_clip: bool = False
 
     @property
     def factor(self) -> int:
@@ -115,6 +147,7 @@ class VisionPreprocessConfig:
             video_fps=float(_first(video.get("fps"), default.video_fps)),
             image_mean=tuple(_first(image.get("image_mean"), default.image_mean)),
             image_std=tuple(_first(image.get("image_std"), default.image_std)),
+            video_budget_per_clip=str(video.get("video_processor_type", "")).startswith("Qwen3"),
         )
 
 
@@ -175,13 +208,12 @@ def preprocess_video(
         raise ValueError(
             f"expected uint8 frames [N>0, H, W, 3], got {frames.dtype} {tuple(frames.shape)}"
         )
-    h, w = smart_resize(
-        frames.shape[1],
-        frames.shape[2],
-        cfg.factor,
-        _first(min_pixels, cfg.video_min_pixels),
-        _first(max_pixels, cfg.video_max_pixels),
-    )
+    budget = (_first(min_pixels, cfg.video_min_pixels), _first(max_pixels, cfg.video_max_pixels))
+    if cfg.video_budget_per_clip:
+        h, w = smart_resize_clip(len(frames), frames.shape[1], frames.shape[2], cfg.factor,
+                                 *budget, cfg.temporal_patch_size)
+    else:
+        h, w = smart_resize(frames.shape[1], frames.shape[2], cfg.factor, *budget)
     video = torch.from_numpy(_resize(frames, h, w))  # [N, h, w, 3] uint8
     if pad := -len(video) % cfg.temporal_patch_size:
         video = torch.cat([video, video[-1:].expand(pad, -1, -1, -1)])  # [N + pad, h, w, 3]

@@ -11,9 +11,11 @@ patches into one LLM embedding; `VisionBatch.sizes` splits the output back per i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from models.layers import to_device
@@ -32,6 +34,7 @@ class VisionBatch:
     window_order: torch.Tensor | None  # [N / merge^2] merged-patch permutation into windows
     window_restore: torch.Tensor | None  # its inverse
     sizes: list[int]  # merged embeddings per item
+    grids: list[tuple[int, int, int]]  # (t, h, w) in patches per item
 
 
 @dataclass(frozen=True)
@@ -53,27 +56,35 @@ class VisionConfig:
     window_size: int | None
     full_attention_layers: tuple[int, ...]
     rope_theta: float
+    patch_bias: bool = False  # Qwen3-VL
+    position_grid: int = 0  # side of a learned position table resampled per grid (Qwen3-VL)
+    deepstack_layers: tuple[int, ...] = ()  # blocks whose outputs feed DeepStack mergers
 
     @classmethod
-    def from_hf(cls, vc, qwen25: bool) -> VisionConfig:
-        width = vc.hidden_size if qwen25 else vc.embed_dim
-        return cls(
-            width=width,
-            depth=vc.depth,
-            num_heads=vc.num_heads,
-            out_dim=vc.out_hidden_size if qwen25 else vc.hidden_size,
-            patch_size=vc.patch_size,
-            temporal_patch_size=vc.temporal_patch_size,
-            merge_size=vc.spatial_merge_size,
-            in_channels=vc.in_channels,
-            hidden_act=vc.hidden_act,
-            mlp_hidden=vc.intermediate_size if qwen25 else int(width * vc.mlp_ratio),
-            norm="rms" if qwen25 else "layer",
-            gated_mlp=qwen25,
-            window_size=vc.window_size if qwen25 else None,
-            full_attention_layers=tuple(vc.fullatt_block_indexes) if qwen25 else (),
-            rope_theta=float((getattr(vc, "rope_parameters", None) or {}).get("rope_theta", 1e4)),
-        )
+    def from_hf(cls, vc) -> VisionConfig:
+        """Read a Qwen2-VL, Qwen2.5-VL or Qwen3-VL vision config."""
+        rope_theta = float((getattr(vc, "rope_parameters", None) or {}).get("rope_theta", 1e4))
+        common = dict(depth=vc.depth, num_heads=vc.num_heads, patch_size=vc.patch_size,
+                      temporal_patch_size=vc.temporal_patch_size,
+                      merge_size=vc.spatial_merge_size, in_channels=vc.in_channels,
+                      hidden_act=vc.hidden_act, rope_theta=rope_theta)
+        if vc.model_type in ("qwen2_vl", "qwen2_vl_vision"):
+            return cls(width=vc.embed_dim, out_dim=vc.hidden_size,
+                       mlp_hidden=int(vc.embed_dim * vc.mlp_ratio), norm="layer",
+                       gated_mlp=False, window_size=None, full_attention_layers=(), **common)
+        if vc.model_type in ("qwen2_5_vl", "qwen2_5_vl_vision"):
+            return cls(width=vc.hidden_size, out_dim=vc.out_hidden_size,
+                       mlp_hidden=vc.intermediate_size, norm="rms", gated_mlp=True,
+                       window_size=vc.window_size,
+                       full_attention_layers=tuple(vc.fullatt_block_indexes), **common)
+        if vc.model_type in ("qwen3_vl", "qwen3_vl_vision"):
+            side = math.isqrt(vc.num_position_embeddings)
+            return cls(width=vc.hidden_size, out_dim=vc.out_hidden_size,
+                       mlp_hidden=vc.intermediate_size, norm="layer", gated_mlp=False,
+                       window_size=None, full_attention_layers=(), patch_bias=True,
+                       position_grid=side,
+                       deepstack_layers=tuple(vc.deepstack_visual_indexes), **common)
+        raise NotImplementedError(f"vision tower {vc.model_type!r} is not supported")
 
 
 def build_vision_batch(
@@ -113,6 +124,7 @@ def build_vision_batch(
         window_order=window_order,
         window_restore=window_restore,
         sizes=sizes,
+        grids=[tuple(g) for g in grids],
     )
 
 
@@ -141,33 +153,64 @@ class VisionTower(nn.Module):
         self.patch_embed = nn.Module()
         self.patch_embed.proj = nn.Module()
         self.patch_embed.proj.weight = nn.Parameter(torch.empty(cfg.width, c, t, p, p))
+        if cfg.patch_bias:
+            self.patch_embed.proj.bias = nn.Parameter(torch.empty(cfg.width))
+        if cfg.position_grid:
+            self.pos_embed = nn.Embedding(cfg.position_grid**2, cfg.width)
         self.blocks = vit_blocks(ViTConfig(
             width=cfg.width, depth=cfg.depth, num_heads=cfg.num_heads, mlp_hidden=cfg.mlp_hidden,
             act=cfg.hidden_act, norm=cfg.norm, norm_eps=1e-6, gated_mlp=cfg.gated_mlp,
             rotary=True,
         ))
         self.merger = PatchMerger(cfg.width, cfg.merge_size, cfg.out_dim, cfg.norm == "rms")
+        # DeepStack: the outputs of some blocks, merged by their own mergers (normed after the
+        # merge), become residuals for the decoder's first layers.
+        self.deepstack_merger_list = nn.ModuleList(
+            PatchMerger(cfg.width, cfg.merge_size, cfg.out_dim, False, postshuffle_norm=True)
+            for _ in cfg.deepstack_layers
+        )
         head_dim = cfg.width // cfg.num_heads
         quarter = head_dim // 2  # rows and columns each rotate half of the head dim
         steps = torch.arange(0, quarter, 2, dtype=torch.int64, device="cpu").float()
         self.inv_freq = 1.0 / cfg.rope_theta ** (steps / quarter)  # [head_dim / 4], not a param
 
     def forward(self, batch: VisionBatch) -> torch.Tensor:
-        """-> merged embeddings [sum(sizes), out_dim], items in input order."""
+        """-> merged embeddings [sum(sizes), out_dim], items in input order; with DeepStack
+        layers [1 + K, sum(sizes), out_dim]: the embeddings, then the K residuals."""
         weight = self.patch_embed.proj.weight
         x = batch.pixel_values @ weight.view(weight.shape[0], -1).t()  # [N, width]
+        if self.cfg.patch_bias:
+            x = x + self.patch_embed.proj.bias
+        if self.cfg.position_grid:
+            x = x + self._learned_positions(batch.grids, x.dtype)
         freqs = batch.positions[..., None].float() * self.inv_freq.to(x.device)  # [N, 2, D/4]
         freqs = freqs.flatten(1)[:, None]  # [N, 1, D/2]: row angles, then column angles
         cos, sin = freqs.cos(), freqs.sin()
         if batch.window_order is not None:
             x, cos, sin = (self._by_window(t, batch.window_order) for t in (x, cos, sin))
+        deepstack = []
         for i, block in enumerate(self.blocks):
             windowed = batch.windows is not None and i not in self.cfg.full_attention_layers
             x = block(x, batch.windows if windowed else batch.frames, (cos, sin))
+            if i in self.cfg.deepstack_layers:
+                merger = self.deepstack_merger_list[self.cfg.deepstack_layers.index(i)]
+                deepstack.append(merger(x))
         merged = self.merger(x)
         if batch.window_restore is not None:
             merged = merged[batch.window_restore]
-        return merged
+        return torch.stack([merged, *deepstack]) if deepstack else merged
+
+    def _learned_positions(self, grids: list[tuple[int, int, int]], dtype) -> torch.Tensor:
+        """The learned square table resampled (bilinear, corners aligned) to each item's
+        [h, w] grid, in the patches' block-major order, repeated over t: [N, width]."""
+        side, m = self.cfg.position_grid, self.cfg.merge_size
+        table = self.pos_embed.weight.float().view(side, side, -1).permute(2, 0, 1)[None]
+        pieces = []
+        for t, h, w in grids:
+            grid = F.interpolate(table, size=(h, w), mode="bilinear", align_corners=True)[0]
+            grid = grid.view(-1, h // m, m, w // m, m).permute(1, 3, 2, 4, 0).reshape(h * w, -1)
+            pieces.append(grid.repeat(t, 1))
+        return torch.cat(pieces).to(dtype)
 
     def _by_window(self, t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
         unit = self.cfg.merge_size**2

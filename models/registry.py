@@ -35,6 +35,7 @@ _REGISTRY: dict[str, ModelSpec] = {
     "Qwen2_5_VLForConditionalGeneration": ModelSpec(
         QwenVLForConditionalGeneration, QwenVLProcessor
     ),
+    "Qwen3VLForConditionalGeneration": ModelSpec(QwenVLForConditionalGeneration, QwenVLProcessor),
     "Gemma3ForConditionalGeneration": ModelSpec(Gemma3ForConditionalGeneration, Gemma3Processor),
     "LlavaForConditionalGeneration": ModelSpec(LlavaForConditionalGeneration, LlavaProcessor),
     "LlavaNextForConditionalGeneration": ModelSpec(

@@ -83,9 +83,41 @@ def test_vision_tower_and_splice_have_no_host_sync(qwen2_vl_path):
     ids = torch.tensor(req.all_token_ids[:20])
     chunk = ScheduledChunk(req, 0, 20)  # the span is cut by the chunk's end
     with torch.inference_mode(), SyncRecorder() as rec:
-        embeds = runner._splice_embeddings(ids, [chunk])
-    assert rec.seen == []
+        embeds, residuals = runner._splice_embeddings(ids, [chunk])
+    assert rec.seen == [] and residuals is None
     torch.testing.assert_close(embeds[3:20], merged[:17])
+
+
+def test_deepstack_tower_splice_and_decoder_have_no_host_sync(tmp_path):
+    """Qwen3-VL: learned positions resampled per grid, DeepStack mergers, the residuals sliced
+    by the splice and added inside the decoder, all without reading the device."""
+    from engine.request import MultiModalFeature, PlaceholderRange, Request
+    from engine.sampling_params import SamplingParams
+    from engine.scheduler import ScheduledChunk
+    from models.qwen_vl_vision import build_vision_batch
+    from testing.qwen3_vl import build_qwen3_vl_model
+
+    runner = LLM(build_qwen3_vl_model(tmp_path / "m"), max_model_len=256).engine.runner
+    model = runner.model
+    grids = [(1, 4, 6), (2, 4, 4)]
+    pixels = [torch.randn(t * h * w, 3 * 2 * 16 * 16) for t, h, w in grids]
+    batch = build_vision_batch(pixels, grids, model.visual.cfg, torch.device("cpu"),
+                               torch.float32)
+    with torch.inference_mode(), SyncRecorder() as rec:
+        merged = model.visual(batch)  # [1 + K, N, H]
+    assert rec.seen == [] and merged.shape[:2] == (3, sum(batch.sizes))
+
+    span = PlaceholderRange(2, batch.sizes[0])
+    runner.encoder_outputs["h0"] = merged[:, : batch.sizes[0]]
+    req = Request("r", list(range(40, 60)), SamplingParams(), frozenset(), 4,
+                  mm_features=[MultiModalFeature("image", "h0", span)])
+    ids = torch.tensor(req.all_token_ids[:5])
+    meta = build_metadata([0], [5], [[0]], 16, torch.device("cpu"))
+    with torch.inference_mode(), SyncRecorder() as rec:
+        embeds, residuals = runner._splice_embeddings(ids, [ScheduledChunk(req, 0, 5)])
+        model(ids, torch.arange(5).expand(3, 5), meta, embeds, residuals)
+    assert rec.seen == []
+    assert residuals[0].tolist() == [2, 3, 4] and residuals[1].shape == (2, 3, 64)
 
 
 def test_recorder_catches_a_sync():

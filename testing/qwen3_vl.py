@@ -1,0 +1,68 @@
+"""Tiny random-weight Qwen3-VL checkpoints (Qwen3VLForConditionalGeneration: Qwen3 decoder with
+interleaved mRoPE, 16-px patch tower with learned positions and DeepStack mergers) and
+Qwen3-VL's image and video preprocessor configs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from models.tiny import QWEN_SPECIAL, qwen_tokenizer, randomize, save_checkpoint
+
+
+def build_qwen3_vl_model(
+    path: Path,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 3,
+    vision_width: int = 32,
+    vision_depth: int = 3,
+    deepstack: tuple[int, ...] = (0, 1),
+    max_image_tokens: int = 64,
+    seed: int = 0,
+    std: float = 0.25,
+) -> Path:
+    """A tiny Qwen3VLForConditionalGeneration at `path` whose tower feeds DeepStack residuals
+    from blocks `deepstack` into the first len(deepstack) decoder layers."""
+    import transformers
+
+    tokenizer = qwen_tokenizer()
+    special = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL}
+    heads = 4
+    text = dict(
+        hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=heads, num_key_value_heads=2, head_dim=hidden_size // heads,
+        vocab_size=len(tokenizer), max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e5, "mrope_section": [2, 3, 3],
+                         "mrope_interleaved": True},
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        pad_token_id=special["<|endoftext|>"],
+    )
+    vision = dict(depth=vision_depth, hidden_size=vision_width, intermediate_size=2 * vision_width,
+                  num_heads=4, out_hidden_size=hidden_size, patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, num_position_embeddings=16,
+                  deepstack_visual_indexes=list(deepstack))
+    config = transformers.Qwen3VLConfig(
+        text_config=text, vision_config=vision, image_token_id=special["<|image_pad|>"],
+        video_token_id=special["<|video_pad|>"],
+        vision_start_token_id=special["<|vision_start|>"],
+        vision_end_token_id=special["<|vision_end|>"],
+    )
+    torch.manual_seed(seed)
+    model = transformers.Qwen3VLForConditionalGeneration(config)
+    randomize(model, std=std, seed=seed)
+    path = save_checkpoint(model, tokenizer, Path(path), [tokenizer.eos_token_id])
+    unit = 32 * 32  # one merged patch
+    image = {
+        "image_processor_type": "Qwen2VLImageProcessor", "patch_size": 16,
+        "temporal_patch_size": 2, "merge_size": 2,
+        "size": {"shortest_edge": 4 * unit, "longest_edge": max_image_tokens * unit},
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    }
+    (path / "preprocessor_config.json").write_text(json.dumps(image, indent=2))
+    video = {**image, "video_processor_type": "Qwen3VLVideoProcessor", "fps": 2.0,
+             "size": {"shortest_edge": 8 * unit, "longest_edge": 4 * max_image_tokens * unit}}
+    (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
+    return path

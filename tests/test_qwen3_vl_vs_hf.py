@@ -1,0 +1,227 @@
+"""Qwen3-VL through the whole engine, against transformers on a tiny random
+Qwen3VLForConditionalGeneration (Qwen3 decoder with interleaved mRoPE; 16-px tower with learned
+positions; DeepStack residuals from two tower blocks into the first two decoder layers).
+
+Greedy tokens identical and top log-probabilities within tolerance for one image, two images, a
+video whose temporal groups carry "<t seconds>" text, text-only batch mates, chunks that end
+inside image spans (the DeepStack residuals are sliced per chunk), an encoder-cache hit and a
+prefix-cache hit. Positions equal transformers' get_rope_index; preprocessing equals
+transformers' image processor and its Qwen3-VL video resize and timestamp rules.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from engine import LLM, SamplingParams
+from tests.helpers import assert_released, count_calls, process_chat
+
+N = 8
+GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
+
+
+def image(h: int, w: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def video(frames: int, h: int, w: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, (frames, h, w, 3), dtype=np.uint8)
+
+
+def user(*parts) -> list[dict]:
+    content = []
+    for part in parts:
+        if isinstance(part, str):
+            content.append({"type": "text", "text": part})
+        elif isinstance(part, Image.Image):
+            content.append({"type": "image", "image": part})
+        else:
+            content.append({"type": "video", "video": part})
+    return [{"role": "user", "content": content}]
+
+
+CASES = {
+    "one_image": user(image(120, 150, 0), "Describe the image in detail."),
+    "two_images": user("Compare", image(64, 64, 1), "with", image(150, 70, 2), "please."),
+    "video": user(video(6, 64, 96, 3), "What is shown in this video?"),
+    "text_only": user("Hello there, how are you today?"),
+}
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl_path(tmp_path_factory):
+    from testing.qwen3_vl import build_qwen3_vl_model
+
+    return build_qwen3_vl_model(tmp_path_factory.mktemp("qwen3_vl") / "m")
+
+
+def hf_inputs(hf, proc) -> dict:
+    ids = torch.tensor([proc.token_ids])
+    cfg = hf.config
+    kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+              "mm_token_type_ids": (ids == cfg.image_token_id).int()
+              + 2 * (ids == cfg.video_token_id).int()}
+    images = [f.data for f in proc.mm_features if f.modality == "image"]
+    if images:
+        kwargs["pixel_values"] = torch.cat([d["pixel_values"] for d in images])
+        kwargs["image_grid_thw"] = torch.tensor([d["grid_thw"] for d in images])
+    groups = [f.data for f in proc.mm_features if f.modality == "video"]
+    if groups:  # one video: its temporal groups back in one tensor
+        kwargs["pixel_values_videos"] = torch.cat([d["pixel_values"] for d in groups])
+        kwargs["video_grid_thw"] = torch.tensor([(len(groups), *groups[0]["grid_thw"][1:])])
+    return kwargs
+
+
+def reference(hf, llm, messages):
+    proc, _ = process_chat(llm, messages)
+    kwargs = hf_inputs(hf, proc)
+    never = hf.config.text_config.vocab_size
+    with torch.no_grad():
+        out = hf.generate(**kwargs, max_new_tokens=N, do_sample=False, eos_token_id=never,
+                          pad_token_id=never, output_scores=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(proc.token_ids):].tolist()
+    return tokens, torch.stack(out.scores)[:, 0].float().log_softmax(-1)
+
+
+@pytest.fixture(scope="module")
+def refs(qwen3_vl_path, hf_models):
+    llm = LLM(qwen3_vl_path, max_model_len=2048)
+    hf = hf_models(qwen3_vl_path)
+    return {case: reference(hf, llm, msgs) for case, msgs in CASES.items()}
+
+
+def test_positions_match_get_rope_index(qwen3_vl_path, hf_models):
+    llm = LLM(qwen3_vl_path, max_model_len=2048)
+    hf = hf_models(qwen3_vl_path)
+    for case in ("two_images", "video"):
+        proc, _ = process_chat(llm, CASES[case])
+        kwargs = hf_inputs(hf, proc)
+        ref, delta = hf.model.get_rope_index(
+            kwargs["input_ids"], kwargs["mm_token_type_ids"], kwargs.get("image_grid_thw"),
+            kwargs.get("video_grid_thw"))
+        ours = proc.position_info.window(0, len(proc.token_ids))
+        assert torch.equal(ours, ref[:, 0]), case
+        assert proc.position_info.delta == int(delta)
+
+
+def test_video_groups_carry_timestamps_inside_their_spans(qwen3_vl_path):
+    llm = LLM(qwen3_vl_path, max_model_len=2048)
+    proc, media = process_chat(llm, CASES["video"])
+    tok = llm.engine.tokenizer
+    spans = [f.placeholder for f in proc.mm_features]
+    assert len(spans) == 3  # six frames, two per temporal group
+    for span, seconds in zip(spans, ("<0.2 seconds>", "<1.2 seconds>", "<2.2 seconds>"),
+                             strict=True):
+        assert span.is_embed is not None and not span.is_embed[0] and span.is_embed[-2]
+        text = tok.decode(proc.token_ids[span.offset : span.end])
+        assert text.startswith(seconds + "<|vision_start|>") and text.endswith("<|vision_end|>")
+    times = media["video"][0].timestamps
+    assert np.allclose(times, np.arange(6) / 2)  # sampled at 2 fps
+
+
+def test_each_case_matches_transformers(qwen3_vl_path, refs):
+    llm = LLM(qwen3_vl_path, max_model_len=2048)
+    params = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, logprobs=3)
+    for case, msgs in CASES.items():
+        out = llm.chat(msgs, params)[0]
+        tokens, logprobs = refs[case]
+        assert out.outputs[0].token_ids == tokens, case
+        for step, entry in enumerate(out.outputs[0].logprobs):
+            top = logprobs[step].topk(3)
+            for t, v in zip(top.indices.tolist(), top.values.tolist(), strict=True):
+                assert abs(entry[t] - v) < 1e-3, (case, step)
+    assert_released(llm)
+
+
+def test_deepstack_changes_the_output(qwen3_vl_path, refs):
+    """With the residuals dropped the log-probabilities move: the parity above exercises
+    DeepStack (the reference's log-probabilities are matched to 1e-3)."""
+    llm = LLM(qwen3_vl_path, max_model_len=2048)
+    model = llm.engine.runner.model
+    forward = model.forward
+    model.forward = lambda ids, pos, meta, embeds=None, residuals=None: forward(
+        ids, pos, meta, embeds, None)
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, logprobs=1)
+    out = llm.chat(CASES["one_image"], params)[0]
+    (token, logprob), = out.outputs[0].logprobs[0].items()
+    assert abs(logprob - refs["one_image"][1][0, token].item()) > 0.05
+
+
+def test_batch_in_chunks_inside_spans_with_caches(qwen3_vl_path, refs):
+    llm = LLM(qwen3_vl_path, max_model_len=2048, max_num_batched_tokens=10, max_num_seqs=8,
+              enable_prefix_caching=False)
+    tower = count_calls(llm.engine.runner.model.visual)
+    outs = llm.chat(list(CASES.values()), GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == [refs[c][0] for c in CASES]
+    assert any(p.length > 10 for o in outs for p in o.multi_modal_placeholders)
+    calls = tower[0]
+    again = llm.chat(CASES["one_image"], GREEDY)[0]  # encoder-cache hit: no tower call
+    assert again.outputs[0].token_ids == refs["one_image"][0] and tower[0] == calls
+    # The cache holds the embeddings and both residuals: three vectors per embedding.
+    span = again.multi_modal_placeholders[0]
+    assert llm.stats()["encoder_cache_used"] >= 3 * span.num_embeds
+    assert_released(llm)
+
+
+def test_prefix_cache_hit_after_an_image(qwen3_vl_path, refs):
+    llm = LLM(qwen3_vl_path, max_model_len=2048, block_size=8)
+    first = llm.chat(CASES["one_image"], GREEDY)[0]
+    again = llm.chat(CASES["one_image"], GREEDY)[0]
+    span = first.multi_modal_placeholders[0]
+    assert again.num_cached_tokens > span.offset + span.length
+    assert again.outputs[0].token_ids == refs["one_image"][0]
+    assert_released(llm)
+
+
+def test_image_preprocessing_matches_transformers(qwen3_vl_path):
+    import transformers
+
+    llm = LLM(qwen3_vl_path, max_model_len=2048)
+    hf_proc = transformers.Qwen2VLImageProcessorPil.from_pretrained(qwen3_vl_path)
+    for img in (image(120, 150, 0), image(33, 250, 5), image(500, 70, 6)):
+        proc, _ = process_chat(llm, user(img, "x"))
+        ref = hf_proc(images=[img], return_tensors="pt")
+        (f,) = proc.mm_features
+        assert tuple(f.data["grid_thw"]) == tuple(ref["image_grid_thw"][0].tolist())
+        torch.testing.assert_close(f.data["pixel_values"], ref["pixel_values"], atol=1e-5,
+                                   rtol=0)
+
+
+def _reference_video_resize():
+    """transformers' Qwen3-VL video smart_resize: its module needs torchvision to import, so
+    the one function is compiled from the module's source."""
+    import ast
+    import importlib.util
+    import math
+    import pathlib
+
+    spec = importlib.util.find_spec("transformers.models.qwen3_vl")
+    source = (pathlib.Path(spec.origin).parent / "video_processing_qwen3_vl.py").read_text()
+    tree = ast.parse(source)
+    (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "smart_resize"]
+    namespace = {"math": math}
+    exec(compile(ast.Module([fn], []), "video_processing_qwen3_vl.py", "exec"), namespace)
+    return namespace["smart_resize"]
+
+
+def test_video_resize_and_timestamps_follow_qwen3_vl():
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    from models.qwen2_vl_processor import _group_seconds
+    from models.qwen_vl_preprocess import VisionPreprocessConfig, smart_resize_clip
+
+    reference = _reference_video_resize()
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        t, h, w = int(rng.integers(2, 60)), int(rng.integers(10, 900)), int(rng.integers(10, 900))
+        lo, hi = 128 * 32 * 32, 32 * 32 * 768
+        assert smart_resize_clip(t, h, w, 32, lo, hi) == reference(t, h, w, 2, 32, lo, hi)
+    cfg = VisionPreprocessConfig()
+    indices = [0, 3, 6, 9, 12]
+    ours = _group_seconds(np.array(indices) / 24.0, cfg)
+    assert ours == pytest.approx(Qwen3VLProcessor._calculate_timestamps(None, indices, 24.0, 2))
