@@ -23,12 +23,17 @@ from typing import Any
 import torch
 
 from engine.hashing import hash_image, hash_video
-from engine.processing import ProcessedCache, ProcessedPrompt, check_mm_kwargs
+from engine.media.video import MAX_FPS
+from engine.mm_options import OptionRange, check_mm_kwargs
+from engine.processing import ProcessedCache, ProcessedPrompt, PromptPlan
 from engine.request import MultiModalFeature, PlaceholderRange
 from models.mrope import mrope_positions, window_positions
-from models.qwen_vl_preprocess import VisionPreprocessConfig, preprocess_image, preprocess_video
-
-_KWARGS = ("min_pixels", "max_pixels", "fps", "max_frames")
+from models.qwen_vl_preprocess import (
+    VisionPreprocessConfig,
+    preprocess_image,
+    preprocess_video,
+    smart_resize,
+)
 
 
 @dataclass(frozen=True)
@@ -58,13 +63,15 @@ class QwenVLProcessor:
         )
         self.cfg = VisionPreprocessConfig.from_hf(*_preprocessor_configs(model_path))
         self.cache = ProcessedCache(engine_config.processed_cache_items)
+        self.option_ranges = _option_ranges(self.cfg, engine_config)
 
     def loader_kwargs(self, mm_kwargs: dict[str, Any]) -> dict[str, Any]:
-        """Options for engine.media: how many frames to sample from a video."""
-        check_mm_kwargs(mm_kwargs, _KWARGS, "Qwen-VL")
-        video = {"fps": float(mm_kwargs.get("fps", self.cfg.video_fps))}
-        if "max_frames" in mm_kwargs:
-            video["max_frames"] = int(mm_kwargs["max_frames"])
+        """Options for engine.media: how many frames to sample from a video (the media layer
+        bounds max_frames by MediaLimits.max_video_frames)."""
+        options = self._options(mm_kwargs)
+        video = {"fps": options.get("fps", self.cfg.video_fps)}
+        if "max_frames" in options:
+            video["max_frames"] = options["max_frames"]
         return {"video_kwargs": video}
 
     def max_bidirectional_span(self) -> int:
@@ -76,23 +83,36 @@ class QwenVLProcessor:
         of a video at its max_pixels), for the start-up budget check."""
         return max(self.cfg.max_pixels, self.cfg.video_max_pixels) // self.cfg.factor**2
 
+    def plan(
+        self, token_ids: list[int], media: dict[str, list], mm_kwargs: dict[str, Any]
+    ) -> PromptPlan:
+        """The expanded prompt's length and each encoder item's embeddings, from the items'
+        sizes alone (no pixel is resized or normalized)."""
+        options = self._options(mm_kwargs)
+        self._check_placeholders(token_ids, media)
+        merge = self.cfg.factor**2
+        items: list[tuple[str, int]] = []
+        for image in media.get("image", []):
+            h, w = self._size(image.height, image.width, options, video=False)
+            items.append(("image", h * w // merge))
+        for video in media.get("video", []):
+            count, height, width = video.frames.shape[:3]
+            h, w = self._size(height, width, options, video=True)
+            patches = -(-count // self.cfg.temporal_patch_size)
+            items.extend([("video", h * w // merge)] * patches)
+        placeholders = sum(token_ids.count(t) for t in (self.image_token_id, self.video_token_id))
+        return PromptPlan(len(token_ids) - placeholders + sum(n for _, n in items), items)
+
     def process(
         self, token_ids: list[int], media: dict[str, list], mm_kwargs: dict[str, Any]
     ) -> ProcessedPrompt:
-        check_mm_kwargs(mm_kwargs, _KWARGS, "Qwen-VL")
+        options = self._options(mm_kwargs)
+        self._check_placeholders(token_ids, media)
         images, videos = media.get("image", []), media.get("video", [])
-        for name, token, items in (("image", self.image_token_id, images),
-                                   ("video", self.video_token_id, videos)):
-            found = token_ids.count(token)
-            if found != len(items):
-                raise ValueError(
-                    f"the prompt has {found} {name} placeholder(s) but {len(items)} {name}(s) "
-                    f"were given; each {name} needs one placeholder (the chat template adds it)"
-                )
         stages = {"hashing": 0.0, "preprocess": 0.0}
         encoded = {
-            "image": [self._image(img, mm_kwargs, stages) for img in images],
-            "video": [self._video(vid, mm_kwargs, stages) for vid in videos],
+            "image": [self._image(img, options, stages) for img in images],
+            "video": [self._video(vid, options, stages) for vid in videos],
         }
         t0 = time.perf_counter()
         ids, features = self._expand(token_ids, encoded)
@@ -110,9 +130,40 @@ class QwenVLProcessor:
         stages["preprocess"] += time.perf_counter() - t0
         return ProcessedPrompt(None, ids, features, MRopePositions(positions, delta), stages)
 
+    def _options(self, mm_kwargs: dict[str, Any]) -> dict[str, Any]:
+        options = check_mm_kwargs(mm_kwargs, self.option_ranges, "Qwen-VL")
+        low, high = options.get("min_pixels"), options.get("max_pixels")
+        if low is not None and high is not None and low > high:
+            raise ValueError(
+                f"mm_processor_kwargs min_pixels={low} must not exceed max_pixels={high}"
+            )
+        return options
+
+    def _check_placeholders(self, token_ids: list[int], media: dict[str, list]) -> None:
+        for name, token in (("image", self.image_token_id), ("video", self.video_token_id)):
+            found, given = token_ids.count(token), len(media.get(name, []))
+            if found != given:
+                raise ValueError(
+                    f"the prompt has {found} {name} placeholder(s) but {given} {name}(s) "
+                    f"were given; each {name} needs one placeholder (the chat template adds it)"
+                )
+
+    def _pixel_budget(self, options: dict[str, Any], *, video: bool) -> dict[str, int]:
+        cfg = self.cfg
+        return {
+            "min_pixels": options.get("min_pixels", cfg.video_min_pixels if video
+                                      else cfg.min_pixels),
+            "max_pixels": options.get("max_pixels", cfg.video_max_pixels if video
+                                      else cfg.max_pixels),
+        }
+
+    def _size(self, height: int, width: int, options: dict[str, Any], *, video: bool):
+        """(height, width) an item is resized to."""
+        budget = self._pixel_budget(options, video=video)
+        return smart_resize(height, width, self.cfg.factor, **budget)
+
     def _image(self, image, kw, stages) -> tuple[str, dict]:
-        options = {"min_pixels": int(kw.get("min_pixels", self.cfg.min_pixels)),
-                   "max_pixels": int(kw.get("max_pixels", self.cfg.max_pixels))}
+        options = self._pixel_budget(kw, video=False)
 
         def compute():
             pixels, grid = preprocess_image(image, self.cfg, **options)
@@ -121,8 +172,7 @@ class QwenVLProcessor:
         return self._hashed_and_processed(hash_image, image, options, compute, stages)
 
     def _video(self, video, kw, stages) -> tuple[str, dict]:
-        options = {"min_pixels": int(kw.get("min_pixels", self.cfg.video_min_pixels)),
-                   "max_pixels": int(kw.get("max_pixels", self.cfg.video_max_pixels))}
+        options = self._pixel_budget(kw, video=True)
 
         def compute():
             pixels, grid = preprocess_video(video.frames, self.cfg, **options)
@@ -165,6 +215,28 @@ class QwenVLProcessor:
                     modality, part_id, PlaceholderRange(len(ids), n), part))
                 ids.extend([token] * n)
         return ids, features
+
+
+def _option_ranges(cfg: VisionPreprocessConfig, engine_config) -> dict[str, OptionRange]:
+    """Per-request options and their ranges: pixel budgets from one merged patch up to the
+    largest item the encoder budget can take, so that no option makes an item that could never
+    be scheduled (or that allocates past what the engine could encode)."""
+    embeds = min(engine_config.encoder_cache_size, engine_config.max_num_encoder_input_tokens)
+    pixels = OptionRange(
+        cfg.factor**2,
+        embeds * cfg.factor**2,
+        integer=True,
+        why=f"pixels per image or video frame: at least one {cfg.factor}x{cfg.factor} patch, at "
+        f"most {embeds} of them, min(encoder_cache_size, max_num_encoder_input_tokens)",
+    )
+    return {
+        "min_pixels": pixels,
+        "max_pixels": pixels,
+        "fps": OptionRange(0, MAX_FPS, low_open=True, why="video frames sampled per second"),
+        "max_frames": OptionRange(
+            1, integer=True, why="frames per video, at most MediaLimits.max_video_frames"
+        ),
+    }
 
 
 def _temporal_patches(identifier: str, data: dict) -> list[tuple[str, dict]]:
