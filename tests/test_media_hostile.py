@@ -10,8 +10,6 @@ import base64
 import io
 import os
 import stat
-import struct
-import zlib
 
 import numpy as np
 import pytest
@@ -28,6 +26,15 @@ from engine.media import (
     load_video_sync,
 )
 from engine.media.formats import IMAGE_FORMATS
+from tests.hostile_media import (
+    EPS,
+    bmp_with_depth,
+    dds_with_unknown_pixel_format,
+    mkv_with_duration,
+    png_with_header,
+    tiff_with_tag,
+    wav_with_field,
+)
 from tests.media_fixtures import (
     VideoSpec,
     bomb_png,
@@ -42,7 +49,6 @@ from tests.media_fixtures import (
 
 ACCEPTED_IMAGES = "(accepted formats: JPEG, PNG, WEBP, GIF, BMP, TIFF"
 ACCEPTED_CONTAINERS = "(accepted containers: MP4/MOV/M4A, Matroska/WebM, AVI, GIF"
-EPS = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 16 16\n0 0 moveto 16 16 lineto stroke\n"
 
 
 def assert_clean(message: str) -> None:
@@ -55,34 +61,6 @@ def refused_clean(call, *fragments: str) -> str:
     message = refused(call, *fragments)
     assert_clean(message)
     return message
-
-
-def png_chunk(kind: bytes, body: bytes) -> bytes:
-    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-
-
-def png_with_header(width: int, height: int, depth: int, color: int, rows: bytes) -> bytes:
-    header = struct.pack(">IIBBBBB", width, height, depth, color, 0, 0, 0)
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + png_chunk(b"IHDR", header)
-        + png_chunk(b"IDAT", zlib.compress(rows))
-        + png_chunk(b"IEND", b"")
-    )
-
-
-def dds_with_unknown_pixel_format() -> bytes:
-    """A DDS header whose FourCC names no pixel format Pillow knows."""
-    header = struct.pack("<7I", 124, 0x1007, 4, 4, 0, 0, 0) + b"\0" * 44
-    pixel_format = struct.pack("<2I4s5I", 32, 0x4, b"XXXX", 0, 0, 0, 0, 0)
-    return b"DDS " + header + pixel_format + struct.pack("<5I", 0x1000, 0, 0, 0, 0) + b"\0" * 64
-
-
-def tiff_with_tag(tag: int, value: int) -> bytes:
-    data = bytearray(encode_image(gradient(4, 4).convert("L"), "TIFF"))
-    at = data.find(struct.pack("<HH", tag, 3))  # a SHORT entry of that tag
-    data[at + 8 : at + 10] = struct.pack("<H", value)
-    return bytes(data)
 
 
 # Formats outside the allow-list -------------------------------------------------------------
@@ -207,9 +185,7 @@ def test_unsupported_pixel_formats(data: bytes) -> None:
 
 
 def test_unsupported_bmp_pixel_depth() -> None:
-    data = bytearray(encode_image(gradient(8, 8), "BMP"))
-    data[28:30] = struct.pack("<H", 64)  # bits per pixel
-    refused_clean(lambda: load_image_sync(bytes(data)), "image 1: could not decode the image")
+    refused_clean(lambda: load_image_sync(bmp_with_depth(64)), "image 1: could not decode")
 
 
 @pytest.mark.parametrize("fmt", IMAGE_FORMATS)
@@ -262,23 +238,16 @@ def test_ffmpeg_refuses_frames_past_the_limit_that_the_header_did_not_show() -> 
 
 
 def test_header_that_lies_about_the_duration_is_believed_and_refused() -> None:
-    mkv = bytearray(encode_video(VideoSpec(fmt="matroska", frames=10)))
-    at = mkv.find(b"\x44\x89\x88")  # Segment Info: Duration, an 8-byte float in milliseconds
-    assert at > 0
-    mkv[at + 3 : at + 11] = struct.pack(">d", 1e9)
-    refused_clean(lambda: load_video_sync(bytes(mkv)),
+    assert load_video_sync(mkv_with_duration(1.0)).duration_s == pytest.approx(1.0)
+    refused_clean(lambda: load_video_sync(mkv_with_duration(1e6)),
                   "video 1: duration 1000000.0 s exceeds the limit of 600 s")
 
 
 def test_wav_headers_that_lie_about_size_and_channels() -> None:
-    wav = encode_soundfile(tone(440, 16000, 0.1), 16000, "WAV")
-    larger = bytearray(wav)
-    larger[40:44] = struct.pack("<I", 0xFFFFFFF0)  # data chunk "size": far past the file
-    assert len(load_audio_sync(bytes(larger)).samples) == 1600
-    channels = bytearray(wav)
-    channels[22:24] = struct.pack("<H", 1000)  # 1000 channels: one frame of the real data
-    clip = load_audio_sync(bytes(channels))
-    assert len(clip.samples) <= 2
+    # The data chunk's "size" far past the end of the file: what is there is decoded.
+    assert len(load_audio_sync(wav_with_field(40, "<I", 0xFFFFFFF0)).samples) == 1600
+    # 1000 channels: the real data makes one frame.
+    assert len(load_audio_sync(wav_with_field(22, "<H", 1000)).samples) <= 2
 
 
 # Decoded sizes are reserved before decoding ----------------------------------------------------
