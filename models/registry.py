@@ -17,7 +17,10 @@ class ModelSpec:
 
     `processor` is None for text-only models; otherwise a class constructed with
     (hf_config, tokenizer, model_path, model_id, engine_config) that expands placeholders and
-    prepares encoder inputs.
+    prepares encoder inputs. It checks its `mm_processor_kwargs` against declared ranges
+    (engine.mm_options) and, where it can tell the expanded prompt from the items' sizes alone,
+    offers `plan(token_ids, media, mm_kwargs) -> PromptPlan`, so that the engine refuses an
+    oversized prompt before any encoder input is allocated.
     """
 
     model: type

@@ -21,7 +21,7 @@ from engine.media.limits import MediaError
 # JPEG, PNG, WebP, GIF, BMP, TIFF, and AVIF where Pillow was built with libavif (its own
 # plugin). HEIC would need pillow-heif, which is not a dependency, so it is refused by name.
 IMAGE_FORMATS: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF") + (
-    ("AVIF",) if features.check("avif") else ()
+    ("AVIF",) if "avif" in features.modules and features.check_module("avif") else ()
 )
 
 # Display name -> FFmpeg demuxer names (matched against a demuxer's comma-separated names).
