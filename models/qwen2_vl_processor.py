@@ -157,7 +157,9 @@ class QwenVLProcessor:
                                       else cfg.max_pixels),
         }
 
-    def _size(self, height: int, width: int, options: dict[str, Any], *, video: bool):
+    def _size(
+        self, height: int, width: int, options: dict[str, Any], *, video: bool
+    ) -> tuple[int, int]:
         """(height, width) an item is resized to."""
         budget = self._pixel_budget(options, video=video)
         return smart_resize(height, width, self.cfg.factor, **budget)

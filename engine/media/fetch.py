@@ -169,7 +169,12 @@ def _get(
         with pool, pool.stream(
             "GET", target, headers=headers, extensions={"timeout": timeouts}
         ) as response:
-            fields = {k.lower(): v.decode("latin-1") for k, v in response.headers}
+            fields: dict[bytes, str] = {}
+            for name, value in response.headers:
+                # A repeated header is one comma-separated list (RFC 9110).
+                key = name.lower()
+                text = value.decode("latin-1")
+                fields[key] = f"{fields[key]}, {text}" if key in fields else text
             if response.status in _REDIRECTS:
                 if not fields.get(b"location"):
                     raise MediaError(f"{item}: redirect without a Location header")

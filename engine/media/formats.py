@@ -52,8 +52,9 @@ AUDIO_CODECS: frozenset[str] = frozenset(
 SOUNDFILE_SIGNATURES: tuple[bytes, ...] = (b"RIFF", b"RF64", b"fLaC", b"OggS")
 SOUNDFILE_FORMATS: frozenset[str] = frozenset({"WAV", "WAVEX", "RF64", "FLAC", "OGG"})
 
-# Signatures of common formats that are not accepted, to name them in a refusal:
-# (offset, bytes, name). Checked in order; the first match wins.
+# Signatures of common formats, to name a refused one: (offset, bytes, name), checked in order,
+# the first match wins. Accepted formats are listed too (under their CONTAINERS names), so that
+# a corrupted file of an accepted format is reported as corrupted, not as refused.
 _SIGNATURES: tuple[tuple[int, bytes, str], ...] = (
     (0, b"%!PS", "PostScript/EPS"),
     (0, b"\xc5\xd0\xd3\xc6", "EPS"),
