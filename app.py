@@ -8,7 +8,7 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,7 +62,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--api-key",
         help="require 'Authorization: Bearer KEY' on /v1 (default $MMSERVE_API_KEY; the UI "
-        "is not protected by it)",
+        "is not protected by it). Binding to anything but this machine without one is warned "
+        "about: anyone who can reach the port can use the API",
+    )
+    parser.add_argument(
+        "--allowed-origins", action="append", default=[], metavar="ORIGIN",
+        help="a web origin (https://app.example.com, or *) whose pages may call /v1 from a "
+        "browser (CORS); repeat for several. Default: none",
     )
     parser.add_argument("--api-only", action="store_true", help="serve the /v1 API without UI")
     for flag, (_, kind, text) in _ENGINE_OPTIONS.items():
@@ -103,16 +109,25 @@ def build_app(
     api_key: str | None = None,
     notes: Mapping[str, str] | None = None,
     examples: list[list] | None = None,
+    allowed_hosts: Sequence[str] | None = None,
+    allowed_origins: Sequence[str] = (),
 ) -> FastAPI:
-    """One FastAPI app: the OpenAI-compatible API under /v1 and the Gradio UI at /."""
+    """One FastAPI app: the OpenAI-compatible API under /v1 and the Gradio UI at /.
+
+    allowed_hosts and allowed_origins guard /v1 as in `api.create_app`.
+    """
     import gradio as gr
     from fastapi import FastAPI
 
     from api import build_router
+    from api.guards import APICORS
     from ui import build_demo
 
     app = FastAPI(title="mmserve")
-    app.include_router(build_router(engines, api_key=api_key))  # before the UI's catch-all "/"
+    # Before the UI's catch-all "/".
+    app.include_router(build_router(engines, api_key=api_key, allowed_hosts=allowed_hosts))
+    if allowed_origins:
+        app.add_middleware(APICORS, origins=allowed_origins)
     demo = build_demo(engines, notes=notes, examples=examples)
     # Gradio refuses uploads the engines would refuse anyway, before storing them.
     largest = max(llm.processor.media_limits.max_item_bytes for llm in engines.values())
@@ -148,12 +163,14 @@ def serve(args: argparse.Namespace, engines: dict[str, AsyncLLM], notes: dict[st
     from api import api_key_from_env, create_app
 
     api_key = args.api_key or api_key_from_env()
+    warn_if_exposed(args.host, api_key, share=args.share)
+    guards = guard_options(args)
     if args.api_only:
-        app = create_app(engines, api_key=api_key)
+        app = create_app(engines, api_key=api_key, **guards)
     elif args.share:
         return _serve_shared(args, engines, notes, api_key)
     else:
-        app = build_app(engines, api_key=api_key, notes=notes)
+        app = build_app(engines, api_key=api_key, notes=notes, **guards)
     where = "API" if args.api_only else "UI and API"
     log.info("serving the %s on http://%s:%d (Ctrl-C stops)", where, args.host, args.port)
     # A short graceful timeout: open streams (a browser tab's event stream) must not hold up
@@ -161,6 +178,36 @@ def serve(args: argparse.Namespace, engines: dict[str, AsyncLLM], notes: dict[st
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=2)
     uvicorn.Server(config).run()
+
+
+def guard_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The browser-safety options of /v1 (see api.guards): the origins granted CORS and, when
+    the server is bound to this machine only, its loopback names as the only Host headers
+    served, which defeats DNS rebinding."""
+    from api.guards import LOOPBACK_HOSTS, is_loopback
+
+    local = is_loopback(args.host) and not args.share
+    return {
+        "allowed_hosts": LOOPBACK_HOSTS if local else None,
+        "allowed_origins": tuple(args.allowed_origins),
+    }
+
+
+def warn_if_exposed(host: str, api_key: str | None, *, share: bool = False) -> bool:
+    """Log a loud warning when the API is reachable from other machines without an API key;
+    returns whether it did."""
+    from api.guards import is_loopback
+
+    if api_key or (is_loopback(host) and not share):
+        return False
+    where = "through a public gradio.live link" if share else f"on {host}"
+    log.warning(
+        "\n%s\nWARNING: the OpenAI API at /v1 is served %s WITHOUT an API key.\nAnyone who "
+        "can reach this port can run the models and make the server fetch media URLs.\n"
+        "Set --api-key (or $MMSERVE_API_KEY), or bind to 127.0.0.1.\n%s",
+        "!" * 78, where, "!" * 78,
+    )
+    return True
 
 
 def _serve_shared(
@@ -188,6 +235,18 @@ def shutdown(engines: Mapping[str, AsyncLLM]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.allowed_origins:
+        from api.guards import check_origins
+
+        try:
+            check_origins(args.allowed_origins)
+        except ValueError as e:
+            print(f"python app.py: error: {e}", file=sys.stderr)
+            return 2
+        if args.share:
+            print("python app.py: error: --allowed-origins cannot be used with --share",
+                  file=sys.stderr)
+            return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     engines: dict[str, AsyncLLM] = {}

@@ -1,8 +1,9 @@
 """API errors: the OpenAI error shape, and which HTTP status each failure maps to.
 
-400 bad request (engine validation errors are ValueErrors), 401 bad API key, 413 body too
-large, 422 media URL that could not be fetched, 503 queue full or engine stopped, 500 anything
-else, with a message that reveals nothing of the server's internals.
+400 bad request (engine validation errors are ValueErrors, media refusals and undecodable media
+among them), 401 bad API key, 413 body too large, 415 body not sent as application/json, 422
+media URL that could not be fetched, 503 queue full or engine stopped, 500 anything else (a bug
+of ours), with a message that reveals nothing of the server's internals.
 """
 
 from __future__ import annotations

@@ -113,6 +113,9 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
     tools: list[dict[str, Any]] | None = None
+    # vLLM extension: per-request options of the model's media processor (min_pixels, fps...),
+    # checked against the ranges the processor declares (a 400 names the option and range).
+    mm_processor_kwargs: dict[str, Any] | None = None
 
     @property
     def num_logprobs(self) -> int | None:
@@ -120,6 +123,10 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def engine_messages(self) -> list[dict]:
         return [m.model_dump(exclude_none=True) for m in self.messages]
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for AsyncLLM.chat beyond the messages."""
+        return {"mm_processor_kwargs": self.mm_processor_kwargs} if self.mm_processor_kwargs else {}
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -9,12 +9,11 @@ once, which frees its KV blocks and cache references (streaming or not, even mid
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -23,6 +22,7 @@ from starlette.types import Receive
 
 from api import responses
 from api.errors import APIError, from_exception, internal_error
+from api.guards import host_checker, key_checker, require_json
 from api.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from api.responses import ChatStream, CompletionStream, ResponseContext
 from engine import AsyncLLM, RequestOutput
@@ -41,10 +41,15 @@ def build_router(
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_waiting: int = DEFAULT_MAX_WAITING,
+    allowed_hosts: Sequence[str] | None = None,
 ) -> APIRouter:
     """The OpenAI-compatible API under /v1, serving `engines` by model name.
 
+    Request bodies must be sent as `Content-Type: application/json` (else 415; see api.guards
+    for why this matters to a server on 127.0.0.1).
     api_key: when set, every route requires `Authorization: Bearer <api_key>` (else 401).
+    allowed_hosts: when set, requests whose Host header names another host are refused (400),
+        which defeats DNS rebinding; app.py sets the loopback names when it binds 127.0.0.1.
     max_body_bytes: larger request bodies are refused with 413.
     max_waiting: a model whose queue holds this many requests refuses new ones with 503; the
         queue is the engine's waiting requests, or, when larger, this router's requests that
@@ -54,26 +59,29 @@ def build_router(
         raise ValueError("build_router needs at least one engine")
     gate = _Gate(dict(engines), max_waiting)
     created = int(time.time())
-    auth = [Depends(_key_checker(api_key))] if api_key is not None else []
-    router = APIRouter(prefix="/v1", route_class=_OpenAIRoute, dependencies=auth)
+    guards = [Depends(key_checker(api_key))] if api_key is not None else []
+    if allowed_hosts is not None:
+        guards.append(Depends(host_checker(allowed_hosts)))
+    router = APIRouter(prefix="/v1", route_class=_OpenAIRoute, dependencies=guards)
+    json_body = [Depends(require_json)]
 
     @router.get("/models")
     async def list_models() -> Response:
         return JSONResponse(responses.model_list(gate.engines, created))
 
-    @router.post("/chat/completions")
+    @router.post("/chat/completions", dependencies=json_body)
     async def chat_completions(request: Request) -> Response:
         body = parse_request(ChatCompletionRequest, await _read_body(request, max_body_bytes))
         llm = gate.engine(body.model)
         params = body.sampling_params()
         ctx = _context("chatcmpl", body, llm)
-        outputs = llm.chat(body.engine_messages(), params, ctx.id)
+        outputs = llm.chat(body.engine_messages(), params, ctx.id, **body.template_kwargs())
         first, rest = await gate.start(request, body.model, outputs, ctx.id)
         if body.stream:
             return _event_stream(first, rest, ChatStream(ctx))
         return JSONResponse(responses.chat_completion(ctx, await _last(first, rest)))
 
-    @router.post("/completions")
+    @router.post("/completions", dependencies=json_body)
     async def completions(request: Request) -> Response:
         body = parse_request(CompletionRequest, await _read_body(request, max_body_bytes))
         llm = gate.engine(body.model)
@@ -233,17 +241,3 @@ def _too_large(limit: int) -> APIError:
         413, f"the request body is larger than this server's limit of {limit} bytes",
         code="request_too_large",
     )
-
-
-def _key_checker(api_key: str) -> Callable:
-    expected = f"Bearer {api_key}".encode()
-
-    async def check(request: Request) -> None:
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
-            raise APIError(
-                401, "invalid or missing API key; send the header 'Authorization: Bearer <key>'",
-                type="authentication_error", code="invalid_api_key",
-            )
-
-    return check

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import uvicorn
 from fastapi import FastAPI
 
+from api.guards import APICORS
 from api.routes import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING, build_router
 from engine import AsyncLLM
 
@@ -25,15 +26,24 @@ def create_app(
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_waiting: int = DEFAULT_MAX_WAITING,
+    allowed_hosts: Sequence[str] | None = None,
+    allowed_origins: Sequence[str] = (),
 ) -> FastAPI:
     """An app serving only the OpenAI API (see `build_router` for the options). It does not
-    own the engines: the caller shuts them down."""
+    own the engines: the caller shuts them down.
+
+    allowed_origins: web origins (scheme://host[:port], or "*") granted CORS on /v1; none by
+        default, so that no web page can read the API's answers or send it JSON.
+    """
     app = FastAPI(title="mmserve OpenAI-compatible API")
     app.include_router(
         build_router(
-            engines, api_key=api_key, max_body_bytes=max_body_bytes, max_waiting=max_waiting
+            engines, api_key=api_key, max_body_bytes=max_body_bytes, max_waiting=max_waiting,
+            allowed_hosts=allowed_hosts,
         )
     )
+    if allowed_origins:
+        app.add_middleware(APICORS, origins=allowed_origins)
     return app
 
 

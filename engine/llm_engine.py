@@ -59,6 +59,8 @@ class LLMEngine:
             mm_processor = spec.processor(ProcessorContext(
                 hf_config, self.tokenizer, self.model_path, self.model_id,
                 self.config.processed_cache_items,
+                max_item_embeds=min(self.config.encoder_cache_size // vectors_per_embed,
+                                    self.config.max_num_encoder_input_tokens),
             ))
             budget = _encoder_budget(self.config, mm_processor, vectors_per_embed)
             _check_bidirectional_budget(self.config, mm_processor.max_bidirectional_span())

@@ -16,7 +16,7 @@ from typing import Any
 
 from engine.chat import MODALITIES, parse_messages
 from engine.media import MediaLimits, load_request_media, load_request_media_sync
-from models.interfaces import MultimodalProcessor, ProcessedPrompt
+from models.interfaces import MultimodalProcessor, ProcessedPrompt, PromptPlan
 
 PromptType = str | list[int] | dict
 
@@ -86,7 +86,7 @@ class InputProcessor:
             text=text,
             token_ids=None if ids is None else self._check_ids(ids),
             mm_data=mm_data,
-            mm_kwargs=dict(prompt.get("mm_processor_kwargs") or {}),
+            mm_kwargs=self._check_mm_kwargs(prompt.get("mm_processor_kwargs")),
             add_special_tokens=bool(prompt.get("add_special_tokens", True)),
         )
 
@@ -94,7 +94,7 @@ class InputProcessor:
         """Apply the model's chat template (with the generation prompt) to OpenAI messages."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; use generate() with a prompt")
-        mm_kwargs = template_kwargs.pop("mm_processor_kwargs", None) or {}
+        mm_kwargs = self._check_mm_kwargs(template_kwargs.pop("mm_processor_kwargs", None))
         rendered, media = parse_messages(messages)
         text = self.tokenizer.apply_chat_template(
             rendered, tokenize=False, add_generation_prompt=True, **template_kwargs
@@ -136,30 +136,54 @@ class InputProcessor:
                 text = self.mm_processor.expand_text(text, media, parsed.mm_kwargs)
             ids = self.tokenizer.encode(text, add_special_tokens=parsed.add_special_tokens)
         if self.mm_processor is not None:
+            plan = self.mm_processor.plan(ids, media, parsed.mm_kwargs)
+            if plan is not None:
+                self._check_plan(plan)
             out = self.mm_processor.process(ids, media, parsed.mm_kwargs)
             out.text = parsed.text
         else:
             out = ProcessedPrompt(parsed.text, list(ids))
         out.stages.setdefault("preprocess", time.perf_counter() - t0)
         out.stages.update(parsed.stages)
-        if not out.token_ids:
+        self._check_plan(PromptPlan(
+            len(out.token_ids),
+            [(f.modality, f.placeholder.num_embeds) for f in out.mm_features],
+        ))
+        return out
+
+    def _check_plan(self, plan: PromptPlan) -> None:
+        """Refuse a prompt that could never run: empty, too long, or with an item larger than
+        the encoder budget (such an item could never be scheduled, and the request would wait
+        forever)."""
+        if not plan.num_tokens:
             raise ValueError("the prompt is empty")
-        if len(out.token_ids) >= self.max_model_len:
+        if plan.num_tokens >= self.max_model_len:
             raise ValueError(
-                f"the prompt has {len(out.token_ids)} tokens, but max_model_len is "
-                f"{self.max_model_len} (prompt and output must fit); shorten the prompt"
+                f"the prompt has {plan.num_tokens} tokens, but max_model_len is "
+                f"{self.max_model_len} (prompt and output must fit); shorten the prompt or "
+                "use fewer, smaller or shorter media items (mm_processor_kwargs max_pixels / fps)"
             )
         budget = self.encoder_budget
-        for f in out.mm_features:
-            # An item larger than the per-step encoder budget or the cache could never be
-            # scheduled: refuse it now instead of letting the request wait forever.
-            if budget is not None and f.placeholder.num_embeds > budget.max_embeds:
+        for modality, n in plan.item_embeds:
+            if budget is not None and n > budget.max_embeds:
                 raise ValueError(
-                    f"{f.modality} needs {f.placeholder.num_embeds} embeddings, more than the "
+                    f"{modality} needs {n} embeddings, more than the "
                     f"encoder budget of {budget.max_embeds} ({budget.setting}); use a smaller "
                     "or shorter item (mm_processor_kwargs max_pixels / fps) or raise the option"
                 )
-        return out
+
+    def _check_mm_kwargs(self, mm_kwargs: Any) -> dict[str, Any]:
+        if not mm_kwargs:
+            return {}
+        if not isinstance(mm_kwargs, dict):
+            raise ValueError(
+                "mm_processor_kwargs must be a dict of option names to values, got "
+                f"{type(mm_kwargs).__name__}"
+            )
+        if self.mm_processor is None:
+            raise ValueError("this model has no media processor, so it takes no "
+                             "mm_processor_kwargs")
+        return dict(mm_kwargs)
 
     def _check_ids(self, ids: list[int]) -> list[int]:
         if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):

@@ -29,8 +29,14 @@ from models.interfaces import (
     PlaceholderRange,
     ProcessedPrompt,
     ProcessorContext,
+    PromptPlan,
 )
-from models.processor_base import ProcessedCache, check_mm_kwargs, hashed_and_processed
+from models.processor_base import (
+    ProcessedCache,
+    ProcessorDefaults,
+    check_mm_kwargs,
+    hashed_and_processed,
+)
 
 _KWARGS = ("do_pan_and_scan", "pan_and_scan_min_crop_size", "pan_and_scan_max_num_crops",
            "pan_and_scan_min_ratio_to_activate")
@@ -96,7 +102,7 @@ class PanAndScan:
                 for y in range(0, crop_h * down, crop_h) for x in range(0, crop_w * across, crop_w)]
 
 
-class Gemma3Processor:
+class Gemma3Processor(ProcessorDefaults):
     modalities = ("image",)
 
     def __init__(self, ctx: ProcessorContext) -> None:
@@ -153,6 +159,19 @@ class Gemma3Processor:
         for image, piece in zip(images, pieces[1:], strict=True):
             out.append(self._image_text(len(settings.crops(image.height, image.width))) + piece)
         return "".join(out)
+
+    def plan(
+        self, token_ids: list[int], media: dict[str, list], mm_kwargs: Mapping[str, Any]
+    ) -> PromptPlan:
+        """Items (images and crops) and the expanded length, from the images' sizes."""
+        settings = self._settings(mm_kwargs)
+        crops = [len(settings.crops(i.height, i.width)) for i in media.get("image", [])]
+        items = [("image", self.num_tokens)] * sum(1 + n for n in crops)
+        if self.soft_id in token_ids:  # a text prompt, expanded before tokenizing
+            return PromptPlan(len(token_ids), items)
+        extra = sum(len(self.tokenizer.encode(self._image_text(n), add_special_tokens=False)) - 1
+                    for n in crops)
+        return PromptPlan(len(token_ids) + extra, items)
 
     def process(
         self, token_ids: list[int], media: dict[str, list], mm_kwargs: Mapping[str, Any]

@@ -98,6 +98,15 @@ class ProcessedPrompt:
 
 
 @dataclass(frozen=True)
+class PromptPlan:
+    """What a prompt will become, computed from the media's sizes before any encoder input is
+    built: its length after placeholder expansion, and each encoder item's embeddings."""
+
+    num_tokens: int
+    item_embeds: list[tuple[str, int]] = field(default_factory=list)  # (modality, embeddings)
+
+
+@dataclass(frozen=True)
 class ProcessorContext:
     """What a processor is built from."""
 
@@ -106,6 +115,9 @@ class ProcessorContext:
     model_path: Path
     model_id: str  # part of every content hash: one model's embeddings never serve another
     processed_cache_items: int  # LRU size for processed encoder inputs (0: off)
+    # The most embeddings one item may have: min(encoder_cache_size, max_num_encoder_input_tokens)
+    # (per-request options must not make an item that could never be scheduled).
+    max_item_embeds: int = 1 << 30
 
 
 @runtime_checkable
@@ -130,6 +142,14 @@ class MultimodalProcessor(Protocol):
     def expand_text(self, text: str, media: dict[str, list], mm_kwargs: Mapping[str, Any]) -> str:
         """A text prompt with its placeholders already written out, before tokenizing (for
         families whose reference expands text, so that tokens merge alike); else `text`."""
+        ...
+
+    def plan(
+        self, token_ids: list[int], media: dict[str, list], mm_kwargs: Mapping[str, Any]
+    ) -> PromptPlan | None:
+        """The expanded prompt's length and items' sizes from the decoded media's sizes alone
+        (nothing resized or extracted), so the engine can refuse an oversized prompt before the
+        processor allocates; None when the family cannot tell beforehand."""
         ...
 
     def process(

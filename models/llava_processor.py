@@ -27,6 +27,7 @@ from models.interfaces import (
     PlaceholderRange,
     ProcessedPrompt,
     ProcessorContext,
+    PromptPlan,
 )
 from models.processor_base import (
     ProcessedCache,
@@ -77,6 +78,15 @@ class LlavaProcessor(ProcessorDefaults):
             return self.per_tile
         return llava_next_num_image_tokens(*image_size, self.pinpoints, self.tile, self.patch,
                                            self.strategy, self.class_tokens)
+
+    def plan(
+        self, token_ids: list[int], media: dict[str, list], mm_kwargs: Mapping[str, Any]
+    ) -> PromptPlan:
+        """Each image's tokens from its size alone (nothing resized)."""
+        check_mm_kwargs(mm_kwargs, (), "LLaVA")
+        items = [("image", self.num_tokens((i.height, i.width))) for i in media.get("image", [])]
+        placeholders = token_ids.count(self.image_token_id)
+        return PromptPlan(len(token_ids) - placeholders + sum(n for _, n in items), items)
 
     def process(
         self, token_ids: list[int], media: dict[str, list], mm_kwargs: Mapping[str, Any]

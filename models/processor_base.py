@@ -11,16 +11,26 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from models.interfaces import PromptPlan
+from models.mm_options import check_mm_kwargs
+
+__all__ = ["ProcessedCache", "ProcessorDefaults", "check_mm_kwargs", "hashed_and_processed"]
+
 
 class ProcessorDefaults:
     """What most processors do for the optional parts of models.interfaces.MultimodalProcessor:
-    no bidirectional spans, no text-level expansion."""
+    no bidirectional spans, no text-level expansion, no plan before processing."""
 
     def max_bidirectional_span(self) -> int:
         return 0
 
     def expand_text(self, text: str, media: dict[str, list], mm_kwargs: Mapping[str, Any]) -> str:
         return text
+
+    def plan(
+        self, token_ids: list[int], media: dict[str, list], mm_kwargs: Mapping[str, Any]
+    ) -> PromptPlan | None:
+        return None
 
 
 class ProcessedCache:
@@ -46,16 +56,6 @@ class ProcessedCache:
                 while len(self._items) > self.capacity:
                     self._items.popitem(last=False)
         return value
-
-
-def check_mm_kwargs(mm_kwargs: Mapping[str, Any], accepted: tuple[str, ...], family: str) -> None:
-    """Refuse mm_processor_kwargs a model's processor does not know, naming those it does."""
-    unknown = set(mm_kwargs) - set(accepted)
-    if unknown:
-        raise ValueError(
-            f"unknown mm_processor_kwargs {', '.join(sorted(unknown))} "
-            f"({family} accepts {', '.join(accepted)})"
-        )
 
 
 def hashed_and_processed(

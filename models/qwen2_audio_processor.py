@@ -18,7 +18,6 @@ through mm_processor_kwargs) are refused, as are clips past engine.media's
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import asdict
 from functools import partial
@@ -34,14 +33,21 @@ from models.interfaces import (
     PlaceholderRange,
     ProcessedPrompt,
     ProcessorContext,
+    PromptPlan,
 )
-from models.processor_base import ProcessedCache, ProcessorDefaults, check_mm_kwargs
+from models.mm_options import OptionRange, check_mm_kwargs
+from models.processor_base import ProcessedCache, ProcessorDefaults
 from models.qwen2_audio import encoder_lengths, receptive_frames
 from models.whisper_features import LogMelExtractor, MelConfig
 
 DEFAULT_MAX_AUDIO_DURATION_S = 600.0
 _MIN_FRAMES = 3  # the fewest mel frames from which the encoder emits an embedding
-_KWARGS = ("max_audio_duration_s",)
+_OPTIONS = {
+    "max_audio_duration_s": OptionRange(
+        0, DEFAULT_MAX_AUDIO_DURATION_S, low_open=True,
+        why="seconds per clip; it can only lower the default",
+    ),
+}
 
 
 class QwenAudioProcessor(ProcessorDefaults):
@@ -81,19 +87,23 @@ class QwenAudioProcessor(ProcessorDefaults):
         """A full window's embeddings, for the start-up budget check."""
         return encoder_lengths(self.mel.window_frames)[1]
 
+    def plan(
+        self, token_ids: list[int], media: dict[str, list], mm_kwargs: dict[str, Any]
+    ) -> PromptPlan:
+        """The expanded prompt's length and each window's embeddings, from the clips' lengths
+        (no feature is extracted)."""
+        windows = self._all_windows(token_ids, media, mm_kwargs)
+        items = [("audio", encoder_lengths(self.mel.num_frames(len(w.samples)))[1])
+                 for clip in windows for w in clip]
+        separators = sum(2 * (len(clip) - 1) for clip in windows)
+        num_tokens = len(token_ids) - len(windows) + separators + sum(n for _, n in items)
+        return PromptPlan(num_tokens, items)
+
     def process(
         self, token_ids: list[int], media: dict[str, list], mm_kwargs: dict[str, Any]
     ) -> ProcessedPrompt:
-        limit = _max_duration(mm_kwargs)
-        clips = media.get("audio", [])
-        found = token_ids.count(self.audio_token_id)
-        if found != len(clips):
-            raise ValueError(
-                f"the prompt has {found} audio placeholder(s) but {len(clips)} audio clip(s) "
-                "were given; each clip needs one placeholder (the chat template adds it)"
-            )
         stages = {"hashing": 0.0, "preprocess": 0.0}
-        windows = [self._windows(clip, i, limit) for i, clip in enumerate(clips, start=1)]
+        windows = self._all_windows(token_ids, media, mm_kwargs)
         t0 = time.perf_counter()
         options = asdict(self.mel)
         keys = [[hash_audio(w, model_id=self.model_id, processor_kwargs=options) for w in clip]
@@ -106,6 +116,20 @@ class QwenAudioProcessor(ProcessorDefaults):
         stages["hashing"] += t1 - t0
         stages["preprocess"] += time.perf_counter() - t1
         return ProcessedPrompt(None, ids, features, None, stages)
+
+    def _all_windows(
+        self, token_ids: list[int], media: dict[str, list], mm_kwargs: dict[str, Any]
+    ) -> list[list[AudioClip]]:
+        """Every clip cut into its windows, after the options and placeholders are checked."""
+        limit = _max_duration(mm_kwargs)
+        clips = media.get("audio", [])
+        found = token_ids.count(self.audio_token_id)
+        if found != len(clips):
+            raise ValueError(
+                f"the prompt has {found} audio placeholder(s) but {len(clips)} audio clip(s) "
+                "were given; each clip needs one placeholder (the chat template adds it)"
+            )
+        return [self._windows(clip, i, limit) for i, clip in enumerate(clips, start=1)]
 
     def _windows(self, clip: AudioClip, number: int, limit: float) -> list[AudioClip]:
         """The clip cut into consecutive windows, the last one padded to the encoder minimum."""
@@ -161,12 +185,8 @@ class QwenAudioProcessor(ProcessorDefaults):
 
 
 def _max_duration(mm_kwargs: dict[str, Any]) -> float:
-    check_mm_kwargs(mm_kwargs, _KWARGS, "Qwen2-Audio")
-    value = mm_kwargs.get("max_audio_duration_s", DEFAULT_MAX_AUDIO_DURATION_S)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not (
-            math.isfinite(value) and value > 0):
-        raise ValueError(f"max_audio_duration_s must be a number > 0, got {value!r}")
-    return float(value)
+    options = check_mm_kwargs(mm_kwargs, _OPTIONS, "Qwen2-Audio")
+    return float(options.get("max_audio_duration_s", DEFAULT_MAX_AUDIO_DURATION_S))
 
 
 def _special_id(tokenizer, token: str) -> int:

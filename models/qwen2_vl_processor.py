@@ -26,22 +26,24 @@ from typing import Any
 import torch
 
 from engine.hashing import hash_image, hash_video
+from engine.media.video import MAX_FPS
 from models.interfaces import (
     MultiModalFeature,
     PlaceholderRange,
     ProcessedPrompt,
     ProcessorContext,
+    PromptPlan,
 )
+from models.mm_options import OptionRange, check_mm_kwargs
 from models.mrope import mrope_positions, window_positions
-from models.processor_base import (
-    ProcessedCache,
-    ProcessorDefaults,
-    check_mm_kwargs,
-    hashed_and_processed,
+from models.processor_base import ProcessedCache, ProcessorDefaults, hashed_and_processed
+from models.qwen_vl_preprocess import (
+    VisionPreprocessConfig,
+    preprocess_image,
+    preprocess_video,
+    smart_resize,
+    smart_resize_clip,
 )
-from models.qwen_vl_preprocess import VisionPreprocessConfig, preprocess_image, preprocess_video
-
-_KWARGS = ("min_pixels", "max_pixels", "fps", "max_frames")
 
 
 @dataclass(frozen=True)
@@ -76,38 +78,57 @@ class QwenVLProcessor(ProcessorDefaults):
         )
         self.cfg = VisionPreprocessConfig.from_hf(*_preprocessor_configs(ctx.model_path))
         self.cache = ProcessedCache(ctx.processed_cache_items)
+        self.option_ranges = _option_ranges(self.cfg, ctx.max_item_embeds)
 
     def loader_kwargs(self, mm_kwargs: dict[str, Any]) -> dict[str, Any]:
-        """Options for engine.media: how many frames to sample from a video."""
-        check_mm_kwargs(mm_kwargs, _KWARGS, "Qwen-VL")
-        video = {"fps": float(mm_kwargs.get("fps", self.cfg.video_fps))}
-        if "max_frames" in mm_kwargs:
-            video["max_frames"] = int(mm_kwargs["max_frames"])
+        """Options for engine.media: how many frames to sample from a video (the media layer
+        bounds max_frames by MediaLimits.max_video_frames)."""
+        options = self._options(mm_kwargs)
+        video = {"fps": options.get("fps", self.cfg.video_fps)}
+        if "max_frames" in options:
+            video["max_frames"] = options["max_frames"]
         return {"video_kwargs": video}
-
 
     def max_embeds_per_item(self) -> int:
         """The largest encoder item in embeddings (an image at max_pixels, or one temporal patch
         of a video at its max_pixels), for the start-up budget check."""
         return max(self.cfg.max_pixels, self.cfg.video_max_pixels) // self.cfg.factor**2
 
+    def plan(
+        self, token_ids: list[int], media: dict[str, list], mm_kwargs: dict[str, Any]
+    ) -> PromptPlan:
+        """The expanded prompt's length and each encoder item's embeddings, from the items'
+        sizes alone (no pixel is resized or normalized)."""
+        options = self._options(mm_kwargs)
+        self._check_placeholders(token_ids, media)
+        merge = self.cfg.factor**2
+        items: list[tuple[str, int]] = []
+        extra = 0  # Qwen3-VL: per temporal group, its timestamp text and vision tokens
+        for image in media.get("image", []):
+            h, w = self._size(image.height, image.width, 1, options, video=False)
+            items.append(("image", h * w // merge))
+        for video in media.get("video", []):
+            count, height, width = video.frames.shape[:3]
+            h, w = self._size(height, width, count, options, video=True)
+            groups = -(-count // self.cfg.temporal_patch_size)
+            items.extend([("video", h * w // merge)] * groups)
+            if self.video_timestamps:
+                extra += sum(len(self._timestamp_head(t))
+                             for t in _group_seconds(video.timestamps, self.cfg)) + groups
+        placeholders = sum(token_ids.count(t) for t in (self.image_token_id, self.video_token_id))
+        num_tokens = len(token_ids) - placeholders + extra + sum(n for _, n in items)
+        return PromptPlan(num_tokens, items)
+
     def process(
         self, token_ids: list[int], media: dict[str, list], mm_kwargs: dict[str, Any]
     ) -> ProcessedPrompt:
-        check_mm_kwargs(mm_kwargs, _KWARGS, "Qwen-VL")
+        options = self._options(mm_kwargs)
+        self._check_placeholders(token_ids, media)
         images, videos = media.get("image", []), media.get("video", [])
-        for name, token, items in (("image", self.image_token_id, images),
-                                   ("video", self.video_token_id, videos)):
-            found = token_ids.count(token)
-            if found != len(items):
-                raise ValueError(
-                    f"the prompt has {found} {name} placeholder(s) but {len(items)} {name}(s) "
-                    f"were given; each {name} needs one placeholder (the chat template adds it)"
-                )
         stages = {"hashing": 0.0, "preprocess": 0.0}
         encoded = {
-            "image": [self._image(img, mm_kwargs, stages) for img in images],
-            "video": [self._video(vid, mm_kwargs, stages) for vid in videos],
+            "image": [self._image(img, options, stages) for img in images],
+            "video": [self._video(vid, options, stages) for vid in videos],
         }
         t0 = time.perf_counter()
         ids, features = self._expand(token_ids, encoded)
@@ -129,9 +150,49 @@ class QwenVLProcessor(ProcessorDefaults):
         stages["preprocess"] += time.perf_counter() - t0
         return ProcessedPrompt(None, ids, features, MRopePositions(positions, delta), stages)
 
+    def _options(self, mm_kwargs: dict[str, Any]) -> dict[str, Any]:
+        options = check_mm_kwargs(mm_kwargs, self.option_ranges, "Qwen-VL")
+        low, high = options.get("min_pixels"), options.get("max_pixels")
+        if low is not None and high is not None and low > high:
+            raise ValueError(
+                f"mm_processor_kwargs min_pixels={low} must not exceed max_pixels={high}"
+            )
+        return options
+
+    def _check_placeholders(self, token_ids: list[int], media: dict[str, list]) -> None:
+        for name, token in (("image", self.image_token_id), ("video", self.video_token_id)):
+            found, given = token_ids.count(token), len(media.get(name, []))
+            if found != given:
+                raise ValueError(
+                    f"the prompt has {found} {name} placeholder(s) but {given} {name}(s) "
+                    f"were given; each {name} needs one placeholder (the chat template adds it)"
+                )
+
+    def _pixel_budget(self, options: dict[str, Any], *, video: bool) -> dict[str, int]:
+        cfg = self.cfg
+        return {
+            "min_pixels": options.get("min_pixels", cfg.video_min_pixels if video
+                                      else cfg.min_pixels),
+            "max_pixels": options.get("max_pixels", cfg.video_max_pixels if video
+                                      else cfg.max_pixels),
+        }
+
+    def _size(self, height: int, width: int, frames: int, options: dict[str, Any], *,
+              video: bool) -> tuple[int, int]:
+        """(height, width) an item is resized to (as preprocess_image / preprocess_video)."""
+        budget = self._pixel_budget(options, video=video)
+        if video and self.cfg.video_budget_per_clip:
+            return smart_resize_clip(frames, height, width, self.cfg.factor, **budget,
+                                     temporal_factor=self.cfg.temporal_patch_size)
+        return smart_resize(height, width, self.cfg.factor, **budget)
+
+    def _timestamp_head(self, seconds: float) -> list[int]:
+        """The tokens before a Qwen3-VL temporal group's pads: "<t seconds><|vision_start|>"."""
+        head = self.tokenizer.encode(f"<{seconds:.1f} seconds>", add_special_tokens=False)
+        return [*head, self.vision_start_token_id]
+
     def _image(self, image, kw, stages) -> tuple[str, dict]:
-        options = {"min_pixels": int(kw.get("min_pixels", self.cfg.min_pixels)),
-                   "max_pixels": int(kw.get("max_pixels", self.cfg.max_pixels))}
+        options = self._pixel_budget(kw, video=False)
 
         def compute():
             pixels, grid = preprocess_image(image, self.cfg, **options)
@@ -141,8 +202,7 @@ class QwenVLProcessor(ProcessorDefaults):
         return hashed_and_processed(self.cache, identify, compute, stages)
 
     def _video(self, video, kw, stages) -> tuple[str, dict]:
-        options = {"min_pixels": int(kw.get("min_pixels", self.cfg.video_min_pixels)),
-                   "max_pixels": int(kw.get("max_pixels", self.cfg.video_max_pixels))}
+        options = self._pixel_budget(kw, video=True)
 
         def compute():
             pixels, grid = preprocess_video(video.frames, self.cfg, **options)
@@ -174,9 +234,7 @@ class QwenVLProcessor(ProcessorDefaults):
             for i, (part_id, part) in enumerate(parts):
                 n = h * w // merge * part["grid_thw"][0]
                 if modality == "video" and self.video_timestamps:
-                    head = self.tokenizer.encode(f"<{data['group_seconds'][i]:.1f} seconds>",
-                                                 add_special_tokens=False)
-                    head.append(self.vision_start_token_id)
+                    head = self._timestamp_head(data["group_seconds"][i])
                     # One span per group: its timestamp text and vision tokens sit inside it
                     # as text (is_embed False), the pads take the embeddings.
                     mask = (False,) * len(head) + (True,) * n + (False,)
@@ -198,6 +256,27 @@ def _temporal_patches(identifier: str, data: dict) -> list[tuple[str, dict]]:
          {"pixel_values": data["pixel_values"][i * rows : (i + 1) * rows], "grid_thw": (1, h, w)})
         for i in range(t)
     ]
+
+
+def _option_ranges(cfg: VisionPreprocessConfig, max_item_embeds: int) -> dict[str, OptionRange]:
+    """Per-request options and their ranges: pixel budgets from one merged patch up to the
+    largest item the encoder budget can take, so that no option makes an item that could never
+    be scheduled (or that allocates past what the engine could encode)."""
+    pixels = OptionRange(
+        cfg.factor**2,
+        max_item_embeds * cfg.factor**2,
+        integer=True,
+        why=f"pixels per image or video frame: at least one {cfg.factor}x{cfg.factor} patch, at "
+        f"most {max_item_embeds} of them, min(encoder_cache_size, max_num_encoder_input_tokens)",
+    )
+    return {
+        "min_pixels": pixels,
+        "max_pixels": pixels,
+        "fps": OptionRange(0, MAX_FPS, low_open=True, why="video frames sampled per second"),
+        "max_frames": OptionRange(
+            1, integer=True, why="frames per video, at most MediaLimits.max_video_frames"
+        ),
+    }
 
 
 def _group_seconds(timestamps, cfg: VisionPreprocessConfig) -> list[float]:

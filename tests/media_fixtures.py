@@ -191,14 +191,16 @@ def peak_frequency(samples: np.ndarray, rate: int) -> float:
 
 @dataclass
 class Route:
-    """A canned response; ``body_size`` streams that many bytes without Content-Length, and
-    ``delay_s`` waits before answering."""
+    """A canned response; ``body_size`` streams that many bytes without Content-Length,
+    ``delay_s`` waits before answering, and ``drip_s`` sends the whole response (status line,
+    headers and body) one byte at a time, ``drip_s`` seconds apart."""
 
     status: int = 200
     body: bytes = b""
     headers: dict[str, str] = field(default_factory=dict)
     body_size: int | None = None
     delay_s: float = 0.0
+    drip_s: float = 0.0
 
 
 @dataclass
@@ -224,13 +226,19 @@ def local_server(routes: dict[str, Route]) -> Iterator[LocalServer]:
             state.hosts.append(self.headers.get("Host", ""))
             route = state.routes.get(self.path, Route(status=404))
             time.sleep(route.delay_s)
+            if route.drip_s:
+                self._drip(route)
+                return
             self.send_response(route.status)
             for name, value in route.headers.items():
                 self.send_header(name, value)
             if route.body_size is None:
                 self.send_header("Content-Length", str(len(route.body)))
-                self.end_headers()
-                self.wfile.write(route.body)
+                try:
+                    self.end_headers()
+                    self.wfile.write(route.body)
+                except OSError:  # the client stopped reading (a refused download)
+                    self.close_connection = True
                 return
             self.send_header("Connection", "close")
             self.end_headers()
@@ -246,13 +254,34 @@ def local_server(routes: dict[str, Route]) -> Iterator[LocalServer]:
                 state.streamed.append(sent)
                 state.done.set()
 
+        def _drip(self, route: Route) -> None:
+            head = [f"HTTP/1.1 {route.status} Dripping", f"Content-Length: {len(route.body)}"]
+            head += [f"{name}: {value}" for name, value in route.headers.items()]
+            response = ("\r\n".join(head) + "\r\n\r\n").encode() + route.body
+            sent = 0
+            try:
+                for byte in response:
+                    self.wfile.write(bytes([byte]))
+                    self.wfile.flush()
+                    sent += 1
+                    time.sleep(route.drip_s)
+            except OSError:
+                pass
+            finally:
+                state.streamed.append(sent)
+                state.done.set()
+                self.close_connection = True
+
         def log_message(self, *args: object) -> None:
             pass
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.daemon_threads = True
     state.port = server.server_address[1]
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    # A short poll interval: shutdown() waits for one, and every test stops a server.
+    thread = threading.Thread(
+        target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+    )
     thread.start()
     try:
         yield state

@@ -51,3 +51,47 @@ def test_unknown_architecture_names_the_supported_ones():
 
     with pytest.raises(ValueError, match="unsupported architecture.*Qwen2ForCausalLM"):
         resolve(Config())
+
+
+def _plan_cases(tmp_path):
+    """(checkpoint, messages) per family whose processor plans: images of odd sizes, a video."""
+    import numpy as np
+    from PIL import Image
+
+    from testing.gemma3 import build_gemma3_model
+    from testing.llava import build_llava_model
+    from testing.qwen3_vl import build_qwen3_vl_model
+
+    rng = np.random.default_rng(0)
+
+    def image(h, w):
+        return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+    video = rng.integers(0, 256, (5, 40, 90, 3), dtype=np.uint8)
+    parts = [{"type": "text", "text": "look"}, {"type": "image", "image": image(70, 130)},
+             {"type": "image", "image": image(150, 40)}]
+    with_video = [*parts, {"type": "video", "video": video}]
+    pan = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 20}
+    return [
+        (build_llava_model(tmp_path / "next", next_=True), parts),
+        (build_gemma3_model(tmp_path / "gemma", pan_and_scan=pan), parts),
+        (build_qwen3_vl_model(tmp_path / "qwen3"), with_video),
+    ]
+
+
+def test_plans_agree_with_processing(tmp_path):
+    """What a processor plans from sizes alone is what processing then produces."""
+    from engine import LLM
+
+    for path, parts in _plan_cases(tmp_path):
+        engine = LLM(path, max_model_len=2048).engine
+        p = engine.processor
+        parsed = p.render_chat([{"role": "user", "content": parts}])
+        media = p.load_media_sync(parsed)
+        ids = engine.tokenizer.encode(
+            p.mm_processor.expand_text(parsed.text, media, {}), add_special_tokens=False)
+        plan = p.mm_processor.plan(ids, media, {})
+        out = p.process(parsed, media)
+        assert plan.num_tokens == len(out.token_ids), path.name
+        assert plan.item_embeds == [(f.modality, f.placeholder.num_embeds)
+                                    for f in out.mm_features], path.name

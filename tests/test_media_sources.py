@@ -14,11 +14,10 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 
-from engine.media import MediaError, MediaFetchError, MediaLimits, load_image_sync, sources
+from engine.media import MediaError, MediaFetchError, MediaLimits, fetch, load_image_sync, sources
 from tests.media_fixtures import Route, encode_image, gradient, local_server, refused
 
 PNG = encode_image(gradient(), "PNG")
@@ -215,7 +214,7 @@ def test_private_addresses_are_refused_by_default(server, resolver) -> None:
     ],
 )
 def test_address_classification(address: str, public: bool) -> None:
-    assert sources._is_public(ipaddress.ip_address(address)) is public
+    assert fetch._is_public(ipaddress.ip_address(address)) is public
 
 
 def test_connection_goes_to_the_checked_address(server, resolver) -> None:
@@ -230,8 +229,8 @@ def test_redirects_are_checked_hop_by_hop(server, resolver, monkeypatch) -> None
     # Treat the local server as public so that only the redirect target is private.
     resolver["cdn.example"] = "127.0.0.1"
     resolver["internal.example"] = "10.0.0.7"
-    is_public = sources._is_public
-    monkeypatch.setattr(sources, "_is_public", lambda a: str(a) == "127.0.0.1" or is_public(a))
+    is_public = fetch._is_public
+    monkeypatch.setattr(fetch, "_is_public", lambda a: str(a) == "127.0.0.1" or is_public(a))
     server.routes["/to-internal"] = Route(
         status=301, headers={"Location": "http://internal.example/secret"}
     )
@@ -374,8 +373,7 @@ def test_https_keeps_the_name_for_sni_and_certificate(tmp_path, resolver, monkey
     httpd.socket = context.wrap_socket(httpd.socket, server_side=True)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     trusting = ssl.create_default_context(cafile=str(cert))
-    real_client = httpx.Client
-    monkeypatch.setattr(httpx, "Client", lambda **kw: real_client(verify=trusting, **kw))
+    monkeypatch.setattr(fetch, "_tls_context", lambda: trusting)
     resolver["cdn.example"] = resolver["other.example"] = "127.0.0.1"
     port = httpd.server_address[1]
     try:

@@ -98,9 +98,16 @@ def test_frame_count_is_clamped(kwargs: dict, count: int) -> None:
     assert_frames_match_timestamps(result, 10)
 
 
-def test_max_video_frames_limit_caps_max_frames() -> None:
-    result = load_video_sync(video(), fps=10, max_frames=50, limits=MediaLimits(max_video_frames=5))
+def test_max_video_frames_limit_bounds_max_frames() -> None:
+    limits = MediaLimits(max_video_frames=5)
+    result = load_video_sync(video(), fps=10, limits=limits)
     assert result.frames.shape[0] == 5 and result.sampling.max_frames == 5
+    at_limit = load_video_sync(video(), fps=10, max_frames=5, limits=limits)
+    assert at_limit.frames.shape[0] == 5
+    refused(
+        lambda: load_video_sync(video(), fps=10, max_frames=6, limits=limits),
+        "video 1: max_frames=6 must be an integer between 1 and 5 (MediaLimits.max_video_frames)",
+    )
 
 
 @pytest.mark.parametrize("bframes", [0, 3])
@@ -250,7 +257,10 @@ def test_concat_script_cannot_read_other_files(tmp_path, monkeypatch) -> None:
     (tmp_path / "clip.mp4").write_bytes(video())
     monkeypatch.chdir(tmp_path)
     script = b"ffconcat version 1.0\nfile clip.mp4\n"
-    refused(lambda: load_video_sync(script), "video 1: could not decode the video")
+    refused(
+        lambda: load_video_sync(script),
+        "video 1: the data looks like ffconcat script, a format that is not accepted for video",
+    )
     assert_loader_still_works()
 
 

@@ -36,6 +36,7 @@ MAX_BODY = 256 * 1024
 GREEDY = {"temperature": 0, "max_tokens": 8, "extra_body": {"ignore_eos": True}}
 HELLO = [{"role": "user", "content": "Describe the image in detail."}]
 LONG_PROMPT = "The engine schedules requests, caches keys and values in blocks. " * 4
+JSON = {"Content-Type": "application/json"}
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +263,7 @@ def test_bad_completion_request_is_400(client, prompt, fragment):
 
 
 def test_malformed_json_is_400(base_url, client):
-    response = httpx.post(f"{base_url}/v1/chat/completions", content=b'{"model": ')
+    response = httpx.post(f"{base_url}/v1/chat/completions", content=b'{"model": ', headers=JSON)
     assert response.status_code == 400
     assert "not valid JSON" in response.json()["error"]["message"]
     assert_still_serving(client)
@@ -271,9 +272,9 @@ def test_malformed_json_is_400(base_url, client):
 def test_body_over_the_limit_is_413(base_url, client):
     big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * MAX_BODY}]}
     data = json.dumps(big).encode()
-    declared = httpx.post(f"{base_url}/v1/chat/completions", content=data)
+    declared = httpx.post(f"{base_url}/v1/chat/completions", content=data, headers=JSON)
     chunked = httpx.post(
-        f"{base_url}/v1/chat/completions", content=iter([data[:1000], data[1000:]])
+        f"{base_url}/v1/chat/completions", content=iter([data[:1000], data[1000:]]), headers=JSON
     )
     for response in (declared, chunked):
         assert response.status_code == 413

@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from engine import LLM, SamplingParams
+from models import qwen2_vl_processor
 from tests.helpers import assert_released, assert_top_logprobs, count_calls, process_chat
 
 N = 10
@@ -266,15 +267,36 @@ def test_placeholder_typed_without_media_is_a_clear_error(qwen2_vl_path):
     assert llm.generate("plain text still works", GREEDY)[0].outputs[0].finish_reason == "length"
 
 
-def test_item_larger_than_the_encoder_budget_is_refused(qwen2_vl_path):
+def test_item_larger_than_the_encoder_budget_is_refused(qwen2_vl_path, monkeypatch):
     with pytest.raises(ValueError, match="raise encoder_cache_size to at least 64"):
         LLM(qwen2_vl_path, encoder_cache_size=32)
-    # The checkpoint's max_pixels allows 64 embeddings; a per-request override asks for ~320.
+    # The checkpoint's max_pixels allows 64 embeddings; a per-request override may raise it
+    # to the encoder budget (100 embeddings of 28x28 pixels), not past it.
     llm = LLM(qwen2_vl_path, max_model_len=1024, encoder_cache_size=100)
-    with pytest.raises(ValueError, match=r"image needs \d+ embeddings, more than the encoder "
-                       r"budget of 100 \(encoder_cache_size\)"):
+    with pytest.raises(ValueError, match=r"mm_processor_kwargs max_pixels=7840000 is not an "
+                       r"integer in \[784, 78400\]"):
         llm.chat(user(image(500, 500, 0), "hi"), GREEDY,
-                 mm_processor_kwargs={"max_pixels": 28 * 28 * 100000})
+                 mm_processor_kwargs={"max_pixels": 28 * 28 * 10000})
+    out = llm.chat(user(image(500, 500, 0), "hi"), GREEDY,
+                   mm_processor_kwargs={"max_pixels": 28 * 28 * 100})[0]
+    assert 64 < out.multi_modal_placeholders[0].length <= 100
+    # The encoder-budget check stays behind the option ranges, before any pixel is prepared.
+    processor = llm.engine.processor
+    parsed = processor.render_chat(user(image(500, 500, 0), "hi"),
+                                   mm_processor_kwargs={"max_pixels": 28 * 28 * 100})
+    media = processor.load_media_sync(parsed)
+    budget = processor.encoder_budget
+    processor.encoder_budget = dataclasses.replace(budget, max_embeds=64)
+
+    def never(*args, **kwargs):
+        raise AssertionError("pixels were prepared for a prompt that is refused")
+
+    monkeypatch.setattr(qwen2_vl_processor, "preprocess_image", never)
+    with pytest.raises(ValueError, match=r"image needs \d+ embeddings, more than the encoder "
+                       r"budget of 64 \(encoder_cache_size\)"):
+        processor.process(parsed, media)
+    monkeypatch.undo()
+    processor.encoder_budget = budget
     assert llm.chat(user(image(50, 50, 0), "hi"), GREEDY)[0].outputs[0].finish_reason == "length"
 
 

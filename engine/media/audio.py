@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import math
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -11,12 +12,22 @@ import av
 import numpy as np
 import soundfile as sf
 
+from engine.media.budget import RequestBudget
+from engine.media.formats import (
+    AUDIO_CODECS,
+    SOUNDFILE_FORMATS,
+    SOUNDFILE_SIGNATURES,
+    check_codec,
+    open_container,
+)
 from engine.media.limits import MediaError, MediaLimits, decoder_errors
-from engine.media.sources import open_container
 
 DEFAULT_SAMPLE_RATE = 16000
-_DECODE_ERRORS = (sf.SoundFileError, av.FFmpegError, OSError, ValueError, EOFError)
 _BLOCK_FRAMES = 1 << 16
+# Samples (frames x channels) read from libsndfile at once: a header claiming hundreds of
+# channels cannot make one block large.
+_BLOCK_SAMPLES = 1 << 18
+_FLOAT32_BYTES = 4
 
 
 @dataclass
@@ -43,24 +54,60 @@ def check_sample_rate(rate: object, limits: MediaLimits, item: str, what: str) -
     return int(rate)
 
 
-def decode_audio(data: bytes, *, sample_rate: int, limits: MediaLimits, item: str) -> AudioClip:
+def decode_audio(
+    data: bytes,
+    *,
+    sample_rate: int,
+    limits: MediaLimits,
+    item: str,
+    budget: RequestBudget | None = None,
+) -> AudioClip:
     """Decode ``data`` to mono at ``sample_rate`` Hz.
 
-    libsndfile reads WAV, FLAC, OGG/Vorbis and MP3; anything else (AAC, M4A, Opus, WebM,
-    the audio track of a video) goes through FFmpeg. Duration and sample rate are checked
-    from the header where it has them, and the duration again while decoding.
+    libsndfile reads WAV, FLAC and Ogg (recognised by their signatures; it is handed nothing
+    else); everything else (MP3, AAC, M4A, Opus in WebM, the audio track of a video) goes
+    through FFmpeg, in an allowed container and codec. Duration and sample rate are checked
+    from the header where it has them, and the duration again while decoding; the output is
+    reserved in ``budget`` (by default a budget of its own) from the header's duration and
+    again as it grows.
     """
-    with decoder_errors(item, "audio", _DECODE_ERRORS):
-        try:
-            sound = sf.SoundFile(io.BytesIO(data))
-        except sf.SoundFileError:
-            return _decode_with_ffmpeg(data, sample_rate, limits, item)
+    output = _Output(budget or RequestBudget.for_limits(limits), sample_rate, item)
+    with decoder_errors(item, "audio"):
+        sound = None
+        if data[:4] in SOUNDFILE_SIGNATURES:
+            try:
+                sound = sf.SoundFile(io.BytesIO(data))
+            except sf.SoundFileError:
+                sound = None
+        if sound is None or sound.format not in SOUNDFILE_FORMATS:
+            if sound is not None:
+                sound.close()
+            return _decode_with_ffmpeg(data, sample_rate, limits, item, output)
         with sound:
-            return _decode_with_soundfile(sound, sample_rate, limits, item)
+            return _decode_with_soundfile(sound, sample_rate, limits, item, output)
+
+
+class _Output:
+    """Reserves a clip's float32 output in the request budget as its known duration grows."""
+
+    def __init__(self, budget: RequestBudget, sample_rate: int, item: str) -> None:
+        self._budget = budget
+        self._rate = sample_rate
+        self._item = item
+
+    def reserve(self, seconds: float) -> None:
+        samples = math.ceil(seconds * self._rate) + 1
+        self._budget.reserve_decoded(samples * _FLOAT32_BYTES, self._item)
 
 
 def clip_from_waveform(
-    waveform: np.ndarray, source_rate: int, *, sample_rate: int, limits: MediaLimits, item: str
+    waveform: np.ndarray,
+    source_rate: int,
+    *,
+    sample_rate: int,
+    limits: MediaLimits,
+    item: str,
+    budget: RequestBudget | None = None,
 ) -> AudioClip:
     """Resample an in-memory waveform to mono at ``sample_rate`` Hz.
 
@@ -77,36 +124,48 @@ def clip_from_waveform(
             f"{item}: waveforms must be shaped [N], [C, N] or [N, C], got {list(waveform.shape)}"
         )
     _check_duration(len(samples) / source_rate, limits, item)
+    output = _Output(budget or RequestBudget.for_limits(limits), sample_rate, item)
+    output.reserve(len(samples) / source_rate)
     resampler = _MonoResampler(source_rate, sample_rate)
     resampler.push(samples)
     return _finished(resampler, item)
 
 
 def _decode_with_soundfile(
-    sound: sf.SoundFile, sample_rate: int, limits: MediaLimits, item: str
+    sound: sf.SoundFile, sample_rate: int, limits: MediaLimits, item: str, output: _Output
 ) -> AudioClip:
     source_rate = check_sample_rate(sound.samplerate, limits, item, "sample rate")
     _check_duration(sound.frames / source_rate, limits, item)
+    output.reserve(sound.frames / source_rate)
     resampler = _MonoResampler(source_rate, sample_rate)
     read = 0
+    blocksize = max(1, _BLOCK_SAMPLES // max(sound.channels, 1))
     # The header's frame count may be wrong, so the duration is checked again while reading.
-    for block in sound.blocks(blocksize=_BLOCK_FRAMES, dtype="float32", always_2d=True):
+    for block in sound.blocks(blocksize=blocksize, dtype="float32", always_2d=True):
         read += len(block)
         _check_duration(read / source_rate, limits, item)
+        output.reserve(read / source_rate)
         resampler.push(block.mean(axis=1, dtype=np.float32))
     return _finished(resampler, item)
 
 
-def _decode_with_ffmpeg(data: bytes, sample_rate: int, limits: MediaLimits, item: str) -> AudioClip:
-    with open_container(data) as container:
+def _decode_with_ffmpeg(
+    data: bytes, sample_rate: int, limits: MediaLimits, item: str, output: _Output
+) -> AudioClip:
+    with open_container(data, item, "audio") as container:
         if not container.streams.audio:
             raise MediaError(f"{item}: the file contains no audio stream")
         stream = container.streams.audio[0]
+        check_codec(stream, AUDIO_CODECS, item, "audio")
         check_sample_rate(stream.sample_rate, limits, item, "sample rate")
         if stream.duration and stream.time_base:
-            _check_duration(float(stream.duration * stream.time_base), limits, item)
+            declared = float(stream.duration * stream.time_base)
         elif container.duration:
-            _check_duration(container.duration / av.time_base, limits, item)
+            declared = container.duration / av.time_base
+        else:
+            declared = 0.0
+        _check_duration(declared, limits, item)
+        output.reserve(declared)
         # Planar float32 at the source rate and layout; downmix and rate change follow.
         to_float = av.AudioResampler(format="fltp")
         resampler: _MonoResampler | None = None
@@ -119,6 +178,7 @@ def _decode_with_ffmpeg(data: bytes, sample_rate: int, limits: MediaLimits, item
                     resampler = _MonoResampler(rate, sample_rate)
                 seconds += converted.samples / converted.sample_rate
                 _check_duration(seconds, limits, item)
+                output.reserve(seconds)
                 resampler.push(converted.to_ndarray().mean(axis=0, dtype=np.float32))
     if resampler is None:
         raise MediaError(f"{item}: the audio contains no samples")

@@ -1,54 +1,55 @@
-"""Turn encoded image bytes or in-memory pixels into an upright, fully loaded RGB PIL image
-within the pixel limits."""
+"""Turn encoded image bytes (of an allowed format) or in-memory pixels into an upright, fully
+loaded RGB PIL image within the pixel limits."""
 
 from __future__ import annotations
 
 import io
-import struct
 import warnings
-import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from engine.media.budget import RequestBudget
+from engine.media.formats import IMAGE_FORMATS, allowed_image_formats, image_format_name
 from engine.media.limits import MediaError, MediaLimits, decoder_errors
 
-# What Pillow raises on malformed or truncated input, besides its bomb guard.
-_DECODE_ERRORS = (
-    UnidentifiedImageError,
-    OSError,
-    SyntaxError,
-    ValueError,
-    EOFError,
-    IndexError,
-    struct.error,
-    zlib.error,
-)
 # Every header is checked against max_image_pixels, which makes Pillow's warning-level bomb
 # guard redundant noise; its error-level guard still applies and becomes a MediaError.
 warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 
 _ALPHA_MODES = frozenset({"RGBA", "RGBa", "LA", "La", "PA"})
 _HIGH_DEPTH_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N", "I", "F"})
+# Enough of a file's start for every signature test.
+_PREFIX_BYTES = 64
 
 
-def decode_image(data: bytes, *, limits: MediaLimits, item: str) -> Image.Image:
-    """Decode ``data`` (any format Pillow reads; the first frame of an animation).
+def decode_image(
+    data: bytes, *, limits: MediaLimits, item: str, budget: RequestBudget | None = None
+) -> Image.Image:
+    """Decode ``data`` (the first frame of an animation) if it is one of ``IMAGE_FORMATS``.
 
-    The pixel count is checked from the header before any pixel is decoded, so a small file
-    declaring a huge canvas is refused without allocating it.
+    The pixel count is checked from the header, and the decoded RGB image reserved in
+    ``budget`` (by default a budget of its own), before any pixel is decoded, so a small file
+    declaring a huge canvas is refused without allocating it. Any other format is refused by
+    name without being parsed; any decoder failure is a MediaError.
     """
+    budget = budget or RequestBudget.for_limits(limits)
     with _decoder_errors(limits, item):
-        with Image.open(io.BytesIO(data)) as opened:
+        with _open(data, item) as opened:
             check_image_size(opened.size, limits, item)
+            budget.reserve_decoded(_rgb_bytes(opened.size), item)
             ImageOps.exif_transpose(opened, in_place=True)
             return to_rgb(opened)
 
 
 def image_from_pixels(
-    pixels: Image.Image | np.ndarray, *, limits: MediaLimits, item: str
+    pixels: Image.Image | np.ndarray,
+    *,
+    limits: MediaLimits,
+    item: str,
+    budget: RequestBudget | None = None,
 ) -> Image.Image:
     """An RGB copy of an in-memory image.
 
@@ -59,17 +60,41 @@ def image_from_pixels(
         pixels = Image.fromarray(_channels_last(pixels, item))
     with _decoder_errors(limits, item):
         check_image_size(pixels.size, limits, item)
+        (budget or RequestBudget.for_limits(limits)).reserve_decoded(
+            _rgb_bytes(pixels.size), item
+        )
         return to_rgb(ImageOps.exif_transpose(pixels))
+
+
+def _open(data: bytes, item: str) -> Image.Image:
+    """Open (parse the header of) ``data`` with the allowed Pillow plugins only."""
+    try:
+        return Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
+    except UnidentifiedImageError as e:
+        name = image_format_name(data[:_PREFIX_BYTES])
+        if name is None or name in IMAGE_FORMATS:
+            raise MediaError(
+                f"{item}: could not decode the image (unrecognised, truncated or corrupted "
+                f"data; accepted formats: {allowed_image_formats()})"
+            ) from e
+        raise MediaError(
+            f"{item}: the data looks like {name}, an image format that is not accepted "
+            f"(accepted formats: {allowed_image_formats()})"
+        ) from e
+
+
+def _rgb_bytes(size: tuple[int, int]) -> int:
+    return size[0] * size[1] * 3
 
 
 @contextmanager
 def _decoder_errors(limits: MediaLimits, item: str) -> Iterator[None]:
     """Re-raise Pillow's failures, its decompression-bomb guard included, as MediaError."""
-    try:
-        with decoder_errors(item, "image", _DECODE_ERRORS):
+    with decoder_errors(item, "image"):
+        try:
             yield
-    except Image.DecompressionBombError as e:
-        raise _too_many_pixels(item, limits, None) from e
+        except Image.DecompressionBombError as e:
+            raise _too_many_pixels(item, limits, None) from e
 
 
 def check_image_size(size: tuple[int, int], limits: MediaLimits, item: str) -> None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
 
@@ -28,14 +31,36 @@ class MediaFetchError(MediaError):
     HTTP error status. (URLs refused by policy are plain MediaErrors: the request is wrong.)"""
 
 
+def check_item_bytes(nbytes: int, limits: MediaLimits, item: str) -> None:
+    """Refuse an item of more than ``limits.max_item_bytes`` encoded bytes."""
+    if nbytes > limits.max_item_bytes:
+        raise MediaError(
+            f"{item}: larger than the limit of {limits.max_item_bytes} bytes "
+            "(MediaLimits.max_item_bytes)"
+        )
+
+
 @contextmanager
-def decoder_errors(item: str, what: str, errors: tuple[type[BaseException], ...]) -> Iterator[None]:
-    """Re-raise a decoder's ``errors`` as "<item>: could not decode the <what> ..."."""
+def decoder_errors(item: str, what: str) -> Iterator[None]:
+    """Re-raise any failure of a decoder library as "<item>: could not decode the <what> ...".
+
+    Decoders raise whatever their authors chose (Pillow alone raises OSError, SyntaxError,
+    ValueError, NotImplementedError, KeyError, struct.error ...), so every exception but our
+    own MediaError counts: malformed input must never surface as a server error. The original
+    exception is chained for debugging and logged at debug level, never put in the message.
+    """
     try:
         yield
     except MediaError:
         raise
-    except errors as e:
+    except NotImplementedError as e:
+        log.debug("%s: %s decoder failed", item, what, exc_info=True)
+        raise MediaError(
+            f"{item}: could not decode the {what}: it uses a feature or pixel format that the "
+            "decoder does not support"
+        ) from e
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        log.debug("%s: %s decoder failed", item, what, exc_info=True)
         raise MediaError(
             f"{item}: could not decode the {what} (unrecognised, truncated or corrupted data)"
         ) from e
@@ -48,6 +73,10 @@ class MediaLimits:
     Defaults:
         max_item_bytes: 64 MiB of encoded bytes per item (file, download, base64 payload).
         max_request_bytes: 256 MiB of encoded bytes across all items of one request.
+        max_request_decoded_bytes: 1 GiB of decoded media across all items of one request:
+            RGB pixels of images and sampled video frames, float32 samples of audio. Each item
+            reserves its share from its headers before it is decoded, so a request over the
+            cap is refused before the memory is allocated.
         max_image_pixels: 33_177_600 (7680x4320, 8K UHD) pixels per image, checked from the
             header before any pixel is decoded. Raising it past Pillow's own process-wide
             guard (2 x ``PIL.Image.MAX_IMAGE_PIXELS``, about 179 million) has no effect.
@@ -74,6 +103,7 @@ class MediaLimits:
 
     max_item_bytes: int = 64 * MiB
     max_request_bytes: int = 256 * MiB
+    max_request_decoded_bytes: int = 1024 * MiB
     max_image_pixels: int = 7680 * 4320
     min_image_side: int = 1
     max_video_duration_s: float = 600.0
@@ -98,6 +128,7 @@ class MediaLimits:
         for name in (
             "max_item_bytes",
             "max_request_bytes",
+            "max_request_decoded_bytes",
             "max_image_pixels",
             "min_image_side",
             "max_video_frames",

@@ -20,9 +20,10 @@ from engine.media.audio import (
     clip_from_waveform,
     decode_audio,
 )
+from engine.media.budget import RequestBudget
 from engine.media.image import decode_image, image_from_pixels
 from engine.media.limits import MODALITIES, MediaError, MediaLimits
-from engine.media.sources import RequestBudget, read_source
+from engine.media.sources import read_source
 from engine.media.video import (
     DEFAULT_FPS,
     VideoFrames,
@@ -68,7 +69,7 @@ def load_video_sync(
     item: str = "video 1",
 ) -> VideoFrames:
     """Sample one video at ``fps`` frames per second, clamped to [min_frames, max_frames]
-    frames (``max_frames`` defaults to, and is capped at, ``limits.max_video_frames``).
+    frames (``max_frames`` defaults to ``limits.max_video_frames``; a larger one is refused).
 
     ``src``: any encoded source ``load_image_sync`` takes, or in-memory frames: a uint8
     array or tensor [N, H, W, 3] or [N, 3, H, W], or a list of PIL images (played at
@@ -217,7 +218,7 @@ def _plan(
     unexpected = sorted(set(audio_kwargs) - {"sample_rate"})
     if unexpected:
         raise TypeError(f"unexpected audio_kwargs {unexpected}")
-    budget = RequestBudget(limits.max_request_bytes)
+    budget = RequestBudget.for_limits(limits)
     jobs: list[tuple[str, Callable[[], Any]]] = []
     for modality, sources in items.items():
         for number, src in enumerate(sources, start=1):
@@ -258,11 +259,12 @@ async def _in_worker(job: Callable[[], T]) -> T:
 
 
 def _image(src: Any, limits: MediaLimits, item: str, budget: RequestBudget | None) -> Image.Image:
+    budget = budget or RequestBudget.for_limits(limits)
     pixels = src if isinstance(src, Image.Image) else _as_numpy(src)
     if pixels is not None:
-        return image_from_pixels(pixels, limits=limits, item=item)
+        return image_from_pixels(pixels, limits=limits, item=item, budget=budget)
     data = read_source(src, limits=limits, item=item, budget=budget)
-    return decode_image(data, limits=limits, item=item)
+    return decode_image(data, limits=limits, item=item, budget=budget)
 
 
 def _video(
@@ -272,30 +274,38 @@ def _video(
     item: str,
     budget: RequestBudget | None,
 ) -> VideoFrames:
+    budget = budget or RequestBudget.for_limits(limits)
     if isinstance(src, Image.Image):
         src = [src]
     if isinstance(src, list | tuple):
         frames = [_as_numpy(frame) if _is_tensor(frame) else frame for frame in src]
-        return frames_from_pixels(frames, sampling=sampling, limits=limits, item=item)
+        return frames_from_pixels(
+            frames, sampling=sampling, limits=limits, item=item, budget=budget
+        )
     pixels = _as_numpy(src)
     if pixels is not None:
-        return frames_from_pixels(pixels, sampling=sampling, limits=limits, item=item)
+        return frames_from_pixels(
+            pixels, sampling=sampling, limits=limits, item=item, budget=budget
+        )
     data = read_source(src, limits=limits, item=item, budget=budget)
-    return decode_video(data, sampling=sampling, limits=limits, item=item)
+    return decode_video(data, sampling=sampling, limits=limits, item=item, budget=budget)
 
 
 def _audio(
     src: Any, sample_rate: int, limits: MediaLimits, item: str, budget: RequestBudget | None
 ) -> AudioClip:
+    budget = budget or RequestBudget.for_limits(limits)
     if isinstance(src, tuple):
         waveform = _as_numpy(src[0]) if len(src) == 2 else None
         if waveform is None:
             raise MediaError(f"{item}: in-memory audio must be a (waveform, sample_rate) tuple")
         return clip_from_waveform(
-            waveform, src[1], sample_rate=sample_rate, limits=limits, item=item
+            waveform, src[1], sample_rate=sample_rate, limits=limits, item=item, budget=budget
         )
     data = read_source(src, limits=limits, item=item, budget=budget)
-    return decode_audio(data, sample_rate=sample_rate, limits=limits, item=item)
+    return decode_audio(
+        data, sample_rate=sample_rate, limits=limits, item=item, budget=budget
+    )
 
 
 def _as_numpy(value: Any) -> np.ndarray | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import numbers
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -15,12 +16,14 @@ import numpy as np
 from av.sidedata.sidedata import Type as SideDataType
 from PIL import Image
 
+from engine.media.budget import RequestBudget
+from engine.media.formats import VIDEO_CODECS, check_codec, open_container
 from engine.media.image import to_rgb
 from engine.media.limits import MediaError, MediaLimits, decoder_errors
-from engine.media.sources import open_container
 
 DEFAULT_FPS = 2.0
-_DECODE_ERRORS = (av.FFmpegError, OSError, ValueError)
+# Sampling faster than the fastest cameras record only repeats frames.
+MAX_FPS = 240.0
 # Frame times are rationals; this absorbs float rounding when comparing them to targets.
 _TIME_EPS = 1e-6
 
@@ -66,35 +69,63 @@ def video_sampling(
     limits: MediaLimits,
     item: str,
 ) -> VideoSampling:
-    """Validate the caller's sampling request; ``max_frames`` is capped at the limit."""
-    if not (isinstance(fps, int | float) and math.isfinite(fps) and fps > 0):
-        raise MediaError(f"{item}: fps must be a finite number > 0, got {fps!r}")
-    cap = limits.max_video_frames
-    if max_frames is not None:
-        cap = min(max_frames, cap)
-    if min_frames < 1 or min_frames > cap:
+    """Validate the caller's sampling request; ``max_frames`` defaults to the limit, and a
+    value above it is refused."""
+    if (
+        isinstance(fps, bool)
+        or not isinstance(fps, numbers.Real)
+        or not math.isfinite(fps)
+        or not 0 < fps <= MAX_FPS
+    ):
         raise MediaError(
-            f"{item}: min_frames={min_frames} must be between 1 and {cap} (max_frames, at most "
-            f"MediaLimits.max_video_frames={limits.max_video_frames})"
+            f"{item}: fps must be a finite number > 0 and <= {MAX_FPS:g}, got {fps!r}"
         )
-    return VideoSampling(target_fps=float(fps), min_frames=min_frames, max_frames=cap)
+    limit = limits.max_video_frames
+    if max_frames is None:
+        max_frames = limit
+    if not _is_int(max_frames) or not 1 <= max_frames <= limit:
+        raise MediaError(
+            f"{item}: max_frames={max_frames!r} must be an integer between 1 and {limit} "
+            "(MediaLimits.max_video_frames)"
+        )
+    if not _is_int(min_frames) or not 1 <= min_frames <= max_frames:
+        raise MediaError(
+            f"{item}: min_frames={min_frames!r} must be between 1 and {max_frames} (max_frames, "
+            f"at most MediaLimits.max_video_frames={limit})"
+        )
+    return VideoSampling(
+        target_fps=float(fps), min_frames=int(min_frames), max_frames=int(max_frames)
+    )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def decode_video(
-    data: bytes, *, sampling: VideoSampling, limits: MediaLimits, item: str
+    data: bytes,
+    *,
+    sampling: VideoSampling,
+    limits: MediaLimits,
+    item: str,
+    budget: RequestBudget | None = None,
 ) -> VideoFrames:
-    """Decode the frames ``sampling`` selects from the first video stream of ``data``.
+    """Decode the frames ``sampling`` selects from the first video stream of ``data``, which
+    must be in an allowed container and codec (engine.media.formats).
 
     Duration and frame size come from the container and stream headers and are checked
-    against the limits before any frame is decoded.
+    against the limits before any frame is decoded; the decoder itself refuses frames past
+    ``max_video_frame_pixels``, and the sampled frames are reserved in ``budget`` (by default
+    a budget of their own) before they are allocated.
     """
-    with decoder_errors(item, "video", _DECODE_ERRORS):
+    budget = budget or RequestBudget.for_limits(limits)
+    with decoder_errors(item, "video"):
         try:
-            return _decode(data, sampling, limits, item, seek=True)
+            return _decode(data, sampling, limits, item, budget, seek=True)
         except _SeekFailed:
             # Some inputs (raw elementary streams) cannot seek, and a failed seek leaves the
             # demuxer unusable: start over and only decode forward.
-            return _decode(data, sampling, limits, item, seek=False)
+            return _decode(data, sampling, limits, item, budget, seek=False)
 
 
 def frames_from_pixels(
@@ -103,6 +134,7 @@ def frames_from_pixels(
     sampling: VideoSampling,
     limits: MediaLimits,
     item: str,
+    budget: RequestBudget | None = None,
 ) -> VideoFrames:
     """Sample in-memory frames as a video playing at ``sampling.target_fps``.
 
@@ -120,6 +152,7 @@ def frames_from_pixels(
     targets = np.arange(count) * (duration / count)
     chosen = np.searchsorted(times, targets - _TIME_EPS).clip(max=total - 1)
     out_w, out_h = _fit_budget(width, height, count, limits)
+    (budget or RequestBudget.for_limits(limits)).reserve_decoded(count * out_w * out_h * 3, item)
     frames = stack[chosen]
     if (out_w, out_h) != (width, height):
         frames = np.stack([_resize(f, out_w, out_h) for f in frames])
@@ -144,19 +177,29 @@ class _SeekFailed(Exception):
 
 
 def _decode(
-    data: bytes, sampling: VideoSampling, limits: MediaLimits, item: str, *, seek: bool
+    data: bytes,
+    sampling: VideoSampling,
+    limits: MediaLimits,
+    item: str,
+    budget: RequestBudget,
+    *,
+    seek: bool,
 ) -> VideoFrames:
-    with open_container(data) as container:
+    with open_container(data, item, "video") as container:
         if not container.streams.video:
             raise MediaError(f"{item}: the file contains no video stream")
         stream = container.streams.video[0]
+        check_codec(stream, VIDEO_CODECS, item, "video")
+        # A stream may change resolution mid-way; FFmpeg refuses frames past the limit
+        # before allocating them.
+        stream.codec_context.options = {"max_pixels": str(limits.max_video_frame_pixels)}
         start, duration, fps, frame_count = _probe(container, stream, data, limits, item)
         _check_frame_size(stream.width, stream.height, limits, item)
         count = _sample_count(duration, frame_count, sampling)
         targets = [start + k * duration / count for k in range(count)]
         cursor = _Cursor(container, stream, fps)
         frames, times = _to_rgb_frames(
-            _first_frames_at(cursor, targets, seek=seek), count, limits, item
+            _first_frames_at(cursor, targets, seek=seek), count, limits, item, budget
         )
     return VideoFrames(
         frames=frames,
@@ -209,7 +252,7 @@ def _demuxed_duration(data: bytes, fps: float, limits: MediaLimits, item: str) -
     first = last = None
     packets = 0
     duration = 0.0
-    with open_container(data) as container:
+    with open_container(data, item, "video") as container:
         for packet in container.demux(container.streams.video[0]):
             if not packet.size:
                 continue
@@ -339,7 +382,11 @@ def _keyframe_before(keyframes: list[float], target: float) -> float:
 
 
 def _to_rgb_frames(
-    picks: Iterator[tuple[av.VideoFrame, float]], count: int, limits: MediaLimits, item: str
+    picks: Iterator[tuple[av.VideoFrame, float]],
+    count: int,
+    limits: MediaLimits,
+    item: str,
+    budget: RequestBudget,
 ) -> tuple[np.ndarray, list[float]]:
     """Convert the picked frames, and only them, to one uint8 [count, H, W, 3] array.
 
@@ -353,6 +400,7 @@ def _to_rgb_frames(
     width, height = _fit_budget(first[0].width, first[0].height, count, limits)
     orientation = _orientation(_display_matrix(first[0]))
     shape = (width, height) if orientation.transpose else (height, width)
+    budget.reserve_decoded(count * width * height * 3, item)
     out = np.empty((count, *shape, 3), dtype=np.uint8)
     times: list[float] = []
     previous = None
