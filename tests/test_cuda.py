@@ -73,3 +73,62 @@ def test_device_timer_measures_the_kernels_not_their_launch():
         x = x @ x / 64
     torch.cuda.synchronize()
     assert timer.seconds() > 0.5 * (time.perf_counter() - t0)
+
+
+@pytest.fixture(scope="module")
+def gemma_text_path(tmp_path_factory):
+    """Gemma 3 text: 5 sliding-window layers to 1 global, sandwich norms, two rope bases."""
+    from models.tiny import build_text_model
+
+    config = {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 6,
+              "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+              "hidden_activation": "gelu_pytorch_tanh"}
+    return build_text_model(tmp_path_factory.mktemp("gemma") / "m", "gemma3_text", num_layers=6,
+                            num_kv_heads=1, tie_word_embeddings=True, config_overrides=config)
+
+
+def test_sliding_windows_and_mixed_steps_match_cpu(gemma_text_path):
+    """Windowed layers, chunks reading the cache, decodes of different contexts in buckets."""
+    prompts = [[5, 17, 99, 3] * k for k in (1, 5, 11, 30)]
+    cpu = LLM(gemma_text_path, device="cpu", dtype="float32", max_model_len=256)
+    gpu = LLM(gemma_text_path, device="cuda", dtype="float32", max_model_len=256,
+              max_num_batched_tokens=24, block_size=8)
+    expected = [o.outputs[0].token_ids for o in cpu.generate(prompts, GREEDY)]
+    assert [o.outputs[0].token_ids for o in gpu.generate(prompts, GREEDY)] == expected
+
+
+def test_attention_features_match_the_cpu_on_cuda():
+    """Soft-capping, a window and a bidirectional span, in a step mixing a chunk and decodes."""
+    from models.attention import LayerAttention, paged_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(14, h, 8, generator=gen) for h in (4, 2, 2))
+    starts, tables = [0, 5, 14], [[0, 1, 2], [3, 4], [5, 6, 7, 8]]
+    lens = [12, 1, 1]
+    out = {}
+    for device in ("cpu", "cuda"):
+        dev = torch.device(device)
+        cache = torch.randn(2, 2, 12, 4, 8, generator=torch.Generator().manual_seed(1)).to(dev)
+        meta = build_metadata(starts, lens, tables, 4, dev, windows=(None, 5),
+                              bidirectional=[[(3, 8)], [], []])
+        layer = LayerAttention(sliding_window=5, softcap=2.0)
+        out[device] = paged_attention(q.to(dev), k.to(dev), v.to(dev), cache, meta, 0.3, layer)
+    torch.testing.assert_close(out["cuda"].cpu(), out["cpu"], atol=1e-5, rtol=0)
+
+
+def test_windowed_mixed_forward_does_not_synchronize(gemma_text_path):
+    model = LLM(gemma_text_path, device="cuda", max_model_len=256).engine.runner.model
+    device = torch.device("cuda")
+    starts, lens = [40, 3, 0, 100], [1, 1, 9, 1]
+    tables = [[0, 1, 2], [3], [4], [5, 6, 7, 8, 9, 10, 11]]
+    ids = torch.arange(12, device=device)
+    pos = torch.tensor([40, 3, *range(9), 100], device=device)
+    meta = build_metadata(starts, lens, tables, 16, device, model.embed_tokens.weight.dtype,
+                          windows=model.attention_windows())
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.inference_mode():
+            model.compute_logits(model(ids, pos, meta))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
