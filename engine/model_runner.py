@@ -22,6 +22,7 @@ from engine.device import DeviceTimer, to_device, wait_for_device
 from engine.sampler import SamplingBatch, sample
 from engine.scheduler import SchedulerOutput
 from models.attention import build_metadata, choose_decode_kernel
+from models.attention_varlen import choose_backend
 from models.interfaces import LanguageModel
 from models.loader import build_on_meta, iter_checkpoint, load_weights
 
@@ -75,6 +76,7 @@ class ModelRunner:
         self.decode_kernel = choose_decode_kernel(
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype, device
         )
+        self.attention_backend = choose_backend(device, dtype)
         self.layout = self._plan_kv_cache(max_len)
         self.kv_caches = self._allocate_kv_cache()
         # Encoder outputs by content hash; which ones exist is decided by EncoderCacheManager.
@@ -129,7 +131,7 @@ class ModelRunner:
             [c.start for c in chunks], [c.num_tokens for c in chunks],
             [c.req.block_ids for c in chunks], self.layout.block_size, self.device, self.dtype,
             windows=self.windows, bidirectional=[_bidirectional_spans(c) for c in chunks],
-            decode_kernel=self.decode_kernel,
+            decode_kernel=self.decode_kernel, backend=self.attention_backend,
         )
         embeds, residuals = self._splice_embeddings(input_ids, chunks)
         hidden = self.model(input_ids, positions, meta, embeds, residuals)

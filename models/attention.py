@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from models.attention_varlen import BACKENDS, VarlenBatch, build_varlen, varlen_attention
 from models.layers import to_device
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ class AttentionMetadata:
     num_tokens: int
     groups: list[AttentionGroup]
     decode_kernel: str = "sdpa"  # how decode groups attend: "sdpa" or "matmul"
+    varlen: VarlenBatch | None = None  # requests attended by flash-attn's varlen kernel
 
     def mask_bytes(self) -> int:
         """Bytes held by the step's masks (distinct tensors counted once)."""
@@ -112,6 +114,8 @@ class AttentionMetadata:
                 tensors.append(g.rows)
             for v in g.views.values():
                 tensors += [v.mask, v.block_table]
+        if self.varlen is not None:
+            tensors += [self.varlen.rows, self.varlen.key_slots]
         return _nbytes(tensors)
 
 
@@ -131,16 +135,20 @@ def build_metadata(
     windows: Sequence[int | None] = (None,),
     bidirectional: Sequence[Sequence[tuple[int, int]]] | None = None,
     decode_kernel: str = "sdpa",
+    backend: str = "sdpa",
 ) -> AttentionMetadata:
     """Host-side construction of the step's attention indices (see the module docstring).
 
     `windows`: the distinct sliding windows of the model's layers (None for full attention).
     `bidirectional`: per chunk, the absolute [lo, hi) spans inside it whose tokens see each
     other both ways (each lies wholly inside its chunk). `decode_kernel`: see
-    `choose_decode_kernel`.
+    `choose_decode_kernel`. `backend` "flash_attn": every request without a bidirectional span
+    goes through one varlen call (models/attention_varlen.py), the rest through SDPA groups.
     """
     if decode_kernel not in KERNELS:
         raise ValueError(f"decode_kernel must be one of {KERNELS}, got {decode_kernel!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     slots: list[int] = []
     for start, n, blocks in zip(starts, q_lens, block_tables, strict=True):
         for pos in range(start, start + n):
@@ -150,10 +158,18 @@ def build_metadata(
     windows = tuple(dict.fromkeys(windows))
     shape = _Shape(block_size, device, dtype)
 
+    varlen = None
+    members = [backend == "flash_attn" and not s for s in spans]
+    if any(members):
+        varlen = build_varlen(starts, q_lens, block_tables, block_size, device, members)
     groups: list[AttentionGroup] = []
     decodes: list[tuple[int, int, list[int]]] = []  # (row, context length, blocks)
     row = 0
-    for start, n, blocks, own_spans in zip(starts, q_lens, block_tables, spans, strict=True):
+    for start, n, blocks, own_spans, member in zip(starts, q_lens, block_tables, spans, members,
+                                                   strict=True):
+        if member:  # attended by the varlen kernel
+            row += n
+            continue
         if n == 1:
             decodes.append((row, start + 1, blocks))
         else:
@@ -170,7 +186,7 @@ def build_metadata(
             group.views[w] = _decode_view(shape, [m[1] for m in members], [m[2] for m in members],
                                           w)
         groups.append(group)
-    return AttentionMetadata(slot_mapping, row, groups, decode_kernel)
+    return AttentionMetadata(slot_mapping, row, groups, decode_kernel, varlen)
 
 
 @dataclass(frozen=True)
@@ -276,10 +292,15 @@ def paged_attention(
     slots[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
     slots[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
 
-    if len(meta.groups) == 1 and meta.groups[0].num_seqs == 1:  # one request: no scatter
+    one = len(meta.groups) == 1 and meta.groups[0].num_seqs == 1 and meta.varlen is None
+    if one:  # one request: no scatter
         out = _attend_group(q, k, v, kv_cache, meta.groups[0], scale, layer, meta.decode_kernel)
         return out.reshape(num_tokens, num_heads * head_dim)
     out = q.new_empty(num_tokens, num_heads, head_dim)
+    if meta.varlen is not None:
+        result = varlen_attention(q, kv_cache, meta.varlen, scale, layer.sliding_window,
+                                  layer.softcap)
+        out.index_copy_(0, meta.varlen.rows, result)
     for group in meta.groups:
         result = _attend_group(q, k, v, kv_cache, group, scale, layer, meta.decode_kernel)
         if isinstance(group.rows, slice):

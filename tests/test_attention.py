@@ -339,3 +339,48 @@ def test_decode_kernel_is_chosen_by_measurement():
     assert choose_decode_kernel(4, 2, 8, torch.float32, torch.device("cuda")) == "sdpa"
     with pytest.raises(ValueError, match="decode_kernel"):
         build_metadata([0], [2], [[0]], 4, CPU, decode_kernel="fast")
+
+
+def _flash_attn_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal,
+                         window_size, softcap):
+    """flash-attn's documented varlen semantics, written out: per sequence, query i of n sees
+    key j of m when j <= i + m - n (causal, bottom-right) and (i + m - n) - j <= left."""
+    out = []
+    for b in range(len(cu_q) - 1):
+        qs, ks, vs = q[cu_q[b]:cu_q[b + 1]], k[cu_k[b]:cu_k[b + 1]], v[cu_k[b]:cu_k[b + 1]]
+        n, m = qs.shape[0], ks.shape[0]
+        rows, cols = torch.arange(n)[:, None] + m - n, torch.arange(m)[None, :]
+        visible = cols <= rows
+        if window_size[0] >= 0:
+            visible &= rows - cols <= window_size[0]
+        out.append(_reference(qs, ks, vs, visible, softmax_scale, softcap or None))
+    return torch.cat(out).view(q.shape)
+
+
+@pytest.mark.parametrize("window, softcap", [(None, None), (5, 2.0)])
+def test_varlen_backend_indices_match_the_sdpa_path(monkeypatch, window, softcap):
+    """The flash-attn backend's host-built indices (rows, cumulative lengths, context slots),
+    run through a stand-in with flash-attn's documented semantics, give the SDPA path's output;
+    a chunk with a bidirectional span stays on SDPA. (The real kernel: tests/test_cuda.py.)"""
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(
+        flash_attn_varlen_func=_flash_attn_stand_in))
+    gen = torch.Generator().manual_seed(7)
+    starts, lens = [0, 6, 13, 0], [9, 1, 1, 7]
+    tables = [[0, 1, 2], [3, 4], [5, 6, 7, 8], [9, 10]]
+    spans = [[], [], [], [(2, 5)]]
+    q = torch.randn(18, 4, 8, generator=gen)
+    k, v = torch.randn(18, 2, 8, generator=gen), torch.randn(18, 2, 8, generator=gen)
+    layer = LayerAttention(window, softcap)
+    outs = {}
+    for backend in ("sdpa", "flash_attn"):
+        cache = torch.randn(2, 2, 12, 4, 8, generator=torch.Generator().manual_seed(3))
+        meta = build_metadata(starts, lens, tables, 4, CPU, windows=(None, window),
+                              bidirectional=spans, backend=backend)
+        if backend == "flash_attn":
+            assert meta.varlen.rows.tolist() == list(range(11))  # the span chunk is not in it
+            assert [g.num_seqs for g in meta.groups] == [1]
+        outs[backend] = paged_attention(q, k, v, cache, meta, 0.3, layer)
+    torch.testing.assert_close(outs["flash_attn"], outs["sdpa"], atol=1e-5, rtol=0)
