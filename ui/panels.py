@@ -1,5 +1,9 @@
 """The engine panels as pure functions: a RequestOutput, the engine's stats and its tokenizer in,
-self-contained HTML (inline styles) or a DataFrame out. Used by the web UI and by notebooks."""
+self-contained HTML (inline styles) or a DataFrame out. Used by the web UI and by notebooks.
+
+For a remote engine they show what its server reported and, for the rest, say what is not
+known and why (the output's `unreported` sentences) rather than showing a made-up value.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 if TYPE_CHECKING:
-    from engine import PlaceholderInfo, RequestOutput
+    from engine.interface import TokenizerLike
+    from engine.outputs import PlaceholderInfo, RequestOutput
 
 MODALITY_COLORS = {"image": "#2563eb", "video": "#9333ea", "audio": "#059669"}
 # Glyphs every system font has (emoji fonts are missing on many Linux machines).
@@ -18,14 +23,17 @@ MODALITY_ICONS = {"image": "▣", "video": "▶", "audio": "♪"}
 TABLE_COLUMNS = ["item", "modality", "offset", "length", "embeds", "hash", "cache"]
 
 # Cache outcome of one media item, as shown in the table and the cache panel.
-HIT, MISS, PREFIX, PENDING = "hit", "miss", "prefix cache", "pending"
-_STATUS_COLORS = {HIT: "#16a34a", MISS: "#dc2626", PREFIX: "#0891b2", PENDING: "#6b7280"}
+HIT, MISS, PREFIX, PENDING, UNKNOWN = "hit", "miss", "prefix cache", "pending", "not reported"
+_STATUS_COLORS = {HIT: "#16a34a", MISS: "#dc2626", PREFIX: "#0891b2", PENDING: "#6b7280",
+                  UNKNOWN: "#6b7280"}
 _STATUS_HELP = {
     HIT: "embeddings reused from the encoder cache",
     MISS: "encoded by this request",
     PREFIX: "span's KV came from the prefix cache: encoder not needed",
     PENDING: "not scheduled yet",
+    UNKNOWN: "the server does not report encoder-cache outcomes",
 }
+_NO_HASH = "—"
 
 _BOX = (
     "font-family: ui-sans-serif, system-ui, sans-serif; font-size: 13px; line-height: 1.5; "
@@ -41,12 +49,13 @@ _MUTED = "color: #6b7280;"
 
 def item_labels(output: RequestOutput) -> list[str]:
     """A short name per placeholder: "image 1", or "video 1 · t0" for the parts of one video
-    (an item identifier's ":suffix" marks a part of the same media item)."""
+    (an item identifier's ":suffix" marks a part of the same media item; a placeholder without
+    an identifier is an item of its own)."""
     counts: dict[str, int] = {}
     seen: dict[str, str] = {}
     labels = []
-    for ph in output.multi_modal_placeholders:
-        base, _, part = ph.identifier.partition(":")
+    for i, ph in enumerate(output.multi_modal_placeholders):
+        base, _, part = (ph.identifier or f"\0{i}").partition(":")
         if base not in seen:
             counts[ph.modality] = counts.get(ph.modality, 0) + 1
             seen[base] = f"{ph.modality} {counts[ph.modality]}"
@@ -55,31 +64,35 @@ def item_labels(output: RequestOutput) -> list[str]:
 
 
 def cache_status(output: RequestOutput, ph: PlaceholderInfo) -> str:
-    """HIT, MISS, PREFIX (the span lay in the reused prefix, so no lookup was needed) or
-    PENDING (not scheduled yet)."""
+    """HIT, MISS, PREFIX (the span lay in the reused prefix, so no lookup was needed),
+    PENDING (not scheduled yet) or UNKNOWN (a server that does not report the outcome)."""
     if ph.cache_hit is not None:
         return HIT if ph.cache_hit else MISS
-    if output.num_cached_tokens >= ph.offset + ph.length:
+    cached = output.num_cached_tokens
+    if cached is not None and cached >= ph.offset + ph.length:
         return PREFIX
-    return PENDING
+    return UNKNOWN if "encoder_cache" in output.unreported else PENDING
 
 
 def placeholder_table(output: RequestOutput) -> pd.DataFrame:
     """One row per media placeholder: its span, embed count, short hash and cache outcome."""
     rows = [
-        [label, ph.modality, ph.offset, ph.length, ph.num_embeds, ph.identifier.split(":")[0][:8],
+        [label, ph.modality, ph.offset, ph.length, ph.num_embeds, _short_hash(ph),
          cache_status(output, ph)]
         for label, ph in zip(item_labels(output), output.multi_modal_placeholders, strict=True)
     ]
     return pd.DataFrame(rows, columns=TABLE_COLUMNS)
 
 
-def placeholder_html(output: RequestOutput, tokenizer: Any, *, max_run: int = 160) -> str:
+def placeholder_html(
+    output: RequestOutput, tokenizer: TokenizerLike | None, *, max_run: int = 160
+) -> str:
     """The prompt as a strip of tokens with each media span collapsed into one coloured chip
     (modality, offset, length, embeds, short hash, cache outcome). Text runs longer than
-    `max_run` tokens show their two ends around an elided middle."""
+    `max_run` tokens show their two ends around an elided middle; without a tokenizer (a
+    remote engine) each text run is one chip that counts its tokens."""
     ids = output.prompt_token_ids
-    special = set(getattr(tokenizer, "all_special_ids", ()))
+    special = set(tokenizer.all_special_ids) if tokenizer is not None else set()
     parts = []
     pos = 0
     spans = zip(item_labels(output), output.multi_modal_placeholders, strict=True)
@@ -92,22 +105,34 @@ def placeholder_html(output: RequestOutput, tokenizer: Any, *, max_run: int = 16
         f'<span style="{_CHIP}background:{color};color:#fff">{MODALITY_ICONS[m]} {m}</span>'
         for m, color in MODALITY_COLORS.items()
     )
+    n = output.num_prompt_tokens
     head = (
-        f'<div style="{_MUTED}margin-bottom:4px">{len(ids)} prompt tokens · '
+        f'<div style="{_MUTED}margin-bottom:4px">{"?" if n is None else n} prompt tokens · '
         f"{len(output.multi_modal_placeholders)} media spans · {legend}</div>"
     )
+    notes = "".join(
+        f'<div style="{_MUTED}margin-bottom:4px">{html.escape(output.unreported[key])}</div>'
+        for key in ("prompt_token_ids", "placeholders") if key in output.unreported
+    )
+    if ids and tokenizer is None:
+        notes += (f'<div style="{_MUTED}margin-bottom:4px">Token texts are not shown: the '
+                  "server does not send them and no tokenizer is loaded here.</div>")
     strip = (
         '<div style="font-family: ui-monospace, monospace; font-size: 12px; '
         f'white-space: pre-wrap; word-break: break-all">{"".join(parts)}</div>'
     )
-    return f'<div class="mm-placeholders" style="{_BOX}">{head}{strip}</div>'
+    return f'<div class="mm-placeholders" style="{_BOX}">{head}{notes}{strip}</div>'
 
 
 def _text_run(
-    ids: list[int], start: int, end: int, tokenizer: Any, special: set[int], max_run: int
+    ids: list[int], start: int, end: int, tokenizer: TokenizerLike | None, special: set[int],
+    max_run: int,
 ) -> str:
     if end <= start:
         return ""
+    if tokenizer is None:
+        return (f'<span title="tokens {start}–{end - 1}" style="{_CHIP}background:#f3f4f6">'
+                f"{end - start} text tokens</span>")
     if end - start <= max_run:
         return _tokens(ids, start, end, tokenizer, special)
     half = max_run // 2
@@ -117,7 +142,9 @@ def _text_run(
     return head + gap + _tokens(ids, end - half, end, tokenizer, special)
 
 
-def _tokens(ids: list[int], start: int, end: int, tokenizer: Any, special: set[int]) -> str:
+def _tokens(
+    ids: list[int], start: int, end: int, tokenizer: TokenizerLike, special: set[int]
+) -> str:
     texts = tokenizer.batch_decode([[t] for t in ids[start:end]])
     out = []
     for pos, (tid, text) in enumerate(zip(ids[start:end], texts, strict=True), start):
@@ -139,14 +166,18 @@ def _media_chip(label: str, ph: PlaceholderInfo, status: str) -> str:
     )
     title = (
         f"{label}: tokens {ph.offset}–{ph.offset + ph.length - 1}, {embeds}, "
-        f"hash {ph.identifier}, {_STATUS_HELP[status]}"
+        f"hash {ph.identifier or 'not reported'}, {_STATUS_HELP[status]}"
     )
     return (
         f'<span title="{html.escape(title)}" style="{_CHIP}background:{color};color:#fff;'
         f'font-family: ui-sans-serif, system-ui, sans-serif;padding:1px 6px">'
         f"{MODALITY_ICONS.get(ph.modality, '')} {html.escape(label)} · "
-        f"@{ph.offset} ×{ph.length} · {embeds} · {ph.identifier[:8]} · {status}</span>"
+        f"@{ph.offset} ×{ph.length} · {embeds} · {_short_hash(ph)} · {status}</span>"
     )
+
+
+def _short_hash(ph: PlaceholderInfo) -> str:
+    return ph.identifier.split(":")[0][:8] if ph.identifier else _NO_HASH
 
 
 # ---- caches -----------------------------------------------------------------------------------
@@ -154,27 +185,40 @@ def _media_chip(label: str, ph: PlaceholderInfo, status: str) -> str:
 
 def cache_html(output: RequestOutput) -> str:
     """This request's cache use: prefix-cached prompt tokens and each item's encoder outcome."""
-    n = len(output.prompt_token_ids)
+    n = output.num_prompt_tokens
     cached = output.num_cached_tokens
     m = output.metrics
-    lines = [
-        f"<b>Prefix cache</b>: {cached} of {n} prompt tokens reused "
-        f"({_pct(cached / n if n else 0.0)})",
-        f"<b>Encoder</b>: {m.encoder_cache_hits} hits · {m.encoder_cache_misses} misses · "
-        f"{m.encoder_calls} calls, {_ms(m.encoder_time)}",
-    ]
+    if cached is None:
+        prefix = f"<b>Prefix cache</b>: {_unknown(output, 'cached_tokens')}"
+    else:
+        share = f" ({_pct(cached / n if n else 0.0)})" if n is not None else ""
+        prefix = (f"<b>Prefix cache</b>: {cached} of {'?' if n is None else n} prompt tokens "
+                  f"reused{share}")
+    if "encoder_cache" in output.unreported:
+        encoder = f"<b>Encoder</b>: {_unknown(output, 'encoder_cache')}"
+    else:
+        encoder = (f"<b>Encoder</b>: {m.encoder_cache_hits} hits · {m.encoder_cache_misses} "
+                   f"misses · {m.encoder_calls} calls, {_ms(m.encoder_time)}")
+    lines = [prefix, encoder]
     for label, ph in zip(item_labels(output), output.multi_modal_placeholders, strict=True):
         status = cache_status(output, ph)
         lines.append(
             f'<span style="{_CHIP}background:{_STATUS_COLORS[status]};color:#fff">{status}</span> '
-            f"{html.escape(label)} <code>{ph.identifier[:8]}</code> "
+            f"{html.escape(label)} <code>{_short_hash(ph)}</code> "
             f'<span style="{_MUTED}">{_STATUS_HELP[status]}</span>'
         )
     return _section("This request", lines)
 
 
+def _unknown(output: RequestOutput, key: str) -> str:
+    return f'<span style="{_MUTED}">{html.escape(output.unreported[key])}</span>'
+
+
 def engine_html(stats: Mapping[str, Any]) -> str:
-    """Engine-wide counters: requests, KV blocks, prefix cache, encoder cache."""
+    """Engine-wide counters: requests, KV blocks, prefix cache, encoder cache; for a remote
+    engine (stats with a "backend"), this app's requests to its server."""
+    if "backend" in stats:
+        return _remote_engine_html(stats)
     lines = [
         f"<b>Requests</b>: {stats.get('requests_running', 0)} running · "
         f"{stats.get('requests_waiting', 0)} waiting · {stats.get('steps', 0)} steps",
@@ -198,6 +242,19 @@ def engine_html(stats: Mapping[str, Any]) -> str:
     return _section("Engine", lines, css_class="mm-engine")
 
 
+def _remote_engine_html(stats: Mapping[str, Any]) -> str:
+    lines = [
+        f"<b>Server</b>: <code>{html.escape(str(stats['backend']))}</code>",
+        f"<b>Requests from this app</b>: {stats.get('requests_running', 0)} running · "
+        f"{stats.get('requests_finished', 0)} finished · "
+        f"{stats.get('requests_failed', 0)} failed",
+        f'<span style="{_MUTED}">The server\'s KV cache, encoder cache and batch are not '
+        "visible over the OpenAI API; each request's panels show what its response "
+        "reported.</span>",
+    ]
+    return _section("Engine (remote)", lines, css_class="mm-engine")
+
+
 def _meter(label: str, used: float, total: float, note: str) -> str:
     frac = used / total if total else 0.0
     bar = (
@@ -214,7 +271,7 @@ def _meter(label: str, used: float, total: float, note: str) -> str:
 
 # ---- timing -----------------------------------------------------------------------------------
 
-_STAGE_COLORS = {
+_STAGE_COLORS = {  # by kind
     "media": "#64748b", "queue": "#d97706", "encoder": "#9333ea", "prefill": "#2563eb",
     "ttft": "#111827", "decode": "#16a34a",
 }
@@ -222,14 +279,17 @@ _STAGE_COLORS = {
 
 def timing_rows(output: RequestOutput, *, max_chunks: int = 8) -> list[tuple[str, str, float]]:
     """(stage, kind, seconds) for each measured stage, in pipeline order. Prefill chunks past
-    `max_chunks` are summed into one row."""
+    `max_chunks` are summed into one row. For a remote engine, TTFT and decode are measured
+    at this app (network included) and the other stages are the server's, where reported."""
     m = output.metrics
-    n_out = len(output.outputs[0].token_ids)
+    n_out = output.outputs[0].num_tokens
+    queue = m.queue_time if m.queue_time is not None else m.stages.get("queue")
     rows: list[tuple[str, str, float | None]] = [
+        ("encode request", "media", m.stages.get("encode_request")),
         ("media load", "media", m.stages.get("media_load")),
         ("preprocess", "media", m.stages.get("preprocess")),
         ("hashing", "media", m.stages.get("hashing")),
-        ("queue", "queue", m.queue_time),
+        ("queue", "queue", queue),
         ("encoder", "encoder", m.encoder_time if m.encoder_calls else None),
     ]
     chunks = m.prefill_chunks
@@ -243,7 +303,8 @@ def timing_rows(output: RequestOutput, *, max_chunks: int = 8) -> list[tuple[str
         ))
     rows += [
         ("first token (TTFT)", "ttft", m.ttft),
-        (f"decode ({max(n_out - 1, 0)} tok)", "decode", m.decode_time),
+        (f"decode ({'?' if n_out is None else max(n_out - 1, 0)} tok)", "decode",
+         m.decode_time),
     ]
     return [(label, kind, s) for label, kind, s in rows if s is not None]
 
@@ -251,12 +312,12 @@ def timing_rows(output: RequestOutput, *, max_chunks: int = 8) -> list[tuple[str
 def timing_summary(output: RequestOutput) -> dict[str, Any]:
     """Headline numbers: TTFT (s), decode tokens/s, prompt/cached/output tokens, finish."""
     m = output.metrics
-    n_out = len(output.outputs[0].token_ids)
+    n_out = output.outputs[0].num_tokens
     decode = m.decode_time
     return {
         "ttft": m.ttft,
-        "decode_tokens_per_s": (n_out - 1) / decode if decode and n_out > 1 else None,
-        "prompt_tokens": len(output.prompt_token_ids),
+        "decode_tokens_per_s": (n_out - 1) / decode if decode and n_out and n_out > 1 else None,
+        "prompt_tokens": output.num_prompt_tokens,
         "cached_tokens": output.num_cached_tokens,
         "output_tokens": n_out,
         "finish_reason": output.outputs[0].finish_reason,
@@ -268,11 +329,13 @@ def timing_html(output: RequestOutput) -> str:
     """The headline numbers and a horizontal bar chart of the stages (durations, one scale)."""
     s = timing_summary(output)
     tps = s["decode_tokens_per_s"]
+    cached = s["cached_tokens"]
+    cached = "cached: not reported" if cached is None else f"{cached} cached"
     facts = [
         f"TTFT <b>{_ms(s['ttft'])}</b>",
         f"decode <b>{'—' if tps is None else f'{tps:.1f} tok/s'}</b>",
-        f"prompt <b>{s['prompt_tokens']}</b> tok ({s['cached_tokens']} cached)",
-        f"output <b>{s['output_tokens']}</b> tok",
+        f"prompt <b>{_count(s['prompt_tokens'])}</b> tok ({cached})",
+        f"output <b>{_count(s['output_tokens'])}</b> tok",
         f"finish <b>{s['finish_reason'] or 'running'}</b>",
     ]
     if s["preemptions"]:
@@ -289,13 +352,18 @@ def timing_html(output: RequestOutput) -> str:
         "</span></div>"
         for label, kind, sec in rows
     )
-    return _section("Timing", [" · ".join(facts), bars], css_class="mm-timing")
+    lines = [" · ".join(facts), bars]
+    if "server_timing" in output.unreported:
+        lines.append(_unknown(output, "server_timing"))
+    return _section("Timing", lines, css_class="mm-timing")
 
 
 # ---- all together -----------------------------------------------------------------------------
 
 
-def result_html(output: RequestOutput, stats: Mapping[str, Any], tokenizer: Any) -> str:
+def result_html(
+    output: RequestOutput, stats: Mapping[str, Any], tokenizer: TokenizerLike | None
+) -> str:
     """Every panel for one result in one HTML block (what a notebook displays)."""
     table = placeholder_table(output)
     table_html = (
@@ -315,6 +383,10 @@ def _section(title: str, lines: list[str], css_class: str = "mm-cache") -> str:
         f'<div class="{css_class}" style="{_BOX}"><div style="font-weight:600;margin-bottom:2px">'
         f"{title}</div>{body}</div>"
     )
+
+
+def _count(n: int | None) -> str:
+    return "?" if n is None else str(n)
 
 
 def _ms(seconds: float | None) -> str:
