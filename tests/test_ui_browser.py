@@ -12,7 +12,7 @@ from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from app import build_app
 from tests.helpers import pace_steps, wait_idle
-from tests.ui_fixtures import VL, demo_engines, demo_root, running_app
+from tests.ui_fixtures import VL, demo_engines, demo_root, image_offset, running_app
 from ui.demo import DEMO_NOTE, ensure_samples
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -117,7 +117,8 @@ def test_upload_an_image_and_see_its_placeholder(page, served):
     send(page, "Describe this image.", [samples.image])
     expect(page.locator("#chatbot [data-testid=user] img")).to_have_count(1)
     expect(page.locator("#chatbot [data-testid=bot]").last).not_to_be_empty()
-    expect(page.locator("#placeholders")).to_contain_text("image 1 · @36 ×54 · 54 embeds")
+    offset = image_offset(engines[VL].tokenizer)
+    expect(page.locator("#placeholders")).to_contain_text(f"image 1 · @{offset} ×54 · 54 embeds")
     expect(page.locator("#items")).to_contain_text("image 1")
     expect(page.locator("#timing")).to_contain_text("finish length")
     expect(page.locator("#cache")).to_contain_text("encoded by this request")

@@ -278,6 +278,24 @@ def test_the_demo_is_generated_once_and_its_examples_fit_the_models(engines, tmp
     assert by_files == expected
 
 
+def test_the_demo_writes_words_not_byte_fragments(engines):
+    """Its tokenizers hold whole characters only: whatever random weights sample decodes to
+    text without U+FFFD (a byte-level vocabulary shows the replacement character)."""
+    for llm in engines.values():
+        tokenizer = llm.tokenizer
+        pieces = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+        assert not [p for p in pieces if "\ufffd" in p]
+
+
+async def test_a_demo_reply_reads_as_words(chat, samples):
+    settings = dataclasses.replace(GREEDY, temperature=1.0, seed=3, max_tokens=64)
+    final = (await run(chat.respond(image_turn(samples), [], VL, settings, "s-words")))[-1]
+    text = final.output.outputs[0].text
+    words = text.split()
+    assert "\ufffd" not in text and len(words) >= 8, text
+    assert sum(w.strip(".,!?;:'\"()-").isalpha() for w in words) >= len(words) // 2, text
+
+
 def test_build_demo_takes_one_engine_or_several(engines):
     assert isinstance(build_demo(engines[VL]), gr.Blocks)
     assert isinstance(build_demo(engines), gr.Blocks)
