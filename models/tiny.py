@@ -5,8 +5,8 @@ weights) and the offline demo of `python app.py`. Each checkpoint is a directory
 config.json, safetensors weights, generation_config.json and a tokenizer trained here with the
 `tokenizers` library, whose special tokens and chat template match the family's: byte-level
 BPE (the tests' default: multi-byte characters split across tokens, as in real checkpoints),
-or a word-level BPE over whole characters for the demo, whose random text then reads as
-words instead of byte fragments.
+or WordPiece over whole characters for the demo, whose random text then reads as words
+instead of byte fragments.
 
 Weights are drawn with a larger scale than the usual 0.02 so that logits are decisive (random
 tiny models with the default init give near-ties that flip greedy tokens on 1e-6 noise).
@@ -63,10 +63,10 @@ What happens in this video? Tell me what you hear in the clip.
 Yes, it looks like a sunny day, and everyone seems happy.
 You are a helpful assistant: the user asks, the system answers.
 """.strip()
-# Whole characters only (and Metaspace's word marker): no token is part of a character, so
-# any sequence of tokens decodes to text. Other characters become <unk>.
+# Whole characters only: no token is part of a character, so any sequence of tokens decodes
+# to text.
 _WORDS_ALPHABET = list(
-    "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?;:'\"()-\n\u2581"
+    "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?;:'\"()-"
 )
 
 QWEN_SPECIAL = [
@@ -107,9 +107,10 @@ LLAMA_CHAT_TEMPLATE = (
 def train_tokenizer(
     special: list[str], vocab_size: int, chat_template: str, eos: str, kind: str = "bytes"
 ):
-    """A BPE tokenizer trained on a built-in corpus, as a transformers tokenizer: byte-level
-    ("bytes", on the mixed-language corpus) or over whole characters with SentencePiece-style
-    word markers ("words", on the English demo corpus; other characters become <unk>)."""
+    """A tokenizer trained on a built-in corpus, as a transformers tokenizer: byte-level BPE
+    ("bytes", on the mixed-language corpus) or WordPiece over whole characters ("words", on
+    the English demo corpus: mostly whole words, decoded with spaces between them; other
+    characters become <unk>)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -119,13 +120,16 @@ def train_tokenizer(
         tok.decoder = decoders.ByteLevel()
         alphabet, corpus, extra = pre_tokenizers.ByteLevel.alphabet(), _CORPUS, {}
     elif kind == "words":
-        tok = Tokenizer(models.BPE(unk_token="<unk>"))
-        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
-        tok.decoder = decoders.Metaspace(prepend_scheme="never")
+        tok = Tokenizer(models.WordPiece(unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        # Words joined by spaces; a continuation piece that opens a text loses its "##" too.
+        tok.decoder = decoders.Sequence([decoders.WordPiece(cleanup=True),
+                                         decoders.Replace("##", "")])
         alphabet, corpus, extra = _WORDS_ALPHABET, _WORDS_CORPUS, {"unk_token": "<unk>"}
     else:
         raise ValueError(f"unknown tokenizer kind {kind!r} (bytes, words)")
-    trainer = trainers.BpeTrainer(
+    train = trainers.BpeTrainer if kind == "bytes" else trainers.WordPieceTrainer
+    trainer = train(
         vocab_size=vocab_size,
         special_tokens=[*special, *extra.values()],
         initial_alphabet=alphabet,

@@ -83,7 +83,9 @@ async def test_a_text_turn_streams_what_the_local_engine_writes(remote, engines)
 
 async def test_an_image_turn_shows_the_servers_placeholders_and_caches(remote, samples):
     image = samples.image.read_bytes()
-    first = (await run(remote[VL], ask("Describe this image.", image=image)))[-1]
+    # Long enough that the prefix cache's 16-token blocks cover the image on a repeat.
+    question = "Describe this image: what can you see in it, on the left and on the right?"
+    first = (await run(remote[VL], ask(question, image=image)))[-1]
     (ph,) = first.multi_modal_placeholders
     # 320x240 resized under the demo's max_pixels to 9x6 merged patches.
     assert (ph.modality, ph.length, ph.num_embeds, len(ph.identifier)) == ("image", 54, 54, 64)
@@ -93,7 +95,7 @@ async def test_an_image_turn_shows_the_servers_placeholders_and_caches(remote, s
     assert {"media_load", "preprocess", "hashing"} <= set(m.stages) and m.encoder_calls == 1
 
     system = [{"role": "system", "content": "Be terse."}]
-    again = (await run(remote[VL], system + ask("Describe this image.", image=image)))[-1]
+    again = (await run(remote[VL], system + ask(question, image=image)))[-1]
     (hit,) = again.multi_modal_placeholders
     assert hit.identifier == ph.identifier and hit.cache_hit is True
     assert again.metrics.encoder_cache_hits == 1
@@ -101,7 +103,7 @@ async def test_an_image_turn_shows_the_servers_placeholders_and_caches(remote, s
     assert f"image 1 · @{hit.offset} ×54 · 54 embeds · {hit.identifier[:8]} · hit" in (
         panels.placeholder_html(again, None))
 
-    repeat = (await run(remote[VL], system + ask("Describe this image.", image=image)))[-1]
+    repeat = (await run(remote[VL], system + ask(question, image=image)))[-1]
     assert repeat.num_cached_tokens >= hit.offset + hit.length
     assert panels.cache_status(repeat, repeat.multi_modal_placeholders[0]) == panels.PREFIX
 
