@@ -17,6 +17,7 @@ from tests.api_fixtures import running_server
 from tests.media_fixtures import encode_image, gradient
 from tests.vllm_standin import IMAGE_PAD, IMAGE_TOKENS, MAX_MODEL_LEN, MODEL, StandIn
 from ui import panels
+from ui.timing import timing_html
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
 
@@ -120,7 +121,7 @@ async def test_without_token_ids_the_spans_are_not_located(url, standin):
     assert "cannot be located" in final.unreported["placeholders"]
     strip = panels.placeholder_html(final, llm.tokenizer)
     assert "cannot be located" in strip and "? prompt tokens" not in strip
-    assert "decode" in panels.timing_html(final) and "tok/s" in panels.timing_html(final)
+    assert "decode" in timing_html(final) and "tok/s" in timing_html(final)
 
 
 async def test_the_panels_say_what_the_server_did_not_report(llm):
@@ -132,7 +133,7 @@ async def test_the_panels_say_what_the_server_did_not_report(llm):
     assert f"{row['offset']} text tokens" in strip and "Token texts are not shown" in strip
     cache = panels.cache_html(final)
     assert "encoder-cache outcomes" in cache and "not reported" in cache
-    timing = panels.timing_html(final)
+    timing = timing_html(final)
     assert "does not report its stages" in timing and "TTFT" in timing
     engine = panels.engine_html(llm.stats())
     assert "1 finished" in engine and "not visible over the OpenAI API" in engine

@@ -12,6 +12,7 @@ from ui import panels
 from ui.chat import EMPTY_DRAFT, Chat, ChatSettings, ChatUpdate
 from ui.demo import ensure_samples, sample_examples
 from ui.space import gpu
+from ui.timing import timing_html
 
 TITLE = "mmserve: multimodal chat with live engine panels"
 _MEDIA = ("image", "video", "audio")
@@ -195,7 +196,7 @@ class _TurnView:
             prompt = (panels.placeholder_html(out, self.llm.tokenizer),
                       panels.placeholder_table(out))
         return (draft, update.history, *prompt, panels.cache_html(out),
-                panels.engine_html(self.llm.stats()), panels.timing_html(out))
+                panels.engine_html(self.llm.stats()), timing_html(out))
 
 
 def _session(request: gr.Request | None) -> str:

@@ -13,6 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
+from ui.markup import BOX, CHIP, MUTED, ms, pct, section, unreported
+from ui.timing import timing_html
+
 if TYPE_CHECKING:
     from engine.interface import TokenizerLike
     from engine.outputs import PlaceholderInfo, RequestOutput
@@ -34,15 +37,6 @@ _STATUS_HELP = {
     UNKNOWN: "the server does not report encoder-cache outcomes",
 }
 _NO_HASH = "—"
-
-_BOX = (
-    "font-family: ui-sans-serif, system-ui, sans-serif; font-size: 13px; line-height: 1.5; "
-    "color: #111827; background: #ffffff; border: 1px solid #e5e7eb; border-radius: 8px; "
-    "padding: 8px 10px; margin: 4px 0;"
-)
-_CHIP = "display: inline-block; border-radius: 4px; padding: 0 4px; margin: 1px; "
-_MUTED = "color: #6b7280;"
-
 
 # ---- placeholders -----------------------------------------------------------------------------
 
@@ -102,26 +96,26 @@ def placeholder_html(
         pos = ph.offset + ph.length
     parts.append(_text_run(ids, pos, len(ids), tokenizer, special, max_run))
     legend = " ".join(
-        f'<span style="{_CHIP}background:{color};color:#fff">{MODALITY_ICONS[m]} {m}</span>'
+        f'<span style="{CHIP}background:{color};color:#fff">{MODALITY_ICONS[m]} {m}</span>'
         for m, color in MODALITY_COLORS.items()
     )
     n = output.num_prompt_tokens
     head = (
-        f'<div style="{_MUTED}margin-bottom:4px">{"?" if n is None else n} prompt tokens · '
+        f'<div style="{MUTED}margin-bottom:4px">{"?" if n is None else n} prompt tokens · '
         f"{len(output.multi_modal_placeholders)} media spans · {legend}</div>"
     )
     notes = "".join(
-        f'<div style="{_MUTED}margin-bottom:4px">{html.escape(output.unreported[key])}</div>'
+        f'<div style="{MUTED}margin-bottom:4px">{html.escape(output.unreported[key])}</div>'
         for key in ("prompt_token_ids", "placeholders") if key in output.unreported
     )
     if ids and tokenizer is None:
-        notes += (f'<div style="{_MUTED}margin-bottom:4px">Token texts are not shown: the '
+        notes += (f'<div style="{MUTED}margin-bottom:4px">Token texts are not shown: the '
                   "server does not send them and no tokenizer is loaded here.</div>")
     strip = (
         '<div style="font-family: ui-monospace, monospace; font-size: 12px; '
         f'white-space: pre-wrap; word-break: break-all">{"".join(parts)}</div>'
     )
-    return f'<div class="mm-placeholders" style="{_BOX}">{head}{notes}{strip}</div>'
+    return f'<div class="mm-placeholders" style="{BOX}">{head}{notes}{strip}</div>'
 
 
 def _text_run(
@@ -131,13 +125,13 @@ def _text_run(
     if end <= start:
         return ""
     if tokenizer is None:
-        return (f'<span title="tokens {start}–{end - 1}" style="{_CHIP}background:#f3f4f6">'
+        return (f'<span title="tokens {start}–{end - 1}" style="{CHIP}background:#f3f4f6">'
                 f"{end - start} text tokens</span>")
     if end - start <= max_run:
         return _tokens(ids, start, end, tokenizer, special)
     half = max_run // 2
     elided = end - start - 2 * half
-    gap = f'<span style="{_CHIP}{_MUTED}border:1px dashed #9ca3af">… {elided} tokens …</span>'
+    gap = f'<span style="{CHIP}{MUTED}border:1px dashed #9ca3af">… {elided} tokens …</span>'
     head = _tokens(ids, start, start + half, tokenizer, special)
     return head + gap + _tokens(ids, end - half, end, tokenizer, special)
 
@@ -151,7 +145,7 @@ def _tokens(
         shade = "#d1d5db" if tid in special else ("#f3f4f6" if pos % 2 else "#e5e7eb")
         shown = html.escape(text.replace("\n", "↵")) or "∅"
         out.append(
-            f'<span title="#{pos} id {tid}" style="{_CHIP}margin:0;padding:0 1px;'
+            f'<span title="#{pos} id {tid}" style="{CHIP}margin:0;padding:0 1px;'
             f'background:{shade}">{shown}</span>'
         )
     return "".join(out)
@@ -169,7 +163,7 @@ def _media_chip(label: str, ph: PlaceholderInfo, status: str) -> str:
         f"hash {ph.identifier or 'not reported'}, {_STATUS_HELP[status]}"
     )
     return (
-        f'<span title="{html.escape(title)}" style="{_CHIP}background:{color};color:#fff;'
+        f'<span title="{html.escape(title)}" style="{CHIP}background:{color};color:#fff;'
         f'font-family: ui-sans-serif, system-ui, sans-serif;padding:1px 6px">'
         f"{MODALITY_ICONS.get(ph.modality, '')} {html.escape(label)} · "
         f"@{ph.offset} ×{ph.length} · {embeds} · {_short_hash(ph)} · {status}</span>"
@@ -189,29 +183,25 @@ def cache_html(output: RequestOutput) -> str:
     cached = output.num_cached_tokens
     m = output.metrics
     if cached is None:
-        prefix = f"<b>Prefix cache</b>: {_unknown(output, 'cached_tokens')}"
+        prefix = f"<b>Prefix cache</b>: {unreported(output, 'cached_tokens')}"
     else:
-        share = f" ({_pct(cached / n if n else 0.0)})" if n is not None else ""
+        share = f" ({pct(cached / n if n else 0.0)})" if n is not None else ""
         prefix = (f"<b>Prefix cache</b>: {cached} of {'?' if n is None else n} prompt tokens "
                   f"reused{share}")
     if "encoder_cache" in output.unreported:
-        encoder = f"<b>Encoder</b>: {_unknown(output, 'encoder_cache')}"
+        encoder = f"<b>Encoder</b>: {unreported(output, 'encoder_cache')}"
     else:
         encoder = (f"<b>Encoder</b>: {m.encoder_cache_hits} hits · {m.encoder_cache_misses} "
-                   f"misses · {m.encoder_calls} calls, {_ms(m.encoder_time)}")
+                   f"misses · {m.encoder_calls} calls, {ms(m.encoder_time)}")
     lines = [prefix, encoder]
     for label, ph in zip(item_labels(output), output.multi_modal_placeholders, strict=True):
         status = cache_status(output, ph)
         lines.append(
-            f'<span style="{_CHIP}background:{_STATUS_COLORS[status]};color:#fff">{status}</span> '
+            f'<span style="{CHIP}background:{_STATUS_COLORS[status]};color:#fff">{status}</span> '
             f"{html.escape(label)} <code>{_short_hash(ph)}</code> "
-            f'<span style="{_MUTED}">{_STATUS_HELP[status]}</span>'
+            f'<span style="{MUTED}">{_STATUS_HELP[status]}</span>'
         )
-    return _section("This request", lines)
-
-
-def _unknown(output: RequestOutput, key: str) -> str:
-    return f'<span style="{_MUTED}">{html.escape(output.unreported[key])}</span>'
+    return section("This request", lines)
 
 
 def engine_html(stats: Mapping[str, Any]) -> str:
@@ -226,7 +216,7 @@ def engine_html(stats: Mapping[str, Any]) -> str:
             "KV blocks in use", stats.get("kv_blocks_used", 0), stats.get("kv_blocks_total", 0),
             f"{stats.get('kv_blocks_cached', 0)} cached for prefix reuse",
         ),
-        f"<b>Prefix cache hit rate</b>: {_pct(stats.get('prefix_cache_hit_rate', 0.0))} of "
+        f"<b>Prefix cache hit rate</b>: {pct(stats.get('prefix_cache_hit_rate', 0.0))} of "
         f"{stats.get('prefix_cache_queried_tokens', 0)} queried tokens",
     ]
     if "encoder_cache_capacity" in stats:
@@ -236,10 +226,10 @@ def engine_html(stats: Mapping[str, Any]) -> str:
                 f"{stats['encoder_cache_entries']} items, "
                 f"{stats['encoder_cache_referenced']} in use",
             ),
-            f"<b>Encoder cache hit rate</b>: {_pct(stats['encoder_cache_hit_rate'])} "
+            f"<b>Encoder cache hit rate</b>: {pct(stats['encoder_cache_hit_rate'])} "
             f"({stats['encoder_cache_hits']} hits, {stats['encoder_cache_misses']} misses)",
         ]
-    return _section("Engine", lines, css_class="mm-engine")
+    return section("Engine", lines, css_class="mm-engine")
 
 
 def _remote_engine_html(stats: Mapping[str, Any]) -> str:
@@ -248,11 +238,11 @@ def _remote_engine_html(stats: Mapping[str, Any]) -> str:
         f"<b>Requests from this app</b>: {stats.get('requests_running', 0)} running · "
         f"{stats.get('requests_finished', 0)} finished · "
         f"{stats.get('requests_failed', 0)} failed",
-        f'<span style="{_MUTED}">The server\'s KV cache, encoder cache and batch are not '
+        f'<span style="{MUTED}">The server\'s KV cache, encoder cache and batch are not '
         "visible over the OpenAI API; each request's panels show what its response "
         "reported.</span>",
     ]
-    return _section("Engine (remote)", lines, css_class="mm-engine")
+    return section("Engine (remote)", lines, css_class="mm-engine")
 
 
 def _meter(label: str, used: float, total: float, note: str) -> str:
@@ -264,98 +254,9 @@ def _meter(label: str, used: float, total: float, note: str) -> str:
         'background:#2563eb"></span></span>'
     )
     return (
-        f"<b>{label}</b>: {used} / {total}{bar}{_pct(frac)} "
-        f'<span style="{_MUTED}">({note})</span>'
+        f"<b>{label}</b>: {used} / {total}{bar}{pct(frac)} "
+        f'<span style="{MUTED}">({note})</span>'
     )
-
-
-# ---- timing -----------------------------------------------------------------------------------
-
-_STAGE_COLORS = {  # by kind
-    "media": "#64748b", "queue": "#d97706", "encoder": "#9333ea", "prefill": "#2563eb",
-    "ttft": "#111827", "decode": "#16a34a",
-}
-
-
-def timing_rows(output: RequestOutput, *, max_chunks: int = 8) -> list[tuple[str, str, float]]:
-    """(stage, kind, seconds) for each measured stage, in pipeline order. Prefill chunks past
-    `max_chunks` are summed into one row. For a remote engine, TTFT and decode are measured
-    at this app (network included) and the other stages are the server's, where reported."""
-    m = output.metrics
-    n_out = output.outputs[0].num_tokens
-    queue = m.queue_time if m.queue_time is not None else m.stages.get("queue")
-    rows: list[tuple[str, str, float | None]] = [
-        ("encode request", "media", m.stages.get("encode_request")),
-        ("media load", "media", m.stages.get("media_load")),
-        ("preprocess", "media", m.stages.get("preprocess")),
-        ("hashing", "media", m.stages.get("hashing")),
-        ("queue", "queue", queue),
-        ("encoder", "encoder", m.encoder_time if m.encoder_calls else None),
-    ]
-    chunks = m.prefill_chunks
-    for i, (tokens, seconds) in enumerate(chunks[:max_chunks], 1):
-        rows.append((f"prefill chunk {i} ({tokens} tok)", "prefill", seconds))
-    if len(chunks) > max_chunks:
-        rest = chunks[max_chunks:]
-        rows.append((
-            f"prefill chunks {max_chunks + 1}–{len(chunks)} ({sum(t for t, _ in rest)} tok)",
-            "prefill", sum(s for _, s in rest),
-        ))
-    rows += [
-        ("first token (TTFT)", "ttft", m.ttft),
-        (f"decode ({'?' if n_out is None else max(n_out - 1, 0)} tok)", "decode",
-         m.decode_time),
-    ]
-    return [(label, kind, s) for label, kind, s in rows if s is not None]
-
-
-def timing_summary(output: RequestOutput) -> dict[str, Any]:
-    """Headline numbers: TTFT (s), decode tokens/s, prompt/cached/output tokens, finish."""
-    m = output.metrics
-    n_out = output.outputs[0].num_tokens
-    decode = m.decode_time
-    return {
-        "ttft": m.ttft,
-        "decode_tokens_per_s": (n_out - 1) / decode if decode and n_out and n_out > 1 else None,
-        "prompt_tokens": output.num_prompt_tokens,
-        "cached_tokens": output.num_cached_tokens,
-        "output_tokens": n_out,
-        "finish_reason": output.outputs[0].finish_reason,
-        "preemptions": m.num_preemptions,
-    }
-
-
-def timing_html(output: RequestOutput) -> str:
-    """The headline numbers and a horizontal bar chart of the stages (durations, one scale)."""
-    s = timing_summary(output)
-    tps = s["decode_tokens_per_s"]
-    cached = s["cached_tokens"]
-    cached = "cached: not reported" if cached is None else f"{cached} cached"
-    facts = [
-        f"TTFT <b>{_ms(s['ttft'])}</b>",
-        f"decode <b>{'—' if tps is None else f'{tps:.1f} tok/s'}</b>",
-        f"prompt <b>{_count(s['prompt_tokens'])}</b> tok ({cached})",
-        f"output <b>{_count(s['output_tokens'])}</b> tok",
-        f"finish <b>{s['finish_reason'] or 'running'}</b>",
-    ]
-    if s["preemptions"]:
-        facts.append(f"preempted <b>{s['preemptions']}</b>×")
-    rows = timing_rows(output)
-    longest = max((sec for _, _, sec in rows), default=0.0) or 1.0
-    bars = "".join(
-        '<div style="display:flex;align-items:center;gap:6px;margin:2px 0">'
-        f'<span style="width:170px;flex:none;text-align:right;{_MUTED}">{html.escape(label)}'
-        '</span><span style="flex:1;background:#f3f4f6;border-radius:3px;height:12px">'
-        f'<span style="display:block;height:100%;border-radius:3px;min-width:1px;'
-        f'width:{100 * sec / longest:.1f}%;background:{_STAGE_COLORS[kind]}"></span></span>'
-        f'<span style="width:70px;flex:none;font-variant-numeric:tabular-nums">{_ms(sec)}'
-        "</span></div>"
-        for label, kind, sec in rows
-    )
-    lines = [" · ".join(facts), bars]
-    if "server_timing" in output.unreported:
-        lines.append(_unknown(output, "server_timing"))
-    return _section("Timing", lines, css_class="mm-timing")
 
 
 # ---- all together -----------------------------------------------------------------------------
@@ -367,33 +268,13 @@ def result_html(
     """Every panel for one result in one HTML block (what a notebook displays)."""
     table = placeholder_table(output)
     table_html = (
-        table.to_html(index=False, border=0) if len(table) else f'<p style="{_MUTED}">no media</p>'
+        table.to_html(index=False, border=0) if len(table) else f'<p style="{MUTED}">no media</p>'
     )
     reply = html.escape(output.outputs[0].text)
     return (
-        f'<div style="{_BOX}"><b>Output</b>: <span style="white-space:pre-wrap">{reply}</span>'
-        f"</div>{placeholder_html(output, tokenizer)}<div style=\"{_BOX}\">{table_html}</div>"
+        f'<div style="{BOX}"><b>Output</b>: <span style="white-space:pre-wrap">{reply}</span>'
+        f"</div>{placeholder_html(output, tokenizer)}<div style=\"{BOX}\">{table_html}</div>"
         f"{cache_html(output)}{engine_html(stats)}{timing_html(output)}"
     )
 
 
-def _section(title: str, lines: list[str], css_class: str = "mm-cache") -> str:
-    body = "".join(f'<div style="margin:2px 0">{line}</div>' for line in lines)
-    return (
-        f'<div class="{css_class}" style="{_BOX}"><div style="font-weight:600;margin-bottom:2px">'
-        f"{title}</div>{body}</div>"
-    )
-
-
-def _count(n: int | None) -> str:
-    return "?" if n is None else str(n)
-
-
-def _ms(seconds: float | None) -> str:
-    if seconds is None:
-        return "—"
-    return f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
-
-
-def _pct(frac: float) -> str:
-    return f"{100 * frac:.0f}%"
