@@ -206,7 +206,8 @@ def load_engines(args: argparse.Namespace) -> tuple[dict[str, ChatEngine], dict[
 
 
 def connect_backend(args: argparse.Namespace) -> dict[str, ChatEngine]:
-    """A remote engine for each model of the --backend server (or each --model of it)."""
+    """A remote engine for each model of the --backend server (or each --model, else $MODEL,
+    of its models)."""
     from engine.remote import RemoteConfig, connect
 
     config = RemoteConfig(
@@ -214,8 +215,9 @@ def connect_backend(args: argparse.Namespace) -> dict[str, ChatEngine]:
         max_body_bytes=int(args.backend_max_body_mb * 2**20),
         return_token_ids=not args.backend_no_token_ids,
     )
+    names = args.model or [m.strip() for m in os.environ.get(MODEL_ENV, "").split(",")]
     log.info("connecting to %s", config.base_url)
-    engines: dict[str, ChatEngine] = dict(connect(config, args.model))
+    engines: dict[str, ChatEngine] = dict(connect(config, [n for n in names if n]))
     log.info("models of %s: %s", config.base_url, ", ".join(engines))
     return engines
 

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Mapping
 import gradio as gr
 
 from engine.interface import ChatEngine, EngineInfo
+from engine.media.limits import MODALITIES
 from ui import panels
 from ui.chat import EMPTY_DRAFT, Chat, ChatSettings, ChatUpdate
 from ui.demo import ensure_samples, sample_examples
@@ -15,7 +16,6 @@ from ui.space import gpu
 from ui.timing import timing_html
 
 TITLE = "mmserve: multimodal chat with live engine panels"
-_MEDIA = ("image", "video", "audio")
 _UNKNOWN_CONTEXT = 8192  # the max-tokens slider's end when no server reports a context length
 _NO_REQUEST = '<div style="color:#6b7280;padding:6px">No request yet: send a message.</div>'
 
@@ -40,7 +40,7 @@ def build_demo(
     names = list(engines)
     infos = {name: llm.info for name, llm in engines.items()}
     if examples is None:
-        modalities = {name: _MEDIA if i.modalities is None else i.modalities
+        modalities = {name: MODALITIES if i.modalities is None else i.modalities
                       for name, i in infos.items()}
         examples = sample_examples(modalities, ensure_samples())
     longest = max(i.max_model_len or _UNKNOWN_CONTEXT for i in infos.values())
@@ -167,10 +167,11 @@ def _model_info(info: EngineInfo, note: str | None) -> str:
                  "cannot take)")
     else:
         takes = f"Accepts **{', '.join(info.modalities) or 'text only'}**"
-    context = "not reported" if info.max_model_len is None else info.max_model_len
+    context = ("**not reported**" if info.max_model_len is None
+               else f"**{info.max_model_len}** tokens")
     where = "" if info.backend is None else f" · served by `{info.backend}`"
     warning = f"\n\n⚠️ {note}" if note else ""
-    return f"{takes} · context **{context}** tokens{where}{warning}"
+    return f"{takes} · context {context}{where}{warning}"
 
 
 def _as_is(fn):
