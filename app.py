@@ -279,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request to a server
     engines: dict[str, ChatEngine] = {}
     try:
         engines, notes = load_engines(args)
