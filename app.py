@@ -1,6 +1,8 @@
 """Command line: `python app.py [--model ...]` loads the engines and serves the Gradio UI at / and
 the OpenAI-compatible API at /v1 on one server (`--api-only`: the API alone). With no model
-it serves the offline demo lineup. Run `python app.py --help` for the options."""
+it serves the offline demo lineup. With `--backend URL` (or $MMSERVE_BACKEND) the UI drives the
+models of an OpenAI-compatible server instead (vLLM, SGLang, mmserve): nothing is loaded here
+and torch is never imported. Run `python app.py --help` for the options."""
 
 from __future__ import annotations
 
@@ -15,11 +17,17 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the heavy imports wait until the arguments are parsed (fast --help)
     from fastapi import FastAPI
 
-    from engine import AsyncLLM
+    from engine.interface import ChatEngine
 
 log = logging.getLogger("mmserve")
 
 MODEL_ENV = "MODEL"
+BACKEND_ENV = "MMSERVE_BACKEND"
+BACKEND_KEY_ENV = "MMSERVE_BACKEND_KEY"
+ENGINE_EXTRA_HINT = (
+    "the in-process engine needs torch and transformers: pip install 'mmserve[engine]' "
+    "(or point the app at a server with --backend URL)"
+)
 
 _ENGINE_OPTIONS = {  # flag -> (engine option, type, help)
     "--max-model-len": ("max_model_len", int, "longest sequence, prompt + output (tokens)"),
@@ -39,12 +47,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python app.py",
         description="Multimodal chat UI with live engine panels, plus an OpenAI-compatible API "
         "at /v1. Without --model (or $MODEL) it serves tiny random-weight demo models, "
-        "generated once into $MMSERVE_DEMO_DIR (default ~/.cache/mmserve/demo).",
+        "generated once into $MMSERVE_DEMO_DIR (default ~/.cache/mmserve/demo). With "
+        "--backend it is a front end to an OpenAI-compatible server instead.",
     )
     parser.add_argument(
         "--model", action="append", metavar="ID_OR_PATH",
         help="a Hugging Face Hub id or a local checkpoint directory; repeat for several "
-        f"models (chosen in the UI). Default: ${MODEL_ENV} (comma-separated), else the demo",
+        f"models (chosen in the UI). Default: ${MODEL_ENV} (comma-separated), else the demo. "
+        "With --backend: the names of the server's models to show (default: all)",
+    )
+    remote = parser.add_argument_group(
+        "remote server", "drive the models of an OpenAI-compatible server (vLLM, SGLang, "
+        "mmserve) instead of loading them here; the engine options do not apply")
+    remote.add_argument(
+        "--backend", metavar="URL", default=os.environ.get(BACKEND_ENV) or None,
+        help=f"the server's API base URL, such as http://gpu-box:8000/v1 (default ${BACKEND_ENV})",
+    )
+    remote.add_argument(
+        "--backend-key", metavar="KEY", default=os.environ.get(BACKEND_KEY_ENV) or None,
+        help=f"the server's API key (default ${BACKEND_KEY_ENV})",
+    )
+    remote.add_argument(
+        "--backend-timeout", type=float, default=120.0, metavar="SECONDS",
+        help="longest wait for the server to send anything, first token included (default 120)",
+    )
+    remote.add_argument(
+        "--backend-max-body-mb", type=float, default=64.0, metavar="MIB",
+        help="largest request the server accepts, base64-encoded media included (default 64)",
+    )
+    remote.add_argument(
+        "--backend-no-token-ids", action="store_true",
+        help="do not ask for token ids (vLLM's return_token_ids), for servers that refuse "
+        "unknown request fields; the panels then cannot locate media spans",
     )
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
@@ -76,7 +110,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--no-prefix-caching", action="store_true", help="engine option: disable prefix caching"
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.backend:
+        misplaced = local_only_options(args)
+        if misplaced:
+            parser.error(f"{', '.join(misplaced)} apply to engines loaded here, not with "
+                         "--backend (the server's own options apply there)")
+    return args
+
+
+def local_only_options(args: argparse.Namespace) -> list[str]:
+    """The flags given that only make sense for in-process engines."""
+    given = [flag for flag in _ENGINE_OPTIONS if getattr(args, flag[2:].replace("-", "_"))]
+    given += [flag for flag, on in (
+        ("--no-prefix-caching", args.no_prefix_caching), ("--api-only", args.api_only),
+        ("--api-key", args.api_key), ("--device", args.device != "auto"),
+        ("--dtype", args.dtype != "auto"),
+    ) if on]
+    return given
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -104,7 +155,7 @@ def model_sources(args: argparse.Namespace) -> dict[str, str | Path]:
 
 
 def build_app(
-    engines: Mapping[str, AsyncLLM],
+    engines: Mapping[str, ChatEngine],
     *,
     api_key: str | None = None,
     notes: Mapping[str, str] | None = None,
@@ -112,31 +163,42 @@ def build_app(
     allowed_hosts: Sequence[str] | None = None,
     allowed_origins: Sequence[str] = (),
 ) -> FastAPI:
-    """One FastAPI app: the OpenAI-compatible API under /v1 and the Gradio UI at /.
-
-    allowed_hosts and allowed_origins guard /v1 as in `api.create_app`.
-    """
+    """One FastAPI app: the Gradio UI at / and, for in-process engines, the OpenAI-compatible
+    API under /v1 (a remote server serves its own API), guarded by allowed_hosts and
+    allowed_origins as in `api.create_app`."""
     import gradio as gr
     from fastapi import FastAPI
 
-    from api import build_router
-    from api.guards import APICORS
     from ui import build_demo
 
     app = FastAPI(title="mmserve")
-    # Before the UI's catch-all "/".
-    app.include_router(build_router(engines, api_key=api_key, allowed_hosts=allowed_hosts))
-    if allowed_origins:
-        app.add_middleware(APICORS, origins=allowed_origins)
+    if is_local(engines):
+        from api import build_router
+        from api.guards import APICORS
+
+        # Before the UI's catch-all "/".
+        app.include_router(build_router(engines, api_key=api_key, allowed_hosts=allowed_hosts))
+        if allowed_origins:
+            app.add_middleware(APICORS, origins=allowed_origins)
     demo = build_demo(engines, notes=notes, examples=examples)
     # Gradio refuses uploads the engines would refuse anyway, before storing them.
-    largest = max(llm.processor.media_limits.max_item_bytes for llm in engines.values())
+    largest = max(llm.info.media_limits.max_item_bytes for llm in engines.values())
     return gr.mount_gradio_app(app, demo, path="/", max_file_size=largest)
 
 
-def load_engines(args: argparse.Namespace) -> tuple[dict[str, AsyncLLM], dict[str, str]]:
+def is_local(engines: Mapping[str, ChatEngine]) -> bool:
+    """Whether the engines run in this process (the app then also serves them on /v1)."""
+    return all(llm.info.backend is None for llm in engines.values())
+
+
+def load_engines(args: argparse.Namespace) -> tuple[dict[str, ChatEngine], dict[str, str]]:
     """The engines to serve and, for demo models, the note that says their weights are random."""
-    from engine import AsyncLLM
+    if args.backend:
+        return connect_backend(args), {}
+    try:
+        from engine import AsyncLLM
+    except ModuleNotFoundError as e:
+        raise SystemExit(f"{ENGINE_EXTRA_HINT} ({e})") from e
     from ui.demo import DEMO_NOTE, ensure_demo_models
 
     sources = model_sources(args)
@@ -145,7 +207,7 @@ def load_engines(args: argparse.Namespace) -> tuple[dict[str, AsyncLLM], dict[st
         sources = dict(ensure_demo_models())
         notes = dict.fromkeys(sources, DEMO_NOTE)
     options = engine_options(args)
-    engines: dict[str, AsyncLLM] = {}
+    engines: dict[str, ChatEngine] = {}
     try:
         for name, source in sources.items():
             log.info("loading %s", name)
@@ -156,22 +218,45 @@ def load_engines(args: argparse.Namespace) -> tuple[dict[str, AsyncLLM], dict[st
     return engines, notes
 
 
-def serve(args: argparse.Namespace, engines: dict[str, AsyncLLM], notes: dict[str, str]) -> None:
+def connect_backend(args: argparse.Namespace) -> dict[str, ChatEngine]:
+    """A remote engine for each model of the --backend server (or each --model, else $MODEL,
+    of its models)."""
+    from engine.remote import RemoteConfig, connect
+
+    config = RemoteConfig(
+        args.backend, api_key=args.backend_key, timeout_s=args.backend_timeout,
+        max_body_bytes=int(args.backend_max_body_mb * 2**20),
+        return_token_ids=not args.backend_no_token_ids,
+    )
+    names = args.model or [m.strip() for m in os.environ.get(MODEL_ENV, "").split(",")]
+    log.info("connecting to %s", config.base_url)
+    engines: dict[str, ChatEngine] = dict(connect(config, [n for n in names if n]))
+    log.info("models of %s: %s", config.base_url, ", ".join(engines))
+    return engines
+
+
+def serve(
+    args: argparse.Namespace, engines: dict[str, ChatEngine], notes: dict[str, str]
+) -> None:
     """Serve until Ctrl-C (or SIGTERM)."""
     import uvicorn
 
-    from api import api_key_from_env, create_app
+    api_key = None
+    if is_local(engines):  # a remote server guards its own API
+        from api import api_key_from_env
 
-    api_key = args.api_key or api_key_from_env()
-    warn_if_exposed(args.host, api_key, share=args.share)
-    guards = guard_options(args)
+        api_key = args.api_key or api_key_from_env()
+        warn_if_exposed(args.host, api_key, share=args.share)
+    guards = guard_options(args) if is_local(engines) else {}
     if args.api_only:
+        from api import create_app
+
         app = create_app(engines, api_key=api_key, **guards)
     elif args.share:
         return _serve_shared(args, engines, notes, api_key)
     else:
         app = build_app(engines, api_key=api_key, notes=notes, **guards)
-    where = "API" if args.api_only else "UI and API"
+    where = "API" if args.api_only else "UI and API" if is_local(engines) else "UI"
     log.info("serving the %s on http://%s:%d (Ctrl-C stops)", where, args.host, args.port)
     # A short graceful timeout: open streams (a browser tab's event stream) must not hold up
     # Ctrl-C; the engines abort whatever is still running when they shut down.
@@ -211,24 +296,26 @@ def warn_if_exposed(host: str, api_key: str | None, *, share: bool = False) -> b
 
 
 def _serve_shared(
-    args: argparse.Namespace, engines: dict[str, AsyncLLM], notes: dict[str, str],
+    args: argparse.Namespace, engines: dict[str, ChatEngine], notes: dict[str, str],
     api_key: str | None,
 ) -> None:
     """--share needs Gradio's own launcher (it opens the tunnel); the API joins its app."""
-    from api import build_router
     from ui import build_demo
 
     demo = build_demo(engines, notes=notes)
     demo.launch(server_name=args.host, server_port=args.port, share=True,
                 prevent_thread_lock=True)
-    demo.app.include_router(build_router(engines, api_key=api_key))
+    if is_local(engines):
+        from api import build_router
+
+        demo.app.include_router(build_router(engines, api_key=api_key))
     try:
         demo.block_thread()
     finally:
         demo.close()
 
 
-def shutdown(engines: Mapping[str, AsyncLLM]) -> None:
+def shutdown(engines: Mapping[str, ChatEngine]) -> None:
     for llm in engines.values():
         llm.shutdown()
 
@@ -249,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
-    engines: dict[str, AsyncLLM] = {}
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request to a server
+    engines: dict[str, ChatEngine] = {}
     try:
         engines, notes = load_engines(args)
         serve(args, engines, notes)
@@ -257,6 +345,13 @@ def main(argv: list[str] | None = None) -> int:
         pass
     except ValueError as e:  # a bad model or option: the message says what and why
         log.error("%s", e)
+        return 2
+    except RuntimeError as e:
+        from engine.interface import EngineError
+
+        if not isinstance(e, EngineError):
+            raise
+        log.error("%s", e)  # a server that cannot be reached or refuses the key
         return 2
     finally:
         shutdown(engines)

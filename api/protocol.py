@@ -50,6 +50,7 @@ class _GenerationRequest(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    return_token_ids: bool = False  # prompt_token_ids and token_ids in the response
 
     @property
     def include_usage(self) -> bool:

@@ -2,6 +2,14 @@
 
 Token strings in logprobs are single tokens decoded with the tokenizer (special tokens kept);
 a token that holds part of a multi-byte character decodes to U+FFFD, as in vLLM.
+
+Beyond OpenAI's fields, responses carry what a front end needs to show the engine's work:
+with `return_token_ids` (vLLM's request field, and its field names) the prompt's token ids
+(`prompt_token_ids`: top level, in the first chunk of a stream) and the generated ids
+(`token_ids` in each choice); always, an `mmserve` object (on the body; in a chat stream on
+its first chunk and, updated, on the one with the finish_reason) with each media item's
+placeholder and encoder-cache outcome and the request's stage timings; and in /v1/models
+each model's modalities and batch width.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from typing import Any
 from engine import AsyncLLM, RequestOutput
 
 SSE_DONE = "data: [DONE]\n\n"
+EXTENSION = "mmserve"  # the key of our fields in response bodies
 # JSON has no infinity; a token the model rules out gets this floor instead (vLLM does the same).
 _MIN_LOGPROB = -9999.0
 
@@ -35,6 +44,7 @@ class ResponseContext:
     tokenizer: Any
     num_logprobs: int | None  # top alternatives per token; None: no logprobs
     include_usage: bool = False
+    return_token_ids: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
     def envelope(self, object_name: str) -> dict:
@@ -52,6 +62,10 @@ def model_list(engines: Mapping[str, AsyncLLM], created: int) -> dict:
                 "created": created,
                 "owned_by": "mmserve",
                 "max_model_len": llm.engine.max_model_len,
+                EXTENSION: {
+                    "modalities": list(llm.processor.modalities),
+                    "max_num_seqs": llm.engine.config.max_num_seqs,
+                },
             }
             for name, llm in engines.items()
         ],
@@ -68,6 +82,20 @@ def usage(out: RequestOutput) -> dict:
     }
 
 
+def extension(out: RequestOutput) -> dict:
+    """Our fields: each media item's span, content hash and encoder-cache outcome (null: its
+    span's KV came from the prefix cache, so it was never looked up), and the stage timings
+    measured in the engine (seconds)."""
+    return {
+        "placeholders": [
+            {"modality": p.modality, "offset": p.offset, "length": p.length,
+             "num_embeds": p.num_embeds, "identifier": p.identifier, "cache_hit": p.cache_hit}
+            for p in out.multi_modal_placeholders
+        ],
+        "metrics": out.metrics.as_dict(),
+    }
+
+
 def chat_completion(ctx: ResponseContext, final: RequestOutput) -> dict:
     """The non-streaming chat.completion body."""
     c = final.outputs[0]
@@ -77,7 +105,7 @@ def chat_completion(ctx: ResponseContext, final: RequestOutput) -> dict:
         "logprobs": _chat_logprobs(ctx, c.token_ids, c.logprobs),
         "finish_reason": c.finish_reason,
     }
-    return {**ctx.envelope("chat.completion"), "choices": [choice], "usage": usage(final)}
+    return _body(ctx, "chat.completion", choice, final)
 
 
 def text_completion(ctx: ResponseContext, final: RequestOutput) -> dict:
@@ -89,7 +117,16 @@ def text_completion(ctx: ResponseContext, final: RequestOutput) -> dict:
         "logprobs": _completion_logprobs(ctx, c.token_ids, c.logprobs, 0),
         "finish_reason": c.finish_reason,
     }
-    return {**ctx.envelope("text_completion"), "choices": [choice], "usage": usage(final)}
+    return _body(ctx, "text_completion", choice, final)
+
+
+def _body(ctx: ResponseContext, object_name: str, choice: dict, final: RequestOutput) -> dict:
+    body = {**ctx.envelope(object_name), "choices": [choice], "usage": usage(final)}
+    if ctx.return_token_ids:
+        choice["token_ids"] = final.outputs[0].token_ids
+        body["prompt_token_ids"] = final.prompt_token_ids
+    body[EXTENSION] = extension(final)
+    return body
 
 
 class _Stream:
@@ -106,12 +143,15 @@ class _Stream:
         c = out.outputs[0]
         ids = c.token_ids[self._sent:]
         entries = None if c.logprobs is None else c.logprobs[self._sent:len(c.token_ids)]
-        self._sent = len(c.token_ids)
         chunks = []
-        if c.delta_text or entries:
+        if c.delta_text or entries or (ids and self.ctx.return_token_ids):
+            self._sent = len(c.token_ids)
             chunks.append(self._chunk(self._choice(c.delta_text, ids, entries, None)))
         if out.finished:
-            chunks.append(self._chunk(self._choice("", [], None, c.finish_reason)))
+            # Ids held back with text (a partial character, a possible stop string) go here.
+            last = self._choice("", c.token_ids[self._sent:], None, c.finish_reason)
+            self._sent = len(c.token_ids)
+            chunks.append({**self._chunk(last), EXTENSION: extension(out)})
             if self.ctx.include_usage:
                 chunks.append({**self.ctx.envelope(self.object_name), "choices": [],
                                "usage": usage(out)})
@@ -124,6 +164,14 @@ class _Stream:
         return chunk
 
     def _choice(
+        self, text: str, ids: list[int], entries: list[dict] | None, finish_reason: str | None
+    ) -> dict:
+        choice = self._fields(text, ids, entries, finish_reason)
+        if self.ctx.return_token_ids:
+            choice["token_ids"] = ids
+        return choice
+
+    def _fields(
         self, text: str, ids: list[int], entries: list[dict] | None, finish_reason: str | None
     ) -> dict:
         raise NotImplementedError
@@ -142,12 +190,17 @@ class ChatStream(_Stream):
         chunks = super().chunks(out)
         if not self._started:
             self._started = True
-            role = {"index": 0, "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None, "finish_reason": None}
-            chunks.insert(0, self._chunk(role))
+            role = self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None, "finish_reason": None})
+            if self.ctx.return_token_ids:
+                role["prompt_token_ids"] = out.prompt_token_ids
+            # The placeholders and their cache outcome are known by the first output: a
+            # front end can show them while the reply streams.
+            role[EXTENSION] = extension(out)
+            chunks.insert(0, role)
         return chunks
 
-    def _choice(self, text, ids, entries, finish_reason):
+    def _fields(self, text, ids, entries, finish_reason):
         return {
             "index": 0,
             "delta": {"content": text} if finish_reason is None else {},
@@ -165,7 +218,7 @@ class CompletionStream(_Stream):
         super().__init__(ctx)
         self._offset = 0  # text_offset of the next token
 
-    def _choice(self, text, ids, entries, finish_reason):
+    def _fields(self, text, ids, entries, finish_reason):
         logprobs = _completion_logprobs(self.ctx, ids, entries, self._offset)
         if logprobs is not None:
             self._offset += sum(len(t) for t in logprobs["tokens"])

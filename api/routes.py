@@ -219,6 +219,7 @@ def _context(
         tokenizer=llm.tokenizer,
         num_logprobs=body.num_logprobs,
         include_usage=body.include_usage,
+        return_token_ids=body.return_token_ids,
     )
 
 

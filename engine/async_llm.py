@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from engine.interface import EngineDeadError, EngineInfo
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.processing import ParsedPrompt, PromptType
@@ -29,10 +30,6 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped (shut down, or an internal error); no request can run."""
 
 
 class _Stream:
@@ -44,7 +41,11 @@ class _Stream:
 
 
 class AsyncLLM:
-    """`async for out in llm.generate(prompt, params): print(out.outputs[0].delta_text)`."""
+    """`async for out in llm.generate(prompt, params): print(out.outputs[0].delta_text)`.
+
+    A `ChatEngine` (engine.interface): the front ends drive it through `info`, `chat`,
+    `abort`, `stats` and `shutdown`.
+    """
 
     def __init__(
         self, model: str | Path, *, device: str = "auto", dtype: str = "auto", **options: Any
@@ -67,6 +68,18 @@ class AsyncLLM:
     @property
     def processor(self):
         return self.engine.processor
+
+    @property
+    def info(self) -> EngineInfo:
+        """The model's name, modalities, context length, media limits and batch width (read
+        afresh: the processor's media limits may be replaced at run time)."""
+        return EngineInfo(
+            model=self.engine.model_id,
+            modalities=self.processor.modalities,
+            max_model_len=self.engine.max_model_len,
+            media_limits=self.processor.media_limits,
+            max_num_seqs=self.engine.config.max_num_seqs,
+        )
 
     # ---- front door -------------------------------------------------------------------------
 

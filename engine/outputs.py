@@ -1,4 +1,9 @@
-"""What the engine hands back: RequestOutput snapshots, safe to read from any thread."""
+"""What an engine hands back: RequestOutput snapshots, safe to read from any thread.
+
+The in-process engine knows everything about a request. A remote engine knows what its server
+returns: what it could not learn is left empty (or None) and `RequestOutput.unreported` says
+why, so that the panels can say what they do not know instead of inventing it.
+"""
 
 from __future__ import annotations
 
@@ -9,20 +14,24 @@ from engine.metrics import RequestMetrics
 
 @dataclass(frozen=True)
 class PlaceholderInfo:
-    """A media item's place in the prompt, for the UI: span, embed positions, content hash."""
+    """A media item's place in the prompt, for the UI: span, embed positions, content hash
+    (None when the backend did not report it), encoder-cache outcome (None: not looked up,
+    or not reported)."""
 
     modality: str
     offset: int
     length: int
     num_embeds: int
-    identifier: str
+    identifier: str | None
     cache_hit: bool | None
 
 
 @dataclass
 class CompletionOutput:
     """The generated sequence so far. `text`/`token_ids` are cumulative; `delta_*` are new
-    since the previous output of the same request (what a stream should print)."""
+    since the previous output of the same request (what a stream should print).
+    `num_tokens` counts the tokens generated: `len(token_ids)` unless a remote server
+    reported the count without the ids (None: not known yet)."""
 
     index: int
     text: str
@@ -32,20 +41,49 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None = None
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    num_tokens: int | None = -1  # -1: len(token_ids), filled in on construction
+
+    def __post_init__(self) -> None:
+        if self.num_tokens == -1:
+            self.num_tokens = len(self.token_ids)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
 
+# Keys of RequestOutput.unreported: what a remote server did not report.
+UNREPORTED_KEYS = (
+    "prompt_token_ids", "cached_tokens", "placeholders", "encoder_cache", "server_timing",
+)
+
+
 @dataclass
 class RequestOutput:
+    """One request's state: prompt, output so far, cache use, placeholders and timings.
+
+    `num_prompt_tokens` is `len(prompt_token_ids)` unless a remote server reported the count
+    without the ids (None: not known yet). `num_cached_tokens` is None when the server did
+    not report it. `unreported` maps each thing the backend did not report (a key of
+    UNREPORTED_KEYS) to a sentence that says why, and how to make it report it; it is empty
+    for the in-process engine.
+    """
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    num_cached_tokens: int
+    num_cached_tokens: int | None
     metrics: RequestMetrics
     multi_modal_placeholders: list[PlaceholderInfo] = field(default_factory=list)
     error: str | None = None
+    num_prompt_tokens: int | None = -1  # -1: len(prompt_token_ids), filled in on construction
+    unreported: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens == -1:
+            self.num_prompt_tokens = len(self.prompt_token_ids)
+        unknown = sorted(set(self.unreported) - set(UNREPORTED_KEYS))
+        if unknown:
+            raise ValueError(f"RequestOutput.unreported: unknown key {unknown[0]!r}")

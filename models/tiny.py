@@ -2,8 +2,11 @@
 
 Used by the tests (as the reference and as our input), the benchmarks (real shapes, random
 weights) and the offline demo of `python app.py`. Each checkpoint is a directory with
-config.json, safetensors weights, generation_config.json and a byte-level BPE tokenizer trained
-here with the `tokenizers` library, whose special tokens and chat template match the family's.
+config.json, safetensors weights, generation_config.json and a tokenizer trained here with the
+`tokenizers` library, whose special tokens and chat template match the family's: byte-level
+BPE (the tests' default: multi-byte characters split across tokens, as in real checkpoints),
+or WordPiece over whole characters for the demo, whose random text then reads as words
+instead of byte fragments.
 
 Weights are drawn with a larger scale than the usual 0.02 so that logits are decisive (random
 tiny models with the default init give near-ties that flip greedy tokens on 1e-6 noise).
@@ -31,6 +34,40 @@ Emoji: 😀 🎉 🚀 🐱 👍 ❤️ — and “quotes”, ‘single’, ellip
 Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 3.14159 2.71828
 def main():\n    return {"key": [1, 2, 3]}\n
 """.strip()
+
+# The demo's corpus: plain English about what the demo shows, so that the vocabulary is mostly
+# whole words.
+_WORDS_CORPUS = """
+A small red ball rolls across a bright blue table in the morning light.
+The picture shows a quiet street with tall trees, parked cars and a yellow bus.
+In this video a dog runs through the park, jumps over a bench and chases a ball.
+The audio clip has a low tone that rises slowly, then a short pause and a soft voice.
+Two children play near the river while their parents talk on the green grass.
+The engine reads the image, encodes it once and keeps the result in its cache.
+Every request shares the batch with the others, one token at a time.
+A green field, a white house and a long road under a cloudy sky.
+The camera moves to the left and shows a window, a plant and an old clock.
+The speaker describes the weather: cold wind, light rain and a clear evening.
+There is a cat sleeping on a warm chair next to the kitchen door.
+People walk along the beach as the sun goes down behind the hills.
+A man in a black coat opens the gate and waves to his friend.
+The music starts quietly, grows louder, and ends with a single bright note.
+We can see a boat on the lake, a bridge in the distance and birds flying north.
+Her voice is calm and clear; she reads a story about a little fox.
+The room is full of books, maps and pictures of distant places.
+A train arrives at the station and many people step onto the platform.
+Snow covers the mountains, and the air is cold and still.
+The chart shows numbers going up, then down, then up again.
+What is in this image? Describe the scene in a few words.
+What happens in this video? Tell me what you hear in the clip.
+Yes, it looks like a sunny day, and everyone seems happy.
+You are a helpful assistant: the user asks, the system answers.
+""".strip()
+# Whole characters only: no token is part of a character, so any sequence of tokens decodes
+# to text.
+_WORDS_ALPHABET = list(
+    "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?;:'\"()-"
+)
 
 QWEN_SPECIAL = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>",
@@ -67,28 +104,47 @@ LLAMA_CHAT_TEMPLATE = (
 )
 
 
-def train_tokenizer(special: list[str], vocab_size: int, chat_template: str, eos: str):
-    """A byte-level BPE tokenizer trained on the built-in corpus, as a transformers tokenizer."""
+def train_tokenizer(
+    special: list[str], vocab_size: int, chat_template: str, eos: str, kind: str = "bytes"
+):
+    """A tokenizer trained on a built-in corpus, as a transformers tokenizer: byte-level BPE
+    ("bytes", on the mixed-language corpus) or WordPiece over whole characters ("words", on
+    the English demo corpus: mostly whole words, decoded with spaces between them; other
+    characters become <unk>)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
+    if kind == "bytes":
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        alphabet, corpus, extra = pre_tokenizers.ByteLevel.alphabet(), _CORPUS, {}
+    elif kind == "words":
+        tok = Tokenizer(models.WordPiece(unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        # Words joined by spaces; a continuation piece that opens a text loses its "##" too.
+        tok.decoder = decoders.Sequence([decoders.WordPiece(cleanup=True),
+                                         decoders.Replace("##", "")])
+        alphabet, corpus, extra = _WORDS_ALPHABET, _WORDS_CORPUS, {"unk_token": "<unk>"}
+    else:
+        raise ValueError(f"unknown tokenizer kind {kind!r} (bytes, words)")
+    train = trainers.BpeTrainer if kind == "bytes" else trainers.WordPieceTrainer
+    trainer = train(
         vocab_size=vocab_size,
-        special_tokens=special,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[*special, *extra.values()],
+        initial_alphabet=alphabet,
+        limit_alphabet=len(alphabet),
         show_progress=False,
     )
-    tok.train_from_iterator([_CORPUS] * 4, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=special[0])
+    tok.train_from_iterator([corpus] * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=special[0],
+                                   **extra)
     fast.chat_template = chat_template
     return fast
 
 
-def qwen_tokenizer(vocab_size: int = 600):
-    return train_tokenizer(QWEN_SPECIAL, vocab_size, QWEN_CHAT_TEMPLATE, "<|im_end|>")
+def qwen_tokenizer(vocab_size: int = 600, kind: str = "bytes"):
+    return train_tokenizer(QWEN_SPECIAL, vocab_size, QWEN_CHAT_TEMPLATE, "<|im_end|>", kind)
 
 
 def llama_tokenizer(vocab_size: int = 600):
@@ -195,11 +251,13 @@ def build_qwen2_vl_model(
     max_image_tokens: int = 64,
     seed: int = 0,
     std: float = 0.25,
+    tokenizer_kind: str = "bytes",
 ) -> Path:
     """A tiny Qwen2VLForConditionalGeneration ("qwen2_vl") or Qwen2.5-VL ("qwen2_5_vl").
 
     Its preprocessor config keeps images small (at most `max_image_tokens` embeddings, video
-    frames a quarter of that) so that tests and the demo stay fast on a CPU.
+    frames a quarter of that) so that tests and the demo stay fast on a CPU. `tokenizer_kind`
+    is the kind of `train_tokenizer`.
     """
     from transformers import (
         Qwen2_5_VLConfig,
@@ -208,7 +266,7 @@ def build_qwen2_vl_model(
         Qwen2VLForConditionalGeneration,
     )
 
-    tokenizer = qwen_tokenizer()
+    tokenizer = qwen_tokenizer(kind=tokenizer_kind)
     special = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL}
     heads = 4
     half = hidden_size // heads // 2
@@ -272,15 +330,17 @@ def build_qwen2_audio_model(
     max_position_embeddings: int = 4096,
     seed: int = 0,
     std: float = 0.25,
+    tokenizer_kind: str = "bytes",
 ) -> Path:
     """A tiny Qwen2AudioForConditionalGeneration with a Whisper feature-extractor config.
 
     The encoder keeps Qwen2-Audio's 30 s window (1500 positions); `n_mels` is written both to
-    the encoder config and to preprocessor_config.json's feature_size.
+    the encoder config and to preprocessor_config.json's feature_size. `tokenizer_kind` is the
+    kind of `train_tokenizer`.
     """
     from transformers import Qwen2AudioConfig, Qwen2AudioForConditionalGeneration
 
-    tokenizer = qwen_tokenizer()
+    tokenizer = qwen_tokenizer(kind=tokenizer_kind)
     text = dict(
         hidden_size=hidden_size, intermediate_size=intermediate_size or 2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads,

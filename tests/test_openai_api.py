@@ -27,6 +27,7 @@ from tests.media_fixtures import (
     encode_soundfile,
     encode_video,
     gradient,
+    marked_landscape,
     tone,
 )
 
@@ -72,7 +73,40 @@ def chat_prompt_tokens(engine: AsyncLLM, messages: list[dict]) -> int:
 
 
 def test_models_lists_the_served_model(client):
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    (model,) = client.models.list().data
+    assert model.id == MODEL and model.max_model_len == MAX_MODEL_LEN
+    assert model.mmserve == {"modalities": [], "max_num_seqs": 64}
+
+
+def test_token_ids_are_returned_when_asked(client, engine):
+    ids = {"return_token_ids": True, "ignore_eos": True}
+    kwargs = {**GREEDY, "extra_body": ids}
+    reply = client.chat.completions.create(model=MODEL, messages=HELLO, **kwargs)
+    prompt_ids = reply.prompt_token_ids
+    assert len(prompt_ids) == reply.usage.prompt_tokens == chat_prompt_tokens(engine, HELLO)
+    assert engine.tokenizer.decode(prompt_ids).startswith("<|im_start|>")
+    output_ids = reply.choices[0].token_ids
+    assert len(output_ids) == reply.usage.completion_tokens == 8
+    # (the text leaves out a trailing partial character)
+    assert engine.tokenizer.decode(output_ids).startswith(reply.choices[0].message.content)
+    metrics = reply.mmserve["metrics"]
+    assert reply.mmserve["placeholders"] == [] and metrics["ttft"] > 0
+    assert metrics["prefill_chunks"][0][0] == len(prompt_ids)
+
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=HELLO, stream=True, stream_options={"include_usage": True},
+        **kwargs,
+    ))
+    assert chunks[0].prompt_token_ids == prompt_ids
+    assert all(getattr(c, "prompt_token_ids", None) is None for c in chunks[1:])
+    streamed = [t for c in chunks if c.choices for t in getattr(c.choices[0], "token_ids", [])]
+    assert streamed == output_ids
+    finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish[0].mmserve["metrics"]["decode_time"] > 0
+
+    plain = client.chat.completions.create(model=MODEL, messages=HELLO, **GREEDY)
+    assert getattr(plain, "prompt_token_ids", None) is None
+    assert getattr(plain.choices[0], "token_ids", None) is None
 
 
 def test_chat_streaming_matches_non_streaming(client, engine):
@@ -438,6 +472,32 @@ class TestMedia:
         vl_client.chat.completions.create(model="tiny-vl", messages=messages, max_tokens=2)
         again = vl_client.chat.completions.create(model="tiny-vl", messages=messages, max_tokens=2)
         assert again.usage.prompt_tokens_details.cached_tokens >= 16
+
+    def test_placeholders_and_encoder_cache_outcome_are_reported(self, vl_client):
+        # An image no other test sends: its first request misses the encoder cache.
+        url = _data_url("image/png", encode_image(marked_landscape().resize((56, 56)), "PNG"))
+        part = {"type": "image_url", "image_url": {"url": url}}
+
+        def placeholders(system: str) -> tuple[list[dict], list[int]]:
+            messages = [{"role": "system", "content": system}, *_ask(part)]
+            reply = vl_client.chat.completions.create(
+                model="tiny-vl", messages=messages, max_tokens=2,
+                extra_body={"return_token_ids": True},
+            )
+            return reply.mmserve["placeholders"], reply.prompt_token_ids
+
+        (first,), ids = placeholders("One.")
+        # A 56x56 image: 4x4 patches merged 2x2, 4 embeddings of the image pad token.
+        assert first["modality"] == "image" and first["length"] == first["num_embeds"] == 4
+        span = ids[first["offset"]:first["offset"] + first["length"]]
+        assert len(set(span)) == 1 and ids[first["offset"] - 1] != span[0]
+        assert first["cache_hit"] is False and len(first["identifier"]) == 64
+        (again,), _ = placeholders("Two.")  # another prefix: the encoder cache is asked
+        assert again["cache_hit"] is True and again["identifier"] == first["identifier"]
+
+    def test_models_say_which_media_they_take(self, vl_client, audio_client):
+        assert vl_client.models.list().data[0].mmserve["modalities"] == ["image", "video"]
+        assert audio_client.models.list().data[0].mmserve["modalities"] == ["audio"]
 
     @pytest.mark.parametrize(
         ("url", "error", "fragment"),

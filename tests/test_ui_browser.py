@@ -5,14 +5,18 @@ generation. Screenshots go to test-artifacts/."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
+from api import create_app
 from app import build_app
+from engine.remote import RemoteConfig, connect
+from tests.api_fixtures import running_server
 from tests.helpers import pace_steps, wait_idle
-from tests.ui_fixtures import VL, demo_engines, demo_root, running_app
+from tests.ui_fixtures import VL, demo_engines, demo_root, image_offset, running_app
 from ui.demo import DEMO_NOTE, ensure_samples
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -52,19 +56,31 @@ def served(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def page(served):
+def browser():
     from playwright.sync_api import expect, sync_playwright
 
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=FLAGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000}, permissions=["camera"])
-        page.set_default_timeout(60_000)
         expect.set_options(timeout=60_000)  # generous: a busy 2-core CI machine is slow
-        page.goto(served[2])
-        page.locator("#composer textarea").wait_for()
-        page.get_by_text("Generation settings").click()
-        yield page
+        yield browser
         browser.close()
+
+
+def open_app(browser, url: str):
+    """A new tab on the app, its settings open."""
+    page = browser.new_page(viewport={"width": 1400, "height": 1000}, permissions=["camera"])
+    page.set_default_timeout(60_000)
+    page.goto(url)
+    page.locator("#composer textarea").wait_for()
+    page.get_by_text("Generation settings").click()
+    return page
+
+
+@pytest.fixture(scope="module")
+def page(served, browser):
+    page = open_app(browser, served[2])
+    yield page
+    page.close()
 
 
 @pytest.fixture(autouse=True)
@@ -117,7 +133,8 @@ def test_upload_an_image_and_see_its_placeholder(page, served):
     send(page, "Describe this image.", [samples.image])
     expect(page.locator("#chatbot [data-testid=user] img")).to_have_count(1)
     expect(page.locator("#chatbot [data-testid=bot]").last).not_to_be_empty()
-    expect(page.locator("#placeholders")).to_contain_text("image 1 · @36 ×54 · 54 embeds")
+    offset = image_offset(engines[VL].tokenizer)
+    expect(page.locator("#placeholders")).to_contain_text(f"image 1 · @{offset} ×54 · 54 embeds")
     expect(page.locator("#items")).to_contain_text("image 1")
     expect(page.locator("#timing")).to_contain_text("finish length")
     expect(page.locator("#cache")).to_contain_text("encoded by this request")
@@ -175,3 +192,33 @@ def test_stop_aborts_a_long_generation(page, served, monkeypatch):
     expect(page.locator("#engine")).to_contain_text("KV blocks in use: 0 /")
     assert "output 4000 tok" not in page.locator("#timing").inner_text()
     screenshot(page, "ui-browser-stopped.png")
+
+
+def test_the_app_as_a_front_end_to_a_remote_server(served, browser):
+    from playwright.sync_api import expect
+
+    engines, samples, _ = served
+    with running_server(create_app(engines)) as api:
+        remote = connect(RemoteConfig(f"{api}/v1"))
+        with running_app(build_app(remote)) as url:
+            tab = open_app(browser, url)
+            try:
+                expect(tab.get_by_text(f"served by {api}/v1")).to_be_visible()
+                set_max_tokens(tab, 24)
+                send(tab, "Describe this image.", [samples.image])
+                offset = image_offset(engines[VL].tokenizer)
+                expect(tab.locator("#placeholders")).to_contain_text(
+                    f"image 1 · @{offset} ×54 · 54 embeds")
+                expect(tab.locator("#placeholders")).to_contain_text("text tokens")
+                expect(tab.locator("#timing")).to_contain_text("finish length")
+                # The outcome depends on what the earlier tests left in the server's caches.
+                expect(tab.locator("#cache")).to_contain_text(re.compile(
+                    "encoded by this request|reused from the encoder cache|from the prefix cache"))
+                expect(tab.locator("#engine")).to_contain_text("Engine (remote)")
+                screenshot(tab, "ui-browser-remote.png")
+            except BaseException:
+                screenshot(tab, "failed-remote.png")
+                raise
+            finally:
+                tab.close()
+    wait_idle(engines[VL])

@@ -12,7 +12,15 @@ from gradio_client.exceptions import AppError
 
 from app import build_app
 from tests.helpers import pace_steps
-from tests.ui_fixtures import AUDIO, NO_AUDIO, VL, demo_engines, demo_root, running_app
+from tests.ui_fixtures import (
+    AUDIO,
+    NO_AUDIO,
+    VL,
+    demo_engines,
+    demo_root,
+    image_offset,
+    running_app,
+)
 from ui.demo import ensure_samples
 
 # Gradio's queue statistics use pandas options that pandas 3 deprecates; not ours to fix.
@@ -59,12 +67,7 @@ def test_an_image_turn_streams_with_its_placeholder_range(served):
     assert len(replies) >= 3, "the reply should arrive in several streamed updates"
     assert reply(outputs) and outputs[-1][CHATBOT][0]["content"][0]["type"] == "file"
 
-    tokenizer = engines[VL].tokenizer
-    template = tokenizer.apply_chat_template(
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]}],
-        tokenize=False, add_generation_prompt=True,
-    )
-    offset = len(tokenizer.encode(template[: template.index("<|image_pad|>")]))
+    offset = image_offset(engines[VL].tokenizer)
     # 320x240 resized under the demo's max_pixels (64 merged 28x28 patches) to 252x168: 9x6.
     (item,) = items(outputs)
     assert item | {"hash": None} == {
@@ -73,6 +76,16 @@ def test_an_image_turn_streams_with_its_placeholder_range(served):
     }
     assert f"image 1 · @{offset} ×54" in outputs[-1][STRIP]
     assert "TTFT" in outputs[-1][TIMING]
+
+
+def test_the_gradio_api_works_with_every_other_input_defaulted(served):
+    _, samples, client, _ = served
+    message = {"text": "Describe this image.", "files": [handle_file(str(samples.image))]}
+    result = client.predict(message, api_name="/chat")
+    assert result[CHATBOT][-1]["role"] == "assistant" and result[CHATBOT][-1]["content"]
+    (row,) = result[ITEMS]["data"]
+    assert row[:2] == ["image 1", "image"]  # the default model: the first, which takes images
+    assert client.predict({"text": "Hello", "files": []}, api_name="/chat")[CHATBOT][-1]
 
 
 def test_a_video_turn_has_one_span_per_frame_group(served):

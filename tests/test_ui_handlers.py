@@ -4,6 +4,7 @@ earlier media, plain-English errors, Stop, Regenerate, and what the panels show.
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
@@ -11,9 +12,11 @@ from pathlib import Path
 import gradio as gr
 import pytest
 
+from api import create_app
+from tests.api_fixtures import running_server
 from tests.helpers import wait_idle
 from tests.ui_fixtures import AUDIO, NO_AUDIO, VL, demo_engines, demo_root
-from ui import build_demo, panels, show_result
+from ui import build_demo, panels, show_result, timing
 from ui.chat import EMPTY_DRAFT, Chat, ChatSettings, engine_messages, modality_of
 from ui.demo import ensure_demo_models, ensure_samples, sample_examples
 
@@ -110,15 +113,18 @@ async def test_a_turn_streams_and_the_panels_show_its_image(chat, engines, sampl
     strip = panels.placeholder_html(final, engines[VL].tokenizer)
     assert f"image 1 · @{ph.offset} ×{ph.length} · {ph.num_embeds} embeds" in strip
     assert ph.identifier[:8] in strip
-    labels = [label for label, _, _ in panels.timing_rows(final)]
+    labels = [label for label, _, _ in timing.timing_rows(final)]
     for stage in ("media load", "preprocess", "hashing", "queue", "encoder",
                   "prefill chunk 1", "first token (TTFT)", "decode"):
         assert any(label.startswith(stage) for label in labels), stage
-    assert "TTFT" in panels.timing_html(final) and "tok/s" in panels.timing_html(final)
+    assert "TTFT" in timing.timing_html(final) and "tok/s" in timing.timing_html(final)
 
 
 async def test_second_turn_keeps_the_image_and_reuses_its_prefix(chat, samples):
-    first = await run(chat.respond(image_turn(samples), [], VL, GREEDY, "s-history"))
+    # Text after the image fills the KV block the image ends in, so the first turn's prompt
+    # blocks cover the whole image (the blocks of the reply may not match when re-tokenized).
+    turn = image_turn(samples, "Describe this image in detail: every shape and every colour.")
+    first = await run(chat.respond(turn, [], VL, GREEDY, "s-history"))
     history = first[-1].history
     second = await run(chat.respond({"text": "More detail?"}, history, VL, GREEDY, "s-history"))
     final = second[-1].output
@@ -247,20 +253,32 @@ async def test_show_result_renders_every_panel(chat, engines, samples):
 @pytest.mark.usefixtures("engines")  # the demo directory is built by then
 async def test_the_notebook_runs(tmp_path_factory, monkeypatch):
     """Execute the example notebook's code cells in order (top-level await allowed), except
-    those tagged "server" (launching the app), against the session's demo directory."""
+    those tagged "server" (launching the app), against the session's demo directory; cells
+    tagged "remote" run against our API server on 127.0.0.1 serving the notebook's engine."""
     monkeypatch.setenv("MMSERVE_DEMO_DIR", str(demo_root(tmp_path_factory)))
     notebook = json.loads((ROOT / "examples" / "notebook.ipynb").read_text())
     namespace: dict = {}
+    ran_remote = False
     for cell in notebook["cells"]:
-        if cell["cell_type"] != "code" or "server" in cell["metadata"].get("tags", []):
+        tags = cell["metadata"].get("tags", [])
+        if cell["cell_type"] != "code" or "server" in tags:
             continue
         source = "".join(cell["source"])
         code = compile(source, "notebook cell", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
-        result = eval(code, namespace)  # our own notebook's code
-        if result is not None:  # a cell with top-level await compiles to a coroutine
-            await result
+        with contextlib.ExitStack() as stack:
+            if "remote" in tags:
+                app = create_app({VL: namespace["llm"]})
+                url = stack.enter_context(running_server(app))
+                monkeypatch.setenv("MMSERVE_BACKEND", f"{url}/v1")
+                ran_remote = True
+            result = eval(code, namespace)  # our own notebook's code
+            if result is not None:  # a cell with top-level await compiles to a coroutine
+                await result
     assert "mm-placeholders" in namespace["view"]._repr_html_()
     assert isinstance(namespace["demo"], gr.Blocks)
+    assert ran_remote and namespace["remote"].info.backend.startswith("http://127.0.0.1:")
+    remote_view = namespace["show_result"](namespace["remote"], namespace["outs"][-1])
+    assert "image 1 · @" in remote_view.html and "Engine (remote)" in remote_view.html
 
 
 def test_the_demo_is_generated_once_and_its_examples_fit_the_models(engines, tmp_path_factory):
@@ -276,6 +294,24 @@ def test_the_demo_is_generated_once_and_its_examples_fit_the_models(engines, tmp
     if AUDIO in engines:
         expected[(".wav",)] = AUDIO
     assert by_files == expected
+
+
+def test_the_demo_writes_words_not_byte_fragments(engines):
+    """Its tokenizers hold whole characters only: whatever random weights sample decodes to
+    text without U+FFFD (a byte-level vocabulary shows the replacement character)."""
+    for llm in engines.values():
+        tokenizer = llm.tokenizer
+        pieces = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+        assert not [p for p in pieces if "\ufffd" in p]
+
+
+async def test_a_demo_reply_reads_as_words(chat, samples):
+    settings = dataclasses.replace(GREEDY, temperature=1.0, seed=3, max_tokens=64)
+    final = (await run(chat.respond(image_turn(samples), [], VL, settings, "s-words")))[-1]
+    text = final.output.outputs[0].text
+    words = text.split()
+    assert "\ufffd" not in text and len(words) >= 8, text
+    assert sum(w.strip(".,!?;:'\"()-").isalpha() for w in words) >= len(words) // 2, text
 
 
 def test_build_demo_takes_one_engine_or_several(engines):

@@ -1,5 +1,5 @@
 """Helpers for the UI tests: the demo lineup as small engines, the app served on a free
-127.0.0.1 port in a thread, and a wait for an engine to go idle."""
+127.0.0.1 port in a thread, and where an image's placeholder starts."""
 
 from __future__ import annotations
 
@@ -36,6 +36,15 @@ def demo_engines(root: Path) -> Iterator[dict[str, AsyncLLM]]:
     finally:
         for llm in engines.values():
             llm.shutdown()
+
+
+def image_offset(tokenizer) -> int:
+    """Where the placeholder of an image that opens a new chat starts in its prompt."""
+    template = tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]}],
+        tokenize=False, add_generation_prompt=True,
+    )
+    return len(tokenizer.encode(template[: template.index("<|image_pad|>")]))
 
 
 def running_app(app: FastAPI):

@@ -2,7 +2,9 @@
 stream -> incremental chat updates, with Stop and Regenerate, and errors as plain gr.Errors.
 
 Uploaded files are read here and handed to the engine as bytes, so the engine's own media
-limits and decoders judge them and no local directory has to be opened to the engine.
+limits and decoders judge them and no local directory has to be opened to the engine. The
+engine is any `ChatEngine`: the in-process one, or a remote server's (which sends the bytes on
+as data URLs).
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from typing import Any
 
 import gradio as gr
 
-from engine import AsyncLLM, EngineDeadError, RequestOutput, SamplingParams
-from engine.media import MediaLimits
+from engine.interface import ChatEngine, EngineDeadError, EngineError
+from engine.media.limits import MediaLimits
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
 
 EMPTY_DRAFT: dict[str, Any] = {"text": "", "files": []}
 _ITEM = re.compile(r"^(image|video|audio) (\d+):")
@@ -63,7 +67,7 @@ class ChatUpdate:
 
 @dataclass
 class _Active:
-    llm: AsyncLLM
+    llm: ChatEngine
     request_id: str
     stopped: bool = False
 
@@ -91,11 +95,12 @@ def user_turn(message: Mapping[str, Any]) -> dict:
 def engine_messages(
     history: list[dict],
     system_prompt: str | None,
-    accepted: tuple[str, ...],
+    accepted: tuple[str, ...] | None,
     limits: MediaLimits,
 ) -> tuple[list[dict], dict[str, list[str]]]:
     """OpenAI-style messages for the engine from the chatbot history (every turn's media kept),
     and the file names of each modality's items in prompt order (to name items in errors).
+    `accepted` is None when the engine cannot tell which media the model takes.
 
     Consecutive messages of one role are merged, as chat templates expect turns to alternate.
     Raises gr.Error for a file of the wrong type or modality, or one over the size limit.
@@ -142,8 +147,8 @@ def _contents(content: Any) -> list[tuple[str, str]]:
     return out
 
 
-def _check_accepted(modality: str, accepted: tuple[str, ...], path: str) -> None:
-    if modality in accepted:
+def _check_accepted(modality: str, accepted: tuple[str, ...] | None, path: str) -> None:
+    if accepted is None or modality in accepted:  # None: the server judges
         return
     takes = " and ".join(accepted) if accepted else "text only"
     raise gr.Error(
@@ -175,6 +180,10 @@ def _plain(error: ValueError, names: Mapping[str, list[str]]) -> str:
         modality, n = match.group(1), int(match.group(2))
         if n <= len(names.get(modality, [])):
             text = f"{match.group(0)[:-1]} ({names[modality][n - 1]}):{text[match.end():]}"
+    return _sentence(text)
+
+
+def _sentence(text: str) -> str:
     return text[:1].upper() + text[1:]
 
 
@@ -182,12 +191,14 @@ class Chat:
     """Runs chat turns against named engines; one generation at a time per browser session,
     which Stop aborts in the engine (its KV blocks and cache references are freed at once)."""
 
-    def __init__(self, engines: Mapping[str, AsyncLLM], *, update_interval: float = 0.05) -> None:
+    def __init__(
+        self, engines: Mapping[str, ChatEngine], *, update_interval: float = 0.05
+    ) -> None:
         self.engines = dict(engines)
         self.update_interval = update_interval
         self._active: dict[str, _Active] = {}
 
-    def engine(self, model: str) -> AsyncLLM:
+    def engine(self, model: str) -> ChatEngine:
         if model not in self.engines:
             raise gr.Error(f"Unknown model {model!r}; choose one of: {', '.join(self.engines)}.")
         return self.engines[model]
@@ -247,9 +258,9 @@ class Chat:
         was accepted; throttled updates follow, always including the last output."""
         llm = self.engine(model)
         params = settings.sampling_params()
-        processor = llm.processor
+        info = llm.info
         messages, names = engine_messages(
-            turn, settings.system_prompt, processor.modalities, processor.media_limits
+            turn, settings.system_prompt, info.modalities, info.media_limits
         )
         await self.stop(session)  # a session runs one generation at a time
         active = self._active[session] = _Active(llm, f"ui-{uuid.uuid4().hex}")
@@ -271,6 +282,9 @@ class Chat:
         except EngineDeadError as e:
             yield restore
             raise gr.Error(f"The engine for {model} has stopped; restart the app.") from e
+        except EngineError as e:  # a server that failed or could not be reached
+            yield restore
+            raise gr.Error(_sentence(str(e))) from e
         finally:
             if self._active.get(session) is active:
                 del self._active[session]

@@ -35,10 +35,15 @@ class DemoModel:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
+# Word-level tokenizers: random weights sample random tokens, which then read as words (a
+# byte-level vocabulary would show byte fragments and U+FFFD).
 DEMO_LINEUP = (
-    DemoModel("demo-qwen2-vl", "build_qwen2_vl_model", {"variant": "qwen2_vl"}),
-    DemoModel("demo-qwen2-audio", "build_qwen2_audio_model"),
+    DemoModel("demo-qwen2-vl", "build_qwen2_vl_model",
+              {"variant": "qwen2_vl", "tokenizer_kind": "words"}),
+    DemoModel("demo-qwen2-audio", "build_qwen2_audio_model", {"tokenizer_kind": "words"}),
 )
+# Bumped when the lineup's checkpoints change, so that cached older ones are not reused.
+DEMO_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -65,7 +70,7 @@ def ensure_demo_models(root: Path | None = None) -> dict[str, Path]:
     """
     import models.tiny as tiny  # imports torch: only when a checkpoint may need building
 
-    root = (root or demo_dir()) / "models"
+    root = (root or demo_dir()) / f"models-v{DEMO_VERSION}"
     paths = {}
     for model in DEMO_LINEUP:
         builder = getattr(tiny, model.builder, None)

@@ -7,43 +7,46 @@ from collections.abc import AsyncIterator, Mapping
 
 import gradio as gr
 
-from engine import AsyncLLM
+from engine.interface import ChatEngine, EngineInfo
+from engine.media.limits import MODALITIES
 from ui import panels
 from ui.chat import EMPTY_DRAFT, Chat, ChatSettings, ChatUpdate
 from ui.demo import ensure_samples, sample_examples
 from ui.space import gpu
+from ui.timing import timing_html
 
 TITLE = "mmserve: multimodal chat with live engine panels"
+_UNKNOWN_CONTEXT = 8192  # the max-tokens slider's end when no server reports a context length
 _NO_REQUEST = '<div style="color:#6b7280;padding:6px">No request yet: send a message.</div>'
 
 
 def build_demo(
-    engines: Mapping[str, AsyncLLM] | AsyncLLM,
+    engines: Mapping[str, ChatEngine] | ChatEngine,
     *,
     notes: Mapping[str, str] | None = None,
     examples: list[list] | None = None,
 ) -> gr.Blocks:
-    """The app's Blocks for existing engines (a name -> engine mapping, or one engine named by
-    its model id). `notes` adds a line under a model's name (the demo's random-weight
-    warning); `examples` are gr.Examples rows [textbox value, model name], by default the
-    generated sample media. The queue is configured; call `.launch()` or mount it."""
-    if isinstance(engines, AsyncLLM):
-        engines = {engines.engine.model_id: engines}
+    """The app's Blocks for existing engines, in-process or remote (a name -> engine mapping,
+    or one engine named by its model). `notes` adds a line under a model's name (the demo's
+    random-weight warning); `examples` are gr.Examples rows [textbox value, model name], by
+    default the generated sample media. The queue is configured; call `.launch()` or mount
+    it."""
+    if not isinstance(engines, Mapping):
+        engines = {engines.info.model: engines}
     if not engines:
         raise ValueError("build_demo needs at least one engine")
     chat = Chat(engines)
     notes = notes or {}
     names = list(engines)
+    infos = {name: llm.info for name, llm in engines.items()}
     if examples is None:
-        modalities = {name: llm.processor.modalities for name, llm in engines.items()}
+        modalities = {name: MODALITIES if i.modalities is None else i.modalities
+                      for name, i in infos.items()}
         examples = sample_examples(modalities, ensure_samples())
-    longest = max(llm.engine.max_model_len for llm in engines.values())
+    longest = max(i.max_model_len or _UNKNOWN_CONTEXT for i in infos.values())
 
     def model_info(model: str) -> str:
-        llm = engines[model]
-        takes = ", ".join(llm.processor.modalities) or "text only"
-        note = f"\n\n⚠️ {notes[model]}" if model in notes else ""
-        return f"Accepts **{takes}** · context **{llm.engine.max_model_len}** tokens{note}"
+        return _model_info(engines[model].info, notes.get(model))
 
     # No usage telemetry: a local app should not call home.
     with gr.Blocks(title="mmserve", fill_width=True, analytics_enabled=False) as demo:
@@ -64,7 +67,7 @@ def build_demo(
                     regenerate = gr.Button("Regenerate", elem_id="regenerate")
                     clear = gr.Button("Clear", elem_id="clear")
                 with gr.Accordion("Generation settings", open=False):
-                    system = gr.Textbox(label="System prompt", lines=2)
+                    system = gr.Textbox("", label="System prompt", lines=2)
                     temperature = gr.Slider(0, 2, value=0.7, step=0.05, label="Temperature")
                     top_p = gr.Slider(0.05, 1, value=1.0, step=0.05, label="Top p")
                     max_tokens = gr.Slider(1, longest, value=min(256, longest), step=1,
@@ -92,7 +95,10 @@ def build_demo(
         settings_inputs = [system, temperature, top_p, max_tokens, seed]
         turn_outputs = [composer, chatbot, placeholders, items, cache, engine_panel, timing]
 
-        @gpu
+        # Turns against a remote server need no GPU here: spaces.GPU would only reserve one.
+        on_gpu = gpu if all(i.backend is None for i in infos.values()) else _as_is
+
+        @on_gpu
         async def send(
             message: dict | None, history: list, name: str, system_prompt: str,
             temperature: float, top_p: float, max_new_tokens: int, seed_value: float | None,
@@ -103,7 +109,7 @@ def build_demo(
             async for update in chat.respond(message, history, name, settings, _session(request)):
                 yield view(update)
 
-        @gpu
+        @on_gpu
         async def again(
             history: list, name: str, system_prompt: str, temperature: float, top_p: float,
             max_new_tokens: int, seed_value: float | None, request: gr.Request,
@@ -130,7 +136,7 @@ def build_demo(
         # tab's turn then joins the running batch at once (continuous batching), while turns
         # beyond that wait in Gradio's queue, which shows their position, instead of piling
         # up decoded media in the engine.
-        width = sum(llm.engine.config.max_num_seqs for llm in engines.values())
+        width = sum(i.max_num_seqs for i in infos.values())
         generate = dict(concurrency_id="generate", concurrency_limit=width)
         composer.submit(send, [composer, chatbot, model, *settings_inputs], turn_outputs,
                         api_name="chat", show_progress="hidden", **generate)
@@ -154,11 +160,29 @@ def build_demo(
     return demo
 
 
+def _model_info(info: EngineInfo, note: str | None) -> str:
+    """The line under the model's name: media, context, where it runs, and the note."""
+    if info.modalities is None:
+        takes = ("Accepts media: **not reported by the server** (it refuses what the model "
+                 "cannot take)")
+    else:
+        takes = f"Accepts **{', '.join(info.modalities) or 'text only'}**"
+    context = ("**not reported**" if info.max_model_len is None
+               else f"**{info.max_model_len}** tokens")
+    where = "" if info.backend is None else f" · served by `{info.backend}`"
+    warning = f"\n\n⚠️ {note}" if note else ""
+    return f"{takes} · context {context}{where}{warning}"
+
+
+def _as_is(fn):
+    return fn
+
+
 class _TurnView:
     """Maps a turn's ChatUpdates to the outputs; the prompt panels (which do not change while
     a request streams) are rendered once per request."""
 
-    def __init__(self, llm: AsyncLLM) -> None:
+    def __init__(self, llm: ChatEngine) -> None:
         self.llm = llm
         self.shown: str | None = None
 
@@ -173,7 +197,7 @@ class _TurnView:
             prompt = (panels.placeholder_html(out, self.llm.tokenizer),
                       panels.placeholder_table(out))
         return (draft, update.history, *prompt, panels.cache_html(out),
-                panels.engine_html(self.llm.stats()), panels.timing_html(out))
+                panels.engine_html(self.llm.stats()), timing_html(out))
 
 
 def _session(request: gr.Request | None) -> str:

@@ -1,10 +1,12 @@
-"""Notebook display of one result's engine panels, without a server: `show_result(llm, out)`."""
+"""Notebook display of one result's engine panels, without a web server: `show_result(llm, out)`
+for an in-process or a remote engine."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine import AsyncLLM, RequestOutput
+from engine.interface import ChatEngine
+from engine.outputs import RequestOutput
 from ui.panels import result_html
 
 
@@ -18,7 +20,7 @@ class ResultView:
         return self.html
 
 
-def show_result(llm: AsyncLLM, output: RequestOutput) -> ResultView:
+def show_result(llm: ChatEngine, output: RequestOutput) -> ResultView:
     """The placeholder, cache and timing panels for `output` (a finished RequestOutput of
     `llm`), with the engine's current counters; the last expression of a cell displays it."""
     return ResultView(result_html(output, llm.stats(), llm.tokenizer))
