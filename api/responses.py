@@ -89,7 +89,8 @@ def extension(out: RequestOutput) -> dict:
     return {
         "placeholders": [
             {"modality": p.modality, "offset": p.offset, "length": p.length,
-             "num_embeds": p.num_embeds, "identifier": p.identifier, "cache_hit": p.cache_hit}
+             "num_embeds": p.num_embeds, "identifier": p.identifier, "cache_hit": p.cache_hit,
+             "parts": [[name, n] for name, n in p.parts]}
             for p in out.multi_modal_placeholders
         ],
         "metrics": out.metrics.as_dict(),

@@ -37,7 +37,7 @@ SHAPES = dict(
 
 
 def build_checkpoint() -> Path:
-    from models.tiny import build_qwen2_audio_model
+    from testing.tiny import build_qwen2_audio_model
 
     path = cache_dir("qwen2-audio-small-shapes")
     if not (path / "config.json").exists():

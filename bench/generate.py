@@ -27,7 +27,7 @@ QWEN2_05B = dict(
 
 
 def build_checkpoint() -> Path:
-    from models.tiny import build_text_model
+    from testing.tiny import build_text_model
 
     path = cache_dir("qwen2-0.5b-shapes")
     if not (path / "config.json").exists():

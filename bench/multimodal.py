@@ -35,7 +35,7 @@ def build_checkpoint() -> Path:
     """Qwen2-VL-2B widths, fewer layers, random weights (std 0.02), default image budgets."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-    from models.tiny import CLIP_MEAN, CLIP_STD, qwen_tokenizer, save_checkpoint
+    from testing.tiny import CLIP_MEAN, CLIP_STD, qwen_tokenizer, save_checkpoint
 
     path = cache_dir("qwen2-vl-2b-widths")
     if (path / "config.json").exists():

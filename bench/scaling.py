@@ -31,7 +31,7 @@ LAYERS = 4
 
 
 def build_checkpoint() -> Path:
-    from models.tiny import build_text_model
+    from testing.tiny import build_text_model
 
     path = cache_dir("qwen2-0.5b-width-4-layers")
     if not (path / "config.json").exists():

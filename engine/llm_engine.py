@@ -231,7 +231,7 @@ class LLMEngine:
             multi_modal_placeholders=[
                 PlaceholderInfo(
                     f.modality, f.placeholder.offset, f.placeholder.length,
-                    f.placeholder.num_embeds, f.identifier, f.cache_hit,
+                    f.placeholder.num_embeds, f.identifier, f.cache_hit, f.placeholder.parts,
                 )
                 for f in req.mm_features
             ],

@@ -24,6 +24,7 @@ class PlaceholderInfo:
     num_embeds: int
     identifier: str | None
     cache_hit: bool | None
+    parts: tuple[tuple[str, int], ...] = ()  # labelled sub-ranges (e.g. base image, tiles)
 
 
 @dataclass

@@ -39,10 +39,15 @@ class PlaceholderRange:
     length: int
     is_embed: tuple[bool, ...] | None = None
     bidirectional: bool = False
+    # For display: labelled consecutive parts of the span, e.g. LLaVA-NeXT's base image then
+    # its tiles ((label, length), ...; their lengths add up to `length`), or empty.
+    parts: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.is_embed is not None and len(self.is_embed) != self.length:
             raise ValueError(f"is_embed has {len(self.is_embed)} entries for length {self.length}")
+        if self.parts and sum(n for _, n in self.parts) != self.length:
+            raise ValueError(f"parts {self.parts} do not add up to length {self.length}")
 
     @property
     def end(self) -> int:

@@ -109,8 +109,12 @@ class LlavaProcessor(ProcessorDefaults):
                 continue
             identifier, data = next(encoded)
             n = self.num_tokens(data["image_size"])
-            features.append(MultiModalFeature("image", identifier,
-                                              PlaceholderRange(len(ids), n), data))
+            parts = ()
+            if self.anyres:
+                rows, cols = data["grid"]
+                parts = (("base", self.per_tile), (f"tiles {rows}x{cols}", n - self.per_tile))
+            span = PlaceholderRange(len(ids), n, parts=parts)
+            features.append(MultiModalFeature("image", identifier, span, data))
             ids.extend([token] * n)
         return ProcessedPrompt(None, ids, features, None, stages)
 

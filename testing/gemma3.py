@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from models.tiny import randomize, save_checkpoint, train_tokenizer
+from testing.tiny import randomize, save_checkpoint, train_tokenizer
 
 GEMMA_SPECIAL = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>",
                  "<start_of_image>", "<end_of_image>", "<image_soft_token>"]

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from models.tiny import randomize, save_checkpoint, train_tokenizer
+from testing.tiny import randomize, save_checkpoint, train_tokenizer
 
-LLAVA_SPECIAL = ["<unk>", "<s>", "</s>", "<image>"]
+LLAVA_SPECIAL = ["<pad>", "<s>", "</s>", "<image>"]
 # Vicuna-style turns, as llava-1.5's template; `<image>` where an image part stands.
 LLAVA_CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -27,8 +27,8 @@ TILE = 56  # the tower's input size: 4 x 4 patches of 14 pixels
 PINPOINTS = [[56, 112], [112, 56], [112, 112], [168, 56], [56, 168]]
 
 
-def llava_tokenizer(vocab_size: int = 600):
-    return train_tokenizer(LLAVA_SPECIAL, vocab_size, LLAVA_CHAT_TEMPLATE, "</s>")
+def llava_tokenizer(vocab_size: int = 600, kind: str = "bytes"):
+    return train_tokenizer(LLAVA_SPECIAL, vocab_size, LLAVA_CHAT_TEMPLATE, "</s>", kind)
 
 
 def build_llava_model(
@@ -43,12 +43,14 @@ def build_llava_model(
     vision_depth: int = 3,
     seed: int = 0,
     std: float = 0.25,
+    tokenizer_kind: str = "bytes",
 ) -> Path:
     """A tiny LlavaForConditionalGeneration (or LlavaNextForConditionalGeneration with
-    `next_`), its tokenizer, and the preprocessor config of its transformers image processor."""
+    `next_`), its tokenizer ("bytes" or the demo's "words", see testing.tiny.train_tokenizer),
+    and the preprocessor config of its transformers image processor."""
     import transformers
 
-    tokenizer = llava_tokenizer()
+    tokenizer = llava_tokenizer(kind=tokenizer_kind)
     image_id = tokenizer.convert_tokens_to_ids("<image>")
     text_cfg = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig}[text](
         hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,

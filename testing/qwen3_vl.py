@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from models.tiny import QWEN_SPECIAL, qwen_tokenizer, randomize, save_checkpoint
+from testing.tiny import QWEN_SPECIAL, qwen_tokenizer, randomize, save_checkpoint
 
 
 def build_qwen3_vl_model(

@@ -14,7 +14,7 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 
 @pytest.fixture(scope="session")
 def qwen2_path(tmp_path_factory):
-    from models.tiny import build_text_model
+    from testing.tiny import build_text_model
 
     return build_text_model(tmp_path_factory.mktemp("ckpt") / "qwen2", "qwen2")
 
@@ -22,7 +22,7 @@ def qwen2_path(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama_path(tmp_path_factory):
     """Llama with tied embeddings, llama3 rope scaling and a sharded checkpoint."""
-    from models.tiny import build_text_model
+    from testing.tiny import build_text_model
 
     rope = {
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
@@ -55,21 +55,21 @@ def hf_models():
 @pytest.fixture(scope="session", params=["qwen2_vl", "qwen2_5_vl"])
 def vl_path(request, tmp_path_factory):
     """Tiny Qwen2-VL and Qwen2.5-VL checkpoints (each test using this runs for both)."""
-    from models.tiny import build_qwen2_vl_model
+    from testing.tiny import build_qwen2_vl_model
 
     return build_qwen2_vl_model(tmp_path_factory.mktemp("ckpt") / request.param, request.param)
 
 
 @pytest.fixture(scope="session")
 def qwen2_vl_path(tmp_path_factory):
-    from models.tiny import build_qwen2_vl_model
+    from testing.tiny import build_qwen2_vl_model
 
     return build_qwen2_vl_model(tmp_path_factory.mktemp("ckpt") / "qwen2_vl_only", "qwen2_vl")
 
 
 @pytest.fixture(scope="session")
 def qwen2_audio_path(tmp_path_factory):
-    from models.tiny import build_qwen2_audio_model
+    from testing.tiny import build_qwen2_audio_model
 
     return build_qwen2_audio_model(tmp_path_factory.mktemp("ckpt") / "qwen2_audio")
 

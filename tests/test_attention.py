@@ -34,7 +34,7 @@ CPU = torch.device("cpu")
 def windowed_paths(tmp_path_factory):
     """Qwen2 with `use_sliding_window` on its second layer only (windows differ per layer) and
     Mistral with a window on every layer; both windows far shorter than the prompts."""
-    from models.tiny import build_text_model
+    from testing.tiny import build_text_model
 
     root = tmp_path_factory.mktemp("windowed")
     qwen = build_text_model(

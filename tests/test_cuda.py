@@ -78,7 +78,7 @@ def test_device_timer_measures_the_kernels_not_their_launch():
 @pytest.fixture(scope="module")
 def gemma_text_path(tmp_path_factory):
     """Gemma 3 text: 5 sliding-window layers to 1 global, sandwich norms, two rope bases."""
-    from models.tiny import build_text_model
+    from testing.tiny import build_text_model
 
     config = {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 6,
               "layer_types": ["sliding_attention"] * 5 + ["full_attention"],

@@ -18,7 +18,7 @@ import pytest
 from api import create_app
 from engine import AsyncLLM, EngineDeadError
 from engine.media import MediaError, MediaFetchError
-from models import tiny
+from testing import tiny
 from tests.api_fixtures import FailingEngine, in_process_client, running_server
 from tests.helpers import wait_idle_async as wait_idle
 from tests.media_fixtures import (
@@ -387,7 +387,7 @@ async def test_full_queue_or_dead_engine_is_503(qwen2_path):
 
 def _builder(name: str):
     if not hasattr(tiny, name):
-        pytest.skip(f"models.tiny.{name} does not exist yet (tiny multimodal checkpoints)")
+        pytest.skip(f"testing.tiny.{name} does not exist yet (tiny multimodal checkpoints)")
     return getattr(tiny, name)
 
 

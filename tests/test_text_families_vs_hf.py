@@ -26,7 +26,7 @@ GEMMA3_1B_SHAPE = {  # Gemma 3 1B's proportions, shrunk: 6 layers, 5 local : 1 g
 
 @pytest.fixture(scope="module", params=["qwen3", "gemma3_text"])
 def family(request, tmp_path_factory):
-    from models.tiny import build_text_model
+    from testing.tiny import build_text_model
 
     root = tmp_path_factory.mktemp(request.param)
     if request.param == "qwen3":

@@ -120,6 +120,17 @@ async def test_a_turn_streams_and_the_panels_show_its_image(chat, engines, sampl
     assert "TTFT" in timing.timing_html(final) and "tok/s" in timing.timing_html(final)
 
 
+async def test_an_anyres_image_shows_its_base_and_tiles(chat, engines, samples):
+    """The LLaVA-NeXT demo: one span per image, made of the base view and its tile grid."""
+    updates = await run(chat.respond(image_turn(samples), [], "demo-llava-next", GREEDY, "s-nx"))
+    final = [u.output for u in updates if u.output is not None][-1]
+    (ph,) = final.multi_modal_placeholders
+    (base, base_n), (tiles, tiles_n) = ph.parts
+    assert base == "base" and tiles.startswith("tiles ") and base_n + tiles_n == ph.length
+    strip = panels.placeholder_html(final, engines["demo-llava-next"].tokenizer)
+    assert f"base {base_n} + {tiles} {tiles_n}" in strip
+
+
 async def test_second_turn_keeps_the_image_and_reuses_its_prefix(chat, samples):
     # Text after the image fills the KV block the image ends in, so the first turn's prompt
     # blocks cover the whole image (the blocks of the reply may not match when re-tokenized).

@@ -4,6 +4,7 @@ cache directory so that `python app.py` works on a fresh machine without the Hug
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import math
 import os
@@ -28,7 +29,8 @@ DEMO_NOTE = (
 
 @dataclass(frozen=True)
 class DemoModel:
-    """One checkpoint of the demo lineup, built by `models.tiny.<builder>(path, **kwargs)`."""
+    """One checkpoint of the demo lineup, built by `builder(path, **kwargs)`; `builder` names a
+    function of the testing package as "module:function"."""
 
     name: str
     builder: str
@@ -38,12 +40,17 @@ class DemoModel:
 # Word-level tokenizers: random weights sample random tokens, which then read as words (a
 # byte-level vocabulary would show byte fragments and U+FFFD).
 DEMO_LINEUP = (
-    DemoModel("demo-qwen2-vl", "build_qwen2_vl_model",
+    DemoModel("demo-qwen2-vl", "testing.tiny:build_qwen2_vl_model",
               {"variant": "qwen2_vl", "tokenizer_kind": "words"}),
-    DemoModel("demo-qwen2-audio", "build_qwen2_audio_model", {"tokenizer_kind": "words"}),
+    # LLaVA-NeXT: an image becomes its base view plus a grid of tiles (the placeholder panel
+    # shows both parts of its span).
+    DemoModel("demo-llava-next", "testing.llava:build_llava_model",
+              {"next_": True, "tokenizer_kind": "words"}),
+    DemoModel("demo-qwen2-audio", "testing.tiny:build_qwen2_audio_model",
+              {"tokenizer_kind": "words"}),
 )
 # Bumped when the lineup's checkpoints change, so that cached older ones are not reused.
-DEMO_VERSION = 2
+DEMO_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -66,20 +73,16 @@ def demo_dir() -> Path:
 def ensure_demo_models(root: Path | None = None) -> dict[str, Path]:
     """Build the demo lineup under `root/models` unless already there; name -> checkpoint.
 
-    A lineup entry whose builder `models.tiny` does not provide is left out with a warning.
+    The builders import torch: only when a checkpoint needs building.
     """
-    import models.tiny as tiny  # imports torch: only when a checkpoint may need building
-
     root = (root or demo_dir()) / f"models-v{DEMO_VERSION}"
     paths = {}
     for model in DEMO_LINEUP:
-        builder = getattr(tiny, model.builder, None)
-        if builder is None:
-            log.warning("demo model %s left out: models.tiny has no %s", model.name, model.builder)
-            continue
         path = root / model.name
         if not (path / "config.json").exists():
             log.info("generating demo model %s (random weights) in %s, once", model.name, path)
+            module, name = model.builder.split(":")
+            builder = getattr(importlib.import_module(module), name)
             _build_atomically(path, functools.partial(builder, **model.kwargs))
         paths[model.name] = path
     return paths

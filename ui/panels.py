@@ -158,6 +158,8 @@ def _media_chip(label: str, ph: PlaceholderInfo, status: str) -> str:
         if ph.num_embeds == ph.length
         else f"{ph.num_embeds} embeds in {ph.length}"
     )
+    if ph.parts:  # e.g. an anyres image: its base image, then its tiles
+        embeds += " · " + " + ".join(f"{name} {n}" for name, n in ph.parts)
     title = (
         f"{label}: tokens {ph.offset}–{ph.offset + ph.length - 1}, {embeds}, "
         f"hash {ph.identifier or 'not reported'}, {_STATUS_HELP[status]}"

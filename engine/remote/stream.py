@@ -210,6 +210,7 @@ def _report_placeholders(items: Sequence[Any]) -> list[PlaceholderInfo]:
                 str(p["modality"]), int(p["offset"]), int(p["length"]), int(p["num_embeds"]),
                 p.get("identifier") if isinstance(p.get("identifier"), str) else None,
                 hit if isinstance(hit, bool) else None,
+                tuple((str(name), int(n)) for name, n in p.get("parts") or ()),
             ))
     return out
 
