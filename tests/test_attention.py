@@ -25,6 +25,7 @@ from models.attention import (
     build_metadata,
     paged_attention,
 )
+from tests.helpers import run_chunks
 
 ATOL = 2e-4
 CPU = torch.device("cpu")
@@ -55,25 +56,6 @@ def windowed(request, windowed_paths, hf_models):
     return path, hf
 
 
-def _run(model, seqs, block_size=16):
-    """seqs: (all ids, start, end, block ids) -> logits [end - start, V] per sequence."""
-    ids, pos = [], []
-    for all_ids, start, end, _ in seqs:
-        ids += all_ids[start:end]
-        pos += range(start, end)
-    meta = build_metadata(
-        [s for _, s, _, _ in seqs], [e - s for _, s, e, _ in seqs], [b for *_, b in seqs],
-        block_size, CPU, windows=model.attention_windows(),
-    )
-    with torch.inference_mode():
-        logits = model.compute_logits(model(torch.tensor(ids), torch.tensor(pos), meta))
-    out, offset = [], 0
-    for _, s, e, _ in seqs:
-        out.append(logits[offset : offset + e - s])
-        offset += e - s
-    return out
-
-
 def test_windows_are_read_per_layer(windowed_paths):
     qwen = LLM(windowed_paths["qwen2"], max_model_len=256).engine.runner.model
     mistral = LLM(windowed_paths["mistral"], max_model_len=256).engine.runner.model
@@ -91,12 +73,12 @@ def test_sliding_window_logits_match_transformers(windowed):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()
     blocks = [9, 2, 11, 0, 5, 7, 3, 13, 1, 8, 12, 6]  # deliberately non-contiguous
-    (whole,) = _run(model, [(ids, 0, 45, blocks)], block_size=4)
+    (whole,) = run_chunks(model, [(ids, 0, 45, blocks)], block_size=4)
     torch.testing.assert_close(whole, ref, atol=ATOL, rtol=0)
     # Chunks that read earlier chunks from the cache, then decodes.
     got = []
     for start, end in [(0, 13), (13, 30), (30, 40)] + [(p, p + 1) for p in range(40, 45)]:
-        got += _run(model, [(ids, start, end, blocks)], block_size=4)
+        got += run_chunks(model, [(ids, start, end, blocks)], block_size=4)
     torch.testing.assert_close(torch.cat(got), ref, atol=ATOL, rtol=0)
 
 

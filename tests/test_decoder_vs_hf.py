@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import LLM
-from models.attention import build_metadata
+from tests.helpers import run_chunks
 
 ATOL = 2e-4
 
@@ -19,26 +19,6 @@ ATOL = 2e-4
 def _reference_logits(hf, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return hf(torch.tensor([ids])).logits[0].float()
-
-
-def _run(model, seqs: list[tuple[list[int], int, int, list[int]]]) -> list[torch.Tensor]:
-    """seqs: (all ids, start, end, block ids) per sequence -> logits [end - start, V] each."""
-    ids, pos = [], []
-    for all_ids, start, end, _ in seqs:
-        ids += all_ids[start:end]
-        pos += range(start, end)
-    meta = build_metadata(
-        [s for _, s, _, _ in seqs], [e - s for _, s, e, _ in seqs], [b for *_, b in seqs],
-        16, torch.device("cpu"),
-    )
-    with torch.inference_mode():
-        hidden = model(torch.tensor(ids), torch.tensor(pos), meta)
-        logits = model.compute_logits(hidden)
-    out, offset = [], 0
-    for _, s, e, _ in seqs:
-        out.append(logits[offset : offset + e - s])
-        offset += e - s
-    return out
 
 
 @pytest.fixture(params=["qwen2", "llama"])
@@ -54,7 +34,7 @@ def case(request, qwen2_path, llama_path, hf_models):
 def test_prefill_in_one_piece(case):
     model, hf, prompts = case
     ids = prompts[0]
-    (ours,) = _run(model, [(ids, 0, len(ids), list(range(8)))])
+    (ours,) = run_chunks(model, [(ids, 0, len(ids), list(range(8)))])
     torch.testing.assert_close(ours, _reference_logits(hf, ids), atol=ATOL, rtol=0)
 
 
@@ -65,7 +45,7 @@ def test_chunked_prefill_then_decode(case):
     ref = _reference_logits(hf, ids)
     got = []
     for start, end in [(0, 20), (20, 37), (37, 64)] + [(p, p + 1) for p in range(64, 70)]:
-        got += _run(model, [(ids, start, end, blocks)])
+        got += run_chunks(model, [(ids, start, end, blocks)])
     torch.testing.assert_close(torch.cat(got), ref, atol=ATOL, rtol=0)
 
 
@@ -74,10 +54,10 @@ def test_mixed_batch_of_prefill_chunks_and_decodes(case):
     a, b, c = prompts
     refs = [_reference_logits(hf, p) for p in prompts]
     blocks = {0: [1, 2, 3, 4, 5], 1: [6, 7, 8], 2: [9]}
-    _run(model, [(a, 0, 40, blocks[0])])  # a: first chunk alone
-    _run(model, [(b, 0, 32, blocks[1])])  # b: all but its last token
+    run_chunks(model, [(a, 0, 40, blocks[0])])  # a: first chunk alone
+    run_chunks(model, [(b, 0, 32, blocks[1])])  # b: all but its last token
     # One flat batch: a's second chunk, b's last token (decode-like), c's whole prompt.
-    out_a, out_b, out_c = _run(
+    out_a, out_b, out_c = run_chunks(
         model, [(a, 40, 70, blocks[0]), (b, 32, 33, blocks[1]), (c, 0, 5, blocks[2])]
     )
     torch.testing.assert_close(out_a, refs[0][40:], atol=ATOL, rtol=0)
@@ -89,7 +69,7 @@ def test_bfloat16_tracks_float32(qwen2_path, hf_models):
     """bfloat16 is not bit-comparable; its logits must stay close to the float32 reference."""
     llm = LLM(qwen2_path, device="cpu", dtype="bfloat16", max_model_len=256)
     ids = list(range(3, 40))
-    (ours,) = _run(llm.engine.runner.model, [(ids, 0, len(ids), [0, 1, 2])])
+    (ours,) = run_chunks(llm.engine.runner.model, [(ids, 0, len(ids), [0, 1, 2])])
     ref = _reference_logits(hf_models(qwen2_path), ids)
     assert ours.dtype == torch.float32
     assert (ours - ref).abs().max() < 0.25 * ref.abs().max()

@@ -11,23 +11,23 @@ budget that would cut an image, an encoder-cache hit and a prefix-cache hit afte
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from engine import LLM, SamplingParams
-from tests.helpers import assert_released, count_calls, process_chat
+from tests.helpers import (
+    assert_matches_reference,
+    assert_released,
+    count_calls,
+    hf_greedy,
+    process_chat,
+    random_image,
+)
 
 N = 8
 GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
 PAN_AND_SCAN = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 20,
                 "pan_and_scan_max_num_crops": 3, "pan_and_scan_min_ratio_to_activate": 1.4}
-
-
-def image(h: int, w: int, seed: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
 
 
 def chat(*parts, system: str | None = None) -> list[dict]:
@@ -38,9 +38,11 @@ def chat(*parts, system: str | None = None) -> list[dict]:
 
 
 CASES = {
-    "one_image": chat(image(64, 70, 0), "Describe the image in detail.", system="Be brief."),
-    "two_images": chat("Compare", image(50, 60, 1), "with", image(80, 76, 2), "please."),
-    "pan_and_scan": chat(image(40, 130, 3), "What is in the wide picture?"),
+    "one_image": chat(random_image(64, 70, 0), "Describe the image in detail.",
+                      system="Be brief."),
+    "two_images": chat("Compare", random_image(50, 60, 1), "with", random_image(80, 76, 2),
+                        "please."),
+    "pan_and_scan": chat(random_image(40, 130, 3), "What is in the wide picture?"),
     "text_only": chat("Hello there, how are you today?"),
 }
 
@@ -74,12 +76,7 @@ def reference(hf, hf_processor, llm, messages):
                           return_tensors="pt", add_special_tokens=False, **PAN_AND_SCAN)
     inputs.pop("num_crops", None)
     assert inputs["input_ids"][0].tolist() == proc.token_ids
-    never = hf.config.text_config.vocab_size
-    with torch.no_grad():
-        out = hf.generate(**inputs, max_new_tokens=N, do_sample=False, eos_token_id=never,
-                          pad_token_id=never, output_scores=True, return_dict_in_generate=True)
-    tokens = out.sequences[0, len(proc.token_ids):].tolist()
-    return tokens, torch.stack(out.scores)[:, 0].float().log_softmax(-1), inputs
+    return (*hf_greedy(hf, inputs, len(proc.token_ids), N), inputs)
 
 
 @pytest.fixture(scope="module")
@@ -111,13 +108,7 @@ def test_each_case_matches_transformers(gemma_path, refs):
     llm = LLM(gemma_path, max_model_len=1024)
     params = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, logprobs=3)
     for case, msgs in CASES.items():
-        out = llm.chat(msgs, params)[0]
-        tokens, logprobs, _ = refs[case]
-        assert out.outputs[0].token_ids == tokens, case
-        for step, entry in enumerate(out.outputs[0].logprobs):
-            top = logprobs[step].topk(3)
-            for t, v in zip(top.indices.tolist(), top.values.tolist(), strict=True):
-                assert abs(entry[t] - v) < 1e-3, (case, step)
+        assert_matches_reference(llm.chat(msgs, params)[0], *refs[case][:2], case)
     assert_released(llm)
 
 

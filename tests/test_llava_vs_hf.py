@@ -8,13 +8,20 @@ preprocessing and token counts are checked too. bfloat16 against transformers in
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
 
 from engine import LLM, SamplingParams
-from tests.helpers import assert_released, count_calls, process_chat
+from tests.helpers import (
+    assert_matches_reference,
+    assert_released,
+    count_calls,
+    hf_greedy,
+    process_chat,
+    random_image,
+    user,
+)
 
 N = 8
 GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
@@ -26,21 +33,11 @@ VARIANTS = {  # name -> build_llava_model options
 }
 
 
-def image(h: int, w: int, seed: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
-
-
-def user(*parts) -> list[dict]:
-    content = [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image", "image": p}
-               for p in parts]
-    return [{"role": "user", "content": content}]
-
-
 CASES = {
-    "one_image": user(image(90, 150, 0), "Describe the image in detail."),
+    "one_image": user(random_image(90, 150, 0), "Describe the image in detail."),
     # Wide and tall: LLaVA-NeXT picks different grids (2 x 1 and 1 x 3 tiles).
-    "two_images": user("Compare", image(60, 130, 1), "with", image(170, 50, 2), "please."),
+    "two_images": user("Compare", random_image(60, 130, 1), "with", random_image(170, 50, 2),
+                        "please."),
     "text_only": user("Hello there, how are you today?"),
 }
 
@@ -82,12 +79,7 @@ def reference(path, hf, llm, messages, dtype=torch.float32):
     kwargs = hf_inputs(path, proc, media.get("image", []))
     if "pixel_values" in kwargs:
         kwargs["pixel_values"] = kwargs["pixel_values"].to(dtype)
-    never = hf.config.text_config.vocab_size
-    with torch.no_grad():
-        out = hf.generate(**kwargs, max_new_tokens=N, do_sample=False, eos_token_id=never,
-                          pad_token_id=never, output_scores=True, return_dict_in_generate=True)
-    tokens = out.sequences[0, len(proc.token_ids):].tolist()
-    return tokens, torch.stack(out.scores)[:, 0].float().log_softmax(-1)
+    return hf_greedy(hf, kwargs, len(proc.token_ids), N)
 
 
 @pytest.fixture(scope="module")
@@ -103,15 +95,7 @@ def test_each_case_matches_transformers(llava, refs):
     llm = LLM(path, max_model_len=1024)
     params = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, logprobs=3)
     for case, msgs in CASES.items():
-        out = llm.chat(msgs, params)[0]
-        tokens, logprobs = refs[case]
-        assert out.outputs[0].token_ids == tokens, case
-        for step, entry in enumerate(out.outputs[0].logprobs):
-            top = logprobs[step].topk(3)
-            ours = {t: v for t, v in entry.items() if t in top.indices.tolist()}
-            assert sorted(ours) == sorted(top.indices.tolist()), (case, step)
-            for t, v in zip(top.indices.tolist(), top.values.tolist(), strict=True):
-                assert abs(ours[t] - v) < 1e-3, (case, step)
+        assert_matches_reference(llm.chat(msgs, params)[0], *refs[case], case)
     assert_released(llm)
 
 

@@ -8,46 +8,31 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from engine import LLM, SamplingParams
 from models import qwen2_vl_processor
-from tests.helpers import assert_released, assert_top_logprobs, count_calls, process_chat
+from tests.helpers import (
+    assert_released,
+    assert_top_logprobs,
+    count_calls,
+    process_chat,
+    random_image,
+    random_video,
+    user,
+)
 
 N = 10
 GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
 
 
-def image(h: int, w: int, seed: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
-
-
-def video(frames: int, h: int, w: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    return rng.integers(0, 256, (frames, h, w, 3), dtype=np.uint8)
-
-
-def user(*parts) -> list[dict]:
-    content = []
-    for part in parts:
-        if isinstance(part, str):
-            content.append({"type": "text", "text": part})
-        elif isinstance(part, Image.Image):
-            content.append({"type": "image", "image": part})
-        else:
-            content.append({"type": "video", "video": part})
-    return [{"role": "user", "content": content}]
-
-
 CASES = {
-    "one_image": user(image(120, 200, 0), "Describe the image in detail."),
-    "two_images": user("Compare", image(64, 64, 1), "with", image(200, 90, 2), "please."),
-    "video": user(video(4, 56, 84, 3), "What is shown in this video?"),
-    "image_and_video": user(image(80, 80, 4), video(3, 56, 56, 5), "What changed?"),
+    "one_image": user(random_image(120, 200, 0), "Describe the image in detail."),
+    "two_images": user("Compare", random_image(64, 64, 1), "with", random_image(200, 90, 2),
+                       "please."),
+    "video": user(random_video(4, 56, 84, 3), "What is shown in this video?"),
+    "image_and_video": user(random_image(80, 80, 4), random_video(3, 56, 56, 5), "What changed?"),
     "text_only": user("Hello there, how are you today?"),
 }
 
@@ -168,7 +153,7 @@ def test_encoder_cache_hit_skips_the_encoder(vl_path, hf_models):
     llm = LLM(vl_path, max_model_len=1024, enable_prefix_caching=False)
     hf = hf_models(vl_path)
     calls = count_calls(llm.engine.runner.model.visual)
-    picture = image(120, 200, 7)
+    picture = random_image(120, 200, 7)
     first = llm.chat(user(picture, "Describe the image."), GREEDY)[0]
     assert calls == [1] and first.multi_modal_placeholders[0].cache_hit is False
     second_msgs = user(picture, "What colour dominates this picture?")
@@ -204,7 +189,7 @@ def test_prefix_cache_hits_on_image_prompts(vl_path, refs):
 def test_same_text_different_image_never_shares_kv(vl_path, hf_models):
     llm = LLM(vl_path, max_model_len=1024)
     hf = hf_models(vl_path)
-    a, b = user(image(64, 64, 11), "Describe."), user(image(64, 64, 12), "Describe.")
+    a, b = user(random_image(64, 64, 11), "Describe."), user(random_image(64, 64, 12), "Describe.")
     llm.chat(a, GREEDY)
     out = llm.chat(b, GREEDY)[0]
     span = out.multi_modal_placeholders[0]
@@ -217,7 +202,7 @@ def test_long_video_encoder_work_is_spread_over_prefill_chunks(vl_path, hf_model
     runs a few patches per step alongside the chunk that needs them, never the whole video."""
     llm = LLM(vl_path, max_model_len=1024, max_num_batched_tokens=24)
     calls = count_calls(llm.engine.runner.model.visual)
-    msgs = user("Watch this:", video(16, 56, 112, 40), "What happens?")
+    msgs = user("Watch this:", random_video(16, 56, 112, 40), "What happens?")
     out = llm.chat(msgs, GREEDY)[0]
     spans = out.multi_modal_placeholders
     assert len(spans) == 8 and all(s.modality == "video" for s in spans)  # 16 frames, 2 per patch
@@ -233,7 +218,7 @@ def test_long_video_encoder_work_is_spread_over_prefill_chunks(vl_path, hf_model
 def test_four_images_in_one_step_are_one_encoder_forward(qwen2_vl_path):
     llm = LLM(qwen2_vl_path, max_model_len=1024)
     calls = count_calls(llm.engine.runner.model.visual)
-    prompts = [user(image(60 + 10 * i, 90, 20 + i), f"Image {i}?") for i in range(4)]
+    prompts = [user(random_image(60 + 10 * i, 90, 20 + i), f"Image {i}?") for i in range(4)]
     outs = llm.chat(prompts, GREEDY)
     assert calls == [1]
     assert all(o.metrics.encoder_calls == 1 for o in outs)
@@ -245,7 +230,7 @@ def test_abort_releases_cache_references(qwen2_vl_path):
     engine = llm.engine
     p = engine.processor
     for i in range(3):
-        parsed = p.render_chat(user(image(100, 100, 30 + i), "Describe."))
+        parsed = p.render_chat(user(random_image(100, 100, 30 + i), "Describe."))
         req = engine.make_request(p.process(parsed, p.load_media_sync(parsed)),
                                   SamplingParams(max_tokens=50, ignore_eos=True), f"r{i}")
         engine.add_request(req)
@@ -263,7 +248,8 @@ def test_placeholder_typed_without_media_is_a_clear_error(qwen2_vl_path):
     with pytest.raises(ValueError, match="1 image placeholder.*but 0 image"):
         llm.generate(prompt, GREEDY)
     with pytest.raises(ValueError, match="0 image placeholder.*but 1 image"):
-        llm.generate({"prompt": "no placeholder", "multi_modal_data": {"image": image(8, 8, 0)}})
+        llm.generate({"prompt": "no placeholder",
+                      "multi_modal_data": {"image": random_image(8, 8, 0)}})
     assert llm.generate("plain text still works", GREEDY)[0].outputs[0].finish_reason == "length"
 
 
@@ -275,14 +261,14 @@ def test_item_larger_than_the_encoder_budget_is_refused(qwen2_vl_path, monkeypat
     llm = LLM(qwen2_vl_path, max_model_len=1024, encoder_cache_size=100)
     with pytest.raises(ValueError, match=r"mm_processor_kwargs max_pixels=7840000 is not an "
                        r"integer in \[784, 78400\]"):
-        llm.chat(user(image(500, 500, 0), "hi"), GREEDY,
+        llm.chat(user(random_image(500, 500, 0), "hi"), GREEDY,
                  mm_processor_kwargs={"max_pixels": 28 * 28 * 10000})
-    out = llm.chat(user(image(500, 500, 0), "hi"), GREEDY,
+    out = llm.chat(user(random_image(500, 500, 0), "hi"), GREEDY,
                    mm_processor_kwargs={"max_pixels": 28 * 28 * 100})[0]
     assert 64 < out.multi_modal_placeholders[0].length <= 100
     # The encoder-budget check stays behind the option ranges, before any pixel is prepared.
     processor = llm.engine.processor
-    parsed = processor.render_chat(user(image(500, 500, 0), "hi"),
+    parsed = processor.render_chat(user(random_image(500, 500, 0), "hi"),
                                    mm_processor_kwargs={"max_pixels": 28 * 28 * 100})
     media = processor.load_media_sync(parsed)
     budget = processor.encoder_budget
@@ -297,7 +283,8 @@ def test_item_larger_than_the_encoder_budget_is_refused(qwen2_vl_path, monkeypat
         processor.process(parsed, media)
     monkeypatch.undo()
     processor.encoder_budget = budget
-    assert llm.chat(user(image(50, 50, 0), "hi"), GREEDY)[0].outputs[0].finish_reason == "length"
+    out = llm.chat(user(random_image(50, 50, 0), "hi"), GREEDY)[0]
+    assert out.outputs[0].finish_reason == "length"
 
 
 def test_preempted_requests_encode_their_media_again(vl_path, hf_models):
@@ -308,7 +295,7 @@ def test_preempted_requests_encode_their_media_again(vl_path, hf_models):
     llm = LLM(vl_path, max_model_len=256, kv_cache_bytes=16 * per_block,
               enable_prefix_caching=False, encoder_cache_size=64,
               max_num_encoder_input_tokens=64)
-    chats = [user(image(168, 224, 20 + i), "Describe the image.") for i in range(6)]
+    chats = [user(random_image(168, 224, 20 + i), "Describe the image.") for i in range(6)]
     outs = llm.chat(chats, dataclasses.replace(GREEDY, max_tokens=30))  # decodes past a block
     hf = hf_models(vl_path)
     assert [o.outputs[0].token_ids for o in outs] == [

@@ -14,41 +14,28 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from engine import LLM, SamplingParams
-from tests.helpers import assert_released, count_calls, process_chat
+from tests.helpers import (
+    assert_matches_reference,
+    assert_released,
+    count_calls,
+    hf_greedy,
+    process_chat,
+    random_image,
+    random_video,
+    user,
+)
 
 N = 8
 GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
 
 
-def image(h: int, w: int, seed: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
-
-
-def video(frames: int, h: int, w: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    return rng.integers(0, 256, (frames, h, w, 3), dtype=np.uint8)
-
-
-def user(*parts) -> list[dict]:
-    content = []
-    for part in parts:
-        if isinstance(part, str):
-            content.append({"type": "text", "text": part})
-        elif isinstance(part, Image.Image):
-            content.append({"type": "image", "image": part})
-        else:
-            content.append({"type": "video", "video": part})
-    return [{"role": "user", "content": content}]
-
-
 CASES = {
-    "one_image": user(image(120, 150, 0), "Describe the image in detail."),
-    "two_images": user("Compare", image(64, 64, 1), "with", image(150, 70, 2), "please."),
-    "video": user(video(6, 64, 96, 3), "What is shown in this video?"),
+    "one_image": user(random_image(120, 150, 0), "Describe the image in detail."),
+    "two_images": user("Compare", random_image(64, 64, 1), "with", random_image(150, 70, 2),
+                        "please."),
+    "video": user(random_video(6, 64, 96, 3), "What is shown in this video?"),
     "text_only": user("Hello there, how are you today?"),
 }
 
@@ -79,13 +66,7 @@ def hf_inputs(hf, proc) -> dict:
 
 def reference(hf, llm, messages):
     proc, _ = process_chat(llm, messages)
-    kwargs = hf_inputs(hf, proc)
-    never = hf.config.text_config.vocab_size
-    with torch.no_grad():
-        out = hf.generate(**kwargs, max_new_tokens=N, do_sample=False, eos_token_id=never,
-                          pad_token_id=never, output_scores=True, return_dict_in_generate=True)
-    tokens = out.sequences[0, len(proc.token_ids):].tolist()
-    return tokens, torch.stack(out.scores)[:, 0].float().log_softmax(-1)
+    return hf_greedy(hf, hf_inputs(hf, proc), len(proc.token_ids), N)
 
 
 @pytest.fixture(scope="module")
@@ -128,13 +109,7 @@ def test_each_case_matches_transformers(qwen3_vl_path, refs):
     llm = LLM(qwen3_vl_path, max_model_len=2048)
     params = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, logprobs=3)
     for case, msgs in CASES.items():
-        out = llm.chat(msgs, params)[0]
-        tokens, logprobs = refs[case]
-        assert out.outputs[0].token_ids == tokens, case
-        for step, entry in enumerate(out.outputs[0].logprobs):
-            top = logprobs[step].topk(3)
-            for t, v in zip(top.indices.tolist(), top.values.tolist(), strict=True):
-                assert abs(entry[t] - v) < 1e-3, (case, step)
+        assert_matches_reference(llm.chat(msgs, params)[0], *refs[case], case)
     assert_released(llm)
 
 
@@ -168,7 +143,7 @@ def test_batch_in_chunks_inside_spans_with_caches(qwen3_vl_path, refs):
     assert_released(llm)
 
 
-def test_prefix_cache_hit_after_an_image(qwen3_vl_path, refs):
+def test_prefix_cache_hit_after_an_random_image(qwen3_vl_path, refs):
     llm = LLM(qwen3_vl_path, max_model_len=2048, block_size=8)
     first = llm.chat(CASES["one_image"], GREEDY)[0]
     again = llm.chat(CASES["one_image"], GREEDY)[0]
@@ -183,7 +158,8 @@ def test_image_preprocessing_matches_transformers(qwen3_vl_path):
 
     llm = LLM(qwen3_vl_path, max_model_len=2048)
     hf_proc = transformers.Qwen2VLImageProcessorPil.from_pretrained(qwen3_vl_path)
-    for img in (image(120, 150, 0), image(33, 250, 5), image(500, 70, 6)):
+    for img in (random_image(120, 150, 0), random_image(33, 250, 5),
+                random_image(500, 70, 6)):
         proc, _ = process_chat(llm, user(img, "x"))
         ref = hf_proc(images=[img], return_tensors="pt")
         (f,) = proc.mm_features
