@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from engine.media import MediaLimits, VideoFrames, load_video_sync
-from engine.media.video import upright
+from engine.media.orientation import upright
 from tests.media_fixtures import (
     VideoSpec,
     encode_soundfile,

@@ -13,13 +13,13 @@ from fractions import Fraction
 
 import av
 import numpy as np
-from av.sidedata.sidedata import Type as SideDataType
 from PIL import Image
 
 from engine.media.budget import RequestBudget
 from engine.media.formats import VIDEO_CODECS, check_codec, open_container
 from engine.media.image import to_rgb
 from engine.media.limits import MediaError, MediaLimits, decoder_errors
+from engine.media.orientation import display_matrix, orientation_of
 
 DEFAULT_FPS = 2.0
 # Sampling faster than the fastest cameras record only repeats frames.
@@ -50,15 +50,6 @@ class VideoFrames:
     sampling: VideoSampling
     # Frames the decoder produced to obtain these; with seeking, far fewer than the video has.
     decoded_frames: int = 0
-
-
-@dataclass(frozen=True)
-class _Orientation:
-    """The display matrix as array operations on an [H, W, C] frame, applied in this order."""
-
-    transpose: bool = False
-    flip_rows: bool = False
-    flip_cols: bool = False
 
 
 def video_sampling(
@@ -165,11 +156,6 @@ def frames_from_pixels(
         source_frame_count=total,
         sampling=sampling,
     )
-
-
-def upright(frame: np.ndarray, display_matrix: Sequence[int] | None) -> np.ndarray:
-    """A view of an [H, W, C] frame as the display matrix says to show it."""
-    return _apply(frame, _orientation(display_matrix))
 
 
 class _SeekFailed(Exception):
@@ -398,7 +384,7 @@ def _to_rgb_frames(
         raise MediaError(f"{item}: the video has no decodable frames")
     _check_frame_size(first[0].width, first[0].height, limits, item)
     width, height = _fit_budget(first[0].width, first[0].height, count, limits)
-    orientation = _orientation(_display_matrix(first[0]))
+    orientation = orientation_of(display_matrix(first[0]))
     shape = (width, height) if orientation.transpose else (height, width)
     budget.reserve_decoded(count * width * height * 3, item)
     out = np.empty((count, *shape, 3), dtype=np.uint8)
@@ -409,7 +395,7 @@ def _to_rgb_frames(
             out[index] = out[index - 1]
         else:
             rgb = frame.to_ndarray(format="rgb24", width=width, height=height)
-            out[index] = _apply(rgb, orientation)
+            out[index] = orientation.apply(rgb)
         previous = frame
         times.append(time)
     return out, times
@@ -421,42 +407,6 @@ def _fit_budget(width: int, height: int, count: int, limits: MediaLimits) -> tup
         return width, height
     scale = math.sqrt(limits.max_video_total_pixels / (count * width * height))
     return max(1, math.floor(width * scale)), max(1, math.floor(height * scale))
-
-
-# Orientation -------------------------------------------------------------------------
-
-
-def _display_matrix(frame: av.VideoFrame) -> list[int] | None:
-    side_data = frame.side_data.get(SideDataType.DISPLAYMATRIX)
-    if side_data is None:
-        return None
-    # Nine native-endian int32 values, row-major; the 2x2 part is 16.16 fixed point.
-    return np.frombuffer(bytes(side_data), dtype=np.int32).tolist()
-
-
-def _orientation(matrix: Sequence[int] | None) -> _Orientation:
-    """Snap a display matrix to the nearest of the eight right-angle orientations.
-
-    FFmpeg maps a source pixel (x, y), y pointing down, to (a*x + c*y, b*x + d*y) with
-    a, b, c, d = matrix[0], matrix[1], matrix[3], matrix[4].
-    """
-    if matrix is None:
-        return _Orientation()
-    a, b, c, d = matrix[0], matrix[1], matrix[3], matrix[4]
-    if abs(a) + abs(d) >= abs(b) + abs(c):
-        return _Orientation(flip_rows=d < 0, flip_cols=a < 0)
-    # Output columns come from input rows (sign c), output rows from input columns (sign b).
-    return _Orientation(transpose=True, flip_rows=b < 0, flip_cols=c < 0)
-
-
-def _apply(frame: np.ndarray, orientation: _Orientation) -> np.ndarray:
-    if orientation.transpose:
-        frame = frame.transpose(1, 0, 2)
-    if orientation.flip_rows:
-        frame = frame[::-1]
-    if orientation.flip_cols:
-        frame = frame[:, ::-1]
-    return frame
 
 
 # In-memory frames --------------------------------------------------------------------
