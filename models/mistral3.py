@@ -66,6 +66,10 @@ class PixtralVLM(Decoder):
         self.merge = getattr(hf_config, "spatial_merge_size", None) or 1
         if getattr(hf_config, "spatial_merge_size", None) is None:
             self.multi_modal_projector = MLPProjector(width, self.cfg.hidden_size, act, bias)
+        elif len(self.feature_layers) > 1:
+            raise NotImplementedError(
+                "several vision_feature_layer entries with a merging projector (its norm and "
+                "merger take the tower's width, as in transformers)")
         else:
             self.multi_modal_projector = MergingProjector(
                 width, self.cfg.hidden_size, self.merge, act, bias, text.rms_norm_eps)

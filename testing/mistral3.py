@@ -45,6 +45,7 @@ def build_mistral3_model(
     num_layers: int = 2,
     vision_width: int = 32,
     vision_depth: int = 2,
+    feature_layer: int | list[int] = -1,
     seed: int = 0,
     std: float = 0.25,
 ) -> Path:
@@ -65,7 +66,8 @@ def build_mistral3_model(
         num_hidden_layers=vision_depth, num_attention_heads=4, image_size=LONGEST_EDGE,
         patch_size=PATCH, rope_parameters={"rope_type": "axial", "rope_theta": 10000.0},
     )
-    common = dict(text_config=text_cfg, vision_config=vision_cfg, vision_feature_layer=-1,
+    common = dict(text_config=text_cfg, vision_config=vision_cfg,
+                  vision_feature_layer=feature_layer,
                   image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"),
                   projector_hidden_act="gelu", tie_word_embeddings=False)
     if llava:

@@ -261,3 +261,28 @@ def test_tower_and_splice_with_breaks_have_no_host_sync(m3_path):
     mask[span.offset : end] = torch.tensor(span.is_embed[: end - span.offset])
     torch.testing.assert_close(embeds[~mask], text[~mask])
     torch.testing.assert_close(embeds[mask], merged[: span.embeds_before(end)])
+
+
+def test_inner_feature_layers_match_transformers(tmp_path):
+    """vision_feature_layer other than the last: an inner block (Mistral 3), and the embeddings
+    (index 0) with an inner block concatenated (LLaVA-Pixtral), for two images of different
+    sizes, against transformers' image features."""
+    import transformers
+
+    from testing.mistral3 import build_mistral3_model
+
+    for name, options, merge in (("m3", {"feature_layer": -2}, 2),
+                                 ("llava", {"feature_layer": [0, -2], "llava": True}, 1)):
+        path = build_mistral3_model(tmp_path / name, vision_depth=3, **options)
+        llm = LLM(path, max_model_len=1024)
+        kwargs, _ = hf_inputs(path, llm, CASES["two_images"], merge)
+        hf = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+        with torch.no_grad():
+            ref = hf.eval().model.get_image_features(
+                pixel_values=kwargs["pixel_values"], image_sizes=kwargs["image_sizes"],
+            ).pooler_output
+        proc, _ = process_chat(llm, CASES["two_images"])
+        with torch.inference_mode():
+            ours = llm.engine.runner.model.encode([("image", f.data) for f in proc.mm_features])
+        for a, b in zip(ours, ref, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
