@@ -63,8 +63,9 @@ class PixtralVLM(Decoder):
                 "class token to drop; 'full' only)")
         width = self.vision_tower.cfg.vit.width * len(self.feature_layers)
         act, bias = hf_config.projector_hidden_act, hf_config.multimodal_projector_bias
-        self.merge = getattr(hf_config, "spatial_merge_size", None) or 1
-        if getattr(hf_config, "spatial_merge_size", None) is None:
+        merge = getattr(hf_config, "spatial_merge_size", None)
+        self.merge = merge or 1
+        if merge is None:
             self.multi_modal_projector = MLPProjector(width, self.cfg.hidden_size, act, bias)
         elif len(self.feature_layers) > 1:
             raise NotImplementedError(

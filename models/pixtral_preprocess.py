@@ -43,7 +43,10 @@ class PixtralPreprocessConfig:
         if not isinstance(size, Mapping) or "longest_edge" not in size:
             raise NotImplementedError(f"Pixtral size {size!r} (longest_edge only)")
         defaults = cls()
-        pick = lambda key: defaults.__dict__[key] if d.get(key) is None else d[key]  # noqa: E731
+
+        def pick(key: str) -> Any:
+            return getattr(defaults, key) if d.get(key) is None else d[key]
+
         return cls(
             longest_edge=int(size["longest_edge"]),
             resample=int(pick("resample")),
