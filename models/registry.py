@@ -10,6 +10,8 @@ from models.gemma3_processor import Gemma3Processor
 from models.interfaces import LanguageModel, ProcessorFactory
 from models.llava import LlavaForConditionalGeneration
 from models.llava_processor import LlavaProcessor
+from models.mistral3 import PixtralVLM
+from models.pixtral_processor import PixtralProcessor
 from models.qwen2_audio import QwenAudioForConditionalGeneration
 from models.qwen2_audio_processor import QwenAudioProcessor
 from models.qwen2_vl import QwenVLForConditionalGeneration
@@ -41,6 +43,7 @@ _REGISTRY: dict[str, ModelSpec] = {
     "LlavaNextForConditionalGeneration": ModelSpec(
         LlavaForConditionalGeneration, LlavaProcessor
     ),
+    "Mistral3ForConditionalGeneration": ModelSpec(PixtralVLM, PixtralProcessor),
     "Qwen2AudioForConditionalGeneration": ModelSpec(
         QwenAudioForConditionalGeneration, QwenAudioProcessor
     ),

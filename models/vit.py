@@ -10,7 +10,8 @@ into a batch with a key mask (`pad=True`, one SDPA call) or run one SDPA per seg
 
 Blocks are assembled from options: LayerNorm or RMSNorm, plain or gated MLP, q/k/v fused into
 one matmul (`qkv`, `proj`) or separate (`q_proj`, `k_proj`, `v_proj`, `out_proj`, for a key
-projection without bias), optional rotary angles, optional query pre-scaling. Towers map their
+projection without bias), linear layers with or without biases, optional rotary angles,
+optional query pre-scaling. Towers map their
 checkpoints' names onto these (see each family's `checkpoint_map`).
 """
 
@@ -89,6 +90,7 @@ class ViTConfig:
     gated_mlp: bool = False
     fused_qkv: bool = True
     k_bias: bool = True  # separate projections only: Whisper's key has no bias
+    bias: bool = True  # on every attention and MLP linear layer (Pixtral has none)
     rotary: bool = False  # blocks take (cos, sin) and rotate q and k
 
     def __post_init__(self) -> None:
@@ -113,12 +115,12 @@ class ViTAttention(nn.Module):
         self.num_heads, self.head_dim = cfg.num_heads, cfg.width // cfg.num_heads
         w = cfg.width
         if cfg.fused_qkv:
-            self.qkv = nn.Linear(w, 3 * w)
-            self.proj = nn.Linear(w, w)
+            self.qkv = nn.Linear(w, 3 * w, bias=cfg.bias)
+            self.proj = nn.Linear(w, w, bias=cfg.bias)
         else:
-            self.q_proj, self.v_proj = nn.Linear(w, w), nn.Linear(w, w)
-            self.k_proj = nn.Linear(w, w, bias=cfg.k_bias)
-            self.out_proj = nn.Linear(w, w)
+            self.q_proj, self.v_proj = nn.Linear(w, w, cfg.bias), nn.Linear(w, w, cfg.bias)
+            self.k_proj = nn.Linear(w, w, bias=cfg.k_bias and cfg.bias)
+            self.out_proj = nn.Linear(w, w, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor, seg: Segments, rotary=None) -> torch.Tensor:
         n, shape = x.shape[0], (x.shape[0], self.num_heads, self.head_dim)
@@ -139,9 +141,10 @@ def rotate_half_float(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
 
 
 class PlainMLP(nn.Module):
-    def __init__(self, width: int, hidden: int, act: str) -> None:
+    def __init__(self, width: int, hidden: int, act: str, bias: bool = True) -> None:
         super().__init__()
-        self.fc1, self.fc2, self.act = nn.Linear(width, hidden), nn.Linear(hidden, width), act
+        self.fc1, self.fc2 = nn.Linear(width, hidden, bias), nn.Linear(hidden, width, bias)
+        self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(ACTIVATIONS[self.act](self.fc1(x)))
@@ -154,8 +157,8 @@ class ViTBlock(nn.Module):
         super().__init__()
         self.norm1, self.norm2 = make_norm(cfg), make_norm(cfg)
         self.attn = ViTAttention(cfg)
-        self.mlp = (GatedMLP(cfg.width, cfg.mlp_hidden, bias=True, act=cfg.act)
-                    if cfg.gated_mlp else PlainMLP(cfg.width, cfg.mlp_hidden, cfg.act))
+        self.mlp = (GatedMLP(cfg.width, cfg.mlp_hidden, bias=cfg.bias, act=cfg.act)
+                    if cfg.gated_mlp else PlainMLP(cfg.width, cfg.mlp_hidden, cfg.act, cfg.bias))
 
     def forward(self, x: torch.Tensor, seg: Segments, rotary=None) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), seg, rotary)

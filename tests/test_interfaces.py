@@ -60,6 +60,7 @@ def _plan_cases(tmp_path):
 
     from testing.gemma3 import build_gemma3_model
     from testing.llava import build_llava_model
+    from testing.mistral3 import build_mistral3_model
     from testing.qwen3_vl import build_qwen3_vl_model
 
     rng = np.random.default_rng(0)
@@ -76,6 +77,7 @@ def _plan_cases(tmp_path):
         (build_llava_model(tmp_path / "next", next_=True), parts),
         (build_gemma3_model(tmp_path / "gemma", pan_and_scan=pan), parts),
         (build_qwen3_vl_model(tmp_path / "qwen3"), with_video),
+        (build_mistral3_model(tmp_path / "mistral3"), parts),
     ]
 
 

@@ -1,0 +1,81 @@
+"""Pixtral's image preprocessing (Pixtral-12B, Mistral Small 3.1), matching transformers'
+PixtralImageProcessorPil as PixtralProcessor drives it: an image larger than the longest edge
+is scaled down to fit (sides floored), then each side is rounded up to a whole number of
+`unit`-pixel cells (unit = patch size x spatial merge size) and the image resized to that with
+PIL; rescale and normalize as CLIP does (models/clip_preprocess.py does the pixel work)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from PIL import Image
+
+from models.clip_preprocess import CLIP_MEAN, CLIP_STD, ClipPreprocessConfig, preprocess_clip
+
+
+@dataclass(frozen=True)
+class PixtralPreprocessConfig:
+    """The settings of one PixtralImageProcessor (preprocessor_config.json)."""
+
+    longest_edge: int = 1024
+    resample: int = Image.Resampling.BICUBIC.value
+    do_rescale: bool = True
+    rescale_factor: float = 1 / 255
+    do_normalize: bool = True
+    image_mean: tuple[float, ...] = CLIP_MEAN
+    image_std: tuple[float, ...] = CLIP_STD
+    do_convert_rgb: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.longest_edge, bool) or not isinstance(self.longest_edge, int) or (
+                self.longest_edge <= 0):
+            raise ValueError(f"longest_edge must be a positive int, got {self.longest_edge!r}")
+
+    @classmethod
+    def from_hf(cls, d: Mapping[str, Any]) -> PixtralPreprocessConfig:
+        if d.get("do_resize") is False:
+            raise NotImplementedError("Pixtral preprocessing without do_resize")
+        size = d.get("size") or {"longest_edge": cls.longest_edge}
+        if not isinstance(size, Mapping) or "longest_edge" not in size:
+            raise NotImplementedError(f"Pixtral size {size!r} (longest_edge only)")
+        defaults = cls()
+
+        def pick(key: str) -> Any:
+            return getattr(defaults, key) if d.get(key) is None else d[key]
+
+        return cls(
+            longest_edge=int(size["longest_edge"]),
+            resample=int(pick("resample")),
+            do_rescale=bool(pick("do_rescale")),
+            rescale_factor=float(pick("rescale_factor")),
+            do_normalize=bool(pick("do_normalize")),
+            image_mean=tuple(map(float, pick("image_mean"))),
+            image_std=tuple(map(float, pick("image_std"))),
+            do_convert_rgb=bool(pick("do_convert_rgb")),
+        )
+
+
+def pixtral_resized_size(height: int, width: int, longest_edge: int, unit: int) -> tuple[int, int]:
+    """(height, width) an image is resized to: fit within longest_edge (sides floored), then
+    each side rounded up to a multiple of `unit`."""
+    ratio = max(height / longest_edge, width / longest_edge)
+    if ratio > 1:
+        height, width = math.floor(height / ratio), math.floor(width / ratio)
+    return -(-height // unit) * unit, -(-width // unit) * unit
+
+
+def preprocess_pixtral(image: Image.Image, cfg: PixtralPreprocessConfig,
+                       unit: int) -> torch.Tensor:
+    """float32 [3, H, W] pixels of one image, H and W multiples of `unit`."""
+    size = pixtral_resized_size(image.height, image.width, cfg.longest_edge, unit)
+    clip = ClipPreprocessConfig(
+        shortest_edge=None, size=size, crop_size=None, resample=cfg.resample,
+        do_center_crop=False, do_rescale=cfg.do_rescale, rescale_factor=cfg.rescale_factor,
+        do_normalize=cfg.do_normalize, image_mean=cfg.image_mean, image_std=cfg.image_std,
+        do_convert_rgb=cfg.do_convert_rgb,
+    )
+    return preprocess_clip(image, clip)
