@@ -9,7 +9,8 @@ letterboxed the image into the grid's resolution), appends the learned `image_ne
 row, and puts the base image's features first. The processor counts tokens with the same
 arithmetic (`unpad_bounds`), so counts and embeddings always agree.
 
-A checkpoint with a Pixtral tower (Pixtral-12B) is built as models/mistral3.py's PixtralVLM.
+A checkpoint with a Pixtral tower (Pixtral-12B) is served by models/mistral3.py's PixtralVLM
+(see the registry's vision-tower variants).
 """
 
 from __future__ import annotations
@@ -57,10 +58,6 @@ class LlavaForConditionalGeneration(Decoder):
 
     @classmethod
     def from_hf_config(cls, hf_config, max_positions: int, device: torch.device):
-        if hf_config.vision_config.model_type == "pixtral":  # Pixtral-12B: Mistral 3's layout
-            from models.mistral3 import PixtralVLM
-
-            return PixtralVLM(hf_config, max_positions, device)
         return cls(hf_config, max_positions, device)
 
     def encode(self, items: Sequence[EncoderItem]) -> list[torch.Tensor]:

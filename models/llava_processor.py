@@ -5,7 +5,8 @@ model emits for that image, one span per image. LLaVA-1.5: the tower's patches o
 center-cropped image (less the class token with the "default" feature strategy). LLaVA-NeXT:
 the base image's patches, then the unpadded grid of its tiles with one newline per row, counted
 with the same `unpad_bounds` the model cuts with, so the count and the embeddings agree.
-A checkpoint with a Pixtral tower gets models/pixtral_processor.py's processor instead.
+A checkpoint with a Pixtral tower is served by models/pixtral_processor.py instead (see the
+registry's vision-tower variants).
 """
 
 from __future__ import annotations
@@ -40,13 +41,6 @@ from models.processor_base import (
 
 class LlavaProcessor(ProcessorDefaults):
     modalities = ("image",)
-
-    def __new__(cls, ctx: ProcessorContext):
-        if ctx.hf_config.vision_config.model_type == "pixtral":  # Pixtral-12B prompts
-            from models.pixtral_processor import PixtralProcessor
-
-            return PixtralProcessor(ctx)
-        return super().__new__(cls)
 
     def __init__(self, ctx: ProcessorContext) -> None:
         cfg = ctx.hf_config

@@ -50,6 +50,14 @@ _REGISTRY: dict[str, ModelSpec] = {
 }
 
 
+# Architectures whose checkpoints come with different vision towers, by
+# (architecture, vision_config.model_type): LLaVA-layout checkpoints with a Pixtral tower
+# (Pixtral-12B) are Mistral 3's model without its merging projector.
+_VISION_VARIANTS: dict[tuple[str, str], ModelSpec] = {
+    ("LlavaForConditionalGeneration", "pixtral"): ModelSpec(PixtralVLM, PixtralProcessor),
+}
+
+
 def register(architecture: str, spec: ModelSpec) -> None:
     _REGISTRY[architecture] = spec
 
@@ -57,7 +65,10 @@ def register(architecture: str, spec: ModelSpec) -> None:
 def resolve(hf_config) -> ModelSpec:
     """The spec for a transformers config, or a ValueError listing what is supported."""
     archs = getattr(hf_config, "architectures", None) or []
+    vision = getattr(getattr(hf_config, "vision_config", None), "model_type", None)
     for arch in archs:
+        if (arch, vision) in _VISION_VARIANTS:
+            return _VISION_VARIANTS[arch, vision]
         if arch in _REGISTRY:
             return _REGISTRY[arch]
     raise ValueError(
