@@ -90,7 +90,8 @@ def extension(out: RequestOutput) -> dict:
         "placeholders": [
             {"modality": p.modality, "offset": p.offset, "length": p.length,
              "num_embeds": p.num_embeds, "identifier": p.identifier, "cache_hit": p.cache_hit,
-             "parts": [[name, n] for name, n in p.parts]}
+             "parts": [[name, n] for name, n in p.parts],
+             "text_offsets": list(p.text_offsets)}
             for p in out.multi_modal_placeholders
         ],
         "metrics": out.metrics.as_dict(),

@@ -25,6 +25,9 @@ class PlaceholderInfo:
     identifier: str | None
     cache_hit: bool | None
     parts: tuple[tuple[str, int], ...] = ()  # labelled sub-ranges (e.g. base image, tiles)
+    # Offsets inside the span of the tokens that keep their text embeddings (row breaks, tile
+    # labels, timestamps): the positions the span's `is_embed` mask leaves out.
+    text_offsets: tuple[int, ...] = ()
 
 
 @dataclass

@@ -57,6 +57,12 @@ class PlaceholderRange:
     def num_embeds(self) -> int:
         return self.length if self.is_embed is None else sum(self.is_embed)
 
+    def text_offsets(self) -> tuple[int, ...]:
+        """Offsets inside the span of the positions that keep their text embeddings."""
+        if self.is_embed is None:
+            return ()
+        return tuple(i for i, embed in enumerate(self.is_embed) if not embed)
+
     def embeds_before(self, pos: int) -> int:
         """Embed positions of this span that lie before absolute position `pos`."""
         k = min(max(pos - self.offset, 0), self.length)

@@ -130,6 +130,12 @@ def test_batch_one_tower_forward_encoder_cache_counts_embeds(m3_path, refs):
     # The cache holds embeddings, not span positions (breaks take none).
     assert llm.stats()["encoder_cache_used"] == sum(p.num_embeds for p in spans)
     assert sum(p.num_embeds for p in spans) < sum(p.length for p in spans)
+    brk, end = llm.engine.tokenizer.convert_tokens_to_ids(["[IMG_BREAK]", "[IMG_END]"])
+    for out in outs:  # the UI is told where the row breaks and the end token sit
+        for p in out.multi_modal_placeholders:
+            inside = [out.prompt_token_ids[p.offset + k] for k in p.text_offsets]
+            assert len(inside) == p.length - p.num_embeds and inside[-1] == end
+            assert set(inside[:-1]) <= {brk}
     again = llm.chat(CASES["one_image"], GREEDY)[0]  # the same pixels: an encoder-cache hit
     assert again.outputs[0].token_ids == refs["one_image"][0]
     assert tower[0] == 1 and again.multi_modal_placeholders[0].cache_hit

@@ -489,6 +489,7 @@ class TestMedia:
         (first,), ids = placeholders("One.")
         # A 56x56 image: 4x4 patches merged 2x2, 4 embeddings of the image pad token.
         assert first["modality"] == "image" and first["length"] == first["num_embeds"] == 4
+        assert first["text_offsets"] == []  # every position of a Qwen2-VL span is embedded
         span = ids[first["offset"]:first["offset"] + first["length"]]
         assert len(set(span)) == 1 and ids[first["offset"] - 1] != span[0]
         assert first["cache_hit"] is False and len(first["identifier"]) == 64

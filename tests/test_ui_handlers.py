@@ -330,3 +330,31 @@ def test_build_demo_takes_one_engine_or_several(engines):
     assert isinstance(build_demo(engines), gr.Blocks)
     with pytest.raises(ValueError, match="at least one engine"):
         build_demo({})
+
+
+class _Vocab:
+    """A tokenizer stand-in: token id -> its text."""
+
+    all_special_ids: list[int] = []
+    texts = {7: "hi", 9: "[IMG]", 10: "[IMG_BREAK]", 11: "[IMG_END]"}
+
+    def batch_decode(self, sequences):
+        return ["".join(self.texts[t] for t in seq) for seq in sequences]
+
+
+def test_structure_tokens_inside_a_span_are_shown_apart_from_its_embeddings():
+    """A Pixtral-style span: 2 rows of 2 [IMG] embeddings, a row break and an end token."""
+    from engine.metrics import RequestMetrics
+    from engine.outputs import CompletionOutput, PlaceholderInfo, RequestOutput
+
+    ids = [7, 9, 9, 10, 9, 9, 11, 7]
+    ph = PlaceholderInfo("image", 1, 6, 4, "abcdef0123:x", False, text_offsets=(2, 5))
+    output = RequestOutput("r", None, ids, [CompletionOutput(0, "", [])], False, 0,
+                           RequestMetrics(), [ph])
+    strip = panels.placeholder_html(output, _Vocab())
+    assert "4 embeds + 2 text" in strip
+    assert "text inside: [IMG_BREAK], [IMG_END]" in strip
+    plain = dataclasses.replace(ph, text_offsets=(), num_embeds=6)
+    output.multi_modal_placeholders = [plain]
+    strip = panels.placeholder_html(output, _Vocab())
+    assert "6 embeds ·" in strip and "text inside" not in strip

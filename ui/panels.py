@@ -92,7 +92,7 @@ def placeholder_html(
     spans = zip(item_labels(output), output.multi_modal_placeholders, strict=True)
     for label, ph in sorted(spans, key=lambda s: s[1].offset):
         parts.append(_text_run(ids, pos, ph.offset, tokenizer, special, max_run))
-        parts.append(_media_chip(label, ph, cache_status(output, ph)))
+        parts.append(_media_chip(label, ph, cache_status(output, ph), ids, tokenizer))
         pos = ph.offset + ph.length
     parts.append(_text_run(ids, pos, len(ids), tokenizer, special, max_run))
     legend = " ".join(
@@ -151,19 +151,38 @@ def _tokens(
     return "".join(out)
 
 
-def _media_chip(label: str, ph: PlaceholderInfo, status: str) -> str:
-    color = MODALITY_COLORS.get(ph.modality, "#374151")
-    embeds = (
-        f"{ph.num_embeds} embeds"
-        if ph.num_embeds == ph.length
-        else f"{ph.num_embeds} embeds in {ph.length}"
+def _structure_summary(ph: PlaceholderInfo, ids: list[int], tokenizer: TokenizerLike) -> str:
+    """The span's text tokens, each distinct one with its count, in order of appearance."""
+    counts: dict[int, int] = {}
+    for k in ph.text_offsets:
+        if ph.offset + k < len(ids):
+            tid = ids[ph.offset + k]
+            counts[tid] = counts.get(tid, 0) + 1
+    texts = tokenizer.batch_decode([[t] for t in counts])
+    return ", ".join(
+        text.replace("\n", "↵") + (f" ×{n}" if n > 1 else "")
+        for text, n in zip(texts, counts.values(), strict=True)
     )
+
+
+def _media_chip(
+    label: str, ph: PlaceholderInfo, status: str, ids: list[int] | None = None,
+    tokenizer: TokenizerLike | None = None,
+) -> str:
+    color = MODALITY_COLORS.get(ph.modality, "#374151")
+    embeds = f"{ph.num_embeds} embeds"
+    if ph.text_offsets:  # structure tokens inside the span keep their text embeddings
+        embeds += f" + {len(ph.text_offsets)} text"
+    elif ph.num_embeds != ph.length:
+        embeds += f" in {ph.length}"
     if ph.parts:  # e.g. an anyres image: its base image, then its tiles
         embeds += " · " + " + ".join(f"{name} {n}" for name, n in ph.parts)
     title = (
         f"{label}: tokens {ph.offset}–{ph.offset + ph.length - 1}, {embeds}, "
         f"hash {ph.identifier or 'not reported'}, {_STATUS_HELP[status]}"
     )
+    if ph.text_offsets and ids is not None and tokenizer is not None:
+        title += "; text inside: " + _structure_summary(ph, ids, tokenizer)
     return (
         f'<span title="{html.escape(title)}" style="{CHIP}background:{color};color:#fff;'
         f'font-family: ui-sans-serif, system-ui, sans-serif;padding:1px 6px">'

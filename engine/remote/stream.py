@@ -211,6 +211,7 @@ def _report_placeholders(items: Sequence[Any]) -> list[PlaceholderInfo]:
                 p.get("identifier") if isinstance(p.get("identifier"), str) else None,
                 hit if isinstance(hit, bool) else None,
                 tuple((str(name), int(n)) for name, n in p.get("parts") or ()),
+                tuple(int(k) for k in p.get("text_offsets") or ()),
             ))
     return out
 
