@@ -108,3 +108,81 @@ def process_chat(llm, messages):
     parsed = p.render_chat(messages)
     media = p.load_media_sync(parsed)
     return p.process(parsed, media), media
+
+
+# ---- media and references for the model-family parity tests ------------------------------------
+
+
+def random_image(h: int, w: int, seed: int):
+    """A PIL image of uniform noise (decisive for tiny random towers)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def random_video(frames: int, h: int, w: int, seed: int):
+    """uint8 frames [frames, h, w, 3] of uniform noise."""
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(0, 256, (frames, h, w, 3), dtype=np.uint8)
+
+
+def user(*parts) -> list[dict]:
+    """One user message: str parts are text, PIL images images, arrays videos."""
+    from PIL import Image
+
+    content = []
+    for part in parts:
+        if isinstance(part, str):
+            content.append({"type": "text", "text": part})
+        elif isinstance(part, Image.Image):
+            content.append({"type": "image", "image": part})
+        else:
+            content.append({"type": "video", "video": part})
+    return [{"role": "user", "content": content}]
+
+
+def hf_greedy(hf, kwargs: dict, prompt_len: int, n: int):
+    """transformers' greedy tokens for `kwargs` (exactly n of them) and each step's
+    log-probabilities [n, vocab]."""
+    never = hf.config.get_text_config().vocab_size  # an EOS id no argmax produces
+    with torch.no_grad():
+        out = hf.generate(**kwargs, max_new_tokens=n, do_sample=False, eos_token_id=never,
+                          pad_token_id=never, output_scores=True, return_dict_in_generate=True)
+    return (out.sequences[0, prompt_len:].tolist(),
+            torch.stack(out.scores)[:, 0].float().log_softmax(-1))
+
+
+def assert_matches_reference(output, tokens: list[int], logprobs, label: str = "",
+                             k: int = 3, atol: float = 1e-3) -> None:
+    """Greedy tokens identical, and each step's reference top-k tokens among ours with
+    log-probabilities within `atol` (`output` generated with logprobs >= k)."""
+    assert output.outputs[0].token_ids == tokens, label
+    for step, entry in enumerate(output.outputs[0].logprobs):
+        top = logprobs[step].topk(k)
+        for t, v in zip(top.indices.tolist(), top.values.tolist(), strict=True):
+            assert abs(entry[t] - v) < atol, (label, step, t)
+
+
+def run_chunks(model, seqs, block_size: int = 16) -> list:
+    """Drive `model` directly (no scheduler) over one flat batch: seqs are (all ids, start,
+    end, block ids) per sequence -> logits [end - start, V] each."""
+    from models.attention import build_metadata
+
+    ids, pos = [], []
+    for all_ids, start, end, _ in seqs:
+        ids += all_ids[start:end]
+        pos += range(start, end)
+    meta = build_metadata(
+        [s for _, s, _, _ in seqs], [e - s for _, s, e, _ in seqs], [b for *_, b in seqs],
+        block_size, torch.device("cpu"), windows=model.attention_windows(),
+    )
+    with torch.inference_mode():
+        logits = model.compute_logits(model(torch.tensor(ids), torch.tensor(pos), meta))
+    out, offset = [], 0
+    for _, s, e, _ in seqs:
+        out.append(logits[offset : offset + e - s])
+        offset += e - s
+    return out
