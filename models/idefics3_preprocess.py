@@ -65,8 +65,9 @@ class Idefics3PreprocessConfig:
             do_normalize=bool(image.get("do_normalize", True)),
             image_mean=_triple(image.get("image_mean", base.image_mean)),
             image_std=_triple(image.get("image_std", base.image_std)),
-            video_longest_edge=_longest(sampling.get("video_size") or video.get("size"),
-                                        longest),
+            # The video processor's `size` overrides its sampling's `video_size`.
+            video_longest_edge=_longest(video.get("size") or sampling.get("video_size"),
+                                        base.video_longest_edge),
             video_fps=float(sampling.get("fps", video.get("fps") or base.video_fps)),
             video_max_frames=int(sampling.get("max_frames",
                                               video.get("num_frames") or base.video_max_frames)),

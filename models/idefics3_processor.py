@@ -9,6 +9,11 @@ A video reads "You are provided the following series of {count} frames from a {H
 [H:MM:SS] video.\\n", then per frame "\\nFrame from {MM:SS}:" and the one-tile text, then
 "\\n\\n". L is the tokens of one tile (models/idefics3.py).
 
+Videos are sampled by the media layer at the video processor's rate (`video_sampling.fps`),
+at most its `max_frames`: the reference's frame count; the reference spreads those frames over
+[0, last] (skipping a second at both ends of long videos) where the media layer samples at
+k * duration / count, so long videos may get other frames than transformers picks.
+
 Text prompts are expanded before tokenizing, as the reference does, so the video's sentences
 merge with their neighbours exactly alike; token-id prompts are expanded here. Each image or
 video is ONE span, from its first `<fake_token_around_image>` to its last; `is_embed` marks its
@@ -67,12 +72,12 @@ class Idefics3Processor(ProcessorDefaults):
             self.modalities = ("image",)
         self.per_tile = tokens_per_tile(cfg)
         self.image_id = cfg.image_token_id
-        self.fake_id, self.global_id = (tok.convert_tokens_to_ids(t) for t in (FAKE, GLOBAL))
-        if tok.convert_ids_to_tokens(self.image_id) != IMAGE or None in (self.fake_id,
-                                                                         self.global_id):
-            raise ValueError(f"the tokenizer lacks {IMAGE}, {FAKE} or {GLOBAL} at the config's "
-                             "image_token_id")
-        self.video_id = tok.convert_tokens_to_ids(VIDEO) if self.videos else None
+        self.fake_id, self.global_id = _token_id(tok, FAKE), _token_id(tok, GLOBAL)
+        if _token_id(tok, IMAGE) != self.image_id or None in (self.fake_id, self.global_id):
+            raise ValueError(f"the tokenizer lacks {IMAGE} (at the config's image_token_id), "
+                             f"{FAKE} or {GLOBAL}")
+        # Token-id prompts can hold a video only where `<video>` is one token.
+        self.video_id = _token_id(tok, VIDEO) if self.videos else None
         self.pre = Idefics3PreprocessConfig.from_hf(*(
             _read_json(ctx.model_path / name)
             for name in ("preprocessor_config.json", "video_preprocessor_config.json")))
@@ -207,7 +212,7 @@ class Idefics3Processor(ProcessorDefaults):
 
     def _expand_ids(self, token_ids: list[int], images, videos) -> list[int]:
         found = {"image": token_ids.count(self.image_id),
-                 "video": token_ids.count(self.video_id) if self.videos else 0}
+                 "video": token_ids.count(self.video_id) if self.video_id is not None else 0}
         if found["image"] != len(images) or found["video"] != len(videos):
             raise ValueError(
                 f"the prompt has {found['image']} {IMAGE} and {found['video']} {VIDEO} "
@@ -221,7 +226,7 @@ class Idefics3Processor(ProcessorDefaults):
                 image = next(images)
                 out += self._encode(self.image_text(*image_layout(image.height, image.width,
                                                                   self.pre)[1:]))
-            elif self.videos and token == self.video_id:
+            elif self.video_id is not None and token == self.video_id:
                 out += self._encode(self.video_text(next(videos)))
             else:
                 out.append(token)
@@ -295,6 +300,14 @@ class Idefics3Processor(ProcessorDefaults):
         options = {**self._settings(), "video_longest_edge": self.pre.video_longest_edge}
         identify = partial(hash_video, video, model_id=self.model_id, processor_kwargs=options)
         return hashed_and_processed(self.cache, identify, compute, stages)
+
+
+def _token_id(tokenizer, text: str) -> int | None:
+    """The id of `text` when the tokenizer has it as one token, else None."""
+    token = tokenizer.convert_tokens_to_ids(text)
+    if token is None or tokenizer.convert_ids_to_tokens(token) != text:
+        return None
+    return token
 
 
 def _read_json(path) -> dict:

@@ -318,3 +318,15 @@ def test_block_hashes_cover_structure_tokens_of_a_span():
     bm.cache_computed_blocks(cat, 0, len(tokens))
     assert bm.find_cached_prefix(request("dog", "hash-dog")) == cat.block_ids[:1]
     assert len(bm.find_cached_prefix(request("cat2", "hash-cat"))) > 1
+
+
+def test_tower_and_connector_have_no_host_sync(smolvlm_path):
+    from tests.test_sync_free import SyncRecorder
+
+    model = LLM(smolvlm_path, max_model_len=256).engine.runner.model
+    items = [("image", {"pixel_values": torch.randn(7, 3, 32, 32)}),
+             ("video", {"pixel_values": torch.randn(3, 3, 32, 32)})]
+    with torch.inference_mode(), SyncRecorder() as rec:
+        embeds = model.encode(items)
+    assert rec.seen == []
+    assert [e.shape[0] for e in embeds] == [7 * 16, 3 * 16]
