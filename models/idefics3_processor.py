@@ -9,10 +9,10 @@ A video reads "You are provided the following series of {count} frames from a {H
 [H:MM:SS] video.\\n", then per frame "\\nFrame from {MM:SS}:" and the one-tile text, then
 "\\n\\n". L is the tokens of one tile (models/idefics3.py).
 
-Videos are sampled by the media layer at the video processor's rate (`video_sampling.fps`),
-at most its `max_frames`: the reference's frame count; the reference spreads those frames over
-[0, last] (skipping a second at both ends of long videos) where the media layer samples at
-k * duration / count, so long videos may get other frames than transformers picks.
+Videos are sampled by the media layer as the reference's video processor samples them: at its
+rate (`video_sampling.fps`), at most its `max_frames`, spread over the source frames from the
+first to the last (a second skipped at both ends of long videos; engine.media.video's
+"frame_linspace").
 
 Text prompts are expanded before tokenizing, as the reference does, so the video's sentences
 merge with their neighbours exactly alike; token-id prompts are expanded here. Each image or
@@ -108,7 +108,8 @@ class Idefics3Processor(ProcessorDefaults):
             return {}
         return {"video_kwargs": {"fps": options.get("fps", self.pre.video_fps),
                                  "max_frames": options.get("max_frames",
-                                                           self.pre.video_max_frames)}}
+                                                           self.pre.video_max_frames),
+                                 "spread": "frame_linspace"}}
 
     def max_embeds_per_item(self) -> int:
         side = -(-min(self.pre.longest_edge, MAX_IMAGE_SIDE) // self.pre.tile)

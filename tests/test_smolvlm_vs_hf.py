@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import numpy as np
 import pytest
 import torch
 
@@ -184,15 +185,29 @@ def test_pixels_equal_transformers_image_processor(tmp_path):
 
 
 def test_video_frames_are_those_the_reference_samples(smolvlm_path):
+    """Frames as SmolVLMVideoProcessor.sample_frames picks them (1 fps, at most 8 here): all
+    of a short video; of a long one, 8 spread from second 1 to the last but one."""
     from transformers.models.smolvlm.video_processing_smolvlm import SmolVLMVideoProcessor
     from transformers.video_utils import VideoMetadata
 
     llm = LLM(smolvlm_path, max_model_len=2048)
-    _, media = process_chat(llm, VIDEO_CASE)
-    video = media["video"][0]
-    meta = VideoMetadata(total_num_frames=3, fps=1.0, duration=3.0)
+    for frames in (3, 14):
+        _, media = process_chat(llm, user(random_video(frames, 16, 24, frames), "Go."))
+        meta = VideoMetadata(total_num_frames=frames, fps=1.0, duration=float(frames))
+        picked = SmolVLMVideoProcessor.sample_frames(None, meta, num_frames=8, fps=1)
+        assert media["video"][0].timestamps.tolist() == [float(i) for i in picked]
+        assert len(picked) == min(frames, 8)
+    # An encoded 14 s video at 10 fps: decoded by seeking to the reference's frame indices.
+    from tests.media_fixtures import VideoSpec, encode_video, level
+
+    data = encode_video(VideoSpec(frames=140, fps=10, width=32, height=24))
+    _, media = process_chat(llm, user(data, "Go."))
+    meta = VideoMetadata(total_num_frames=140, fps=10.0, duration=14.0)
     picked = SmolVLMVideoProcessor.sample_frames(None, meta, num_frames=8, fps=1)
-    assert video.timestamps.tolist() == [i / 1.0 for i in picked]
+    video = media["video"][0]
+    np.testing.assert_allclose(video.timestamps, picked / 10.0, atol=1e-6)
+    grey = video.frames.mean(axis=(1, 2, 3))
+    assert np.abs(grey - [level(i) for i in picked]).max() < 8
 
 
 def test_plans_agree_with_processing(smolvlm_path):
