@@ -44,7 +44,9 @@ class ClipVisionConfig:
     @classmethod
     def from_hf(cls, vc) -> ClipVisionConfig:
         clip = vc.model_type in ("clip_vision_model", "clip")
-        if not clip and vc.model_type not in ("siglip_vision_model", "siglip"):
+        # Idefics3's and SmolVLM's towers are SigLIP's (on tiles of the tower's own size).
+        siglip = ("siglip_vision_model", "siglip", "idefics3_vision", "smolvlm_vision")
+        if not clip and vc.model_type not in siglip:
             raise NotImplementedError(
                 f"vision tower {vc.model_type!r} is not supported (CLIP, SigLIP)"
             )

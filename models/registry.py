@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from models.decoder import CausalLM
 from models.gemma3 import Gemma3ForConditionalGeneration
 from models.gemma3_processor import Gemma3Processor
+from models.idefics3 import Idefics3ForConditionalGeneration
+from models.idefics3_processor import Idefics3Processor
 from models.interfaces import LanguageModel, ProcessorFactory
 from models.llava import LlavaForConditionalGeneration
 from models.llava_processor import LlavaProcessor
@@ -42,6 +44,12 @@ _REGISTRY: dict[str, ModelSpec] = {
     "LlavaForConditionalGeneration": ModelSpec(LlavaForConditionalGeneration, LlavaProcessor),
     "LlavaNextForConditionalGeneration": ModelSpec(
         LlavaForConditionalGeneration, LlavaProcessor
+    ),
+    "Idefics3ForConditionalGeneration": ModelSpec(
+        Idefics3ForConditionalGeneration, Idefics3Processor
+    ),
+    "SmolVLMForConditionalGeneration": ModelSpec(
+        Idefics3ForConditionalGeneration, Idefics3Processor
     ),
     "Mistral3ForConditionalGeneration": ModelSpec(PixtralVLM, PixtralProcessor),
     "Qwen2AudioForConditionalGeneration": ModelSpec(

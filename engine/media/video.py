@@ -28,13 +28,23 @@ MAX_FPS = 240.0
 _TIME_EPS = 1e-6
 
 
+SPREADS = ("uniform", "frame_linspace")
+
+
 @dataclass(frozen=True)
 class VideoSampling:
-    """How frames were chosen: ``target_fps`` clamped to [min_frames, max_frames] frames."""
+    """How frames were chosen: ``target_fps`` clamped to [min_frames, max_frames] frames.
+
+    ``spread`` places them: "uniform" at k * duration / count from the start; "frame_linspace"
+    on source frame indices spaced evenly from the first frame to the last inclusive, a second
+    skipped at both ends when the video is longer than max_frames at target_fps plus two
+    seconds, repeated indices dropped (transformers' SmolVLM video sampling).
+    """
 
     target_fps: float
     min_frames: int
     max_frames: int
+    spread: str = "uniform"
 
 
 @dataclass
@@ -57,6 +67,7 @@ def video_sampling(
     fps: float = DEFAULT_FPS,
     min_frames: int = 1,
     max_frames: int | None = None,
+    spread: str = "uniform",
     limits: MediaLimits,
     item: str,
 ) -> VideoSampling:
@@ -84,8 +95,11 @@ def video_sampling(
             f"{item}: min_frames={min_frames!r} must be between 1 and {max_frames} (max_frames, "
             f"at most MediaLimits.max_video_frames={limit})"
         )
+    if spread not in SPREADS:
+        raise MediaError(f"{item}: spread must be one of {', '.join(SPREADS)}, got {spread!r}")
     return VideoSampling(
-        target_fps=float(fps), min_frames=int(min_frames), max_frames=int(max_frames)
+        target_fps=float(fps), min_frames=int(min_frames), max_frames=int(max_frames),
+        spread=spread,
     )
 
 
@@ -138,9 +152,9 @@ def frames_from_pixels(
     _check_frame_size(width, height, limits, item)
     fps = sampling.target_fps
     duration = total / fps
-    count = _sample_count(duration, total, sampling)
+    targets = np.asarray(_sample_offsets(duration, fps, total, sampling))
+    count = len(targets)
     times = np.arange(total) / fps
-    targets = np.arange(count) * (duration / count)
     chosen = np.searchsorted(times, targets - _TIME_EPS).clip(max=total - 1)
     out_w, out_h = _fit_budget(width, height, count, limits)
     (budget or RequestBudget.for_limits(limits)).reserve_decoded(count * out_w * out_h * 3, item)
@@ -181,8 +195,8 @@ def _decode(
         stream.codec_context.options = {"max_pixels": str(limits.max_video_frame_pixels)}
         start, duration, fps, frame_count = _probe(container, stream, data, limits, item)
         _check_frame_size(stream.width, stream.height, limits, item)
-        count = _sample_count(duration, frame_count, sampling)
-        targets = [start + k * duration / count for k in range(count)]
+        targets = [start + t for t in _sample_offsets(duration, fps, frame_count, sampling)]
+        count = len(targets)
         cursor = _Cursor(container, stream, fps)
         frames, times = _to_rgb_frames(
             _first_frames_at(cursor, targets, seek=seek), count, limits, item, budget
@@ -281,6 +295,23 @@ def _sample_count(duration: float, frame_count: int, sampling: VideoSampling) ->
     clamped to [min_frames, max_frames] (a video shorter than min_frames repeats frames)."""
     wanted = min(round(duration * sampling.target_fps), frame_count or math.inf)
     return max(sampling.min_frames, min(sampling.max_frames, wanted))
+
+
+def _sample_offsets(
+    duration: float, fps: float, frame_count: int, sampling: VideoSampling
+) -> list[float]:
+    """Seconds from the start of each frame to sample (see VideoSampling.spread)."""
+    if sampling.spread == "uniform" or not frame_count or fps <= 0:
+        count = _sample_count(duration, frame_count, sampling)
+        return [k * duration / count for k in range(count)]
+    wanted = max(1, min(round(sampling.target_fps * duration), sampling.max_frames))
+    first, last = 0, frame_count - 1
+    if duration - 2 > sampling.max_frames * sampling.target_fps:  # skip a second at both ends
+        first, last = int(fps), min(int(frame_count - fps), frame_count - 1)
+    if first >= last:
+        first, last = 0, frame_count - 1
+    indices = np.unique(np.linspace(first, last, wanted).astype(int))
+    return [float(i) / fps for i in indices]
 
 
 class _Cursor:
