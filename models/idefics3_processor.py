@@ -11,7 +11,7 @@ A video reads "You are provided the following series of {count} frames from a {H
 
 Videos are sampled by the media layer as the reference's video processor samples them: at its
 rate (`video_sampling.fps`), at most its `max_frames`, spread over the source frames from the
-first to the last (a second skipped at both ends of long videos; engine.media.video's
+first to the last (a second skipped at both ends of long videos; engine.media.sampling's
 "frame_linspace").
 
 Text prompts are expanded before tokenizing, as the reference does, so the video's sentences
@@ -29,7 +29,7 @@ from functools import partial
 from typing import Any
 
 from engine.hashing import hash_image, hash_video
-from engine.media.video import MAX_FPS
+from engine.media.sampling import MAX_FPS
 from models.idefics3 import tokens_per_tile
 from models.idefics3_preprocess import (
     MAX_IMAGE_SIDE,

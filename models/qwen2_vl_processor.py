@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from engine.hashing import hash_image, hash_video
-from engine.media.video import MAX_FPS
+from engine.media.sampling import MAX_FPS
 from models.interfaces import (
     MultiModalFeature,
     PlaceholderRange,

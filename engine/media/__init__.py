@@ -17,7 +17,8 @@ from engine.media.loader import (
     load_video,
     load_video_sync,
 )
-from engine.media.video import VideoFrames, VideoSampling
+from engine.media.sampling import VideoSampling
+from engine.media.video import VideoFrames
 
 __all__ = [
     "DEFAULT_LIMITS",

@@ -23,15 +23,9 @@ from engine.media.audio import (
 from engine.media.budget import RequestBudget
 from engine.media.image import decode_image, image_from_pixels
 from engine.media.limits import MODALITIES, MediaError, MediaLimits
+from engine.media.sampling import DEFAULT_FPS, VideoSampling, video_sampling
 from engine.media.sources import read_source
-from engine.media.video import (
-    DEFAULT_FPS,
-    VideoFrames,
-    VideoSampling,
-    decode_video,
-    frames_from_pixels,
-    video_sampling,
-)
+from engine.media.video import VideoFrames, decode_video, frames_from_pixels
 
 DEFAULT_LIMITS = MediaLimits()
 

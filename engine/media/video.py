@@ -6,7 +6,6 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-import numbers
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -20,31 +19,10 @@ from engine.media.formats import VIDEO_CODECS, check_codec, open_container
 from engine.media.image import to_rgb
 from engine.media.limits import MediaError, MediaLimits, decoder_errors
 from engine.media.orientation import display_matrix, orientation_of
+from engine.media.sampling import VideoSampling, sample_offsets
 
-DEFAULT_FPS = 2.0
-# Sampling faster than the fastest cameras record only repeats frames.
-MAX_FPS = 240.0
 # Frame times are rationals; this absorbs float rounding when comparing them to targets.
 _TIME_EPS = 1e-6
-
-
-SPREADS = ("uniform", "frame_linspace")
-
-
-@dataclass(frozen=True)
-class VideoSampling:
-    """How frames were chosen: ``target_fps`` clamped to [min_frames, max_frames] frames.
-
-    ``spread`` places them: "uniform" at k * duration / count from the start; "frame_linspace"
-    on source frame indices spaced evenly from the first frame to the last inclusive, a second
-    skipped at both ends when the video is longer than max_frames at target_fps plus two
-    seconds, repeated indices dropped (transformers' SmolVLM video sampling).
-    """
-
-    target_fps: float
-    min_frames: int
-    max_frames: int
-    spread: str = "uniform"
 
 
 @dataclass
@@ -60,51 +38,6 @@ class VideoFrames:
     sampling: VideoSampling
     # Frames the decoder produced to obtain these; with seeking, far fewer than the video has.
     decoded_frames: int = 0
-
-
-def video_sampling(
-    *,
-    fps: float = DEFAULT_FPS,
-    min_frames: int = 1,
-    max_frames: int | None = None,
-    spread: str = "uniform",
-    limits: MediaLimits,
-    item: str,
-) -> VideoSampling:
-    """Validate the caller's sampling request; ``max_frames`` defaults to the limit, and a
-    value above it is refused."""
-    if (
-        isinstance(fps, bool)
-        or not isinstance(fps, numbers.Real)
-        or not math.isfinite(fps)
-        or not 0 < fps <= MAX_FPS
-    ):
-        raise MediaError(
-            f"{item}: fps must be a finite number > 0 and <= {MAX_FPS:g}, got {fps!r}"
-        )
-    limit = limits.max_video_frames
-    if max_frames is None:
-        max_frames = limit
-    if not _is_int(max_frames) or not 1 <= max_frames <= limit:
-        raise MediaError(
-            f"{item}: max_frames={max_frames!r} must be an integer between 1 and {limit} "
-            "(MediaLimits.max_video_frames)"
-        )
-    if not _is_int(min_frames) or not 1 <= min_frames <= max_frames:
-        raise MediaError(
-            f"{item}: min_frames={min_frames!r} must be between 1 and {max_frames} (max_frames, "
-            f"at most MediaLimits.max_video_frames={limit})"
-        )
-    if spread not in SPREADS:
-        raise MediaError(f"{item}: spread must be one of {', '.join(SPREADS)}, got {spread!r}")
-    return VideoSampling(
-        target_fps=float(fps), min_frames=int(min_frames), max_frames=int(max_frames),
-        spread=spread,
-    )
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def decode_video(
@@ -152,7 +85,7 @@ def frames_from_pixels(
     _check_frame_size(width, height, limits, item)
     fps = sampling.target_fps
     duration = total / fps
-    targets = np.asarray(_sample_offsets(duration, fps, total, sampling))
+    targets = np.asarray(sample_offsets(duration, fps, total, sampling))
     count = len(targets)
     times = np.arange(total) / fps
     chosen = np.searchsorted(times, targets - _TIME_EPS).clip(max=total - 1)
@@ -195,7 +128,7 @@ def _decode(
         stream.codec_context.options = {"max_pixels": str(limits.max_video_frame_pixels)}
         start, duration, fps, frame_count = _probe(container, stream, data, limits, item)
         _check_frame_size(stream.width, stream.height, limits, item)
-        targets = [start + t for t in _sample_offsets(duration, fps, frame_count, sampling)]
+        targets = [start + t for t in sample_offsets(duration, fps, frame_count, sampling)]
         count = len(targets)
         cursor = _Cursor(container, stream, fps)
         frames, times = _to_rgb_frames(
@@ -288,30 +221,6 @@ def _check_frame_size(width: int, height: int, limits: MediaLimits, item: str) -
 
 
 # Sampling ----------------------------------------------------------------------------
-
-
-def _sample_count(duration: float, frame_count: int, sampling: VideoSampling) -> int:
-    """Frames to sample: the target rate over the duration, no more than the video has,
-    clamped to [min_frames, max_frames] (a video shorter than min_frames repeats frames)."""
-    wanted = min(round(duration * sampling.target_fps), frame_count or math.inf)
-    return max(sampling.min_frames, min(sampling.max_frames, wanted))
-
-
-def _sample_offsets(
-    duration: float, fps: float, frame_count: int, sampling: VideoSampling
-) -> list[float]:
-    """Seconds from the start of each frame to sample (see VideoSampling.spread)."""
-    if sampling.spread == "uniform" or not frame_count or fps <= 0:
-        count = _sample_count(duration, frame_count, sampling)
-        return [k * duration / count for k in range(count)]
-    wanted = max(1, min(round(sampling.target_fps * duration), sampling.max_frames))
-    first, last = 0, frame_count - 1
-    if duration - 2 > sampling.max_frames * sampling.target_fps:  # skip a second at both ends
-        first, last = int(fps), min(int(frame_count - fps), frame_count - 1)
-    if first >= last:
-        first, last = 0, frame_count - 1
-    indices = np.unique(np.linspace(first, last, wanted).astype(int))
-    return [float(i) / fps for i in indices]
 
 
 class _Cursor:
