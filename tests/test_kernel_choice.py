@@ -72,6 +72,14 @@ def test_choose_times_once_then_reads_the_file(tmp_path):
     assert choose("k", {BASELINE: lambda: None}, KernelCache(path), again) == BASELINE
 
 
+def test_a_winner_must_beat_f_linear_twice(tmp_path):
+    rounds = iter([{BASELINE: 1.0, "mv": 0.5}, {BASELINE: 1.0, "mv": 1.2}])
+    fns = {BASELINE: lambda: None, "mv": lambda: None}
+    cache = KernelCache(tmp_path / "k.json")
+    assert choose("k", fns, cache, lambda candidates: next(rounds)) == BASELINE
+    assert cache.entries["k"]["seconds"]["mv"] == 1.2
+
+
 def test_unreadable_cache_is_empty(tmp_path):
     path = tmp_path / "kernels.json"
     path.write_text("{not json")
