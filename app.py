@@ -39,6 +39,10 @@ _ENGINE_OPTIONS = {  # flag -> (engine option, type, help)
     "--max-num-encoder-input-tokens": (
         "max_num_encoder_input_tokens", int, "encoder budget of one step, in embeddings"),
     "--processed-cache-items": ("processed_cache_items", int, "processed-input cache, in items"),
+    "--quantization": (
+        "quantization", str, "int8 or int4 weights for the language model's linears (CPU)"),
+    "--quantization-group-size": (
+        "quantization_group_size", int, "inputs per int4 scale: 32, 64 or 128 (default 128)"),
 }
 
 

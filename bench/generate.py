@@ -1,16 +1,25 @@
-"""Text generation, this engine vs transformers generate(), side by side in one run.
+"""Text generation, this engine (per dtype x weight quantization) vs transformers generate(),
+side by side in one run, with an optional llama.cpp column.
 
-    python -m bench.generate [--model PATH] [--dtype float32] [--runs 3]
+    python -m bench.generate [--model PATH] [--dtype float32,bfloat16]
+        [--quantization none,int8,int4] [--group-size 128] [--runs 3] [--gguf PATH]
 
 Without --model it builds (once, cached) a checkpoint with Qwen2-0.5B's shapes and random
-weights. Measures single-stream TTFT and decode tokens/s, and total output tokens/s for 8
-concurrent requests (transformers runs them one after another, as a local app would), then the
-decode rate as a fraction of the memory-bandwidth roofline (weight bytes read per token).
+weights. For each dtype it measures, run after run alternating with transformers: single-stream
+TTFT and decode tokens/s, and total output tokens/s for 8 concurrent requests (transformers runs
+them one after another, as a local app would), then the decode rate as a fraction of the
+memory-bandwidth roofline on the weight bytes one decode step actually reads (int8 / int4
+weights and their scales). transformers has no counterpart of the quantized rows: their ratios
+are against its unquantized model in the same dtype. With `llama_cpp` importable and --gguf, the
+same prompt is decoded by llama.cpp on that file (bench-only; never a runtime dependency);
+otherwise that column is skipped.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib.util
 import logging
 import time
 from pathlib import Path
@@ -37,100 +46,157 @@ def build_checkpoint() -> Path:
 
 
 def decode_bytes_per_token(model) -> int:
-    """Bytes of weights one decode step reads: every parameter, except that of the embedding
-    table only one row is gathered, while the LM head (even when tied to it) is read whole."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())  # shared counted once
+    """Weight bytes one decode step reads: every parameter and buffer (quantized weights and
+    their scales; a oneDNN-prepacked copy replaces the weight it packs), except that of the
+    embedding table only one row is gathered, while the LM head is read whole even when it
+    shares the table."""
     table = model.embed_tokens.weight
-    head = model.lm_head.weight
-    return total - table.numel() * table.element_size() + head.numel() * head.element_size()
+    seen, total = {table.data_ptr()}, 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    head = getattr(model.lm_head, "weight", None)
+    if head is not None and head.data_ptr() == table.data_ptr():
+        total += head.numel() * head.element_size()
+    return total
+
+
+class Transformers:
+    """transformers' generate() on the same checkpoint and prompts."""
+
+    def __init__(self, path: Path, dtype: torch.dtype) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        self.never = self.model.config.vocab_size  # an EOS id no argmax produces
+
+    def generate(self, prompt: list[int], tokens: int) -> None:
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
+                                min_new_tokens=tokens, do_sample=False, eos_token_id=self.never,
+                                pad_token_id=self.never)
+
+    def measure(self, prompts: list[list[int]], n: int) -> dict[str, float]:
+        ttft = timeit(lambda: self.generate(prompts[0], 1))
+        total = timeit(lambda: self.generate(prompts[0], n))
+        conc = timeit(lambda: [self.generate(p, n) for p in prompts])
+        return {"ttft": ttft, "decode": (n - 1) / (total - ttft),
+                "conc": len(prompts) * n / conc}
+
+
+def measure_engine(llm, prompts: list[list[int]], n: int) -> dict[str, float]:
+    from engine import SamplingParams
+
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    out = llm.generate([prompts[0]], params)[0]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    conc = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+    return {"ttft": out.metrics.ttft, "decode": (n - 1) / out.metrics.decode_time, "conc": conc}
+
+
+def measure_llama_cpp(gguf: Path, prompt: list[int], n: int) -> dict[str, float] | None:
+    """llama.cpp's TTFT and decode tokens/s on `gguf`, or None when llama_cpp is missing."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    from llama_cpp import Llama
+
+    llm = Llama(str(gguf), n_ctx=1024, n_threads=torch.get_num_threads(), verbose=False)
+    t0 = time.perf_counter()
+    stream = llm.generate(prompt, temp=0.0, top_k=1, reset=True)
+    next(stream)
+    ttft = time.perf_counter() - t0
+    for _ in range(n - 1):
+        next(stream)
+    return {"ttft": ttft, "decode": (n - 1) / (time.perf_counter() - t0 - ttft)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=None)
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="float32,bfloat16", help="comma-separated")
+    parser.add_argument("--quantization", default="none,int8,int4", help="comma-separated")
+    parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--concurrent", type=int, default=8)
+    parser.add_argument("--gguf", type=Path, default=None,
+                        help="a GGUF of the same weights for the llama.cpp column")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(0)
 
-    from transformers import AutoModelForCausalLM
-
     from engine import LLM, SamplingParams
 
     path = args.model or build_checkpoint()
-    llm = LLM(path, device="cpu", dtype=args.dtype, max_model_len=1024,
-              enable_prefix_caching=False)
-    dtype = llm.engine.dtype
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    vocab = hf.config.vocab_size
-    prompts = [torch.randint(0, min(vocab, 100_000), (args.prompt_len,)).tolist()
-               for _ in range(args.concurrent)]
+    modes = [None if q == "none" else q for q in args.quantization.split(",")]
     n = args.new_tokens
-    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-    never = vocab  # an EOS id no argmax produces: HF generates exactly n tokens
-
-    def hf_generate(prompt, tokens):
-        ids = torch.tensor([prompt])
-        with torch.inference_mode():
-            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
-                        min_new_tokens=tokens, do_sample=False, eos_token_id=never,
-                        pad_token_id=never)
-
-    results: dict[str, list[float]] = {k: [] for k in (
-        "ours_ttft", "hf_ttft", "ours_decode", "hf_decode", "ours_conc", "hf_conc")}
-    llm.generate([prompts[0]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-    hf_generate(prompts[0], 4)
-    for run in range(args.runs):
-        # Single stream (alternating engines).
-        out = llm.generate([prompts[0]], params)[0]
-        results["ours_ttft"].append(out.metrics.ttft)
-        results["ours_decode"].append((n - 1) / out.metrics.decode_time)
-        hf_ttft = timeit(lambda: hf_generate(prompts[0], 1))
-        hf_total = timeit(lambda: hf_generate(prompts[0], n))
-        results["hf_ttft"].append(hf_ttft)
-        results["hf_decode"].append((n - 1) / (hf_total - hf_ttft))
-        # Concurrent requests: one batch for us, one after another for transformers.
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        ours = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
-        results["ours_conc"].append(ours)
-        hf_seconds = timeit(lambda: [hf_generate(p, n) for p in prompts])
-        results["hf_conc"].append(len(prompts) * n / hf_seconds)
-        print(f"run {run + 1}/{args.runs}: " + ", ".join(
-            f"{k}={v[-1]:.3g}" for k, v in results.items()))
-
-    m = {k: median(v) for k, v in results.items()}
-    # Each run measures both engines back to back, so per-run ratios cancel this machine's
-    # drift between runs; the claim is their median.
-    ratio = {
-        name: median([o / h for o, h in zip(results[ours], results[hf], strict=True)])
-        for name, ours, hf in (("ttft", "hf_ttft", "ours_ttft"),
-                               ("decode", "ours_decode", "hf_decode"),
-                               ("conc", "ours_conc", "hf_conc"))
-    }
     bandwidth = memory_bandwidth()
-    weight_bytes = decode_bytes_per_token(llm.engine.runner.model)
-    roofline = bandwidth / weight_bytes
-    print(f"\nmachine: {machine()}; checkpoint {path.name}, {str(dtype)[6:]}; "
-          f"prompt {args.prompt_len} tokens, {n} new tokens; median of {args.runs} runs")
-    print(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s; {weight_bytes / 1e9:.2f} GB of weights "
-          f"per decode step; roofline {roofline:.1f} tokens/s\n")
-    print_table(
-        [
-            ("TTFT (s)", m["ours_ttft"], m["hf_ttft"], ratio["ttft"]),
-            ("decode, 1 stream (tok/s)", m["ours_decode"], m["hf_decode"], ratio["decode"]),
-            (f"{args.concurrent} concurrent (output tok/s)", m["ours_conc"], m["hf_conc"],
-             ratio["conc"]),
-        ],
-        ("metric", "this engine", "transformers", "speed-up (median of per-run ratios)"),
-    )
-    print(f"\nsummary: single-stream decode {ratio['decode']:.2f}x transformers, "
-          f"{m['ours_decode'] / roofline:.0%} of roofline; "
-          f"{args.concurrent} concurrent {ratio['conc']:.2f}x transformers")
+    rows, summary = [], []
+    llama = None
+    for dtype_name in args.dtype.split(","):
+        engines = {q: LLM(path, device="cpu", dtype=dtype_name, max_model_len=1024,
+                          max_num_seqs=args.concurrent, enable_prefix_caching=False,
+                          quantization=q, quantization_group_size=args.group_size)
+                   for q in modes}
+        dtype = next(iter(engines.values())).engine.dtype
+        hf = Transformers(path, dtype)
+        vocab = hf.model.config.vocab_size
+        prompts = [torch.randint(0, min(vocab, 100_000), (args.prompt_len,)).tolist()
+                   for _ in range(args.concurrent)]
+        for llm in engines.values():  # warm-up
+            llm.generate([prompts[0]], SamplingParams(max_tokens=4, ignore_eos=True))
+        hf.generate(prompts[0], 4)
+        ours = {q: [] for q in modes}
+        theirs = []
+        for run in range(args.runs):  # alternating: drift hits every row alike
+            theirs.append(hf.measure(prompts, n))
+            for q, llm in engines.items():
+                ours[q].append(measure_engine(llm, prompts, n))
+            print(f"{dtype_name} run {run + 1}/{args.runs}: transformers "
+                  + ", ".join(f"{k}={v:.3g}" for k, v in theirs[-1].items()) + "; "
+                  + "; ".join(f"{q or 'none'} " + ", ".join(
+                      f"{k}={v:.3g}" for k, v in ours[q][-1].items()) for q in modes))
+        if args.gguf is not None and llama is None:
+            llama = measure_llama_cpp(args.gguf, prompts[0], n) or {}
+        for q, llm in engines.items():
+            weight_bytes = decode_bytes_per_token(llm.engine.runner.model)
+            roofline = bandwidth / weight_bytes
+
+            def med(key: str, runs=ours[q]) -> float:
+                return median([r[key] for r in runs])
+
+            def ratio(key: str, runs=ours[q], base=theirs, invert: bool = False) -> float:
+                pairs = zip(runs, base, strict=True)
+                return median([h[key] / o[key] if invert else o[key] / h[key] for o, h in pairs])
+
+            label = f"{str(dtype)[6:]} {q or 'dense'}"
+            rows.append((label, med("ttft"), ratio("ttft", invert=True), med("decode"),
+                         ratio("decode"), med("decode") / roofline, weight_bytes / 1e9,
+                         med("conc"), ratio("conc")))
+        summary.append((str(dtype)[6:], median([t["ttft"] for t in theirs]),
+                        median([t["decode"] for t in theirs]),
+                        median([t["conc"] for t in theirs])))
+        del engines, hf
+        gc.collect()
+
+    print(f"\nmachine: {machine()}; checkpoint {path.name}; prompt {args.prompt_len} tokens, "
+          f"{n} new tokens; median of {args.runs} runs; memory bandwidth "
+          f"{bandwidth / 1e9:.1f} GB/s; int4 group {args.group_size}\n")
+    print_table(rows, ("this engine", "TTFT (s)", "TTFT speed-up", "decode tok/s",
+                       "decode speed-up", "of roofline", "GB read / token",
+                       f"{args.concurrent} concurrent tok/s", "concurrent speed-up"))
+    print("\nspeed-ups: median of per-run ratios against transformers, unquantized, same dtype")
+    print_table(summary, ("transformers", "TTFT (s)", "decode tok/s",
+                          f"{args.concurrent} sequential tok/s"))
+    if llama:
+        print(f"\nllama.cpp on {args.gguf.name}: TTFT {llama['ttft']:.3g} s, "
+              f"decode {llama['decode']:.3g} tok/s (one run)")
+    elif args.gguf is not None:
+        print("\nllama.cpp column skipped: llama_cpp is not installed")
 
 
 if __name__ == "__main__":

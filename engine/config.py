@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 GiB = 1 << 30
+QUANTIZATIONS = (None, "int8", "int4")
+QUANTIZATION_GROUP_SIZES = (32, 64, 128)
 
 
 def _check_range(name: str, value: int | float | None, lo: float, hi: float | None = None) -> None:
@@ -37,6 +39,10 @@ class EngineConfig:
         encoder_cache_size: encoder-output cache capacity, in embeddings (multimodal models).
         max_num_encoder_input_tokens: encoder compute budget of one step, in embeddings.
         processed_cache_items: processed-input cache size, in items (0 disables it).
+        quantization: weight-only quantization of the language model's linears at load time
+            (the LM head included; embeddings, norms and vision / audio towers stay in the
+            model dtype): None, "int8" (per output channel) or "int4" (group-wise). CPU only.
+        quantization_group_size: inputs per int4 scale and zero: 32, 64 or 128.
     """
 
     block_size: int = 16
@@ -48,6 +54,8 @@ class EngineConfig:
     encoder_cache_size: int = 16384
     max_num_encoder_input_tokens: int = 16384
     processed_cache_items: int = 64
+    quantization: str | None = None
+    quantization_group_size: int = 128
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
@@ -64,6 +72,17 @@ class EngineConfig:
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(
                 f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}"
+            )
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(map(str, QUANTIZATIONS))}, "
+                f"got {self.quantization!r}"
+            )
+        if self.quantization_group_size not in QUANTIZATION_GROUP_SIZES:
+            raise ValueError(
+                "quantization_group_size must be one of "
+                f"{', '.join(map(str, QUANTIZATION_GROUP_SIZES))}, "
+                f"got {self.quantization_group_size!r}"
             )
         for f in fields(self):
             value = getattr(self, f.name)

@@ -35,7 +35,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, checkpoint_dty
 
     On the CPU: float16 becomes bfloat16 where the CPU computes bfloat16 natively (AMX or
     AVX512-BF16; there bfloat16 measured faster than float32 in every phase: prefill, batched
-    and single-stream decode, see models/layers.Linear), else float32; bfloat16 on a CPU
+    and single-stream decode), else float32; bfloat16 on a CPU
     without native support becomes float32. On CUDA: the checkpoint's half dtype, else
     bfloat16 (float16 where bfloat16 is unsupported).
     """

@@ -77,8 +77,8 @@ class LLMEngine:
         self.num_steps = 0
         self.num_errors = 0
         log.info(
-            "engine ready: %s on %s/%s, %d KV blocks x %d tokens, max_model_len %d",
-            self.model_id, self.device, str(self.dtype).removeprefix("torch."),
+            "engine ready: %s (%s), %d KV blocks x %d tokens, max_model_len %d",
+            self.model_id, self.weights_description(),
             layout.num_blocks, layout.block_size, self.max_model_len,
         )
 
@@ -248,9 +248,20 @@ class LLMEngine:
             "requests_waiting": len(self.scheduler.waiting),
             "steps": self.num_steps,
             "step_errors": self.num_errors,
+            "weights": self.weights_description(),
             **self.block_manager.stats(),
             **self.encoder_cache.stats(),
         }
+
+    def weights_description(self) -> str:
+        """The weights' precision and device, e.g. "bfloat16, int4 linears (group 128), cpu"."""
+        text = str(self.dtype).removeprefix("torch.")
+        mode = self.config.quantization
+        if mode == "int8":
+            text += ", int8 linears"
+        elif mode == "int4":
+            text += f", int4 linears (group {self.config.quantization_group_size})"
+        return f"{text}, {self.device}"
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -24,7 +24,9 @@ from engine.scheduler import SchedulerOutput
 from models.attention import build_metadata, choose_decode_kernel
 from models.attention_varlen import choose_backend
 from models.interfaces import LanguageModel
+from models.kernel_plan import plan_linears
 from models.loader import build_on_meta, iter_checkpoint, load_weights
+from models.quantization import quantize_language_model
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,16 @@ class ModelRunner:
         )
         load_weights(self.model, iter_checkpoint(path), self.model.checkpoint_map())
         self.model.eval()
+        if config.quantization is not None:
+            if device.type != "cpu":
+                raise ValueError(
+                    f"quantization={config.quantization!r} runs on the CPU only for now "
+                    f"(device {device}); leave it unset on {device.type}"
+                )
+            quantize_language_model(self.model, config.quantization,
+                                    config.quantization_group_size)
+        if device.type == "cpu":
+            plan_linears(self.model, dtype)
         self.vocab_size = self.model.cfg.vocab_size
         self.windows = self.model.attention_windows()
         cfg = self.model.cfg

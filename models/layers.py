@@ -9,40 +9,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.linear_kernels import Linear  # noqa: F401  (re-exported: decoders import it here)
+
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Move a host tensor built this step: pinned + non_blocking on CUDA, as-is on the CPU."""
     if device.type == "cpu":
         return t
     return t.pin_memory().to(device, non_blocking=True)
-
-
-class Linear(nn.Linear):
-    """nn.Linear with faster formulations for decode-sized inputs on the CPU.
-
-    Measured on this project's 2-core AVX-512/AMX machines:
-    - float32, 2-64 rows: MKL's GEMM streams the weight at a third to a half of its
-      matrix-vector rate (8 rows of a 9728x896 weight: 6.0 ms with F.linear, 3.8 ms as
-      (W @ x^T)^T);
-    - bfloat16, one row (single-stream decode): ATen's matrix-vector kernel streams weights
-      from memory faster than oneDNN's (`python -m bench.gemv`: 11.4 vs 8.6 GB/s; about 1.1x
-      the decode rate of padding the row to two for the AMX kernels, median of paired runs);
-      2-64 rows go through (W @ x^T)^T like float32.
-    The row count is a host-side shape, so the choice costs no sync; the result is a
-    transposed view, which the following ops accept.
-    """
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if x.dim() != 2 or rows > 64 or x.device.type != "cpu":
-            return F.linear(x, self.weight, self.bias)
-        if x.dtype == torch.bfloat16 and rows == 1:
-            out = torch.mv(self.weight, x[0]).unsqueeze(0)
-        elif x.dtype in (torch.bfloat16, torch.float32) and rows >= 2:
-            out = (self.weight @ x.t()).t()  # [rows, out], a view of [out, rows]
-        else:
-            return F.linear(x, self.weight, self.bias)
-        return out if self.bias is None else out + self.bias
 
 
 class RMSNorm(nn.Module):

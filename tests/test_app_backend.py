@@ -31,7 +31,8 @@ def test_the_backend_comes_from_the_flag_or_the_environment(url, monkeypatch):
 
 
 @pytest.mark.parametrize("flags", [["--device", "cuda"], ["--max-num-seqs", "4"], ["--api-only"],
-                                   ["--api-key", "k"], ["--no-prefix-caching"]])
+                                   ["--api-key", "k"], ["--no-prefix-caching"],
+                                   ["--quantization", "int8"]])
 def test_engine_options_are_refused_with_a_backend(flags, capsys):
     with pytest.raises(SystemExit):
         app.parse_args(["--backend", "http://127.0.0.1:1/v1", *flags])
@@ -50,3 +51,9 @@ def test_an_unreachable_backend_stops_the_app_with_a_plain_message(caplog):
     with caplog.at_level(logging.ERROR, logger="mmserve"):
         assert app.main(["--backend", "http://127.0.0.1:1/v1"]) == 2
     assert "could not connect to the server at http://127.0.0.1:1/v1" in caplog.text
+
+
+def test_quantization_flags_become_engine_options():
+    args = app.parse_args(["--quantization", "int4", "--quantization-group-size", "64"])
+    assert app.engine_options(args) == {"quantization": "int4", "quantization_group_size": 64}
+    assert "quantization" not in app.engine_options(app.parse_args([]))

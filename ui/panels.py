@@ -233,6 +233,7 @@ def engine_html(stats: Mapping[str, Any]) -> str:
     lines = [
         f"<b>Requests</b>: {stats.get('requests_running', 0)} running · "
         f"{stats.get('requests_waiting', 0)} waiting · {stats.get('steps', 0)} steps",
+        *([f"<b>Weights</b>: {html.escape(str(stats['weights']))}"] if "weights" in stats else []),
         _meter(
             "KV blocks in use", stats.get("kv_blocks_used", 0), stats.get("kv_blocks_total", 0),
             f"{stats.get('kv_blocks_cached', 0)} cached for prefix reuse",

@@ -1,0 +1,147 @@
+"""Start-up plan of every CPU linear's formulation per row-count bucket, by measurement.
+
+Linears are grouped by weight format, dtype and shape (a decoder has a handful of groups); each
+group's bucket gets the fastest candidate of models.linear_kernels, timed once on this machine
+and cached on disk (models.kernel_choice), F.linear unless another wins by a margin. A group is
+timed on its own layers in turn, as a decode step streams them from memory, up to a byte and a
+FLOP budget per call; a group of one huge matrix (the LM head) is timed on its first rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from models.kernel_choice import (
+    BASELINE,
+    BUCKETS,
+    PROBE_ROWS,
+    KernelCache,
+    Timer,
+    cache_path,
+    choose,
+    measure,
+)
+from models.linear_kernels import KERNELS, QUANTIZED_KERNELS, Linear
+from models.quantization import QuantizedLinear, int4_layout_known
+
+log = logging.getLogger(__name__)
+
+TIMED_BYTES = 32 << 20  # weight bytes one timed call streams through, at most (more than L2)
+TIMED_FLOPS = 5e8  # and FLOPs
+SLICE_ROWS = 16384  # a lone matrix with more output rows is timed on its first rows
+PLAN_SECONDS = 3.0  # past this, buckets left unmeasured keep F.linear (and are not cached)
+
+
+def candidates(layer: nn.Module, rows: int, dtype: torch.dtype) -> list[str]:
+    """The formulations worth timing for this layer at `rows` rows, the baseline first."""
+    if layer.is_quantized:
+        if layer.mode == "int4" and not int4_layout_known():
+            return ["int_kernel"]
+        return [BASELINE, "int_kernel"]
+    names = [BASELINE]
+    if dtype in (torch.float32, torch.bfloat16):
+        names.append("mv" if rows == 1 else "matmul_t")
+        if torch.backends.mkldnn.is_available():
+            names.append("onednn")
+    return names
+
+
+def group_key(layer: nn.Module, dtype: torch.dtype) -> str:
+    return (f"{layer.format}/{str(dtype).removeprefix('torch.')}/"
+            f"{layer.out_features}x{layer.in_features}")
+
+
+def linear_groups(model: nn.Module, dtype: torch.dtype) -> dict[str, list[nn.Module]]:
+    groups: dict[str, list[nn.Module]] = {}
+    for module in model.modules():
+        if isinstance(module, (Linear, QuantizedLinear)):
+            groups.setdefault(group_key(module, dtype), []).append(module)
+    return groups
+
+
+def plan_linears(model: nn.Module, dtype: torch.dtype, cache: KernelCache | None = None,
+                 timer: Timer = measure, budget_s: float = PLAN_SECONDS) -> dict[str, tuple]:
+    """Set every CPU linear's `kernels` (one formulation per bucket): cached choices are
+    reused, new ones timed and saved. Returns {group key: choices per bucket}."""
+    cache = cache if cache is not None else KernelCache(cache_path())
+    groups = linear_groups(model, dtype)
+    start = time.perf_counter()
+    plans: dict[str, tuple] = {}
+    with torch.inference_mode():
+        for key, group in groups.items():
+            plan = []
+            for bucket, rows in zip(BUCKETS, PROBE_ROWS, strict=True):
+                names = candidates(group[0], rows, dtype)
+                bucket_key = f"{key}/{bucket}"
+                if cache.get(bucket_key, set(names)) is None and (
+                        time.perf_counter() - start > budget_s):
+                    plan.append(names[0])
+                    continue
+                plan.append(_choose(bucket_key, rows, names, group, dtype, cache, timer))
+            plans[key] = tuple(plan)
+            for layer in group:
+                if "onednn" in plan:
+                    _prepack(layer)
+                elif not layer.is_quantized:
+                    layer.packed = None  # prepacked only for timing
+                layer.kernels = plans[key]
+    cache.save()
+    log.info("linear kernels for %d groups planned in %.2f s", len(groups),
+             time.perf_counter() - start)
+    return plans
+
+
+def _choose(key: str, rows: int, names: list[str], group: list[nn.Module],
+            dtype: torch.dtype, cache: KernelCache, timer: Timer) -> str:
+    """One bucket's choice for a group: cached, or timed on the group's layers."""
+    if cache.get(key, set(names)) is not None or len(names) == 1:
+        return choose(key, {n: _noop for n in names}, cache, timer)
+    layers = _timing_layers(group, rows, dtype)
+    x = torch.randn(rows, group[0].in_features, dtype=dtype)
+    if "onednn" in names:
+        try:
+            for layer in layers:
+                _prepack(layer)
+        except RuntimeError:
+            names = [n for n in names if n != "onednn"]
+    table = QUANTIZED_KERNELS if group[0].is_quantized else KERNELS
+
+    def run(name: str) -> Callable[[], object]:
+        kernel = table[name]
+        return lambda: [kernel(layer, x) for layer in layers]
+
+    return choose(key, {n: run(n) for n in names}, cache, timer)
+
+
+def _timing_layers(group: list[nn.Module], rows: int, dtype: torch.dtype) -> list[nn.Module]:
+    """The layers one timed call runs through: as many of the group as the budgets allow, or
+    the first rows of a lone huge matrix."""
+    first = group[0]
+    if len(group) == 1 and first.out_features > SLICE_ROWS:
+        if first.is_quantized:
+            return [first.first_rows(SLICE_ROWS)]
+        sliced = Linear(first.in_features, SLICE_ROWS, bias=False, device="meta")
+        sliced.weight = nn.Parameter(first.weight.detach()[:SLICE_ROWS], requires_grad=False)
+        return [sliced]
+    per_layer = sum(b.numel() * b.element_size() for b in _weights(first))
+    flops = 2.0 * rows * first.out_features * first.in_features
+    n = min(len(group), int(TIMED_BYTES // max(per_layer, 1)), int(TIMED_FLOPS // flops))
+    return group[:max(1, n)]
+
+
+def _weights(layer: nn.Module) -> list[torch.Tensor]:
+    return [layer.qweight, layer.scales] if layer.is_quantized else [layer.weight]
+
+
+def _prepack(layer: nn.Module) -> None:
+    if layer.packed is None:
+        layer.packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 1)
+
+
+def _noop() -> None:
+    return None

@@ -1,0 +1,79 @@
+"""The formulations a CPU linear can run, and `Linear`, which runs the one planned for its
+input's row count (models.kernel_plan decides by measurement; models.kernel_choice keeps the
+bookkeeping).
+
+Dense weights: F.linear; (W @ x^T)^T; torch.mv for one row; oneDNN with the weight prepacked
+once (kept beside the dense weight, so choosing it costs that memory again). Quantized weights
+(models.quantization): the int kernel, or F.linear on the weight dequantized per call (many rows
+are compute-bound, where the int kernels are slower than a dense GEMM).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.kernel_choice import BASELINE, bucket_index
+
+Kernel = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+
+def _onednn(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, layer.packed, None, "none", [], "")
+
+
+def _dequantized(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, layer.dequantize(x.dtype))
+
+
+KERNELS: dict[str, Kernel] = {
+    BASELINE: lambda layer, x: F.linear(x, layer.weight),
+    "matmul_t": lambda layer, x: (layer.weight @ x.t()).t(),  # a view of [out, rows]
+    "mv": lambda layer, x: torch.mv(layer.weight, x[0]).unsqueeze(0),
+    "onednn": _onednn,
+}
+QUANTIZED_KERNELS: dict[str, Kernel] = {
+    BASELINE: _dequantized,
+    "int_kernel": lambda layer, x: layer.int_mm(x),
+}
+
+
+def run_kernel(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """y = x W^T + b through the layer's planned formulation for x's row count (a host-side
+    shape: choosing costs no sync). Dense inputs other than 2-D CPU tensors use F.linear."""
+    quantized = layer.is_quantized
+    if x.dim() != 2:
+        if quantized:
+            lead = x.shape[:-1]
+            return run_kernel(layer, x.reshape(-1, x.shape[-1])).reshape(*lead, -1)
+        return F.linear(x, layer.weight, layer.bias)
+    if x.device.type != "cpu" and not quantized:
+        return F.linear(x, layer.weight, layer.bias)
+    plan = layer.kernels
+    if quantized:
+        name = "int_kernel" if plan is None else plan[bucket_index(x.shape[0])]
+        out = QUANTIZED_KERNELS[name](layer, x)
+    else:
+        name = BASELINE if plan is None else plan[bucket_index(x.shape[0])]
+        out = KERNELS[name](layer, x)
+    return out if layer.bias is None else out + layer.bias
+
+
+class Linear(nn.Linear):
+    """nn.Linear that runs, on the CPU, the formulation planned for its input's row-count
+    bucket (`kernels`: one name of KERNELS per models.kernel_choice.BUCKETS; None: F.linear).
+    A (W @ x^T)^T result is a transposed view, which the following ops accept."""
+
+    is_quantized = False
+    kernels: tuple[str, ...] | None = None
+    packed: torch.Tensor | None = None  # the oneDNN-prepacked weight, when planned
+
+    @property
+    def format(self) -> str:
+        return "dense"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return run_kernel(self, x)

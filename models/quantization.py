@@ -1,0 +1,190 @@
+"""Weight-only int8 / int4 quantization of the language model's linears, at load time.
+
+int8: symmetric, one scale per output channel, w ~= q * scale with q in [-127, 127]
+(`aten._weight_int8pack_mm`). int4: asymmetric, one scale and zero per `group_size` inputs of
+each output channel, w ~= (q - 8) * scale + zero with q in [0, 15], packed by
+`aten._convert_weight_to_int4pack_for_cpu` for `aten._weight_int4pack_mm_for_cpu`. Scales and
+zeros are stored in bfloat16 and q is computed against the rounded values, so dequantizing
+reproduces exactly what the kernels compute with.
+
+Only the decoder's linears and the LM head are quantized (a tied head gets a quantized copy; the
+embedding table stays in the model dtype, as do norms and vision / audio towers).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+
+import torch
+from torch import nn
+
+from models.linear_kernels import Linear, run_kernel
+
+log = logging.getLogger(__name__)
+
+QUANTIZATIONS = ("int8", "int4")
+GROUP_SIZES = (32, 64, 128)
+INT4_BLOCK_N = 64  # the CPU int4 pack interleaves output channels in blocks of 64
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q int8 [N, K], scales bfloat16 [N])."""
+    w = w.float()
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-10).to(torch.bfloat16)
+    q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return q.to(dtype) * scales.to(dtype)[:, None]
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q int32 [N, K] in [0, 15], scales_and_zeros bfloat16 [K / g, N, 2])."""
+    n, k = w.shape
+    groups = w.float().reshape(n, k // group_size, group_size)
+    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)  # [N, G]
+    scales = ((hi - lo) / 15).clamp(min=1e-10).to(torch.bfloat16)
+    zeros = (lo + 8 * scales.float()).to(torch.bfloat16)
+    s, z = scales.float()[..., None], zeros.float()[..., None]
+    q = torch.round((groups - z) / s + 8).clamp(0, 15).to(torch.int32).reshape(n, k)
+    scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
+    return q, scales_and_zeros
+
+
+def dequantize_int4_values(
+    q: torch.Tensor, scales_and_zeros: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """q [N, K] in [0, 15] -> (q - 8) * scale + zero, [N, K] in `dtype`."""
+    n, k = q.shape
+    g = k // scales_and_zeros.shape[0]
+    sz = scales_and_zeros.transpose(0, 1).to(dtype)  # [N, G, 2]
+    values = (q.to(dtype).reshape(n, -1, g) - 8) * sz[..., :1] + sz[..., 1:]
+    return values.reshape(n, k)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 2)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The CPU pack [N, K / 2] uint8 back to q [N, K] int32: viewed as [N / 64, K, 32] bytes,
+    byte (b, k, d) holds channel 64b + d in its low nibble and 64b + 32 + d in its high one."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    blocks = packed.reshape(n // INT4_BLOCK_N, k, INT4_BLOCK_N // 2)
+    halves = torch.stack([blocks & 15, blocks >> 4], dim=1)  # [N / 64, 2, K, 32]
+    return halves.transpose(2, 3).reshape(n, k).to(torch.int32)
+
+
+@functools.cache
+def int4_layout_known() -> bool:
+    """Whether this build packs int4 the way `unpack_int4` reads it (checked once)."""
+    q = torch.randint(0, 16, (INT4_BLOCK_N, 32), generator=torch.Generator().manual_seed(0),
+                      dtype=torch.int32)
+    try:
+        return torch.equal(unpack_int4(pack_int4(q)), q)
+    except RuntimeError:
+        return False
+
+
+def int4_supported(out_features: int, in_features: int, group_size: int) -> bool:
+    return out_features % INT4_BLOCK_N == 0 and in_features % group_size == 0
+
+
+class QuantizedLinear(nn.Module):
+    """A Linear whose weight is int8 per channel or int4 group-wise; bias in the model dtype.
+
+    The kernels take bfloat16 activations (a float32 input goes through a path tens of times
+    slower), so the input is cast to bfloat16 and the output back to the input's dtype. Which
+    formulation runs for a row-count bucket (the int kernel or a dequantized F.linear) is set by
+    `models.kernel_plan.plan_linears`; until then the int kernel runs.
+    """
+
+    is_quantized = True
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mode: str,
+                 group_size: int = 128) -> None:
+        super().__init__()
+        if mode not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {mode!r}")
+        self.out_features, self.in_features = weight.shape
+        self.mode, self.group_size = mode, group_size
+        if mode == "int8":
+            q, scales = quantize_int8(weight)
+            self.register_buffer("qweight", q)
+            self.register_buffer("scales", scales)
+        else:
+            q, scales_and_zeros = quantize_int4(weight, group_size)
+            self.register_buffer("qweight", pack_int4(q))
+            self.register_buffer("scales", scales_and_zeros)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(),
+                                                           requires_grad=False)
+        self.kernels: tuple[str, ...] | None = None
+
+    @property
+    def format(self) -> str:
+        return "int8" if self.mode == "int8" else f"int4g{self.group_size}"
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight the kernels compute with, [N, K] in `dtype`."""
+        if self.mode == "int8":
+            return dequantize_int8(self.qweight, self.scales, dtype)
+        return dequantize_int4_values(unpack_int4(self.qweight), self.scales, dtype)
+
+    def first_rows(self, n: int) -> QuantizedLinear:
+        """A layer of the first n output channels (n a multiple of 64), sharing storage: the
+        int4 pack keeps each block of 64 channels contiguous."""
+        part = copy.copy(self)
+        part._buffers = dict(self._buffers)
+        part._parameters = dict(self._parameters)
+        part.out_features = n
+        if self.mode == "int8":
+            part.qweight, part.scales = self.qweight[:n], self.scales[:n]
+        else:
+            part.qweight = self.qweight.reshape(-1)[: n * self.in_features // 2].view(n, -1)
+            part.scales = self.scales[:, :n].contiguous()
+        if self.bias is not None:
+            part.bias = nn.Parameter(self.bias[:n], requires_grad=False)
+        return part
+
+    def int_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] -> [M, N] through the int kernel, in x's dtype."""
+        xb = x.to(torch.bfloat16)
+        if self.mode == "int8":
+            out = torch.ops.aten._weight_int8pack_mm(xb, self.qweight, self.scales)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                xb, self.qweight, self.group_size, self.scales)
+        return out.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return run_kernel(self, x)
+
+
+def quantized_linears(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(parent, attribute) of every linear to quantize: the decoder layers' and the LM head."""
+    found = [(parent, name) for layer in model.layers for parent in layer.modules()
+             for name, child in parent.named_children() if isinstance(child, Linear)]
+    return found + [(model, "lm_head")]
+
+
+@torch.no_grad()
+def quantize_language_model(model: nn.Module, mode: str, group_size: int = 128) -> int:
+    """Replace the decoder's linears and the LM head by QuantizedLinear; returns how many.
+    A layer whose shape the int4 pack cannot take is quantized to int8 instead (logged)."""
+    if mode == "int4" and not int4_layout_known():
+        raise RuntimeError("this PyTorch build packs int4 weights in an unknown layout")
+    count = 0
+    for parent, name in quantized_linears(model):
+        linear = getattr(parent, name)
+        layer_mode = mode
+        if mode == "int4" and not int4_supported(*linear.weight.shape, group_size):
+            log.info("int4 cannot pack %s %s (group %d): int8 instead", name,
+                     tuple(linear.weight.shape), group_size)
+            layer_mode = "int8"
+        setattr(parent, name, QuantizedLinear(linear.weight, linear.bias, layer_mode,
+                                              group_size))
+        count += 1
+    return count

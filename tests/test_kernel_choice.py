@@ -1,0 +1,142 @@
+"""Kernel choice bookkeeping with fake timings: buckets, the margin over F.linear, the on-disk
+cache (its path, reuse, stale entries) and the start-up plan; no real timing is asserted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models import kernel_choice
+from models.kernel_choice import (
+    BASELINE,
+    BUCKETS,
+    KernelCache,
+    bucket_index,
+    cache_path,
+    choose,
+    pick,
+)
+from models.kernel_plan import candidates, plan_linears
+from models.linear_kernels import Linear
+from models.quantization import QuantizedLinear
+
+
+def test_buckets():
+    assert [bucket_index(r) for r in (1, 2, 8, 9, 64, 65, 4096)] == [0, 1, 1, 2, 2, 3, 3]
+    assert len(BUCKETS) == 4
+
+
+def test_pick_prefers_f_linear_within_the_margin():
+    assert pick({BASELINE: 1.0, "matmul_t": 0.97}) == BASELINE
+    assert pick({BASELINE: 1.0, "matmul_t": 0.90, "onednn": 0.5}) == "onednn"
+    assert pick({"int_kernel": 2.0, BASELINE: 1.0}) == BASELINE
+    assert pick({"int_kernel": 0.2, BASELINE: 1.0}) == "int_kernel"
+    with pytest.raises(ValueError):
+        pick({})
+
+
+def test_cache_path_names_cpu_and_torch_version(monkeypatch, tmp_path):
+    monkeypatch.setenv(kernel_choice.CACHE_ENV, str(tmp_path))
+    path = cache_path("AMD EPYC 9B14 / 2 cores", "2.13.0+cpu")
+    assert path.parent == tmp_path
+    assert path.name == "kernels-AMD_EPYC_9B14_2_cores-2.13.0+cpu.json"
+    assert cache_path().name.startswith("kernels-") and torch.__version__ in cache_path().name
+
+
+class FakeTimer:
+    """Returns fixed seconds per candidate name and counts the calls."""
+
+    def __init__(self, seconds: dict[str, float]) -> None:
+        self.seconds, self.calls = seconds, 0
+
+    def __call__(self, fns):
+        self.calls += 1
+        return {name: self.seconds.get(name, 1.0) for name in fns}
+
+
+def test_choose_times_once_then_reads_the_file(tmp_path):
+    path = tmp_path / "kernels.json"
+    timer = FakeTimer({BASELINE: 1.0, "mv": 0.5})
+    fns = {BASELINE: lambda: None, "mv": lambda: None}
+    cache = KernelCache(path)
+    assert choose("k", fns, cache, timer) == "mv"
+    cache.save()
+    assert json.loads(path.read_text())["choices"]["k"]["choice"] == "mv"
+    again = FakeTimer({BASELINE: 0.1})
+    assert choose("k", fns, KernelCache(path), again) == "mv" and again.calls == 0
+    # A cached name that is no candidate here (say, oneDNN missing) is measured again.
+    assert choose("k", {BASELINE: lambda: None}, KernelCache(path), again) == BASELINE
+
+
+def test_a_winner_must_beat_f_linear_twice(tmp_path):
+    rounds = iter([{BASELINE: 1.0, "mv": 0.5}, {BASELINE: 1.0, "mv": 1.2}])
+    fns = {BASELINE: lambda: None, "mv": lambda: None}
+    cache = KernelCache(tmp_path / "k.json")
+    assert choose("k", fns, cache, lambda candidates: next(rounds)) == BASELINE
+    assert cache.entries["k"]["seconds"]["mv"] == 1.2
+
+
+def test_unreadable_cache_is_empty(tmp_path):
+    path = tmp_path / "kernels.json"
+    path.write_text("{not json")
+    assert KernelCache(path).entries == {}
+
+
+class Tiny(nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.a = nn.ModuleList(Linear(32, 48).to(dtype) for _ in range(3))
+        self.b = Linear(48, 32, bias=False).to(dtype)
+        self.q = QuantizedLinear(torch.randn(64, 32), None, "int8")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plan_follows_fake_timings_and_outputs_stay_f_linear(tmp_path, dtype):
+    torch.manual_seed(0)
+    model = Tiny(dtype)
+    timer = FakeTimer({"matmul_t": 0.5, "mv": 0.5, "int_kernel": 0.5})
+    plans = plan_linears(model, dtype, KernelCache(tmp_path / "k.json"), timer)
+    expected = ("mv", "matmul_t", "matmul_t", "matmul_t")
+    assert plans[f"dense/{str(dtype)[6:]}/48x32"] == expected
+    assert all(layer.kernels == expected for layer in model.a)
+    assert model.q.kernels == ("int_kernel",) * 4
+    for rows in (1, 3, 20, 100):
+        x = torch.randn(rows, 32, dtype=dtype)
+        layer = model.a[1]
+        tol = 1e-5 if dtype == torch.float32 else 0.05
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias),
+                                   atol=tol, rtol=tol)
+    # A second start reads every choice from the file: no timing at all.
+    again = FakeTimer({})
+    assert plan_linears(Tiny(dtype), dtype, KernelCache(tmp_path / "k.json"), again) == plans
+    assert again.calls == 0
+
+
+def test_plan_keeps_f_linear_when_nothing_wins_by_the_margin(tmp_path):
+    model = Tiny(torch.float32)
+    plan_linears(model, torch.float32, KernelCache(tmp_path / "k.json"),
+                 FakeTimer({BASELINE: 1.0, "matmul_t": 0.99, "mv": 0.98, "onednn": 0.97}))
+    assert model.b.kernels == (BASELINE,) * 4
+
+
+def test_plan_past_its_time_budget_keeps_f_linear_uncached(tmp_path):
+    model = Tiny(torch.float32)
+    cache = KernelCache(tmp_path / "k.json")
+    plan_linears(model, torch.float32, cache, FakeTimer({"matmul_t": 0.1}), budget_s=-1)
+    assert model.b.kernels == (BASELINE,) * 4 and not cache.entries
+
+
+def test_onednn_choice_prepacks_and_matches(tmp_path):
+    if "onednn" not in candidates(Linear(4, 4), 1, torch.float32):
+        pytest.skip("no oneDNN in this build")
+    model = Tiny(torch.float32)
+    plan_linears(model, torch.float32, KernelCache(tmp_path / "k.json"),
+                 FakeTimer({"onednn": 0.1}))
+    layer = model.a[0]
+    assert layer.kernels == ("onednn",) * 4 and layer.packed is not None
+    x = torch.randn(5, 32)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
