@@ -2,7 +2,7 @@
 side by side in one run, with an optional llama.cpp column.
 
     python -m bench.generate [--model PATH] [--dtype float32,bfloat16]
-        [--quantization none,int8,int4] [--group-size 128] [--runs 3] [--gguf PATH]
+        [--quantization none,int8,int4] [--group-size 128] [--runs 3] [--no-llama-cpp]
 
 Without --model it builds (once, cached) a checkpoint with Qwen2-0.5B's shapes and random
 weights. For each dtype it measures, run after run alternating with transformers: single-stream
@@ -10,9 +10,11 @@ TTFT and decode tokens/s, and total output tokens/s for 8 concurrent requests (t
 them one after another, as a local app would), then the decode rate as a fraction of the
 memory-bandwidth roofline on the weight bytes one decode step actually reads (int8 / int4
 weights and their scales). transformers has no counterpart of the quantized rows: their ratios
-are against its unquantized model in the same dtype. With `llama_cpp` importable and --gguf, the
-same prompt is decoded by llama.cpp on that file (bench-only; never a runtime dependency);
-otherwise that column is skipped.
+are against its unquantized model in the same dtype. With llama-cpp-python installed (bench-only,
+never a runtime dependency: `pip install llama-cpp-python sentencepiece` builds it), each row is
+also run alternately against llama.cpp on a GGUF of the same weights at the matching precision
+(f32, bf16, q8_0 for int8, q4_0 for int4; bench.gguf converts them once); otherwise that column
+is skipped.
 """
 
 from __future__ import annotations
@@ -97,20 +99,40 @@ def measure_engine(llm, prompts: list[list[int]], n: int) -> dict[str, float]:
     return {"ttft": out.metrics.ttft, "decode": (n - 1) / out.metrics.decode_time, "conc": conc}
 
 
-def measure_llama_cpp(gguf: Path, prompt: list[int], n: int) -> dict[str, float] | None:
-    """llama.cpp's TTFT and decode tokens/s on `gguf`, or None when llama_cpp is missing."""
-    if importlib.util.find_spec("llama_cpp") is None:
-        return None
-    from llama_cpp import Llama
+# The llama.cpp GGUF type each of our rows is compared with.
+LLAMA_TYPES = {("float32", None): "f32", ("bfloat16", None): "bf16", "int8": "q8_0",
+               "int4": "q4_0"}
 
-    llm = Llama(str(gguf), n_ctx=1024, n_threads=torch.get_num_threads(), verbose=False)
-    t0 = time.perf_counter()
-    stream = llm.generate(prompt, temp=0.0, top_k=1, reset=True)
-    next(stream)
-    ttft = time.perf_counter() - t0
-    for _ in range(n - 1):
+
+class LlamaCpp:
+    """llama.cpp (through llama-cpp-python) on a GGUF of the same weights: single-stream TTFT
+    and decode tokens/s for the same prompt (it has no batched counterpart here)."""
+
+    def __init__(self, gguf: Path) -> None:
+        from llama_cpp import Llama
+
+        self.name = gguf.name
+        self.llm = Llama(str(gguf), n_ctx=1024, n_threads=torch.get_num_threads(),
+                         n_batch=512, verbose=False)
+
+    def measure(self, prompts: list[list[int]], n: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        stream = self.llm.generate(prompts[0], temp=0.0, top_k=1, reset=True)
         next(stream)
-    return {"ttft": ttft, "decode": (n - 1) / (time.perf_counter() - t0 - ttft)}
+        ttft = time.perf_counter() - t0
+        for _ in range(n - 1):
+            next(stream)
+        return {"ttft": ttft, "decode": (n - 1) / (time.perf_counter() - t0 - ttft)}
+
+
+def llama_cpp_engines(path: Path, dtype_name: str, modes: list[str | None]) -> dict:
+    """{quantization mode: LlamaCpp} for this dtype's rows, or {} without llama-cpp-python."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return {}
+    from bench.gguf import ensure_gguf
+
+    kinds = {q: LLAMA_TYPES.get(q) or LLAMA_TYPES.get((dtype_name, q)) for q in modes}
+    return {q: LlamaCpp(ensure_gguf(path, kind)) for q, kind in kinds.items() if kind}
 
 
 def main() -> None:
@@ -123,8 +145,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--concurrent", type=int, default=8)
-    parser.add_argument("--gguf", type=Path, default=None,
-                        help="a GGUF of the same weights for the llama.cpp column")
+    parser.add_argument("--no-llama-cpp", action="store_true",
+                        help="skip the llama.cpp column even when llama-cpp-python is installed")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(0)
@@ -135,8 +157,9 @@ def main() -> None:
     modes = [None if q == "none" else q for q in args.quantization.split(",")]
     n = args.new_tokens
     bandwidth = memory_bandwidth()
-    rows, summary = [], []
-    llama = None
+    rows, summary, llama_rows = [], [], []
+    if args.no_llama_cpp or importlib.util.find_spec("llama_cpp") is None:
+        print("llama.cpp column skipped: llama-cpp-python is not installed (or --no-llama-cpp)")
     for dtype_name in args.dtype.split(","):
         engines = {q: LLM(path, device="cpu", dtype=dtype_name, max_model_len=1024,
                           max_num_seqs=args.concurrent, enable_prefix_caching=False,
@@ -144,24 +167,28 @@ def main() -> None:
                    for q in modes}
         dtype = next(iter(engines.values())).engine.dtype
         hf = Transformers(path, dtype)
+        llama = {} if args.no_llama_cpp else llama_cpp_engines(path, dtype_name, modes)
         vocab = hf.model.config.vocab_size
         prompts = [torch.randint(0, min(vocab, 100_000), (args.prompt_len,)).tolist()
                    for _ in range(args.concurrent)]
         for llm in engines.values():  # warm-up
             llm.generate([prompts[0]], SamplingParams(max_tokens=4, ignore_eos=True))
         hf.generate(prompts[0], 4)
+        for other in llama.values():
+            other.measure(prompts, 4)
         ours = {q: [] for q in modes}
         theirs = []
+        cpp = {q: [] for q in llama}
         for run in range(args.runs):  # alternating: drift hits every row alike
             theirs.append(hf.measure(prompts, n))
             for q, llm in engines.items():
                 ours[q].append(measure_engine(llm, prompts, n))
+                if q in llama:
+                    cpp[q].append(llama[q].measure(prompts, n))
             print(f"{dtype_name} run {run + 1}/{args.runs}: transformers "
                   + ", ".join(f"{k}={v:.3g}" for k, v in theirs[-1].items()) + "; "
                   + "; ".join(f"{q or 'none'} " + ", ".join(
                       f"{k}={v:.3g}" for k, v in ours[q][-1].items()) for q in modes))
-        if args.gguf is not None and llama is None:
-            llama = measure_llama_cpp(args.gguf, prompts[0], n) or {}
         for q, llm in engines.items():
             weight_bytes = decode_bytes_per_token(llm.engine.runner.model)
             roofline = bandwidth / weight_bytes
@@ -174,13 +201,22 @@ def main() -> None:
                 return median([h[key] / o[key] if invert else o[key] / h[key] for o, h in pairs])
 
             label = f"{str(dtype)[6:]} {q or 'dense'}"
+            versus = "-"
+            if cpp.get(q):
+                versus = (f"{llama[q].name.rsplit('-', 1)[-1][:-5]}: "
+                          f"{ratio('decode', base=cpp[q]):.2f}x decode, "
+                          f"{ratio('ttft', base=cpp[q], invert=True):.2f}x TTFT")
             rows.append((label, med("ttft"), ratio("ttft", invert=True), med("decode"),
                          ratio("decode"), med("decode") / roofline, weight_bytes / 1e9,
-                         med("conc"), ratio("conc")))
+                         med("conc"), ratio("conc"), versus))
+            if cpp.get(q):
+                llama_rows.append((f"{str(dtype)[6:]} {q or 'dense'}", llama[q].name,
+                                   median([r["ttft"] for r in cpp[q]]),
+                                   median([r["decode"] for r in cpp[q]])))
         summary.append((str(dtype)[6:], median([t["ttft"] for t in theirs]),
                         median([t["decode"] for t in theirs]),
                         median([t["conc"] for t in theirs])))
-        del engines, hf
+        del engines, hf, llama
         gc.collect()
 
     print(f"\nmachine: {machine()}; checkpoint {path.name}; prompt {args.prompt_len} tokens, "
@@ -188,16 +224,14 @@ def main() -> None:
           f"{bandwidth / 1e9:.1f} GB/s; int4 group {args.group_size}\n")
     print_table(rows, ("this engine", "TTFT (s)", "TTFT speed-up", "decode tok/s",
                        "decode speed-up", "of roofline", "GB read / token",
-                       f"{args.concurrent} concurrent tok/s", "concurrent speed-up"))
+                       f"{args.concurrent} concurrent tok/s", "concurrent speed-up",
+                       "vs llama.cpp"))
     print("\nspeed-ups: median of per-run ratios against transformers, unquantized, same dtype")
     print_table(summary, ("transformers", "TTFT (s)", "decode tok/s",
                           f"{args.concurrent} sequential tok/s"))
-    if llama:
-        print(f"\nllama.cpp on {args.gguf.name}: TTFT {llama['ttft']:.3g} s, "
-              f"decode {llama['decode']:.3g} tok/s (one run)")
-    elif args.gguf is not None:
-        print("\nllama.cpp column skipped: llama_cpp is not installed")
-
+    if llama_rows:
+        print("\nvs llama.cpp: median of per-run ratios, ours / llama.cpp's (speed)")
+        print_table(llama_rows, ("llama.cpp beside", "GGUF", "TTFT (s)", "decode tok/s"))
 
 if __name__ == "__main__":
     main()

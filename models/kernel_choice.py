@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 # Row-count buckets of a linear's input and the row count each is timed at. Decode steps carry
 # one row per running request (1, 2-8, 9-64); more rows is a prefill chunk.
 BUCKETS = ("1", "2-8", "9-64", "prefill")
-PROBE_ROWS = (1, 4, 32, 96)
+PROBE_ROWS = (1, 4, 32, 128)
 BASELINE = "F.linear"
 MARGIN = 0.05  # another candidate must beat the baseline by this fraction to be preferred
 
@@ -63,7 +63,8 @@ def cache_path(cpu: str | None = None, torch_version: str | None = None) -> Path
 
 
 def pick(timings: Mapping[str, float], baseline: str = BASELINE, margin: float = MARGIN) -> str:
-    """The fastest candidate; the baseline unless another is faster by more than `margin`."""
+    """The fastest candidate; the baseline unless another is faster by more than `margin`.
+    (The baseline of a dense linear is F.linear; of a quantized one, its int kernel.)"""
     if not timings:
         raise ValueError("no timings to choose from")
     best = min(timings, key=timings.__getitem__)
@@ -114,21 +115,23 @@ def choose(
     key: str, candidates: Mapping[str, Callable[[], object]], cache: KernelCache, timer: Timer
 ) -> str:
     """The cached choice for `key` if it names a candidate, else time them, cache and log.
-    A winner other than the baseline is timed against it once more and must win both times
-    (each keeps its slower time)."""
+    The first candidate is the baseline (kept unless another wins by the margin); a winner
+    other than the baseline is timed against it once more and must win both times (each keeps
+    its slower time)."""
     cached = cache.get(key, set(candidates))
     if cached is not None:
         return cached
+    baseline = next(iter(candidates))
     if len(candidates) == 1:
-        return next(iter(candidates))
+        return baseline
     seconds = timer(candidates)
-    choice = pick(seconds)
-    if choice != BASELINE and BASELINE in candidates:
+    choice = pick(seconds, baseline)
+    if choice != baseline:
         # Confirm against the baseline: a burst of load on a shared machine during the first
         # timing must not leave a slower choice in the cache for good.
-        again = timer({n: candidates[n] for n in (BASELINE, choice)})
+        again = timer({n: candidates[n] for n in (baseline, choice)})
         seconds = {**seconds, **{n: max(seconds[n], t) for n, t in again.items()}}
-        choice = pick(seconds)
+        choice = pick(seconds, baseline)
     cache.put(key, choice, seconds)
     shown = ", ".join(f"{k} {v * 1e6:.0f}us" for k, v in sorted(seconds.items()))
     log.info("linear kernel %s: %s (%s)", key, choice, shown)

@@ -38,11 +38,13 @@ PLAN_SECONDS = 3.0  # past this, buckets left unmeasured keep F.linear (and are 
 
 
 def candidates(layer: nn.Module, rows: int, dtype: torch.dtype) -> list[str]:
-    """The formulations worth timing for this layer at `rows` rows, the baseline first."""
+    """The formulations worth timing for this layer at `rows` rows, the baseline first (what
+    runs when nothing beats it, or when the plan's time budget is spent)."""
     if layer.is_quantized:
-        if layer.mode == "int4" and not int4_layout_known():
+        # Dequantizing the whole weight per call only pays when many rows share it.
+        if rows <= PROBE_ROWS[1] or (layer.mode == "int4" and not int4_layout_known()):
             return ["int_kernel"]
-        return [BASELINE, "int_kernel"]
+        return ["int_kernel", "dequantized"]
     names = [BASELINE]
     if dtype in (torch.float32, torch.bfloat16):
         names.append("mv" if rows == 1 else "matmul_t")
@@ -69,7 +71,9 @@ def plan_linears(model: nn.Module, dtype: torch.dtype, cache: KernelCache | None
     """Set every CPU linear's `kernels` (one formulation per bucket): cached choices are
     reused, new ones timed and saved. Returns {group key: choices per bucket}."""
     cache = cache if cache is not None else KernelCache(cache_path())
-    groups = linear_groups(model, dtype)
+    # The largest groups first: if the budget runs out, it is spent where the bytes are.
+    groups = dict(sorted(linear_groups(model, dtype).items(),
+                         key=lambda item: -sum(_nbytes(layer) for layer in item[1])))
     start = time.perf_counter()
     plans: dict[str, tuple] = {}
     with torch.inference_mode():
@@ -128,14 +132,15 @@ def _timing_layers(group: list[nn.Module], rows: int, dtype: torch.dtype) -> lis
         sliced = Linear(first.in_features, SLICE_ROWS, bias=False, device="meta")
         sliced.weight = nn.Parameter(first.weight.detach()[:SLICE_ROWS], requires_grad=False)
         return [sliced]
-    per_layer = sum(b.numel() * b.element_size() for b in _weights(first))
+    per_layer = _nbytes(first)
     flops = 2.0 * rows * first.out_features * first.in_features
     n = min(len(group), int(TIMED_BYTES // max(per_layer, 1)), int(TIMED_FLOPS // flops))
     return group[:max(1, n)]
 
 
-def _weights(layer: nn.Module) -> list[torch.Tensor]:
-    return [layer.qweight, layer.scales] if layer.is_quantized else [layer.weight]
+def _nbytes(layer: nn.Module) -> int:
+    weights = [layer.qweight, layer.scales] if layer.is_quantized else [layer.weight]
+    return sum(w.numel() * w.element_size() for w in weights)
 
 
 def _prepack(layer: nn.Module) -> None:

@@ -36,8 +36,8 @@ KERNELS: dict[str, Kernel] = {
     "onednn": _onednn,
 }
 QUANTIZED_KERNELS: dict[str, Kernel] = {
-    BASELINE: _dequantized,
-    "int_kernel": lambda layer, x: layer.int_mm(x),
+    "int_kernel": lambda layer, x: layer.int_mm(x),  # the baseline of quantized layers
+    "dequantized": _dequantized,
 }
 
 

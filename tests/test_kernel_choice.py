@@ -33,8 +33,9 @@ def test_buckets():
 def test_pick_prefers_f_linear_within_the_margin():
     assert pick({BASELINE: 1.0, "matmul_t": 0.97}) == BASELINE
     assert pick({BASELINE: 1.0, "matmul_t": 0.90, "onednn": 0.5}) == "onednn"
-    assert pick({"int_kernel": 2.0, BASELINE: 1.0}) == BASELINE
-    assert pick({"int_kernel": 0.2, BASELINE: 1.0}) == "int_kernel"
+    # A quantized layer's baseline is its int kernel; dequantizing per call must win clearly.
+    assert pick({"int_kernel": 1.0, "dequantized": 0.97}, "int_kernel") == "int_kernel"
+    assert pick({"int_kernel": 1.0, "dequantized": 0.5}, "int_kernel") == "dequantized"
     with pytest.raises(ValueError):
         pick({})
 
@@ -123,11 +124,21 @@ def test_plan_keeps_f_linear_when_nothing_wins_by_the_margin(tmp_path):
     assert model.b.kernels == (BASELINE,) * 4
 
 
-def test_plan_past_its_time_budget_keeps_f_linear_uncached(tmp_path):
+def test_plan_past_its_time_budget_keeps_baselines_uncached(tmp_path):
     model = Tiny(torch.float32)
     cache = KernelCache(tmp_path / "k.json")
     plan_linears(model, torch.float32, cache, FakeTimer({"matmul_t": 0.1}), budget_s=-1)
     assert model.b.kernels == (BASELINE,) * 4 and not cache.entries
+    assert model.q.kernels == ("int_kernel",) * 4  # never a per-call dequantization
+
+
+def test_quantized_layers_time_dequantizing_only_for_many_rows(tmp_path):
+    model = Tiny(torch.float32)
+    assert [candidates(model.q, rows, torch.float32) for rows in (1, 4)] == [["int_kernel"]] * 2
+    assert candidates(model.q, 128, torch.float32) == ["int_kernel", "dequantized"]
+    plan_linears(model, torch.float32, KernelCache(tmp_path / "k.json"),
+                 FakeTimer({"int_kernel": 1.0, "dequantized": 0.5}))
+    assert model.q.kernels == ("int_kernel", "int_kernel", "dequantized", "dequantized")
 
 
 def test_onednn_choice_prepacks_and_matches(tmp_path):

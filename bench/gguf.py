@@ -1,0 +1,113 @@
+"""Bench-only: GGUF copies of a checkpoint at llama.cpp's precisions, for bench.generate's
+llama.cpp column.
+
+    python -m bench.gguf [--model PATH] [--types f32,bf16,q8_0,q4_0]
+
+Needs `llama-cpp-python` (built from source by pip; never a runtime dependency) and
+`sentencepiece`. The converter is not part of llama-cpp-python's wheel, so its source
+distribution (which vendors llama.cpp's `convert_hf_to_gguf.py`) is fetched once from the
+package index into the cache and the converter's files extracted. f32 / bf16 / q8_0 are written
+by the converter, q4_0 by llama.cpp's own quantizer from the f32 file.
+
+Test checkpoints carry locally trained tokenizers, whose pre-tokenizer the converter does not
+recognise by hash; the speed measured does not depend on it (prompts are token ids), so the
+conversion declares Qwen2's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+from bench.common import cache_dir
+
+CONVERTED = ("f32", "bf16", "q8_0")
+QUANTIZED = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
+_MEMBERS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+
+# Runs the vendored converter with a declared pre-tokenizer (argv: source dir, then the
+# converter's own arguments).
+_CONVERT = """
+import sys
+src = sys.argv[1]
+sys.path[:0] = [src, src + "/gguf-py"]
+import conversion.base as base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+import convert_hf_to_gguf as convert
+sys.argv = ["convert_hf_to_gguf.py", *sys.argv[2:]]
+convert.main()
+"""
+
+
+def converter_source() -> Path:
+    """llama.cpp's converter files, from the installed llama-cpp-python's source distribution."""
+    version = importlib.metadata.version("llama-cpp-python")
+    root = cache_dir(f"llama.cpp-{version}-convert")
+    if (root / "convert_hf_to_gguf.py").exists():
+        return root
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary",
+             ":all:", f"llama-cpp-python=={version}", "--dest", tmp],
+            check=True,
+        )
+        (archive,) = Path(tmp).glob("*.tar.gz")
+        with tarfile.open(archive) as tar:
+            prefix = f"{tar.getnames()[0].split('/')[0]}/vendor/llama.cpp/"
+            for member in tar.getmembers():
+                rel = member.name.removeprefix(prefix)
+                if member.name.startswith(prefix) and rel.startswith(_MEMBERS) and member.isfile():
+                    member.name = rel
+                    tar.extract(member, root, filter="data")
+    return root
+
+
+def ensure_gguf(model: Path, kind: str) -> Path:
+    """The GGUF of `model` at `kind` (f32, bf16, q8_0 or q4_0), converted once and cached."""
+    folder = cache_dir("gguf")
+    folder.mkdir(exist_ok=True)
+    out = folder / f"{model.name}-{kind}.gguf"
+    if out.exists():
+        return out
+    if kind in CONVERTED:
+        print(f"converting {model.name} to {kind} GGUF (once)")
+        subprocess.run(
+            [sys.executable, "-c", _CONVERT, str(converter_source()), str(model),
+             "--outtype", kind, "--outfile", str(out)],
+            check=True, stdout=subprocess.DEVNULL,
+        )
+    elif kind in QUANTIZED:
+        import llama_cpp
+
+        source = ensure_gguf(model, "f32")
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = getattr(llama_cpp, QUANTIZED[kind])
+        print(f"quantizing {source.name} to {kind} (once)")
+        failed = llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), params)
+        if failed:
+            out.unlink(missing_ok=True)
+            raise RuntimeError(f"llama.cpp could not quantize {source} to {kind}")
+    else:
+        raise ValueError(f"unknown GGUF type {kind!r}: {', '.join([*CONVERTED, *QUANTIZED])}")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--types", default="f32,bf16,q8_0,q4_0")
+    args = parser.parse_args()
+    from bench.generate import build_checkpoint
+
+    model = args.model or build_checkpoint()
+    for kind in args.types.split(","):
+        print(ensure_gguf(model, kind))
+
+
+if __name__ == "__main__":
+    main()
