@@ -116,6 +116,9 @@ class LlamaCpp:
                          n_batch=512, verbose=False)
 
     def measure(self, prompts: list[list[int]], n: int) -> dict[str, float]:
+        # Forget the previous run's tokens: generate() would otherwise reuse the KV of the
+        # longest common prefix and skip most of the prompt.
+        self.llm.reset()
         t0 = time.perf_counter()
         stream = self.llm.generate(prompts[0], temp=0.0, top_k=1, reset=True)
         next(stream)

@@ -103,6 +103,12 @@ def test_video_groups_carry_timestamps_inside_their_spans(qwen3_vl_path):
         assert text.startswith(seconds + "<|vision_start|>") and text.endswith("<|vision_end|>")
     times = media["video"][0].timestamps
     assert np.allclose(times, np.arange(6) / 2)  # sampled at 2 fps
+    # What the UI is told: the timestamp text and the vision markers inside each span.
+    out = llm.chat(CASES["video"], SamplingParams(max_tokens=1))[0]
+    for ph, seconds in zip(out.multi_modal_placeholders,
+                           ("<0.2 seconds>", "<1.2 seconds>", "<2.2 seconds>"), strict=True):
+        inside = [out.prompt_token_ids[ph.offset + k] for k in ph.text_offsets]
+        assert tok.decode(inside) == seconds + "<|vision_start|><|vision_end|>"
 
 
 def test_each_case_matches_transformers(qwen3_vl_path, refs):
