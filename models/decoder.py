@@ -20,7 +20,8 @@ from torch import nn
 
 from models.attention import AttentionMetadata, LayerAttention, paged_attention
 from models.interfaces import EncoderItem
-from models.layers import GatedMLP, Linear, RMSNorm, RotaryTable, apply_rotary
+from models.layers import GatedMLP, RMSNorm, RotaryTable, apply_rotary
+from models.linear_kernels import Linear
 from models.loader import Shard
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.linear_kernels import Linear  # noqa: F401  (re-exported: decoders import it here)
+from models.linear_kernels import Linear
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""models.layers.Linear runs the formulation planned for its input's row count; every
+"""models.linear_kernels.Linear runs the formulation planned for its input's row count; every
 formulation must equal F.linear."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from models.kernel_plan import _prepack, candidates
-from models.layers import Linear
+from models.linear_kernels import Linear
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
