@@ -22,9 +22,10 @@ import torch
 log = logging.getLogger(__name__)
 
 # Row-count buckets of a linear's input and the row count each is timed at. Decode steps carry
-# one row per running request (1, 2-8, 9-64); more rows is a prefill chunk.
-BUCKETS = ("1", "2-8", "9-64", "prefill")
-PROBE_ROWS = (1, 4, 32, 128)
+# one row per running request (1, 2-8, 9-64); more rows is a prefill chunk, short or long (a
+# per-call dequantization of quantized weights pays only over enough rows).
+BUCKETS = ("1", "2-8", "9-64", "65-256", "257+")
+PROBE_ROWS = (1, 4, 32, 128, 512)
 BASELINE = "F.linear"
 MARGIN = 0.05  # another candidate must beat the baseline by this fraction to be preferred
 
@@ -35,11 +36,10 @@ Timer = Callable[[Mapping[str, Callable[[], object]]], dict[str, float]]
 
 def bucket_index(rows: int) -> int:
     """The index into BUCKETS of an input with `rows` rows."""
-    if rows <= 1:
-        return 0
-    if rows <= 8:
-        return 1
-    return 2 if rows <= 64 else 3
+    for i, limit in enumerate((1, 8, 64, 256)):
+        if rows <= limit:
+            return i
+    return 4
 
 
 def cpu_model() -> str:

@@ -4,7 +4,8 @@ Linears are grouped by weight format, dtype and shape (a decoder has a handful o
 group's bucket gets the fastest candidate of models.linear_kernels, timed once on this machine
 and cached on disk (models.kernel_choice), F.linear unless another wins by a margin. A group is
 timed on its own layers in turn, as a decode step streams them from memory, up to a byte and a
-FLOP budget per call; a group of one huge matrix (the LM head) is timed on its first rows.
+FLOP budget per call; a group of one huge matrix (the LM head), or a layer too large for the
+FLOP budget at a prefill's row count, is timed on its first output channels.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from models.kernel_choice import (
     measure,
 )
 from models.linear_kernels import KERNELS, QUANTIZED_KERNELS, Linear
-from models.quantization import QuantizedLinear, int4_layout_known
+from models.quantization import INT4_BLOCK_N, QuantizedLinear, int4_layout_known
 
 log = logging.getLogger(__name__)
 
@@ -124,18 +125,27 @@ def _choose(key: str, rows: int, names: list[str], group: list[nn.Module],
 
 def _timing_layers(group: list[nn.Module], rows: int, dtype: torch.dtype) -> list[nn.Module]:
     """The layers one timed call runs through: as many of the group as the budgets allow, or
-    the first rows of a lone huge matrix."""
+    the first output channels of one layer (every candidate's cost grows with the channels
+    alike, so a slice ranks them as the whole does) when a lone matrix is huge or one layer
+    alone exceeds the FLOP budget at this row count."""
     first = group[0]
-    if len(group) == 1 and first.out_features > SLICE_ROWS:
-        if first.is_quantized:
-            return [first.first_rows(SLICE_ROWS)]
-        sliced = Linear(first.in_features, SLICE_ROWS, bias=False, device="meta")
-        sliced.weight = nn.Parameter(first.weight.detach()[:SLICE_ROWS], requires_grad=False)
-        return [sliced]
-    per_layer = _nbytes(first)
-    flops = 2.0 * rows * first.out_features * first.in_features
-    n = min(len(group), int(TIMED_BYTES // max(per_layer, 1)), int(TIMED_FLOPS // flops))
+    per_channel = 2.0 * rows * first.in_features
+    fit = int(TIMED_FLOPS // per_channel) // INT4_BLOCK_N * INT4_BLOCK_N
+    cap = SLICE_ROWS if len(group) == 1 else first.out_features
+    channels = min(first.out_features, cap, max(INT4_BLOCK_N, fit))
+    if channels < first.out_features:
+        return [_first_channels(first, channels)]
+    n = min(len(group), int(TIMED_BYTES // max(_nbytes(first), 1)),
+            int(TIMED_FLOPS // (per_channel * first.out_features)))
     return group[:max(1, n)]
+
+
+def _first_channels(layer: nn.Module, n: int) -> nn.Module:
+    if layer.is_quantized:
+        return layer.first_rows(n)
+    sliced = Linear(layer.in_features, n, bias=False, device="meta")
+    sliced.weight = nn.Parameter(layer.weight.detach()[:n], requires_grad=False)
+    return sliced
 
 
 def _nbytes(layer: nn.Module) -> int:

@@ -26,8 +26,9 @@ from models.quantization import QuantizedLinear
 
 
 def test_buckets():
-    assert [bucket_index(r) for r in (1, 2, 8, 9, 64, 65, 4096)] == [0, 1, 1, 2, 2, 3, 3]
-    assert len(BUCKETS) == 4
+    rows = (1, 2, 8, 9, 64, 65, 256, 257, 4096)
+    assert [bucket_index(r) for r in rows] == [0, 1, 1, 2, 2, 3, 3, 4, 4]
+    assert len(BUCKETS) == 5
 
 
 def test_pick_prefers_f_linear_within_the_margin():
@@ -101,10 +102,10 @@ def test_plan_follows_fake_timings_and_outputs_stay_f_linear(tmp_path, dtype):
     model = Tiny(dtype)
     timer = FakeTimer({"matmul_t": 0.5, "mv": 0.5, "int_kernel": 0.5})
     plans = plan_linears(model, dtype, KernelCache(tmp_path / "k.json"), timer)
-    expected = ("mv", "matmul_t", "matmul_t", "matmul_t")
+    expected = ("mv", "matmul_t", "matmul_t", "matmul_t", "matmul_t")
     assert plans[f"dense/{str(dtype)[6:]}/48x32"] == expected
     assert all(layer.kernels == expected for layer in model.a)
-    assert model.q.kernels == ("int_kernel",) * 4
+    assert model.q.kernels == ("int_kernel",) * len(BUCKETS)
     for rows in (1, 3, 20, 100):
         x = torch.randn(rows, 32, dtype=dtype)
         layer = model.a[1]
@@ -121,15 +122,15 @@ def test_plan_keeps_f_linear_when_nothing_wins_by_the_margin(tmp_path):
     model = Tiny(torch.float32)
     plan_linears(model, torch.float32, KernelCache(tmp_path / "k.json"),
                  FakeTimer({BASELINE: 1.0, "matmul_t": 0.99, "mv": 0.98, "onednn": 0.97}))
-    assert model.b.kernels == (BASELINE,) * 4
+    assert model.b.kernels == (BASELINE,) * len(BUCKETS)
 
 
 def test_plan_past_its_time_budget_keeps_baselines_uncached(tmp_path):
     model = Tiny(torch.float32)
     cache = KernelCache(tmp_path / "k.json")
     plan_linears(model, torch.float32, cache, FakeTimer({"matmul_t": 0.1}), budget_s=-1)
-    assert model.b.kernels == (BASELINE,) * 4 and not cache.entries
-    assert model.q.kernels == ("int_kernel",) * 4  # never a per-call dequantization
+    assert model.b.kernels == (BASELINE,) * len(BUCKETS) and not cache.entries
+    assert model.q.kernels == ("int_kernel",) * len(BUCKETS)  # never a per-call dequantization
 
 
 def test_quantized_layers_time_dequantizing_only_for_many_rows(tmp_path):
@@ -138,7 +139,8 @@ def test_quantized_layers_time_dequantizing_only_for_many_rows(tmp_path):
     assert candidates(model.q, 128, torch.float32) == ["int_kernel", "dequantized"]
     plan_linears(model, torch.float32, KernelCache(tmp_path / "k.json"),
                  FakeTimer({"int_kernel": 1.0, "dequantized": 0.5}))
-    assert model.q.kernels == ("int_kernel", "int_kernel", "dequantized", "dequantized")
+    assert model.q.kernels == ("int_kernel", "int_kernel", "dequantized", "dequantized",
+                               "dequantized")
 
 
 def test_onednn_choice_prepacks_and_matches(tmp_path):
@@ -148,6 +150,6 @@ def test_onednn_choice_prepacks_and_matches(tmp_path):
     plan_linears(model, torch.float32, KernelCache(tmp_path / "k.json"),
                  FakeTimer({"onednn": 0.1}))
     layer = model.a[0]
-    assert layer.kernels == ("onednn",) * 4 and layer.packed is not None
+    assert layer.kernels == ("onednn",) * len(BUCKETS) and layer.packed is not None
     x = torch.randn(5, 32)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))

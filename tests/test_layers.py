@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from models.kernel_choice import BUCKETS
 from models.kernel_plan import _prepack, candidates
 from models.linear_kernels import Linear
 
@@ -22,7 +23,7 @@ def test_every_formulation_matches_f_linear(dtype, rows, bias):
                    layer.bias.float())
     tol = 1e-5 if dtype == torch.float32 else 0.05
     for name in [None, *candidates(layer, rows, dtype)]:
-        layer.kernels = None if name is None else (name,) * 4
+        layer.kernels = None if name is None else (name,) * len(BUCKETS)
         if name == "onednn":
             with torch.no_grad():
                 _prepack(layer)

@@ -22,6 +22,8 @@ from models.decoder import CausalLM, DecoderConfig
 from models.kernel_choice import BUCKETS
 from models.quantization import (
     QuantizedLinear,
+    dequantize_int4,
+    dequantize_int4_values,
     pack_int4,
     quantize_language_model,
     unpack_int4,
@@ -63,6 +65,9 @@ def test_int4_pack_round_trip():
 def test_int4_dequantize_equals_reference_group_quantization(group):
     w = torch.randn(128, 256, generator=torch.Generator().manual_seed(2))
     layer = QuantizedLinear(w, None, "int4", group)
+    for dtype in (torch.float32, torch.bfloat16):  # the in-place path = unpack, then dequantize
+        slow = dequantize_int4_values(unpack_int4(layer.qweight), layer.scales, dtype)
+        assert torch.equal(dequantize_int4(layer.qweight, layer.scales, dtype), slow)
     # Independent reference: per group of `group` inputs, 16 levels spanning [min, max].
     g = w.reshape(128, -1, group)
     lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
