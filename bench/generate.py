@@ -108,11 +108,11 @@ class LlamaCpp:
     """llama.cpp (through llama-cpp-python) on a GGUF of the same weights: single-stream TTFT
     and decode tokens/s for the same prompt (it has no batched counterpart here)."""
 
-    def __init__(self, gguf: Path) -> None:
+    def __init__(self, gguf: Path, context: int) -> None:
         from llama_cpp import Llama
 
         self.name = gguf.name
-        self.llm = Llama(str(gguf), n_ctx=1024, n_threads=torch.get_num_threads(),
+        self.llm = Llama(str(gguf), n_ctx=context, n_threads=torch.get_num_threads(),
                          n_batch=512, verbose=False)
 
     def measure(self, prompts: list[list[int]], n: int) -> dict[str, float]:
@@ -128,14 +128,15 @@ class LlamaCpp:
         return {"ttft": ttft, "decode": (n - 1) / (time.perf_counter() - t0 - ttft)}
 
 
-def llama_cpp_engines(path: Path, dtype_name: str, modes: list[str | None]) -> dict:
+def llama_cpp_engines(path: Path, dtype_name: str, modes: list[str | None],
+                      context: int) -> dict:
     """{quantization mode: LlamaCpp} for this dtype's rows, or {} without llama-cpp-python."""
     if importlib.util.find_spec("llama_cpp") is None:
         return {}
     from bench.gguf import ensure_gguf
 
     kinds = {q: LLAMA_TYPES.get(q) or LLAMA_TYPES.get((dtype_name, q)) for q in modes}
-    return {q: LlamaCpp(ensure_gguf(path, kind)) for q, kind in kinds.items() if kind}
+    return {q: LlamaCpp(ensure_gguf(path, kind), context) for q, kind in kinds.items() if kind}
 
 
 def main() -> None:
@@ -159,18 +160,19 @@ def main() -> None:
     path = args.model or build_checkpoint()
     modes = [None if q == "none" else q for q in args.quantization.split(",")]
     n = args.new_tokens
+    context = max(1024, args.prompt_len + n)
     bandwidth = memory_bandwidth()
     rows, summary, llama_rows = [], [], []
     if args.no_llama_cpp or importlib.util.find_spec("llama_cpp") is None:
         print("llama.cpp column skipped: llama-cpp-python is not installed (or --no-llama-cpp)")
     for dtype_name in args.dtype.split(","):
-        engines = {q: LLM(path, device="cpu", dtype=dtype_name, max_model_len=1024,
+        engines = {q: LLM(path, device="cpu", dtype=dtype_name, max_model_len=context,
                           max_num_seqs=args.concurrent, enable_prefix_caching=False,
                           quantization=q, quantization_group_size=args.group_size)
                    for q in modes}
         dtype = next(iter(engines.values())).engine.dtype
         hf = Transformers(path, dtype)
-        llama = {} if args.no_llama_cpp else llama_cpp_engines(path, dtype_name, modes)
+        llama = {} if args.no_llama_cpp else llama_cpp_engines(path, dtype_name, modes, context)
         vocab = hf.model.config.vocab_size
         prompts = [torch.randint(0, min(vocab, 100_000), (args.prompt_len,)).tolist()
                    for _ in range(args.concurrent)]
