@@ -25,16 +25,17 @@ from models.clip_preprocess import (
     preprocess_llava_next,
 )
 from models.interfaces import (
-    MultiModalFeature,
-    PlaceholderRange,
     ProcessedPrompt,
     ProcessorContext,
     PromptPlan,
 )
 from models.processor_base import (
+    Expansion,
     ProcessedCache,
     ProcessorDefaults,
     check_mm_kwargs,
+    check_placeholder_count,
+    expand_placeholders,
     hashed_and_processed,
 )
 
@@ -95,30 +96,20 @@ class LlavaProcessor(ProcessorDefaults):
     ) -> ProcessedPrompt:
         check_mm_kwargs(mm_kwargs, (), "LLaVA")
         images = media.get("image", [])
-        found = token_ids.count(self.image_token_id)
-        if found != len(images):
-            raise ValueError(
-                f"the prompt has {found} image placeholder(s) but {len(images)} image(s) were "
-                "given; each image needs one placeholder (the chat template adds it)"
-            )
+        check_placeholder_count(token_ids, self.image_token_id, len(images), "image")
         stages: dict[str, float] = {}
-        encoded = iter([self._image(image, stages) for image in images])
-        ids: list[int] = []
-        features: list[MultiModalFeature] = []
-        for token in token_ids:
-            if token != self.image_token_id:
-                ids.append(token)
-                continue
-            identifier, data = next(encoded)
-            n = self.num_tokens(data["image_size"])
-            parts = ()
-            if self.anyres:
-                rows, cols = data["grid"]
-                parts = (("base", self.per_tile), (f"tiles {rows}x{cols}", n - self.per_tile))
-            span = PlaceholderRange(len(ids), n, parts=parts)
-            features.append(MultiModalFeature("image", identifier, span, data))
-            ids.extend([token] * n)
+        encoded = [self._image(image, stages) for image in images]
+        ids, features = expand_placeholders(token_ids, self.image_token_id, "image", encoded,
+                                            self._expansion)
         return ProcessedPrompt(None, ids, features, None, stages)
+
+    def _expansion(self, data: dict) -> Expansion:
+        n = self.num_tokens(data["image_size"])
+        parts = ()
+        if self.anyres:
+            rows, cols = data["grid"]
+            parts = (("base", self.per_tile), (f"tiles {rows}x{cols}", n - self.per_tile))
+        return Expansion([self.image_token_id] * n, parts=parts)
 
     def _image(self, image, stages: dict[str, float]) -> tuple[str, dict]:
         options = {"anyres": self.anyres, "tile": self.tile}

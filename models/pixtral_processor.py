@@ -18,8 +18,6 @@ from typing import Any
 
 from engine.hashing import hash_image
 from models.interfaces import (
-    MultiModalFeature,
-    PlaceholderRange,
     ProcessedPrompt,
     ProcessorContext,
     PromptPlan,
@@ -30,9 +28,12 @@ from models.pixtral_preprocess import (
     preprocess_pixtral,
 )
 from models.processor_base import (
+    Expansion,
     ProcessedCache,
     ProcessorDefaults,
     check_mm_kwargs,
+    check_placeholder_count,
+    expand_placeholders,
     hashed_and_processed,
 )
 
@@ -84,29 +85,18 @@ class PixtralProcessor(ProcessorDefaults):
     ) -> ProcessedPrompt:
         check_mm_kwargs(mm_kwargs, (), "Pixtral")
         images = media.get("image", [])
-        found = token_ids.count(self.image_token_id)
-        if found != len(images):
-            raise ValueError(
-                f"the prompt has {found} image placeholder(s) but {len(images)} image(s) were "
-                "given; each image needs one placeholder (the chat template adds it)"
-            )
+        check_placeholder_count(token_ids, self.image_token_id, len(images), "image")
         stages: dict[str, float] = {}
-        encoded = iter([self._image(image, stages) for image in images])
-        ids: list[int] = []
-        features: list[MultiModalFeature] = []
-        for token in token_ids:
-            if token != self.image_token_id:
-                ids.append(token)
-                continue
-            identifier, data = next(encoded)
-            rows, cols = data["grid"]
-            run = ([token] * cols + [self.break_id]) * rows
-            run[-1] = self.end_id
-            is_embed = tuple(t == token for t in run)
-            span = PlaceholderRange(len(ids), len(run), is_embed=is_embed)
-            features.append(MultiModalFeature("image", identifier, span, data))
-            ids.extend(run)
+        encoded = [self._image(image, stages) for image in images]
+        ids, features = expand_placeholders(token_ids, self.image_token_id, "image", encoded,
+                                            self._expansion)
         return ProcessedPrompt(None, ids, features, None, stages)
+
+    def _expansion(self, data: dict) -> Expansion:
+        rows, cols = data["grid"]
+        run = ([self.image_token_id] * cols + [self.break_id]) * rows
+        run[-1] = self.end_id
+        return Expansion(run, is_embed=tuple(t == self.image_token_id for t in run))
 
     def _image(self, image, stages: dict[str, float]) -> tuple[str, dict]:
         options = {"longest_edge": self.pre.longest_edge, "unit": self.unit}

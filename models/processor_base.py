@@ -1,6 +1,7 @@
 """Helpers every family's processor shares: defaults for the optional parts of the processor
-interface, the processed-inputs cache, option checks, and hashing an item before processing it
-(so that a repeated item skips resizing and normalizing).
+interface, the processed-inputs cache, option checks, hashing an item before processing it
+(so that a repeated item skips resizing and normalizing), and expanding one placeholder token
+per item into the item's span.
 """
 
 from __future__ import annotations
@@ -8,13 +9,17 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from models.interfaces import PromptPlan
+from models.interfaces import MultiModalFeature, PlaceholderRange, PromptPlan
 from models.mm_options import check_mm_kwargs
 
-__all__ = ["ProcessedCache", "ProcessorDefaults", "check_mm_kwargs", "hashed_and_processed"]
+__all__ = [
+    "Expansion", "ProcessedCache", "ProcessorDefaults", "check_mm_kwargs",
+    "check_placeholder_count", "expand_placeholders", "hashed_and_processed",
+]
 
 
 class ProcessorDefaults:
@@ -71,3 +76,46 @@ def hashed_and_processed(
     stages["hashing"] = stages.get("hashing", 0.0) + t1 - t0
     stages["preprocess"] = stages.get("preprocess", 0.0) + time.perf_counter() - t1
     return identifier, data
+
+
+def check_placeholder_count(token_ids: list[int], placeholder: int, given: int,
+                            modality: str) -> None:
+    """ValueError unless the prompt holds one `placeholder` token per item given."""
+    found = token_ids.count(placeholder)
+    if found != given:
+        raise ValueError(
+            f"the prompt has {found} {modality} placeholder(s) but {given} {modality}(s) were "
+            f"given; each {modality} needs one placeholder (the chat template adds it)"
+        )
+
+
+@dataclass(frozen=True)
+class Expansion:
+    """What one placeholder token becomes: the span's tokens, which of them take embeddings
+    (None: all), and labelled parts for display (see PlaceholderRange)."""
+
+    tokens: list[int]
+    is_embed: tuple[bool, ...] | None = None
+    parts: tuple[tuple[str, int], ...] = ()
+
+
+def expand_placeholders(
+    token_ids: list[int], placeholder: int, modality: str, items: Sequence[tuple[str, Any]],
+    expand: Callable[[Any], Expansion],
+) -> tuple[list[int], list[MultiModalFeature]]:
+    """Each `placeholder` token, in order, replaced by its item's expansion: the prompt's ids
+    and one feature (span, content hash, encoder inputs) per item. `items` are (identifier,
+    encoder inputs) in prompt order, as many as the placeholders (check_placeholder_count)."""
+    ids: list[int] = []
+    features: list[MultiModalFeature] = []
+    pending = iter(items)
+    for token in token_ids:
+        if token != placeholder:
+            ids.append(token)
+            continue
+        identifier, data = next(pending)
+        run = expand(data)
+        span = PlaceholderRange(len(ids), len(run.tokens), is_embed=run.is_embed, parts=run.parts)
+        features.append(MultiModalFeature(modality, identifier, span, data))
+        ids.extend(run.tokens)
+    return ids, features
