@@ -99,9 +99,9 @@ def measure_engine(llm, prompts: list[list[int]], n: int) -> dict[str, float]:
     return {"ttft": out.metrics.ttft, "decode": (n - 1) / out.metrics.decode_time, "conc": conc}
 
 
-# The llama.cpp GGUF type each of our rows is compared with.
-LLAMA_TYPES = {("float32", None): "f32", ("bfloat16", None): "bf16", "int8": "q8_0",
-               "int4": "q4_0"}
+# The llama.cpp GGUF type each of our rows is compared with: by quantization, else by dtype.
+LLAMA_QUANTIZED = {"int8": "q8_0", "int4": "q4_0"}
+LLAMA_DENSE = {"float32": "f32", "bfloat16": "bf16"}
 
 
 class LlamaCpp:
@@ -135,7 +135,7 @@ def llama_cpp_engines(path: Path, dtype_name: str, modes: list[str | None],
         return {}
     from bench.gguf import ensure_gguf
 
-    kinds = {q: LLAMA_TYPES.get(q) or LLAMA_TYPES.get((dtype_name, q)) for q in modes}
+    kinds = {q: LLAMA_QUANTIZED[q] if q else LLAMA_DENSE.get(dtype_name) for q in modes}
     return {q: LlamaCpp(ensure_gguf(path, kind), context) for q, kind in kinds.items() if kind}
 
 
@@ -161,7 +161,7 @@ def main() -> None:
     modes = [None if q == "none" else q for q in args.quantization.split(",")]
     n = args.new_tokens
     context = max(1024, args.prompt_len + n)
-    bandwidth = memory_bandwidth()
+    bandwidths = []  # read once per run: on a shared VM it moves with the neighbours' load
     rows, summary, llama_rows = [], [], []
     if args.no_llama_cpp or importlib.util.find_spec("llama_cpp") is None:
         print("llama.cpp column skipped: llama-cpp-python is not installed (or --no-llama-cpp)")
@@ -185,6 +185,7 @@ def main() -> None:
         theirs = []
         cpp = {q: [] for q in llama}
         for run in range(args.runs):  # alternating: drift hits every row alike
+            bandwidths.append(memory_bandwidth())
             theirs.append(hf.measure(prompts, n))
             for q, llm in engines.items():
                 ours[q].append(measure_engine(llm, prompts, n))
@@ -196,7 +197,7 @@ def main() -> None:
                       f"{k}={v:.3g}" for k, v in ours[q][-1].items()) for q in modes))
         for q, llm in engines.items():
             weight_bytes = decode_bytes_per_token(llm.engine.runner.model)
-            roofline = bandwidth / weight_bytes
+            roofline = median(bandwidths) / weight_bytes
 
             def med(key: str, runs=ours[q]) -> float:
                 return median([r[key] for r in runs])
@@ -226,7 +227,9 @@ def main() -> None:
 
     print(f"\nmachine: {machine()}; checkpoint {path.name}; prompt {args.prompt_len} tokens, "
           f"{n} new tokens; median of {args.runs} runs; memory bandwidth "
-          f"{bandwidth / 1e9:.1f} GB/s; int4 group {args.group_size}\n")
+          f"{median(bandwidths) / 1e9:.1f} GB/s (median of per-run readings, "
+          f"{min(bandwidths) / 1e9:.1f}-{max(bandwidths) / 1e9:.1f}); "
+          f"int4 group {args.group_size}\n")
     print_table(rows, ("this engine", "TTFT (s)", "TTFT speed-up", "decode tok/s",
                        "decode speed-up", "of roofline", "GB read / token",
                        f"{args.concurrent} concurrent tok/s", "concurrent speed-up",

@@ -66,6 +66,11 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.dtype = dtype
+        if config.quantization is not None and device.type != "cpu":  # before loading weights
+            raise ValueError(
+                f"quantization={config.quantization!r} runs on the CPU only for now "
+                f"(device {device}); leave it unset on {device.type}"
+            )
         max_len = _max_model_len(hf_config, config)
         self.model = build_on_meta(
             lambda: model_cls.from_hf_config(hf_config, max_len, device), device, dtype
@@ -73,11 +78,6 @@ class ModelRunner:
         load_weights(self.model, iter_checkpoint(path), self.model.checkpoint_map())
         self.model.eval()
         if config.quantization is not None:
-            if device.type != "cpu":
-                raise ValueError(
-                    f"quantization={config.quantization!r} runs on the CPU only for now "
-                    f"(device {device}); leave it unset on {device.type}"
-                )
             quantize_language_model(self.model, config.quantization,
                                     config.quantization_group_size)
         if device.type == "cpu":

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -131,8 +131,8 @@ class ClipPreprocessConfig:
             do_rescale=bool(_first(d.get("do_rescale"), True)),
             rescale_factor=float(_first(d.get("rescale_factor"), 1 / 255)),
             do_normalize=bool(_first(d.get("do_normalize"), True)),
-            image_mean=_triple(mean),
-            image_std=_triple(std),
+            image_mean=triple(mean),
+            image_std=triple(std),
             do_convert_rgb=bool(_first(d.get("do_convert_rgb"), True)),
             pad_to_square=kind.startswith("LlavaImageProcessor") and bool(d.get("do_pad")),
             image_grid_pinpoints=(
@@ -145,7 +145,8 @@ def _first(*values: Any) -> Any:
     return next(v for v in values if v is not None)
 
 
-def _triple(value: Any) -> tuple[float, ...]:
+def triple(value: Any) -> tuple[float, ...]:
+    """A per-channel setting: a scalar repeated for the three channels, or the three values."""
     return (float(value),) * 3 if isinstance(value, int | float) else tuple(map(float, value))
 
 
@@ -183,10 +184,10 @@ def preprocess_llava_next(
     fit_h, fit_w = _fit_within(height, width, best_h, best_w)
     canvas = np.zeros((best_h, best_w, 3), dtype=np.uint8)
     top, left = (best_h - fit_h) // 2, (best_w - fit_w) // 2
-    canvas[top : top + fit_h, left : left + fit_w] = _resize(pixels, fit_h, fit_w, cfg.resample)
+    canvas[top : top + fit_h, left : left + fit_w] = resize(pixels, fit_h, fit_w, cfg.resample)
     s = cfg.tile_size
     tiles = [canvas[y : y + s, x : x + s] for y in range(0, best_h, s) for x in range(0, best_w, s)]
-    base = _resize(pixels, *cfg.base_size, cfg.resample)
+    base = resize(pixels, *cfg.base_size, cfg.resample)
     pixel_values = torch.stack([_transform(tile, cfg) for tile in (base, *tiles)])
     return pixel_values, (height, width), (-(-best_h // s), -(-best_w // s))
 
@@ -282,7 +283,8 @@ def _rgb(image: Image.Image, cfg: ClipPreprocessConfig) -> np.ndarray:
     return np.array(image.convert("RGB"))
 
 
-def _resize(pixels: np.ndarray, height: int, width: int, resample: int) -> np.ndarray:
+def resize(pixels: np.ndarray, height: int, width: int, resample: int) -> np.ndarray:
+    """uint8 [H, W, C] resized by PIL with `resample` (a PIL.Image.Resampling value)."""
     resized = Image.fromarray(pixels).resize((width, height), Image.Resampling(resample))
     return np.array(resized)
 
@@ -326,18 +328,33 @@ def _transform(pixels: np.ndarray, cfg: ClipPreprocessConfig) -> torch.Tensor:
     if cfg.do_resize:
         height, width = pixels.shape[:2]
         if cfg.size is not None:
-            pixels = _resize(pixels, *cfg.size, cfg.resample)
+            pixels = resize(pixels, *cfg.size, cfg.resample)
         else:
             short, long = sorted((height, width))
             new_long = int(cfg.shortest_edge * long / short)
             new_h, new_w = (new_long, cfg.shortest_edge) if width <= height else (
                 cfg.shortest_edge, new_long
             )
-            pixels = _resize(pixels, new_h, new_w, cfg.resample)
+            pixels = resize(pixels, new_h, new_w, cfg.resample)
     if cfg.do_center_crop:
         pixels = _center_crop(pixels, *cfg.crop_size)
-    x = torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1)
-    # HF rescales in float64 and rounds to float32 once, then normalizes in float32.
+    return rescale_normalize(torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1),
+                             cfg)
+
+
+class RescaleNormalize(Protocol):
+    """The pixel-value settings every image processor config carries."""
+
+    do_rescale: bool
+    rescale_factor: float
+    do_normalize: bool
+    image_mean: tuple[float, ...]
+    image_std: tuple[float, ...]
+
+
+def rescale_normalize(x: torch.Tensor, cfg: RescaleNormalize) -> torch.Tensor:
+    """uint8 [..., 3, H, W] -> float32, as transformers does: rescaled in float64 and rounded to
+    float32 once, then normalized in float32."""
     x = (x.double() * cfg.rescale_factor).float() if cfg.do_rescale else x.float()
     if cfg.do_normalize:
         mean = torch.tensor(cfg.image_mean, dtype=torch.float32).view(3, 1, 1)

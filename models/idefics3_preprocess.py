@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from models.clip_preprocess import rescale_normalize, resize, triple
+
 MAX_IMAGE_SIDE = 4096  # the reference's absolute cap on a resized side
 IMAGENET_STANDARD = (0.5, 0.5, 0.5)
 
@@ -63,8 +65,8 @@ class Idefics3PreprocessConfig:
             do_rescale=bool(image.get("do_rescale", True)),
             rescale_factor=float(image.get("rescale_factor", base.rescale_factor)),
             do_normalize=bool(image.get("do_normalize", True)),
-            image_mean=_triple(image.get("image_mean", base.image_mean)),
-            image_std=_triple(image.get("image_std", base.image_std)),
+            image_mean=triple(image.get("image_mean", base.image_mean)),
+            image_std=triple(image.get("image_std", base.image_std)),
             # The video processor's `size` overrides its sampling's `video_size`.
             video_longest_edge=_longest(video.get("size") or sampling.get("video_size"),
                                         base.video_longest_edge),
@@ -82,10 +84,6 @@ def _longest(size: Any, default: int) -> int:
     if isinstance(size, Mapping) and "longest_edge" in size:
         return int(size["longest_edge"])
     raise NotImplementedError(f"Idefics3 preprocessing needs a longest_edge size, got {size!r}")
-
-
-def _triple(value: Any) -> tuple[float, ...]:
-    return (float(value),) * 3 if isinstance(value, int | float) else tuple(map(float, value))
 
 
 def fit_longest_edge(height: int, width: int, longest: int) -> tuple[int, int]:
@@ -162,20 +160,14 @@ def preprocess_frames(frames: np.ndarray, cfg: Idefics3PreprocessConfig) -> torc
 
 
 def normalize(pixels: np.ndarray, cfg: Idefics3PreprocessConfig) -> torch.Tensor:
-    """uint8 [N, H, W, 3] -> float32 [N, 3, H, W], rescaled then normalized like the
-    reference (rescale in float64 rounded once to float32, normalize in float32)."""
-    x = torch.from_numpy(np.ascontiguousarray(pixels)).permute(0, 3, 1, 2)
-    x = (x.double() * cfg.rescale_factor).float() if cfg.do_rescale else x.float()
-    if cfg.do_normalize:
-        mean = torch.tensor(cfg.image_mean, dtype=torch.float32).view(1, 3, 1, 1)
-        std = torch.tensor(cfg.image_std, dtype=torch.float32).view(1, 3, 1, 1)
-        x = (x - mean) / std
-    return x.contiguous()
+    """uint8 [N, H, W, 3] -> float32 [N, 3, H, W], rescaled and normalized."""
+    return rescale_normalize(torch.from_numpy(np.ascontiguousarray(pixels)).permute(0, 3, 1, 2),
+                             cfg)
 
 
 def _resize(pixels: np.ndarray, height: int, width: int, cfg: Idefics3PreprocessConfig
             ) -> np.ndarray:
-    return np.array(Image.fromarray(pixels).resize((width, height), resample=cfg.resample))
+    return resize(pixels, height, width, cfg.resample)
 
 
 def frame_count_words(n: int) -> str:
