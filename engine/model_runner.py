@@ -86,7 +86,7 @@ class ModelRunner:
         self.windows = self.model.attention_windows()
         cfg = self.model.cfg
         self.decode_kernel = choose_decode_kernel(
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype, device
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype, device, config.block_size
         )
         self.attention_backend = choose_backend(device, dtype)
         self.layout = self._plan_kv_cache(max_len)

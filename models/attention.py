@@ -17,7 +17,9 @@ length. `build_metadata` splits the step, on the host, into attention groups:
   decode to its bucket's longest context stays within `DECODE_PADDING` of the useful work.
 Each group reads only the cache blocks its layers can see: a sliding-window layer starts at the
 block holding its first visible key. Keys are gathered from those blocks per layer (PyTorch has
-no paged kernel on the CPU); the gather is bounded by the group's own context.
+no paged kernel on the CPU); the gather is bounded by the group's own context. Decodes may
+instead take our own paged kernel (models.native), which reads the keys in place, where it
+measured faster on this machine (`choose_decode_kernel`).
 
 Layers differ in how they attend (`LayerAttention`: sliding window, logit soft-cap), so the
 metadata holds one key view per distinct window. Bidirectional spans (media whose tokens see
@@ -36,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from models import native
 from models.attention_varlen import BACKENDS, VarlenBatch, build_varlen, varlen_attention
 from models.layers import to_device
 
@@ -70,13 +73,17 @@ class KeyView:
     `block_table` [B, nb] lists the blocks to gather (None: the chunk's own new keys, a prefill
     from position 0). `length` cuts the gathered keys when no mask is needed (one sequence);
     `mask` is additive [B, 1, q_len, L] in the model dtype, or None (`causal` says whether
-    SDPA's causal kernel applies).
+    SDPA's causal kernel applies). Decode views also carry, for the paged kernel, `key0` [B]
+    (the position of the first key in block_table[b, 0]) and `context` [B] (keys up to and
+    including the query's), int64.
     """
 
     block_table: torch.Tensor | None
     length: int | None
     mask: torch.Tensor | None
     causal: bool = False
+    key0: torch.Tensor | None = None
+    context: torch.Tensor | None = None
     # Gathered keys and values [2, Hkv, B * nb, block_size, D], allocated by the first layer
     # and reused by the others (layers run one after another).
     workspace: torch.Tensor | None = None
@@ -99,7 +106,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64
     num_tokens: int
     groups: list[AttentionGroup]
-    decode_kernel: str = "sdpa"  # how decode groups attend: "sdpa" or "matmul"
+    decode_kernel: str = "sdpa"  # how decode groups attend: one of KERNELS
     varlen: VarlenBatch | None = None  # requests attended by flash-attn's varlen kernel
 
     def mask_bytes(self) -> int:
@@ -243,16 +250,18 @@ def _decode_view(
     for b, (blocks, f, s) in enumerate(zip(tables, firsts, spans, strict=True)):
         table[b, :s] = torch.tensor(blocks[f : f + s], dtype=torch.int64)
     table = to_device(table, shape.device)
+    key0 = to_device(torch.tensor(firsts, dtype=torch.int64) * bs, shape.device)
+    context = to_device(torch.tensor(contexts, dtype=torch.int64), shape.device)
     binds = window is not None and any(c > window for c in contexts)
     if len(contexts) == 1 and not binds:  # every key up to the query is visible
-        return KeyView(table, contexts[0] - firsts[0] * bs, None)
+        return KeyView(table, contexts[0] - firsts[0] * bs, None, key0=key0, context=context)
     keys = torch.tensor(firsts)[:, None] * bs + torch.arange(width * bs)[None, :]
     query = torch.tensor(contexts)[:, None] - 1
     visible = keys <= query
     if window is not None:
         visible &= query - keys < window
     mask = _additive(visible, shape.dtype)[:, None, None]  # [B, 1, 1, L]
-    return KeyView(table, None, to_device(mask, shape.device))
+    return KeyView(table, None, to_device(mask, shape.device), key0=key0, context=context)
 
 
 def _bucket_decodes(contexts: list[int]) -> list[list[int]]:
@@ -318,6 +327,10 @@ def _attend_group(q, k, v, kv_cache, group: AttentionGroup, scale: float,
     num_heads, head_dim = q.shape[1], q.shape[2]
     # [B, Hq, q_len, D]; 4-D inputs let SDPA take its flash kernel on the CPU too (the 3-D
     # form falls back to the math path, ~3x slower with GQA).
+    if n == 1 and decode_kernel == "native" and view.context is not None:
+        return native.load().decode_attention(q[group.rows], kv_cache, view.block_table,
+                                              view.key0, view.context, scale,
+                                              layer.sliding_window, layer.softcap)
     queries = q[group.rows].view(b, n, num_heads, head_dim).transpose(1, 2)
     if view.block_table is None:  # a prefill from position 0: the chunk's own keys
         keys, values = k[group.rows].transpose(0, 1)[None], v[group.rows].transpose(0, 1)[None]
@@ -349,7 +362,7 @@ def gather_blocks(kv_cache: torch.Tensor, view: KeyView, b: int):
     return keys, values
 
 
-KERNELS = ("sdpa", "matmul")
+KERNELS = ("sdpa", "matmul", "native")
 
 
 def attend(
@@ -398,34 +411,64 @@ _CHOICES: dict[tuple, str] = {}
 
 
 def choose_decode_kernel(
-    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+    block_size: int = 16,
 ) -> str:
-    """The faster decode kernel on this machine, by measurement (once per shape and dtype).
+    """The fastest decode kernel on this machine, by measurement (once per shape and dtype).
 
-    Batched decode is a matrix-vector workload whose fastest formulation differs between CPUs
-    and dtypes (SDPA's fused CPU kernel is tuned for long query blocks), so both are timed on
-    a batch-8, 1024-key decode (a few milliseconds) and the faster kept. CUDA keeps SDPA.
+    Decode attention is a matrix-vector workload whose fastest formulation differs between CPUs
+    and dtypes (SDPA's fused CPU kernel is tuned for long query blocks; oneDNN builds a kernel
+    per shape, and a decode's context grows every step). Each candidate runs a step's decode
+    attention end to end out of a paged cache, the PyTorch ones gathering the keys first: one
+    sequence at ~256 keys and eight at ~1024, the context growing by one per call as it does
+    in generation; the least total time wins. CUDA keeps SDPA.
     """
     if device.type != "cpu":
         return "sdpa"
-    key = (num_heads, num_kv_heads, head_dim, dtype)
+    key = (num_heads, num_kv_heads, head_dim, dtype, block_size)
     if key not in _CHOICES:
-        gen = torch.Generator().manual_seed(0)
-        q = torch.randn(8, num_heads, 1, head_dim, generator=gen).to(dtype)
-        k = torch.randn(8, num_kv_heads, 1024, head_dim, generator=gen).to(dtype)
-        mask = torch.zeros(8, 1, 1, 1024, dtype=dtype)
-        times = {}
-        for kernel in KERNELS:
-            run = lambda kernel=kernel: attend(q, k, k, mask, False, 0.1, None, kernel)  # noqa: E731
-            run()
-            samples = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                run()
-                samples.append(time.perf_counter() - t0)
-            times[kernel] = sorted(samples)[2]
+        names = ["sdpa", "matmul"]
+        if native.load() is not None and dtype in native.DTYPES:
+            names.append("native")
+        times = _time_decode_kernels(names, num_heads, num_kv_heads, head_dim, dtype,
+                                     block_size)
         _CHOICES[key] = min(times, key=times.get)
         log.info("decode attention kernel for %s heads %d/%d x %d: %s (%s)", dtype, num_heads,
                  num_kv_heads, head_dim, _CHOICES[key],
                  ", ".join(f"{k} {t * 1e3:.2f} ms" for k, t in times.items()))
     return _CHOICES[key]
+
+
+def _time_decode_kernels(names: list[str], num_heads: int, num_kv_heads: int, head_dim: int,
+                         dtype: torch.dtype, block_size: int) -> dict[str, float]:
+    """Median seconds of each kernel over the same decode steps (see choose_decode_kernel)."""
+    gen = torch.Generator().manual_seed(0)
+    blocks_per_seq = -(-1040 // block_size)
+    num_blocks = 8 * blocks_per_seq
+    kv_cache = torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim,
+                           generator=gen).to(dtype)
+    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(8)]
+    shape = _Shape(block_size, torch.device("cpu"), dtype)
+    steps = []
+    for grow in range(4):
+        for contexts in ([256 + grow], [1000 + grow + i for i in range(8)]):
+            view = _decode_view(shape, contexts, tables[: len(contexts)], None)
+            group = AttentionGroup(torch.arange(len(contexts)), len(contexts), 1, {None: view})
+            q = torch.randn(len(contexts), num_heads, head_dim, generator=gen).to(dtype)
+            steps.append((q, group))
+
+    def run(kernel: str) -> None:
+        for q, group in steps:
+            for view in group.views.values():
+                view.workspace = None  # a fresh gather per step, as in a real one
+            _attend_group(q, q, q, kv_cache, group, 0.1, LayerAttention(), kernel)
+
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for name in names:
+        run(name)  # warm-up
+    for _ in range(3):
+        for name in names:
+            t0 = time.perf_counter()
+            run(name)
+            samples[name].append(time.perf_counter() - t0)
+    return {name: sorted(t)[1] for name, t in samples.items()}

@@ -89,9 +89,15 @@ class KernelCache:
         self.dirty = False
 
     def get(self, key: str, allowed: set[str]) -> str | None:
+        """The cached choice, if it is allowed and every allowed candidate was timed (a
+        candidate new to this machine, say a kernel that now builds, is timed again)."""
         entry = self.entries.get(key)
-        choice = entry.get("choice") if isinstance(entry, dict) else None
-        return choice if choice in allowed else None
+        if not isinstance(entry, dict):
+            return None
+        choice, timed = entry.get("choice"), entry.get("seconds")
+        if choice not in allowed or not isinstance(timed, dict) or not allowed <= set(timed):
+            return None
+        return choice
 
     def put(self, key: str, choice: str, seconds: Mapping[str, float]) -> None:
         self.entries[key] = {"choice": choice, "seconds": {k: float(v) for k, v in

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from models import native
 from models.kernel_choice import (
     BASELINE,
     BUCKETS,
@@ -36,12 +37,17 @@ TIMED_BYTES = 32 << 20  # weight bytes one timed call streams through, at most (
 TIMED_FLOPS = 5e8  # and FLOPs
 SLICE_ROWS = 16384  # a lone matrix with more output rows is timed on its first rows
 PLAN_SECONDS = 3.0  # past this, buckets left unmeasured keep F.linear (and are not cached)
+NATIVE_ROWS = PROBE_ROWS[1]  # our matrix-vector kernel is a candidate up to this many rows
 
 
 def candidates(layer: nn.Module, rows: int, dtype: torch.dtype) -> list[str]:
     """The formulations worth timing for this layer at `rows` rows, the baseline first (what
     runs when nothing beats it, or when the plan's time budget is spent)."""
+    # Ours streams each weight row once and reuses it per input row: a decode's few rows.
+    ours = rows <= NATIVE_ROWS and native.load() is not None
     if layer.is_quantized:
+        if layer.mode == "int8" and ours:
+            return ["int_kernel", "native"]
         # Dequantizing the whole weight per call only pays when many rows share it.
         if rows <= PROBE_ROWS[1] or (layer.mode == "int4" and not int4_layout_known()):
             return ["int_kernel"]
@@ -51,6 +57,8 @@ def candidates(layer: nn.Module, rows: int, dtype: torch.dtype) -> list[str]:
         names.append("mv" if rows == 1 else "matmul_t")
         if torch.backends.mkldnn.is_available():
             names.append("onednn")
+        if ours:
+            names.append("native")
     return names
 
 

@@ -3,9 +3,10 @@ input's row count (models.kernel_plan decides by measurement; models.kernel_choi
 bookkeeping).
 
 Dense weights: F.linear; (W @ x^T)^T; torch.mv for one row; oneDNN with the weight prepacked
-once (kept beside the dense weight, so choosing it costs that memory again). Quantized weights
-(models.quantization): the int kernel, or F.linear on the weight dequantized per call (many rows
-are compute-bound, where the int kernels are slower than a dense GEMM).
+once (kept beside the dense weight, so choosing it costs that memory again); our own
+matrix-vector kernel (models.native) for a few rows. Quantized weights (models.quantization):
+PyTorch's int kernel, ours (int8), or F.linear on the weight dequantized per call (many rows are
+compute-bound, where the int kernels are slower than a dense GEMM).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models import native
 from models.kernel_choice import BASELINE, bucket_index
 
 Kernel = Callable[[nn.Module, torch.Tensor], torch.Tensor]
@@ -29,15 +31,25 @@ def _dequantized(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, layer.dequantize(x.dtype))
 
 
+def _native(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return native.load().linear(x, layer.weight)
+
+
+def _native_int8(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return native.load().linear(x, layer.qweight, layer.scales)
+
+
 KERNELS: dict[str, Kernel] = {
     BASELINE: lambda layer, x: F.linear(x, layer.weight),
     "matmul_t": lambda layer, x: (layer.weight @ x.t()).t(),  # a view of [out, rows]
     "mv": lambda layer, x: torch.mv(layer.weight, x[0]).unsqueeze(0),
     "onednn": _onednn,
+    "native": _native,
 }
 QUANTIZED_KERNELS: dict[str, Kernel] = {
     "int_kernel": lambda layer, x: layer.int_mm(x),  # the baseline of quantized layers
     "dequantized": _dequantized,
+    "native": _native_int8,
 }
 
 

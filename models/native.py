@@ -1,0 +1,206 @@
+"""Our own CPU kernels (models/native_kernels.c): built on first use with the machine's C
+compiler, cached on disk, loaded with ctypes.
+
+The source is compiled with `-O3 -march=native` for the CPU at hand, and linked against the
+OpenMP runtime PyTorch itself loaded, so its parallel loops share PyTorch's thread pool. Where
+that cannot be done (no compiler, a failed build, MMSERVE_NATIVE=0) `load()` returns None and
+says why once; every caller then keeps PyTorch's kernels. Nothing here decides whether a native
+kernel runs: models/kernel_plan.py and models/attention.py time it against PyTorch's first.
+
+The shared object is cached as native-<digest>.so under $MMSERVE_KERNEL_CACHE, else
+$MMSERVE_CACHE, else ~/.cache/mmserve, the digest covering the source, the compiler, its flags,
+the CPU's flags and the OpenMP runtime, so a change of any of them builds anew.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("native_kernels.c")
+DISABLE_ENV = "MMSERVE_NATIVE"  # "0" keeps PyTorch's kernels only
+BUILD_TIMEOUT_S = 120
+FLAGS = ("-O3", "-march=native", "-fPIC", "-std=gnu11", "-Wno-unknown-pragmas")
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+WEIGHT_KERNELS = {torch.float32: "mm_linear_f32", torch.bfloat16: "mm_linear_bf16",
+                  torch.int8: "mm_linear_i8"}
+
+_i64, _int, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+_LINEAR_ARGS = [_ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]
+_ATTENTION_ARGS = [_ptr, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
+                   _i64, _i64, _f32, _f32, _int]
+
+
+@dataclass(frozen=True)
+class NativeStatus:
+    """Whether the native kernels are loaded, and how they were built or why not."""
+
+    available: bool
+    detail: str
+
+
+class NativeKernels:
+    """Typed calls into the loaded library. Inputs must be contiguous CPU tensors; the kernels
+    accumulate in float32."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._linear = {}
+        for dtype, name in WEIGHT_KERNELS.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = _LINEAR_ARGS, _int
+            self._linear[dtype] = fn
+        self._attention = lib.mm_decode_attention
+        self._attention.argtypes, self._attention.restype = _ATTENTION_ARGS, _int
+
+    @staticmethod
+    def supports_linear(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
+        return x_dtype in DTYPES and weight_dtype in WEIGHT_KERNELS
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+               scales: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] (float32 / bfloat16) . weight [N, K]^T -> [M, N] in x's dtype. An int8
+        weight takes bfloat16 `scales` [N], one per output channel."""
+        m, k = x.shape
+        n = weight.shape[0]
+        if weight.dtype == torch.int8:
+            assert scales is not None and scales.dtype == torch.bfloat16, "int8 takes scales"
+        assert weight.is_contiguous() and weight.shape[1] == k, "weight [N, K], contiguous"
+        x = x.contiguous()
+        y = torch.empty(m, n, dtype=x.dtype)
+        status = self._linear[weight.dtype](
+            x.data_ptr(), DTYPES[x.dtype], weight.data_ptr(),
+            None if scales is None else scales.data_ptr(), y.data_ptr(), m, n, k,
+            torch.get_num_threads())
+        if status:
+            raise MemoryError("native linear: out of memory for the input's float32 copy")
+        return y
+
+    def decode_attention(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, table: torch.Tensor, key0: torch.Tensor,
+        context: torch.Tensor, scale: float, window: int | None, softcap: float | None,
+    ) -> torch.Tensor:
+        """One query per sequence against its keys in the paged cache (read in place).
+
+        q [B, Hq, D]; kv_cache [2, Hkv, blocks, block_size, D] in q's dtype; table [B, width]
+        int64 block ids, the first holding key position key0[b]; context [B]: keys up to and
+        including the query's. Returns [B, Hq, D]."""
+        batch, heads, dim = q.shape
+        _, kv_heads, num_blocks, block_size, _ = kv_cache.shape
+        assert kv_cache.is_contiguous() and kv_cache.dtype == q.dtype
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        status = self._attention(
+            q.data_ptr(), kv_cache.data_ptr(), out.data_ptr(), DTYPES[q.dtype],
+            table.data_ptr(), key0.data_ptr(), context.data_ptr(), batch, heads, kv_heads, dim,
+            table.shape[1], num_blocks, block_size, window or 0, scale, softcap or 0.0,
+            torch.get_num_threads())
+        if status:
+            raise MemoryError(f"native decode attention failed (status {status}): out of memory "
+                              "for its scores, or a head size over 8192")
+        return out
+
+
+@functools.cache
+def load() -> NativeKernels | None:
+    """The native kernels, built if needed; None (logged once, see `status`) when unavailable."""
+    kernels, detail = _load()
+    _STATUS.append(NativeStatus(kernels is not None, detail))
+    (log.info if kernels is not None else log.warning)("native CPU kernels: %s", detail)
+    return kernels
+
+
+_STATUS: list[NativeStatus] = []
+
+
+def status() -> NativeStatus:
+    """What `load()` found (loading first if it has not run)."""
+    load()
+    return _STATUS[-1]
+
+
+def _load() -> tuple[NativeKernels | None, str]:
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return None, f"disabled by {DISABLE_ENV}=0"
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler or not shutil.which(compiler):
+        return None, "no C compiler found (install gcc, or set CC): PyTorch's kernels only"
+    openmp = openmp_runtime()
+    try:
+        path, seconds = _build(compiler, openmp)
+        kernels = NativeKernels(ctypes.CDLL(str(path)))
+    except (OSError, subprocess.SubprocessError, AttributeError) as e:
+        return None, f"build with {compiler} failed ({e}): PyTorch's kernels only"
+    threads = "OpenMP shared with PyTorch" if openmp else "one thread (no OpenMP runtime found)"
+    built = f"built in {seconds:.1f} s" if seconds else "cached"
+    return kernels, f"{Path(compiler).name} -march=native, {threads}, {built}"
+
+
+def openmp_runtime() -> Path | None:
+    """The libgomp this process loaded with PyTorch (from /proc/self/maps), if any."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    for line in maps.splitlines():
+        path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+        if Path(path).name.startswith("libgomp") and ".so" in path:
+            return Path(path)
+    return None
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("MMSERVE_KERNEL_CACHE") or os.environ.get("MMSERVE_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "mmserve"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _build(compiler: str, openmp: Path | None) -> tuple[Path, float]:
+    """Compile (unless cached) -> (path of the shared object, seconds spent building)."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             timeout=30).stdout
+    flags = list(FLAGS) + (["-fopenmp"] if openmp else [])
+    digest = hashlib.sha256("\0".join(
+        [SOURCE.read_text(), compiler, version, " ".join(flags), str(openmp), _cpu_flags()]
+    ).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"native-{digest}.so"
+    if target.exists():
+        return target, 0.0
+    target.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        obj, lib = Path(tmp) / "kernels.o", Path(tmp) / "kernels.so"
+        # Compiled with OpenMP, linked without the compiler's own runtime but against the one
+        # PyTorch loaded: two OpenMP runtimes in a process would each keep a thread pool.
+        _run([compiler, *flags, "-c", str(SOURCE), "-o", str(obj)])
+        link = [compiler, "-shared", str(obj), "-o", str(lib), "-lm"]
+        _run(link + ([str(openmp)] if openmp else []))
+        lib.replace(target)
+    return target, time.perf_counter() - start
+
+
+def _run(command: list[str]) -> None:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    if done.returncode != 0:
+        raise OSError(f"{' '.join(command[:2])}...: {done.stderr.strip()[-400:]}")

@@ -1,0 +1,358 @@
+/* CPU kernels of our own for the decode step, compiled on the machine at hand by models/native.py
+ * (-O3 -march=native, OpenMP from the runtime PyTorch itself loaded) and loaded with ctypes.
+ *
+ * Plain C: the compiler vectorizes the inner loops (`omp simd`) for whatever vector ISA the CPU
+ * has, so one source serves AVX2, AVX-512 and Arm machines. The engine only runs a kernel here
+ * where it measured faster than PyTorch's on this machine (models/kernel_plan.py,
+ * models/attention.py).
+ *
+ * - mm_linear_*: y[M, N] = x[M, K] . W[N, K]^T for few rows M (decode). A weight row is streamed
+ *   once per call and reused from L1 for every row of x, so the kernel runs at the memory
+ *   bandwidth where a GEMM library's small-M path does not. Weights float32, bfloat16 or int8
+ *   with one bfloat16 scale per output channel; x and y float32 or bfloat16 (y in x's dtype);
+ *   float32 accumulation.
+ * - mm_decode_attention: one query token per sequence against its keys read in place from the
+ *   paged cache (no gather), with sliding windows, logit soft-capping and grouped-query heads;
+ *   scores, softmax and the weighted sum in float32.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define DTYPE_F32 0
+#define DTYPE_BF16 1
+#define DTYPE_I8 2
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as PyTorch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* rows [M, K] of dtype `dt` -> float32 (a copy when not float32 already; NULL if out of memory) */
+static float* as_f32(const void* x, int dt, int64_t n, int* owned) {
+    *owned = dt != DTYPE_F32;
+    if (!*owned) return (float*)x;
+    float* out = malloc(sizeof(float) * (size_t)n);
+    if (out == NULL) return NULL;
+    const uint16_t* h = x;
+    for (int64_t i = 0; i < n; i++) out[i] = bf16_to_f32(h[i]);
+    return out;
+}
+
+static inline float load_x(const void* x, int dt, int64_t i) {
+    return dt == DTYPE_F32 ? ((const float*)x)[i] : bf16_to_f32(((const uint16_t*)x)[i]);
+}
+
+static inline void store(void* y, int dt, int64_t i, float v) {
+    if (dt == DTYPE_F32) ((float*)y)[i] = v;
+    else ((uint16_t*)y)[i] = f32_to_bf16(v);
+}
+
+/* One instantiation per weight type: LOAD(w, k) reads element k of a weight row as float. */
+#define LINEAR(NAME, WTYPE, LOAD)                                                              \
+    static int NAME(const void* x, int x_dtype, const WTYPE* w, const uint16_t* scales, void* y,        \
+             int64_t m, int64_t n, int64_t k, int threads) {                                   \
+        int owned;                                                                             \
+        const float* xf = as_f32(x, x_dtype, m * k, &owned);                                   \
+        if (xf == NULL) return 1;                                                              \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                      \
+        for (int64_t r = 0; r < n; r++) {                                                      \
+            const WTYPE* wr = w + r * k;                                                       \
+            float scale = scales ? bf16_to_f32(scales[r]) : 1.0f;                              \
+            for (int64_t i = 0; i < m; i++) {                                                  \
+                const float* xr = xf + i * k;                                                  \
+                float acc = 0.0f;                                                              \
+                _Pragma("omp simd reduction(+:acc)")                                           \
+                for (int64_t j = 0; j < k; j++) acc += xr[j] * LOAD(wr, j);                    \
+                store(y, x_dtype, i * n + r, acc * scale);                                     \
+            }                                                                                  \
+        }                                                                                      \
+        if (owned) free((void*)xf);                                                            \
+        return 0;                                                                              \
+    }
+
+#define LOAD_F32(w, j) (w)[j]
+#define LOAD_BF16(w, j) bf16_to_f32((w)[j])
+#define LOAD_I8(w, j) ((float)(w)[j])
+LINEAR(linear_f32, float, LOAD_F32)
+LINEAR(linear_bf16, uint16_t, LOAD_BF16)
+
+int mm_linear_f32(const void* x, int x_dtype, const float* w, const uint16_t* scales, void* y,
+                  int64_t m, int64_t n, int64_t k, int threads) {
+    return linear_f32(x, x_dtype, w, scales, y, m, n, k, threads);
+}
+
+int mm_linear_bf16(const void* x, int x_dtype, const uint16_t* w, const uint16_t* scales,
+                   void* y, int64_t m, int64_t n, int64_t k, int threads) {
+    return linear_bf16(x, x_dtype, w, scales, y, m, n, k, threads);
+}
+LINEAR(linear_i8_float, int8_t, LOAD_I8)
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define I8_BLOCK 64 /* activations share one scale per 64 inputs: one 512-bit register */
+
+/* int8 weights through VNNI's int8 dot products. Each block of 64 activations is written as
+ * s * (h + l / 256), h and l integers in [-128, 128] with s = max|x| / 127: two int8 digits,
+ * within max|x| / 65024 of x (finer than the bfloat16 activations PyTorch's int8 kernel takes).
+ * VNNI multiplies unsigned by signed bytes, so |h| and |l| are the unsigned operands and their
+ * signs move onto the weights. Per 64 weight bytes: two dot products, no int-to-float
+ * conversion of the weights. Requires k % 64 == 0. */
+static int linear_i8_vnni(const void* x, int x_dtype, const int8_t* w, const uint16_t* scales,
+                          void* y, int64_t m, int64_t n, int64_t k, int threads) {
+    const int64_t blocks = k / I8_BLOCK;
+    uint8_t* digits = malloc((size_t)(2 * m * k));          /* |h|, |l| per activation */
+    uint64_t* signs = malloc(sizeof(uint64_t) * (size_t)(2 * m * blocks));
+    float* block_scale = malloc(sizeof(float) * (size_t)(m * blocks));  /* s / 256 */
+    if (digits == NULL || signs == NULL || block_scale == NULL) {
+        free(digits), free(signs), free(block_scale);
+        return 1;
+    }
+    for (int64_t i = 0; i < m; i++) {
+        for (int64_t b = 0; b < blocks; b++) {
+            float v[I8_BLOCK], top = 0.0f;
+            for (int j = 0; j < I8_BLOCK; j++) {
+                v[j] = load_x(x, x_dtype, i * k + b * I8_BLOCK + j);
+                top = fabsf(v[j]) > top ? fabsf(v[j]) : top;
+            }
+            const float s = top > 0.0f ? top / 127.0f : 1.0f;
+            uint64_t hs = 0, ls = 0;
+            uint8_t* hd = digits + 2 * (i * k + b * I8_BLOCK);
+            for (int j = 0; j < I8_BLOCK; j++) {
+                const float u = v[j] / s;
+                const float h = roundf(u);
+                float l = roundf((u - h) * 256.0f);
+                l = l > 128.0f ? 128.0f : (l < -128.0f ? -128.0f : l);
+                hd[j] = (uint8_t)fabsf(h);
+                hd[I8_BLOCK + j] = (uint8_t)fabsf(l);
+                hs |= (uint64_t)(h < 0) << j;
+                ls |= (uint64_t)(l < 0) << j;
+            }
+            signs[2 * (i * blocks + b)] = hs;
+            signs[2 * (i * blocks + b) + 1] = ls;
+            block_scale[i * blocks + b] = s / 256.0f;
+        }
+    }
+    const __m512i zero = _mm512_setzero_si512();
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")
+    for (int64_t r = 0; r < n; r++) {
+        const int8_t* wr = w + r * k;
+        const float scale = bf16_to_f32(scales[r]);
+        for (int64_t i = 0; i < m; i++) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t b = 0; b < blocks; b++) {
+                const __m512i wv = _mm512_loadu_si512(wr + b * I8_BLOCK);
+                const uint8_t* hd = digits + 2 * (i * k + b * I8_BLOCK);
+                const uint64_t* sg = signs + 2 * (i * blocks + b);
+                const __m512i wh = _mm512_mask_sub_epi8(wv, sg[0], zero, wv);
+                const __m512i wl = _mm512_mask_sub_epi8(wv, sg[1], zero, wv);
+                const __m512i dh = _mm512_dpbusd_epi32(zero, _mm512_loadu_si512(hd), wh);
+                const __m512i dl = _mm512_dpbusd_epi32(zero, _mm512_loadu_si512(hd + I8_BLOCK),
+                                                       wl);
+                const __m512i both = _mm512_add_epi32(_mm512_slli_epi32(dh, 8), dl);
+                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(both),
+                                      _mm512_set1_ps(block_scale[i * blocks + b]), acc);
+            }
+            store(y, x_dtype, i * n + r, _mm512_reduce_add_ps(acc) * scale);
+        }
+    }
+    free(digits), free(signs), free(block_scale);
+    return 0;
+}
+#endif
+
+/* 1 when int8 weights take the VNNI path for this input width, else 0 (float32 arithmetic). */
+int mm_linear_i8_uses_vnni(int64_t k) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return k % I8_BLOCK == 0;
+#else
+    (void)k;
+    return 0;
+#endif
+}
+
+int mm_linear_i8(const void* x, int x_dtype, const int8_t* w, const uint16_t* scales, void* y,
+                 int64_t m, int64_t n, int64_t k, int threads) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if (k % I8_BLOCK == 0) return linear_i8_vnni(x, x_dtype, w, scales, y, m, n, k, threads);
+#endif
+    return linear_i8_float(x, x_dtype, w, scales, y, m, n, k, threads);
+}
+
+/* exp(x) for x <= 0 (a softmax's shifted scores), within 2 ulp of expf: x = n ln2 + r with
+ * |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial, 2^n from the exponent bits. Plain
+ * arithmetic, so loops over it vectorize (libm's expf is a call per element). */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = __builtin_roundf(x * 1.44269504f);
+    const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+    float p = 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+#define CHUNK_FLOATS 8192  /* keys (or values) converted to float32 at a time: 32 KiB, in L1 */
+
+/* Rows [t0, t0 + n) of one head's keys or values (`base`: that head's first slot) as float32,
+ * into `dst` [n, dim]: the slots come from the block table. */
+static inline void gather_rows(const void* cache, int dt, int64_t base, const int64_t* blocks,
+                               int64_t key0, int64_t block_size, int64_t t0, int64_t n,
+                               int64_t dim, float* dst) {
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t pos = t0 + t;
+        const int64_t slot = blocks[(pos - key0) / block_size] * block_size + pos % block_size;
+        const int64_t at = base + slot * dim;
+        float* row = dst + t * dim;
+        if (dt == DTYPE_F32) {
+            memcpy(row, (const float*)cache + at, sizeof(float) * (size_t)dim);
+        } else {
+            const uint16_t* h = (const uint16_t*)cache + at;
+            _Pragma("omp simd")
+            for (int64_t d = 0; d < dim; d++) row[d] = bf16_to_f32(h[d]);
+        }
+    }
+}
+
+/* One sequence and one KV head: its `group` query heads qf [group, dim] (float32) over keys
+ * [lo, lo + len) -> acc [group, dim]. Inlined per head size, so that the loops over `dim` are
+ * unrolled and an accumulator row stays in registers. `scores` [group, len], `rows` CHUNK_FLOATS
+ * floats. */
+static inline __attribute__((always_inline)) void attend_head(
+    const void* cache, int dt, int64_t key_base, int64_t value_base, const int64_t* blocks,
+    int64_t key0, int64_t block_size, int64_t lo, int64_t len, int64_t group, const float* qf,
+    float* acc, float* scores, float* rows, float scale, float softcap, const int64_t dim) {
+    const int64_t chunk = CHUNK_FLOATS / dim;
+    for (int64_t c = 0; c < len; c += chunk) {
+        const int64_t n = len - c < chunk ? len - c : chunk;
+        gather_rows(cache, dt, key_base, blocks, key0, block_size, lo + c, n, dim, rows);
+        for (int64_t g = 0; g < group; g++) {
+            const float* qg = qf + g * dim;
+            float* sg = scores + g * len + c;
+            int64_t t = 0;
+            for (; t + 4 <= n; t += 4) {  /* four keys at once: four independent sums */
+                const float *k0 = rows + t * dim, *k1 = k0 + dim, *k2 = k1 + dim, *k3 = k2 + dim;
+                float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+                _Pragma("omp simd reduction(+:s0, s1, s2, s3)")
+                for (int64_t d = 0; d < dim; d++) {
+                    s0 += qg[d] * k0[d];
+                    s1 += qg[d] * k1[d];
+                    s2 += qg[d] * k2[d];
+                    s3 += qg[d] * k3[d];
+                }
+                sg[t] = s0, sg[t + 1] = s1, sg[t + 2] = s2, sg[t + 3] = s3;
+            }
+            for (; t < n; t++) {
+                const float* kr = rows + t * dim;
+                float s = 0.0f;
+                _Pragma("omp simd reduction(+:s)")
+                for (int64_t d = 0; d < dim; d++) s += qg[d] * kr[d];
+                sg[t] = s;
+            }
+            for (t = 0; t < n; t++) {
+                sg[t] *= scale;
+                if (softcap > 0.0f) sg[t] = softcap * tanhf(sg[t] / softcap);
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float* sg = scores + g * len;
+        float top = -INFINITY, sum = 0.0f;
+        for (int64_t t = 0; t < len; t++) top = sg[t] > top ? sg[t] : top;
+        _Pragma("omp simd reduction(+:sum)")
+        for (int64_t t = 0; t < len; t++) {
+            sg[t] = exp_nonpositive(sg[t] - top);
+            sum += sg[t];
+        }
+        const float inverse = 1.0f / sum;
+        _Pragma("omp simd")
+        for (int64_t t = 0; t < len; t++) sg[t] *= inverse;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)(group * dim));
+    for (int64_t c = 0; c < len; c += chunk) {
+        const int64_t n = len - c < chunk ? len - c : chunk;
+        gather_rows(cache, dt, value_base, blocks, key0, block_size, lo + c, n, dim, rows);
+        for (int64_t g = 0; g < group; g++) {
+            const float* pg = scores + g * len + c;
+            float a[dim];
+            memcpy(a, acc + g * dim, sizeof(float) * (size_t)dim);
+            for (int64_t t = 0; t < n; t++) {
+                const float* vr = rows + t * dim;
+                _Pragma("omp simd")
+                for (int64_t d = 0; d < dim; d++) a[d] += pg[t] * vr[d];
+            }
+            memcpy(acc + g * dim, a, sizeof(float) * (size_t)dim);
+        }
+    }
+}
+
+/* q, out [B, Hq, D]; cache [2, Hkv, num_blocks, block_size, D] (keys, values); table [B, width]
+ * of block ids, whose first entry holds key position key0[b] (a multiple of block_size);
+ * context[b] keys precede and include the query, which sits at position context[b] - 1.
+ * window > 0: the query sees keys within `window` positions; softcap > 0: scores become
+ * softcap * tanh(scores / softcap). Returns nonzero when out of memory. */
+int mm_decode_attention(const void* q, const void* cache, void* out, int dtype,
+                        const int64_t* table, const int64_t* key0, const int64_t* context,
+                        int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
+                        int64_t width, int64_t num_blocks, int64_t block_size, int64_t window,
+                        float scale, float softcap, int threads) {
+    const int64_t group = heads / kv_heads;
+    const int64_t head_stride = num_blocks * block_size * dim;  /* one KV head's slots */
+    int failed = 0;
+    if (dim > CHUNK_FLOATS) return 2;
+    _Pragma("omp parallel for collapse(2) num_threads(threads) schedule(dynamic, 1)")
+    for (int64_t b = 0; b < batch; b++) {
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const int64_t ctx = context[b];
+            int64_t lo = window > 0 && ctx > window ? ctx - window : 0;
+            if (lo < key0[b]) lo = key0[b];
+            const int64_t len = ctx - lo;
+            float* work = malloc(sizeof(float) * (size_t)(group * (len + 2 * dim) + CHUNK_FLOATS));
+            if (work == NULL) {
+                _Pragma("omp atomic write") failed = 1;
+                continue;
+            }
+            float* scores = work;                 /* [group, len] */
+            float* qf = work + group * len;       /* [group, dim] */
+            float* acc = qf + group * dim;        /* [group, dim] */
+            float* rows = acc + group * dim;      /* CHUNK_FLOATS */
+            for (int64_t g = 0; g < group; g++)
+                for (int64_t d = 0; d < dim; d++)
+                    qf[g * dim + d] = load_x(q, dtype, (b * heads + h * group + g) * dim + d);
+            const int64_t* blocks = table + b * width;
+            const int64_t keys = h * head_stride, values = (kv_heads + h) * head_stride;
+#define ATTEND(D) attend_head(cache, dtype, keys, values, blocks, key0[b], block_size, lo, len, \
+                              group, qf, acc, scores, rows, scale, softcap, D)
+            switch (dim) {
+                case 64: ATTEND(64); break;
+                case 128: ATTEND(128); break;
+                case 256: ATTEND(256); break;
+                default: ATTEND(dim);
+            }
+#undef ATTEND
+            for (int64_t g = 0; g < group; g++)
+                for (int64_t d = 0; d < dim; d++)
+                    store(out, dtype, (b * heads + h * group + g) * dim + d, acc[g * dim + d]);
+            free(work);
+        }
+    }
+    return failed;
+}

@@ -1,0 +1,285 @@
+"""Our own CPU kernels (models/native_kernels.c) against float64 references: matrix-vector
+linears (float32, bfloat16 and int8 weights), paged decode attention (grouped-query heads,
+sliding windows, soft-caps, tables that start past block 0), the build cache and the fallback
+to PyTorch's kernels; then a whole model forced through them against transformers.
+
+With CI set, a machine where the kernels do not build fails here instead of skipping: the
+engine would silently run PyTorch's kernels only.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models import native
+from models.kernel_choice import BUCKETS
+from models.linear_kernels import Linear
+from models.quantization import dequantize_int8, quantize_int8
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    loaded = native.load()
+    if loaded is None:
+        reason = native.status().detail
+        if os.environ.get("CI"):
+            pytest.fail(f"native kernels unavailable on CI: {reason}")
+        pytest.skip(reason)
+    return loaded
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, k", [(1, 77), (3, 256), (8, 96)])
+def test_linear_matches_float64(kernels, weight_dtype, x_dtype, rows, k):
+    gen = torch.Generator().manual_seed(rows * k)
+    w = torch.randn(37, k, generator=gen).to(weight_dtype)
+    x = torch.randn(rows, k, generator=gen).to(x_dtype)
+    out = kernels.linear(x, w)
+    assert out.dtype == x_dtype and out.shape == (rows, 37)
+    ref = x.double() @ w.double().t()
+    tol = 1e-5 if x_dtype == torch.float32 else 2 ** -8  # bfloat16 output: one rounding
+    torch.testing.assert_close(out.double(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
+def test_bfloat16_output_rounds_as_pytorch(kernels):
+    """A bfloat16 result is the float32 one rounded to nearest even, bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(301, 64, generator=gen)
+    x = torch.randn(2, 64, generator=gen).to(torch.bfloat16)
+    assert torch.equal(kernels.linear(x, w), kernels.linear(x.float(), w).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("k", [192, 100])  # 192: the VNNI path where the CPU has one
+@pytest.mark.parametrize("rows", [1, 5])
+def test_int8_linear_matches_the_dequantized_weight(kernels, k, rows):
+    gen = torch.Generator().manual_seed(k + rows)
+    q, scales = quantize_int8(torch.randn(64, k, generator=gen) * 0.05)
+    x = torch.randn(rows, k, generator=gen)
+    x[:, 3] *= 200  # an outlier channel: its 64-wide block's scale grows, the others' do not
+    ref = x.double() @ dequantize_int8(q, scales, torch.float64).t()
+    out = kernels.linear(x, q, scales)
+    # The VNNI path writes activations as two int8 digits per 64-block: within max|x| / 65024.
+    err = (out.double() - ref).norm() / ref.norm()
+    assert err < 1e-4, err
+    out_bf16 = kernels.linear(x.to(torch.bfloat16), q, scales)
+    assert out_bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(out_bf16.double(), ref, atol=0.01 * ref.abs().max().item(),
+                               rtol=0.01)
+
+
+def test_native_linear_is_a_planned_candidate_for_few_rows_only(kernels):
+    from models.kernel_plan import candidates
+    from models.quantization import QuantizedLinear
+
+    layer = Linear(64, 32)
+    assert [("native" in candidates(layer, r, torch.bfloat16)) for r in (1, 4, 32, 128)] == [
+        True, True, False, False]
+    q = QuantizedLinear(torch.randn(64, 64), None, "int8")
+    assert candidates(q, 1, torch.bfloat16) == ["int_kernel", "native"]
+    layer.kernels = ("native",) * len(BUCKETS)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+def _paged(gen, dtype, contexts, kv_heads, dim, block_size, num_blocks):
+    """A cache whose blocks are handed out in a shuffled order: tables [B][blocks]."""
+    cache = torch.randn(2, kv_heads, num_blocks, block_size, dim, generator=gen).to(dtype)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = []
+    for c in contexts:
+        n = -(-c // block_size)
+        tables.append(free[:n])
+        free = free[n:]
+    return cache, tables
+
+
+def _reference(q, cache, table, context, scale, window, softcap):
+    """One sequence's decode attention in float64: [Hq, D]."""
+    heads, dim = q.shape
+    kv_heads, block_size = cache.shape[1], cache.shape[3]
+    pos = torch.arange(context)
+    slots = torch.tensor(table)[pos // block_size] * block_size + pos % block_size
+    keys = cache[0].reshape(kv_heads, -1, dim)[:, slots].double()  # [Hkv, L, D]
+    values = cache[1].reshape(kv_heads, -1, dim)[:, slots].double()
+    group = heads // kv_heads
+    scores = torch.einsum("hgd,hld->hgl", q.double().view(kv_heads, group, dim), keys) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    if window:
+        scores[..., pos < context - window] = float("-inf")
+    out = torch.einsum("hgl,hld->hgd", scores.softmax(-1), values)
+    return out.reshape(heads, dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 24])  # 64: a specialised head size; 24: the generic loop
+@pytest.mark.parametrize("window, softcap", [(None, None), (11, None), (None, 30.0)])
+def test_decode_attention_matches_float64(kernels, dtype, dim, window, softcap):
+    gen = torch.Generator().manual_seed(dim)
+    heads, kv_heads, block_size = 6, 2, 4
+    contexts = [1, 9, 37, 300]  # 300 keys: more than one chunk of keys converted at a time
+    cache, tables = _paged(gen, dtype, contexts, kv_heads, dim, block_size, 120)
+    q = torch.randn(len(contexts), heads, dim, generator=gen).to(dtype)
+    # As the engine's decode views: a windowed layer's table starts at its first visible block.
+    firsts = [0 if window is None else max(c - window, 0) // block_size for c in contexts]
+    width = max(len(t) - f for t, f in zip(tables, firsts, strict=True))
+    table = torch.zeros(len(contexts), width, dtype=torch.int64)
+    for b, (t, f) in enumerate(zip(tables, firsts, strict=True)):
+        table[b, : len(t) - f] = torch.tensor(t[f:])
+    key0 = torch.tensor(firsts) * block_size
+    out = kernels.decode_attention(q, cache, table, key0, torch.tensor(contexts), 0.2, window,
+                                   softcap)
+    assert out.dtype == dtype and out.shape == q.shape
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    for b, c in enumerate(contexts):
+        ref = _reference(q[b], cache, tables[b], c, 0.2, window, softcap)
+        torch.testing.assert_close(out[b].double(), ref, atol=tol, rtol=tol)
+
+
+def test_paged_attention_takes_the_native_decode_kernel(kernels):
+    """Through the engine's metadata: decodes in two buckets beside a chunk, sliding window."""
+    from models.attention import LayerAttention, build_metadata, paged_attention
+
+    gen = torch.Generator().manual_seed(1)
+    cpu = torch.device("cpu")
+    kv_heads, dim, bs, window = 2, 16, 4, 6
+    cache = torch.zeros(2, kv_heads, 40, bs, dim)
+    contexts = [3, 9, 30]
+    tables = [list(range(10 * i, 10 * i + 8)) for i in range(3)]
+    seqs = [torch.randn(c, 3, kv_heads, dim, generator=gen) for c in contexts]
+    for c, seq, table in zip(contexts, seqs, tables, strict=True):
+        meta = build_metadata([0], [c - 1], [table], bs, cpu, windows=(None, window))
+        paged_attention(seq[:-1, 0].repeat_interleave(2, 1), seq[:-1, 1], seq[:-1, 2], cache,
+                        meta, 0.3, LayerAttention(window))
+    outs = {}
+    for kernel in ("matmul", "native"):
+        meta = build_metadata([c - 1 for c in contexts], [1, 1, 1], tables, bs, cpu,
+                              windows=(None, window), decode_kernel=kernel)
+        q = torch.cat([s[-1:, 0].repeat_interleave(2, 1) for s in seqs])
+        k = torch.cat([s[-1:, 1] for s in seqs])
+        v = torch.cat([s[-1:, 2] for s in seqs])
+        outs[kernel] = paged_attention(q, k, v, cache.clone(), meta, 0.3, LayerAttention(window))
+    torch.testing.assert_close(outs["native"], outs["matmul"], atol=1e-5, rtol=0)
+
+
+def test_build_is_cached_and_keyed_by_source(kernels, tmp_path, monkeypatch):
+    monkeypatch.setenv("MMSERVE_KERNEL_CACHE", str(tmp_path))
+    compiler = os.environ.get("CC") or "cc"
+    openmp = native.openmp_runtime()
+    path, seconds = native._build(compiler, openmp)
+    assert path.parent == tmp_path and seconds > 0
+    assert native._build(compiler, openmp) == (path, 0.0)  # the second start reuses it
+    edited = tmp_path / "kernels.c"
+    edited.write_text(native.SOURCE.read_text() + "\n/* edited */\n")
+    monkeypatch.setattr(native, "SOURCE", edited)
+    assert native._build(compiler, openmp)[0] != path
+
+
+def test_without_a_compiler_the_engine_keeps_pytorch_kernels(monkeypatch):
+    from models.kernel_plan import candidates
+
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    kernels, detail = native._load()
+    assert kernels is None and "no C compiler" in detail
+    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    assert native._load() == (None, f"disabled by {native.DISABLE_ENV}=0")
+    monkeypatch.setattr(native, "load", lambda: None)
+    assert "native" not in candidates(Linear(8, 8), 1, torch.float32)
+
+
+GEMMA3_SHAPE = {  # a 5:1 local/global pattern with a window shorter than the prompt; head 64
+    "head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 6,
+    "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+    "hidden_activation": "gelu_pytorch_tanh",
+}
+
+
+@pytest.fixture(scope="module", params=["qwen2", "gemma3_text"])
+def text_model(request, tmp_path_factory):
+    from testing.tiny import build_text_model
+
+    root = tmp_path_factory.mktemp(request.param)
+    if request.param == "qwen2":
+        return build_text_model(root / "m", "qwen2", num_layers=2)
+    return build_text_model(root / "m", "gemma3_text", num_layers=6, num_heads=4,
+                            num_kv_heads=1, tie_word_embeddings=True,
+                            config_overrides=GEMMA3_SHAPE)
+
+
+@pytest.fixture
+def native_everywhere(kernels, monkeypatch):
+    """Engines built in the test decode through our kernels wherever one exists: decode
+    attention, and every linear's 1-row and 2-8-row buckets (int8 too)."""
+    import engine.model_runner as runner
+    from models.quantization import QuantizedLinear
+
+    def plan(model, dtype, *args, **kwargs):
+        for module in model.modules():
+            if isinstance(module, QuantizedLinear):
+                rest = "int_kernel"
+                if module.mode != "int8":
+                    continue
+            elif isinstance(module, Linear):
+                rest = "F.linear"
+            else:
+                continue
+            module.kernels = ("native", "native", rest, rest, rest)
+        return {}
+
+    monkeypatch.setattr(runner, "choose_decode_kernel", lambda *args, **kwargs: "native")
+    monkeypatch.setattr(runner, "plan_linears", plan)
+
+
+def test_decode_logits_and_greedy_tokens_match_transformers(text_model, hf_models,
+                                                            native_everywhere):
+    from engine import LLM, SamplingParams
+    from models.attention import build_metadata
+
+    hf = hf_models(text_model)
+    llm = LLM(text_model, dtype="float32", max_model_len=256, block_size=4)
+    model = llm.engine.runner.model
+    assert llm.engine.runner.decode_kernel == "native"
+    ids = torch.randint(0, llm.engine.runner.vocab_size, (24,),
+                        generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    blocks, logits = [5, 0, 7, 2, 9, 1, 3], []
+    for start, end in [(0, 16)] + [(p, p + 1) for p in range(16, 24)]:  # then 8 decodes
+        meta = build_metadata([start], [end - start], [blocks], 4, torch.device("cpu"),
+                              windows=model.attention_windows(), decode_kernel="native")
+        with torch.inference_mode():
+            hidden = model(torch.tensor(ids[start:end]), torch.arange(start, end), meta)
+            logits.append(model.compute_logits(hidden))
+    torch.testing.assert_close(torch.cat(logits), ref, atol=3e-4, rtol=0)
+
+    prompts = [list(range(4, 30)), list(range(9, 14))]  # two decodes share the steps
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            expected = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                                   eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == expected
+
+
+def test_int8_model_through_native_kernels_tracks_pytorch_int8(text_model, native_everywhere):
+    """The same int8 weights through our kernel and through PyTorch's: the same greedy tokens
+    (our activations carry 15 bits per 64-block, PyTorch's are rounded to bfloat16)."""
+    from engine import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompt = [{"prompt_token_ids": list(range(4, 30))}]
+    ours = LLM(text_model, dtype="bfloat16", max_model_len=256, quantization="int8")
+    tokens = ours.generate(prompt, params)[0].outputs[0].token_ids
+    layers = [m for m in ours.engine.runner.model.modules() if getattr(m, "is_quantized", False)]
+    assert layers and all(m.kernels[0] == "native" for m in layers)
+    for layer in layers:
+        layer.kernels = ("int_kernel",) * len(BUCKETS)
+    assert ours.generate(prompt, params)[0].outputs[0].token_ids == tokens
