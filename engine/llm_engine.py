@@ -27,6 +27,7 @@ from engine.processing import EncoderBudget, InputProcessor, ProcessedPrompt
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from models import native
 from models.interfaces import ProcessorContext
 from models.registry import resolve
 
@@ -254,13 +255,17 @@ class LLMEngine:
         }
 
     def weights_description(self) -> str:
-        """The weights' precision and device, e.g. "bfloat16, int4 linears (group 128), cpu"."""
+        """The weights' precision and device, e.g. "bfloat16, int4 linears (group 128), cpu,
+        own kernels" (on the CPU: whether models.native built, else PyTorch's kernels only)."""
         text = str(self.dtype).removeprefix("torch.")
         mode = self.config.quantization
         if mode == "int8":
             text += ", int8 linears"
         elif mode == "int4":
             text += f", int4 linears (group {self.config.quantization_group_size})"
+        if self.device.type == "cpu":
+            status = native.status()
+            return f"{text}, cpu, {'own kernels' if status.available else 'PyTorch kernels'}"
         return f"{text}, {self.device}"
 
     def check_integrity(self) -> None:

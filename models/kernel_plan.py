@@ -79,7 +79,9 @@ def plan_linears(model: nn.Module, dtype: torch.dtype, cache: KernelCache | None
                  timer: Timer = measure, budget_s: float = PLAN_SECONDS) -> dict[str, tuple]:
     """Set every CPU linear's `kernels` (one formulation per bucket): cached choices are
     reused, new ones timed and saved. Returns {group key: choices per bucket}."""
-    cache = cache if cache is not None else KernelCache(cache_path())
+    if cache is None:
+        built = native.load()
+        cache = KernelCache(cache_path(native_build=built.build_id if built else None))
     # The largest groups first: if the budget runs out, it is spent where the bytes are.
     groups = dict(sorted(linear_groups(model, dtype).items(),
                          key=lambda item: -sum(_nbytes(layer) for layer in item[1])))

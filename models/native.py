@@ -56,7 +56,8 @@ class NativeKernels:
     """Typed calls into the loaded library. Inputs must be contiguous CPU tensors; the kernels
     accumulate in float32."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, build_id: str) -> None:
+        self.build_id = build_id  # the digest naming the shared object
         self._linear = {}
         for dtype, name in WEIGHT_KERNELS.items():
             fn = getattr(lib, name)
@@ -140,7 +141,7 @@ def _load() -> tuple[NativeKernels | None, str]:
     openmp = openmp_runtime()
     try:
         path, seconds = _build(compiler, openmp)
-        kernels = NativeKernels(ctypes.CDLL(str(path)))
+        kernels = NativeKernels(ctypes.CDLL(str(path)), path.stem.removeprefix("native-"))
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         return None, f"build with {compiler} failed ({e}): PyTorch's kernels only"
     threads = "OpenMP shared with PyTorch" if openmp else "one thread (no OpenMP runtime found)"

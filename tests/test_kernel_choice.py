@@ -47,6 +47,8 @@ def test_cache_path_names_cpu_and_torch_version(monkeypatch, tmp_path):
     assert path.parent == tmp_path
     assert path.name == "kernels-AMD_EPYC_9B14_2_cores-2.13.0+cpu.json"
     assert cache_path().name.startswith("kernels-") and torch.__version__ in cache_path().name
+    # A build of our own kernels gets a file of its own: choices made without it are stale.
+    assert cache_path("c", "t", native_build="ab12").name == "kernels-c-t-native-ab12.json"
 
 
 class FakeTimer:

@@ -283,3 +283,13 @@ def test_int8_model_through_native_kernels_tracks_pytorch_int8(text_model, nativ
     for layer in layers:
         layer.kernels = ("int_kernel",) * len(BUCKETS)
     assert ours.generate(prompt, params)[0].outputs[0].token_ids == tokens
+
+
+def test_the_engine_panel_says_which_kernels_run(qwen2_path, monkeypatch):
+    from engine import LLM
+
+    engine = LLM(qwen2_path, max_model_len=128).engine
+    expected = "own kernels" if native.status().available else "PyTorch kernels"
+    assert engine.stats()["weights"] == f"float32, cpu, {expected}"
+    monkeypatch.setattr(native, "status", lambda: native.NativeStatus(False, "no compiler"))
+    assert engine.stats()["weights"] == "float32, cpu, PyTorch kernels"

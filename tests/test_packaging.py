@@ -28,3 +28,10 @@ def test_space_requirements_match_the_runtime_dependencies():
     lines = (ROOT / "requirements.txt").read_text().splitlines()
     listed = {_name(line): line for line in lines if line.strip() and not line.startswith("#")}
     assert listed == wanted
+
+
+def test_the_native_kernel_source_ships_with_the_package():
+    """models/native.py compiles models/native_kernels.c at run time: a wheel must carry it."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert "*.c" in config["package-data"]["models"]
+    assert (ROOT / "models" / "native_kernels.c").exists()
