@@ -325,12 +325,13 @@ def _attend_group(q, k, v, kv_cache, group: AttentionGroup, scale: float,
     view = group.views[layer.sliding_window]
     b, n = group.num_seqs, group.q_len
     num_heads, head_dim = q.shape[1], q.shape[2]
-    # [B, Hq, q_len, D]; 4-D inputs let SDPA take its flash kernel on the CPU too (the 3-D
-    # form falls back to the math path, ~3x slower with GQA).
     if n == 1 and decode_kernel == "native" and view.context is not None:
+        # Our paged kernel: keys read in place through the block table, no gather.
         return native.load().decode_attention(q[group.rows], kv_cache, view.block_table,
                                               view.key0, view.context, scale,
                                               layer.sliding_window, layer.softcap)
+    # [B, Hq, q_len, D]; 4-D inputs let SDPA take its flash kernel on the CPU too (the 3-D
+    # form falls back to the math path, ~3x slower with GQA).
     queries = q[group.rows].view(b, n, num_heads, head_dim).transpose(1, 2)
     if view.block_table is None:  # a prefill from position 0: the chunk's own keys
         keys, values = k[group.rows].transpose(0, 1)[None], v[group.rows].transpose(0, 1)[None]
