@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from models.kernel_choice import cache_path
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native_kernels.c")
@@ -162,11 +164,6 @@ def openmp_runtime() -> Path | None:
     return None
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("MMSERVE_KERNEL_CACHE") or os.environ.get("MMSERVE_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "mmserve"
-
-
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -185,7 +182,7 @@ def _build(compiler: str, openmp: Path | None) -> tuple[Path, float]:
     digest = hashlib.sha256("\0".join(
         [SOURCE.read_text(), compiler, version, " ".join(flags), str(openmp), _cpu_flags()]
     ).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"native-{digest}.so"
+    target = cache_path().parent / f"native-{digest}.so"  # beside the kernel choices
     if target.exists():
         return target, 0.0
     target.parent.mkdir(parents=True, exist_ok=True)

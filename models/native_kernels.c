@@ -172,16 +172,6 @@ static int linear_i8_vnni(const void* x, int x_dtype, const int8_t* w, const uin
 }
 #endif
 
-/* 1 when int8 weights take the VNNI path for this input width, else 0 (float32 arithmetic). */
-int mm_linear_i8_uses_vnni(int64_t k) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    return k % I8_BLOCK == 0;
-#else
-    (void)k;
-    return 0;
-#endif
-}
-
 int mm_linear_i8(const void* x, int x_dtype, const int8_t* w, const uint16_t* scales, void* y,
                  int64_t m, int64_t n, int64_t k, int threads) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
