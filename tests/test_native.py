@@ -19,6 +19,7 @@ from models import native
 from models.kernel_choice import BUCKETS
 from models.linear_kernels import Linear
 from models.quantization import dequantize_int8, quantize_int8
+from tests.test_text_families_vs_hf import GEMMA3_1B_SHAPE
 
 
 @pytest.fixture(scope="module")
@@ -192,13 +193,9 @@ def test_without_a_compiler_the_engine_keeps_pytorch_kernels(monkeypatch):
     assert "native" not in candidates(Linear(8, 8), 1, torch.float32)
 
 
-GEMMA3_SHAPE = {  # a 5:1 local/global pattern with a window shorter than the prompt; head 64
-    "head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 6,
-    "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
-    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
-    "hidden_activation": "gelu_pytorch_tanh",
-}
+# Gemma 3 1B's proportions as tests/test_text_families_vs_hf.py builds them, with a head of 64
+# (a head size the attention kernel specialises).
+GEMMA3_SHAPE = {**GEMMA3_1B_SHAPE, "head_dim": 64, "query_pre_attn_scalar": 64}
 
 
 @pytest.fixture(scope="module", params=["qwen2", "gemma3_text"])
