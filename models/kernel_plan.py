@@ -46,8 +46,8 @@ def candidates(layer: nn.Module, rows: int, dtype: torch.dtype) -> list[str]:
     # Ours streams each weight row once and reuses it per input row: a decode's few rows.
     ours = rows <= NATIVE_ROWS and native.load() is not None
     if layer.is_quantized:
-        if layer.mode == "int8" and ours:
-            return ["int_kernel", "native"]
+        if ours and (layer.mode == "int8" or int4_layout_known()):
+            return ["int_kernel", "native"]  # ours reads PyTorch's int4 pack in place
         # Dequantizing the whole weight per call only pays when many rows share it.
         if rows <= PROBE_ROWS[1] or (layer.mode == "int4" and not int4_layout_known()):
             return ["int_kernel"]

@@ -5,7 +5,7 @@ bookkeeping).
 Dense weights: F.linear; (W @ x^T)^T; torch.mv for one row; oneDNN with the weight prepacked
 once (kept beside the dense weight, so choosing it costs that memory again); our own
 matrix-vector kernel (models.native) for a few rows. Quantized weights (models.quantization):
-PyTorch's int kernel, ours (int8), or F.linear on the weight dequantized per call (many rows are
+PyTorch's int kernel, ours, or F.linear on the weight dequantized per call (many rows are
 compute-bound, where the int kernels are slower than a dense GEMM).
 """
 
@@ -35,8 +35,10 @@ def _native(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return native.load().linear(x, layer.weight)
 
 
-def _native_int8(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return native.load().linear(x, layer.qweight, layer.scales)
+def _native_quantized(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if layer.mode == "int8":
+        return native.load().linear(x, layer.qweight, layer.scales)
+    return native.load().linear_int4(x, layer.qweight, layer.scales, layer.group_size)
 
 
 KERNELS: dict[str, Kernel] = {
@@ -49,7 +51,7 @@ KERNELS: dict[str, Kernel] = {
 QUANTIZED_KERNELS: dict[str, Kernel] = {
     "int_kernel": lambda layer, x: layer.int_mm(x),  # the baseline of quantized layers
     "dequantized": _dequantized,
-    "native": _native_int8,
+    "native": _native_quantized,
 }
 
 

@@ -42,6 +42,7 @@ WEIGHT_KERNELS = {torch.float32: "mm_linear_f32", torch.bfloat16: "mm_linear_bf1
 
 _i64, _int, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
 _LINEAR_ARGS = [_ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]
+_INT4_ARGS = [_ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int, _int]
 _ATTENTION_ARGS = [_ptr, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
                    _i64, _i64, _f32, _f32, _int]
 
@@ -65,6 +66,8 @@ class NativeKernels:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = _LINEAR_ARGS, _int
             self._linear[dtype] = fn
+        self._int4 = lib.mm_linear_i4
+        self._int4.argtypes, self._int4.restype = _INT4_ARGS, _int
         self._attention = lib.mm_decode_attention
         self._attention.argtypes, self._attention.restype = _ATTENTION_ARGS, _int
 
@@ -89,6 +92,26 @@ class NativeKernels:
             torch.get_num_threads())
         if status:
             raise MemoryError("native linear: out of memory for the input's float32 copy")
+        return y
+
+    def linear_int4(self, x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
+                    group_size: int, generic: bool = False) -> torch.Tensor:
+        """x [M, K] (float32 / bfloat16) through int4 weights in PyTorch's CPU pack, read in
+        place: packed [N, K / 2] uint8 from aten._convert_weight_to_int4pack_for_cpu,
+        scales_and_zeros [K / group_size, N, 2] bfloat16. -> [M, N] in x's dtype. `generic`
+        runs the plain-C path even where the VNNI one is built (for tests)."""
+        m, k = x.shape
+        n = packed.shape[0]
+        assert packed.dtype == torch.uint8 and packed.shape[1] * 2 == k and n % 64 == 0
+        assert scales_and_zeros.dtype == torch.bfloat16 and scales_and_zeros.is_contiguous()
+        assert scales_and_zeros.shape == (k // group_size, n, 2), "scales [K / g, N, 2]"
+        x = x.contiguous()
+        y = torch.empty(m, n, dtype=x.dtype)
+        status = self._int4(x.data_ptr(), DTYPES[x.dtype], packed.data_ptr(),
+                            scales_and_zeros.data_ptr(), y.data_ptr(), m, n, k, group_size,
+                            int(generic), torch.get_num_threads())
+        if status:
+            raise MemoryError("native int4 linear: out of memory for its activation copies")
         return y
 
     def decode_attention(

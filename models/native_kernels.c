@@ -11,6 +11,8 @@
  *   bandwidth where a GEMM library's small-M path does not. Weights float32, bfloat16 or int8
  *   with one bfloat16 scale per output channel; x and y float32 or bfloat16 (y in x's dtype);
  *   float32 accumulation.
+ * - mm_linear_i4: the same for int4 weights in PyTorch's CPU pack, read in place (group-wise
+ *   scales and zeros), through VNNI dot products where the CPU has them.
  * - mm_decode_attention: one query token per sequence against its keys read in place from the
  *   paged cache (no gather), with sliding windows, logit soft-capping and grouped-query heads;
  *   scores, softmax and the weighted sum in float32.
@@ -178,6 +180,193 @@ int mm_linear_i8(const void* x, int x_dtype, const int8_t* w, const uint16_t* sc
     if (k % I8_BLOCK == 0) return linear_i8_vnni(x, x_dtype, w, scales, y, m, n, k, threads);
 #endif
     return linear_i8_float(x, x_dtype, w, scales, y, m, n, k, threads);
+}
+
+/* int4 weights in PyTorch's CPU pack (aten._convert_weight_to_int4pack_for_cpu), read in place:
+ * packed [N / 64, K, 32] bytes, byte (b, k, d) holding q of channel 64b + d in its low nibble and
+ * of 64b + 32 + d in its high one; sz [K / group, N, 2] bfloat16 (scale, zero), the weight being
+ * (q - 8) * scale + zero. Per group and channel,
+ *   sum_k w_k x_k = scale * sum_k q_k x_k + (zero - 8 * scale) * sum_k x_k,
+ * where sum_k x_k is shared by all channels (computed once per call). Requires n % 64 == 0 and
+ * k % group == 0, group % 4 == 0. */
+#define I4_BLOCK_N 64
+
+/* The generic path: one block of 64 channels for every row of x (float32 [m, k]). */
+static void i4_block_float(const float* xf, const float* xsum, const uint8_t* wb,
+                           const uint16_t* sz, float* out, int64_t m, int64_t n, int64_t k,
+                           int64_t group, int64_t b) {
+    const int64_t groups = k / group;
+    for (int64_t i = 0; i < m; i++) {
+        float acc[I4_BLOCK_N] = {0};
+        for (int64_t g = 0; g < groups; g++) {
+            float dot[I4_BLOCK_N] = {0};
+            for (int64_t kk = g * group; kk < (g + 1) * group; kk++) {
+                const uint8_t* bytes = wb + kk * (I4_BLOCK_N / 2);
+                const float xv = xf[i * k + kk];
+                _Pragma("omp simd")
+                for (int d = 0; d < I4_BLOCK_N / 2; d++) {
+                    dot[d] += (float)(bytes[d] & 15) * xv;
+                    dot[d + I4_BLOCK_N / 2] += (float)(bytes[d] >> 4) * xv;
+                }
+            }
+            const uint16_t* s = sz + (g * n + b * I4_BLOCK_N) * 2;
+            const float sum = xsum[i * groups + g];
+            _Pragma("omp simd")
+            for (int c = 0; c < I4_BLOCK_N; c++) {
+                const float scale = bf16_to_f32(s[2 * c]), zero = bf16_to_f32(s[2 * c + 1]);
+                acc[c] += scale * dot[c] + (zero - 8.0f * scale) * sum;
+            }
+        }
+        memcpy(out + i * n + b * I4_BLOCK_N, acc, sizeof(acc));
+    }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#define I4_VNNI 1
+/* The VNNI path, for one row of x and one block of 64 channels. The activations of each group
+ * are written as s * (h + l / 256) with int8 digits h, l (s = max|x| / 127 over the group), as
+ * for int8 weights; the nibbles are the unsigned operand of VNNI's dot products, the digits the
+ * signed one. One step takes four consecutive k of the block (128 bytes) and transposes them with
+ * two byte permutes into 32-bit lanes of four k per channel: lane j of the low / high nibbles of
+ * permute 0 holds channel j / 32 + j, of permute 1 channel 16 + j / 48 + j. Written out per
+ * register (no arrays), so that the accumulators stay in registers. */
+static inline void i4_block_vnni(const int8_t* hd, const int8_t* ld, const float* gscale,
+                                 const float* xsum, const uint8_t* wb, const uint16_t* sz,
+                                 float* out, int64_t n, int64_t k, int64_t group, int64_t b,
+                                 const __m512i idx0, const __m512i idx1) {
+    const int64_t groups = k / group;
+    const __m512i nibble = _mm512_set1_epi8(15);
+    const __m512i zero_i = _mm512_setzero_si512();
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i h0 = zero_i, h1 = zero_i, h2 = zero_i, h3 = zero_i;
+        __m512i l0 = zero_i, l1 = zero_i, l2 = zero_i, l3 = zero_i;
+        const uint8_t* p = wb + g * group * (I4_BLOCK_N / 2);
+        for (int64_t kk = g * group; kk < (g + 1) * group; kk += 4, p += 128) {
+            const __m512i a = _mm512_loadu_si512(p), c = _mm512_loadu_si512(p + 64);
+            const __m512i q0 = _mm512_permutex2var_epi8(a, idx0, c);
+            const __m512i q1 = _mm512_permutex2var_epi8(a, idx1, c);
+            const __m512i w0 = _mm512_and_si512(q0, nibble);
+            const __m512i w1 = _mm512_and_si512(q1, nibble);
+            const __m512i w2 = _mm512_and_si512(_mm512_srli_epi16(q0, 4), nibble);
+            const __m512i w3 = _mm512_and_si512(_mm512_srli_epi16(q1, 4), nibble);
+            int32_t h4, l4;
+            memcpy(&h4, hd + kk, 4);
+            memcpy(&l4, ld + kk, 4);
+            const __m512i hv = _mm512_set1_epi32(h4), lv = _mm512_set1_epi32(l4);
+            h0 = _mm512_dpbusd_epi32(h0, w0, hv), l0 = _mm512_dpbusd_epi32(l0, w0, lv);
+            h1 = _mm512_dpbusd_epi32(h1, w1, hv), l1 = _mm512_dpbusd_epi32(l1, w1, lv);
+            h2 = _mm512_dpbusd_epi32(h2, w2, hv), l2 = _mm512_dpbusd_epi32(l2, w2, lv);
+            h3 = _mm512_dpbusd_epi32(h3, w3, hv), l3 = _mm512_dpbusd_epi32(l3, w3, lv);
+        }
+        /* (scale, zero) pairs of 16 channels per register, the scale in each lane's low half */
+        const uint16_t* s = sz + (g * n + b * I4_BLOCK_N) * 2;
+        const __m512 sr = _mm512_set1_ps(gscale[g]), xs = _mm512_set1_ps(xsum[g]);
+#define I4_FINISH(ACC, H, L, AT)                                                              \
+        {                                                                                     \
+            const __m512i pair = _mm512_loadu_si512(s + (AT));                                \
+            const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));            \
+            const __m512 zero = _mm512_castsi512_ps(                                          \
+                _mm512_and_si512(pair, _mm512_set1_epi32((int)0xffff0000u)));                 \
+            const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale, zero);        \
+            const __m512i both = _mm512_add_epi32(_mm512_slli_epi32(H, 8), L);                \
+            const __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(both), sr);                   \
+            ACC = _mm512_fmadd_ps(offset, xs, _mm512_fmadd_ps(dot, scale, ACC));             \
+        }
+        I4_FINISH(acc0, h0, l0, 0)
+        I4_FINISH(acc1, h1, l1, 32)
+        I4_FINISH(acc2, h2, l2, 64)
+        I4_FINISH(acc3, h3, l3, 96)
+#undef I4_FINISH
+    }
+    float* o = out + b * I4_BLOCK_N;
+    _mm512_storeu_ps(o, acc0), _mm512_storeu_ps(o + 16, acc1);
+    _mm512_storeu_ps(o + 32, acc2), _mm512_storeu_ps(o + 48, acc3);
+}
+
+static void i4_permute_indices(__m512i* idx0, __m512i* idx1) {
+    uint8_t raw[2][64];
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < 16; j++) {
+            const int d = 16 * h + j;  /* bytes of d at k, k + 1, k + 2, k + 3 */
+            raw[h][4 * j] = (uint8_t)d, raw[h][4 * j + 1] = (uint8_t)(32 + d);
+            raw[h][4 * j + 2] = (uint8_t)(64 + d), raw[h][4 * j + 3] = (uint8_t)(96 + d);
+        }
+    *idx0 = _mm512_loadu_si512(raw[0]), *idx1 = _mm512_loadu_si512(raw[1]);
+}
+#endif
+
+/* generic != 0: the float path even where the VNNI one is built (for tests). */
+int mm_linear_i4(const void* x, int x_dtype, const uint8_t* w, const uint16_t* sz, void* y,
+                 int64_t m, int64_t n, int64_t k, int64_t group, int generic, int threads) {
+    const int64_t groups = k / group, blocks = n / I4_BLOCK_N;
+    if (n % I4_BLOCK_N || k % group || group % 4) return 2;
+    int owned;
+    const float* xf = as_f32(x, x_dtype, m * k, &owned);
+    float* xsum = malloc(sizeof(float) * (size_t)(2 * m * groups));  /* sum of x per group */
+    float* xqsum = xsum + m * groups;  /* and of its two-digit form */
+    float* gscale = malloc(sizeof(float) * (size_t)(m * groups));  /* s / 256 per group */
+    int8_t* digits = malloc((size_t)(2 * m * k));  /* [m][h, l][k] */
+    float* out = y;
+    if (x_dtype != DTYPE_F32) out = malloc(sizeof(float) * (size_t)(m * n));
+    int failed = xf == NULL || xsum == NULL || gscale == NULL || digits == NULL || out == NULL;
+    if (!failed) {
+        for (int64_t i = 0; i < m; i++) {
+            for (int64_t g = 0; g < groups; g++) {
+                const float* v = xf + i * k + g * group;
+                float top = 0.0f, sum = 0.0f;
+                for (int64_t j = 0; j < group; j++) {
+                    top = fabsf(v[j]) > top ? fabsf(v[j]) : top;
+                    sum += v[j];
+                }
+                const float s = top > 0.0f ? top / 127.0f : 1.0f;
+                int8_t* hd = digits + 2 * i * k + g * group;
+                int8_t* ld = hd + k;
+                float digit_sum = 0.0f;  /* of 256 h + l */
+                for (int64_t j = 0; j < group; j++) {
+                    const float u = v[j] / s;
+                    const float h = roundf(u);
+                    float l = roundf((u - h) * 256.0f);
+                    l = l > 127.0f ? 127.0f : (l < -127.0f ? -127.0f : l);
+                    hd[j] = (int8_t)h, ld[j] = (int8_t)l;
+                    digit_sum += 256.0f * h + l;
+                }
+                xsum[i * groups + g] = sum;
+                /* The VNNI path's offset term takes the sum of the values its digits write, so
+                 * that it computes exactly W . x' for the written x' (x' - x is then weighted
+                 * by |w|, not by the group's range of w). */
+                xqsum[i * groups + g] = digit_sum * (s / 256.0f);
+                gscale[i * groups + g] = s / 256.0f;
+            }
+        }
+#ifdef I4_VNNI
+        __m512i idx0, idx1;
+        i4_permute_indices(&idx0, &idx1);
+#endif
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t* wb = w + b * k * (I4_BLOCK_N / 2);
+#ifdef I4_VNNI
+            if (generic) {
+                i4_block_float(xf, xsum, wb, sz, out, m, n, k, group, b);
+                continue;
+            }
+            for (int64_t i = 0; i < m; i++)
+                i4_block_vnni(digits + 2 * i * k, digits + (2 * i + 1) * k, gscale + i * groups,
+                              xqsum + i * groups, wb, sz, out + i * n, n, k, group, b, idx0,
+                              idx1);
+#else
+            (void)generic;
+            i4_block_float(xf, xsum, wb, sz, out, m, n, k, group, b);
+#endif
+        }
+        if (x_dtype != DTYPE_F32)
+            for (int64_t i = 0; i < m * n; i++) ((uint16_t*)y)[i] = f32_to_bf16(out[i]);
+    }
+    if (owned) free((void*)xf);
+    free(xsum), free(gscale), free(digits);
+    if (out != y) free(out);
+    return failed;
 }
 
 /* exp(x) for x <= 0 (a softmax's shifted scores), within 2 ulp of expf: x = n ln2 + r with

@@ -1,5 +1,5 @@
 """Our own CPU kernels (models/native_kernels.c) against float64 references: matrix-vector
-linears (float32, bfloat16 and int8 weights), paged decode attention (grouped-query heads,
+linears (float32, bfloat16, int8 and int4 weights), paged decode attention (grouped-query heads,
 sliding windows, soft-caps, tables that start past block 0), the build cache and the fallback
 to PyTorch's kernels; then a whole model forced through them against transformers.
 
@@ -18,7 +18,13 @@ import torch.nn.functional as F
 from models import native
 from models.kernel_choice import BUCKETS
 from models.linear_kernels import Linear
-from models.quantization import dequantize_int8, quantize_int8
+from models.quantization import (
+    dequantize_int4,
+    dequantize_int8,
+    pack_int4,
+    quantize_int4,
+    quantize_int8,
+)
 from tests.test_text_families_vs_hf import GEMMA3_1B_SHAPE
 
 
@@ -73,6 +79,53 @@ def test_int8_linear_matches_the_dequantized_weight(kernels, k, rows):
                                rtol=0.01)
 
 
+@pytest.mark.parametrize("generic", [False, True])  # the VNNI path where the CPU has one
+@pytest.mark.parametrize("group, rows", [(32, 1), (128, 3), (64, 6)])
+def test_int4_linear_matches_the_dequantized_weight(kernels, generic, group, rows):
+    """Read in place from PyTorch's int4 pack. The VNNI path writes each group's activations
+    as two int8 digits, each within max|x| / 65024 of the value: the error of an output is
+    bounded by that, weighted by the weights' magnitudes (twice over for float32 rounding of
+    the scale and offset terms); the plain-C path computes in float32 throughout."""
+    gen = torch.Generator().manual_seed(group + rows)
+    w = torch.randn(192, 256, generator=gen) * 0.05
+    w[:, 7] *= 20
+    q, scales_and_zeros = quantize_int4(w, group)
+    packed = pack_int4(q)
+    x = torch.randn(rows, 256, generator=gen)
+    x[:, 3] *= 200  # an outlier channel: its group's scale grows, the others' do not
+    weight = dequantize_int4(packed, scales_and_zeros, torch.float64)
+    ref = x.double() @ weight.t()
+    out = kernels.linear_int4(x, packed, scales_and_zeros, group, generic=generic)
+    assert out.dtype == torch.float32 and out.shape == (rows, 192)
+    top = x.double().abs().reshape(rows, -1, group).amax(-1).repeat_interleave(group, 1)
+    digits = (top / 65024) @ weight.abs().t()
+    # float32 rounding, relative to the two terms each output is summed from
+    sz = scales_and_zeros.double().repeat_interleave(group, 0).transpose(0, 1)  # [N, K, 2]
+    terms = q.double() * sz[..., 0] + (sz[..., 1] - 8 * sz[..., 0]).abs()
+    bound = 1e-6 * (x.double().abs() @ terms.t()) + (0 if generic else 3 * digits)
+    assert ((out.double() - ref).abs() <= bound).all()
+    out_bf16 = kernels.linear_int4(x.to(torch.bfloat16), packed, scales_and_zeros, group,
+                                   generic=generic)
+    ref_bf16 = x.to(torch.bfloat16).double() @ weight.t()
+    assert out_bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(out_bf16.double(), ref_bf16, rtol=2 ** -8,
+                               atol=0.005 * ref_bf16.abs().max().item())
+
+
+def test_int4_linear_reads_pytorchs_channel_order(kernels):
+    """Each output channel alone: a layout slip (a permuted block of 16 channels, a swapped
+    nibble) would put its value in another column."""
+    w = torch.zeros(128, 64)
+    w[torch.arange(128), torch.arange(128) % 64] = torch.arange(1, 129, dtype=torch.float32)
+    q, scales_and_zeros = quantize_int4(w, 32)
+    packed = pack_int4(q)
+    eye = torch.eye(64)
+    for generic in (False, True):
+        out = kernels.linear_int4(eye, packed, scales_and_zeros, 32, generic=generic)
+        ref = eye.double() @ dequantize_int4(packed, scales_and_zeros, torch.float64).t()
+        torch.testing.assert_close(out.double(), ref, atol=1e-3, rtol=1e-3)
+
+
 def test_native_linear_is_a_planned_candidate_for_few_rows_only(kernels):
     from models.kernel_plan import candidates
     from models.quantization import QuantizedLinear
@@ -80,8 +133,10 @@ def test_native_linear_is_a_planned_candidate_for_few_rows_only(kernels):
     layer = Linear(64, 32)
     assert [("native" in candidates(layer, r, torch.bfloat16)) for r in (1, 4, 32, 128)] == [
         True, True, False, False]
-    q = QuantizedLinear(torch.randn(64, 64), None, "int8")
-    assert candidates(q, 1, torch.bfloat16) == ["int_kernel", "native"]
+    for mode in ("int8", "int4"):
+        q = QuantizedLinear(torch.randn(64, 64), None, mode, 32)
+        assert candidates(q, 1, torch.bfloat16) == ["int_kernel", "native"]
+        assert "native" not in candidates(q, 32, torch.bfloat16)
     layer.kernels = ("native",) * len(BUCKETS)
     x = torch.randn(3, 64)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
@@ -213,7 +268,7 @@ def text_model(request, tmp_path_factory):
 @pytest.fixture
 def native_everywhere(kernels, monkeypatch):
     """Engines built in the test decode through our kernels wherever one exists: decode
-    attention, and every linear's 1-row and 2-8-row buckets (int8 too)."""
+    attention, and every linear's 1-row and 2-8-row buckets (int8 and int4 too)."""
     import engine.model_runner as runner
     from models.quantization import QuantizedLinear
 
@@ -221,8 +276,6 @@ def native_everywhere(kernels, monkeypatch):
         for module in model.modules():
             if isinstance(module, QuantizedLinear):
                 rest = "int_kernel"
-                if module.mode != "int8":
-                    continue
             elif isinstance(module, Linear):
                 rest = "F.linear"
             else:
@@ -266,14 +319,17 @@ def test_decode_logits_and_greedy_tokens_match_transformers(text_model, hf_model
         assert out.outputs[0].token_ids == expected
 
 
-def test_int8_model_through_native_kernels_tracks_pytorch_int8(text_model, native_everywhere):
-    """The same int8 weights through our kernel and through PyTorch's: the same greedy tokens
-    (our activations carry 15 bits per 64-block, PyTorch's are rounded to bfloat16)."""
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_model_through_native_kernels_tracks_pytorchs(text_model, native_everywhere,
+                                                                 mode):
+    """The same int8 / int4 weights through our kernels and through PyTorch's: the same greedy
+    tokens (our activations carry 15 bits per block, PyTorch's are rounded to bfloat16)."""
     from engine import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompt = [{"prompt_token_ids": list(range(4, 30))}]
-    ours = LLM(text_model, dtype="bfloat16", max_model_len=256, quantization="int8")
+    ours = LLM(text_model, dtype="bfloat16", max_model_len=256, quantization=mode,
+               quantization_group_size=32)
     tokens = ours.generate(prompt, params)[0].outputs[0].token_ids
     layers = [m for m in ours.engine.runner.model.modules() if getattr(m, "is_quantized", False)]
     assert layers and all(m.kernels[0] == "native" for m in layers)

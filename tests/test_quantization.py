@@ -122,7 +122,7 @@ def test_real_shaped_linear_accuracy(real_linear, mode, group):
 
 def _formulations(mode: str) -> tuple[str, ...]:
     """Every formulation a quantized layer may be planned to run (ours where it builds)."""
-    ours = ("native",) if mode == "int8" and native.load() is not None else ()
+    ours = ("native",) if native.load() is not None else ()
     return ("dequantized", "int_kernel", *ours)
 
 
