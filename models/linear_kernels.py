@@ -5,12 +5,13 @@ bookkeeping).
 Dense weights: F.linear; (W @ x^T)^T; torch.mv for one row; oneDNN with the weight prepacked
 once (kept beside the dense weight, so choosing it costs that memory again); our own
 matrix-vector kernel (models.native) for a few rows. Quantized weights (models.quantization):
-PyTorch's int kernel, ours, or F.linear on the weight dequantized per call (many rows are
-compute-bound, where the int kernels are slower than a dense GEMM).
+PyTorch's int kernel, ours, or a dense GEMM on the weight dequantized per call (many rows are
+compute-bound, where the int kernels are slower; our dequantizer where it builds).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -28,7 +29,32 @@ def _onednn(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _dequantized(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, layer.dequantize(x.dtype))
+    kernels = native.load()
+    if kernels is None or x.dtype not in native.DTYPES:
+        return F.linear(x, layer.dequantize(x.dtype))
+    # Ours writes into one buffer reused by every layer (it stays in the last-level cache for
+    # the GEMM that follows, and costs no fresh pages per call).
+    n, k = layer.out_features, layer.in_features
+    buffer = _scratch(n * k, x.dtype)
+    if layer.mode == "int8":
+        weight = kernels.dequantize_int8(layer.qweight, layer.scales, buffer.view(n, k))
+        return F.linear(x, weight)
+    weight_t = kernels.dequantize_int4_transposed(layer.qweight, layer.scales,
+                                                  layer.group_size, buffer.view(k, n))
+    return x @ weight_t
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """This thread's dequantization buffer of `dtype`, at least `numel` long (grown, never
+    shrunk: the largest quantized layer's size)."""
+    buffers = _SCRATCH.__dict__.setdefault("buffers", {})
+    buffer = buffers.get(dtype)
+    if buffer is None or buffer.numel() < numel:
+        buffer = buffers[dtype] = torch.empty(numel, dtype=dtype)
+    return buffer[:numel]
 
 
 def _native(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,8 @@ WEIGHT_KERNELS = {torch.float32: "mm_linear_f32", torch.bfloat16: "mm_linear_bf1
 _i64, _int, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
 _LINEAR_ARGS = [_ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]
 _INT4_ARGS = [_ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int, _int]
+_DEQUANT_I8_ARGS = [_ptr, _ptr, _ptr, _int, _i64, _i64, _int]
+_DEQUANT_I4_ARGS = [_ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _int]
 _ATTENTION_ARGS = [_ptr, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
                    _i64, _i64, _f32, _f32, _int]
 
@@ -68,6 +70,9 @@ class NativeKernels:
             self._linear[dtype] = fn
         self._int4 = lib.mm_linear_i4
         self._int4.argtypes, self._int4.restype = _INT4_ARGS, _int
+        self._dequant_i8, self._dequant_i4 = lib.mm_dequantize_i8, lib.mm_dequantize_i4
+        self._dequant_i8.argtypes, self._dequant_i8.restype = _DEQUANT_I8_ARGS, None
+        self._dequant_i4.argtypes, self._dequant_i4.restype = _DEQUANT_I4_ARGS, None
         self._attention = lib.mm_decode_attention
         self._attention.argtypes, self._attention.restype = _ATTENTION_ARGS, _int
 
@@ -113,6 +118,30 @@ class NativeKernels:
         if status:
             raise MemoryError("native int4 linear: out of memory for its activation copies")
         return y
+
+    def dequantize_int8(self, q: torch.Tensor, scales: torch.Tensor,
+                        out: torch.Tensor) -> torch.Tensor:
+        """q [N, K] int8 * scales [N] (bfloat16) into `out` [N, K] (float32 / bfloat16),
+        computed in float32 and rounded once."""
+        n, k = q.shape
+        assert q.is_contiguous() and out.is_contiguous() and out.shape == (n, k)
+        assert scales.dtype == torch.bfloat16 and scales.is_contiguous()
+        self._dequant_i8(q.data_ptr(), scales.data_ptr(), out.data_ptr(), DTYPES[out.dtype],
+                         n, k, torch.get_num_threads())
+        return out
+
+    def dequantize_int4_transposed(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
+                                   group_size: int, out: torch.Tensor) -> torch.Tensor:
+        """PyTorch's CPU int4 pack (see linear_int4) into `out` [K, N]: the weight transposed,
+        (q - 8) * scale + zero computed in float32 and rounded once to out's dtype."""
+        n, k = packed.shape[0], packed.shape[1] * 2
+        assert packed.dtype == torch.uint8 and packed.is_contiguous() and n % 64 == 0
+        assert scales_and_zeros.shape == (k // group_size, n, 2)
+        assert scales_and_zeros.dtype == torch.bfloat16 and scales_and_zeros.is_contiguous()
+        assert out.is_contiguous() and out.shape == (k, n)
+        self._dequant_i4(packed.data_ptr(), scales_and_zeros.data_ptr(), out.data_ptr(),
+                         DTYPES[out.dtype], n, k, group_size, torch.get_num_threads())
+        return out
 
     def decode_attention(
         self, q: torch.Tensor, kv_cache: torch.Tensor, table: torch.Tensor, key0: torch.Tensor,

@@ -369,6 +369,97 @@ int mm_linear_i4(const void* x, int x_dtype, const uint8_t* w, const uint16_t* s
     return failed;
 }
 
+/* Dequantizers, for a prefill's many rows, where a dense GEMM on the dequantized weight beats
+ * the int kernels (compute-bound there). Each value is computed in float32 and rounded once to
+ * the output dtype (float32 or bfloat16). */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define DEQUANT_AVX512 1
+#include <immintrin.h>
+/* 16 float32 -> bfloat16, rounded to nearest even (as f32_to_bf16, NaNs aside) */
+static inline void store_f32(void* out, int out_dtype, int64_t at, __m512 a, __m512 b) {
+    if (out_dtype == DTYPE_F32) {
+        _mm512_storeu_ps((float*)out + at, a), _mm512_storeu_ps((float*)out + at + 16, b);
+    } else {
+        _mm512_storeu_si512((uint16_t*)out + at, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    }
+}
+#endif
+
+/* int8 [N, K] with one bfloat16 scale per row -> out [N, K]. */
+void mm_dequantize_i8(const int8_t* w, const uint16_t* scales, void* out, int out_dtype,
+                      int64_t n, int64_t k, int threads) {
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")
+    for (int64_t r = 0; r < n; r++) {
+        const float scale = bf16_to_f32(scales[r]);
+        const int8_t* wr = w + r * k;
+        int64_t j = 0;
+#ifdef DEQUANT_AVX512
+        const __m512 sv = _mm512_set1_ps(scale);
+        for (; j + 32 <= k; j += 32) {
+            const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const void*)(wr + j)));
+            const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(
+                _mm512_castsi512_si256(v)));
+            const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(
+                _mm512_extracti64x4_epi64(v, 1)));
+            store_f32(out, out_dtype, r * k + j, _mm512_mul_ps(a, sv), _mm512_mul_ps(b, sv));
+        }
+#endif
+        for (; j < k; j++) store(out, out_dtype, r * k + j, (float)wr[j] * scale);
+    }
+}
+
+/* int4 in PyTorch's CPU pack -> out [K, N], the transposed weight: the pack keeps 64 channels of
+ * one k together, so rows of the transpose are written contiguously (x @ out is the linear). */
+void mm_dequantize_i4(const uint8_t* w, const uint16_t* sz, void* out, int out_dtype, int64_t n,
+                      int64_t k, int64_t group, int threads) {
+    const int64_t blocks = n / I4_BLOCK_N;
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t* wb = w + b * k * (I4_BLOCK_N / 2);
+        for (int64_t g = 0; g < k / group; g++) {
+            float scale[I4_BLOCK_N], offset[I4_BLOCK_N];
+            const uint16_t* s = sz + (g * n + b * I4_BLOCK_N) * 2;
+            for (int c = 0; c < I4_BLOCK_N; c++) {
+                scale[c] = bf16_to_f32(s[2 * c]);
+                offset[c] = bf16_to_f32(s[2 * c + 1]) - 8.0f * scale[c];
+            }
+#ifdef DEQUANT_AVX512
+            __m512 sv[4], ov[4];
+            for (int c = 0; c < 4; c++)
+                sv[c] = _mm512_loadu_ps(scale + 16 * c), ov[c] = _mm512_loadu_ps(offset + 16 * c);
+            const __m256i nibble = _mm256_set1_epi8(15);
+            for (int64_t kk = g * group; kk < (g + 1) * group; kk++) {
+                const __m256i bytes = _mm256_loadu_si256((const void*)(wb + kk * 32));
+                const __m256i lo = _mm256_and_si256(bytes, nibble);  /* channels 0-31 */
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+                const __m128i parts[4] = {_mm256_castsi256_si128(lo),
+                                          _mm256_extracti128_si256(lo, 1),
+                                          _mm256_castsi256_si128(hi),
+                                          _mm256_extracti128_si256(hi, 1)};
+                __m512 v[4];
+                for (int c = 0; c < 4; c++)
+                    v[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(parts[c])),
+                                           sv[c], ov[c]);
+                const int64_t at = kk * n + b * I4_BLOCK_N;
+                store_f32(out, out_dtype, at, v[0], v[1]);
+                store_f32(out, out_dtype, at + 32, v[2], v[3]);
+            }
+#else
+            for (int64_t kk = g * group; kk < (g + 1) * group; kk++) {
+                const uint8_t* bytes = wb + kk * (I4_BLOCK_N / 2);
+                const int64_t at = kk * n + b * I4_BLOCK_N;
+                for (int d = 0; d < I4_BLOCK_N / 2; d++) {
+                    store(out, out_dtype, at + d, (float)(bytes[d] & 15) * scale[d] + offset[d]);
+                    store(out, out_dtype, at + d + 32,
+                          (float)(bytes[d] >> 4) * scale[d + 32] + offset[d + 32]);
+                }
+            }
+#endif
+        }
+    }
+}
+
 /* exp(x) for x <= 0 (a softmax's shifted scores), within 2 ulp of expf: x = n ln2 + r with
  * |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial, 2^n from the exponent bits. Plain
  * arithmetic, so loops over it vectorize (libm's expf is a call per element). */

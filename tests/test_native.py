@@ -126,6 +126,23 @@ def test_int4_linear_reads_pytorchs_channel_order(kernels):
         torch.testing.assert_close(out.double(), ref, atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantizers_match_the_reference_dequantization(kernels, dtype):
+    """What the `dequantized` formulation multiplies by: int8 exactly PyTorch's q * scale (one
+    rounding either way); int4 transposed, (q - 8) * scale + zero rounded once to `dtype`."""
+    gen = torch.Generator().manual_seed(5)
+    q, scales = quantize_int8(torch.randn(70, 100, generator=gen))  # 100: a vector tail
+    out = kernels.dequantize_int8(q, scales, torch.empty(70, 100, dtype=dtype))
+    assert torch.equal(out, dequantize_int8(q, scales, dtype))
+    q4, scales_and_zeros = quantize_int4(torch.randn(192, 256, generator=gen), 64)
+    packed = pack_int4(q4)
+    out = kernels.dequantize_int4_transposed(packed, scales_and_zeros, 64,
+                                             torch.empty(256, 192, dtype=dtype))
+    ref = dequantize_int4(packed, scales_and_zeros, torch.float64).t()
+    tol = 2e-7 if dtype == torch.float32 else 2 ** -8
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
 def test_native_linear_is_a_planned_candidate_for_few_rows_only(kernels):
     from models.kernel_plan import candidates
     from models.quantization import QuantizedLinear
