@@ -23,6 +23,7 @@ from engine.sampler import SamplingBatch, sample
 from engine.scheduler import SchedulerOutput
 from models.attention import build_metadata, choose_decode_kernel
 from models.attention_varlen import choose_backend
+from models.huge_pages import place_weights
 from models.interfaces import LanguageModel
 from models.kernel_plan import plan_linears
 from models.loader import build_on_meta, iter_checkpoint, load_weights
@@ -81,6 +82,7 @@ class ModelRunner:
             quantize_language_model(self.model, config.quantization,
                                     config.quantization_group_size)
         if device.type == "cpu":
+            place_weights(self.model)  # before planning: the plan times them where they run
             plan_linears(self.model, dtype)
         self.vocab_size = self.model.cfg.vocab_size
         self.windows = self.model.attention_windows()

@@ -11,6 +11,7 @@ soft-cap, tied or untied LM head. `weight_map` says which checkpoint tensor fill
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -148,8 +149,9 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_unit_offset)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_unit_offset)
+            head_norm = functools.partial(RMSNorm, cfg.head_dim, cfg.rms_norm_eps,
+                                          cfg.norm_unit_offset, fused_decode=True)
+            self.q_norm, self.k_norm = head_norm(), head_norm()
         self.qk_norm = cfg.qk_norm
         self.kv_cache = torch.empty(0)  # bound by the model runner
 
@@ -172,7 +174,8 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig, layout: LayerAttention, rope_index: int) -> None:
         super().__init__()
-        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)  # noqa: E731
+        norm = functools.partial(RMSNorm, cfg.hidden_size, cfg.rms_norm_eps,
+                                 cfg.norm_unit_offset, fused_decode=True)
         self.rope_index = rope_index
         self.sandwich = cfg.sandwich_norms
         self.input_layernorm = norm()
@@ -182,14 +185,15 @@ class DecoderLayer(nn.Module):
         if cfg.sandwich_norms:
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act,
+                            fused_decode=True)
 
     def forward(self, h, rotary: list, meta: AttentionMetadata) -> torch.Tensor:
         cos, sin = rotary[self.rope_index]
         attn = self.self_attn(self.input_layernorm(h), cos, sin, meta)
         if not self.sandwich:
-            h = h + attn
-            return h + self.mlp(self.post_attention_layernorm(h))
+            h, normed = self.post_attention_layernorm.add_and_norm(h, attn)
+            return h + self.mlp(normed)
         h = h + self.post_attention_layernorm(attn)
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
@@ -213,7 +217,8 @@ class Decoder(nn.Module):
             DecoderLayer(cfg, layout, i)
             for layout, i in zip(cfg.layer_attention, index, strict=True)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset,
+                            fused_decode=True)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         self.rotaries = [self.make_rotary(max_positions, rope, device) for rope in ropes]

@@ -1,5 +1,8 @@
 """Small building blocks shared by our decoders and encoders: RMSNorm, gated MLP, rotary tables,
-and the one way host-built tensors reach the device."""
+and the one way host-built tensors reach the device. In decoders (`fused_decode`), at a decode
+step's few rows on the CPU, the norm (with the residual add before it), SiLU-and-multiply and the
+rotation run as one call each of our own kernels (models.native), rounding where the PyTorch
+operators they replace round."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models import native
 from models.linear_kernels import Linear
 
 
@@ -23,13 +27,18 @@ class RMSNorm(nn.Module):
     """Root-mean-square norm computed in float32, scaled by a learned weight, or by (1 + weight)
     with `unit_offset` (Gemma's checkpoints store the weight that way)."""
 
-    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False,
+                 fused_decode: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
         self.eps = eps
         self.unit_offset = unit_offset
+        self.fused_decode = fused_decode  # our kernel at a decode step's rows (decoders only)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = self._fused(x)
+        if fused is not None:
+            return fused.rms_norm(x, self.weight, self.eps, self._mode(x.dtype))[1]
         if self.unit_offset:  # the reference scales in float32, then casts
             normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
             return (normed * (1.0 + self.weight.float())).to(x.dtype)
@@ -42,19 +51,45 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
+    def add_and_norm(self, h: torch.Tensor,
+                     delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, norm(h + delta)): a residual add and the norm after it, in one call of
+        our own kernel at a decode step's rows."""
+        fused = self._fused(h)
+        if fused is not None and delta.is_contiguous() and delta.dtype == h.dtype:
+            return fused.rms_norm(h, self.weight, self.eps, self._mode(h.dtype), delta)
+        h = h + delta
+        return h, self(h)
+
+    def _fused(self, x: torch.Tensor) -> native.NativeKernels | None:
+        if not self.fused_decode or not x.is_contiguous() or self.weight.dtype != x.dtype:
+            return None
+        return native.for_small_ops(x)
+
+    def _mode(self, dtype: torch.dtype) -> str:
+        if self.unit_offset:
+            return "unit_offset"
+        return "float32" if dtype == torch.float32 else "reduced"
+
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up fused into one matmul."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False, act: str = "silu"):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False, act: str = "silu",
+                 fused_decode: bool = False) -> None:
         super().__init__()
         self.intermediate = intermediate
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act = ACTIVATIONS[act]
+        self.fused_silu = fused_decode and act == "silu"  # our kernel at a decode's rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        fused = native.for_small_ops(gate_up) if self.fused_silu and gate_up.dim() == 2 else None
+        if fused is not None and gate_up.is_contiguous():
+            return self.down_proj(fused.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -118,5 +153,10 @@ class RotaryTable:
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x[i], x[i + D/2]); x [T, H, D], cos/sin [T, 1, D/2]."""
+    fused = native.for_small_ops(x)
+    if (fused is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+            and cos.dtype == x.dtype and cos.is_contiguous() and sin.is_contiguous()
+            and cos.shape == sin.shape == (x.shape[0], 1, x.shape[2] // 2)):
+        return fused.rotary(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

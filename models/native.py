@@ -45,6 +45,11 @@ _LINEAR_ARGS = [_ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]
 _INT4_ARGS = [_ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int, _int]
 _DEQUANT_I8_ARGS = [_ptr, _ptr, _ptr, _int, _i64, _i64, _int]
 _DEQUANT_I4_ARGS = [_ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _int]
+_NORM_ARGS = [_ptr, _ptr, _ptr, _ptr, _ptr, _int, _i64, _i64, _f32, _int]
+_ROTARY_ARGS = [_ptr, _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64]
+_SILU_MUL_ARGS = [_ptr, _ptr, _int, _i64, _i64]
+FUSED_ROWS = 64  # fused small ops serve inputs up to this many rows: a decode step's
+NORM_MODES = {"float32": 0, "reduced": 1, "unit_offset": 2}
 _ATTENTION_ARGS = [_ptr, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
                    _i64, _i64, _f32, _f32, _int]
 
@@ -73,6 +78,10 @@ class NativeKernels:
         self._dequant_i8, self._dequant_i4 = lib.mm_dequantize_i8, lib.mm_dequantize_i4
         self._dequant_i8.argtypes, self._dequant_i8.restype = _DEQUANT_I8_ARGS, None
         self._dequant_i4.argtypes, self._dequant_i4.restype = _DEQUANT_I4_ARGS, None
+        self._norm, self._rotary, self._silu_mul = lib.mm_rms_norm, lib.mm_rotary, lib.mm_silu_mul
+        self._norm.argtypes, self._norm.restype = _NORM_ARGS, None
+        self._rotary.argtypes, self._rotary.restype = _ROTARY_ARGS, None
+        self._silu_mul.argtypes, self._silu_mul.restype = _SILU_MUL_ARGS, None
         self._attention = lib.mm_decode_attention
         self._attention.argtypes, self._attention.restype = _ATTENTION_ARGS, _int
 
@@ -143,6 +152,45 @@ class NativeKernels:
                          DTYPES[out.dtype], n, k, group_size, torch.get_num_threads())
         return out
 
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, mode: str,
+                 delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """RMS norm over x's last dim, in one call; with `delta`, of h = x + delta (rounded to
+        the dtype). Returns (h, normed); h is x itself without delta. `mode` (NORM_MODES):
+        "float32" scales in float32, "reduced" multiplies the weight by the normed value
+        rounded to the dtype, "unit_offset" scales by (1 + weight) in float32, then rounds."""
+        assert x.is_contiguous() and weight.dtype == x.dtype and weight.is_contiguous()
+        dim = x.shape[-1]
+        out = torch.empty_like(x)
+        h = x
+        if delta is not None:
+            assert delta.shape == x.shape and delta.dtype == x.dtype and delta.is_contiguous()
+            h = torch.empty_like(x)
+        self._norm(x.data_ptr(), None if delta is None else delta.data_ptr(), h.data_ptr(),
+                   weight.data_ptr(), out.data_ptr(), DTYPES[x.dtype], x.numel() // dim, dim,
+                   eps, NORM_MODES[mode])
+        return h, out
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, H, D] (tokens may be strided, heads contiguous), cos / sin [T, 1, D / 2]
+        contiguous in x's dtype -> x rotated, [T, H, D] contiguous."""
+        tokens, heads, dim = x.shape
+        assert x.stride(2) == 1 and x.stride(1) == dim
+        assert cos.shape == sin.shape == (tokens, 1, dim // 2) and cos.dtype == x.dtype
+        assert cos.is_contiguous() and sin.is_contiguous()
+        out = torch.empty(tokens, heads, dim, dtype=x.dtype)
+        self._rotary(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+                     DTYPES[x.dtype], tokens, heads, dim, x.stride(0))
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for gate_up [rows, 2 * inner] contiguous (gate first)."""
+        rows, both = gate_up.shape
+        assert gate_up.is_contiguous()
+        out = torch.empty(rows, both // 2, dtype=gate_up.dtype)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), DTYPES[gate_up.dtype], rows,
+                       both // 2)
+        return out
+
     def decode_attention(
         self, q: torch.Tensor, kv_cache: torch.Tensor, table: torch.Tensor, key0: torch.Tensor,
         context: torch.Tensor, scale: float, window: int | None, softcap: float | None,
@@ -166,6 +214,15 @@ class NativeKernels:
             raise MemoryError(f"native decode attention failed (status {status}): out of memory "
                               "for its scores, or a head size over 8192")
         return out
+
+
+def for_small_ops(x: torch.Tensor) -> NativeKernels | None:
+    """The kernels, if x is an input the fused small ops take: on the CPU, float32 or
+    bfloat16, at most FUSED_ROWS rows (where the operators' dispatch outweighs their work)."""
+    if (x.device.type != "cpu" or x.dtype not in DTYPES
+            or x.numel() > FUSED_ROWS * x.shape[-1]):
+        return None
+    return load()
 
 
 @functools.cache

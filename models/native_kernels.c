@@ -480,6 +480,83 @@ static inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
+/* Fused small ops of a decode step: each replaces several PyTorch operators (and their
+ * dispatch, which dominates at a decode's few rows) with one call, rounding where the operator
+ * chain it replaces rounds, so that results match it (up to float32 summation order). One thread:
+ * at a few rows the work is smaller than waking a thread pool. */
+
+/* x rounded to `dt` (float32: unchanged) */
+static inline float round_to(int dt, float x) {
+    return dt == DTYPE_F32 ? x : bf16_to_f32(f32_to_bf16(x));
+}
+
+/* RMS norm of rows [rows, dim]: delta != NULL first forms h = x + delta in the dtype (written to
+ * `sum`), then normalizes h. mode 0: normed * w in float32 (F.rms_norm, for float32); 1: w *
+ * dtype(normed), the product rounded (reduced precision); 2: dtype(normed * (1 + w)) (unit
+ * offset). normed = h * rsqrt(mean(h^2) + eps), in float32. */
+void mm_rms_norm(const void* x, const void* delta, void* sum, const void* w, void* out, int dt,
+                 int64_t rows, int64_t dim, float eps, int mode) {
+    float* h = malloc(sizeof(float) * (size_t)dim);
+    if (h == NULL) return;
+    for (int64_t r = 0; r < rows; r++) {
+        float squares = 0.0f;
+        for (int64_t j = 0; j < dim; j++) {
+            float v = load_x(x, dt, r * dim + j);
+            if (delta != NULL) {
+                v = round_to(dt, v + load_x(delta, dt, r * dim + j));
+                store(sum, dt, r * dim + j, v);
+            }
+            h[j] = v;
+            squares += v * v;
+        }
+        const float inv = 1.0f / sqrtf(squares / (float)dim + eps);
+        for (int64_t j = 0; j < dim; j++) {
+            const float normed = h[j] * inv, wj = load_x(w, dt, j);
+            float y;
+            if (mode == 0) y = normed * wj;
+            else if (mode == 1) y = wj * round_to(dt, normed);
+            else y = normed * (1.0f + wj);
+            store(out, dt, r * dim + j, y);
+        }
+    }
+    free(h);
+}
+
+/* Rotary embedding of x [tokens, heads, dim] (token t at t * token_stride) with cos / sin
+ * [tokens, dim / 2] (in x's dtype) into out [tokens, heads, dim]:
+ * (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), each product and sum rounded to the dtype as
+ * PyTorch's elementwise ops round them. */
+void mm_rotary(const void* x, const void* cos, const void* sin, void* out, int dt, int64_t tokens,
+               int64_t heads, int64_t dim, int64_t token_stride) {
+    const int64_t half = dim / 2;
+    for (int64_t t = 0; t < tokens; t++)
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t in = t * token_stride + h * dim, at = (t * heads + h) * dim;
+            for (int64_t j = 0; j < half; j++) {
+                const float c = load_x(cos, dt, t * half + j), s = load_x(sin, dt, t * half + j);
+                const float x1 = load_x(x, dt, in + j), x2 = load_x(x, dt, in + half + j);
+                store(out, dt, at + j, round_to(dt, x1 * c) - round_to(dt, x2 * s));
+                store(out, dt, at + half + j, round_to(dt, x2 * c) + round_to(dt, x1 * s));
+            }
+        }
+}
+
+/* silu(gate) * up for gate_up [rows, 2 * inner] (gate first) -> out [rows, inner]; silu rounded
+ * to the dtype before the product, as two PyTorch ops would. silu(g) = g / (1 + exp(-g)),
+ * written with e = exp(-|g|) <= 1 so that the loop vectorizes (no libm call). */
+void mm_silu_mul(const void* gate_up, void* out, int dt, int64_t rows, int64_t inner) {
+    for (int64_t r = 0; r < rows; r++) {
+        _Pragma("omp simd")
+        for (int64_t j = 0; j < inner; j++) {
+            const float g = load_x(gate_up, dt, r * 2 * inner + j);
+            const float u = load_x(gate_up, dt, r * 2 * inner + inner + j);
+            const float e = exp_nonpositive(-fabsf(g));
+            const float silu = (g >= 0.0f ? g : g * e) / (1.0f + e);
+            store(out, dt, r * inner + j, round_to(dt, silu) * u);
+        }
+    }
+}
+
 #define CHUNK_FLOATS 8192  /* keys (or values) converted to float32 at a time: 32 KiB, in L1 */
 
 /* Rows [t0, t0 + n) of one head's keys or values (`base`: that head's first slot) as float32,
