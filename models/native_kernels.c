@@ -95,8 +95,42 @@ int mm_linear_f32(const void* x, int x_dtype, const float* w, const uint16_t* sc
     return linear_f32(x, x_dtype, w, scales, y, m, n, k, threads);
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+/* bfloat16 activations and weights: VDPBF16PS multiplies pairs of bfloat16 exactly and adds
+ * them into float32 lanes, one instruction per 32 weights, where the plain loop converts each
+ * weight to float32 first. Requires k % 32 == 0. */
+static int linear_bf16_dot(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t m,
+                           int64_t n, int64_t k, int threads) {
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")
+    for (int64_t r = 0; r < n; r++) {
+        const uint16_t* wr = w + r * k;
+        for (int64_t i = 0; i < m; i++) {
+            const uint16_t* xr = x + i * k;
+            __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+            int64_t j = 0;
+            for (; j + 64 <= k; j += 64) {  /* two independent sums */
+                a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(xr + j),
+                                      (__m512bh)_mm512_loadu_si512(wr + j));
+                a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(xr + j + 32),
+                                      (__m512bh)_mm512_loadu_si512(wr + j + 32));
+            }
+            if (j < k)
+                a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(xr + j),
+                                      (__m512bh)_mm512_loadu_si512(wr + j));
+            y[i * n + r] = f32_to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(a0, a1)));
+        }
+    }
+    return 0;
+}
+#endif
+
 int mm_linear_bf16(const void* x, int x_dtype, const uint16_t* w, const uint16_t* scales,
                    void* y, int64_t m, int64_t n, int64_t k, int threads) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    if (x_dtype == DTYPE_BF16 && scales == NULL && k % 32 == 0)
+        return linear_bf16_dot(x, w, y, m, n, k, threads);
+#endif
     return linear_bf16(x, x_dtype, w, scales, y, m, n, k, threads);
 }
 LINEAR(linear_i8_float, int8_t, LOAD_I8)
@@ -526,6 +560,8 @@ void mm_rms_norm(const void* x, const void* delta, void* sum, const void* w, voi
  * [tokens, dim / 2] (in x's dtype) into out [tokens, heads, dim]:
  * (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), each product and sum rounded to the dtype as
  * PyTorch's elementwise ops round them. */
+/* products and sums rounded separately, as PyTorch's separate ops do: no fused multiply-add */
+__attribute__((optimize("fp-contract=off")))
 void mm_rotary(const void* x, const void* cos, const void* sin, void* out, int dt, int64_t tokens,
                int64_t heads, int64_t dim, int64_t token_stride) {
     const int64_t half = dim / 2;

@@ -1,5 +1,6 @@
 """Our own CPU kernels (models/native_kernels.c) against float64 references: matrix-vector
-linears (float32, bfloat16, int8 and int4 weights), paged decode attention (grouped-query heads,
+linears (float32, bfloat16, int8 and int4 weights), dequantizers, the fused small ops of a decode
+step against the PyTorch ops they replace, paged decode attention (grouped-query heads,
 sliding windows, soft-caps, tables that start past block 0), the build cache and the fallback
 to PyTorch's kernels; then a whole model forced through them against transformers.
 
@@ -157,6 +158,60 @@ def test_native_linear_is_a_planned_candidate_for_few_rows_only(kernels):
     layer.kernels = ("native",) * len(BUCKETS)
     x = torch.randn(3, 64)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_fused_norm_matches_the_pytorch_ops_it_replaces(kernels, dtype, unit_offset):
+    """RMSNorm at a decode's rows (our kernel, the residual add fused) against the same module
+    on more rows than FUSED_ROWS (PyTorch's operators): equal up to float32 summation order,
+    i.e. at most one bfloat16 rounding step apart."""
+    from models.layers import RMSNorm
+
+    gen = torch.Generator().manual_seed(1)
+    norm = RMSNorm(96, 1e-6, unit_offset, fused_decode=True).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96, generator=gen))
+    rows = native.FUSED_ROWS + 1
+    h = (torch.randn(rows, 96, generator=gen) * 3).to(dtype)
+    delta = torch.randn(rows, 96, generator=gen).to(dtype)
+    reference = norm(h + delta)  # too many rows: PyTorch's ops
+    summed, normed = norm.add_and_norm(h[:4].contiguous(), delta[:4].contiguous())
+    assert torch.equal(summed, (h + delta)[:4])
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(normed, reference[:4], rtol=tol, atol=tol)
+    torch.testing.assert_close(norm(summed), normed, rtol=0, atol=0)
+    wrong = RMSNorm(96, 1.0, unit_offset, fused_decode=True).to(dtype)  # the bound can fail
+    wrong.weight.data.copy_(norm.weight)
+    assert not torch.allclose(wrong(summed), normed, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rotary_and_silu_match_the_pytorch_ops(kernels, dtype):
+    """The rotation rounds exactly where PyTorch's elementwise ops round (bit-equal); SiLU and
+    multiply within one rounding of the dtype (a different exp)."""
+    from models.layers import GatedMLP, apply_rotary
+
+    gen = torch.Generator().manual_seed(2)
+    qkv = torch.randn(3, 7 * 16 + 40, generator=gen).to(dtype)
+    x = qkv[:, :7 * 16].view(3, 7, 16)  # tokens strided, as the fused projection's view
+    angles = torch.randn(3, 1, 8, generator=gen)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    expected = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    assert torch.equal(apply_rotary(x, cos, sin), expected)
+    assert torch.equal(kernels.rotary(x, cos, sin), expected)
+
+    mlp = GatedMLP(16, 40, fused_decode=True).to(dtype)
+    gate_up = (torch.randn(5, 80, generator=gen) * 4).to(dtype)
+    gate, up = gate_up.split(40, dim=-1)
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(kernels.silu_mul(gate_up), F.silu(gate) * up, rtol=tol,
+                               atol=tol)
+    x = torch.randn(2, 16, generator=gen).to(dtype)
+    plain = GatedMLP(16, 40).to(dtype)
+    plain.load_state_dict(mlp.state_dict())
+    torch.testing.assert_close(mlp(x), plain(x), rtol=2 * tol, atol=2 * tol)
 
 
 def _paged(gen, dtype, contexts, kv_heads, dim, block_size, num_blocks):

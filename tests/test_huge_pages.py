@@ -1,0 +1,63 @@
+"""Weights moved into a huge-page mapping (models/huge_pages.py): values, ties between parameters
+and the model's outputs unchanged, quantized buffers included; the switch that turns it off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import huge_pages
+from models.attention import LayerAttention
+from models.decoder import CausalLM, DecoderConfig
+from models.quantization import quantize_language_model
+
+
+def _model(seed: int = 0) -> CausalLM:
+    torch.manual_seed(seed)
+    cfg = DecoderConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=64,
+        tie_word_embeddings=True, hidden_act="silu", layer_rope=({"rope_type": "default"},) * 2,
+        layer_attention=(LayerAttention(None, None),) * 2,
+    )
+    model = CausalLM(cfg, 64, torch.device("cpu"))
+    for p in model.parameters():
+        p.requires_grad_(False)
+        p.normal_(0, 0.1)
+    return model
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_weights_move_with_values_and_ties_kept(monkeypatch, quantization):
+    if not huge_pages.available()[0]:
+        pytest.skip(huge_pages.available()[1])
+    monkeypatch.setattr(huge_pages, "MIN_BYTES", 1024)  # the tiny model's tensors qualify
+    model = _model()
+    if quantization:
+        quantize_language_model(model, quantization)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    pointers = {name: t.data_ptr() for name, t in model.state_dict().items()}
+    x = torch.randn(3, 64)
+    mlp = model.layers[0].mlp
+    out = mlp.down_proj(mlp.gate_up_proj(x)[:, :128])
+    moved = huge_pages.place_weights(model)
+    assert moved > 0
+    after = model.state_dict()
+    assert all(torch.equal(after[name], value) for name, value in before.items())
+    assert torch.equal(mlp.down_proj(mlp.gate_up_proj(x)[:, :128]), out)
+    if quantization is None:
+        assert model.lm_head.weight is model.embed_tokens.weight  # the tie survives
+        assert model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
+    big = {name for name, t in after.items() if t.nbytes >= 1024}
+    assert big and all(after[name].data_ptr() != pointers[name] for name in big)
+    starts = sorted(after[name].data_ptr() for name in big)
+    assert starts[-1] - starts[0] < moved  # all inside the one mapping
+
+
+def test_disabled_by_the_environment(monkeypatch):
+    monkeypatch.setenv(huge_pages.DISABLE_ENV, "0")
+    model = _model()
+    pointers = [p.data_ptr() for p in model.parameters()]
+    assert huge_pages.place_weights(model) == 0
+    assert [p.data_ptr() for p in model.parameters()] == pointers
+    assert huge_pages.available() == (False, f"disabled by {huge_pages.DISABLE_ENV}=0")
