@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import nn
 
 
 def cache_dir(name: str) -> Path:
@@ -30,10 +31,19 @@ def median(values: list[float]) -> float:
 
 
 def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-    """Read bandwidth in bytes/s: the median time to sum a `gib` GiB float32 tensor."""
-    x = torch.ones(int(gib * (1 << 30)) // 4)
-    x.sum()  # touch the pages once
-    seconds = median([timeit(x.sum) for _ in range(repeats)])
+    """Read bandwidth in bytes/s: the median time to sum a `gib` GiB float32 buffer, in huge
+    pages as the engine's weights are (models.huge_pages), with our plain C read loop
+    (models.native) where it builds, else torch's sum (which reads slower)."""
+    from models import huge_pages, native
+
+    holder = nn.Module()
+    holder.register_buffer("x", torch.ones(int(gib * (1 << 30)) // 4))
+    huge_pages.place_weights(holder)
+    x = holder.x
+    kernels = native.load()
+    read = (lambda: kernels.read_sum(x)) if kernels is not None else x.sum
+    read()  # touch the pages once
+    seconds = median([timeit(read) for _ in range(repeats)])
     return x.numel() * 4 / seconds
 
 

@@ -5,7 +5,9 @@ The source is compiled with `-O3 -march=native` for the CPU at hand, and linked 
 OpenMP runtime PyTorch itself loaded, so its parallel loops share PyTorch's thread pool. Where
 that cannot be done (no compiler, a failed build, MMSERVE_NATIVE=0) `load()` returns None and
 says why once; every caller then keeps PyTorch's kernels. Nothing here decides whether a native
-kernel runs: models/kernel_plan.py and models/attention.py time it against PyTorch's first.
+linear or attention kernel runs: models/kernel_plan.py and models/attention.py time it against
+PyTorch's first. The fused small ops (norm, rotary, SiLU-and-multiply) replace several PyTorch
+operators each and run in decoders at up to FUSED_ROWS tokens (`for_small_ops`).
 
 The shared object is cached as native-<digest>.so under $MMSERVE_KERNEL_CACHE, else
 $MMSERVE_CACHE, else ~/.cache/mmserve, the digest covering the source, the compiler, its flags,
@@ -37,6 +39,8 @@ DISABLE_ENV = "MMSERVE_NATIVE"  # "0" keeps PyTorch's kernels only
 BUILD_TIMEOUT_S = 120
 FLAGS = ("-O3", "-march=native", "-fPIC", "-std=gnu11", "-Wno-unknown-pragmas")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+FUSED_ROWS = 64  # fused small ops serve inputs up to this many tokens: a decode step's
+NORM_MODES = {"float32": 0, "reduced": 1, "unit_offset": 2}
 WEIGHT_KERNELS = {torch.float32: "mm_linear_f32", torch.bfloat16: "mm_linear_bf16",
                   torch.int8: "mm_linear_i8"}
 
@@ -45,11 +49,9 @@ _LINEAR_ARGS = [_ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]
 _INT4_ARGS = [_ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int, _int]
 _DEQUANT_I8_ARGS = [_ptr, _ptr, _ptr, _int, _i64, _i64, _int]
 _DEQUANT_I4_ARGS = [_ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _int]
-_NORM_ARGS = [_ptr, _ptr, _ptr, _ptr, _ptr, _int, _i64, _i64, _f32, _int]
+_NORM_ARGS = [_ptr, _ptr, _ptr, _ptr, _ptr, _int, _i64, _i64, _f32, _int]  # -> int status
 _ROTARY_ARGS = [_ptr, _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64]
 _SILU_MUL_ARGS = [_ptr, _ptr, _int, _i64, _i64]
-FUSED_ROWS = 64  # fused small ops serve inputs up to this many rows: a decode step's
-NORM_MODES = {"float32": 0, "reduced": 1, "unit_offset": 2}
 _ATTENTION_ARGS = [_ptr, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
                    _i64, _i64, _f32, _f32, _int]
 
@@ -79,9 +81,11 @@ class NativeKernels:
         self._dequant_i8.argtypes, self._dequant_i8.restype = _DEQUANT_I8_ARGS, None
         self._dequant_i4.argtypes, self._dequant_i4.restype = _DEQUANT_I4_ARGS, None
         self._norm, self._rotary, self._silu_mul = lib.mm_rms_norm, lib.mm_rotary, lib.mm_silu_mul
-        self._norm.argtypes, self._norm.restype = _NORM_ARGS, None
+        self._norm.argtypes, self._norm.restype = _NORM_ARGS, _int
         self._rotary.argtypes, self._rotary.restype = _ROTARY_ARGS, None
         self._silu_mul.argtypes, self._silu_mul.restype = _SILU_MUL_ARGS, None
+        self._read_sum = lib.mm_read_sum
+        self._read_sum.argtypes, self._read_sum.restype = [_ptr, _i64, _int], ctypes.c_double
         self._attention = lib.mm_decode_attention
         self._attention.argtypes, self._attention.restype = _ATTENTION_ARGS, _int
 
@@ -117,7 +121,8 @@ class NativeKernels:
         m, k = x.shape
         n = packed.shape[0]
         assert packed.dtype == torch.uint8 and packed.shape[1] * 2 == k and n % 64 == 0
-        assert scales_and_zeros.dtype == torch.bfloat16 and scales_and_zeros.is_contiguous()
+        assert packed.is_contiguous() and scales_and_zeros.is_contiguous()
+        assert scales_and_zeros.dtype == torch.bfloat16
         assert scales_and_zeros.shape == (k // group_size, n, 2), "scales [K / g, N, 2]"
         x = x.contiguous()
         y = torch.empty(m, n, dtype=x.dtype)
@@ -165,9 +170,10 @@ class NativeKernels:
         if delta is not None:
             assert delta.shape == x.shape and delta.dtype == x.dtype and delta.is_contiguous()
             h = torch.empty_like(x)
-        self._norm(x.data_ptr(), None if delta is None else delta.data_ptr(), h.data_ptr(),
-                   weight.data_ptr(), out.data_ptr(), DTYPES[x.dtype], x.numel() // dim, dim,
-                   eps, NORM_MODES[mode])
+        if self._norm(x.data_ptr(), None if delta is None else delta.data_ptr(), h.data_ptr(),
+                      weight.data_ptr(), out.data_ptr(), DTYPES[x.dtype], x.numel() // dim, dim,
+                      eps, NORM_MODES[mode]):
+            raise MemoryError("native rms norm: out of memory for one row in float32")
         return h, out
 
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -190,6 +196,12 @@ class NativeKernels:
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), DTYPES[gate_up.dtype], rows,
                        both // 2)
         return out
+
+    def read_sum(self, x: torch.Tensor) -> float:
+        """The sum of a contiguous float32 tensor, read once in a plain streaming loop (a
+        memory-bandwidth ruler for the benchmarks)."""
+        assert x.dtype == torch.float32 and x.is_contiguous()
+        return self._read_sum(x.data_ptr(), x.numel(), torch.get_num_threads())
 
     def decode_attention(
         self, q: torch.Tensor, kv_cache: torch.Tensor, table: torch.Tensor, key0: torch.Tensor,
@@ -217,10 +229,10 @@ class NativeKernels:
 
 
 def for_small_ops(x: torch.Tensor) -> NativeKernels | None:
-    """The kernels, if x is an input the fused small ops take: on the CPU, float32 or
-    bfloat16, at most FUSED_ROWS rows (where the operators' dispatch outweighs their work)."""
-    if (x.device.type != "cpu" or x.dtype not in DTYPES
-            or x.numel() > FUSED_ROWS * x.shape[-1]):
+    """The kernels, if x (tokens first: [T, ...]) is an input the fused small ops take: on the
+    CPU, float32 or bfloat16, at most FUSED_ROWS tokens (where the operators' dispatch
+    outweighs their work)."""
+    if x.device.type != "cpu" or x.dtype not in DTYPES or x.shape[0] > FUSED_ROWS:
         return None
     return load()
 

@@ -63,8 +63,8 @@ static inline void store(void* y, int dt, int64_t i, float v) {
 
 /* One instantiation per weight type: LOAD(w, k) reads element k of a weight row as float. */
 #define LINEAR(NAME, WTYPE, LOAD)                                                              \
-    static int NAME(const void* x, int x_dtype, const WTYPE* w, const uint16_t* scales, void* y,        \
-             int64_t m, int64_t n, int64_t k, int threads) {                                   \
+    static int NAME(const void* x, int x_dtype, const WTYPE* w, const uint16_t* scales,       \
+                    void* y, int64_t m, int64_t n, int64_t k, int threads) {                   \
         int owned;                                                                             \
         const float* xf = as_f32(x, x_dtype, m * k, &owned);                                   \
         if (xf == NULL) return 1;                                                              \
@@ -257,6 +257,10 @@ static void i4_block_float(const float* xf, const float* xsum, const uint8_t* wb
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
 #define I4_VNNI 1
+/* acc += dot(u8 lanes of a, s8 lanes of b), as _mm512_dpbusd_epi32, written as an instruction
+ * whose accumulator the compiler keeps in place: with the intrinsic, GCC 12 copies every
+ * accumulator through another register (and spills) around each dot product. */
+#define DPBUSD(ACC, A, B) __asm__("vpdpbusd %2, %1, %0" : "+v"(ACC) : "v"(A), "v"(B))
 /* The VNNI path, for one row of x and one block of 64 channels. The activations of each group
  * are written as s * (h + l / 256) with int8 digits h, l (s = max|x| / 127 over the group), as
  * for int8 weights; the nibbles are the unsigned operand of VNNI's dot products, the digits the
@@ -288,10 +292,10 @@ static inline void i4_block_vnni(const int8_t* hd, const int8_t* ld, const float
             memcpy(&h4, hd + kk, 4);
             memcpy(&l4, ld + kk, 4);
             const __m512i hv = _mm512_set1_epi32(h4), lv = _mm512_set1_epi32(l4);
-            h0 = _mm512_dpbusd_epi32(h0, w0, hv), l0 = _mm512_dpbusd_epi32(l0, w0, lv);
-            h1 = _mm512_dpbusd_epi32(h1, w1, hv), l1 = _mm512_dpbusd_epi32(l1, w1, lv);
-            h2 = _mm512_dpbusd_epi32(h2, w2, hv), l2 = _mm512_dpbusd_epi32(l2, w2, lv);
-            h3 = _mm512_dpbusd_epi32(h3, w3, hv), l3 = _mm512_dpbusd_epi32(l3, w3, lv);
+            DPBUSD(h0, w0, hv); DPBUSD(l0, w0, lv);
+            DPBUSD(h1, w1, hv); DPBUSD(l1, w1, lv);
+            DPBUSD(h2, w2, hv); DPBUSD(l2, w2, lv);
+            DPBUSD(h3, w3, hv); DPBUSD(l3, w3, lv);
         }
         /* (scale, zero) pairs of 16 channels per register, the scale in each lane's low half */
         const uint16_t* s = sz + (g * n + b * I4_BLOCK_N) * 2;
@@ -385,6 +389,8 @@ int mm_linear_i4(const void* x, int x_dtype, const uint8_t* w, const uint16_t* s
                 i4_block_float(xf, xsum, wb, sz, out, m, n, k, group, b);
                 continue;
             }
+            /* Row by row: the dot products bound the time, so sharing the permutes between
+             * rows measured no faster. */
             for (int64_t i = 0; i < m; i++)
                 i4_block_vnni(digits + 2 * i * k, digits + (2 * i + 1) * k, gscale + i * groups,
                               xqsum + i * groups, wb, sz, out + i * n, n, k, group, b, idx0,
@@ -494,6 +500,20 @@ void mm_dequantize_i4(const uint8_t* w, const uint16_t* sz, void* out, int out_d
     }
 }
 
+/* The sum of x [n]: a plain streaming read, the ruler the benchmarks hold decode against. */
+double mm_read_sum(const float* x, int64_t n, int threads) {
+    double total = 0.0;
+    _Pragma("omp parallel for num_threads(threads) schedule(static) reduction(+:total)")
+    for (int64_t c = 0; c < n; c += 4096) {
+        const int64_t end = c + 4096 < n ? c + 4096 : n;
+        float part = 0.0f;
+        _Pragma("omp simd reduction(+:part)")
+        for (int64_t i = c; i < end; i++) part += x[i];
+        total += part;
+    }
+    return total;
+}
+
 /* exp(x) for x <= 0 (a softmax's shifted scores), within 2 ulp of expf: x = n ln2 + r with
  * |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial, 2^n from the exponent bits. Plain
  * arithmetic, so loops over it vectorize (libm's expf is a call per element). */
@@ -527,11 +547,11 @@ static inline float round_to(int dt, float x) {
 /* RMS norm of rows [rows, dim]: delta != NULL first forms h = x + delta in the dtype (written to
  * `sum`), then normalizes h. mode 0: normed * w in float32 (F.rms_norm, for float32); 1: w *
  * dtype(normed), the product rounded (reduced precision); 2: dtype(normed * (1 + w)) (unit
- * offset). normed = h * rsqrt(mean(h^2) + eps), in float32. */
-void mm_rms_norm(const void* x, const void* delta, void* sum, const void* w, void* out, int dt,
-                 int64_t rows, int64_t dim, float eps, int mode) {
+ * offset). normed = h * rsqrt(mean(h^2) + eps), in float32. Nonzero when out of memory. */
+int mm_rms_norm(const void* x, const void* delta, void* sum, const void* w, void* out, int dt,
+                int64_t rows, int64_t dim, float eps, int mode) {
     float* h = malloc(sizeof(float) * (size_t)dim);
-    if (h == NULL) return;
+    if (h == NULL) return 1;
     for (int64_t r = 0; r < rows; r++) {
         float squares = 0.0f;
         for (int64_t j = 0; j < dim; j++) {
@@ -554,6 +574,7 @@ void mm_rms_norm(const void* x, const void* delta, void* sum, const void* w, voi
         }
     }
     free(h);
+    return 0;
 }
 
 /* Rotary embedding of x [tokens, heads, dim] (token t at t * token_stride) with cos / sin
