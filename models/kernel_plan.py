@@ -51,7 +51,9 @@ def candidates(layer: nn.Module, rows: int, dtype: torch.dtype) -> list[str]:
         # Dequantizing the whole weight per call only pays when many rows share it.
         if rows <= PROBE_ROWS[1] or (layer.mode == "int4" and not int4_layout_known()):
             return ["int_kernel"]
-        return ["int_kernel", "dequantized"]
+        # A float32 model's GEMM may also run in bfloat16, as the int kernels do.
+        return ["int_kernel", "dequantized"] + (
+            ["dequantized_bf16"] if dtype == torch.float32 else [])
     names = [BASELINE]
     if dtype in (torch.float32, torch.bfloat16):
         names.append("mv" if rows == 1 else "matmul_t")

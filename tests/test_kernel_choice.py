@@ -140,9 +140,11 @@ def test_quantized_layers_time_dequantizing_only_for_many_rows(tmp_path):
     for rows in (1, 4):  # our int8 kernel is a candidate too where it builds
         assert candidates(model.q, rows, torch.float32)[0] == "int_kernel"
         assert "dequantized" not in candidates(model.q, rows, torch.float32)
-    assert candidates(model.q, 128, torch.float32) == ["int_kernel", "dequantized"]
+    assert candidates(model.q, 128, torch.float32) == ["int_kernel", "dequantized",
+                                                       "dequantized_bf16"]
+    assert candidates(model.q, 128, torch.bfloat16) == ["int_kernel", "dequantized"]
     plan_linears(model, torch.float32, KernelCache(tmp_path / "k.json"),
-                 FakeTimer({"int_kernel": 1.0, "dequantized": 0.5}))
+                 FakeTimer({"int_kernel": 1.0, "dequantized": 0.5, "dequantized_bf16": 0.6}))
     assert model.q.kernels == ("int_kernel", "int_kernel", "dequantized", "dequantized",
                                "dequantized")
 

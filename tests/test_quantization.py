@@ -123,7 +123,7 @@ def test_real_shaped_linear_accuracy(real_linear, mode, group):
 def _formulations(mode: str) -> tuple[str, ...]:
     """Every formulation a quantized layer may be planned to run (ours where it builds)."""
     ours = ("native",) if native.load() is not None else ()
-    return ("dequantized", "int_kernel", *ours)
+    return ("dequantized", "dequantized_bf16", "int_kernel", *ours)
 
 
 @pytest.mark.parametrize("mode, group", [("int8", 128), ("int4", 128)])
