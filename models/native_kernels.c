@@ -36,9 +36,8 @@ static inline float bf16_to_f32(uint16_t h) {
 static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as PyTorch does */
     uint32_t u;
     memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  /* NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    const uint16_t rounded = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    return (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0 : rounded;  /* NaN stays NaN (vectorizes) */
 }
 
 /* rows [M, K] of dtype `dt` -> float32 (a copy when not float32 already; NULL if out of memory) */
@@ -221,8 +220,9 @@ int mm_linear_i8(const void* x, int x_dtype, const int8_t* w, const uint16_t* sc
  * of 64b + 32 + d in its high one; sz [K / group, N, 2] bfloat16 (scale, zero), the weight being
  * (q - 8) * scale + zero. Per group and channel,
  *   sum_k w_k x_k = scale * sum_k q_k x_k + (zero - 8 * scale) * sum_k x_k,
- * where sum_k x_k is shared by all channels (computed once per call). Requires n % 64 == 0 and
- * k % group == 0, group % 4 == 0. */
+ * where sum_k x_k is shared by all channels (computed once per call: of x itself on the plain
+ * path, of the values its digits write on the VNNI one). Requires n % 64 == 0, k % group == 0
+ * and group % 4 == 0. */
 #define I4_BLOCK_N 64
 
 /* The generic path: one block of 64 channels for every row of x (float32 [m, k]). */
@@ -519,7 +519,7 @@ double mm_read_sum(const float* x, int64_t n, int threads) {
  * arithmetic, so loops over it vectorize (libm's expf is a call per element). */
 static inline float exp_nonpositive(float x) {
     x = x < -87.0f ? -87.0f : x;
-    const float n = __builtin_roundf(x * 1.44269504f);
+    const float n = __builtin_rintf(x * 1.44269504f);  /* nearest (roundf would not vectorize) */
     const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
     float p = 1.0f / 720;
     p = p * r + 1.0f / 120;
@@ -548,32 +548,64 @@ static inline float round_to(int dt, float x) {
  * `sum`), then normalizes h. mode 0: normed * w in float32 (F.rms_norm, for float32); 1: w *
  * dtype(normed), the product rounded (reduced precision); 2: dtype(normed * (1 + w)) (unit
  * offset). normed = h * rsqrt(mean(h^2) + eps), in float32. Nonzero when out of memory. */
+/* n values of dtype `dt` at src + at -> float32 dst (one loop per dtype, so that it vectorizes) */
+static inline void load_row(float* dst, const void* src, int dt, int64_t at, int64_t n) {
+    if (dt == DTYPE_F32) {
+        memcpy(dst, (const float*)src + at, sizeof(float) * (size_t)n);
+    } else {
+        const uint16_t* h = (const uint16_t*)src + at;
+        _Pragma("omp simd")
+        for (int64_t j = 0; j < n; j++) dst[j] = bf16_to_f32(h[j]);
+    }
+}
+
+/* float32 src -> n values of dtype `dt` at dst + at (rounded to nearest even) */
+static inline void store_row(void* dst, const float* src, int dt, int64_t at, int64_t n) {
+    if (dt == DTYPE_F32) {
+        memcpy((float*)dst + at, src, sizeof(float) * (size_t)n);
+    } else {
+        uint16_t* h = (uint16_t*)dst + at;
+        _Pragma("omp simd")
+        for (int64_t j = 0; j < n; j++) h[j] = f32_to_bf16(src[j]);
+    }
+}
+
 int mm_rms_norm(const void* x, const void* delta, void* sum, const void* w, void* out, int dt,
                 int64_t rows, int64_t dim, float eps, int mode) {
-    float* h = malloc(sizeof(float) * (size_t)dim);
-    if (h == NULL) return 1;
+    float* work = malloc(sizeof(float) * (size_t)(3 * dim));
+    if (work == NULL) return 1;
+    float *h = work, *other = work + dim, *weight = work + 2 * dim;
+    load_row(weight, w, dt, 0, dim);
     for (int64_t r = 0; r < rows; r++) {
+        load_row(h, x, dt, r * dim, dim);
+        if (delta != NULL) {
+            load_row(other, delta, dt, r * dim, dim);
+            _Pragma("omp simd")
+            for (int64_t j = 0; j < dim; j++) h[j] += other[j];
+            store_row(sum, h, dt, r * dim, dim);
+            load_row(h, sum, dt, r * dim, dim);  /* the sum as rounded to the dtype */
+        }
         float squares = 0.0f;
-        for (int64_t j = 0; j < dim; j++) {
-            float v = load_x(x, dt, r * dim + j);
-            if (delta != NULL) {
-                v = round_to(dt, v + load_x(delta, dt, r * dim + j));
-                store(sum, dt, r * dim + j, v);
-            }
-            h[j] = v;
-            squares += v * v;
-        }
+        _Pragma("omp simd reduction(+:squares)")
+        for (int64_t j = 0; j < dim; j++) squares += h[j] * h[j];
         const float inv = 1.0f / sqrtf(squares / (float)dim + eps);
-        for (int64_t j = 0; j < dim; j++) {
-            const float normed = h[j] * inv, wj = load_x(w, dt, j);
-            float y;
-            if (mode == 0) y = normed * wj;
-            else if (mode == 1) y = wj * round_to(dt, normed);
-            else y = normed * (1.0f + wj);
-            store(out, dt, r * dim + j, y);
+        if (mode == 0) {
+            _Pragma("omp simd")
+            for (int64_t j = 0; j < dim; j++) other[j] = h[j] * inv * weight[j];
+        } else if (mode == 1) {
+            _Pragma("omp simd")
+            for (int64_t j = 0; j < dim; j++) {
+                const float normed = h[j] * inv;
+                other[j] = weight[j] * (dt == DTYPE_F32 ? normed
+                                                        : bf16_to_f32(f32_to_bf16(normed)));
+            }
+        } else {
+            _Pragma("omp simd")
+            for (int64_t j = 0; j < dim; j++) other[j] = h[j] * inv * (1.0f + weight[j]);
         }
+        store_row(out, other, dt, r * dim, dim);
     }
-    free(h);
+    free(work);
     return 0;
 }
 
@@ -601,15 +633,26 @@ void mm_rotary(const void* x, const void* cos, const void* sin, void* out, int d
 /* silu(gate) * up for gate_up [rows, 2 * inner] (gate first) -> out [rows, inner]; silu rounded
  * to the dtype before the product, as two PyTorch ops would. silu(g) = g / (1 + exp(-g)),
  * written with e = exp(-|g|) <= 1 so that the loop vectorizes (no libm call). */
+static inline float silu(float g) {
+    const float e = exp_nonpositive(-fabsf(g));
+    return (g >= 0.0f ? g : g * e) / (1.0f + e);
+}
+
 void mm_silu_mul(const void* gate_up, void* out, int dt, int64_t rows, int64_t inner) {
     for (int64_t r = 0; r < rows; r++) {
-        _Pragma("omp simd")
-        for (int64_t j = 0; j < inner; j++) {
-            const float g = load_x(gate_up, dt, r * 2 * inner + j);
-            const float u = load_x(gate_up, dt, r * 2 * inner + inner + j);
-            const float e = exp_nonpositive(-fabsf(g));
-            const float silu = (g >= 0.0f ? g : g * e) / (1.0f + e);
-            store(out, dt, r * inner + j, round_to(dt, silu) * u);
+        if (dt == DTYPE_F32) {
+            const float* g = (const float*)gate_up + r * 2 * inner;
+            float* o = (float*)out + r * inner;
+            _Pragma("omp simd")
+            for (int64_t j = 0; j < inner; j++) o[j] = silu(g[j]) * g[inner + j];
+        } else {
+            const uint16_t* g = (const uint16_t*)gate_up + r * 2 * inner;
+            uint16_t* o = (uint16_t*)out + r * inner;
+            _Pragma("omp simd")
+            for (int64_t j = 0; j < inner; j++) {
+                const float a = bf16_to_f32(f32_to_bf16(silu(bf16_to_f32(g[j]))));
+                o[j] = f32_to_bf16(a * bf16_to_f32(g[inner + j]));
+            }
         }
     }
 }

@@ -1,0 +1,93 @@
+"""A/B of one engine feature on single-stream decode, side by side in one process.
+
+    python -m bench.decode_ab --feature huge_pages|fused_ops [--dtype bfloat16]
+        [--quantization none|int8|int4] [--rounds 8] [--steps 16]
+
+Without --model it uses bench.generate's checkpoint (Qwen2-0.5B shapes, random weights).
+`huge_pages`: two engines, weights copied into transparent huge pages (models.huge_pages) or
+left where they were loaded; `fused_ops`: one engine, the decode step's norm / rotary /
+SiLU-and-multiply as our fused kernels (models.native.for_small_ops) or as PyTorch's operators.
+Each engine decodes one request; rounds of `--steps` decode steps alternate between the two
+sides, and the median milliseconds per step of each side and the median per-round ratio are
+printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from bench.common import machine, median
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--feature", choices=["huge_pages", "fused_ops"], required=True)
+    parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--quantization", default="none")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=16)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+
+    from bench.generate import build_checkpoint
+    from engine import LLM, SamplingParams
+    from models import huge_pages, native
+
+    path = args.model or build_checkpoint()
+    quantization = None if args.quantization == "none" else args.quantization
+    max_tokens = 16 + args.rounds * args.steps
+
+    def decoding_engine():
+        llm = LLM(path, device="cpu", dtype=args.dtype, max_model_len=max_tokens + 256,
+                  quantization=quantization, enable_prefix_caching=False)
+        engine = llm.engine
+        processor = engine.processor
+        parsed = processor.parse(list(range(100, 228)))
+        processed = processor.process(parsed, processor.load_media_sync(parsed))
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        engine.add_request(engine.make_request(processed, params))
+        for _ in range(8):  # the prefill and a few decodes
+            engine.step()
+        return engine
+
+    sides: dict[str, Callable[[], None]] = {}
+    if args.feature == "huge_pages":
+        os.environ[huge_pages.DISABLE_ENV] = "0"
+        plain = decoding_engine()
+        os.environ[huge_pages.DISABLE_ENV] = "1"
+        huge = decoding_engine()
+        sides = {"huge pages": huge.step, "regular pages": plain.step}
+    else:
+        engine, fused = decoding_engine(), native.for_small_ops
+
+        def step(use: Callable) -> Callable[[], None]:
+            def run() -> None:
+                native.for_small_ops = use
+                engine.step()
+            return run
+
+        sides = {"fused ops": step(fused), "PyTorch ops": step(lambda x: None)}
+
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for _ in range(args.rounds):
+        for name, run in sides.items():
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                run()
+            times[name].append((time.perf_counter() - start) / args.steps * 1e3)
+    (a, ta), (b, tb) = times.items()
+    ratio = median([y / x for x, y in zip(ta, tb, strict=True)])
+    print(f"machine: {machine()}; {path.name}, {args.dtype}, quantization {args.quantization}; "
+          f"{args.rounds} rounds of {args.steps} decode steps")
+    print(f"{a}: {median(ta):.2f} ms/step; {b}: {median(tb):.2f} ms/step; "
+          f"{a} is {ratio:.3f}x as fast (median of per-round ratios)")
+
+
+if __name__ == "__main__":
+    main()
