@@ -41,7 +41,7 @@ def main() -> None:
 
     path = args.model or build_checkpoint()
     quantization = None if args.quantization == "none" else args.quantization
-    max_tokens = 16 + args.rounds * args.steps
+    max_tokens = 16 + 2 * args.rounds * args.steps  # enough for both sides on one engine
 
     def decoding_engine():
         llm = LLM(path, device="cpu", dtype=args.dtype, max_model_len=max_tokens + 256,
