@@ -84,9 +84,10 @@ def test_int8_linear_matches_the_dequantized_weight(kernels, k, rows):
 @pytest.mark.parametrize("group, rows", [(32, 1), (128, 3), (64, 6)])
 def test_int4_linear_matches_the_dequantized_weight(kernels, generic, group, rows):
     """Read in place from PyTorch's int4 pack. The VNNI path writes each group's activations
-    as two int8 digits, each within max|x| / 65024 of the value: the error of an output is
-    bounded by that, weighted by the weights' magnitudes (twice over for float32 rounding of
-    the scale and offset terms); the plain-C path computes in float32 throughout."""
+    as two int8 digits, each within max|x| / 65024 of the value, and computes exactly W . x'
+    for the written x': an output's error is within that bound weighted by |w| (checked with a
+    factor 3 of margin), plus float32 rounding of the scale and offset terms it is summed from,
+    the plain-C path's only error."""
     gen = torch.Generator().manual_seed(group + rows)
     w = torch.randn(192, 256, generator=gen) * 0.05
     w[:, 7] *= 20
