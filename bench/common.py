@@ -79,3 +79,22 @@ def _fmt(value) -> str:
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
     return str(value)
+
+
+def decoding_engine(path: Path, dtype: str, quantization: str | None, max_tokens: int,
+                    max_model_len: int = 1024):
+    """An engine (LLMEngine) on the CPU decoding one greedy request of a 128-token prompt, past
+    its prefill and a few decode steps: each further `step()` is one single-stream decode."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(path, device="cpu", dtype=dtype, max_model_len=max_model_len,
+              quantization=quantization, enable_prefix_caching=False)
+    engine = llm.engine
+    processor = engine.processor
+    parsed = processor.parse(list(range(100, 228)))
+    processed = processor.process(parsed, processor.load_media_sync(parsed))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    engine.add_request(engine.make_request(processed, params))
+    for _ in range(8):  # the prefill and a few decodes
+        engine.step()
+    return engine

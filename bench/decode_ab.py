@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.common import machine, median
+from bench.common import decoding_engine, machine, median
 
 
 def main() -> None:
@@ -36,40 +36,29 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
 
     from bench.generate import build_checkpoint
-    from engine import LLM, SamplingParams
     from models import huge_pages, native
 
     path = args.model or build_checkpoint()
     quantization = None if args.quantization == "none" else args.quantization
     max_tokens = 16 + 2 * args.rounds * args.steps  # enough for both sides on one engine
 
-    def decoding_engine():
-        llm = LLM(path, device="cpu", dtype=args.dtype, max_model_len=max_tokens + 256,
-                  quantization=quantization, enable_prefix_caching=False)
-        engine = llm.engine
-        processor = engine.processor
-        parsed = processor.parse(list(range(100, 228)))
-        processed = processor.process(parsed, processor.load_media_sync(parsed))
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        engine.add_request(engine.make_request(processed, params))
-        for _ in range(8):  # the prefill and a few decodes
-            engine.step()
-        return engine
+    def engine():
+        return decoding_engine(path, args.dtype, quantization, max_tokens, max_tokens + 256)
 
     sides: dict[str, Callable[[], None]] = {}
     if args.feature == "huge_pages":
         os.environ[huge_pages.DISABLE_ENV] = "0"
-        plain = decoding_engine()
+        plain = engine()
         os.environ[huge_pages.DISABLE_ENV] = "1"
-        huge = decoding_engine()
+        huge = engine()
         sides = {"huge pages": huge.step, "regular pages": plain.step}
     else:
-        engine, fused = decoding_engine(), native.for_small_ops
+        shared, fused = engine(), native.for_small_ops
 
         def step(use: Callable) -> Callable[[], None]:
             def run() -> None:
                 native.for_small_ops = use
-                engine.step()
+                shared.step()
             return run
 
         sides = {"fused ops": step(fused), "PyTorch ops": step(lambda x: None)}

@@ -6,7 +6,8 @@
 Without --model it uses bench.generate's checkpoint (Qwen2-0.5B shapes, random weights). One
 request decodes alone; after a warm-up, `--steps` engine steps are profiled and the operators
 with the most self CPU time are printed, with the share of the steps' wall time spent outside
-any profiled operator (Python and bookkeeping).
+any profiled operator (Python and bookkeeping, and our own kernels of models.native, which are
+not PyTorch operators: `MMSERVE_NATIVE=0` profiles PyTorch's alone).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from torch.profiler import ProfilerActivity, profile
 
-from bench.common import machine
+from bench.common import decoding_engine, machine
 
 
 def main() -> None:
@@ -32,20 +33,10 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
 
     from bench.generate import build_checkpoint
-    from engine import LLM, SamplingParams
 
     path = args.model or build_checkpoint()
     quantization = None if args.quantization == "none" else args.quantization
-    llm = LLM(path, device="cpu", dtype=args.dtype, max_model_len=1024, quantization=quantization,
-              enable_prefix_caching=False)
-    engine = llm.engine
-    params = SamplingParams(max_tokens=args.steps + 16, temperature=0, ignore_eos=True)
-    processor = engine.processor
-    parsed = processor.parse(list(range(100, 228)))
-    processed = processor.process(parsed, processor.load_media_sync(parsed))
-    engine.add_request(engine.make_request(processed, params))
-    for _ in range(8):  # the prefill and a few decodes, unprofiled
-        engine.step()
+    engine = decoding_engine(path, args.dtype, quantization, args.steps + 16)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
         for _ in range(args.steps):

@@ -667,15 +667,7 @@ static inline void gather_rows(const void* cache, int dt, int64_t base, const in
     for (int64_t t = 0; t < n; t++) {
         const int64_t pos = t0 + t;
         const int64_t slot = blocks[(pos - key0) / block_size] * block_size + pos % block_size;
-        const int64_t at = base + slot * dim;
-        float* row = dst + t * dim;
-        if (dt == DTYPE_F32) {
-            memcpy(row, (const float*)cache + at, sizeof(float) * (size_t)dim);
-        } else {
-            const uint16_t* h = (const uint16_t*)cache + at;
-            _Pragma("omp simd")
-            for (int64_t d = 0; d < dim; d++) row[d] = bf16_to_f32(h[d]);
-        }
+        load_row(dst + t * dim, cache, dt, base + slot * dim, dim);
     }
 }
 

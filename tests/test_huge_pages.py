@@ -7,20 +7,14 @@ import pytest
 import torch
 
 from models import huge_pages
-from models.attention import LayerAttention
-from models.decoder import CausalLM, DecoderConfig
+from models.decoder import CausalLM
 from models.quantization import quantize_language_model
+from tests.test_quantization import tiny_tied_model
 
 
 def _model(seed: int = 0) -> CausalLM:
     torch.manual_seed(seed)
-    cfg = DecoderConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=64,
-        tie_word_embeddings=True, hidden_act="silu", layer_rope=({"rope_type": "default"},) * 2,
-        layer_attention=(LayerAttention(None, None),) * 2,
-    )
-    model = CausalLM(cfg, 64, torch.device("cpu"))
+    model = tiny_tied_model()
     for p in model.parameters():
         p.requires_grad_(False)
         p.normal_(0, 0.1)

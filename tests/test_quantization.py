@@ -140,14 +140,19 @@ def test_a_wrong_scale_breaks_the_bound(real_linear, mode, group):
     assert rel > LINEAR_BOUNDS[mode, group]
 
 
-def test_quantize_language_model_covers_layers_and_a_tied_head():
+def tiny_tied_model() -> CausalLM:
+    """Two layers, hidden 64, a head tied to the embedding table (random init, on the CPU)."""
     cfg = DecoderConfig(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
         num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=64,
         tie_word_embeddings=True, hidden_act="silu", layer_rope=({"rope_type": "default"},) * 2,
         layer_attention=(LayerAttention(None, None),) * 2,
     )
-    model = CausalLM(cfg, 64, torch.device("cpu"))
+    return CausalLM(cfg, 64, torch.device("cpu"))
+
+
+def test_quantize_language_model_covers_layers_and_a_tied_head():
+    model = tiny_tied_model()
     embed = model.embed_tokens.weight.detach().clone()
     assert quantize_language_model(model, "int4", 32) == 2 * 4 + 1
     assert isinstance(model.lm_head, QuantizedLinear)
