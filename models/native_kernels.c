@@ -166,8 +166,8 @@ static int linear_i8_vnni(const void* x, int x_dtype, const int8_t* w, const uin
             uint8_t* hd = digits + 2 * (i * k + b * I8_BLOCK);
             for (int j = 0; j < I8_BLOCK; j++) {
                 const float u = v[j] / s;
-                const float h = roundf(u);
-                float l = roundf((u - h) * 256.0f);
+                const float h = rintf(u);
+                float l = rintf((u - h) * 256.0f);
                 l = l > 128.0f ? 128.0f : (l < -128.0f ? -128.0f : l);
                 hd[j] = (uint8_t)fabsf(h);
                 hd[I8_BLOCK + j] = (uint8_t)fabsf(l);
@@ -353,6 +353,7 @@ int mm_linear_i4(const void* x, int x_dtype, const uint8_t* w, const uint16_t* s
             for (int64_t g = 0; g < groups; g++) {
                 const float* v = xf + i * k + g * group;
                 float top = 0.0f, sum = 0.0f;
+                _Pragma("omp simd reduction(max:top) reduction(+:sum)")
                 for (int64_t j = 0; j < group; j++) {
                     top = fabsf(v[j]) > top ? fabsf(v[j]) : top;
                     sum += v[j];
@@ -360,11 +361,12 @@ int mm_linear_i4(const void* x, int x_dtype, const uint8_t* w, const uint16_t* s
                 const float s = top > 0.0f ? top / 127.0f : 1.0f;
                 int8_t* hd = digits + 2 * i * k + g * group;
                 int8_t* ld = hd + k;
-                float digit_sum = 0.0f;  /* of 256 h + l */
+                float digit_sum = 0.0f;  /* of 256 h + l: integers, exact in any order */
+                _Pragma("omp simd reduction(+:digit_sum)")
                 for (int64_t j = 0; j < group; j++) {
                     const float u = v[j] / s;
-                    const float h = roundf(u);
-                    float l = roundf((u - h) * 256.0f);
+                    const float h = rintf(u);  /* rintf, not roundf: it vectorizes */
+                    float l = rintf((u - h) * 256.0f);
                     l = l > 127.0f ? 127.0f : (l < -127.0f ? -127.0f : l);
                     hd[j] = (int8_t)h, ld[j] = (int8_t)l;
                     digit_sum += 256.0f * h + l;
