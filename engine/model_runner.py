@@ -21,8 +21,9 @@ from engine.config import EngineConfig, GiB
 from engine.device import DeviceTimer, to_device, wait_for_device
 from engine.sampler import SamplingBatch, sample
 from engine.scheduler import SchedulerOutput
-from models.attention import build_metadata, choose_decode_kernel
+from models.attention import build_metadata
 from models.attention_varlen import choose_backend
+from models.decode_kernel_choice import choose_decode_kernel
 from models.huge_pages import place_weights
 from models.interfaces import LanguageModel
 from models.kernel_plan import plan_linears

@@ -19,7 +19,7 @@ Each group reads only the cache blocks its layers can see: a sliding-window laye
 block holding its first visible key. Keys are gathered from those blocks per layer (PyTorch has
 no paged kernel on the CPU); the gather is bounded by the group's own context. Decodes may
 instead take our own paged kernel (models.native), which reads the keys in place, where it
-measured faster on this machine (`choose_decode_kernel`).
+measured faster on this machine (models.decode_kernel_choice).
 
 Layers differ in how they attend (`LayerAttention`: sliding window, logit soft-cap), so the
 metadata holds one key view per distinct window. Bidirectional spans (media whose tokens see
@@ -30,8 +30,6 @@ tensors built here (no host sync, no data-dependent Python control flow).
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -41,8 +39,6 @@ import torch.nn.functional as F
 from models import native
 from models.attention_varlen import BACKENDS, VarlenBatch, build_varlen, varlen_attention
 from models.layers import to_device
-
-log = logging.getLogger(__name__)
 
 # A decode bucket's padded work (longest context x members) stays within this factor of the
 # sum of its members' contexts.
@@ -406,70 +402,3 @@ def attend(
     probs = scores.softmax(-1).to(v.dtype).view(num_kv_heads, b, group * lq, lk)
     out = torch.matmul(probs, v.transpose(0, 1))  # [Hkv, B, G * Lq, D]
     return out.transpose(0, 1).reshape(b, num_heads, lq, d)
-
-
-_CHOICES: dict[tuple, str] = {}
-
-
-def choose_decode_kernel(
-    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-    block_size: int = 16,
-) -> str:
-    """The fastest decode kernel on this machine, by measurement (once per shape and dtype).
-
-    Decode attention is a matrix-vector workload whose fastest formulation differs between CPUs
-    and dtypes (SDPA's fused CPU kernel is tuned for long query blocks; oneDNN builds a kernel
-    per shape, and a decode's context grows every step). Each candidate runs a step's decode
-    attention end to end out of a paged cache, the PyTorch ones gathering the keys first: one
-    sequence at ~256 keys and eight at ~1024, the context growing by one per call as it does
-    in generation; the least total time wins. CUDA keeps SDPA.
-    """
-    if device.type != "cpu":
-        return "sdpa"
-    key = (num_heads, num_kv_heads, head_dim, dtype, block_size)
-    if key not in _CHOICES:
-        names = ["sdpa", "matmul"]
-        if native.load() is not None and dtype in native.DTYPES:
-            names.append("native")
-        times = _time_decode_kernels(names, num_heads, num_kv_heads, head_dim, dtype,
-                                     block_size)
-        _CHOICES[key] = min(times, key=times.get)
-        log.info("decode attention kernel for %s heads %d/%d x %d: %s (%s)", dtype, num_heads,
-                 num_kv_heads, head_dim, _CHOICES[key],
-                 ", ".join(f"{k} {t * 1e3:.2f} ms" for k, t in times.items()))
-    return _CHOICES[key]
-
-
-def _time_decode_kernels(names: list[str], num_heads: int, num_kv_heads: int, head_dim: int,
-                         dtype: torch.dtype, block_size: int) -> dict[str, float]:
-    """Median seconds of each kernel over the same decode steps (see choose_decode_kernel)."""
-    gen = torch.Generator().manual_seed(0)
-    blocks_per_seq = -(-1040 // block_size)
-    num_blocks = 8 * blocks_per_seq
-    kv_cache = torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim,
-                           generator=gen).to(dtype)
-    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(8)]
-    shape = _Shape(block_size, torch.device("cpu"), dtype)
-    steps = []
-    for grow in range(4):
-        for contexts in ([256 + grow], [1000 + grow + i for i in range(8)]):
-            view = _decode_view(shape, contexts, tables[: len(contexts)], None)
-            group = AttentionGroup(torch.arange(len(contexts)), len(contexts), 1, {None: view})
-            q = torch.randn(len(contexts), num_heads, head_dim, generator=gen).to(dtype)
-            steps.append((q, group))
-
-    def run(kernel: str) -> None:
-        for q, group in steps:
-            for view in group.views.values():
-                view.workspace = None  # a fresh gather per step, as in a real one
-            _attend_group(q, q, q, kv_cache, group, 0.1, LayerAttention(), kernel)
-
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for name in names:
-        run(name)  # warm-up
-    for _ in range(3):
-        for name in names:
-            t0 = time.perf_counter()
-            run(name)
-            samples[name].append(time.perf_counter() - t0)
-    return {name: sorted(t)[1] for name, t in samples.items()}

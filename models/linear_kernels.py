@@ -52,11 +52,15 @@ def _dequantized_bf16(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 _SCRATCH = threading.local()
+SCRATCH_BYTES = 64 << 20  # a larger weight (an LM head) is dequantized into a buffer of its own
 
 
 def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """This thread's dequantization buffer of `dtype`, at least `numel` long (grown, never
-    shrunk: the largest quantized layer's size)."""
+    shrunk, up to SCRATCH_BYTES: the decoder layers' largest weight); past that a fresh one,
+    so that a huge head's dequantized copy is not kept for the life of the process."""
+    if numel * dtype.itemsize > SCRATCH_BYTES:
+        return torch.empty(numel, dtype=dtype)
     buffers = _SCRATCH.__dict__.setdefault("buffers", {})
     buffer = buffers.get(dtype)
     if buffer is None or buffer.numel() < numel:

@@ -40,14 +40,34 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as PyTo
     return (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0 : rounded;  /* NaN stays NaN (vectorizes) */
 }
 
+/* n values of dtype `dt` at src + at -> float32 dst (one loop per dtype, so that it vectorizes) */
+static inline void load_row(float* dst, const void* src, int dt, int64_t at, int64_t n) {
+    if (dt == DTYPE_F32) {
+        memcpy(dst, (const float*)src + at, sizeof(float) * (size_t)n);
+    } else {
+        const uint16_t* h = (const uint16_t*)src + at;
+        _Pragma("omp simd")
+        for (int64_t j = 0; j < n; j++) dst[j] = bf16_to_f32(h[j]);
+    }
+}
+
+/* float32 src -> n values of dtype `dt` at dst + at (rounded to nearest even) */
+static inline void store_row(void* dst, const float* src, int dt, int64_t at, int64_t n) {
+    if (dt == DTYPE_F32) {
+        memcpy((float*)dst + at, src, sizeof(float) * (size_t)n);
+    } else {
+        uint16_t* h = (uint16_t*)dst + at;
+        _Pragma("omp simd")
+        for (int64_t j = 0; j < n; j++) h[j] = f32_to_bf16(src[j]);
+    }
+}
+
 /* rows [M, K] of dtype `dt` -> float32 (a copy when not float32 already; NULL if out of memory) */
 static float* as_f32(const void* x, int dt, int64_t n, int* owned) {
     *owned = dt != DTYPE_F32;
     if (!*owned) return (float*)x;
     float* out = malloc(sizeof(float) * (size_t)n);
-    if (out == NULL) return NULL;
-    const uint16_t* h = x;
-    for (int64_t i = 0; i < n; i++) out[i] = bf16_to_f32(h[i]);
+    if (out != NULL) load_row(out, x, dt, 0, n);
     return out;
 }
 
@@ -402,8 +422,7 @@ int mm_linear_i4(const void* x, int x_dtype, const uint8_t* w, const uint16_t* s
             i4_block_float(xf, xsum, wb, sz, out, m, n, k, group, b);
 #endif
         }
-        if (x_dtype != DTYPE_F32)
-            for (int64_t i = 0; i < m * n; i++) ((uint16_t*)y)[i] = f32_to_bf16(out[i]);
+        if (out != y) store_row(y, out, x_dtype, 0, m * n);
     }
     if (owned) free((void*)xf);
     free(xsum), free(gscale), free(digits);
@@ -550,28 +569,6 @@ static inline float round_to(int dt, float x) {
  * `sum`), then normalizes h. mode 0: normed * w in float32 (F.rms_norm, for float32); 1: w *
  * dtype(normed), the product rounded (reduced precision); 2: dtype(normed * (1 + w)) (unit
  * offset). normed = h * rsqrt(mean(h^2) + eps), in float32. Nonzero when out of memory. */
-/* n values of dtype `dt` at src + at -> float32 dst (one loop per dtype, so that it vectorizes) */
-static inline void load_row(float* dst, const void* src, int dt, int64_t at, int64_t n) {
-    if (dt == DTYPE_F32) {
-        memcpy(dst, (const float*)src + at, sizeof(float) * (size_t)n);
-    } else {
-        const uint16_t* h = (const uint16_t*)src + at;
-        _Pragma("omp simd")
-        for (int64_t j = 0; j < n; j++) dst[j] = bf16_to_f32(h[j]);
-    }
-}
-
-/* float32 src -> n values of dtype `dt` at dst + at (rounded to nearest even) */
-static inline void store_row(void* dst, const float* src, int dt, int64_t at, int64_t n) {
-    if (dt == DTYPE_F32) {
-        memcpy((float*)dst + at, src, sizeof(float) * (size_t)n);
-    } else {
-        uint16_t* h = (uint16_t*)dst + at;
-        _Pragma("omp simd")
-        for (int64_t j = 0; j < n; j++) h[j] = f32_to_bf16(src[j]);
-    }
-}
-
 int mm_rms_norm(const void* x, const void* delta, void* sum, const void* w, void* out, int dt,
                 int64_t rows, int64_t dim, float eps, int mode) {
     float* work = malloc(sizeof(float) * (size_t)(3 * dim));

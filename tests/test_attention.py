@@ -315,7 +315,8 @@ def test_decode_kernels_match_reference_in_a_mixed_step(kernel, window):
 
 
 def test_decode_kernel_is_chosen_by_measurement():
-    from models.attention import KERNELS, choose_decode_kernel
+    from models.attention import KERNELS
+    from models.decode_kernel_choice import choose_decode_kernel
 
     assert choose_decode_kernel(4, 2, 8, torch.float32, CPU) in KERNELS
     assert choose_decode_kernel(4, 2, 8, torch.float32, torch.device("cuda")) == "sdpa"
