@@ -15,6 +15,7 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -24,6 +25,9 @@ from models.interfaces import EncoderItem
 from models.layers import GatedMLP, RMSNorm, RotaryTable, apply_rotary
 from models.linear_kernels import Linear
 from models.loader import Shard
+
+if TYPE_CHECKING:
+    from models.native_decode import NativeDecode
 
 
 @dataclass(frozen=True)
@@ -206,6 +210,7 @@ class Decoder(nn.Module):
 
     position_rows = 1
     deepstack_layers = 0  # per-layer media residuals each encoder item carries (DeepStack)
+    native_decode: NativeDecode | None = None  # set by prepare_decode
 
     def __init__(self, cfg: DecoderConfig, max_positions: int, device: torch.device) -> None:
         super().__init__()
@@ -247,11 +252,23 @@ class Decoder(nn.Module):
         each of the first K layers (DeepStack's per-layer media features)."""
         h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         rotary = [self.rotary_cos_sin(r, positions, h.dtype) for r in self.rotaries]
+        layers_out = None
+        if self.native_decode is not None and residuals is None:
+            layers_out = self.native_decode.run(h, rotary, meta)  # None: not a step it takes
+        if layers_out is not None:
+            return self.norm(layers_out)
         for i, layer in enumerate(self.layers):
             h = layer(h, rotary, meta)
             if residuals is not None and i < residuals[1].shape[0]:
                 h = h.index_add(0, residuals[0], residuals[1][i].to(h.dtype))
         return self.norm(h)
+
+    def prepare_decode(self) -> None:
+        """Once the KV caches are bound and the linears planned, on the CPU: run the decode
+        steps it can take through one native call (models.native_decode)."""
+        from models.native_decode import NativeDecode  # it builds on this module's classes
+
+        self.native_decode = NativeDecode.build(self)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)

@@ -229,6 +229,11 @@ class LanguageModel(Protocol):
         """hidden [N, H] -> logits [N, V] in float32."""
         ...
 
+    def prepare_decode(self) -> None:
+        """Called on the CPU once the KV caches are bound and the linears planned: set up what
+        the decode steps run through (models.native_decode)."""
+        ...
+
     def encode(self, items: Sequence[EncoderItem]) -> list[torch.Tensor]:
         """Processed items -> embeddings [n_i, H] each ([1 + K, n_i, H] with K DeepStack
         layers), all in one batched forward per modality; text-only models raise."""

@@ -38,7 +38,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = self._fused(x)
         if fused is not None:
-            return fused.rms_norm(x, self.weight, self.eps, self._mode(x.dtype))[1]
+            return fused.rms_norm(x, self.weight, self.eps, self.norm_mode(x.dtype))[1]
         if self.unit_offset:  # the reference scales in float32, then casts
             normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
             return (normed * (1.0 + self.weight.float())).to(x.dtype)
@@ -57,7 +57,7 @@ class RMSNorm(nn.Module):
         our own kernel at a decode step's rows."""
         fused = self._fused(h)
         if fused is not None and delta.is_contiguous() and delta.dtype == h.dtype:
-            return fused.rms_norm(h, self.weight, self.eps, self._mode(h.dtype), delta)
+            return fused.rms_norm(h, self.weight, self.eps, self.norm_mode(h.dtype), delta)
         h = h + delta
         return h, self(h)
 
@@ -66,7 +66,8 @@ class RMSNorm(nn.Module):
             return None
         return native.for_small_ops(x)
 
-    def _mode(self, dtype: torch.dtype) -> str:
+    def norm_mode(self, dtype: torch.dtype) -> str:
+        """The convention of models.native.NORM_MODES this norm computes in `dtype`."""
         if self.unit_offset:
             return "unit_offset"
         return "float32" if dtype == torch.float32 else "reduced"

@@ -1,5 +1,5 @@
-"""Our own CPU kernels (models/native_kernels.c): built on first use with the machine's C
-compiler, cached on disk, loaded with ctypes.
+"""Our own CPU kernels (models/native_kernels.c, native_decode_layers.c): built on first use
+with the machine's C compiler, cached on disk, loaded with ctypes.
 
 The source is compiled with `-O3 -march=native` for the CPU at hand, and linked against the
 OpenMP runtime PyTorch itself loaded, so its parallel loops share PyTorch's thread pool. Where
@@ -34,7 +34,10 @@ from models.kernel_choice import cache_path
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("native_kernels.c")
+HERE = Path(__file__).parent
+# Compiled into one library; the header (shared helpers and declarations) is part of the digest.
+SOURCES = (HERE / "native_kernels.c", HERE / "native_decode_layers.c")
+HEADER = HERE / "native_kernels.h"
 DISABLE_ENV = "MMSERVE_NATIVE"  # "0" keeps PyTorch's kernels only
 BUILD_TIMEOUT_S = 120
 FLAGS = ("-O3", "-march=native", "-fPIC", "-std=gnu11", "-Wno-unknown-pragmas")
@@ -88,6 +91,8 @@ class NativeKernels:
         self._read_sum.argtypes, self._read_sum.restype = [_ptr, _i64, _int], ctypes.c_double
         self._attention = lib.mm_decode_attention
         self._attention.argtypes, self._attention.restype = _ATTENTION_ARGS, _int
+        # A decoder's layers in one call; models.native_decode declares its arguments.
+        self.decode_layers = lib.mm_decode_layers
 
     @staticmethod
     def supports_linear(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
@@ -301,7 +306,8 @@ def _build(compiler: str, openmp: Path | None) -> tuple[Path, float]:
                              timeout=30).stdout
     flags = list(FLAGS) + (["-fopenmp"] if openmp else [])
     digest = hashlib.sha256("\0".join(
-        [SOURCE.read_text(), compiler, version, " ".join(flags), str(openmp), _cpu_flags()]
+        [*(p.read_text() for p in (*SOURCES, HEADER)), compiler, version, " ".join(flags),
+         str(openmp), _cpu_flags()]
     ).encode()).hexdigest()[:16]
     target = cache_path().parent / f"native-{digest}.so"  # beside the kernel choices
     if target.exists():
@@ -309,11 +315,14 @@ def _build(compiler: str, openmp: Path | None) -> tuple[Path, float]:
     target.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        obj, lib = Path(tmp) / "kernels.o", Path(tmp) / "kernels.so"
+        objects = [Path(tmp) / f"{i}.o" for i in range(len(SOURCES))]
+        lib = Path(tmp) / "kernels.so"
         # Compiled with OpenMP, linked without the compiler's own runtime but against the one
         # PyTorch loaded: two OpenMP runtimes in a process would each keep a thread pool.
-        _run([compiler, *flags, "-c", str(SOURCE), "-o", str(obj)])
-        link = [compiler, "-shared", str(obj), "-o", str(lib), "-lm"]
+        for source, obj in zip(SOURCES, objects, strict=True):
+            _run([compiler, *flags, "-I", str(HEADER.parent), "-c", str(source), "-o",
+                  str(obj)])
+        link = [compiler, "-shared", *map(str, objects), "-o", str(lib), "-lm"]
         _run(link + ([str(openmp)] if openmp else []))
         lib.replace(target)
     return target, time.perf_counter() - start

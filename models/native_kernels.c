@@ -22,45 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define DTYPE_F32 0
-#define DTYPE_BF16 1
-#define DTYPE_I8 2
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as PyTorch does */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    const uint16_t rounded = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-    return (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0 : rounded;  /* NaN stays NaN (vectorizes) */
-}
-
-/* n values of dtype `dt` at src + at -> float32 dst (one loop per dtype, so that it vectorizes) */
-static inline void load_row(float* dst, const void* src, int dt, int64_t at, int64_t n) {
-    if (dt == DTYPE_F32) {
-        memcpy(dst, (const float*)src + at, sizeof(float) * (size_t)n);
-    } else {
-        const uint16_t* h = (const uint16_t*)src + at;
-        _Pragma("omp simd")
-        for (int64_t j = 0; j < n; j++) dst[j] = bf16_to_f32(h[j]);
-    }
-}
-
-/* float32 src -> n values of dtype `dt` at dst + at (rounded to nearest even) */
-static inline void store_row(void* dst, const float* src, int dt, int64_t at, int64_t n) {
-    if (dt == DTYPE_F32) {
-        memcpy((float*)dst + at, src, sizeof(float) * (size_t)n);
-    } else {
-        uint16_t* h = (uint16_t*)dst + at;
-        _Pragma("omp simd")
-        for (int64_t j = 0; j < n; j++) h[j] = f32_to_bf16(src[j]);
-    }
-}
+#include "native_kernels.h"
 
 /* rows [M, K] of dtype `dt` -> float32 (a copy when not float32 already; NULL if out of memory) */
 static float* as_f32(const void* x, int dt, int64_t n, int* owned) {
@@ -69,15 +31,6 @@ static float* as_f32(const void* x, int dt, int64_t n, int* owned) {
     float* out = malloc(sizeof(float) * (size_t)n);
     if (out != NULL) load_row(out, x, dt, 0, n);
     return out;
-}
-
-static inline float load_x(const void* x, int dt, int64_t i) {
-    return dt == DTYPE_F32 ? ((const float*)x)[i] : bf16_to_f32(((const uint16_t*)x)[i]);
-}
-
-static inline void store(void* y, int dt, int64_t i, float v) {
-    if (dt == DTYPE_F32) ((float*)y)[i] = v;
-    else ((uint16_t*)y)[i] = f32_to_bf16(v);
 }
 
 /* One instantiation per weight type: LOAD(w, k) reads element k of a weight row as float. */

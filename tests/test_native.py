@@ -304,8 +304,8 @@ def test_build_is_cached_and_keyed_by_source(kernels, tmp_path, monkeypatch):
     assert path.parent == tmp_path and seconds > 0
     assert native._build(compiler, openmp) == (path, 0.0)  # the second start reuses it
     edited = tmp_path / "kernels.c"
-    edited.write_text(native.SOURCE.read_text() + "\n/* edited */\n")
-    monkeypatch.setattr(native, "SOURCE", edited)
+    edited.write_text(native.SOURCES[0].read_text() + "\n/* edited */\n")
+    monkeypatch.setattr(native, "SOURCES", (edited, *native.SOURCES[1:]))
     assert native._build(compiler, openmp)[0] != path
 
 

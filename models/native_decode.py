@@ -1,0 +1,231 @@
+"""A decoder's decode steps through all of its layers in one native call (`mm_decode_layers`
+of models/native_decode_layers.c), on the CPU.
+
+At a decode's few rows, calling a layer's dozen small operations one by one from Python costs
+about as much as the smaller ones compute. The native call runs the same kernels the modules
+would run at those rows (models.native), in their order and with their roundings, so its
+result is theirs to the bit; it only replaces the calls. It therefore takes a step only where
+the modules would run exactly those kernels:
+
+- the layers have the shape the kernel implements (pre-norm residual, gated SiLU MLP, full
+  attention without soft-capping; optional q / k norms and biases), with the fused decode ops
+  on, which `unsupported` checks once when the runner prepares the model;
+- every linear's planned formulation (models.kernel_plan) for the step's row count is ours
+  ("native"): where PyTorch's measured faster for some layer, the modules run;
+- the step decodes only (one token per request), attended by our paged kernel
+  (models.decode_kernel_choice chose it), at most models.native.FUSED_ROWS tokens, with no
+  per-layer media residuals.
+
+`MMSERVE_NATIVE_DECODE=0` keeps the modules (for A/B runs: bench/decode_ab.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+import torch
+
+from models import native
+from models.attention import AttentionMetadata
+from models.decoder import Attention, Decoder, DecoderLayer
+from models.kernel_choice import BUCKETS, bucket_index
+from models.layers import GatedMLP, RMSNorm
+from models.linear_kernels import Linear
+from models.quantization import QuantizedLinear
+
+log = logging.getLogger(__name__)
+
+DISABLE_ENV = "MMSERVE_NATIVE_DECODE"  # "0": decode steps through the modules
+FORMATS = {"dense": 0, "int8": 1, "int4": 2}  # native_decode_layers.c's FORMAT_*
+
+_ptr, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+
+
+class _LinearDesc(ctypes.Structure):
+    _fields_ = [("format", _i32), ("group", _i32), ("n", _i64), ("k", _i64),
+                ("weight", _ptr), ("scales", _ptr), ("bias", _ptr)]
+
+
+class _LayerDesc(ctypes.Structure):
+    _fields_ = [("qkv", _LinearDesc), ("o", _LinearDesc), ("gate_up", _LinearDesc),
+                ("down", _LinearDesc), ("input_norm", _ptr), ("post_norm", _ptr),
+                ("q_norm", _ptr), ("k_norm", _ptr), ("kv_cache", _ptr), ("rope", _i64)]
+
+
+class _DecoderDesc(ctypes.Structure):
+    _fields_ = [("dtype", _i32), ("norm_mode", _i32), ("threads", _i32), ("reserved", _i32),
+                ("eps", _f32), ("scale", _f32), ("hidden", _i64), ("heads", _i64),
+                ("kv_heads", _i64), ("head_dim", _i64), ("intermediate", _i64),
+                ("num_blocks", _i64), ("block_size", _i64)]
+
+
+_ARGS = [ctypes.POINTER(_DecoderDesc), ctypes.POINTER(_LayerDesc), _i64, _ptr, _i64, _ptr, _ptr,
+         _ptr, _ptr, _i64, _ptr, _ptr]
+
+
+def unsupported(model: Decoder) -> str | None:
+    """Why the native decode call cannot run this model's layers, or None if it can."""
+    dtype = model.embed_tokens.weight.dtype
+    if model.embed_tokens.weight.device.type != "cpu" or dtype not in native.DTYPES:
+        return "it runs float32 or bfloat16 models on the CPU"
+    norms: list[RMSNorm] = []
+    for i, layer in enumerate(model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        # The kernel implements these classes' forwards; a family overriding one is not served.
+        if (type(layer).forward is not DecoderLayer.forward
+                or type(attn).forward is not Attention.forward
+                or type(mlp).forward is not GatedMLP.forward):
+            return f"layer {i} runs a forward of its own"
+        if layer.sandwich:
+            return "layers with norms after attention and MLP are not implemented"
+        if not mlp.fused_silu:
+            return "the MLP activation is not SiLU"
+        if attn.layout.sliding_window is not None or attn.layout.softcap is not None:
+            return "sliding windows and attention soft-capping are not implemented"
+        if not attn.kv_cache.is_contiguous() or attn.kv_cache.dtype != dtype:
+            return "the KV cache is not bound"
+        norms += [layer.input_layernorm, layer.post_attention_layernorm]
+        if attn.qk_norm:
+            norms += [attn.q_norm, attn.k_norm]
+        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            if not isinstance(linear, Linear | QuantizedLinear):
+                return f"layer {i} has a linear of an unknown kind"
+            weights = [linear.qweight, linear.scales] if linear.is_quantized else [linear.weight]
+            if linear.bias is not None:
+                weights.append(linear.bias)
+            if not all(w.is_contiguous() for w in weights):
+                return "a weight is not contiguous"
+            if not linear.is_quantized and linear.weight.dtype != dtype:
+                return "a weight is not in the model dtype"
+    if any(not n.fused_decode or n.weight.dtype != dtype for n in norms):
+        return "a norm does not take the fused decode path"
+    if len({(n.eps, n.norm_mode(dtype)) for n in norms}) > 1:
+        return "the norms differ in epsilon or convention"
+    if len({layer.self_attn.scale for layer in model.layers}) > 1:
+        return "the layers' attention scales differ"
+    return None
+
+
+class NativeDecode:
+    """The decode-step call for one model, with its layers' weights and caches described once.
+    `run` returns None for a step it does not take (then the modules run it)."""
+
+    def __init__(self, model: Decoder, kernels: native.NativeKernels) -> None:
+        self.model = model
+        self.dtype = model.embed_tokens.weight.dtype
+        self._call = kernels.decode_layers
+        self._call.argtypes, self._call.restype = _ARGS, ctypes.c_int
+        cfg, first = model.cfg, model.layers[0]
+        cache = first.self_attn.kv_cache  # [2, Hkv, blocks, block_size, D]
+        norm = first.input_layernorm
+        self.desc = _DecoderDesc(
+            dtype=native.DTYPES[self.dtype], norm_mode=native.NORM_MODES[norm.norm_mode(self.dtype)],
+            eps=norm.eps, scale=first.self_attn.scale, hidden=cfg.hidden_size,
+            heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            intermediate=cfg.intermediate_size, num_blocks=cache.shape[2],
+            block_size=cache.shape[3])
+        self.layers = (_LayerDesc * len(model.layers))(*map(_layer_desc, model.layers))
+        self.caches = [layer.self_attn.kv_cache for layer in model.layers]
+        # Per row-count bucket: whether every linear's plan there is our kernel.
+        linears = [m for layer in model.layers for m in layer.modules()
+                   if isinstance(m, Linear | QuantizedLinear)]
+        self.buckets = tuple(all(m.kernels is not None and m.kernels[b] == "native"
+                                 for m in linears) for b in range(len(BUCKETS)))
+
+    @classmethod
+    def build(cls, model: Decoder) -> NativeDecode | None:
+        """The call for this model, or None (logged) where it cannot run its layers."""
+        kernels = native.load()
+        if os.environ.get(DISABLE_ENV, "1") == "0":
+            reason = f"disabled by {DISABLE_ENV}=0"
+        elif kernels is None:
+            reason = f"no native kernels ({native.status().detail})"
+        else:
+            reason = unsupported(model)
+        if reason is not None:
+            log.info("decode steps run through the modules: %s", reason)
+            return None
+        decode = cls(model, kernels)
+        served = [b for b, ok in zip(BUCKETS, decode.buckets, strict=True) if ok]
+        log.info("decode steps of %s rows run the layers in one native call",
+                 ", ".join(served) or "no")
+        return decode
+
+    def run(self, h: torch.Tensor, rotary: list[tuple[torch.Tensor, torch.Tensor]],
+            meta: AttentionMetadata) -> torch.Tensor | None:
+        """h [m, H] entering the first layer -> the states leaving the last, or None when this
+        step is not one the call takes. rotary: (cos, sin) [m, 1, D / 2] per rope table."""
+        m = h.shape[0]
+        if (h.dim() != 2 or m > native.FUSED_ROWS or h.dtype != self.dtype
+                or h.device.type != "cpu" or not self.buckets[bucket_index(m)]):
+            return None
+        tables = _decode_tables(meta, m)
+        half = self.desc.head_dim // 2
+        if tables is None or any(
+                t.dtype != self.dtype or t.shape != (m, 1, half) or not t.is_contiguous()
+                for pair in rotary for t in pair):
+            return None
+        if any(a.self_attn.kv_cache is not c for a, c in zip(self.model.layers, self.caches,
+                                                              strict=True)):
+            return None  # rebound since: prepare the model again
+        table, key0, context = tables
+        cos = (_ptr * len(rotary))(*(c.data_ptr() for c, _ in rotary))
+        sin = (_ptr * len(rotary))(*(s.data_ptr() for _, s in rotary))
+        out = h.clone()
+        self.desc.threads = torch.get_num_threads()
+        status = self._call(ctypes.byref(self.desc), self.layers, len(self.layers),
+                            out.data_ptr(), m, cos, sin, meta.slot_mapping.data_ptr(),
+                            table.data_ptr(), table.shape[1], key0.data_ptr(),
+                            context.data_ptr())
+        if status:
+            raise MemoryError(f"native decode step failed (status {status}): out of memory")
+        return out
+
+
+def _layer_desc(layer: DecoderLayer) -> _LayerDesc:
+    attn, mlp = layer.self_attn, layer.mlp
+    return _LayerDesc(
+        qkv=_linear_desc(attn.qkv_proj), o=_linear_desc(attn.o_proj),
+        gate_up=_linear_desc(mlp.gate_up_proj), down=_linear_desc(mlp.down_proj),
+        input_norm=layer.input_layernorm.weight.data_ptr(),
+        post_norm=layer.post_attention_layernorm.weight.data_ptr(),
+        q_norm=attn.q_norm.weight.data_ptr() if attn.qk_norm else None,
+        k_norm=attn.k_norm.weight.data_ptr() if attn.qk_norm else None,
+        kv_cache=attn.kv_cache.data_ptr(), rope=layer.rope_index)
+
+
+def _linear_desc(linear: Linear | QuantizedLinear) -> _LinearDesc:
+    bias = None if linear.bias is None else linear.bias.data_ptr()
+    if linear.is_quantized:
+        return _LinearDesc(FORMATS[linear.mode], linear.group_size, linear.out_features,
+                           linear.in_features, linear.qweight.data_ptr(),
+                           linear.scales.data_ptr(), bias)
+    return _LinearDesc(FORMATS["dense"], 0, linear.out_features, linear.in_features,
+                       linear.weight.data_ptr(), None, bias)
+
+
+def _decode_tables(meta: AttentionMetadata,
+                   m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(block table [m, width], key0 [m], context [m]) in token order, when the step is
+    decodes only attended by our paged kernel; else None."""
+    if meta.decode_kernel != "native" or meta.varlen is not None or meta.num_tokens != m:
+        return None
+    views = []
+    for group in meta.groups:
+        view = group.views.get(None)
+        if group.q_len != 1 or view is None or view.context is None:
+            return None
+        views.append(view)
+    if len(views) == 1 and m == 1:
+        return views[0].block_table, views[0].key0, views[0].context
+    width = max(v.block_table.shape[1] for v in views)
+    table = torch.zeros(m, width, dtype=torch.int64)  # padding points at block 0, never read
+    key0 = torch.zeros(m, dtype=torch.int64)
+    context = torch.zeros(m, dtype=torch.int64)
+    for group, view in zip(meta.groups, views, strict=True):
+        table[group.rows, : view.block_table.shape[1]] = view.block_table
+        key0[group.rows] = view.key0
+        context[group.rows] = view.context
+    return table, key0, context

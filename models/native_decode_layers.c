@@ -1,0 +1,148 @@
+/* A decoder's decode step through all of its layers in one call (models/native_decode.py).
+ *
+ * At a decode's few rows a layer's work is a dozen small operations, and calling each from
+ * Python (module call, dispatch, allocation, thread-pool wake-up) costs about as much as the
+ * smaller ones compute. This runs the same kernels of native_kernels.c in the order the
+ * modules run them, with the intermediate results in the model dtype as the modules keep them,
+ * so that the result is the modules' to the bit (tests/test_native_decode.py). Only the layer
+ * shape the modules' fused decode path takes is served: pre-norm residual layers, gated SiLU
+ * MLP, full attention without soft-capping, optional per-head q / k norms and biases.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "native_kernels.h"
+
+#define FORMAT_DENSE 0 /* the weight in the model dtype */
+#define FORMAT_INT8 1  /* int8 per output channel, bfloat16 scales [n] */
+#define FORMAT_INT4 2  /* PyTorch's CPU int4 pack, bfloat16 scales and zeros [k / group, n, 2] */
+
+typedef struct {
+    int32_t format, group;
+    int64_t n, k;
+    const void* weight;
+    const void* scales;
+    const void* bias; /* [n] in the model dtype, or NULL */
+} mm_linear_desc;
+
+typedef struct {
+    mm_linear_desc qkv, o, gate_up, down;
+    const void* input_norm; /* [hidden] */
+    const void* post_norm;  /* [hidden]: the norm before the MLP */
+    const void* q_norm;     /* [head_dim], or NULL: no per-head q / k norms */
+    const void* k_norm;
+    void* kv_cache;         /* [2, kv_heads, num_blocks, block_size, head_dim] */
+    int64_t rope;           /* which of the step's cos / sin tables the layer rotates by */
+} mm_layer_desc;
+
+typedef struct {
+    int32_t dtype, norm_mode, threads, reserved;
+    float eps, scale;
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, num_blocks, block_size;
+} mm_decoder_desc;
+
+/* a[i] = dtype(a[i] + b[i % period]): PyTorch's elementwise add in the dtype */
+static void add_into(void* a, const void* b, int dt, int64_t n, int64_t period) {
+    for (int64_t i = 0; i < n; i++)
+        store(a, dt, i, load_x(a, dt, i) + load_x(b, dt, i % period));
+}
+
+/* y [m, n] = x [m, k] . W^T (+ bias), through the kernel of the weight's format */
+static int linear(const mm_linear_desc* l, const void* x, void* y, int64_t m, int dt,
+                  int threads) {
+    int status;
+    if (l->format == FORMAT_INT4)
+        status = mm_linear_i4(x, dt, l->weight, l->scales, y, m, l->n, l->k, l->group, 0,
+                              threads);
+    else if (l->format == FORMAT_INT8)
+        status = mm_linear_i8(x, dt, l->weight, l->scales, y, m, l->n, l->k, threads);
+    else if (dt == DTYPE_F32)
+        status = mm_linear_f32(x, dt, l->weight, NULL, y, m, l->n, l->k, threads);
+    else
+        status = mm_linear_bf16(x, dt, l->weight, NULL, y, m, l->n, l->k, threads);
+    if (status == 0 && l->bias != NULL) add_into(y, l->bias, dt, m * l->n, l->n);
+    return status;
+}
+
+/* h [m, hidden] (the hidden states entering layer 0) becomes the states leaving the last layer.
+ * cos / sin: per rope table, [m, head_dim / 2] in the dtype. slots [m]: where each token's key
+ * and value go in the cache. table [m, width] (block ids), key0 [m] and context [m]: each
+ * token's keys, as mm_decode_attention takes them. Returns nonzero on failure (1: out of memory,
+ * else the failing kernel's status), with h partly updated. */
+int mm_decode_layers(const mm_decoder_desc* d, const mm_layer_desc* layers, int64_t num_layers,
+                     void* h, int64_t m, const void* const* cos, const void* const* sin,
+                     const int64_t* slots, const int64_t* table, int64_t width,
+                     const int64_t* key0, const int64_t* context) {
+    const int dt = d->dtype, threads = d->threads;
+    const int64_t hidden = d->hidden, dim = d->head_dim, hq = d->heads, hkv = d->kv_heads;
+    const int64_t qkv_n = (hq + 2 * hkv) * dim, rotated = (hq + hkv) * dim;
+    const size_t elem = dt == DTYPE_F32 ? 4 : 2;
+    /* one allocation for every intermediate, each [m, width] in the dtype */
+    const int64_t sizes[] = {hidden, qkv_n, rotated, rotated, hq * dim, hq * dim, hidden,
+                             2 * d->intermediate, d->intermediate, hidden};
+    enum { NORMED, QKV, QK, ROT, Q, ATTN, O, GATE_UP, ACT, MLP, PARTS };
+    char* parts[PARTS];
+    int64_t total = 0;
+    for (int i = 0; i < PARTS; i++) total += sizes[i] * m;
+    char* work = malloc(elem * (size_t)total);
+    if (work == NULL) return 1;
+    for (int i = 0, at = 0; i < PARTS; at += (int)(sizes[i] * m), i++) parts[i] = work + at * elem;
+
+    const int64_t head_stride = d->num_blocks * d->block_size * dim; /* one KV head's slots */
+    int status = 0;
+    for (int64_t l = 0; l < num_layers && status == 0; l++) {
+        const mm_layer_desc* L = &layers[l];
+        /* the residual add of the previous layer's MLP fused into this layer's input norm */
+        status = mm_rms_norm(h, l ? parts[MLP] : NULL, h, L->input_norm, parts[NORMED], dt, m,
+                             hidden, d->eps, d->norm_mode);
+        if (status == 0) status = linear(&L->qkv, parts[NORMED], parts[QKV], m, dt, threads);
+        if (status) break;
+        /* q and k are adjacent: one rotary call rotates both (normed per head first) */
+        const void* unrotated = parts[QKV];
+        int64_t stride = qkv_n;
+        if (L->q_norm != NULL) {
+            for (int64_t t = 0; t < m && status == 0; t++) {
+                const char* row = parts[QKV] + t * qkv_n * elem;
+                char* out = parts[QK] + t * rotated * elem;
+                status = mm_rms_norm(row, NULL, NULL, L->q_norm, out, dt, hq, dim, d->eps,
+                                     d->norm_mode);
+                if (status == 0)
+                    status = mm_rms_norm(row + hq * dim * elem, NULL, NULL, L->k_norm,
+                                         out + hq * dim * elem, dt, hkv, dim, d->eps,
+                                         d->norm_mode);
+            }
+            if (status) break;
+            unrotated = parts[QK], stride = rotated;
+        }
+        mm_rotary(unrotated, cos[L->rope], sin[L->rope], parts[ROT], dt, m, hq + hkv, dim,
+                  stride);
+        /* keys (rotated) and values (as projected) into the cache; q contiguous per token */
+        for (int64_t t = 0; t < m; t++) {
+            const char* rot = parts[ROT] + t * rotated * elem;
+            const char* value = parts[QKV] + (t * qkv_n + rotated) * elem;
+            for (int64_t kv = 0; kv < hkv; kv++) {
+                char* key_slot = (char*)L->kv_cache + (kv * head_stride + slots[t] * dim) * elem;
+                char* value_slot = key_slot + hkv * head_stride * elem;
+                memcpy(key_slot, rot + (hq + kv) * dim * elem, dim * elem);
+                memcpy(value_slot, value + kv * dim * elem, dim * elem);
+            }
+            memcpy(parts[Q] + t * hq * dim * elem, rot, hq * dim * elem);
+        }
+        status = mm_decode_attention(parts[Q], L->kv_cache, parts[ATTN], dt, table, key0, context,
+                                     m, hq, hkv, dim, width, d->num_blocks, d->block_size, 0,
+                                     d->scale, 0.0f, threads);
+        if (status == 0) status = linear(&L->o, parts[ATTN], parts[O], m, dt, threads);
+        if (status == 0)
+            status = mm_rms_norm(h, parts[O], h, L->post_norm, parts[NORMED], dt, m, hidden,
+                                 d->eps, d->norm_mode);
+        if (status == 0)
+            status = linear(&L->gate_up, parts[NORMED], parts[GATE_UP], m, dt, threads);
+        if (status) break;
+        mm_silu_mul(parts[GATE_UP], parts[ACT], dt, m, d->intermediate);
+        status = linear(&L->down, parts[ACT], parts[MLP], m, dt, threads);
+    }
+    if (status == 0 && num_layers > 0) add_into(h, parts[MLP], dt, m * hidden, m * hidden);
+    free(work);
+    return status;
+}

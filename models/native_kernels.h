@@ -1,0 +1,83 @@
+/* What the sources of the native library share: dtype codes (models/native.py's DTYPES), element
+ * conversions, and the kernels of native_kernels.c that others call (see that file for what each
+ * computes). */
+#ifndef MM_NATIVE_KERNELS_H
+#define MM_NATIVE_KERNELS_H
+
+#include <stdint.h>
+#include <string.h>
+
+#define DTYPE_F32 0
+#define DTYPE_BF16 1
+#define DTYPE_I8 2
+
+/* ---- element conversions shared by the sources ---- */
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as PyTorch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint16_t rounded = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    return (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0 : rounded;  /* NaN stays NaN (vectorizes) */
+}
+
+/* n values of dtype `dt` at src + at -> float32 dst (one loop per dtype, so that it vectorizes) */
+static inline void load_row(float* dst, const void* src, int dt, int64_t at, int64_t n) {
+    if (dt == DTYPE_F32) {
+        memcpy(dst, (const float*)src + at, sizeof(float) * (size_t)n);
+    } else {
+        const uint16_t* h = (const uint16_t*)src + at;
+        _Pragma("omp simd")
+        for (int64_t j = 0; j < n; j++) dst[j] = bf16_to_f32(h[j]);
+    }
+}
+
+/* float32 src -> n values of dtype `dt` at dst + at (rounded to nearest even) */
+static inline void store_row(void* dst, const float* src, int dt, int64_t at, int64_t n) {
+    if (dt == DTYPE_F32) {
+        memcpy((float*)dst + at, src, sizeof(float) * (size_t)n);
+    } else {
+        uint16_t* h = (uint16_t*)dst + at;
+        _Pragma("omp simd")
+        for (int64_t j = 0; j < n; j++) h[j] = f32_to_bf16(src[j]);
+    }
+}
+
+static inline float load_x(const void* x, int dt, int64_t i) {
+    return dt == DTYPE_F32 ? ((const float*)x)[i] : bf16_to_f32(((const uint16_t*)x)[i]);
+}
+
+static inline void store(void* y, int dt, int64_t i, float v) {
+    if (dt == DTYPE_F32) ((float*)y)[i] = v;
+    else ((uint16_t*)y)[i] = f32_to_bf16(v);
+}
+
+/* ---- kernels ---- */
+
+
+int mm_linear_f32(const void* x, int x_dtype, const float* w, const uint16_t* scales, void* y,
+                  int64_t m, int64_t n, int64_t k, int threads);
+int mm_linear_bf16(const void* x, int x_dtype, const uint16_t* w, const uint16_t* scales,
+                   void* y, int64_t m, int64_t n, int64_t k, int threads);
+int mm_linear_i8(const void* x, int x_dtype, const int8_t* w, const uint16_t* scales, void* y,
+                 int64_t m, int64_t n, int64_t k, int threads);
+int mm_linear_i4(const void* x, int x_dtype, const uint8_t* w, const uint16_t* sz, void* y,
+                 int64_t m, int64_t n, int64_t k, int64_t group, int generic, int threads);
+int mm_rms_norm(const void* x, const void* delta, void* sum, const void* w, void* out, int dt,
+                int64_t rows, int64_t dim, float eps, int mode);
+void mm_rotary(const void* x, const void* cos, const void* sin, void* out, int dt,
+               int64_t tokens, int64_t heads, int64_t dim, int64_t token_stride);
+void mm_silu_mul(const void* gate_up, void* out, int dt, int64_t rows, int64_t inner);
+int mm_decode_attention(const void* q, const void* cache, void* out, int dtype,
+                        const int64_t* table, const int64_t* key0, const int64_t* context,
+                        int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
+                        int64_t width, int64_t num_blocks, int64_t block_size, int64_t window,
+                        float scale, float softcap, int threads);
+
+#endif

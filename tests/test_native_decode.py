@@ -1,0 +1,137 @@
+"""The decode step through one native call (models.native_decode) against the modules it
+replaces, through the engine: the same logits to the bit at every step, for float32 and
+bfloat16, dense, int8 and int4 weights, biases, tied heads, one and several requests per step;
+q / k norms (Qwen3) within float32 summation order. The steps it must decline go through the
+modules, and models it cannot run are refused with the reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from models import native
+from models.kernel_choice import BUCKETS
+from models.linear_kernels import Linear
+from models.native_decode import NativeDecode, unsupported
+from models.quantization import QuantizedLinear
+
+pytestmark = pytest.mark.skipif(native.load() is None, reason="native kernels unavailable")
+
+# Prompts of different lengths: several requests decode in one step, their contexts differ.
+PROMPTS = [[5, 9, 200, 17, 3], list(range(40, 61)), [7, 7, 7]]
+
+
+@pytest.fixture(scope="module")
+def qwen3_path(tmp_path_factory):
+    from testing.tiny import build_text_model
+
+    return build_text_model(tmp_path_factory.mktemp("ckpt") / "qwen3", "qwen3",
+                            config_overrides={"head_dim": 16})
+
+
+def _engine(path, dtype: str, quantization: str | None) -> LLM:
+    """An engine whose every linear is planned "native" and whose decodes attend through our
+    paged kernel, so that the native call takes every decode step (what measurement picks on a
+    machine where ours win)."""
+    llm = LLM(path, dtype=dtype, max_model_len=128, quantization=quantization,
+              quantization_group_size=32, enable_prefix_caching=False, block_size=4)
+    runner = llm.engine.runner
+    for module in runner.model.modules():
+        if isinstance(module, Linear | QuantizedLinear):
+            module.kernels = ("native",) * len(BUCKETS)
+    runner.decode_kernel = "native"
+    runner.model.prepare_decode()
+    assert runner.model.native_decode is not None
+    return llm
+
+
+def _run(llm: LLM, native_on: bool,
+         prompts: list[list[int]] = PROMPTS) -> tuple[list[torch.Tensor], list[list[int]],
+                                                      list[int]]:
+    """(logits of every step, greedy tokens per prompt, rows of the steps the call took)."""
+    model = llm.engine.runner.model
+    decode = model.native_decode
+    logits, taken = [], []
+    original_logits, original_run = model.compute_logits, decode.run
+
+    def record_logits(hidden):
+        out = original_logits(hidden)
+        logits.append(out.clone())
+        return out
+
+    def record_run(h, rotary, meta):
+        out = original_run(h, rotary, meta)
+        if out is not None:
+            taken.append(h.shape[0])
+        return out
+
+    model.compute_logits, decode.run = record_logits, record_run
+    model.native_decode = decode if native_on else None
+    try:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0,
+                                                    ignore_eos=True))
+    finally:
+        model.compute_logits, model.native_decode = original_logits, decode
+        del decode.run
+    return logits, [o.outputs[0].token_ids for o in outs], taken
+
+
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("checkpoint", ["qwen2_path", "llama_path"])
+def test_the_same_logits_as_the_modules(request, checkpoint, dtype, quantization):
+    llm = _engine(request.getfixturevalue(checkpoint), dtype, quantization)
+    native_logits, native_tokens, taken = _run(llm, True)
+    module_logits, module_tokens, none_taken = _run(llm, False)
+    assert taken and max(taken) == len(PROMPTS) and not none_taken
+    assert native_tokens == module_tokens
+    assert len(native_logits) == len(module_logits)
+    for a, b in zip(native_logits, module_logits, strict=True):
+        assert torch.equal(a, b), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_qk_norms_within_summation_order(qwen3_path, dtype):
+    """At several rows the modules normalize q / k with PyTorch's operators (the heads are not
+    contiguous there), which sum in another order than ours."""
+    llm = _engine(qwen3_path, dtype, None)
+    native_logits, native_tokens, taken = _run(llm, True)
+    module_logits, module_tokens, _ = _run(llm, False)
+    assert taken and native_tokens == module_tokens
+    tol = 1e-5 if dtype == "float32" else 0.05
+    for a, b in zip(native_logits, module_logits, strict=True):
+        torch.testing.assert_close(a, b, atol=tol, rtol=0)
+
+
+def test_declines_what_it_does_not_take(qwen2_path):
+    llm = _engine(qwen2_path, "float32", None)
+    model = llm.engine.runner.model
+    # Linears planned otherwise at some row count: those steps go through the modules.
+    model.layers[0].mlp.down_proj.kernels = ("native", "F.linear") + ("native",) * 3
+    model.prepare_decode()
+    assert model.native_decode.buckets == (True, False, True, True, True)
+    _, _, taken = _run(llm, True, PROMPTS[:1])
+    assert taken and set(taken) == {1}
+    _, _, taken = _run(llm, True)
+    assert taken == []  # the steps of 2-8 rows ran the modules
+    # Prefill chunks and steps attended by another decode kernel are declined.
+    llm.engine.runner.decode_kernel = "sdpa"
+    _, _, taken = _run(llm, True)
+    assert taken == []
+
+
+def test_refuses_layers_it_does_not_implement(tmp_path):
+    from testing.tiny import build_text_model
+
+    path = build_text_model(tmp_path / "gemma3", "gemma3_text", num_layers=1,
+                            tie_word_embeddings=True)
+    model = LLM(path, dtype="float32", max_model_len=64).engine.runner.model
+    assert model.native_decode is None
+    assert "norms after attention and MLP" in unsupported(model)
+
+
+def test_disabled_by_the_environment(qwen2_path, monkeypatch):
+    llm = _engine(qwen2_path, "float32", None)
+    monkeypatch.setenv("MMSERVE_NATIVE_DECODE", "0")
+    assert NativeDecode.build(llm.engine.runner.model) is None
