@@ -1,12 +1,14 @@
 """A/B of one engine feature on single-stream decode, side by side in one process.
 
-    python -m bench.decode_ab --feature huge_pages|fused_ops [--dtype bfloat16]
+    python -m bench.decode_ab --feature huge_pages|fused_ops|native_decode [--dtype bfloat16]
         [--quantization none|int8|int4] [--rounds 8] [--steps 16]
 
 Without --model it uses bench.generate's checkpoint (Qwen2-0.5B shapes, random weights).
 `huge_pages`: two engines, weights copied into transparent huge pages (models.huge_pages) or
 left where they were loaded; `fused_ops`: one engine, the decode step's norm / rotary /
-SiLU-and-multiply as our fused kernels (models.native.for_small_ops) or as PyTorch's operators.
+SiLU-and-multiply as our fused kernels (models.native.for_small_ops) or as PyTorch's operators;
+`native_decode`: one engine, its decode steps through the layers in one native call
+(models.native_decode) or module by module.
 Each engine decodes one request; rounds of `--steps` decode steps alternate between the two
 sides, and the median milliseconds per step of each side and the median per-round ratio are
 printed.
@@ -26,7 +28,8 @@ from bench.common import decoding_engine, machine, median
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--feature", choices=["huge_pages", "fused_ops"], required=True)
+    parser.add_argument("--feature", required=True,
+                        choices=["huge_pages", "fused_ops", "native_decode"])
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--quantization", default="none")
@@ -52,6 +55,20 @@ def main() -> None:
         os.environ[huge_pages.DISABLE_ENV] = "1"
         huge = engine()
         sides = {"huge pages": huge.step, "regular pages": plain.step}
+    elif args.feature == "native_decode":
+        shared = engine()
+        model = shared.runner.model
+        call = model.native_decode
+        if call is None:
+            raise SystemExit("this model's decode steps do not take the native call (see log)")
+
+        def toggled(value) -> Callable[[], None]:
+            def run() -> None:
+                model.native_decode = value
+                shared.step()
+            return run
+
+        sides = {"native call": toggled(call), "modules": toggled(None)}
     else:
         shared, fused = engine(), native.for_small_ops
 

@@ -120,10 +120,11 @@ class NativeDecode:
         cfg, first = model.cfg, model.layers[0]
         cache = first.self_attn.kv_cache  # [2, Hkv, blocks, block_size, D]
         norm = first.input_layernorm
+        mode = native.NORM_MODES[norm.norm_mode(self.dtype)]
         self.desc = _DecoderDesc(
-            dtype=native.DTYPES[self.dtype], norm_mode=native.NORM_MODES[norm.norm_mode(self.dtype)],
-            eps=norm.eps, scale=first.self_attn.scale, hidden=cfg.hidden_size,
-            heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            dtype=native.DTYPES[self.dtype], norm_mode=mode, eps=norm.eps,
+            scale=first.self_attn.scale, hidden=cfg.hidden_size, heads=cfg.num_heads,
+            kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
             intermediate=cfg.intermediate_size, num_blocks=cache.shape[2],
             block_size=cache.shape[3])
         self.layers = (_LayerDesc * len(model.layers))(*map(_layer_desc, model.layers))
