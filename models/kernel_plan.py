@@ -115,7 +115,12 @@ def plan_linears(model: nn.Module, dtype: torch.dtype, cache: KernelCache | None
 
 def _choose(key: str, rows: int, names: list[str], group: list[nn.Module],
             dtype: torch.dtype, cache: KernelCache, timer: Timer) -> str:
-    """One bucket's choice for a group: cached, or timed on the group's layers."""
+    """One bucket's choice for a group: cached, or timed on the group's layers. Where ours is
+    a candidate (a decode's rows) it is the one kept on a tie: a decoder whose linears all run
+    ours takes its decode steps in one native call (models.native_decode), which saves more
+    than the margin a tie allows; PyTorch's must beat ours by the margin to be chosen."""
+    if "native" in names:
+        names = ["native"] + [n for n in names if n != "native"]
     if cache.get(key, set(names)) is not None or len(names) == 1:
         return choose(key, {n: _noop for n in names}, cache, timer)
     layers = _timing_layers(group, rows, dtype)

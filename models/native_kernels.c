@@ -110,6 +110,10 @@ LINEAR(linear_i8_float, int8_t, LOAD_I8)
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define I8_BLOCK 64 /* activations share one scale per 64 inputs: one 512-bit register */
+/* ACC += A (unsigned bytes) . B (signed bytes), per 32-bit lane. Inline, so that the compiler
+ * keeps the accumulator in place: with the intrinsic, GCC 12 copies (and spills) it around
+ * every instruction. */
+#define DPBUSD(ACC, A, B) __asm__("vpdpbusd %2, %1, %0" : "+v"(ACC) : "v"(A), "v"(B))
 
 /* int8 weights through VNNI's int8 dot products. Each block of 64 activations is written as
  * s * (h + l / 256), h and l integers in [-128, 128] with s = max|x| / 127: two int8 digits,
@@ -127,29 +131,39 @@ static int linear_i8_vnni(const void* x, int x_dtype, const int8_t* w, const uin
         free(digits), free(signs), free(block_scale);
         return 1;
     }
+    const __m512 zero_ps = _mm512_setzero_ps();
     for (int64_t i = 0; i < m; i++) {
-        for (int64_t b = 0; b < blocks; b++) {
-            float v[I8_BLOCK], top = 0.0f;
-            for (int j = 0; j < I8_BLOCK; j++) {
-                v[j] = load_x(x, x_dtype, i * k + b * I8_BLOCK + j);
-                top = fabsf(v[j]) > top ? fabsf(v[j]) : top;
+        for (int64_t b = 0; b < blocks; b++) {  /* 16 lanes at a time (this runs on one thread) */
+            const int64_t at = i * k + b * I8_BLOCK;
+            __m512 v[4], top = zero_ps;
+            for (int q = 0; q < 4; q++) {
+                float lanes[16];
+                load_row(lanes, x, x_dtype, at + 16 * q, 16);
+                v[q] = _mm512_loadu_ps(lanes);
+                top = _mm512_max_ps(top, _mm512_abs_ps(v[q]));
             }
-            const float s = top > 0.0f ? top / 127.0f : 1.0f;
+            const float largest = _mm512_reduce_max_ps(top);
+            const __m512 s = _mm512_set1_ps(largest > 0.0f ? largest / 127.0f : 1.0f);
             uint64_t hs = 0, ls = 0;
-            uint8_t* hd = digits + 2 * (i * k + b * I8_BLOCK);
-            for (int j = 0; j < I8_BLOCK; j++) {
-                const float u = v[j] / s;
-                const float h = rintf(u);
-                float l = rintf((u - h) * 256.0f);
-                l = l > 128.0f ? 128.0f : (l < -128.0f ? -128.0f : l);
-                hd[j] = (uint8_t)fabsf(h);
-                hd[I8_BLOCK + j] = (uint8_t)fabsf(l);
-                hs |= (uint64_t)(h < 0) << j;
-                ls |= (uint64_t)(l < 0) << j;
+            uint8_t* hd = digits + 2 * at;
+            for (int q = 0; q < 4; q++) {
+                const int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+                const __m512 u = _mm512_div_ps(v[q], s);
+                const __m512 h = _mm512_roundscale_ps(u, nearest);
+                __m512 l = _mm512_roundscale_ps(
+                    _mm512_mul_ps(_mm512_sub_ps(u, h), _mm512_set1_ps(256.0f)), nearest);
+                l = _mm512_min_ps(_mm512_max_ps(l, _mm512_set1_ps(-128.0f)),
+                                  _mm512_set1_ps(128.0f));
+                hs |= (uint64_t)_mm512_cmp_ps_mask(h, zero_ps, _CMP_LT_OQ) << (16 * q);
+                ls |= (uint64_t)_mm512_cmp_ps_mask(l, zero_ps, _CMP_LT_OQ) << (16 * q);
+                _mm_storeu_si128((__m128i*)(hd + 16 * q),
+                                 _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_abs_ps(h))));
+                _mm_storeu_si128((__m128i*)(hd + I8_BLOCK + 16 * q),
+                                 _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_abs_ps(l))));
             }
             signs[2 * (i * blocks + b)] = hs;
             signs[2 * (i * blocks + b) + 1] = ls;
-            block_scale[i * blocks + b] = s / 256.0f;
+            block_scale[i * blocks + b] = _mm512_cvtss_f32(s) / 256.0f;
         }
     }
     const __m512i zero = _mm512_setzero_si512();
@@ -165,10 +179,10 @@ static int linear_i8_vnni(const void* x, int x_dtype, const int8_t* w, const uin
                 const uint64_t* sg = signs + 2 * (i * blocks + b);
                 const __m512i wh = _mm512_mask_sub_epi8(wv, sg[0], zero, wv);
                 const __m512i wl = _mm512_mask_sub_epi8(wv, sg[1], zero, wv);
-                const __m512i dh = _mm512_dpbusd_epi32(zero, _mm512_loadu_si512(hd), wh);
-                const __m512i dl = _mm512_dpbusd_epi32(zero, _mm512_loadu_si512(hd + I8_BLOCK),
-                                                       wl);
-                const __m512i both = _mm512_add_epi32(_mm512_slli_epi32(dh, 8), dl);
+                __m512i both = zero;
+                DPBUSD(both, _mm512_loadu_si512(hd), wh);
+                both = _mm512_slli_epi32(both, 8);
+                DPBUSD(both, _mm512_loadu_si512(hd + I8_BLOCK), wl);
                 acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(both),
                                       _mm512_set1_ps(block_scale[i * blocks + b]), acc);
             }
@@ -233,7 +247,6 @@ static void i4_block_float(const float* xf, const float* xsum, const uint8_t* wb
 /* acc += dot(u8 lanes of a, s8 lanes of b), as _mm512_dpbusd_epi32, written as an instruction
  * whose accumulator the compiler keeps in place: with the intrinsic, GCC 12 copies every
  * accumulator through another register (and spills) around each dot product. */
-#define DPBUSD(ACC, A, B) __asm__("vpdpbusd %2, %1, %0" : "+v"(ACC) : "v"(A), "v"(B))
 /* The VNNI path, for one row of x and one block of 64 channels. The activations of each group
  * are written as s * (h + l / 256) with int8 digits h, l (s = max|x| / 127 over the group), as
  * for int8 weights; the nibbles are the unsigned operand of VNNI's dot products, the digits the

@@ -14,6 +14,7 @@ from models import kernel_choice
 from models.kernel_choice import (
     BASELINE,
     BUCKETS,
+    PROBE_ROWS,
     KernelCache,
     bucket_index,
     cache_path,
@@ -121,10 +122,20 @@ def test_plan_follows_fake_timings_and_outputs_stay_f_linear(tmp_path, dtype):
 
 
 def test_plan_keeps_f_linear_when_nothing_wins_by_the_margin(tmp_path):
+    """...except at a decode's rows, where ours is kept on a tie (models.native_decode)."""
     model = Tiny(torch.float32)
     plan_linears(model, torch.float32, KernelCache(tmp_path / "k.json"),
-                 FakeTimer({BASELINE: 1.0, "matmul_t": 0.99, "mv": 0.98, "onednn": 0.97}))
+                 FakeTimer({BASELINE: 1.0, "matmul_t": 0.99, "mv": 0.98, "onednn": 0.97,
+                            "native": 0.99, "int_kernel": 1.0}))
+    ours = ["native" in candidates(model.b, rows, torch.float32) for rows in PROBE_ROWS]
+    assert model.b.kernels == tuple("native" if o else BASELINE for o in ours)
+    assert model.q.kernels[0] == ("native" if ours[0] else "int_kernel")
+    # PyTorch's kernels beating ours by the margin are chosen.
+    model = Tiny(torch.float32)
+    plan_linears(model, torch.float32, KernelCache(tmp_path / "k2.json"),
+                 FakeTimer({BASELINE: 1.0, "native": 1.2, "int_kernel": 1.0}))
     assert model.b.kernels == (BASELINE,) * len(BUCKETS)
+    assert model.q.kernels == ("int_kernel",) * len(BUCKETS)
 
 
 def test_plan_past_its_time_budget_keeps_baselines_uncached(tmp_path):
@@ -145,8 +156,8 @@ def test_quantized_layers_time_dequantizing_only_for_many_rows(tmp_path):
     assert candidates(model.q, 128, torch.bfloat16) == ["int_kernel", "dequantized"]
     plan_linears(model, torch.float32, KernelCache(tmp_path / "k.json"),
                  FakeTimer({"int_kernel": 1.0, "dequantized": 0.5, "dequantized_bf16": 0.6}))
-    assert model.q.kernels == ("int_kernel", "int_kernel", "dequantized", "dequantized",
-                               "dequantized")
+    decode = "native" if "native" in candidates(model.q, 1, torch.float32) else "int_kernel"
+    assert model.q.kernels == (decode, decode, "dequantized", "dequantized", "dequantized")
 
 
 def test_onednn_choice_prepacks_and_matches(tmp_path):
