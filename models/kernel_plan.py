@@ -28,7 +28,7 @@ from models.kernel_choice import (
     choose,
     measure,
 )
-from models.linear_kernels import KERNELS, QUANTIZED_KERNELS, Linear
+from models.linear_kernels import KERNELS, QUANTIZED_KERNELS, SCRATCH_BYTES, Linear
 from models.quantization import INT4_BLOCK_N, QuantizedLinear, int4_layout_known
 
 log = logging.getLogger(__name__)
@@ -46,14 +46,20 @@ def candidates(layer: nn.Module, rows: int, dtype: torch.dtype) -> list[str]:
     # Ours streams each weight row once and reuses it per input row: a decode's few rows.
     ours = rows <= NATIVE_ROWS and native.load() is not None
     if layer.is_quantized:
+        names = ["int_kernel"]
         if ours and (layer.mode == "int8" or int4_layout_known()):
-            return ["int_kernel", "native"]  # ours reads PyTorch's int4 pack in place
-        # Dequantizing the whole weight per call only pays when many rows share it.
-        if rows <= PROBE_ROWS[1] or (layer.mode == "int4" and not int4_layout_known()):
-            return ["int_kernel"]
-        # A float32 model's GEMM may also run in bfloat16, as the int kernels do.
-        return ["int_kernel", "dequantized"] + (
-            ["dequantized_bf16"] if dtype == torch.float32 else [])
+            names.append("native")  # ours reads PyTorch's int4 pack in place
+        # Dequantizing the whole weight per call pays only when rows share it (the int
+        # kernels' dot products grow with the rows: at a few rows already they can lose), and
+        # at a decode's rows only into the reused buffer: a weight larger than that (an LM
+        # head) would take fresh pages every step, which timing a slice of it does not see.
+        fits = layer.out_features * layer.in_features * dtype.itemsize <= SCRATCH_BYTES
+        if rows > 1 and (fits or rows > PROBE_ROWS[2]) and (
+                layer.mode == "int8" or int4_layout_known()):
+            names.append("dequantized")
+            if dtype == torch.float32:  # its GEMM in bfloat16, as the int kernels compute
+                names.append("dequantized_bf16")
+        return names
     names = [BASELINE]
     if dtype in (torch.float32, torch.bfloat16):
         names.append("mv" if rows == 1 else "matmul_t")
@@ -81,8 +87,8 @@ def plan_linears(model: nn.Module, dtype: torch.dtype, cache: KernelCache | None
                  timer: Timer = measure, budget_s: float = PLAN_SECONDS) -> dict[str, tuple]:
     """Set every CPU linear's `kernels` (one formulation per bucket): cached choices are
     reused, new ones timed and saved. Returns {group key: choices per bucket}."""
+    built = native.load()  # built (once) before the clock starts: it is not the plan's time
     if cache is None:
-        built = native.load()
         cache = KernelCache(cache_path(native_build=built.build_id if built else None))
     # The largest groups first: if the budget runs out, it is spent where the bytes are.
     groups = dict(sorted(linear_groups(model, dtype).items(),

@@ -84,10 +84,10 @@ int mm_decode_layers(const mm_decoder_desc* d, const mm_layer_desc* layers, int6
     enum { NORMED, QKV, QK, ROT, Q, ATTN, O, GATE_UP, ACT, MLP, PARTS };
     char* parts[PARTS];
     int64_t total = 0;
-    for (int i = 0; i < PARTS; i++) total += sizes[i] * m;
+    for (int64_t i = 0; i < PARTS; i++) total += sizes[i] * m;
     char* work = malloc(elem * (size_t)total);
     if (work == NULL) return 1;
-    for (int i = 0, at = 0; i < PARTS; at += (int)(sizes[i] * m), i++) parts[i] = work + at * elem;
+    for (int64_t i = 0, at = 0; i < PARTS; at += sizes[i] * m, i++) parts[i] = work + at * elem;
 
     const int64_t head_stride = d->num_blocks * d->block_size * dim; /* one KV head's slots */
     int status = 0;

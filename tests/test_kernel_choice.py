@@ -22,7 +22,7 @@ from models.kernel_choice import (
     pick,
 )
 from models.kernel_plan import candidates, plan_linears
-from models.linear_kernels import Linear
+from models.linear_kernels import SCRATCH_BYTES, Linear
 from models.quantization import QuantizedLinear
 
 
@@ -148,16 +148,22 @@ def test_plan_past_its_time_budget_keeps_baselines_uncached(tmp_path):
 
 def test_quantized_layers_time_dequantizing_only_for_many_rows(tmp_path):
     model = Tiny(torch.float32)
-    for rows in (1, 4):  # our int8 kernel is a candidate too where it builds
-        assert candidates(model.q, rows, torch.float32)[0] == "int_kernel"
-        assert "dequantized" not in candidates(model.q, rows, torch.float32)
+    # our int8 kernel is a candidate too where it builds
+    assert candidates(model.q, 1, torch.float32)[0] == "int_kernel"
+    assert "dequantized" not in candidates(model.q, 1, torch.float32)
+    assert "dequantized" in candidates(model.q, 4, torch.float32)
+    # a weight too large for the reused buffer: dequantized only at a prefill's rows
+    head = QuantizedLinear(torch.randn(SCRATCH_BYTES // 64 // 4 + 64, 64), None, "int8")
+    assert "dequantized" not in candidates(head, 32, torch.float32)
+    assert "dequantized" in candidates(head, 128, torch.float32)
     assert candidates(model.q, 128, torch.float32) == ["int_kernel", "dequantized",
                                                        "dequantized_bf16"]
     assert candidates(model.q, 128, torch.bfloat16) == ["int_kernel", "dequantized"]
     plan_linears(model, torch.float32, KernelCache(tmp_path / "k.json"),
                  FakeTimer({"int_kernel": 1.0, "dequantized": 0.5, "dequantized_bf16": 0.6}))
     decode = "native" if "native" in candidates(model.q, 1, torch.float32) else "int_kernel"
-    assert model.q.kernels == (decode, decode, "dequantized", "dequantized", "dequantized")
+    assert model.q.kernels == (decode, "dequantized", "dequantized", "dequantized",
+                               "dequantized")
 
 
 def test_onednn_choice_prepacks_and_matches(tmp_path):
