@@ -194,8 +194,64 @@ static int linear_i8_vnni(const void* x, int x_dtype, const int8_t* w, const uin
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define I8_ROWS 4 /* rows of x per pass over a weight row (accumulators in registers) */
+/* Several rows of x: the digit path's work grows with every row, so here each block of 32
+ * weights is converted to bfloat16 once (exact: |q| <= 127) and multiplied with every row of x
+ * by VDPBF16PS (exact products, float32 sums), the channel's scale applied at the end. A
+ * bfloat16 x is taken as it is; a float32 x as two bfloat16 planes, hi = bf16(x) and
+ * lo = bf16(x - hi), within |x| / 2^16 of x as the digits are. Requires k % 32 == 0. */
+static int linear_i8_bf16_rows(const void* x, int x_dtype, const int8_t* w,
+                               const uint16_t* scales, void* y, int64_t m, int64_t n, int64_t k,
+                               int threads) {
+    const int split = x_dtype != DTYPE_BF16;
+    uint16_t* xb = (uint16_t*)x;  /* [m, k], then with `split` the low plane [m, k] */
+    if (split) {
+        xb = malloc(sizeof(uint16_t) * (size_t)(2 * m * k));
+        if (xb == NULL) return 1;
+        for (int64_t j = 0; j < m * k; j++) {
+            const float v = ((const float*)x)[j];
+            xb[j] = f32_to_bf16(v);
+            xb[m * k + j] = f32_to_bf16(v - bf16_to_f32(xb[j]));
+        }
+    }
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")
+    for (int64_t r = 0; r < n; r++) {
+        const int8_t* wr = w + r * k;
+        const float scale = bf16_to_f32(scales[r]);
+        for (int64_t i0 = 0; i0 < m; i0 += I8_ROWS) {
+            const int rows = m - i0 < I8_ROWS ? (int)(m - i0) : I8_ROWS;
+            __m512 acc[I8_ROWS];
+            for (int i = 0; i < I8_ROWS; i++) acc[i] = _mm512_setzero_ps();
+            for (int64_t j = 0; j < k; j += 32) {
+                const __m512 lo = _mm512_cvtepi32_ps(
+                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(wr + j))));
+                const __m512 hi = _mm512_cvtepi32_ps(
+                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(wr + j + 16))));
+                const __m512bh wb = _mm512_cvtne2ps_pbh(hi, lo);  /* weights j .. j + 31 */
+                for (int i = 0; i < rows; i++) {
+                    const uint16_t* xr = xb + (i0 + i) * k + j;
+                    acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(xr), wb);
+                    if (split)
+                        acc[i] = _mm512_dpbf16_ps(
+                            acc[i], (__m512bh)_mm512_loadu_si512(xr + m * k), wb);
+                }
+            }
+            for (int i = 0; i < rows; i++)
+                store(y, x_dtype, (i0 + i) * n + r, _mm512_reduce_add_ps(acc[i]) * scale);
+        }
+    }
+    if (split) free(xb);
+    return 0;
+}
+#endif
+
 int mm_linear_i8(const void* x, int x_dtype, const int8_t* w, const uint16_t* scales, void* y,
                  int64_t m, int64_t n, int64_t k, int threads) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    if (m > 1 && k % 32 == 0)
+        return linear_i8_bf16_rows(x, x_dtype, w, scales, y, m, n, k, threads);
+#endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     if (k % I8_BLOCK == 0) return linear_i8_vnni(x, x_dtype, w, scales, y, m, n, k, threads);
 #endif

@@ -71,7 +71,9 @@ def test_int8_linear_matches_the_dequantized_weight(kernels, k, rows):
     x[:, 3] *= 200  # an outlier channel: its 64-wide block's scale grows, the others' do not
     ref = x.double() @ dequantize_int8(q, scales, torch.float64).t()
     out = kernels.linear(x, q, scales)
-    # The VNNI path writes activations as two int8 digits per 64-block: within max|x| / 65024.
+    # One row: the VNNI path writes activations as two int8 digits per 64-block, within
+    # max|x| / 65024; several rows: two bfloat16 planes per float32 activation, within
+    # |x| / 2^16.
     err = (out.double() - ref).norm() / ref.norm()
     assert err < 1e-4, err
     out_bf16 = kernels.linear(x.to(torch.bfloat16), q, scales)
