@@ -256,7 +256,8 @@ class LLMEngine:
 
     def weights_description(self) -> str:
         """The weights' precision and device, e.g. "bfloat16, int4 linears (group 128), cpu,
-        own kernels" (on the CPU: whether models.native built, else PyTorch's kernels only)."""
+        own kernels, decode in one native call" (on the CPU: whether models.native built, else
+        PyTorch's kernels only, and whether decode steps run models.native_decode's call)."""
         text = str(self.dtype).removeprefix("torch.")
         mode = self.config.quantization
         if mode == "int8":
@@ -264,8 +265,8 @@ class LLMEngine:
         elif mode == "int4":
             text += f", int4 linears (group {self.config.quantization_group_size})"
         if self.device.type == "cpu":
-            status = native.status()
-            return f"{text}, cpu, {'own kernels' if status.available else 'PyTorch kernels'}"
+            text += f", cpu, {'own kernels' if native.status().available else 'PyTorch kernels'}"
+            return text + (", decode in one native call" if self.runner.native_decode else "")
         return f"{text}, {self.device}"
 
     def check_integrity(self) -> None:

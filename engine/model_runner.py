@@ -94,8 +94,8 @@ class ModelRunner:
         self.attention_backend = choose_backend(device, dtype)
         self.layout = self._plan_kv_cache(max_len)
         self.kv_caches = self._allocate_kv_cache()
-        if device.type == "cpu":
-            self.model.prepare_decode()
+        # Whether decode steps run the layers in one native call (CPU; at some row counts).
+        self.native_decode = device.type == "cpu" and self.model.prepare_decode()
         # Encoder outputs by content hash; which ones exist is decided by EncoderCacheManager.
         self.encoder_outputs: dict[str, torch.Tensor] = {}
 

@@ -263,12 +263,13 @@ class Decoder(nn.Module):
                 h = h.index_add(0, residuals[0], residuals[1][i].to(h.dtype))
         return self.norm(h)
 
-    def prepare_decode(self) -> None:
+    def prepare_decode(self) -> bool:
         """Once the KV caches are bound and the linears planned, on the CPU: run the decode
-        steps it can take through one native call (models.native_decode)."""
+        steps it can take through one native call (models.native_decode). Whether any will."""
         from models.native_decode import NativeDecode  # it builds on this module's classes
 
         self.native_decode = NativeDecode.build(self)
+        return self.native_decode is not None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)

@@ -229,9 +229,10 @@ class LanguageModel(Protocol):
         """hidden [N, H] -> logits [N, V] in float32."""
         ...
 
-    def prepare_decode(self) -> None:
+    def prepare_decode(self) -> bool:
         """Called on the CPU once the KV caches are bound and the linears planned: set up what
-        the decode steps run through (models.native_decode)."""
+        the decode steps run through (models.native_decode); whether they take one native
+        call (at some row counts)."""
         ...
 
     def encode(self, items: Sequence[EncoderItem]) -> list[torch.Tensor]:

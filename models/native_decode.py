@@ -150,8 +150,11 @@ class NativeDecode:
             return None
         decode = cls(model, kernels)
         served = [b for b, ok in zip(BUCKETS, decode.buckets, strict=True) if ok]
-        log.info("decode steps of %s rows run the layers in one native call",
-                 ", ".join(served) or "no")
+        if not served:
+            log.info("decode steps run through the modules: at no row count are all linears "
+                     "planned to run our kernels")
+            return None
+        log.info("decode steps of %s rows run the layers in one native call", ", ".join(served))
         return decode
 
     def run(self, h: torch.Tensor, rotary: list[tuple[torch.Tensor, torch.Tensor]],
@@ -181,7 +184,9 @@ class NativeDecode:
                             table.data_ptr(), table.shape[1], key0.data_ptr(),
                             context.data_ptr())
         if status:
-            raise MemoryError(f"native decode step failed (status {status}): out of memory")
+            if status == 1:
+                raise MemoryError("native decode step: out of memory for its intermediates")
+            raise RuntimeError(f"native decode step: a kernel refused its shapes ({status})")
         return out
 
 

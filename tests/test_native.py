@@ -418,6 +418,9 @@ def test_the_engine_panel_says_which_kernels_run(qwen2_path, monkeypatch):
 
     engine = LLM(qwen2_path, max_model_len=128).engine
     expected = "own kernels" if native.status().available else "PyTorch kernels"
+    if engine.runner.native_decode:
+        expected += ", decode in one native call"
     assert engine.stats()["weights"] == f"float32, cpu, {expected}"
+    monkeypatch.setattr(engine.runner, "native_decode", False)
     monkeypatch.setattr(native, "status", lambda: native.NativeStatus(False, "no compiler"))
     assert engine.stats()["weights"] == "float32, cpu, PyTorch kernels"
