@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import statistics
@@ -79,6 +80,22 @@ def _fmt(value) -> str:
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
     return str(value)
+
+
+def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
+    """--model, --dtype and --quantization of the benches that decode one request."""
+    parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--quantization", default="none")
+
+
+def decoding_checkpoint(args: argparse.Namespace) -> tuple[Path, str | None]:
+    """(checkpoint, quantization or None) from those arguments; without --model,
+    bench.generate's checkpoint (Qwen2-0.5B shapes, random weights)."""
+    from bench.generate import build_checkpoint
+
+    path = args.model or build_checkpoint()
+    return path, None if args.quantization == "none" else args.quantization
 
 
 def decoding_engine(path: Path, dtype: str, quantization: str | None, max_tokens: int,

@@ -21,28 +21,29 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-from bench.common import decoding_engine, machine, median
+from bench.common import (
+    add_decoding_arguments,
+    decoding_checkpoint,
+    decoding_engine,
+    machine,
+    median,
+)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--feature", required=True,
                         choices=["huge_pages", "fused_ops", "native_decode"])
-    parser.add_argument("--model", type=Path, default=None)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--quantization", default="none")
+    add_decoding_arguments(parser)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=16)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
-    from bench.generate import build_checkpoint
     from models import huge_pages, native
 
-    path = args.model or build_checkpoint()
-    quantization = None if args.quantization == "none" else args.quantization
+    path, quantization = decoding_checkpoint(args)
     max_tokens = 16 + 2 * args.rounds * args.steps  # enough for both sides on one engine
 
     def engine():

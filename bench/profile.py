@@ -15,27 +15,21 @@ from __future__ import annotations
 import argparse
 import logging
 import time
-from pathlib import Path
 
 from torch.profiler import ProfilerActivity, profile
 
-from bench.common import decoding_engine, machine
+from bench.common import add_decoding_arguments, decoding_checkpoint, decoding_engine, machine
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=None)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--quantization", default="none")
+    add_decoding_arguments(parser)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--top", type=int, default=15)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
-    from bench.generate import build_checkpoint
-
-    path = args.model or build_checkpoint()
-    quantization = None if args.quantization == "none" else args.quantization
+    path, quantization = decoding_checkpoint(args)
     engine = decoding_engine(path, args.dtype, quantization, args.steps + 16)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
