@@ -84,7 +84,8 @@ def unsupported(model: Decoder) -> str | None:
             return "the MLP activation is not SiLU"
         if attn.layout.sliding_window is not None or attn.layout.softcap is not None:
             return "sliding windows and attention soft-capping are not implemented"
-        if not attn.kv_cache.is_contiguous() or attn.kv_cache.dtype != dtype:
+        cache = attn.kv_cache  # [2, Hkv, blocks, block_size, D] once the runner binds it
+        if cache.dim() != 5 or not cache.is_contiguous() or cache.dtype != dtype:
             return "the KV cache is not bound"
         norms += [layer.input_layernorm, layer.post_attention_layernorm]
         if attn.qk_norm:

@@ -15,6 +15,7 @@ from models.kernel_choice import BUCKETS
 from models.linear_kernels import Linear
 from models.native_decode import NativeDecode, unsupported
 from models.quantization import QuantizedLinear
+from tests.test_quantization import tiny_tied_model
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="native kernels unavailable")
 
@@ -129,6 +130,10 @@ def test_refuses_layers_it_does_not_implement(tmp_path):
     model = LLM(path, dtype="float32", max_model_len=64).engine.runner.model
     assert model.native_decode is None
     assert "norms after attention and MLP" in unsupported(model)
+
+
+def test_refuses_a_model_whose_caches_are_not_bound():
+    assert unsupported(tiny_tied_model()) == "the KV cache is not bound"
 
 
 def test_disabled_by_the_environment(qwen2_path, monkeypatch):
