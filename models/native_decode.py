@@ -114,7 +114,6 @@ class NativeDecode:
     `run` returns None for a step it does not take (then the modules run it)."""
 
     def __init__(self, model: Decoder, kernels: native.NativeKernels) -> None:
-        self.model = model
         self.dtype = model.embed_tokens.weight.dtype
         self._call = kernels.decode_layers
         self._call.argtypes, self._call.restype = _ARGS, ctypes.c_int
@@ -128,8 +127,9 @@ class NativeDecode:
             kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
             intermediate=cfg.intermediate_size, num_blocks=cache.shape[2],
             block_size=cache.shape[3])
+        # Pointers to the weights and KV caches as they are now: the runner binds the caches
+        # once, before it prepares the model (a model re-bound must be prepared again).
         self.layers = (_LayerDesc * len(model.layers))(*map(_layer_desc, model.layers))
-        self.caches = [layer.self_attn.kv_cache for layer in model.layers]
         # Per row-count bucket: whether every linear's plan there is our kernel.
         linears = [m for layer in model.layers for m in layer.modules()
                    if isinstance(m, Linear | QuantizedLinear)]
@@ -172,9 +172,6 @@ class NativeDecode:
                 t.dtype != self.dtype or t.shape != (m, 1, half) or not t.is_contiguous()
                 for pair in rotary for t in pair):
             return None
-        if any(a.self_attn.kv_cache is not c for a, c in zip(self.model.layers, self.caches,
-                                                              strict=True)):
-            return None  # rebound since: prepare the model again
         table, key0, context = tables
         cos = (_ptr * len(rotary))(*(c.data_ptr() for c, _ in rotary))
         sin = (_ptr * len(rotary))(*(s.data_ptr() for _, s in rotary))
