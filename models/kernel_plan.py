@@ -28,7 +28,12 @@ from models.kernel_choice import (
     choose,
     measure,
 )
-from models.linear_kernels import KERNELS, QUANTIZED_KERNELS, SCRATCH_BYTES, Linear
+from models.linear_kernels import (
+    KERNELS,
+    QUANTIZED_KERNELS,
+    Linear,
+    dequantization_tiles,
+)
 from models.quantization import INT4_BLOCK_N, QuantizedLinear, int4_layout_known
 
 log = logging.getLogger(__name__)
@@ -49,16 +54,24 @@ def candidates(layer: nn.Module, rows: int, dtype: torch.dtype) -> list[str]:
         names = ["int_kernel"]
         if ours and (layer.mode == "int8" or int4_layout_known()):
             names.append("native")  # ours reads PyTorch's int4 pack in place
-        # Dequantizing the whole weight per call pays only when rows share it (the int
-        # kernels' dot products grow with the rows: at a few rows already they can lose), and
-        # at a decode's rows only into the reused buffer: a weight larger than that (an LM
-        # head) would take fresh pages every step, which timing a slice of it does not see.
-        fits = layer.out_features * layer.in_features * dtype.itemsize <= SCRATCH_BYTES
-        if rows > 1 and (fits or rows > PROBE_ROWS[2]) and (
+        # Dequantizing per call pays only when rows share the weight (the int kernels' dot
+        # products grow with the rows: at a few rows already they can lose), and at a decode's
+        # rows only through ours, tile by tile into a reused buffer: PyTorch's whole copy of a
+        # large weight (an LM head) would take fresh pages every step, which timing a slice of
+        # it does not see.
+        # x W^T only where the weight is one tile: over several, each tile's product is a
+        # column slice of the output (copied), and a slice of one tile, all that timing a
+        # large layer sees, would hide that.
+        tiled = native.load() is not None
+        if rows > 1 and (tiled or rows > PROBE_ROWS[2]) and (
                 layer.mode == "int8" or int4_layout_known()):
-            names.append("dequantized")
-            if dtype == torch.float32:  # its GEMM in bfloat16, as the int kernels compute
-                names.append("dequantized_bf16")
+            for gemm_dtype, suffix in [(dtype, "")] + (
+                    [(torch.bfloat16, "_bf16")] if dtype == torch.float32 else []):
+                # (a float32 model's GEMM also in bfloat16, as the int kernels compute)
+                if len(dequantization_tiles(layer.out_features, layer.in_features,
+                                            gemm_dtype)) == 1:
+                    names.append("dequantized" + suffix)
+                names.append("dequantized_t" + suffix)
         return names
     names = [BASELINE]
     if dtype in (torch.float32, torch.bfloat16):

@@ -29,38 +29,67 @@ def _onednn(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, layer.packed, None, "none", [], "")
 
 
-def _dequantized(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _dequantized(layer: nn.Module, x: torch.Tensor, weight_first: bool) -> torch.Tensor:
+    """A dense GEMM on the weight dequantized per call: x W^T (`weight_first` False) or
+    (W x^T)^T, a transposed view (as "matmul_t": some GEMMs take a plain left operand without
+    repacking it). Ours dequantizes a tile of output channels at a time into a reused buffer,
+    which stays in the last-level cache for the GEMM that reads it."""
     kernels = native.load()
     if kernels is None or x.dtype not in native.DTYPES:
-        return F.linear(x, layer.dequantize(x.dtype))
-    # Ours writes into one buffer reused by every layer (it stays in the last-level cache for
-    # the GEMM that follows, and costs no fresh pages per call).
+        weight = layer.dequantize(x.dtype)
+        return (weight @ x.t()).t() if weight_first else F.linear(x, weight)
     n, k = layer.out_features, layer.in_features
-    buffer = _scratch(n * k, x.dtype)
-    if layer.mode == "int8":
-        weight = kernels.dequantize_int8(layer.qweight, layer.scales, buffer.view(n, k))
-        return F.linear(x, weight)
-    weight_t = kernels.dequantize_int4_transposed(layer.qweight, layer.scales,
-                                                  layer.group_size, buffer.view(k, n))
-    return x @ weight_t
+    tiles = dequantization_tiles(n, k, x.dtype)
+    buffer = _scratch((tiles[0][1] - tiles[0][0]) * k, x.dtype)
+
+    def weight(first: int, last: int) -> torch.Tensor:
+        out = buffer[: (last - first) * k].view(last - first, k)
+        if layer.mode == "int8":
+            return kernels.dequantize_int8(layer.qweight[first:last], layer.scales[first:last],
+                                           out)
+        return kernels.dequantize_int4(layer.qweight, layer.scales, layer.group_size, out,
+                                       first)
+
+    if len(tiles) == 1:
+        w = weight(0, n)
+        return (w @ x.t()).t() if weight_first else F.linear(x, w)
+    if weight_first:
+        out = torch.empty(n, x.shape[0], dtype=x.dtype)
+        for first, last in tiles:
+            torch.mm(weight(first, last), x.t(), out=out[first:last])
+        return out.t()
+    out = torch.empty(x.shape[0], n, dtype=x.dtype)
+    for first, last in tiles:
+        out[:, first:last] = F.linear(x, weight(first, last))
+    return out
 
 
-def _dequantized_bf16(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+TILE_BYTES = 4 << 20  # a dequantized tile of a weight: well inside a last-level cache
+TILE_ROWS = 64  # tiles start on a block of the int4 pack (models.quantization.INT4_BLOCK_N)
+MIN_TILE_ROWS = 1024  # thinner tiles make thin GEMMs (a long-k weight is dequantized whole)
+
+
+def dequantization_tiles(n: int, k: int, dtype: torch.dtype) -> list[tuple[int, int]]:
+    """(first, last) output channels of each tile a weight [n, k] is dequantized in: equal
+    tiles of about TILE_BYTES, no thinner than MIN_TILE_ROWS, in whole blocks of TILE_ROWS."""
+    count = max(1, min(n * k * dtype.itemsize // TILE_BYTES, n // MIN_TILE_ROWS))
+    rows = -(-n // count)  # ceil(n / count), rounded up to whole blocks
+    rows = -(-rows // TILE_ROWS) * TILE_ROWS
+    return [(first, min(n, first + rows)) for first in range(0, n, rows)]
+
+
+def _in_bf16(kernel: Kernel) -> Kernel:
     """A float32 model's quantized linear as a bfloat16 GEMM (what the int kernels compute in
     anyway): faster where the CPU multiplies bfloat16 natively, slower where it does not."""
-    return _dequantized(layer, x.to(torch.bfloat16)).to(x.dtype)
+    return lambda layer, x: kernel(layer, x.to(torch.bfloat16)).to(x.dtype)
 
 
 _SCRATCH = threading.local()
-SCRATCH_BYTES = 64 << 20  # a larger weight (an LM head) is dequantized into a buffer of its own
 
 
 def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """This thread's dequantization buffer of `dtype`, at least `numel` long (grown, never
-    shrunk, up to SCRATCH_BYTES: the decoder layers' largest weight); past that a fresh one,
-    so that a huge head's dequantized copy is not kept for the life of the process."""
-    if numel * dtype.itemsize > SCRATCH_BYTES:
-        return torch.empty(numel, dtype=dtype)
+    shrunk: one tile, at most about TILE_BYTES)."""
     buffers = _SCRATCH.__dict__.setdefault("buffers", {})
     buffer = buffers.get(dtype)
     if buffer is None or buffer.numel() < numel:
@@ -87,8 +116,12 @@ KERNELS: dict[str, Kernel] = {
 }
 QUANTIZED_KERNELS: dict[str, Kernel] = {
     "int_kernel": lambda layer, x: layer.int_mm(x),  # the baseline of quantized layers
-    "dequantized": _dequantized,
-    "dequantized_bf16": _dequantized_bf16,
+    "dequantized": lambda layer, x: _dequantized(layer, x, weight_first=False),
+    "dequantized_t": lambda layer, x: _dequantized(layer, x, weight_first=True),
+}
+QUANTIZED_KERNELS |= {  # for a float32 model, the same GEMMs in bfloat16
+    "dequantized_bf16": _in_bf16(QUANTIZED_KERNELS["dequantized"]),
+    "dequantized_t_bf16": _in_bf16(QUANTIZED_KERNELS["dequantized_t"]),
     "native": _native_quantized,
 }
 

@@ -51,7 +51,7 @@ _i64, _int, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c
 _LINEAR_ARGS = [_ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]
 _INT4_ARGS = [_ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int, _int]
 _DEQUANT_I8_ARGS = [_ptr, _ptr, _ptr, _int, _i64, _i64, _int]
-_DEQUANT_I4_ARGS = [_ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _int]
+_DEQUANT_I4_ARGS = [_ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64, _i64, _int]
 _NORM_ARGS = [_ptr, _ptr, _ptr, _ptr, _ptr, _int, _i64, _i64, _f32, _int]  # -> int status
 _ROTARY_ARGS = [_ptr, _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64]
 _SILU_MUL_ARGS = [_ptr, _ptr, _int, _i64, _i64]
@@ -149,17 +149,21 @@ class NativeKernels:
                          n, k, torch.get_num_threads())
         return out
 
-    def dequantize_int4_transposed(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
-                                   group_size: int, out: torch.Tensor) -> torch.Tensor:
-        """PyTorch's CPU int4 pack (see linear_int4) into `out` [K, N]: the weight transposed,
-        (q - 8) * scale + zero computed in float32 and rounded once to out's dtype."""
+    def dequantize_int4(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
+                        group_size: int, out: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """Output channels first .. first + len(out) - 1 of PyTorch's CPU int4 pack (see
+        linear_int4) into `out` [rows, K] (float32 / bfloat16): (q - 8) * scale + zero computed
+        in float32 and rounded once. `first` and the rows are multiples of 64."""
         n, k = packed.shape[0], packed.shape[1] * 2
+        rows = out.shape[0]
         assert packed.dtype == torch.uint8 and packed.is_contiguous() and n % 64 == 0
-        assert scales_and_zeros.shape == (k // group_size, n, 2)
+        assert scales_and_zeros.shape == (k // group_size, n, 2) and group_size % 16 == 0
         assert scales_and_zeros.dtype == torch.bfloat16 and scales_and_zeros.is_contiguous()
-        assert out.is_contiguous() and out.shape == (k, n)
+        assert out.is_contiguous() and out.shape[1] == k and out.dtype in DTYPES
+        assert first % 64 == 0 and rows % 64 == 0 and 0 <= first and first + rows <= n
         self._dequant_i4(packed.data_ptr(), scales_and_zeros.data_ptr(), out.data_ptr(),
-                         DTYPES[out.dtype], n, k, group_size, torch.get_num_threads())
+                         DTYPES[out.dtype], n, k, group_size, first // 64, rows // 64,
+                         torch.get_num_threads())
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, mode: str,

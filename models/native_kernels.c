@@ -492,14 +492,90 @@ void mm_dequantize_i8(const int8_t* w, const uint16_t* scales, void* out, int ou
     }
 }
 
-/* int4 in PyTorch's CPU pack -> out [K, N], the transposed weight: the pack keeps 64 channels of
- * one k together, so rows of the transpose are written contiguously (x @ out is the linear). */
+#ifdef DEQUANT_AVX512
+/* Transposes 16 rows of 16 float32 in place (v[i] lane j <-> v[j] lane i). */
+static inline void transpose16(__m512 v[16]) {
+    __m512 a[16], b[16];
+    for (int i = 0; i < 16; i += 2) {
+        a[i] = _mm512_unpacklo_ps(v[i], v[i + 1]);
+        a[i + 1] = _mm512_unpackhi_ps(v[i], v[i + 1]);
+    }
+    /* per 128-bit lane L, b[4i + j] holds rows 4i .. 4i + 3 at column 4L + j */
+    for (int i = 0; i < 16; i += 4) {
+        const __m512d a0 = _mm512_castps_pd(a[i]), a1 = _mm512_castps_pd(a[i + 1]);
+        const __m512d a2 = _mm512_castps_pd(a[i + 2]), a3 = _mm512_castps_pd(a[i + 3]);
+        b[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a0, a2));
+        b[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a0, a2));
+        b[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(a1, a3));
+        b[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(a1, a3));
+    }
+    for (int j = 0; j < 4; j++) {  /* gather lane L of b[j], b[4 + j], b[8 + j], b[12 + j] */
+        const __m512 s0 = _mm512_shuffle_f32x4(b[j], b[4 + j], 0x88);
+        const __m512 s1 = _mm512_shuffle_f32x4(b[j], b[4 + j], 0xDD);
+        const __m512 s2 = _mm512_shuffle_f32x4(b[8 + j], b[12 + j], 0x88);
+        const __m512 s3 = _mm512_shuffle_f32x4(b[8 + j], b[12 + j], 0xDD);
+        v[j] = _mm512_shuffle_f32x4(s0, s2, 0x88);
+        v[4 + j] = _mm512_shuffle_f32x4(s1, s3, 0x88);
+        v[8 + j] = _mm512_shuffle_f32x4(s0, s2, 0xDD);
+        v[12 + j] = _mm512_shuffle_f32x4(s1, s3, 0xDD);
+    }
+}
+#endif
+
+#if defined(DEQUANT_AVX512) && defined(__AVX512VBMI__)
+#define DEQUANT_I4_TABLES 1
+/* The 32 k x 32 bytes of a block's k0 .. k0 + 31 (rows of the pack, 32 bytes apart), transposed:
+ * v[i] = bytes of columns 2i and 2i + 1 (channels 2i, 2i + 1 in the low nibbles, + 32 in the
+ * high ones), each for k0 .. k0 + 31. In three steps of permutes: per 8 k, qword j of each row
+ * side by side (columns 8j .. 8j + 7); an 8 x 8 byte transpose within each register; the four
+ * 8-k pieces of a column joined. */
+static inline void i4_transpose_tile(const uint8_t* rows, __m512i v[16]) {
+    const __m512i pair01 = _mm512_set_epi64(13, 9, 5, 1, 12, 8, 4, 0);
+    const __m512i pair23 = _mm512_set_epi64(15, 11, 7, 3, 14, 10, 6, 2);
+    uint8_t order[64];  /* byte 8c + r <- byte 8r + c */
+    for (int r = 0; r < 8; r++)
+        for (int c = 0; c < 8; c++) order[8 * c + r] = (uint8_t)(8 * r + c);
+    const __m512i bytes8x8 = _mm512_loadu_si512(order);
+    __m512i t[4][4];  /* t[m][j]: columns 8j .. 8j + 7 (qword c: column 8j + c) at k 8m .. */
+    for (int m = 0; m < 4; m++) {
+        const uint8_t* at = rows + 256 * m;  /* 8 rows of 32 bytes */
+        const __m512i r01 = _mm512_loadu_si512(at), r23 = _mm512_loadu_si512(at + 64);
+        const __m512i r45 = _mm512_loadu_si512(at + 128), r67 = _mm512_loadu_si512(at + 192);
+        const __m512i p01 = _mm512_permutex2var_epi64(r01, pair01, r23);
+        const __m512i p23 = _mm512_permutex2var_epi64(r01, pair23, r23);
+        const __m512i q01 = _mm512_permutex2var_epi64(r45, pair01, r67);
+        const __m512i q23 = _mm512_permutex2var_epi64(r45, pair23, r67);
+        t[m][0] = _mm512_permutexvar_epi8(bytes8x8, _mm512_shuffle_i64x2(p01, q01, 0x44));
+        t[m][1] = _mm512_permutexvar_epi8(bytes8x8, _mm512_shuffle_i64x2(p01, q01, 0xEE));
+        t[m][2] = _mm512_permutexvar_epi8(bytes8x8, _mm512_shuffle_i64x2(p23, q23, 0x44));
+        t[m][3] = _mm512_permutexvar_epi8(bytes8x8, _mm512_shuffle_i64x2(p23, q23, 0xEE));
+    }
+    for (int j = 0; j < 4; j++)
+        for (int c = 0; c < 8; c += 4) {
+            const __m512i pick = _mm512_set_epi64(11 + c, 3 + c, 10 + c, 2 + c, 9 + c, 1 + c,
+                                                  8 + c, c);
+            const __m512i x = _mm512_permutex2var_epi64(t[0][j], pick, t[1][j]);
+            const __m512i y = _mm512_permutex2var_epi64(t[2][j], pick, t[3][j]);
+            v[4 * j + c / 2] = _mm512_permutex2var_epi64(
+                x, _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), y);
+            v[4 * j + c / 2 + 1] = _mm512_permutex2var_epi64(
+                x, _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4), y);
+        }
+}
+#endif
+
+/* int4 in PyTorch's CPU pack -> out [count * 64, K]: output channels 64 first .. 64 (first +
+ * count) - 1 of the weight, row-major as a dense weight is (so a GEMM may take it as its plain
+ * left operand). Each value is (q - 8) * scale + zero as fma(q, scale, zero - 8 * scale) in
+ * float32, rounded once. With AVX-512 (VBMI), per group and channel the 16 values q can take
+ * are computed once into a table, and each 32 k x 64 channels of the pack is transposed into
+ * rows of nibbles that look their values up (a permute per 32 bfloat16 or 16 float32). */
 void mm_dequantize_i4(const uint8_t* w, const uint16_t* sz, void* out, int out_dtype, int64_t n,
-                      int64_t k, int64_t group, int threads) {
-    const int64_t blocks = n / I4_BLOCK_N;
+                      int64_t k, int64_t group, int64_t first, int64_t count, int threads) {
     _Pragma("omp parallel for num_threads(threads) schedule(static)")
-    for (int64_t b = 0; b < blocks; b++) {
+    for (int64_t b = first; b < first + count; b++) {
         const uint8_t* wb = w + b * k * (I4_BLOCK_N / 2);
+        const int64_t row0 = (b - first) * I4_BLOCK_N;  /* this block's first output row */
         for (int64_t g = 0; g < k / group; g++) {
             float scale[I4_BLOCK_N], offset[I4_BLOCK_N];
             const uint16_t* s = sz + (g * n + b * I4_BLOCK_N) * 2;
@@ -507,38 +583,59 @@ void mm_dequantize_i4(const uint8_t* w, const uint16_t* sz, void* out, int out_d
                 scale[c] = bf16_to_f32(s[2 * c]);
                 offset[c] = bf16_to_f32(s[2 * c + 1]) - 8.0f * scale[c];
             }
-#ifdef DEQUANT_AVX512
-            __m512 sv[4], ov[4];
-            for (int c = 0; c < 4; c++)
-                sv[c] = _mm512_loadu_ps(scale + 16 * c), ov[c] = _mm512_loadu_ps(offset + 16 * c);
-            const __m256i nibble = _mm256_set1_epi8(15);
-            for (int64_t kk = g * group; kk < (g + 1) * group; kk++) {
-                const __m256i bytes = _mm256_loadu_si256((const void*)(wb + kk * 32));
-                const __m256i lo = _mm256_and_si256(bytes, nibble);  /* channels 0-31 */
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
-                const __m128i parts[4] = {_mm256_castsi256_si128(lo),
-                                          _mm256_extracti128_si256(lo, 1),
-                                          _mm256_castsi256_si128(hi),
-                                          _mm256_extracti128_si256(hi, 1)};
-                __m512 v[4];
-                for (int c = 0; c < 4; c++)
-                    v[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(parts[c])),
-                                           sv[c], ov[c]);
-                const int64_t at = kk * n + b * I4_BLOCK_N;
-                store_f32(out, out_dtype, at, v[0], v[1]);
-                store_f32(out, out_dtype, at + 32, v[2], v[3]);
-            }
-#else
-            for (int64_t kk = g * group; kk < (g + 1) * group; kk++) {
-                const uint8_t* bytes = wb + kk * (I4_BLOCK_N / 2);
-                const int64_t at = kk * n + b * I4_BLOCK_N;
-                for (int d = 0; d < I4_BLOCK_N / 2; d++) {
-                    store(out, out_dtype, at + d, (float)(bytes[d] & 15) * scale[d] + offset[d]);
-                    store(out, out_dtype, at + d + 32,
-                          (float)(bytes[d] >> 4) * scale[d + 32] + offset[d + 32]);
+#ifdef DEQUANT_I4_TABLES
+            if (group % 32 == 0) {
+                __m512 table[I4_BLOCK_N];  /* table[c] lane q: channel c's value of q */
+                __m512i table16[I4_BLOCK_N];  /* the same in bfloat16, in the low 16 words */
+                for (int c0 = 0; c0 < I4_BLOCK_N; c0 += 16) {
+                    const __m512 sv = _mm512_loadu_ps(scale + c0);
+                    const __m512 ov = _mm512_loadu_ps(offset + c0);
+                    for (int q = 0; q < 16; q++)
+                        table[c0 + q] = _mm512_fmadd_ps(_mm512_set1_ps((float)q), sv, ov);
+                    transpose16(table + c0);
                 }
+                for (int c = 0; c < I4_BLOCK_N; c++)
+                    table16[c] = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(table[c]));
+                for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 32) {
+                    __m512i v[16];
+                    i4_transpose_tile(wb + k0 * 32, v);
+                    for (int i = 0; i < 32; i++) {  /* column i: channels i and 32 + i */
+                        const __m256i col = i % 2 ? _mm512_extracti64x4_epi64(v[i / 2], 1)
+                                                  : _mm512_castsi512_si256(v[i / 2]);
+                        const int64_t lo = (row0 + i) * k + k0, hi = lo + 32 * k;
+                        if (out_dtype == DTYPE_BF16) {
+                            const __m512i q = _mm512_cvtepu8_epi16(col);
+                            uint16_t* o = out;
+                            _mm512_storeu_si512(o + lo, _mm512_permutexvar_epi16(
+                                _mm512_and_si512(q, _mm512_set1_epi16(15)), table16[i]));
+                            _mm512_storeu_si512(o + hi, _mm512_permutexvar_epi16(
+                                _mm512_srli_epi16(q, 4), table16[32 + i]));
+                        } else {
+                            float* o = out;
+                            for (int h = 0; h < 2; h++) {
+                                const __m512i q = _mm512_cvtepu8_epi32(
+                                    h ? _mm256_extracti128_si256(col, 1)
+                                      : _mm256_castsi256_si128(col));
+                                _mm512_storeu_ps(o + lo + 16 * h, _mm512_permutexvar_ps(
+                                    _mm512_and_si512(q, _mm512_set1_epi32(15)), table[i]));
+                                _mm512_storeu_ps(o + hi + 16 * h, _mm512_permutexvar_ps(
+                                    _mm512_srli_epi32(q, 4), table[32 + i]));
+                            }
+                        }
+                    }
+                }
+                continue;
             }
 #endif
+            for (int64_t kk = g * group; kk < (g + 1) * group; kk++) {
+                const uint8_t* bytes = wb + kk * (I4_BLOCK_N / 2);
+                for (int d = 0; d < I4_BLOCK_N / 2; d++) {
+                    store(out, out_dtype, (row0 + d) * k + kk,
+                          fmaf((float)(bytes[d] & 15), scale[d], offset[d]));
+                    store(out, out_dtype, (row0 + d + 32) * k + kk,
+                          fmaf((float)(bytes[d] >> 4), scale[d + 32], offset[d + 32]));
+                }
+            }
         }
     }
 }

@@ -168,8 +168,9 @@ class QuantizedLinear(nn.Module):
         return part
 
     def int_mm(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] -> [M, N] through the int kernel, in x's dtype."""
-        xb = x.to(torch.bfloat16)
+        """x [M, K] -> [M, N] through the int kernel, in x's dtype (x may be strided: the
+        output of a (W x^T)^T formulation is a transposed view; the kernels take rows)."""
+        xb = x.to(torch.bfloat16).contiguous()
         if self.mode == "int8":
             out = torch.ops.aten._weight_int8pack_mm(xb, self.qweight, self.scales)
         else:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import kernel_choice
+from models import kernel_choice, native
 from models.kernel_choice import (
     BASELINE,
     BUCKETS,
@@ -22,7 +22,7 @@ from models.kernel_choice import (
     pick,
 )
 from models.kernel_plan import candidates, plan_linears
-from models.linear_kernels import SCRATCH_BYTES, Linear
+from models.linear_kernels import MIN_TILE_ROWS, TILE_BYTES, Linear, dequantization_tiles
 from models.quantization import QuantizedLinear
 
 
@@ -152,18 +152,27 @@ def test_quantized_layers_time_dequantizing_only_for_many_rows(tmp_path):
     assert candidates(model.q, 1, torch.float32)[0] == "int_kernel"
     assert "dequantized" not in candidates(model.q, 1, torch.float32)
     assert "dequantized" in candidates(model.q, 4, torch.float32)
-    # a weight too large for the reused buffer: dequantized only at a prefill's rows
-    head = QuantizedLinear(torch.randn(SCRATCH_BYTES // 64 // 4 + 64, 64), None, "int8")
-    assert "dequantized" not in candidates(head, 32, torch.float32)
-    assert "dequantized" in candidates(head, 128, torch.float32)
-    assert candidates(model.q, 128, torch.float32) == ["int_kernel", "dequantized",
-                                                       "dequantized_bf16"]
-    assert candidates(model.q, 128, torch.bfloat16) == ["int_kernel", "dequantized"]
+    assert candidates(model.q, 128, torch.float32) == [
+        "int_kernel", "dequantized", "dequantized_t", "dequantized_bf16", "dequantized_t_bf16"]
+    assert candidates(model.q, 128, torch.bfloat16) == ["int_kernel", "dequantized",
+                                                        "dequantized_t"]
     plan_linears(model, torch.float32, KernelCache(tmp_path / "k.json"),
                  FakeTimer({"int_kernel": 1.0, "dequantized": 0.5, "dequantized_bf16": 0.6}))
     decode = "native" if "native" in candidates(model.q, 1, torch.float32) else "int_kernel"
     assert model.q.kernels == (decode, "dequantized", "dequantized", "dequantized",
                                "dequantized")
+
+
+def test_a_weight_of_several_tiles_is_dequantized_weight_first_only():
+    """Over several tiles x W^T would copy each tile's columns into the output, which timing
+    one tile's slice of the layer does not see: only (W x^T)^T is timed."""
+    head = QuantizedLinear(torch.randn(4 * MIN_TILE_ROWS, TILE_BYTES // MIN_TILE_ROWS), None,
+                           "int8")
+    assert len(dequantization_tiles(head.out_features, head.in_features, torch.bfloat16)) > 1
+    names = candidates(head, 128, torch.bfloat16)
+    assert "dequantized_t" in names and "dequantized" not in names
+    if native.load() is not None:  # tiles go through the reused buffer: decode rows too
+        assert "dequantized_t" in candidates(head, 32, torch.bfloat16)
 
 
 def test_onednn_choice_prepacks_and_matches(tmp_path):

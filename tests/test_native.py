@@ -131,20 +131,33 @@ def test_int4_linear_reads_pytorchs_channel_order(kernels):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_dequantizers_match_the_reference_dequantization(kernels, dtype):
-    """What the `dequantized` formulation multiplies by: int8 exactly PyTorch's q * scale (one
-    rounding either way); int4 transposed, (q - 8) * scale + zero rounded once to `dtype`."""
+def test_int8_dequantizer_matches_the_reference(kernels, dtype):
+    """What the `dequantized` formulations multiply by: exactly PyTorch's q * scale (one
+    rounding either way)."""
     gen = torch.Generator().manual_seed(5)
     q, scales = quantize_int8(torch.randn(70, 100, generator=gen))  # 100: a vector tail
     out = kernels.dequantize_int8(q, scales, torch.empty(70, 100, dtype=dtype))
     assert torch.equal(out, dequantize_int8(q, scales, dtype))
-    q4, scales_and_zeros = quantize_int4(torch.randn(192, 256, generator=gen), 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_dequantizer_rounds_once_and_reads_any_block_range(kernels, dtype, group):
+    """Rows of (q - 8) * scale + zero, as fma(q, scale, zero - 8 * scale) in float32 rounded
+    once to `dtype`, to the bit; a range of blocks gives the same rows as the whole."""
+    gen = torch.Generator().manual_seed(group)
+    w = torch.randn(320, 384, generator=gen)
+    q4, scales_and_zeros = quantize_int4(w, group)
     packed = pack_int4(q4)
-    out = kernels.dequantize_int4_transposed(packed, scales_and_zeros, 64,
-                                             torch.empty(256, 192, dtype=dtype))
-    ref = dequantize_int4(packed, scales_and_zeros, torch.float64).t()
-    tol = 2e-7 if dtype == torch.float32 else 2 ** -8
-    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+    out = kernels.dequantize_int4(packed, scales_and_zeros, group,
+                                  torch.empty(320, 384, dtype=dtype))
+    sz = scales_and_zeros.float().transpose(0, 1).repeat_interleave(group, dim=1)  # [N, K, 2]
+    scale, offset = sz[..., 0], sz[..., 1] - 8 * sz[..., 0]  # float32, as the kernel rounds
+    exact = q4.double() * scale.double() + offset.double()  # exact: the fma before rounding
+    assert torch.equal(out, exact.float().to(dtype))
+    part = kernels.dequantize_int4(packed, scales_and_zeros, group,
+                                   torch.empty(128, 384, dtype=dtype), first=128)
+    assert torch.equal(part, out[128:256])
 
 
 def test_native_linear_is_a_planned_candidate_for_few_rows_only(kernels):

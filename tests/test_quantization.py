@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from models import native, quantization
+from models import linear_kernels, native, quantization
 from models.attention import LayerAttention
 from models.decoder import CausalLM, DecoderConfig
 from models.kernel_choice import BUCKETS
@@ -105,7 +105,45 @@ def test_both_formulations_match_the_dequantized_weight(mode, dtype, rows):
         assert out.dtype == dtype and out.shape == (rows, 192)
         # bfloat16 activations (and bfloat16 outputs) round at ~0.4%.
         torch.testing.assert_close(out.float(), ref, atol=0.03, rtol=0.02)
+        # a transposed view (what a (W x^T)^T formulation hands the next layer) runs too
+        strided = layer(x.t().contiguous().t())
+        torch.testing.assert_close(strided.float(), ref, atol=0.03, rtol=0.02)
     assert layer(x[None]).shape == (1, rows, 192)  # leading dims are flattened and restored
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantizing_in_tiles_computes_what_one_tile_does(monkeypatch, mode, dtype):
+    """Several tiles of output channels (a large weight) give the one-tile result to the bit,
+    in either GEMM formulation."""
+    gen = torch.Generator().manual_seed(9)
+    layer = QuantizedLinear(torch.randn(320, 128, generator=gen), None, mode, 32)
+    x = torch.randn(24, 128, generator=gen).to(dtype)
+    whole = {}
+    for name in ("dequantized", "dequantized_t"):
+        layer.kernels = (name,) * len(BUCKETS)
+        whole[name] = layer(x)
+    monkeypatch.setattr(linear_kernels, "TILE_BYTES", 64 * 128 * dtype.itemsize)
+    monkeypatch.setattr(linear_kernels, "MIN_TILE_ROWS", 64)
+    assert len(linear_kernels.dequantization_tiles(320, 128, dtype)) == 5
+    for name in ("dequantized", "dequantized_t"):
+        layer.kernels = (name,) * len(BUCKETS)
+        assert torch.equal(layer(x), whole[name]), name
+
+
+def test_dequantization_tiles_cover_the_weight_in_whole_blocks():
+    tiles = linear_kernels.dequantization_tiles
+    for n, k in [(9728, 896), (151936, 896), (896, 4864), (100, 64), (4096, 4096)]:
+        found = tiles(n, k, torch.bfloat16)
+        assert found[0][0] == 0 and found[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(found[:-1], found[1:], strict=True))
+        assert all(first % linear_kernels.TILE_ROWS == 0 for first, _ in found)
+        rows = [last - first for first, last in found]
+        assert len(found) == 1 or min(rows[:-1]) >= linear_kernels.MIN_TILE_ROWS
+        assert len(found) == 1 or (max(rows) * k * 2 < 2 * linear_kernels.TILE_BYTES
+                                   or max(rows) < linear_kernels.MIN_TILE_ROWS + 64)
+    assert len(tiles(9728, 896, torch.bfloat16)) > 1  # a large weight is tiled
+    assert len(tiles(896, 4864, torch.bfloat16)) == 1  # too few channels for tiles
 
 
 @pytest.mark.parametrize("mode, group", list(LINEAR_BOUNDS))
@@ -123,7 +161,8 @@ def test_real_shaped_linear_accuracy(real_linear, mode, group):
 def _formulations(mode: str) -> tuple[str, ...]:
     """Every formulation a quantized layer may be planned to run (ours where it builds)."""
     ours = ("native",) if native.load() is not None else ()
-    return ("dequantized", "dequantized_bf16", "int_kernel", *ours)
+    return ("dequantized", "dequantized_t", "dequantized_bf16", "dequantized_t_bf16",
+            "int_kernel", *ours)
 
 
 @pytest.mark.parametrize("mode, group", [("int8", 128), ("int4", 128)])
