@@ -17,6 +17,7 @@ import torch
 
 from engine.device import to_device
 from engine.request import Request
+from models import native
 
 
 @dataclass
@@ -78,7 +79,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     raw = logits
     if batch.history is not None:
         logits = _apply_repetition_penalty(logits, batch.history, batch.penalty)
-    greedy = logits.argmax(dim=-1)
+    greedy = _argmax(logits)
     if batch.all_greedy:
         tokens = greedy
     else:
@@ -90,6 +91,16 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if batch.max_logprobs > 0:
             out.top_logprobs, out.top_ids = logp.topk(batch.max_logprobs, dim=-1)
     return out
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1); on the CPU through our kernel where it builds (PyTorch's argmax
+    does not vectorize: over a 150k vocabulary it is a visible part of a decode step)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
+        kernels = native.load()
+        if kernels is not None:
+            return kernels.argmax(logits)
+    return logits.argmax(dim=-1)
 
 
 def _apply_repetition_penalty(logits, history, penalty) -> torch.Tensor:

@@ -87,6 +87,8 @@ class NativeKernels:
         self._norm.argtypes, self._norm.restype = _NORM_ARGS, _int
         self._rotary.argtypes, self._rotary.restype = _ROTARY_ARGS, None
         self._silu_mul.argtypes, self._silu_mul.restype = _SILU_MUL_ARGS, None
+        self._argmax = lib.mm_argmax
+        self._argmax.argtypes, self._argmax.restype = [_ptr, _i64, _i64, _ptr], None
         self._read_sum = lib.mm_read_sum
         self._read_sum.argtypes, self._read_sum.restype = [_ptr, _i64, _int], ctypes.c_double
         self._attention = lib.mm_decode_attention
@@ -204,6 +206,15 @@ class NativeKernels:
         out = torch.empty(rows, both // 2, dtype=gate_up.dtype)
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), DTYPES[gate_up.dtype], rows,
                        both // 2)
+        return out
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, n] float32 -> [rows] int64, as x.argmax(dim=-1) (first of equal values; a
+        NaN counts as the largest), on one thread: a greedy step's pick over the vocabulary."""
+        assert x.dtype == torch.float32 and x.dim() == 2
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        self._argmax(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
         return out
 
     def read_sum(self, x: torch.Tensor) -> float:

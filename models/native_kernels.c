@@ -640,6 +640,28 @@ void mm_dequantize_i4(const uint8_t* w, const uint16_t* sz, void* out, int out_d
     }
 }
 
+/* Per row of x [rows, n] float32, the index of its largest value, the first of equal ones, as
+ * torch.argmax (a NaN counts as the largest: the first NaN's index). One pass for the maximum
+ * (vectorized), one to find it: PyTorch's argmax does not vectorize over a vocabulary. */
+void mm_argmax(const float* x, int64_t rows, int64_t n, int64_t* out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float* v = x + r * n;
+        float top = -INFINITY;
+        int nan = 0;
+        _Pragma("omp simd reduction(max:top) reduction(|:nan)")
+        for (int64_t j = 0; j < n; j++) {
+            top = v[j] > top ? v[j] : top;
+            nan |= v[j] != v[j];
+        }
+        out[r] = 0;
+        for (int64_t j = 0; j < n; j++)
+            if (nan ? v[j] != v[j] : v[j] == top) {
+                out[r] = j;
+                break;
+            }
+    }
+}
+
 /* The sum of x [n]: a plain streaming read, the ruler the benchmarks hold decode against. */
 double mm_read_sum(const float* x, int64_t n, int threads) {
     double total = 0.0;

@@ -437,3 +437,16 @@ def test_the_engine_panel_says_which_kernels_run(qwen2_path, monkeypatch):
     monkeypatch.setattr(engine.runner, "native_decode", False)
     monkeypatch.setattr(native, "status", lambda: native.NativeStatus(False, "no compiler"))
     assert engine.stats()["weights"] == "float32, cpu, PyTorch kernels"
+
+
+def test_argmax_is_torchs_including_ties_nans_and_infinities(kernels):
+    gen = torch.Generator().manual_seed(4)
+    cases = [
+        torch.randn(3, 151936, generator=gen),  # a vocabulary: the vector path and a tail
+        torch.tensor([[1.0, 3.0, 3.0, 2.0]]),  # ties: the first
+        torch.full((2, 100), -float("inf")),
+        torch.tensor([[1.0, float("nan"), 5.0, float("nan")], [0.0, 1.0, 2.0, 3.0]]),
+        torch.randn(2, 37, generator=gen)[:, ::2],  # strided
+    ]
+    for x in cases:
+        assert torch.equal(kernels.argmax(x), x.argmax(dim=-1)), x
