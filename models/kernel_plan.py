@@ -58,16 +58,15 @@ def candidates(layer: nn.Module, rows: int, dtype: torch.dtype) -> list[str]:
         # products grow with the rows: at a few rows already they can lose), and at a decode's
         # rows only through ours, tile by tile into a reused buffer: PyTorch's whole copy of a
         # large weight (an LM head) would take fresh pages every step, which timing a slice of
-        # it does not see.
-        # x W^T only where the weight is one tile: over several, each tile's product is a
-        # column slice of the output (copied), and a slice of one tile, all that timing a
-        # large layer sees, would hide that.
+        # it does not see. x W^T is timed only for a weight of one tile: over several, each
+        # tile's product is copied into a column slice of the output, which the one-tile slice
+        # that timing a large layer sees would hide. A float32 model's GEMMs are timed in
+        # bfloat16 too, as the int kernels compute.
         tiled = native.load() is not None
         if rows > 1 and (tiled or rows > PROBE_ROWS[2]) and (
                 layer.mode == "int8" or int4_layout_known()):
             for gemm_dtype, suffix in [(dtype, "")] + (
                     [(torch.bfloat16, "_bf16")] if dtype == torch.float32 else []):
-                # (a float32 model's GEMM also in bfloat16, as the int kernels compute)
                 if len(dequantization_tiles(layer.out_features, layer.in_features,
                                             gemm_dtype)) == 1:
                     names.append("dequantized" + suffix)

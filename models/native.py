@@ -159,7 +159,7 @@ class NativeKernels:
         n, k = packed.shape[0], packed.shape[1] * 2
         rows = out.shape[0]
         assert packed.dtype == torch.uint8 and packed.is_contiguous() and n % 64 == 0
-        assert scales_and_zeros.shape == (k // group_size, n, 2) and group_size % 16 == 0
+        assert scales_and_zeros.shape == (k // group_size, n, 2)
         assert scales_and_zeros.dtype == torch.bfloat16 and scales_and_zeros.is_contiguous()
         assert out.is_contiguous() and out.shape[1] == k and out.dtype in DTYPES
         assert first % 64 == 0 and rows % 64 == 0 and 0 <= first and first + rows <= n
