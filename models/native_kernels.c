@@ -532,9 +532,15 @@ static inline void transpose16(__m512 v[16]) {
 static inline void i4_transpose_tile(const uint8_t* rows, __m512i v[16]) {
     const __m512i pair01 = _mm512_set_epi64(13, 9, 5, 1, 12, 8, 4, 0);
     const __m512i pair23 = _mm512_set_epi64(15, 11, 7, 3, 14, 10, 6, 2);
-    uint8_t order[64];  /* byte 8c + r <- byte 8r + c */
-    for (int r = 0; r < 8; r++)
-        for (int c = 0; c < 8; c++) order[8 * c + r] = (uint8_t)(8 * r + c);
+    static const uint8_t order[64] = {  /* byte 8c + r <- byte 8r + c */
+        0, 8, 16, 24, 32, 40, 48, 56,
+        1, 9, 17, 25, 33, 41, 49, 57,
+        2, 10, 18, 26, 34, 42, 50, 58,
+        3, 11, 19, 27, 35, 43, 51, 59,
+        4, 12, 20, 28, 36, 44, 52, 60,
+        5, 13, 21, 29, 37, 45, 53, 61,
+        6, 14, 22, 30, 38, 46, 54, 62,
+        7, 15, 23, 31, 39, 47, 55, 63};
     const __m512i bytes8x8 = _mm512_loadu_si512(order);
     __m512i t[4][4];  /* t[m][j]: columns 8j .. 8j + 7 (qword c: column 8j + c) at k 8m .. */
     for (int m = 0; m < 4; m++) {
