@@ -9,12 +9,13 @@ weights. For each dtype it measures, run after run alternating with transformers
 TTFT and decode tokens/s, and total output tokens/s for 8 concurrent requests (transformers runs
 them one after another, as a local app would), then the decode rate as a fraction of the
 memory-bandwidth roofline on the weight bytes one decode step actually reads (int8 / int4
-weights and their scales). transformers has no counterpart of the quantized rows: their ratios
-are against its unquantized model in the same dtype. With llama-cpp-python installed (bench-only,
-never a runtime dependency: `pip install llama-cpp-python sentencepiece` builds it), each row is
-also run alternately against llama.cpp on a GGUF of the same weights at the matching precision
-(f32, bf16, q8_0 for int8, q4_0 for int4; bench.gguf converts them once); otherwise that column
-is skipped.
+weights and their scales), against the bandwidth read just before that row's run (on a shared VM
+it moves with the neighbours' load, within a run too). transformers has no counterpart of the
+quantized rows: their ratios are against its unquantized model in the same dtype. With
+llama-cpp-python installed (bench-only, never a runtime dependency: `pip install
+llama-cpp-python sentencepiece` builds it), each row is also run alternately against llama.cpp
+on a GGUF of the same weights at the matching precision (f32, bf16, q8_0 for int8, q4_0 for
+int4; bench.gguf converts them once); otherwise that column is skipped.
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ def main() -> None:
     modes = [None if q == "none" else q for q in args.quantization.split(",")]
     n = args.new_tokens
     context = max(1024, args.prompt_len + n)
-    bandwidths = []  # read once per run: on a shared VM it moves with the neighbours' load
+    bandwidths = []  # read before each row's run: on a shared VM it moves with the neighbours
     rows, summary, llama_rows = [], [], []
     if args.no_llama_cpp or importlib.util.find_spec("llama_cpp") is None:
         print("llama.cpp column skipped: llama-cpp-python is not installed (or --no-llama-cpp)")
@@ -185,10 +186,10 @@ def main() -> None:
         theirs = []
         cpp = {q: [] for q in llama}
         for run in range(args.runs):  # alternating: drift hits every row alike
-            bandwidths.append(memory_bandwidth())
             theirs.append(hf.measure(prompts, n))
             for q, llm in engines.items():
-                ours[q].append(measure_engine(llm, prompts, n))
+                bandwidths.append(memory_bandwidth())
+                ours[q].append(measure_engine(llm, prompts, n) | {"bandwidth": bandwidths[-1]})
                 if q in llama:
                     cpp[q].append(llama[q].measure(prompts, n))
             print(f"{dtype_name} run {run + 1}/{args.runs}: transformers "
@@ -197,7 +198,7 @@ def main() -> None:
                       f"{k}={v:.3g}" for k, v in ours[q][-1].items()) for q in modes))
         for q, llm in engines.items():
             weight_bytes = decode_bytes_per_token(llm.engine.runner.model)
-            roofline = median(bandwidths) / weight_bytes
+            of_roofline = median([r["decode"] * weight_bytes / r["bandwidth"] for r in ours[q]])
 
             def med(key: str, runs=ours[q]) -> float:
                 return median([r[key] for r in runs])
@@ -213,7 +214,7 @@ def main() -> None:
                           f"{ratio('decode', base=cpp[q]):.2f}x decode, "
                           f"{ratio('ttft', base=cpp[q], invert=True):.2f}x TTFT")
             rows.append((label, med("ttft"), ratio("ttft", invert=True), med("decode"),
-                         ratio("decode"), med("decode") / roofline, weight_bytes / 1e9,
+                         ratio("decode"), of_roofline, weight_bytes / 1e9,
                          med("conc"), ratio("conc"), versus))
             if cpp.get(q):
                 llama_rows.append((f"{str(dtype)[6:]} {q or 'dense'}", llama[q].name,
@@ -227,7 +228,7 @@ def main() -> None:
 
     print(f"\nmachine: {machine()}; checkpoint {path.name}; prompt {args.prompt_len} tokens, "
           f"{n} new tokens; median of {args.runs} runs; memory bandwidth "
-          f"{median(bandwidths) / 1e9:.1f} GB/s (median of per-run readings, "
+          f"{median(bandwidths) / 1e9:.1f} GB/s (median of the readings before each row, "
           f"{min(bandwidths) / 1e9:.1f}-{max(bandwidths) / 1e9:.1f}); "
           f"int4 group {args.group_size}\n")
     print_table(rows, ("this engine", "TTFT (s)", "TTFT speed-up", "decode tok/s",
