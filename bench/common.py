@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 import statistics
@@ -34,18 +35,27 @@ def median(values: list[float]) -> float:
 def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     """Read bandwidth in bytes/s: the median time to sum a `gib` GiB float32 buffer, in huge
     pages as the engine's weights are (models.huge_pages), with our plain C read loop
-    (models.native) where it builds, else torch's sum (which reads slower)."""
-    from models import huge_pages, native
+    (models.native) where it builds, else torch's sum (which reads slower). The buffer is made
+    once per process: a bench reading it between measurements then only reads memory (making it
+    anew would fault in and free a GiB of pages each time, which the next measurement feels)."""
+    from models import native
+
+    x = _ruler_buffer(gib)
+    kernels = native.load()
+    read = (lambda: kernels.read_sum(x)) if kernels is not None else x.sum
+    read()
+    seconds = median([timeit(read) for _ in range(repeats)])
+    return x.numel() * 4 / seconds
+
+
+@functools.cache
+def _ruler_buffer(gib: float) -> torch.Tensor:
+    from models import huge_pages
 
     holder = nn.Module()
     holder.register_buffer("x", torch.ones(int(gib * (1 << 30)) // 4))
     huge_pages.place_weights(holder)
-    x = holder.x
-    kernels = native.load()
-    read = (lambda: kernels.read_sum(x)) if kernels is not None else x.sum
-    read()  # touch the pages once
-    seconds = median([timeit(read) for _ in range(repeats)])
-    return x.numel() * 4 / seconds
+    return holder.x
 
 
 def matmul_flops(dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int = 5) -> float:

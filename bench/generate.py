@@ -9,10 +9,10 @@ weights. For each dtype it measures, run after run alternating with transformers
 TTFT and decode tokens/s, and total output tokens/s for 8 concurrent requests (transformers runs
 them one after another, as a local app would), then the decode rate as a fraction of the
 memory-bandwidth roofline on the weight bytes one decode step actually reads (int8 / int4
-weights and their scales), against the bandwidth read just before that row's run (on a shared VM
-it moves with the neighbours' load, within a run too). transformers has no counterpart of the
-quantized rows: their ratios are against its unquantized model in the same dtype. With
-llama-cpp-python installed (bench-only, never a runtime dependency: `pip install
+weights and their scales), against the bandwidth read right after that row's single-stream
+decode (on a shared VM it moves with the neighbours' load, within a run too). transformers has
+no counterpart of the quantized rows: their ratios are against its unquantized model in the same
+dtype. With llama-cpp-python installed (bench-only, never a runtime dependency: `pip install
 llama-cpp-python sentencepiece` builds it), each row is also run alternately against llama.cpp
 on a GGUF of the same weights at the matching precision (f32, bf16, q8_0 for int8, q4_0 for
 int4; bench.gguf converts them once); otherwise that column is skipped.
@@ -90,14 +90,18 @@ class Transformers:
 
 
 def measure_engine(llm, prompts: list[list[int]], n: int) -> dict[str, float]:
+    """TTFT and decode of one request, the memory bandwidth right after it (the VM's moves with
+    its neighbours' load; read before, it would disturb the TTFT), then the concurrent rate."""
     from engine import SamplingParams
 
     params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
     out = llm.generate([prompts[0]], params)[0]
+    bandwidth = memory_bandwidth()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     conc = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
-    return {"ttft": out.metrics.ttft, "decode": (n - 1) / out.metrics.decode_time, "conc": conc}
+    return {"ttft": out.metrics.ttft, "decode": (n - 1) / out.metrics.decode_time, "conc": conc,
+            "bandwidth": bandwidth}
 
 
 # The llama.cpp GGUF type each of our rows is compared with: by quantization, else by dtype.
@@ -162,7 +166,7 @@ def main() -> None:
     modes = [None if q == "none" else q for q in args.quantization.split(",")]
     n = args.new_tokens
     context = max(1024, args.prompt_len + n)
-    bandwidths = []  # read before each row's run: on a shared VM it moves with the neighbours
+    bandwidths = []  # read within each row's run: on a shared VM it moves with the neighbours
     rows, summary, llama_rows = [], [], []
     if args.no_llama_cpp or importlib.util.find_spec("llama_cpp") is None:
         print("llama.cpp column skipped: llama-cpp-python is not installed (or --no-llama-cpp)")
@@ -188,8 +192,8 @@ def main() -> None:
         for run in range(args.runs):  # alternating: drift hits every row alike
             theirs.append(hf.measure(prompts, n))
             for q, llm in engines.items():
-                bandwidths.append(memory_bandwidth())
-                ours[q].append(measure_engine(llm, prompts, n) | {"bandwidth": bandwidths[-1]})
+                ours[q].append(measure_engine(llm, prompts, n))
+                bandwidths.append(ours[q][-1]["bandwidth"])
                 if q in llama:
                     cpp[q].append(llama[q].measure(prompts, n))
             print(f"{dtype_name} run {run + 1}/{args.runs}: transformers "
@@ -228,7 +232,7 @@ def main() -> None:
 
     print(f"\nmachine: {machine()}; checkpoint {path.name}; prompt {args.prompt_len} tokens, "
           f"{n} new tokens; median of {args.runs} runs; memory bandwidth "
-          f"{median(bandwidths) / 1e9:.1f} GB/s (median of the readings before each row, "
+          f"{median(bandwidths) / 1e9:.1f} GB/s (median of the readings in each row's run, "
           f"{min(bandwidths) / 1e9:.1f}-{max(bandwidths) / 1e9:.1f}); "
           f"int4 group {args.group_size}\n")
     print_table(rows, ("this engine", "TTFT (s)", "TTFT speed-up", "decode tok/s",
