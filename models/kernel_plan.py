@@ -71,6 +71,8 @@ def candidates(layer: nn.Module, rows: int, dtype: torch.dtype) -> list[str]:
                                             gemm_dtype)) == 1:
                     names.append("dequantized" + suffix)
                 names.append("dequantized_t" + suffix)
+        if rows > NATIVE_ROWS and panel_gemm_takes(layer):
+            names.append("panel_gemm")
         return names
     names = [BASELINE]
     if dtype in (torch.float32, torch.bfloat16):
@@ -80,6 +82,17 @@ def candidates(layer: nn.Module, rows: int, dtype: torch.dtype) -> list[str]:
         if ours:
             names.append("native")
     return names
+
+
+def panel_gemm_takes(layer: QuantizedLinear) -> bool:
+    """Whether our panel-dequantizing GEMM (models/native_gemm_quantized.c) takes this layer."""
+    kernels = native.load()
+    if kernels is None:
+        return False
+    if layer.mode == "int8":
+        return kernels.gemm_quantized_takes(layer.out_features, layer.in_features)
+    return int4_layout_known() and kernels.gemm_quantized_takes(
+        layer.out_features, layer.in_features, layer.group_size)
 
 
 def group_key(layer: nn.Module, dtype: torch.dtype) -> str:

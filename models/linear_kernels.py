@@ -5,9 +5,10 @@ bookkeeping).
 Dense weights: F.linear; (W @ x^T)^T; torch.mv for one row; oneDNN with the weight prepacked
 once (kept beside the dense weight, so choosing it costs that memory again); our own
 matrix-vector kernel (models.native) for a few rows. Quantized weights (models.quantization):
-PyTorch's int kernel, ours, or a dense GEMM on the weight dequantized per call (many rows are
+PyTorch's int kernel, ours, a dense GEMM on the weight dequantized per call (many rows are
 compute-bound, where the int kernels are slower; our dequantizer where it builds), for a float32
-model also in bfloat16.
+model also in bfloat16, or our GEMM that dequantizes a panel at a time in cache (no dequantized
+copy written out and read back).
 """
 
 from __future__ import annotations
@@ -101,6 +102,10 @@ def _native(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return native.load().linear(x, layer.weight)
 
 
+def _panel_gemm(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return native.load().gemm_quantized(x, layer.qweight, layer.scales, layer.group_size)
+
+
 def _native_quantized(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if layer.mode == "int8":
         return native.load().linear(x, layer.qweight, layer.scales)
@@ -123,6 +128,7 @@ QUANTIZED_KERNELS |= {  # for a float32 model, the same GEMMs in bfloat16
     "dequantized_bf16": _in_bf16(QUANTIZED_KERNELS["dequantized"]),
     "dequantized_t_bf16": _in_bf16(QUANTIZED_KERNELS["dequantized_t"]),
     "native": _native_quantized,
+    "panel_gemm": _panel_gemm,  # a transposed view of [out, rows], as "dequantized_t"
 }
 
 

@@ -36,12 +36,14 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 # Compiled into one library; the header (shared helpers and declarations) is part of the digest.
-SOURCES = (HERE / "native_kernels.c", HERE / "native_decode_layers.c")
+SOURCES = (HERE / "native_kernels.c", HERE / "native_decode_layers.c",
+           HERE / "native_gemm_quantized.c")
 HEADER = HERE / "native_kernels.h"
 DISABLE_ENV = "MMSERVE_NATIVE"  # "0" keeps PyTorch's kernels only
 BUILD_TIMEOUT_S = 120
 FLAGS = ("-O3", "-march=native", "-fPIC", "-std=gnu11", "-Wno-unknown-pragmas")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+GEMM_PANEL_K = 896  # native_gemm_quantized.c PANEL_K: an int4 group must divide it
 FUSED_ROWS = 64  # fused small ops serve inputs up to this many tokens: a decode step's
 NORM_MODES = {"float32": 0, "reduced": 1, "unit_offset": 2}
 WEIGHT_KERNELS = {torch.float32: "mm_linear_f32", torch.bfloat16: "mm_linear_bf16",
@@ -52,6 +54,7 @@ _LINEAR_ARGS = [_ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]
 _INT4_ARGS = [_ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int, _int]
 _DEQUANT_I8_ARGS = [_ptr, _ptr, _ptr, _int, _i64, _i64, _int]
 _DEQUANT_I4_ARGS = [_ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64, _i64, _int]
+_GEMM_Q_ARGS = [_ptr, _int, _ptr, _int, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _int]
 _NORM_ARGS = [_ptr, _ptr, _ptr, _ptr, _ptr, _int, _i64, _i64, _f32, _int]  # -> int status
 _ROTARY_ARGS = [_ptr, _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64]
 _SILU_MUL_ARGS = [_ptr, _ptr, _int, _i64, _i64]
@@ -82,6 +85,9 @@ class NativeKernels:
         self._int4.argtypes, self._int4.restype = _INT4_ARGS, _int
         self._dequant_i8, self._dequant_i4 = lib.mm_dequantize_i8, lib.mm_dequantize_i4
         self._dequant_i8.argtypes, self._dequant_i8.restype = _DEQUANT_I8_ARGS, None
+        self._gemm_q = lib.mm_gemm_quantized
+        self._gemm_q.argtypes, self._gemm_q.restype = _GEMM_Q_ARGS, _int
+        self.has_gemm_quantized = bool(lib.mm_gemm_quantized_built())
         self._dequant_i4.argtypes, self._dequant_i4.restype = _DEQUANT_I4_ARGS, None
         self._norm, self._rotary, self._silu_mul = lib.mm_rms_norm, lib.mm_rotary, lib.mm_silu_mul
         self._norm.argtypes, self._norm.restype = _NORM_ARGS, _int
@@ -139,6 +145,37 @@ class NativeKernels:
         if status:
             raise MemoryError("native int4 linear: out of memory for its activation copies")
         return y
+
+    def gemm_quantized(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                       group_size: int = 0) -> torch.Tensor:
+        """x [M, K] (float32 / bfloat16) . W^T for many rows, W int8 [N, K] with bfloat16
+        scales [N], or int4 in PyTorch's CPU pack (see linear_int4) with group_size, dequantized
+        a cached panel at a time (native_gemm_quantized.c). -> [M, N] in x's dtype, the
+        transpose of a contiguous [N, M]. Raises ValueError for a shape it does not take
+        (`gemm_quantized_takes`)."""
+        m, k = x.shape
+        int8 = qweight.dtype == torch.int8
+        n = qweight.shape[0]
+        assert qweight.is_contiguous() and scales.is_contiguous()
+        assert scales.dtype == torch.bfloat16 and qweight.shape[1] * (1 if int8 else 2) == k
+        x = x.contiguous()
+        yt = torch.empty(n, m, dtype=x.dtype)
+        status = self._gemm_q(x.data_ptr(), DTYPES[x.dtype], qweight.data_ptr(),
+                              0 if int8 else 1, scales.data_ptr(), group_size, yt.data_ptr(),
+                              m, m, n, k, torch.get_num_threads())
+        if status == 1:
+            raise MemoryError("native quantized GEMM: out of memory for its packed rows")
+        if status:
+            raise ValueError(f"native quantized GEMM does not take K={k}, N={n}, "
+                             f"group {group_size} (or this CPU lacks AVX-512 BF16)")
+        return yt.t()
+
+    def gemm_quantized_takes(self, n: int, k: int, int4_group: int | None = None) -> bool:
+        """Whether gemm_quantized takes a weight [N, K] (int8, or int4 of this group size)."""
+        if not self.has_gemm_quantized or k % 32:
+            return False
+        return int4_group is None or (n % 64 == 0 and int4_group % 32 == 0
+                                      and GEMM_PANEL_K % int4_group == 0)
 
     def dequantize_int8(self, q: torch.Tensor, scales: torch.Tensor,
                         out: torch.Tensor) -> torch.Tensor:

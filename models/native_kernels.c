@@ -266,7 +266,6 @@ int mm_linear_i8(const void* x, int x_dtype, const int8_t* w, const uint16_t* sc
  * where sum_k x_k is shared by all channels (computed once per call: of x itself on the plain
  * path, of the values its digits write on the VNNI one). Requires n % 64 == 0, k % group == 0
  * and group % 4 == 0. */
-#define I4_BLOCK_N 64
 
 /* The generic path: one block of 64 channels for every row of x (float32 [m, k]). */
 static void i4_block_float(const float* xf, const float* xsum, const uint8_t* wb,
@@ -492,36 +491,6 @@ void mm_dequantize_i8(const int8_t* w, const uint16_t* scales, void* out, int ou
     }
 }
 
-#ifdef DEQUANT_AVX512
-/* Transposes 16 rows of 16 float32 in place (v[i] lane j <-> v[j] lane i). */
-static inline void transpose16(__m512 v[16]) {
-    __m512 a[16], b[16];
-    for (int i = 0; i < 16; i += 2) {
-        a[i] = _mm512_unpacklo_ps(v[i], v[i + 1]);
-        a[i + 1] = _mm512_unpackhi_ps(v[i], v[i + 1]);
-    }
-    /* per 128-bit lane L, b[4i + j] holds rows 4i .. 4i + 3 at column 4L + j */
-    for (int i = 0; i < 16; i += 4) {
-        const __m512d a0 = _mm512_castps_pd(a[i]), a1 = _mm512_castps_pd(a[i + 1]);
-        const __m512d a2 = _mm512_castps_pd(a[i + 2]), a3 = _mm512_castps_pd(a[i + 3]);
-        b[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a0, a2));
-        b[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a0, a2));
-        b[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(a1, a3));
-        b[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(a1, a3));
-    }
-    for (int j = 0; j < 4; j++) {  /* gather lane L of b[j], b[4 + j], b[8 + j], b[12 + j] */
-        const __m512 s0 = _mm512_shuffle_f32x4(b[j], b[4 + j], 0x88);
-        const __m512 s1 = _mm512_shuffle_f32x4(b[j], b[4 + j], 0xDD);
-        const __m512 s2 = _mm512_shuffle_f32x4(b[8 + j], b[12 + j], 0x88);
-        const __m512 s3 = _mm512_shuffle_f32x4(b[8 + j], b[12 + j], 0xDD);
-        v[j] = _mm512_shuffle_f32x4(s0, s2, 0x88);
-        v[4 + j] = _mm512_shuffle_f32x4(s1, s3, 0x88);
-        v[8 + j] = _mm512_shuffle_f32x4(s0, s2, 0xDD);
-        v[12 + j] = _mm512_shuffle_f32x4(s1, s3, 0xDD);
-    }
-}
-#endif
-
 #if defined(DEQUANT_AVX512) && defined(__AVX512VBMI__)
 #define DEQUANT_I4_TABLES 1
 /* The 32 k x 32 bytes of a block's k0 .. k0 + 31 (rows of the pack, 32 bytes apart), transposed:
@@ -578,69 +547,78 @@ static inline void i4_transpose_tile(const uint8_t* rows, __m512i v[16]) {
  * rows of nibbles that look their values up (a permute per 32 bfloat16 or 16 float32). */
 void mm_dequantize_i4(const uint8_t* w, const uint16_t* sz, void* out, int out_dtype, int64_t n,
                       int64_t k, int64_t group, int64_t first, int64_t count, int threads) {
+    const size_t size = out_dtype == DTYPE_F32 ? sizeof(float) : sizeof(uint16_t);
     _Pragma("omp parallel for num_threads(threads) schedule(static)")
-    for (int64_t b = first; b < first + count; b++) {
-        const uint8_t* wb = w + b * k * (I4_BLOCK_N / 2);
-        const int64_t row0 = (b - first) * I4_BLOCK_N;  /* this block's first output row */
-        for (int64_t g = 0; g < k / group; g++) {
-            float scale[I4_BLOCK_N], offset[I4_BLOCK_N];
-            const uint16_t* s = sz + (g * n + b * I4_BLOCK_N) * 2;
-            for (int c = 0; c < I4_BLOCK_N; c++) {
-                scale[c] = bf16_to_f32(s[2 * c]);
-                offset[c] = bf16_to_f32(s[2 * c + 1]) - 8.0f * scale[c];
-            }
+    for (int64_t b = first; b < first + count; b++)
+        mm_dequantize_i4_block(w, sz, (char*)out + (size_t)((b - first) * I4_BLOCK_N * k) * size,
+                               out_dtype, k, n, k, group, b, 0, k / group);
+}
+
+/* Block b (output channels 64b .. 64b + 63) of the pack, groups g0 .. g1 - 1, into out's 64 rows
+ * (ldo apart): column j of out is input g0 * group + j. */
+void mm_dequantize_i4_block(const uint8_t* w, const uint16_t* sz, void* out, int out_dtype,
+                            int64_t ldo, int64_t n, int64_t k, int64_t group, int64_t b,
+                            int64_t g0, int64_t g1) {
+    const uint8_t* wb = w + b * k * (I4_BLOCK_N / 2);
+    const int64_t base = g0 * group;
+    for (int64_t g = g0; g < g1; g++) {
+        float scale[I4_BLOCK_N], offset[I4_BLOCK_N];
+        const uint16_t* s = sz + (g * n + b * I4_BLOCK_N) * 2;
+        for (int c = 0; c < I4_BLOCK_N; c++) {
+            scale[c] = bf16_to_f32(s[2 * c]);
+            offset[c] = bf16_to_f32(s[2 * c + 1]) - 8.0f * scale[c];
+        }
 #ifdef DEQUANT_I4_TABLES
-            if (group % 32 == 0) {
-                __m512 table[I4_BLOCK_N];  /* table[c] lane q: channel c's value of q */
-                __m512i table16[I4_BLOCK_N];  /* the same in bfloat16, in the low 16 words */
-                for (int c0 = 0; c0 < I4_BLOCK_N; c0 += 16) {
-                    const __m512 sv = _mm512_loadu_ps(scale + c0);
-                    const __m512 ov = _mm512_loadu_ps(offset + c0);
-                    for (int q = 0; q < 16; q++)
-                        table[c0 + q] = _mm512_fmadd_ps(_mm512_set1_ps((float)q), sv, ov);
-                    transpose16(table + c0);
-                }
-                for (int c = 0; c < I4_BLOCK_N; c++)
-                    table16[c] = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(table[c]));
-                for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 32) {
-                    __m512i v[16];
-                    i4_transpose_tile(wb + k0 * 32, v);
-                    for (int i = 0; i < 32; i++) {  /* column i: channels i and 32 + i */
-                        const __m256i col = i % 2 ? _mm512_extracti64x4_epi64(v[i / 2], 1)
-                                                  : _mm512_castsi512_si256(v[i / 2]);
-                        const int64_t lo = (row0 + i) * k + k0, hi = lo + 32 * k;
-                        if (out_dtype == DTYPE_BF16) {
-                            const __m512i q = _mm512_cvtepu8_epi16(col);
-                            uint16_t* o = out;
-                            _mm512_storeu_si512(o + lo, _mm512_permutexvar_epi16(
-                                _mm512_and_si512(q, _mm512_set1_epi16(15)), table16[i]));
-                            _mm512_storeu_si512(o + hi, _mm512_permutexvar_epi16(
-                                _mm512_srli_epi16(q, 4), table16[32 + i]));
-                        } else {
-                            float* o = out;
-                            for (int h = 0; h < 2; h++) {
-                                const __m512i q = _mm512_cvtepu8_epi32(
-                                    h ? _mm256_extracti128_si256(col, 1)
-                                      : _mm256_castsi256_si128(col));
-                                _mm512_storeu_ps(o + lo + 16 * h, _mm512_permutexvar_ps(
-                                    _mm512_and_si512(q, _mm512_set1_epi32(15)), table[i]));
-                                _mm512_storeu_ps(o + hi + 16 * h, _mm512_permutexvar_ps(
-                                    _mm512_srli_epi32(q, 4), table[32 + i]));
-                            }
+        if (group % 32 == 0) {
+            __m512 table[I4_BLOCK_N];  /* table[c] lane q: channel c's value of q */
+            __m512i table16[I4_BLOCK_N];  /* the same in bfloat16, in the low 16 words */
+            for (int c0 = 0; c0 < I4_BLOCK_N; c0 += 16) {
+                const __m512 sv = _mm512_loadu_ps(scale + c0);
+                const __m512 ov = _mm512_loadu_ps(offset + c0);
+                for (int q = 0; q < 16; q++)
+                    table[c0 + q] = _mm512_fmadd_ps(_mm512_set1_ps((float)q), sv, ov);
+                transpose16(table + c0);
+            }
+            for (int c = 0; c < I4_BLOCK_N; c++)
+                table16[c] = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(table[c]));
+            for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 32) {
+                __m512i v[16];
+                i4_transpose_tile(wb + k0 * 32, v);
+                for (int i = 0; i < 32; i++) {  /* column i: channels i and 32 + i */
+                    const __m256i col = i % 2 ? _mm512_extracti64x4_epi64(v[i / 2], 1)
+                                              : _mm512_castsi512_si256(v[i / 2]);
+                    const int64_t lo = i * ldo + k0 - base, hi = lo + 32 * ldo;
+                    if (out_dtype == DTYPE_BF16) {
+                        const __m512i q = _mm512_cvtepu8_epi16(col);
+                        uint16_t* o = out;
+                        _mm512_storeu_si512(o + lo, _mm512_permutexvar_epi16(
+                            _mm512_and_si512(q, _mm512_set1_epi16(15)), table16[i]));
+                        _mm512_storeu_si512(o + hi, _mm512_permutexvar_epi16(
+                            _mm512_srli_epi16(q, 4), table16[32 + i]));
+                    } else {
+                        float* o = out;
+                        for (int h = 0; h < 2; h++) {
+                            const __m512i q = _mm512_cvtepu8_epi32(
+                                h ? _mm256_extracti128_si256(col, 1)
+                                  : _mm256_castsi256_si128(col));
+                            _mm512_storeu_ps(o + lo + 16 * h, _mm512_permutexvar_ps(
+                                _mm512_and_si512(q, _mm512_set1_epi32(15)), table[i]));
+                            _mm512_storeu_ps(o + hi + 16 * h, _mm512_permutexvar_ps(
+                                _mm512_srli_epi32(q, 4), table[32 + i]));
                         }
                     }
                 }
-                continue;
             }
+            continue;
+        }
 #endif
-            for (int64_t kk = g * group; kk < (g + 1) * group; kk++) {
-                const uint8_t* bytes = wb + kk * (I4_BLOCK_N / 2);
-                for (int d = 0; d < I4_BLOCK_N / 2; d++) {
-                    store(out, out_dtype, (row0 + d) * k + kk,
-                          fmaf((float)(bytes[d] & 15), scale[d], offset[d]));
-                    store(out, out_dtype, (row0 + d + 32) * k + kk,
-                          fmaf((float)(bytes[d] >> 4), scale[d + 32], offset[d + 32]));
-                }
+        for (int64_t kk = g * group; kk < (g + 1) * group; kk++) {
+            const uint8_t* bytes = wb + kk * (I4_BLOCK_N / 2);
+            for (int d = 0; d < I4_BLOCK_N / 2; d++) {
+                store(out, out_dtype, d * ldo + kk - base,
+                      fmaf((float)(bytes[d] & 15), scale[d], offset[d]));
+                store(out, out_dtype, (d + 32) * ldo + kk - base,
+                      fmaf((float)(bytes[d] >> 4), scale[d + 32], offset[d + 32]));
             }
         }
     }

@@ -10,6 +10,7 @@
 #define DTYPE_F32 0
 #define DTYPE_BF16 1
 #define DTYPE_I8 2
+#define I4_BLOCK_N 64 /* PyTorch's CPU int4 pack interleaves output channels in blocks of 64 */
 
 /* ---- element conversions shared by the sources ---- */
 
@@ -58,8 +59,40 @@ static inline void store(void* y, int dt, int64_t i, float v) {
     else ((uint16_t*)y)[i] = f32_to_bf16(v);
 }
 
-/* ---- kernels ---- */
+/* ---- AVX-512 helpers shared by the sources ---- */
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* Transposes 16 rows of 16 float32 in place (v[i] lane j <-> v[j] lane i). */
+static inline void transpose16(__m512 v[16]) {
+    __m512 a[16], b[16];
+    for (int i = 0; i < 16; i += 2) {
+        a[i] = _mm512_unpacklo_ps(v[i], v[i + 1]);
+        a[i + 1] = _mm512_unpackhi_ps(v[i], v[i + 1]);
+    }
+    /* per 128-bit lane L, b[4i + j] holds rows 4i .. 4i + 3 at column 4L + j */
+    for (int i = 0; i < 16; i += 4) {
+        const __m512d a0 = _mm512_castps_pd(a[i]), a1 = _mm512_castps_pd(a[i + 1]);
+        const __m512d a2 = _mm512_castps_pd(a[i + 2]), a3 = _mm512_castps_pd(a[i + 3]);
+        b[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a0, a2));
+        b[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a0, a2));
+        b[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(a1, a3));
+        b[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(a1, a3));
+    }
+    for (int j = 0; j < 4; j++) {  /* gather lane L of b[j], b[4 + j], b[8 + j], b[12 + j] */
+        const __m512 s0 = _mm512_shuffle_f32x4(b[j], b[4 + j], 0x88);
+        const __m512 s1 = _mm512_shuffle_f32x4(b[j], b[4 + j], 0xDD);
+        const __m512 s2 = _mm512_shuffle_f32x4(b[8 + j], b[12 + j], 0x88);
+        const __m512 s3 = _mm512_shuffle_f32x4(b[8 + j], b[12 + j], 0xDD);
+        v[j] = _mm512_shuffle_f32x4(s0, s2, 0x88);
+        v[4 + j] = _mm512_shuffle_f32x4(s1, s3, 0x88);
+        v[8 + j] = _mm512_shuffle_f32x4(s0, s2, 0xDD);
+        v[12 + j] = _mm512_shuffle_f32x4(s1, s3, 0xDD);
+    }
+}
+#endif
+
+/* ---- kernels ---- */
 
 int mm_linear_f32(const void* x, int x_dtype, const float* w, const uint16_t* scales, void* y,
                   int64_t m, int64_t n, int64_t k, int threads);
@@ -79,5 +112,8 @@ int mm_decode_attention(const void* q, const void* cache, void* out, int dtype,
                         int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
                         int64_t width, int64_t num_blocks, int64_t block_size, int64_t window,
                         float scale, float softcap, int threads);
+void mm_dequantize_i4_block(const uint8_t* w, const uint16_t* sz, void* out, int out_dtype,
+                            int64_t ldo, int64_t n, int64_t k, int64_t group, int64_t b,
+                            int64_t g0, int64_t g1);
 
 #endif

@@ -21,7 +21,7 @@ from models.kernel_choice import (
     choose,
     pick,
 )
-from models.kernel_plan import candidates, plan_linears
+from models.kernel_plan import candidates, panel_gemm_takes, plan_linears
 from models.linear_kernels import MIN_TILE_ROWS, TILE_BYTES, Linear, dequantization_tiles
 from models.quantization import QuantizedLinear
 
@@ -152,10 +152,13 @@ def test_quantized_layers_time_dequantizing_only_for_many_rows(tmp_path):
     assert candidates(model.q, 1, torch.float32)[0] == "int_kernel"
     assert "dequantized" not in candidates(model.q, 1, torch.float32)
     assert "dequantized" in candidates(model.q, 4, torch.float32)
+    # and our panel-dequantizing GEMM where it builds (AVX-512 BF16)
+    ours = ["panel_gemm"] if panel_gemm_takes(model.q) else []
     assert candidates(model.q, 128, torch.float32) == [
-        "int_kernel", "dequantized", "dequantized_t", "dequantized_bf16", "dequantized_t_bf16"]
+        "int_kernel", "dequantized", "dequantized_t", "dequantized_bf16",
+        "dequantized_t_bf16"] + ours
     assert candidates(model.q, 128, torch.bfloat16) == ["int_kernel", "dequantized",
-                                                        "dequantized_t"]
+                                                        "dequantized_t"] + ours
     plan_linears(model, torch.float32, KernelCache(tmp_path / "k.json"),
                  FakeTimer({"int_kernel": 1.0, "dequantized": 0.5, "dequantized_bf16": 0.6}))
     decode = "native" if "native" in candidates(model.q, 1, torch.float32) else "int_kernel"

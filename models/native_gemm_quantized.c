@@ -1,0 +1,210 @@
+/* A quantized weight's GEMM for a prefill's many rows, y = x . W^T, with W int8 (one bfloat16
+ * scale per output channel) or int4 (PyTorch's CPU pack, a scale and zero per group), never
+ * dequantized whole: each thread dequantizes a panel of its output channels (64 channels x up to
+ * PANEL_K inputs, bfloat16) into its own cache and multiplies every row of x by it through
+ * VDPBF16PS. The weight is read from memory once per call and the product runs from cache, as a
+ * dense GEMM on a prepacked weight does; a dequantized copy written out and read back (what
+ * dequantize-then-GEMM does) costs that GEMM a pass over the copy.
+ *
+ * Orientation: a vector lane is a row of x, so the weight panel stays row-major (a pair of
+ * inputs of one channel is one 32-bit broadcast) and only x is rearranged, once per call, into
+ * pairs of inputs [k / 2][rows][2] per block of 64 rows. The output is written transposed,
+ * yt [N, M] (the caller takes its transpose, a view), 16 consecutive values per accumulator.
+ *
+ * Register tile: 64 rows (four vectors) x 6 channels, 24 accumulators; per pair of inputs, four
+ * loads of x, six broadcasts of the weight and 24 dot products. Rows beyond M are zero-padded to
+ * 16; smaller tiles take the edges.
+ *
+ * Values: int8 panels hold q exactly (|q| <= 127 fits bfloat16's significand) and the channel's
+ * scale multiplies the float32 sum; int4 panels hold (q - 8) * scale + zero rounded to bfloat16
+ * (mm_dequantize_i4_block: what the dequantized formulation multiplies by). x is rounded to
+ * bfloat16 (as the int kernels take it); sums in float32, rounded once to x's dtype.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "native_kernels.h"
+
+#define W_INT8 0
+#define W_INT4 1
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define GEMM_Q_BUILT 1
+
+#define PANEL_N I4_BLOCK_N /* output channels per panel: one block of the int4 pack */
+#define PANEL_K 896        /* inputs per panel (a multiple of 128: of every int4 group size) */
+#define ROW_CHUNK 256      /* rows of x packed at a time: their panel slice stays in L2 */
+#define TILE_ROWS 64       /* rows per register tile (four vectors); x is packed per 64 rows */
+#define TILE_N 6           /* channels per register tile */
+
+/* acc[r][c] (+)= sum_p xp[p][r] . w[c][p] over kk inputs (kk / 2 pairs): MB vectors of 16 rows
+ * (the block's rows are `width` apart per pair), NR channels (rows of w, ldw apart); c holds the
+ * float32 sums as [channel][rows] (ldc apart). `first` starts from zero instead of c. */
+static inline __attribute__((always_inline)) void tile(
+    const uint16_t* xp, int64_t width, const uint16_t* w, int64_t ldw, int64_t kk, float* c,
+    int64_t ldc, int MB, int NR, int first) {
+    __m512 acc[4][TILE_N];
+    for (int i = 0; i < MB; i++)
+        for (int j = 0; j < NR; j++)
+            acc[i][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + j * ldc + 16 * i);
+    for (int64_t p = 0; p < kk / 2; p++) {
+        __m512 xv[4];
+        for (int i = 0; i < MB; i++)
+            xv[i] = _mm512_loadu_ps((const float*)(xp + 2 * (p * width + 16 * i)));
+        for (int j = 0; j < NR; j++) {
+            int32_t pair;
+            memcpy(&pair, w + j * ldw + 2 * p, 4);
+            const __m512bh wv = (__m512bh)_mm512_set1_epi32(pair);
+            for (int i = 0; i < MB; i++)
+                acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)xv[i], wv);
+        }
+    }
+    for (int i = 0; i < MB; i++)
+        for (int j = 0; j < NR; j++) _mm512_storeu_ps(c + j * ldc + 16 * i, acc[i][j]);
+}
+
+/* tile() with MB and NR constant, so that its accumulators live in registers */
+static void tile_any(const uint16_t* xp, int64_t width, const uint16_t* w, int64_t ldw,
+                     int64_t kk, float* c, int64_t ldc, int mb, int nr, int first) {
+#define TILE_CASE(MB, NR) \
+    case (MB) * 8 + (NR): tile(xp, width, w, ldw, kk, c, ldc, MB, NR, first); break;
+#define TILE_ROW(MB) \
+    TILE_CASE(MB, 1) TILE_CASE(MB, 2) TILE_CASE(MB, 3) TILE_CASE(MB, 4) TILE_CASE(MB, 5) \
+    TILE_CASE(MB, 6)
+    switch (mb * 8 + nr) {
+        TILE_ROW(1) TILE_ROW(2) TILE_ROW(3) TILE_ROW(4)
+    }
+#undef TILE_ROW
+#undef TILE_CASE
+}
+
+/* Rows r0 .. r0 + rows - 1 of x [M, K] -> xp: per block of 64 rows (block i at i * 64 * k, of
+ * width min(64, padded - 64 i)), pairs [k / 2][width][2] in bfloat16; padded rows are zero. One
+ * (16 rows x 32 inputs) tile: t of (k / 32) * (padded / 16). */
+static void pack_tile(const void* x, int dt, int64_t k, int64_t r0, int64_t rows,
+                      int64_t padded, uint16_t* xp, int64_t t) {
+    const int64_t p0 = (t / (padded / 16)) * 16, r = (t % (padded / 16)) * 16;
+    __m512 v[16];
+    for (int i = 0; i < 16; i++) {
+        if (r + i >= rows) {
+            v[i] = _mm512_setzero_ps();
+        } else if (dt == DTYPE_BF16) {
+            v[i] = _mm512_loadu_ps((const uint16_t*)x + (r0 + r + i) * k + 2 * p0);
+        } else {
+            const float* row = (const float*)x + (r0 + r + i) * k + 2 * p0;
+            v[i] = (__m512)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 16), _mm512_loadu_ps(row));
+        }
+    }
+    transpose16(v);  /* v[j]: pair p0 + j of the 16 rows */
+    const int64_t block = r / TILE_ROWS, width = padded - block * TILE_ROWS;
+    const int64_t w = width < TILE_ROWS ? width : TILE_ROWS;
+    uint16_t* at = xp + block * TILE_ROWS * k + 2 * (r % TILE_ROWS);
+    for (int j = 0; j < 16; j++) _mm512_storeu_ps(at + 2 * (p0 + j) * w, v[j]);
+}
+
+/* Panel inputs k0 .. k0 + kk - 1 of output channels c0 .. c0 + nc - 1 -> panel (rows PANEL_K
+ * apart), bfloat16. */
+static void dequantize_panel(const void* w, int format, const uint16_t* scales, int64_t group,
+                             int64_t n, int64_t k, int64_t c0, int64_t nc, int64_t k0,
+                             int64_t kk, uint16_t* panel) {
+    if (format == W_INT4) {
+        mm_dequantize_i4_block(w, scales, panel, DTYPE_BF16, PANEL_K, n, k, group,
+                               c0 / I4_BLOCK_N, k0 / group, (k0 + kk) / group);
+        return;
+    }
+    for (int64_t c = 0; c < nc; c++) {
+        const int8_t* q = (const int8_t*)w + (c0 + c) * k + k0;
+        for (int64_t j = 0; j < kk; j += 32) {  /* exact: int8 -> int32 -> float32 -> bf16 */
+            const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const void*)(q + j)));
+            const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(v)));
+            const __m512 b = _mm512_cvtepi32_ps(
+                _mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(v, 1)));
+            _mm512_storeu_si512(panel + c * PANEL_K + j, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+        }
+    }
+}
+
+/* One panel column of output channels c0 .. c0 + nc - 1 over the packed rows r0 .. r0 + rows - 1
+ * (padded to `padded`), into yt. */
+static void panel_product(const void* w, int format, const uint16_t* scales, int64_t group,
+                          const uint16_t* xp, void* yt, int dt, int64_t ldy, int64_t n,
+                          int64_t k, int64_t c0, int64_t r0, int64_t rows, int64_t padded,
+                          uint16_t* panel, float* acc) {
+    const int64_t nc = n - c0 < PANEL_N ? n - c0 : PANEL_N;
+    for (int64_t k0 = 0; k0 < k; k0 += PANEL_K) {
+        const int64_t kk = k - k0 < PANEL_K ? k - k0 : PANEL_K;
+        dequantize_panel(w, format, scales, group, n, k, c0, nc, k0, kk, panel);
+        for (int64_t j = 0; j < nc; j += TILE_N) {
+            const int nr = nc - j < TILE_N ? (int)(nc - j) : TILE_N;
+            for (int64_t r = 0; r < padded; r += TILE_ROWS) {
+                const int64_t width = padded - r < TILE_ROWS ? padded - r : TILE_ROWS;
+                tile_any(xp + r * k + k0 * width, width, panel + j * PANEL_K, PANEL_K, kk,
+                         acc + j * padded + r, padded, (int)(width / 16), nr, k0 == 0);
+            }
+        }
+    }
+    for (int64_t c = 0; c < nc; c++) {
+        const float s = format == W_INT8 ? bf16_to_f32(scales[c0 + c]) : 1.0f;
+        float* sums = acc + c * padded;
+        _Pragma("omp simd")
+        for (int64_t r = 0; r < rows; r++) sums[r] *= s;
+        store_row(yt, sums, dt, (c0 + c) * ldy + r0, rows);
+    }
+}
+#endif
+
+/* Whether this build has the kernel (AVX-512 with BF16). */
+int mm_gemm_quantized_built(void) {
+#ifdef GEMM_Q_BUILT
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* yt [N, ldy] (columns 0 .. M - 1 written, in x's dtype) = (x [M, K] . W^T)^T. w: int8 [N, K]
+ * with scales [N] (format 0), or PyTorch's int4 pack [N, K / 2] with scales_and_zeros
+ * [K / group, N, 2] (format 1). Returns 0; 1 out of memory; 2 a shape or build it does not
+ * take (K % 32, an int4 N % 64 or a group not dividing PANEL_K, or no AVX-512 BF16). */
+int mm_gemm_quantized(const void* x, int x_dtype, const void* w, int w_format,
+                      const uint16_t* scales, int64_t group, void* yt, int64_t ldy, int64_t m,
+                      int64_t n, int64_t k, int threads) {
+#ifdef GEMM_Q_BUILT
+    if (k % 32 || (w_format == W_INT4 && (n % I4_BLOCK_N || group % 32 || PANEL_K % group)))
+        return 2;
+    const int64_t chunk = m < ROW_CHUNK ? m : ROW_CHUNK;
+    uint16_t* xp = aligned_alloc(64, (size_t)(k * ((chunk + 15) / 16 * 16) * 2));
+    if (xp == NULL) return 1;
+    const int64_t blocks = (n + PANEL_N - 1) / PANEL_N;
+    int failed = 0;
+    _Pragma("omp parallel num_threads(threads)")
+    {
+        uint16_t* panel = aligned_alloc(64, sizeof(uint16_t) * PANEL_N * PANEL_K);
+        float* acc = aligned_alloc(64, sizeof(float) * PANEL_N * ((chunk + 15) / 16 * 16));
+        if (panel == NULL || acc == NULL) {
+            _Pragma("omp atomic write")
+            failed = 1;
+        }
+        for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK) {  /* every thread, every chunk */
+            const int64_t rows = m - r0 < ROW_CHUNK ? m - r0 : ROW_CHUNK;
+            const int64_t padded = (rows + 15) / 16 * 16;
+            _Pragma("omp for schedule(static)")
+            for (int64_t t = 0; t < (k / 32) * (padded / 16); t++)
+                pack_tile(x, x_dtype, k, r0, rows, padded, xp, t);
+            _Pragma("omp for schedule(static)")  /* contiguous, equal runs of channels */
+            for (int64_t b = 0; b < blocks; b++)
+                if (panel != NULL && acc != NULL)
+                    panel_product(w, w_format, scales, group, xp, yt, x_dtype, ldy, n, k,
+                                  b * PANEL_N, r0, rows, padded, panel, acc);
+        }
+        free(panel);
+        free(acc);
+    }
+    free(xp);
+    return failed;
+#else
+    (void)x, (void)x_dtype, (void)w, (void)w_format, (void)scales, (void)group, (void)yt;
+    (void)ldy, (void)m, (void)n, (void)k, (void)threads;
+    return 2;
+#endif
+}
