@@ -11,6 +11,10 @@
  * pairs of inputs [k / 2][rows][2] per block of 64 rows. The output is written transposed,
  * yt [N, M] (the caller takes its transpose, a view), 16 consecutive values per accumulator.
  *
+ * Work: x is packed whole; a work item is up to ROW_CHUNK rows x one block of 64 channels, the
+ * items in chunk-major order split into equal contiguous runs per thread. While a panel is
+ * multiplied, the bytes of the next one are read ahead into L2.
+ *
  * Register tile: 64 rows (four vectors) x 6 channels, 24 accumulators; per pair of inputs, four
  * loads of x, six broadcasts of the weight and 24 dot products. Rows beyond M are zero-padded to
  * 16; smaller tiles take the edges.
@@ -33,7 +37,7 @@
 
 #define PANEL_N I4_BLOCK_N /* output channels per panel: one block of the int4 pack */
 #define PANEL_K 896        /* inputs per panel (a multiple of 128: of every int4 group size) */
-#define ROW_CHUNK 256      /* rows of x packed at a time: their panel slice stays in L2 */
+#define ROW_CHUNK 256      /* rows per work item, at most: each dequantizes its panels once */
 #define TILE_ROWS 64       /* rows per register tile (four vectors); x is packed per 64 rows */
 #define TILE_N 6           /* channels per register tile */
 
@@ -78,20 +82,20 @@ static void tile_any(const uint16_t* xp, int64_t width, const uint16_t* w, int64
 #undef TILE_CASE
 }
 
-/* Rows r0 .. r0 + rows - 1 of x [M, K] -> xp: per block of 64 rows (block i at i * 64 * k, of
- * width min(64, padded - 64 i)), pairs [k / 2][width][2] in bfloat16; padded rows are zero. One
+/* x [rows, K] -> xp: per block of 64 rows (block i at i * 64 * k, of width
+ * min(64, padded - 64 i)), pairs [k / 2][width][2] in bfloat16; padded rows are zero. One
  * (16 rows x 32 inputs) tile: t of (k / 32) * (padded / 16). */
-static void pack_tile(const void* x, int dt, int64_t k, int64_t r0, int64_t rows,
-                      int64_t padded, uint16_t* xp, int64_t t) {
+static void pack_tile(const void* x, int dt, int64_t k, int64_t rows, int64_t padded,
+                      uint16_t* xp, int64_t t) {
     const int64_t p0 = (t / (padded / 16)) * 16, r = (t % (padded / 16)) * 16;
     __m512 v[16];
     for (int i = 0; i < 16; i++) {
         if (r + i >= rows) {
             v[i] = _mm512_setzero_ps();
         } else if (dt == DTYPE_BF16) {
-            v[i] = _mm512_loadu_ps((const uint16_t*)x + (r0 + r + i) * k + 2 * p0);
+            v[i] = _mm512_loadu_ps((const uint16_t*)x + (r + i) * k + 2 * p0);
         } else {
-            const float* row = (const float*)x + (r0 + r + i) * k + 2 * p0;
+            const float* row = (const float*)x + (r + i) * k + 2 * p0;
             v[i] = (__m512)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 16), _mm512_loadu_ps(row));
         }
     }
@@ -124,32 +128,85 @@ static void dequantize_panel(const void* w, int format, const uint16_t* scales, 
     }
 }
 
-/* One panel column of output channels c0 .. c0 + nc - 1 over the packed rows r0 .. r0 + rows - 1
- * (padded to `padded`), into yt. */
+/* The bytes a panel is dequantized from, as rows of a strided region, read ahead into L2 a
+ * share at a time while the panel before it is multiplied (a panel read only when it is reached
+ * would stall on memory at each one: the weights stream from memory, not from cache). */
+typedef struct {
+    const char* base;
+    int64_t rows, row_bytes, stride;  /* lines: rows x ceil(row_bytes / 64) */
+    int64_t next, lines;
+} Ahead;
+
+static Ahead ahead_of(const void* w, int format, int64_t n, int64_t k, int64_t c0, int64_t k0,
+                      int64_t kk) {
+    Ahead a = {0};
+    if (c0 >= n) return a;
+    if (format == W_INT4) {  /* block c0 / 64: [k][32 bytes], inputs k0 .. k0 + kk - 1 */
+        a.base = (const char*)w + (c0 / I4_BLOCK_N * k + k0) * (I4_BLOCK_N / 2);
+        a.rows = 1, a.row_bytes = kk * (I4_BLOCK_N / 2);
+    } else {
+        a.base = (const char*)w + c0 * k + k0;
+        a.rows = n - c0 < PANEL_N ? n - c0 : PANEL_N, a.row_bytes = kk, a.stride = k;
+    }
+    a.lines = a.rows * ((a.row_bytes + 63) / 64);
+    return a;
+}
+
+static void read_ahead(Ahead* a, int64_t count) {
+    const int64_t per_row = (a->row_bytes + 63) / 64;
+    for (; count > 0 && a->next < a->lines; count--, a->next++)
+        _mm_prefetch(a->base + a->next / per_row * a->stride + a->next % per_row * 64,
+                     _MM_HINT_T1);
+}
+
+/* Output channels c0 .. c0 + nc - 1 of rows r0 .. r0 + rows - 1 (r0 a multiple of 64; x packed
+ * whole, `padded` rows), panel by panel, into yt; acc holds PANEL_N x the chunk's rows. */
 static void panel_product(const void* w, int format, const uint16_t* scales, int64_t group,
-                          const uint16_t* xp, void* yt, int dt, int64_t ldy, int64_t n,
-                          int64_t k, int64_t c0, int64_t r0, int64_t rows, int64_t padded,
+                          const uint16_t* xp, int64_t padded, void* yt, int dt, int64_t ldy,
+                          int64_t n, int64_t k, int64_t c0, int64_t r0, int64_t rows,
                           uint16_t* panel, float* acc) {
     const int64_t nc = n - c0 < PANEL_N ? n - c0 : PANEL_N;
+    const int64_t span = (rows + 15) / 16 * 16;  /* the chunk's rows, padded */
+    const int64_t calls = (nc + TILE_N - 1) / TILE_N * ((span + TILE_ROWS - 1) / TILE_ROWS);
     for (int64_t k0 = 0; k0 < k; k0 += PANEL_K) {
         const int64_t kk = k - k0 < PANEL_K ? k - k0 : PANEL_K;
         dequantize_panel(w, format, scales, group, n, k, c0, nc, k0, kk, panel);
+        /* the next panel: this block's next inputs, else the next block's first (this
+         * thread's next, under the static schedule) */
+        Ahead next = k0 + PANEL_K < k
+            ? ahead_of(w, format, n, k, c0, k0 + PANEL_K, k - k0 - PANEL_K < PANEL_K
+                                                             ? k - k0 - PANEL_K : PANEL_K)
+            : ahead_of(w, format, n, k, c0 + PANEL_N, 0, k < PANEL_K ? k : PANEL_K);
+        const int64_t share = (next.lines + calls - 1) / calls;
         for (int64_t j = 0; j < nc; j += TILE_N) {
             const int nr = nc - j < TILE_N ? (int)(nc - j) : TILE_N;
-            for (int64_t r = 0; r < padded; r += TILE_ROWS) {
+            for (int64_t r = r0; r < r0 + span; r += TILE_ROWS) {
                 const int64_t width = padded - r < TILE_ROWS ? padded - r : TILE_ROWS;
+                read_ahead(&next, share);
                 tile_any(xp + r * k + k0 * width, width, panel + j * PANEL_K, PANEL_K, kk,
-                         acc + j * padded + r, padded, (int)(width / 16), nr, k0 == 0);
+                         acc + j * span + (r - r0), span, (int)(width / 16), nr, k0 == 0);
             }
         }
     }
     for (int64_t c = 0; c < nc; c++) {
         const float s = format == W_INT8 ? bf16_to_f32(scales[c0 + c]) : 1.0f;
-        float* sums = acc + c * padded;
+        float* sums = acc + c * span;
         _Pragma("omp simd")
         for (int64_t r = 0; r < rows; r++) sums[r] *= s;
         store_row(yt, sums, dt, (c0 + c) * ldy + r0, rows);
     }
+}
+#endif
+
+#ifdef GEMM_Q_BUILT
+/* Rows per work item (a multiple of 64): ROW_CHUNK, or fewer where there are fewer channel
+ * blocks than threads, so that every thread gets work. (Capping the chunk so that its packed
+ * rows fit L2 measured slower: panels dequantized twice as often cost more.) */
+static int64_t chunk_rows(int64_t m, int64_t blocks, int threads) {
+    if (blocks >= threads) return ROW_CHUNK;
+    const int64_t split = (threads + blocks - 1) / blocks;
+    const int64_t even = ((m + split - 1) / split + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
+    return even < ROW_CHUNK ? even : ROW_CHUNK;
 }
 #endif
 
@@ -172,10 +229,11 @@ int mm_gemm_quantized(const void* x, int x_dtype, const void* w, int w_format,
 #ifdef GEMM_Q_BUILT
     if (k % 32 || (w_format == W_INT4 && (n % I4_BLOCK_N || group % 32 || PANEL_K % group)))
         return 2;
-    const int64_t chunk = m < ROW_CHUNK ? m : ROW_CHUNK;
-    uint16_t* xp = aligned_alloc(64, (size_t)(k * ((chunk + 15) / 16 * 16) * 2));
+    const int64_t padded = (m + 15) / 16 * 16, blocks = (n + PANEL_N - 1) / PANEL_N;
+    const int64_t chunk = chunk_rows(m, blocks, threads);
+    const int64_t items = (m + chunk - 1) / chunk * blocks;
+    uint16_t* xp = aligned_alloc(64, (size_t)(k * padded * 2));
     if (xp == NULL) return 1;
-    const int64_t blocks = (n + PANEL_N - 1) / PANEL_N;
     int failed = 0;
     _Pragma("omp parallel num_threads(threads)")
     {
@@ -185,17 +243,17 @@ int mm_gemm_quantized(const void* x, int x_dtype, const void* w, int w_format,
             _Pragma("omp atomic write")
             failed = 1;
         }
-        for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK) {  /* every thread, every chunk */
-            const int64_t rows = m - r0 < ROW_CHUNK ? m - r0 : ROW_CHUNK;
-            const int64_t padded = (rows + 15) / 16 * 16;
-            _Pragma("omp for schedule(static)")
-            for (int64_t t = 0; t < (k / 32) * (padded / 16); t++)
-                pack_tile(x, x_dtype, k, r0, rows, padded, xp, t);
-            _Pragma("omp for schedule(static)")  /* contiguous, equal runs of channels */
-            for (int64_t b = 0; b < blocks; b++)
-                if (panel != NULL && acc != NULL)
-                    panel_product(w, w_format, scales, group, xp, yt, x_dtype, ldy, n, k,
-                                  b * PANEL_N, r0, rows, padded, panel, acc);
+        _Pragma("omp for schedule(static)")
+        for (int64_t t = 0; t < (k / 32) * (padded / 16); t++)
+            pack_tile(x, x_dtype, k, m, padded, xp, t);
+        /* chunk-major: each thread takes a contiguous run, its chunk's packed rows stay in
+         * cache across the blocks it takes */
+        _Pragma("omp for schedule(static)")
+        for (int64_t i = 0; i < items; i++) {
+            const int64_t r0 = i / blocks * chunk, b = i % blocks;
+            if (panel != NULL && acc != NULL)
+                panel_product(w, w_format, scales, group, xp, padded, yt, x_dtype, ldy, n, k,
+                              b * PANEL_N, r0, m - r0 < chunk ? m - r0 : chunk, panel, acc);
         }
         free(panel);
         free(acc);

@@ -78,6 +78,22 @@ def test_int4_matches_float64(kernels, x_dtype, group, rows, k):
     _check(out, x, weight)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_fewer_channel_blocks_than_threads_split_the_rows(kernels, threads):
+    """One block of 64 channels: the rows are split between the threads instead (the plan
+    times a huge layer on such a slice)."""
+    gen = torch.Generator().manual_seed(threads)
+    q, scales = quantize_int8(torch.randn(64, 128, generator=gen))
+    x = torch.randn(200, 128, generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = kernels.gemm_quantized(x, q, scales)
+    finally:
+        torch.set_num_threads(before)
+    _check(out, x, q.double() * scales.double()[:, None])
+
+
 def test_int4_reads_pytorchs_channel_order(kernels):
     """Each output channel alone: a permuted block of channels or a swapped nibble would put
     its value in another column."""
