@@ -116,23 +116,26 @@ LINEAR(linear_i8_float, int8_t, LOAD_I8)
 #define DPBUSD(ACC, A, B) __asm__("vpdpbusd %2, %1, %0" : "+v"(ACC) : "v"(A), "v"(B))
 
 /* int8 weights through VNNI's int8 dot products. Each block of 64 activations is written as
- * s * (h + l / 256), h and l integers in [-128, 128] with s = max|x| / 127: two int8 digits,
- * within max|x| / 65024 of x (finer than the bfloat16 activations PyTorch's int8 kernel takes).
- * VNNI multiplies unsigned by signed bytes, so |h| and |l| are the unsigned operands and their
- * signs move onto the weights. Per 64 weight bytes: two dot products, no int-to-float
- * conversion of the weights. Requires k % 64 == 0. */
+ * s * (h + l / 256), h in [-127, 127] and l in [-128, 127] integers with s = max|x| / 127: two
+ * int8 digits, within max|x| / 65024 of x (finer than the bfloat16 activations PyTorch's int8
+ * kernel takes; l = 128, a tie, is written 127: within max|x| / 32512 there). VNNI multiplies
+ * unsigned by signed bytes: the digits are the signed operand and the weights the unsigned one,
+ * offset by 128 (q XOR 0x80 = q + 128), which adds 128 * sum_k (256 h_k + l_k) * s / 256 to
+ * every output channel alike: subtracted once per row of x at the end. Per 64 weight bytes: an
+ * XOR and two dot products, no int-to-float conversion of the weights. Requires k % 64 == 0. */
 static int linear_i8_vnni(const void* x, int x_dtype, const int8_t* w, const uint16_t* scales,
                           void* y, int64_t m, int64_t n, int64_t k, int threads) {
     const int64_t blocks = k / I8_BLOCK;
-    uint8_t* digits = malloc((size_t)(2 * m * k));          /* |h|, |l| per activation */
-    uint64_t* signs = malloc(sizeof(uint64_t) * (size_t)(2 * m * blocks));
+    int8_t* digits = malloc((size_t)(2 * m * k));  /* h, then l, per block of 64 */
     float* block_scale = malloc(sizeof(float) * (size_t)(m * blocks));  /* s / 256 */
-    if (digits == NULL || signs == NULL || block_scale == NULL) {
-        free(digits), free(signs), free(block_scale);
+    float* offset = malloc(sizeof(float) * (size_t)m);  /* what the weights' +128 adds */
+    if (digits == NULL || block_scale == NULL || offset == NULL) {
+        free(digits), free(block_scale), free(offset);
         return 1;
     }
     const __m512 zero_ps = _mm512_setzero_ps();
     for (int64_t i = 0; i < m; i++) {
+        double added = 0.0;
         for (int64_t b = 0; b < blocks; b++) {  /* 16 lanes at a time (this runs on one thread) */
             const int64_t at = i * k + b * I8_BLOCK;
             __m512 v[4], top = zero_ps;
@@ -144,8 +147,8 @@ static int linear_i8_vnni(const void* x, int x_dtype, const int8_t* w, const uin
             }
             const float largest = _mm512_reduce_max_ps(top);
             const __m512 s = _mm512_set1_ps(largest > 0.0f ? largest / 127.0f : 1.0f);
-            uint64_t hs = 0, ls = 0;
-            uint8_t* hd = digits + 2 * at;
+            int8_t* hd = digits + 2 * at;
+            __m512i digit_sum = _mm512_setzero_si512();  /* 256 h + l, per lane */
             for (int q = 0; q < 4; q++) {
                 const int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
                 const __m512 u = _mm512_div_ps(v[q], s);
@@ -153,43 +156,49 @@ static int linear_i8_vnni(const void* x, int x_dtype, const int8_t* w, const uin
                 __m512 l = _mm512_roundscale_ps(
                     _mm512_mul_ps(_mm512_sub_ps(u, h), _mm512_set1_ps(256.0f)), nearest);
                 l = _mm512_min_ps(_mm512_max_ps(l, _mm512_set1_ps(-128.0f)),
-                                  _mm512_set1_ps(128.0f));
-                hs |= (uint64_t)_mm512_cmp_ps_mask(h, zero_ps, _CMP_LT_OQ) << (16 * q);
-                ls |= (uint64_t)_mm512_cmp_ps_mask(l, zero_ps, _CMP_LT_OQ) << (16 * q);
-                _mm_storeu_si128((__m128i*)(hd + 16 * q),
-                                 _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_abs_ps(h))));
-                _mm_storeu_si128((__m128i*)(hd + I8_BLOCK + 16 * q),
-                                 _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_abs_ps(l))));
+                                  _mm512_set1_ps(127.0f));
+                const __m512i hi = _mm512_cvtps_epi32(h), lo = _mm512_cvtps_epi32(l);
+                digit_sum = _mm512_add_epi32(digit_sum, _mm512_add_epi32(
+                    _mm512_slli_epi32(hi, 8), lo));
+                _mm_storeu_si128((__m128i*)(hd + 16 * q), _mm512_cvtepi32_epi8(hi));
+                _mm_storeu_si128((__m128i*)(hd + I8_BLOCK + 16 * q), _mm512_cvtepi32_epi8(lo));
             }
-            signs[2 * (i * blocks + b)] = hs;
-            signs[2 * (i * blocks + b) + 1] = ls;
-            block_scale[i * blocks + b] = _mm512_cvtss_f32(s) / 256.0f;
+            const float bs = _mm512_cvtss_f32(s) / 256.0f;
+            block_scale[i * blocks + b] = bs;
+            added += 128.0 * (double)_mm512_reduce_add_epi32(digit_sum) * bs;
         }
+        offset[i] = (float)added;
     }
-    const __m512i zero = _mm512_setzero_si512();
+    const __m512i bias = _mm512_set1_epi8((char)0x80);
     _Pragma("omp parallel for num_threads(threads) schedule(static)")
     for (int64_t r = 0; r < n; r++) {
         const int8_t* wr = w + r * k;
         const float scale = bf16_to_f32(scales[r]);
         for (int64_t i = 0; i < m; i++) {
-            __m512 acc = _mm512_setzero_ps();
-            for (int64_t b = 0; b < blocks; b++) {
-                const __m512i wv = _mm512_loadu_si512(wr + b * I8_BLOCK);
-                const uint8_t* hd = digits + 2 * (i * k + b * I8_BLOCK);
-                const uint64_t* sg = signs + 2 * (i * blocks + b);
-                const __m512i wh = _mm512_mask_sub_epi8(wv, sg[0], zero, wv);
-                const __m512i wl = _mm512_mask_sub_epi8(wv, sg[1], zero, wv);
-                __m512i both = zero;
-                DPBUSD(both, _mm512_loadu_si512(hd), wh);
-                both = _mm512_slli_epi32(both, 8);
-                DPBUSD(both, _mm512_loadu_si512(hd + I8_BLOCK), wl);
-                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(both),
-                                      _mm512_set1_ps(block_scale[i * blocks + b]), acc);
+            __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();  /* two fma chains */
+            const int8_t* hd = digits + 2 * i * k;
+            const float* bs = block_scale + i * blocks;
+#define I8_BLOCK_DOT(ACC, B)                                                                  \
+    do {                                                                                      \
+        const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512(wr + (B) * I8_BLOCK), bias);   \
+        __m512i both = _mm512_setzero_si512();                                                \
+        DPBUSD(both, wu, _mm512_loadu_si512(hd + 2 * (B) * I8_BLOCK));                        \
+        both = _mm512_slli_epi32(both, 8);                                                    \
+        DPBUSD(both, wu, _mm512_loadu_si512(hd + (2 * (B) + 1) * I8_BLOCK));                  \
+        ACC = _mm512_fmadd_ps(_mm512_cvtepi32_ps(both), _mm512_set1_ps(bs[B]), ACC);          \
+    } while (0)
+            int64_t b = 0;
+            for (; b + 2 <= blocks; b += 2) {
+                I8_BLOCK_DOT(even, b);
+                I8_BLOCK_DOT(odd, b + 1);
             }
-            store(y, x_dtype, i * n + r, _mm512_reduce_add_ps(acc) * scale);
+            if (b < blocks) I8_BLOCK_DOT(even, b);
+#undef I8_BLOCK_DOT
+            const float sum = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+            store(y, x_dtype, i * n + r, (sum - offset[i]) * scale);
         }
     }
-    free(digits), free(signs), free(block_scale);
+    free(digits), free(block_scale), free(offset);
     return 0;
 }
 #endif
