@@ -160,6 +160,8 @@ class NativeKernels:
         assert scales.dtype == torch.bfloat16 and qweight.shape[1] * (1 if int8 else 2) == k
         x = x.contiguous()
         yt = torch.empty(n, m, dtype=x.dtype)
+        if m == 0:
+            return yt.t()
         status = self._gemm_q(x.data_ptr(), DTYPES[x.dtype], qweight.data_ptr(),
                               0 if int8 else 1, scales.data_ptr(), group_size, yt.data_ptr(),
                               m, m, n, k, torch.get_num_threads())

@@ -20,6 +20,7 @@ from engine import AsyncLLM, EngineDeadError
 from engine.media import MediaError, MediaFetchError
 from testing import tiny
 from tests.api_fixtures import FailingEngine, in_process_client, running_server
+from tests.helpers import pace_steps
 from tests.helpers import wait_idle_async as wait_idle
 from tests.media_fixtures import (
     VideoSpec,
@@ -222,7 +223,13 @@ async def test_concurrent_streams_share_batches(base_url, engine):
 # ---- disconnects ------------------------------------------------------------------------
 
 
-async def test_disconnect_mid_stream_aborts_the_request(base_url, engine):
+# Steps are paced (2 ms each): on a fast machine the tiny model could otherwise run hundreds
+# of steps before the client's timeout fires; paced, an aborted request stops within a few
+# hundred steps while one left running takes all 900.
+
+
+async def test_disconnect_mid_stream_aborts_the_request(base_url, engine, monkeypatch):
+    pace_steps(monkeypatch, engine, 0.002)
     await wait_idle(engine)
     steps = engine.stats()["steps"]
     body = {"model": MODEL, "messages": HELLO, "stream": True, "max_tokens": 900,
@@ -238,7 +245,8 @@ async def test_disconnect_mid_stream_aborts_the_request(base_url, engine):
     assert stats["steps"] - steps < 600, "the request ran on after the client left"
 
 
-async def test_disconnect_while_waiting_for_a_full_reply_aborts(base_url, engine):
+async def test_disconnect_while_waiting_for_a_full_reply_aborts(base_url, engine, monkeypatch):
+    pace_steps(monkeypatch, engine, 0.002)
     await wait_idle(engine)
     steps = engine.stats()["steps"]
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 900, "ignore_eos": True}

@@ -59,9 +59,11 @@ def reply(outputs: list) -> str:
     return "".join(part["text"] for part in outputs[-1][CHATBOT][-1]["content"])
 
 
-def test_an_image_turn_streams_with_its_placeholder_range(served):
+def test_an_image_turn_streams_with_its_placeholder_range(served, monkeypatch):
     engines, samples, client, _ = served
-    # Enough tokens that even a busy machine's coalesced stream arrives in several updates.
+    # Enough tokens, paced, that the coalesced stream arrives in several updates on a busy
+    # machine and on a fast one (where the tiny model would finish between two updates).
+    pace_steps(monkeypatch, engines[VL], 0.01)
     outputs = send(client, "Describe this image.", [samples.image], max_tokens=64)
     replies = [o[CHATBOT][-1] for o in outputs if o[CHATBOT][-1]["role"] == "assistant"]
     assert len(replies) >= 3, "the reply should arrive in several streamed updates"
