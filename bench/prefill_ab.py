@@ -2,11 +2,12 @@
 other: TTFT side by side in one process.
 
     python -m bench.prefill_ab [--quantization int8|int4] [--dtype bfloat16] [--rounds 12]
-        [--variants planned,dequantized:whole,dequantized_t:whole,dequantized_t]
+        [--prompt-len 128] [--variants planned,dequantized_t,panel_gemm]
 
 Without --model it uses bench.generate's checkpoint (Qwen2-0.5B shapes, random weights). Two
 engines, the model dense and quantized; each round times one 128-token prefill (TTFT) of the
-dense engine and then of the quantized one under each variant, in alternating order. A variant
+dense engine and then of the quantized one under each variant, in alternating order (a
+`--prompt-len` token prompt, 128 by default). A variant
 is "planned" (the kernel plan's choice for the prefill's row count) or a formulation of
 models.linear_kernels.QUANTIZED_KERNELS forced on every quantized linear at that row count;
 ":whole" dequantizes each weight whole instead of in tiles of output channels. Prints each
@@ -20,14 +21,13 @@ import logging
 
 from bench.common import add_decoding_arguments, decoding_checkpoint, machine, median
 
-PROMPT = list(range(100, 228))  # 128 tokens
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_decoding_arguments(parser)
     parser.add_argument("--rounds", type=int, default=12)
-    parser.add_argument("--variants", default="planned,dequantized:whole,dequantized_t")
+    parser.add_argument("--variants", default="planned,dequantized_t,panel_gemm")
+    parser.add_argument("--prompt-len", type=int, default=128)
     parser.set_defaults(quantization="int8")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -37,19 +37,21 @@ def main() -> None:
     from models.kernel_choice import bucket_index
     from models.quantization import QuantizedLinear
 
+    prompt = list(range(100, 100 + args.prompt_len))
     path, quantization = decoding_checkpoint(args)
     if quantization is None:
         raise SystemExit("--quantization int8 or int4: the A/B is of quantized prefill")
 
     def engine(mode: str | None) -> LLM:
-        return LLM(path, device="cpu", dtype=args.dtype, max_model_len=1024,
+        return LLM(path, device="cpu", dtype=args.dtype,
+                   max_model_len=max(1024, 2 * args.prompt_len),
                    quantization=mode, enable_prefix_caching=False)
 
     dense, quantized = engine(None), engine(quantization)
     layers = [m for m in quantized.engine.runner.model.modules()
               if isinstance(m, QuantizedLinear)]
     planned = {id(layer): layer.kernels for layer in layers}
-    bucket, tile_bytes = bucket_index(len(PROMPT)), linear_kernels.TILE_BYTES
+    bucket, tile_bytes = bucket_index(len(prompt)), linear_kernels.TILE_BYTES
 
     def use(variant: str) -> None:
         name, _, option = variant.partition(":")
@@ -62,7 +64,7 @@ def main() -> None:
 
     def ttft(llm: LLM) -> float:
         params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-        return llm.generate([PROMPT], params)[0].metrics.ttft
+        return llm.generate([prompt], params)[0].metrics.ttft
 
     variants = args.variants.split(",")
     for variant in variants:  # warm-up, and an unknown formulation fails here
@@ -81,7 +83,7 @@ def main() -> None:
             times[variant].append(ttft(quantized))
     use("planned")
     print(f"machine: {machine()}; {path.name}, {args.dtype}, {quantization}; "
-          f"{args.rounds} rounds of one {len(PROMPT)}-token prefill per side")
+          f"{args.rounds} rounds of one {len(prompt)}-token prefill per side")
     for name, values in times.items():
         ratio = median([t / d for t, d in zip(values, times["dense"], strict=True)])
         print(f"{name}: TTFT {median(values) * 1e3:.1f} ms, {ratio:.3f}x the dense engine's "

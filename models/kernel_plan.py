@@ -149,9 +149,15 @@ def _choose(key: str, rows: int, names: list[str], group: list[nn.Module],
     """One bucket's choice for a group: cached, or timed on the group's layers. Where ours is
     a candidate (a decode's rows) it is the one kept on a tie: a decoder whose linears all run
     ours takes its decode steps in one native call (models.native_decode), which saves more
-    than the margin a tie allows; PyTorch's must beat ours by the margin to be chosen."""
-    if "native" in names:
-        names = ["native"] + [n for n in names if n != "native"]
+    than the margin a tie allows; PyTorch's must beat ours by the margin to be chosen. So is
+    our quantized GEMM at a prefill's rows: its result is contiguous, where the dequantized
+    `_t` formulations' is a transposed view whose cost falls on the operations after the
+    linear, which timing it alone does not see (bench.prefill_ab at 512 tokens: bfloat16 int8
+    TTFT 0.99x dense through ours, 1.22x through `dequantized_t`, the linears alone tying)."""
+    for ours in ("native", "panel_gemm"):
+        if ours in names:
+            names = [ours] + [n for n in names if n != ours]
+            break
     if cache.get(key, set(names)) is not None or len(names) == 1:
         return choose(key, {n: _noop for n in names}, cache, timer)
     layers = _timing_layers(group, rows, dtype)

@@ -128,7 +128,7 @@ QUANTIZED_KERNELS |= {  # for a float32 model, the same GEMMs in bfloat16
     "dequantized_bf16": _in_bf16(QUANTIZED_KERNELS["dequantized"]),
     "dequantized_t_bf16": _in_bf16(QUANTIZED_KERNELS["dequantized_t"]),
     "native": _native_quantized,
-    "panel_gemm": _panel_gemm,  # a transposed view of [out, rows], as "dequantized_t"
+    "panel_gemm": _panel_gemm,
 }
 
 

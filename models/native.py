@@ -150,27 +150,26 @@ class NativeKernels:
                        group_size: int = 0) -> torch.Tensor:
         """x [M, K] (float32 / bfloat16) . W^T for many rows, W int8 [N, K] with bfloat16
         scales [N], or int4 in PyTorch's CPU pack (see linear_int4) with group_size, dequantized
-        a cached panel at a time (native_gemm_quantized.c). -> [M, N] in x's dtype, the
-        transpose of a contiguous [N, M]. Raises ValueError for a shape it does not take
-        (`gemm_quantized_takes`)."""
+        a cached panel at a time (native_gemm_quantized.c). -> [M, N] in x's dtype. Raises
+        ValueError for a shape it does not take (`gemm_quantized_takes`)."""
         m, k = x.shape
         int8 = qweight.dtype == torch.int8
         n = qweight.shape[0]
         assert qweight.is_contiguous() and scales.is_contiguous()
         assert scales.dtype == torch.bfloat16 and qweight.shape[1] * (1 if int8 else 2) == k
         x = x.contiguous()
-        yt = torch.empty(n, m, dtype=x.dtype)
+        y = torch.empty(m, n, dtype=x.dtype)
         if m == 0:
-            return yt.t()
+            return y
         status = self._gemm_q(x.data_ptr(), DTYPES[x.dtype], qweight.data_ptr(),
-                              0 if int8 else 1, scales.data_ptr(), group_size, yt.data_ptr(),
-                              m, m, n, k, torch.get_num_threads())
+                              0 if int8 else 1, scales.data_ptr(), group_size, y.data_ptr(),
+                              n, m, n, k, torch.get_num_threads())
         if status == 1:
             raise MemoryError("native quantized GEMM: out of memory for its packed rows")
         if status:
             raise ValueError(f"native quantized GEMM does not take K={k}, N={n}, "
                              f"group {group_size} (or this CPU lacks AVX-512 BF16)")
-        return yt.t()
+        return y
 
     def gemm_quantized_takes(self, n: int, k: int, int4_group: int | None = None) -> bool:
         """Whether gemm_quantized takes a weight [N, K] (int8, or int4 of this group size)."""

@@ -8,8 +8,9 @@
  *
  * Orientation: a vector lane is a row of x, so the weight panel stays row-major (a pair of
  * inputs of one channel is one 32-bit broadcast) and only x is rearranged, once per call, into
- * pairs of inputs [k / 2][rows][2] per block of 64 rows. The output is written transposed,
- * yt [N, M] (the caller takes its transpose, a view), 16 consecutive values per accumulator.
+ * pairs of inputs [k / 2][rows][2] per block of 64 rows. The float32 sums are kept per channel
+ * ([channel][rows], 16 consecutive rows per accumulator) and transposed 16 x 16 in registers
+ * into y [M, N] (a transposed result would cost the operations after it: strided inputs).
  *
  * Work: x is packed whole; a work item is up to ROW_CHUNK rows x one block of 64 channels, the
  * items in chunk-major order split into equal contiguous runs per thread. While a panel is
@@ -160,9 +161,9 @@ static void read_ahead(Ahead* a, int64_t count) {
 }
 
 /* Output channels c0 .. c0 + nc - 1 of rows r0 .. r0 + rows - 1 (r0 a multiple of 64; x packed
- * whole, `padded` rows), panel by panel, into yt; acc holds PANEL_N x the chunk's rows. */
+ * whole, `padded` rows), panel by panel, into y; acc holds PANEL_N x the chunk's rows. */
 static void panel_product(const void* w, int format, const uint16_t* scales, int64_t group,
-                          const uint16_t* xp, int64_t padded, void* yt, int dt, int64_t ldy,
+                          const uint16_t* xp, int64_t padded, void* y, int dt, int64_t ldy,
                           int64_t n, int64_t k, int64_t c0, int64_t r0, int64_t rows,
                           uint16_t* panel, float* acc) {
     const int64_t nc = n - c0 < PANEL_N ? n - c0 : PANEL_N;
@@ -188,12 +189,29 @@ static void panel_product(const void* w, int format, const uint16_t* scales, int
             }
         }
     }
-    for (int64_t c = 0; c < nc; c++) {
-        const float s = format == W_INT8 ? bf16_to_f32(scales[c0 + c]) : 1.0f;
-        float* sums = acc + c * span;
-        _Pragma("omp simd")
-        for (int64_t r = 0; r < rows; r++) sums[r] *= s;
-        store_row(yt, sums, dt, (c0 + c) * ldy + r0, rows);
+    /* acc [channel][row] -> y [row][channel], 16 x 16 at a time transposed in registers */
+    for (int64_t c = 0; c < nc; c += 16) {
+        const int64_t cn = nc - c < 16 ? nc - c : 16;
+        const __mmask16 cols = (__mmask16)((1u << cn) - 1);
+        for (int64_t r = 0; r < rows; r += 16) {
+            __m512 v[16];
+            for (int i = 0; i < 16; i++) {
+                const float s = i >= cn ? 0.0f
+                                : format == W_INT8 ? bf16_to_f32(scales[c0 + c + i]) : 1.0f;
+                v[i] = i < cn ? _mm512_mul_ps(_mm512_loadu_ps(acc + (c + i) * span + r),
+                                              _mm512_set1_ps(s))
+                              : _mm512_setzero_ps();
+            }
+            transpose16(v);  /* v[j]: row r + j, channels c .. c + 15 */
+            for (int j = 0; j < 16 && r + j < rows; j++) {
+                const int64_t at = (r0 + r + j) * ldy + c0 + c;
+                if (dt == DTYPE_F32)
+                    _mm512_mask_storeu_ps((float*)y + at, cols, v[j]);
+                else
+                    _mm256_mask_storeu_epi16((uint16_t*)y + at, cols,
+                                             (__m256i)_mm512_cvtneps_pbh(v[j]));
+            }
+        }
     }
 }
 #endif
@@ -219,12 +237,12 @@ int mm_gemm_quantized_built(void) {
 #endif
 }
 
-/* yt [N, ldy] (columns 0 .. M - 1 written, in x's dtype) = (x [M, K] . W^T)^T. w: int8 [N, K]
+/* y [M, ldy] (columns 0 .. N - 1 written, in x's dtype) = x [M, K] . W^T. w: int8 [N, K]
  * with scales [N] (format 0), or PyTorch's int4 pack [N, K / 2] with scales_and_zeros
  * [K / group, N, 2] (format 1). Returns 0; 1 out of memory; 2 a shape or build it does not
  * take (K % 32, an int4 N % 64 or a group not dividing PANEL_K, or no AVX-512 BF16). */
 int mm_gemm_quantized(const void* x, int x_dtype, const void* w, int w_format,
-                      const uint16_t* scales, int64_t group, void* yt, int64_t ldy, int64_t m,
+                      const uint16_t* scales, int64_t group, void* y, int64_t ldy, int64_t m,
                       int64_t n, int64_t k, int threads) {
 #ifdef GEMM_Q_BUILT
     if (k % 32 || (w_format == W_INT4 && (n % I4_BLOCK_N || group % 32 || PANEL_K % group)))
@@ -252,7 +270,7 @@ int mm_gemm_quantized(const void* x, int x_dtype, const void* w, int w_format,
         for (int64_t i = 0; i < items; i++) {
             const int64_t r0 = i / blocks * chunk, b = i % blocks;
             if (panel != NULL && acc != NULL)
-                panel_product(w, w_format, scales, group, xp, padded, yt, x_dtype, ldy, n, k,
+                panel_product(w, w_format, scales, group, xp, padded, y, x_dtype, ldy, n, k,
                               b * PANEL_N, r0, m - r0 < chunk ? m - r0 : chunk, panel, acc);
         }
         free(panel);
@@ -261,7 +279,7 @@ int mm_gemm_quantized(const void* x, int x_dtype, const void* w, int w_format,
     free(xp);
     return failed;
 #else
-    (void)x, (void)x_dtype, (void)w, (void)w_format, (void)scales, (void)group, (void)yt;
+    (void)x, (void)x_dtype, (void)w, (void)w_format, (void)scales, (void)group, (void)y;
     (void)ldy, (void)m, (void)n, (void)k, (void)threads;
     return 2;
 #endif

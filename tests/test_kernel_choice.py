@@ -122,7 +122,8 @@ def test_plan_follows_fake_timings_and_outputs_stay_f_linear(tmp_path, dtype):
 
 
 def test_plan_keeps_f_linear_when_nothing_wins_by_the_margin(tmp_path):
-    """...except at a decode's rows, where ours is kept on a tie (models.native_decode)."""
+    """...except at a decode's rows, where ours is kept on a tie (models.native_decode), and
+    at a prefill's for quantized layers, where our GEMM is (its result is contiguous)."""
     model = Tiny(torch.float32)
     plan_linears(model, torch.float32, KernelCache(tmp_path / "k.json"),
                  FakeTimer({BASELINE: 1.0, "matmul_t": 0.99, "mv": 0.98, "onednn": 0.97,
@@ -135,7 +136,8 @@ def test_plan_keeps_f_linear_when_nothing_wins_by_the_margin(tmp_path):
     plan_linears(model, torch.float32, KernelCache(tmp_path / "k2.json"),
                  FakeTimer({BASELINE: 1.0, "native": 1.2, "int_kernel": 1.0}))
     assert model.b.kernels == (BASELINE,) * len(BUCKETS)
-    assert model.q.kernels == ("int_kernel",) * len(BUCKETS)
+    prefill = "panel_gemm" if panel_gemm_takes(model.q) else "int_kernel"
+    assert model.q.kernels == ("int_kernel", "int_kernel", prefill, prefill, prefill)
 
 
 def test_plan_past_its_time_budget_keeps_baselines_uncached(tmp_path):
@@ -164,6 +166,22 @@ def test_quantized_layers_time_dequantizing_only_for_many_rows(tmp_path):
     decode = "native" if "native" in candidates(model.q, 1, torch.float32) else "int_kernel"
     assert model.q.kernels == (decode, "dequantized", "dequantized", "dequantized",
                                "dequantized")
+
+
+def test_a_tie_at_a_prefills_rows_keeps_our_quantized_gemm(tmp_path):
+    """Its result is contiguous; another formulation must beat it by the margin."""
+    model = Tiny(torch.bfloat16)
+    if not panel_gemm_takes(model.q):
+        pytest.skip("our quantized GEMM does not build here")
+    plan_linears(model, torch.bfloat16, KernelCache(tmp_path / "k.json"),
+                 FakeTimer({"int_kernel": 2.0, "dequantized": 1.0, "dequantized_t": 0.97,
+                            "panel_gemm": 1.0, "native": 0.5}))
+    assert model.q.kernels[2:] == ("panel_gemm",) * 3
+    model = Tiny(torch.bfloat16)
+    plan_linears(model, torch.bfloat16, KernelCache(tmp_path / "k2.json"),
+                 FakeTimer({"int_kernel": 2.0, "dequantized": 1.0, "dequantized_t": 0.8,
+                            "panel_gemm": 1.0, "native": 0.5}))
+    assert model.q.kernels[2:] == ("dequantized_t",) * 3
 
 
 def test_a_weight_of_several_tiles_is_dequantized_weight_first_only():

@@ -144,13 +144,30 @@ def _force_prefill(runner, monkeypatch, name: str) -> None:
     monkeypatch.setattr(runner, "plan_linears", plan)
 
 
+def _prefill_logits(path, mode: str | None, prompts, params) -> tuple[torch.Tensor, list]:
+    """The prefill step's logits (both prompts) and the greedy tokens of an engine."""
+    from engine import LLM
+
+    llm = LLM(path, dtype="bfloat16", max_model_len=128, quantization=mode,
+              quantization_group_size=32)
+    model = llm.engine.runner.model
+    seen: list[torch.Tensor] = []
+    original = model.compute_logits
+    model.compute_logits = lambda hidden: seen.append(original(hidden)) or seen[-1]
+    tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    return seen[0].float(), tokens
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_engine_prefill_through_it_tracks_the_dequantized_gemm(kernels, qwen2_path, mode,
-                                                               monkeypatch):
+def test_engine_prefill_through_it_is_as_accurate_as_the_dequantized_gemm(
+        kernels, qwen2_path, mode, monkeypatch):
     """The same quantized tiny model prefilled through our GEMM and through the dequantized
-    formulation: first-token logits within 1% of their range, the same greedy tokens."""
+    formulation: against the unquantized model, first-token logits as close (within 1.25x +
+    0.5% of the logit range: measured 2.85% vs 2.84% for int8, 14.8% vs 15.3% for int4; the
+    two differ from each other by about 1%, as int8's scale is applied to the float32 sum
+    instead of to each bfloat16 weight), and the same greedy tokens."""
     import engine.model_runner as runner
-    from engine import LLM, SamplingParams
+    from engine import SamplingParams
 
     calls = []
     gemm = QUANTIZED_KERNELS["panel_gemm"]
@@ -158,18 +175,12 @@ def test_engine_prefill_through_it_tracks_the_dequantized_gemm(kernels, qwen2_pa
                         lambda layer, x: calls.append(x.shape[0]) or gemm(layer, x))
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (40, 13)]
-    outputs, logits = {}, {}
+    dense, _ = _prefill_logits(qwen2_path, None, prompts, params)
+    errors, tokens = {}, {}
     for name in ("dequantized_t", "panel_gemm"):
         _force_prefill(runner, monkeypatch, name)
-        llm = LLM(qwen2_path, dtype="bfloat16", max_model_len=128, quantization=mode,
-                  quantization_group_size=32)
-        model = llm.engine.runner.model
-        seen: list[torch.Tensor] = []
-        original = model.compute_logits
-        model.compute_logits = lambda hidden, f=original, s=seen: s.append(f(hidden)) or s[-1]
-        outputs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        logits[name] = seen[0].float()  # the prefill step's, both prompts
+        logits, tokens[name] = _prefill_logits(qwen2_path, mode, prompts, params)
+        errors[name] = ((logits - dense).abs().max() / (dense.max() - dense.min())).item()
     assert calls and min(calls) > 8, calls  # it ran, for the prefill only
-    ref, ours = logits["dequantized_t"], logits["panel_gemm"]
-    assert (ours - ref).abs().max() <= 0.01 * (ref.max() - ref.min())
-    assert outputs["panel_gemm"] == outputs["dequantized_t"]
+    assert errors["panel_gemm"] <= 1.25 * errors["dequantized_t"] + 0.005, errors
+    assert tokens["panel_gemm"] == tokens["dequantized_t"]
