@@ -43,7 +43,6 @@ DISABLE_ENV = "MMSERVE_NATIVE"  # "0" keeps PyTorch's kernels only
 BUILD_TIMEOUT_S = 120
 FLAGS = ("-O3", "-march=native", "-fPIC", "-std=gnu11", "-Wno-unknown-pragmas")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-GEMM_PANEL_K = 896  # native_gemm_quantized.c PANEL_K: an int4 group must divide it
 FUSED_ROWS = 64  # fused small ops serve inputs up to this many tokens: a decode step's
 NORM_MODES = {"float32": 0, "reduced": 1, "unit_offset": 2}
 WEIGHT_KERNELS = {torch.float32: "mm_linear_f32", torch.bfloat16: "mm_linear_bf16",
@@ -85,10 +84,11 @@ class NativeKernels:
         self._int4.argtypes, self._int4.restype = _INT4_ARGS, _int
         self._dequant_i8, self._dequant_i4 = lib.mm_dequantize_i8, lib.mm_dequantize_i4
         self._dequant_i8.argtypes, self._dequant_i8.restype = _DEQUANT_I8_ARGS, None
-        self._gemm_q = lib.mm_gemm_quantized
-        self._gemm_q.argtypes, self._gemm_q.restype = _GEMM_Q_ARGS, _int
-        self.has_gemm_quantized = bool(lib.mm_gemm_quantized_built())
         self._dequant_i4.argtypes, self._dequant_i4.restype = _DEQUANT_I4_ARGS, None
+        self._gemm_q, self._gemm_q_takes = lib.mm_gemm_quantized, lib.mm_gemm_quantized_takes
+        self._gemm_q.argtypes, self._gemm_q.restype = _GEMM_Q_ARGS, _int
+        self._gemm_q_takes.argtypes, self._gemm_q_takes.restype = [_i64, _i64, _int, _i64], _int
+        self.has_gemm_quantized = bool(lib.mm_gemm_quantized_built())  # AVX-512 BF16
         self._norm, self._rotary, self._silu_mul = lib.mm_rms_norm, lib.mm_rotary, lib.mm_silu_mul
         self._norm.argtypes, self._norm.restype = _NORM_ARGS, _int
         self._rotary.argtypes, self._rotary.restype = _ROTARY_ARGS, None
@@ -153,6 +153,7 @@ class NativeKernels:
         a cached panel at a time (native_gemm_quantized.c). -> [M, N] in x's dtype. Raises
         ValueError for a shape it does not take (`gemm_quantized_takes`)."""
         m, k = x.shape
+        assert qweight.dtype in (torch.int8, torch.uint8), "int8, or the uint8 int4 pack"
         int8 = qweight.dtype == torch.int8
         n = qweight.shape[0]
         assert qweight.is_contiguous() and scales.is_contiguous()
@@ -172,11 +173,11 @@ class NativeKernels:
         return y
 
     def gemm_quantized_takes(self, n: int, k: int, int4_group: int | None = None) -> bool:
-        """Whether gemm_quantized takes a weight [N, K] (int8, or int4 of this group size)."""
-        if not self.has_gemm_quantized or k % 32:
-            return False
-        return int4_group is None or (n % 64 == 0 and int4_group % 32 == 0
-                                      and GEMM_PANEL_K % int4_group == 0)
+        """Whether gemm_quantized takes a weight [N, K] (int8, or int4 of this group size) on
+        this build (False without AVX-512 BF16)."""
+        if int4_group is None:
+            return bool(self._gemm_q_takes(n, k, 0, 0))
+        return bool(self._gemm_q_takes(n, k, 1, int4_group))
 
     def dequantize_int8(self, q: torch.Tensor, scales: torch.Tensor,
                         out: torch.Tensor) -> torch.Tensor:

@@ -237,16 +237,28 @@ int mm_gemm_quantized_built(void) {
 #endif
 }
 
+/* Whether it takes a weight [N, K] of this format (and int4 group): K % 32 == 0; an int4 N a
+ * multiple of 64 and a group of a multiple of 32 dividing the panel's inputs. */
+int mm_gemm_quantized_takes(int64_t n, int64_t k, int w_format, int64_t group) {
+#ifdef GEMM_Q_BUILT
+    if (k % 32) return 0;
+    return w_format == W_INT8 || (n % I4_BLOCK_N == 0 && group > 0 && group % 32 == 0
+                                  && PANEL_K % group == 0);
+#else
+    (void)n, (void)k, (void)w_format, (void)group;
+    return 0;
+#endif
+}
+
 /* y [M, ldy] (columns 0 .. N - 1 written, in x's dtype) = x [M, K] . W^T. w: int8 [N, K]
  * with scales [N] (format 0), or PyTorch's int4 pack [N, K / 2] with scales_and_zeros
  * [K / group, N, 2] (format 1). Returns 0; 1 out of memory; 2 a shape or build it does not
- * take (K % 32, an int4 N % 64 or a group not dividing PANEL_K, or no AVX-512 BF16). */
+ * take (mm_gemm_quantized_takes). */
 int mm_gemm_quantized(const void* x, int x_dtype, const void* w, int w_format,
                       const uint16_t* scales, int64_t group, void* y, int64_t ldy, int64_t m,
                       int64_t n, int64_t k, int threads) {
 #ifdef GEMM_Q_BUILT
-    if (k % 32 || (w_format == W_INT4 && (n % I4_BLOCK_N || group % 32 || PANEL_K % group)))
-        return 2;
+    if (!mm_gemm_quantized_takes(n, k, w_format, group)) return 2;
     const int64_t padded = (m + 15) / 16 * 16, blocks = (n + PANEL_N - 1) / PANEL_N;
     const int64_t chunk = chunk_rows(m, blocks, threads);
     const int64_t items = (m + chunk - 1) / chunk * blocks;
