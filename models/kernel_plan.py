@@ -43,6 +43,9 @@ TIMED_FLOPS = 5e8  # and FLOPs
 SLICE_ROWS = 16384  # a lone matrix with more output rows is timed on its first rows
 PLAN_SECONDS = 3.0  # past this, buckets left unmeasured keep F.linear (and are not cached)
 NATIVE_ROWS = PROBE_ROWS[1]  # our matrix-vector kernel is a candidate up to this many rows
+# The version of the candidates and choosing rules below, part of the cache file's name: bump
+# it when they change, so that choices made under the old ones are timed afresh.
+PLAN_RULES = 2
 
 
 def candidates(layer: nn.Module, rows: int, dtype: torch.dtype) -> list[str]:
@@ -114,7 +117,8 @@ def plan_linears(model: nn.Module, dtype: torch.dtype, cache: KernelCache | None
     reused, new ones timed and saved. Returns {group key: choices per bucket}."""
     built = native.load()  # built (once) before the clock starts: it is not the plan's time
     if cache is None:
-        cache = KernelCache(cache_path(native_build=built.build_id if built else None))
+        cache = KernelCache(cache_path(native_build=built.build_id if built else None,
+                                       rules=PLAN_RULES))
     # The largest groups first: if the budget runs out, it is spent where the bytes are.
     groups = dict(sorted(linear_groups(model, dtype).items(),
                          key=lambda item: -sum(_nbytes(layer) for layer in item[1])))

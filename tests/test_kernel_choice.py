@@ -50,6 +50,7 @@ def test_cache_path_names_cpu_and_torch_version(monkeypatch, tmp_path):
     assert cache_path().name.startswith("kernels-") and torch.__version__ in cache_path().name
     # A build of our own kernels gets a file of its own: choices made without it are stale.
     assert cache_path("c", "t", native_build="ab12").name == "kernels-c-t-native-ab12.json"
+    assert cache_path("c", "t", "ab12", rules=2).name == "kernels-c-t-native-ab12-plan2.json"
 
 
 class FakeTimer:
