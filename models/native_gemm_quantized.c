@@ -119,11 +119,9 @@ static void dequantize_panel(const void* w, int format, const uint16_t* scales, 
     }
     for (int64_t c = 0; c < nc; c++) {
         const int8_t* q = (const int8_t*)w + (c0 + c) * k + k0;
-        for (int64_t j = 0; j < kk; j += 32) {  /* exact: int8 -> int32 -> float32 -> bf16 */
-            const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const void*)(q + j)));
-            const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(v)));
-            const __m512 b = _mm512_cvtepi32_ps(
-                _mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(v, 1)));
+        for (int64_t j = 0; j < kk; j += 32) {  /* exact: |q| <= 127 fits bfloat16 */
+            __m512 a, b;
+            i8x32_to_f32(q + j, &a, &b);
             _mm512_storeu_si512(panel + c * PANEL_K + j, (__m512i)_mm512_cvtne2ps_pbh(b, a));
         }
     }
@@ -138,10 +136,11 @@ typedef struct {
     int64_t next, lines;
 } Ahead;
 
-static Ahead ahead_of(const void* w, int format, int64_t n, int64_t k, int64_t c0, int64_t k0,
-                      int64_t kk) {
+static Ahead ahead_of(const void* w, int format, int64_t n, int64_t k, int64_t c0,
+                      int64_t k0) {
     Ahead a = {0};
     if (c0 >= n) return a;
+    const int64_t kk = k - k0 < PANEL_K ? k - k0 : PANEL_K;
     if (format == W_INT4) {  /* block c0 / 64: [k][32 bytes], inputs k0 .. k0 + kk - 1 */
         a.base = (const char*)w + (c0 / I4_BLOCK_N * k + k0) * (I4_BLOCK_N / 2);
         a.rows = 1, a.row_bytes = kk * (I4_BLOCK_N / 2);
@@ -174,10 +173,8 @@ static void panel_product(const void* w, int format, const uint16_t* scales, int
         dequantize_panel(w, format, scales, group, n, k, c0, nc, k0, kk, panel);
         /* the next panel: this block's next inputs, else the next block's first (this
          * thread's next, under the static schedule) */
-        Ahead next = k0 + PANEL_K < k
-            ? ahead_of(w, format, n, k, c0, k0 + PANEL_K, k - k0 - PANEL_K < PANEL_K
-                                                             ? k - k0 - PANEL_K : PANEL_K)
-            : ahead_of(w, format, n, k, c0 + PANEL_N, 0, k < PANEL_K ? k : PANEL_K);
+        Ahead next = k0 + PANEL_K < k ? ahead_of(w, format, n, k, c0, k0 + PANEL_K)
+                                      : ahead_of(w, format, n, k, c0 + PANEL_N, 0);
         const int64_t share = (next.lines + calls - 1) / calls;
         for (int64_t j = 0; j < nc; j += TILE_N) {
             const int nr = nc - j < TILE_N ? (int)(nc - j) : TILE_N;
@@ -193,15 +190,14 @@ static void panel_product(const void* w, int format, const uint16_t* scales, int
     for (int64_t c = 0; c < nc; c += 16) {
         const int64_t cn = nc - c < 16 ? nc - c : 16;
         const __mmask16 cols = (__mmask16)((1u << cn) - 1);
+        __m512 s[16];  /* each channel's scale (int4: folded into the panel) */
+        for (int i = 0; i < cn; i++)
+            s[i] = _mm512_set1_ps(format == W_INT8 ? bf16_to_f32(scales[c0 + c + i]) : 1.0f);
         for (int64_t r = 0; r < rows; r += 16) {
             __m512 v[16];
-            for (int i = 0; i < 16; i++) {
-                const float s = i >= cn ? 0.0f
-                                : format == W_INT8 ? bf16_to_f32(scales[c0 + c + i]) : 1.0f;
-                v[i] = i < cn ? _mm512_mul_ps(_mm512_loadu_ps(acc + (c + i) * span + r),
-                                              _mm512_set1_ps(s))
+            for (int i = 0; i < 16; i++)
+                v[i] = i < cn ? _mm512_mul_ps(_mm512_loadu_ps(acc + (c + i) * span + r), s[i])
                               : _mm512_setzero_ps();
-            }
             transpose16(v);  /* v[j]: row r + j, channels c .. c + 15 */
             for (int j = 0; j < 16 && r + j < rows; j++) {
                 const int64_t at = (r0 + r + j) * ldy + c0 + c;
@@ -214,9 +210,7 @@ static void panel_product(const void* w, int format, const uint16_t* scales, int
         }
     }
 }
-#endif
 
-#ifdef GEMM_Q_BUILT
 /* Rows per work item (a multiple of 64): ROW_CHUNK, or fewer where there are fewer channel
  * blocks than threads, so that every thread gets work. (Capping the chunk so that its packed
  * rows fit L2 measured slower: panels dequantized twice as often cost more.) */

@@ -488,11 +488,8 @@ void mm_dequantize_i8(const int8_t* w, const uint16_t* scales, void* out, int ou
 #ifdef DEQUANT_AVX512
         const __m512 sv = _mm512_set1_ps(scale);
         for (; j + 32 <= k; j += 32) {
-            const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const void*)(wr + j)));
-            const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(
-                _mm512_castsi512_si256(v)));
-            const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(
-                _mm512_extracti64x4_epi64(v, 1)));
+            __m512 a, b;
+            i8x32_to_f32(wr + j, &a, &b);
             store_f32(out, out_dtype, r * k + j, _mm512_mul_ps(a, sv), _mm512_mul_ps(b, sv));
         }
 #endif

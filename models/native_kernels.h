@@ -63,6 +63,15 @@ static inline void store(void* y, int dt, int64_t i, float v) {
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#if defined(__AVX512BW__)
+/* 32 int8 at q -> float32 (exact): lo = q[0 .. 15], hi = q[16 .. 31]. */
+static inline void i8x32_to_f32(const int8_t* q, __m512* lo, __m512* hi) {
+    const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const void*)q));
+    *lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(v)));
+    *hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(v, 1)));
+}
+#endif
+
 /* Transposes 16 rows of 16 float32 in place (v[i] lane j <-> v[j] lane i). */
 static inline void transpose16(__m512 v[16]) {
     __m512 a[16], b[16];
