@@ -34,11 +34,12 @@ def median(values: list[float]) -> float:
 
 def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     """Read bandwidth in bytes/s: the median time to sum a `gib` GiB float32 buffer, in huge
-    pages as the engine's weights are (models.huge_pages), with our plain C read loop
-    (models.native) where it builds, else torch's sum (which reads slower). The buffer is made
+    pages as the engine's weights are (models.kernels.huge_pages), with our plain C read loop
+    (models.kernels.native) where it builds, else torch's sum (which reads slower). The buffer is
+    made
     once per process: a bench reading it between measurements then only reads memory (making it
     anew would fault in and free a GiB of pages each time, which the next measurement feels)."""
-    from models import native
+    from models.kernels import native
 
     x = _ruler_buffer(gib)
     kernels = native.load()
@@ -50,7 +51,7 @@ def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
 
 @functools.cache
 def _ruler_buffer(gib: float) -> torch.Tensor:
-    from models import huge_pages
+    from models.kernels import huge_pages
 
     holder = nn.Module()
     holder.register_buffer("x", torch.ones(int(gib * (1 << 30)) // 4))

@@ -4,11 +4,12 @@
         [--quantization none|int8|int4] [--rounds 8] [--steps 16]
 
 Without --model it uses bench.generate's checkpoint (Qwen2-0.5B shapes, random weights).
-`huge_pages`: two engines, weights copied into transparent huge pages (models.huge_pages) or
-left where they were loaded; `fused_ops`: one engine, the decode step's norm / rotary /
-SiLU-and-multiply as our fused kernels (models.native.for_small_ops) or as PyTorch's operators;
+`huge_pages`: two engines, weights copied into transparent huge pages
+(models.kernels.huge_pages) or left where they were loaded; `fused_ops`: one engine, the decode
+step's norm / rotary / SiLU-and-multiply as our fused kernels
+(models.kernels.native.for_small_ops) or as PyTorch's operators;
 `native_decode`: one engine, its decode steps through the layers in one native call
-(models.native_decode) or module by module.
+(models.kernels.native_decode) or module by module.
 Each engine decodes one request; rounds of `--steps` decode steps alternate between the two
 sides, and the median milliseconds per step of each side and the median per-round ratio are
 printed.
@@ -41,7 +42,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
-    from models import huge_pages, native
+    from models.kernels import huge_pages, native
 
     path, quantization = decoding_checkpoint(args)
     max_tokens = 16 + 2 * args.rounds * args.steps  # enough for both sides on one engine

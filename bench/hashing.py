@@ -12,8 +12,8 @@ from collections.abc import Callable
 import numpy as np
 from PIL import Image
 
-from engine.hashing import hash_audio, hash_image, hash_video
 from engine.media import AudioClip, VideoFrames, VideoSampling
+from models.processing.hashing import hash_audio, hash_image, hash_video
 
 RUNS = 20
 

@@ -9,7 +9,7 @@ engines, the model dense and quantized; each round times one 128-token prefill (
 dense engine and then of the quantized one under each variant, in alternating order (a
 `--prompt-len` token prompt, 128 by default). A variant
 is "planned" (the kernel plan's choice for the prefill's row count) or a formulation of
-models.linear_kernels.QUANTIZED_KERNELS forced on every quantized linear at that row count;
+models.kernels.linear.QUANTIZED_KERNELS forced on every quantized linear at that row count;
 ":whole" dequantizes each weight whole instead of in tiles of output channels. Prints each
 side's median TTFT and its median per-round ratio to the dense engine's.
 """
@@ -33,9 +33,9 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
 
     from engine import LLM, SamplingParams
-    from models import linear_kernels
-    from models.kernel_choice import bucket_index
-    from models.quantization import QuantizedLinear
+    from models.kernels import linear as linear_kernels
+    from models.kernels.choice import bucket_index
+    from models.kernels.quantization import QuantizedLinear
 
     prompt = list(range(100, 100 + args.prompt_len))
     path, quantization = decoding_checkpoint(args)

@@ -6,8 +6,8 @@
 Without --model it uses bench.generate's checkpoint (Qwen2-0.5B shapes, random weights). One
 request decodes alone; after a warm-up, `--steps` engine steps are profiled and the operators
 with the most self CPU time are printed, with the share of the steps' wall time spent outside
-any profiled operator (Python and bookkeeping, and our own kernels of models.native, which are
-not PyTorch operators: `MMSERVE_NATIVE=0` profiles PyTorch's alone).
+any profiled operator (Python and bookkeeping, and our own kernels of models.kernels.native,
+which are not PyTorch operators: `MMSERVE_NATIVE=0` profiles PyTorch's alone).
 """
 
 from __future__ import annotations

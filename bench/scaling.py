@@ -53,7 +53,7 @@ class Stepper:
         self.rng = random.Random(0)
 
     def metadata(self, shape: list[tuple[int, int]]):
-        from models.attention import build_metadata
+        from models.layers.attention import build_metadata
 
         need = [-(-(s + n) // self.block_size) for s, n in shape]
         pool = self.rng.sample(range(self.num_blocks), sum(need))
@@ -99,7 +99,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     from engine import LLM
-    from models.attention import gather_blocks
+    from models.layers.attention import gather_blocks
 
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]

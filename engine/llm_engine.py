@@ -27,8 +27,8 @@ from engine.processing import EncoderBudget, InputProcessor, ProcessedPrompt
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
-from models import native
 from models.interfaces import ProcessorContext
+from models.kernels import native
 from models.registry import resolve
 
 log = logging.getLogger(__name__)
@@ -256,8 +256,9 @@ class LLMEngine:
 
     def weights_description(self) -> str:
         """The weights' precision and device, e.g. "bfloat16, int4 linears (group 128), cpu,
-        own kernels, decode in one native call" (on the CPU: whether models.native built, else
-        PyTorch's kernels only, and whether decode steps run models.native_decode's call)."""
+        own kernels, decode in one native call" (on the CPU: whether models.kernels.native
+        built, else PyTorch's kernels only, and whether decode steps run
+        models.kernels.native_decode's call)."""
         text = str(self.dtype).removeprefix("torch.")
         mode = self.config.quantization
         if mode == "int8":

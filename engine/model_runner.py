@@ -21,14 +21,14 @@ from engine.config import EngineConfig, GiB
 from engine.device import DeviceTimer, to_device, wait_for_device
 from engine.sampler import SamplingBatch, sample
 from engine.scheduler import SchedulerOutput
-from models.attention import build_metadata
-from models.attention_varlen import choose_backend
-from models.decode_kernel_choice import choose_decode_kernel
-from models.huge_pages import place_weights
 from models.interfaces import LanguageModel
-from models.kernel_plan import plan_linears
+from models.kernels.decode_attention import choose_decode_kernel
+from models.kernels.huge_pages import place_weights
+from models.kernels.plan import plan_linears
+from models.kernels.quantization import quantize_language_model
+from models.layers.attention import build_metadata
+from models.layers.attention_varlen import choose_backend
 from models.loader import build_on_meta, iter_checkpoint, load_weights
-from models.quantization import quantize_language_model
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import torch
 
 from engine.device import to_device
 from engine.request import Request
-from models import native
+from models.kernels import native
 
 
 @dataclass

@@ -4,20 +4,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.decoder import CausalLM
-from models.gemma3 import Gemma3ForConditionalGeneration
-from models.gemma3_processor import Gemma3Processor
-from models.idefics3 import Idefics3ForConditionalGeneration
-from models.idefics3_processor import Idefics3Processor
+from models.gemma3.model import Gemma3ForConditionalGeneration
+from models.gemma3.processor import Gemma3Processor
+from models.idefics3.model import Idefics3ForConditionalGeneration
+from models.idefics3.processor import Idefics3Processor
 from models.interfaces import LanguageModel, ProcessorFactory
-from models.llava import LlavaForConditionalGeneration
-from models.llava_processor import LlavaProcessor
-from models.mistral3 import PixtralVLM
-from models.pixtral_processor import PixtralProcessor
-from models.qwen2_audio import QwenAudioForConditionalGeneration
-from models.qwen2_audio_processor import QwenAudioProcessor
-from models.qwen2_vl import QwenVLForConditionalGeneration
-from models.qwen2_vl_processor import QwenVLProcessor
+from models.layers.decoder import CausalLM
+from models.llava.model import LlavaForConditionalGeneration
+from models.llava.processor import LlavaProcessor
+from models.mistral3.model import PixtralVLM
+from models.mistral3.processor import PixtralProcessor
+from models.qwen2_audio.model import QwenAudioForConditionalGeneration
+from models.qwen2_audio.processor import QwenAudioProcessor
+from models.qwen_vl.model import QwenVLForConditionalGeneration
+from models.qwen_vl.processor import QwenVLProcessor
 
 
 @dataclass(frozen=True)

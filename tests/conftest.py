@@ -14,7 +14,7 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 
 @pytest.fixture(scope="session", autouse=True)
 def kernel_cache_dir(tmp_path_factory):
-    """Linear kernel choices (models.kernel_choice) are cached here, never in the home dir."""
+    """Linear kernel choices (models.kernels.choice) are cached here, never in the home dir."""
     path = tmp_path_factory.mktemp("kernels")
     os.environ["MMSERVE_KERNEL_CACHE"] = str(path)
     return path

@@ -18,7 +18,7 @@ from engine.encoder_cache import EncoderCacheManager
 from engine.request import MultiModalFeature, PlaceholderRange, Request
 from engine.sampling_params import SamplingParams as Params
 from engine.scheduler import Scheduler
-from models.attention import (
+from models.layers.attention import (
     DECODE_PADDING,
     LayerAttention,
     attend,
@@ -315,8 +315,8 @@ def test_decode_kernels_match_reference_in_a_mixed_step(kernel, window):
 
 
 def test_decode_kernel_is_chosen_by_measurement():
-    from models.attention import KERNELS
-    from models.decode_kernel_choice import choose_decode_kernel
+    from models.kernels.decode_attention import choose_decode_kernel
+    from models.layers.attention import KERNELS
 
     assert choose_decode_kernel(4, 2, 8, torch.float32, CPU) in KERNELS
     assert choose_decode_kernel(4, 2, 8, torch.float32, torch.device("cuda")) == "sdpa"

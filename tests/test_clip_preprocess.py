@@ -1,4 +1,4 @@
-"""models/clip_preprocess.py against transformers' PIL CLIP / SigLIP / LLaVA / LLaVA-NeXT image
+"""models/llava/preprocess.py against transformers' PIL CLIP / SigLIP / LLaVA / LLaVA-NeXT image
 processors and the LLaVA / LLaVA-NeXT processors' image-token expansion."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from transformers.models.llava_next.image_processing_pil_llava_next import (
 )
 from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
-from models.clip_preprocess import (
+from models.llava.preprocess import (
     CLIP_MEAN,
     ClipPreprocessConfig,
     llava_next_num_image_tokens,

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from engine import LLM, SamplingParams
-from models.attention import build_metadata
+from models.layers.attention import build_metadata
 
 pytestmark = [
     pytest.mark.gpu,
@@ -99,7 +99,7 @@ def test_sliding_windows_and_mixed_steps_match_cpu(gemma_text_path):
 
 def test_attention_features_match_the_cpu_on_cuda():
     """Soft-capping, a window and a bidirectional span, in a step mixing a chunk and decodes."""
-    from models.attention import LayerAttention, paged_attention
+    from models.layers.attention import LayerAttention, paged_attention
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(14, h, 8, generator=gen) for h in (4, 2, 2))

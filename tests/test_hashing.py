@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from engine.hashing import hash_audio, hash_image, hash_item, hash_video
 from engine.media import AudioClip, VideoFrames, VideoSampling, load_image_sync, load_video_sync
+from models.processing.hashing import hash_audio, hash_image, hash_item, hash_video
 from tests.media_fixtures import VideoSpec, encode_image, encode_video, gradient
 
 

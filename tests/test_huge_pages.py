@@ -1,14 +1,15 @@
-"""Weights moved into a huge-page mapping (models/huge_pages.py): values, ties between parameters
-and the model's outputs unchanged, quantized buffers included; the switch that turns it off."""
+"""Weights moved into a huge-page mapping (models/kernels/huge_pages.py): values, ties between
+parameters and the model's outputs unchanged, quantized buffers included; the switch that turns it
+off."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from models import huge_pages
-from models.decoder import CausalLM
-from models.quantization import quantize_language_model
+from models.kernels import huge_pages
+from models.kernels.quantization import quantize_language_model
+from models.layers.decoder import CausalLM
 from tests.test_quantization import tiny_tied_model
 
 

@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import kernel_choice, native
-from models.kernel_choice import (
+from models.kernels import choice as kernel_choice
+from models.kernels import native
+from models.kernels.choice import (
     BASELINE,
     BUCKETS,
     PROBE_ROWS,
@@ -21,9 +22,9 @@ from models.kernel_choice import (
     choose,
     pick,
 )
-from models.kernel_plan import candidates, panel_gemm_takes, plan_linears
-from models.linear_kernels import MIN_TILE_ROWS, TILE_BYTES, Linear, dequantization_tiles
-from models.quantization import QuantizedLinear
+from models.kernels.linear import MIN_TILE_ROWS, TILE_BYTES, Linear, dequantization_tiles
+from models.kernels.plan import candidates, panel_gemm_takes, plan_linears
+from models.kernels.quantization import QuantizedLinear
 
 
 def test_buckets():
@@ -123,7 +124,7 @@ def test_plan_follows_fake_timings_and_outputs_stay_f_linear(tmp_path, dtype):
 
 
 def test_plan_keeps_f_linear_when_nothing_wins_by_the_margin(tmp_path):
-    """...except at a decode's rows, where ours is kept on a tie (models.native_decode), and
+    """...except at a decode's rows, where ours is kept on a tie (models.kernels.native_decode), and
     at a prefill's for quantized layers, where our GEMM is (its result is contiguous)."""
     model = Tiny(torch.float32)
     plan_linears(model, torch.float32, KernelCache(tmp_path / "k.json"),

@@ -1,4 +1,4 @@
-"""models.linear_kernels.Linear runs the formulation planned for its input's row count; every
+"""models.kernels.linear.Linear runs the formulation planned for its input's row count; every
 formulation must equal F.linear."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.kernel_choice import BUCKETS
-from models.kernel_plan import _prepack, candidates
-from models.linear_kernels import Linear
+from models.kernels.choice import BUCKETS
+from models.kernels.linear import Linear
+from models.kernels.plan import _prepack, candidates
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -71,7 +71,7 @@ def refs(m3_path, hf_models):
 def test_pixels_match_transformers():
     import transformers
 
-    from models.pixtral_preprocess import PixtralPreprocessConfig, preprocess_pixtral
+    from models.mistral3.preprocess import PixtralPreprocessConfig, preprocess_pixtral
 
     hf = transformers.PixtralImageProcessorPil(size={"longest_edge": 168},
                                                patch_size={"height": 28, "width": 28})
@@ -216,7 +216,7 @@ def test_encoder_count_mismatch_names_both_numbers(m3_path):
 def test_llava_with_a_pixtral_tower_matches_transformers(tmp_path):
     import transformers
 
-    from models.mistral3 import PixtralVLM
+    from models.mistral3.model import PixtralVLM
     from testing.mistral3 import build_mistral3_model
 
     path = build_mistral3_model(tmp_path / "llava_pixtral", llava=True)
@@ -237,7 +237,7 @@ def test_tower_and_splice_with_breaks_have_no_host_sync(m3_path):
     embeddings and the [IMG] positions take the image's embeddings in order."""
     from engine.request import Request
     from engine.scheduler import ScheduledChunk
-    from models.pixtral_vision import build_pixtral_batch
+    from models.encoders.pixtral import build_pixtral_batch
     from tests.test_sync_free import SyncRecorder
 
     llm = LLM(m3_path, max_model_len=1024)

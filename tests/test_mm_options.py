@@ -12,8 +12,8 @@ import pytest
 from PIL import Image
 
 from engine import LLM, SamplingParams
-from models import qwen2_vl_processor
-from models.mm_options import OptionRange, check_mm_kwargs
+from models.processing.options import OptionRange, check_mm_kwargs
+from models.qwen_vl import processor as qwen2_vl_processor
 from tests.helpers import assert_released
 from tests.media_fixtures import VideoSpec, encode_video
 

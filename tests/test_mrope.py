@@ -1,4 +1,4 @@
-"""models/mrope.py against the rule the Qwen-VL checkpoints were trained with, and against
+"""models/layers/mrope.py against the rule the Qwen-VL checkpoints were trained with, and against
 transformers' `get_rope_index` of tiny Qwen2-VL and Qwen2.5-VL models wherever transformers 5.23
 follows that rule (everything except text after a video; see the pinned test below)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.mrope import decode_positions, mrope_positions, window_positions
+from models.layers.mrope import decode_positions, mrope_positions, window_positions
 
 IMAGE, VIDEO, START, END = 60, 61, 62, 63
 MERGE = 2
@@ -162,7 +162,7 @@ def test_transformers_5_23_reuses_positions_after_a_long_video(qwen2_5_vl):
     """Pins the transformers 5.23 behaviour we deliberately do not follow: after a video whose
     time extent (here 3 temporal patches x 2 tokens/s) exceeds its 2x2 merged grid, its next
     text position is start + max(h, w) / merge, inside the video's time range. If this test
-    starts failing, transformers changed the rule: recheck models/mrope.py against it."""
+    starts failing, transformers changed the rule: recheck models/layers/mrope.py against it."""
     ids, images, videos = prompt(4, ("video", (3, 4, 4)), 5)
     expected, _ = hf_positions(qwen2_5_vl, ids, images, videos, [1.0])
     positions, _ = ours(ids, images, videos, [1.0], tokens_per_second=2)

@@ -1,4 +1,4 @@
-"""Our own CPU kernels (models/native_kernels.c) against float64 references: matrix-vector
+"""Our own CPU kernels (models/kernels/cpu/kernels.c) against float64 references: matrix-vector
 linears (float32, bfloat16, int8 and int4 weights), dequantizers, the fused small ops of a decode
 step against the PyTorch ops they replace, paged decode attention (grouped-query heads,
 sliding windows, soft-caps, tables that start past block 0), the build cache and the fallback
@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import native
-from models.kernel_choice import BUCKETS
-from models.linear_kernels import Linear
-from models.quantization import (
+from models.kernels import native
+from models.kernels.choice import BUCKETS
+from models.kernels.linear import Linear
+from models.kernels.quantization import (
     dequantize_int4,
     dequantize_int8,
     pack_int4,
@@ -161,8 +161,8 @@ def test_int4_dequantizer_rounds_once_and_reads_any_block_range(kernels, dtype, 
 
 
 def test_native_linear_is_a_planned_candidate_for_few_rows_only(kernels):
-    from models.kernel_plan import candidates
-    from models.quantization import QuantizedLinear
+    from models.kernels.plan import candidates
+    from models.kernels.quantization import QuantizedLinear
 
     layer = Linear(64, 32)
     assert [("native" in candidates(layer, r, torch.bfloat16)) for r in (1, 4, 32, 128)] == [
@@ -182,7 +182,7 @@ def test_fused_norm_matches_the_pytorch_ops_it_replaces(kernels, dtype, unit_off
     """RMSNorm at a decode's rows (our kernel, the residual add fused) against the same module
     on more rows than FUSED_ROWS (PyTorch's operators): equal up to float32 summation order,
     i.e. at most one bfloat16 rounding step apart."""
-    from models.layers import RMSNorm
+    from models.layers.basic import RMSNorm
 
     gen = torch.Generator().manual_seed(1)
     norm = RMSNorm(96, 1e-6, unit_offset, fused_decode=True).to(dtype)
@@ -206,7 +206,7 @@ def test_fused_norm_matches_the_pytorch_ops_it_replaces(kernels, dtype, unit_off
 def test_fused_rotary_and_silu_match_the_pytorch_ops(kernels, dtype):
     """The rotation rounds exactly where PyTorch's elementwise ops round (bit-equal); SiLU and
     multiply within one rounding of the dtype (a different exp)."""
-    from models.layers import GatedMLP, apply_rotary
+    from models.layers.basic import GatedMLP, apply_rotary
 
     gen = torch.Generator().manual_seed(2)
     qkv = torch.randn(3, 7 * 16 + 40, generator=gen).to(dtype)
@@ -287,7 +287,7 @@ def test_decode_attention_matches_float64(kernels, dtype, dim, window, softcap):
 
 def test_paged_attention_takes_the_native_decode_kernel(kernels):
     """Through the engine's metadata: decodes in two buckets beside a chunk, sliding window."""
-    from models.attention import LayerAttention, build_metadata, paged_attention
+    from models.layers.attention import LayerAttention, build_metadata, paged_attention
 
     gen = torch.Generator().manual_seed(1)
     cpu = torch.device("cpu")
@@ -325,7 +325,7 @@ def test_build_is_cached_and_keyed_by_source(kernels, tmp_path, monkeypatch):
 
 
 def test_without_a_compiler_the_engine_keeps_pytorch_kernels(monkeypatch):
-    from models.kernel_plan import candidates
+    from models.kernels.plan import candidates
 
     monkeypatch.setenv("CC", "/nonexistent/cc")
     kernels, detail = native._load()
@@ -358,7 +358,7 @@ def native_everywhere(kernels, monkeypatch):
     """Engines built in the test decode through our kernels wherever one exists: decode
     attention, and every linear's 1-row and 2-8-row buckets (int8 and int4 too)."""
     import engine.model_runner as runner
-    from models.quantization import QuantizedLinear
+    from models.kernels.quantization import QuantizedLinear
 
     def plan(model, dtype, *args, **kwargs):
         for module in model.modules():
@@ -378,7 +378,7 @@ def native_everywhere(kernels, monkeypatch):
 def test_decode_logits_and_greedy_tokens_match_transformers(text_model, hf_models,
                                                             native_everywhere):
     from engine import LLM, SamplingParams
-    from models.attention import build_metadata
+    from models.layers.attention import build_metadata
 
     hf = hf_models(text_model)
     llm = LLM(text_model, dtype="float32", max_model_len=256, block_size=4)

@@ -1,4 +1,4 @@
-"""Our quantized GEMM for a prefill's rows (models/native_gemm_quantized.c: int8 / int4 weights
+"""Our quantized GEMM for a prefill's rows (models/kernels/cpu/gemm_quantized.c: int8 / int4 weights
 dequantized a panel at a time in cache) against float64 references, at the edges of its
 blocking (rows past a register tile and past a packed chunk, inputs past a panel, channels
 past a tile), as a planned candidate, and through the engine against the dequantized
@@ -18,10 +18,10 @@ import os
 import pytest
 import torch
 
-from models import native
-from models.kernel_plan import candidates, panel_gemm_takes
-from models.linear_kernels import QUANTIZED_KERNELS
-from models.quantization import QuantizedLinear, pack_int4, quantize_int4, quantize_int8
+from models.kernels import native
+from models.kernels.linear import QUANTIZED_KERNELS
+from models.kernels.plan import candidates, panel_gemm_takes
+from models.kernels.quantization import QuantizedLinear, pack_int4, quantize_int4, quantize_int8
 
 
 @pytest.fixture(scope="module")

@@ -16,11 +16,10 @@ import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from models import linear_kernels, native, quantization
-from models.attention import LayerAttention
-from models.decoder import CausalLM, DecoderConfig
-from models.kernel_choice import BUCKETS
-from models.quantization import (
+from models.kernels import linear as linear_kernels
+from models.kernels import native, quantization
+from models.kernels.choice import BUCKETS
+from models.kernels.quantization import (
     QuantizedLinear,
     dequantize_int4,
     dequantize_int4_values,
@@ -28,6 +27,8 @@ from models.quantization import (
     quantize_language_model,
     unpack_int4,
 )
+from models.layers.attention import LayerAttention
+from models.layers.decoder import CausalLM, DecoderConfig
 
 # Relative error bounds (||out - ref|| / ||ref||) and the lowest row cosine on a 896x4864
 # linear (Qwen2-0.5B's down_proj) with N(0, 0.02) weights; measured 0.0091 / 0.078 / 0.089 /

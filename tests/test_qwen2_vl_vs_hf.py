@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from models import qwen2_vl_processor
+from models.qwen_vl import processor as qwen2_vl_processor
 from tests.helpers import (
     assert_released,
     assert_top_logprobs,

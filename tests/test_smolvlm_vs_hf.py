@@ -162,7 +162,7 @@ def test_spans_mark_image_tokens_and_keep_structure_tokens_as_text(smolvlm_path)
 def test_pixels_equal_transformers_image_processor(tmp_path):
     import transformers
 
-    from models.idefics3_preprocess import Idefics3PreprocessConfig, preprocess_image
+    from models.idefics3.preprocess import Idefics3PreprocessConfig, preprocess_image
 
     sizes = [(90, 150), (170, 50), (33, 33), (7, 200), (301, 97)]
     settings = [

@@ -15,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine import LLM
-from models.attention import build_metadata
+from models.layers.attention import build_metadata
 
 ROOT = Path(__file__).resolve().parents[1]
 SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "item", "equal", "is_nonzero"}
@@ -63,7 +63,7 @@ def test_vision_tower_and_splice_have_no_host_sync(qwen2_vl_path):
     from engine.request import MultiModalFeature, PlaceholderRange, Request
     from engine.sampling_params import SamplingParams
     from engine.scheduler import ScheduledChunk
-    from models.qwen_vl_vision import build_vision_batch
+    from models.encoders.qwen_vl import build_vision_batch
 
     runner = LLM(qwen2_vl_path, max_model_len=256).engine.runner
     model = runner.model
@@ -94,7 +94,7 @@ def test_deepstack_tower_splice_and_decoder_have_no_host_sync(tmp_path):
     from engine.request import MultiModalFeature, PlaceholderRange, Request
     from engine.sampling_params import SamplingParams
     from engine.scheduler import ScheduledChunk
-    from models.qwen_vl_vision import build_vision_batch
+    from models.encoders.qwen_vl import build_vision_batch
     from testing.qwen3_vl import build_qwen3_vl_model
 
     runner = LLM(build_qwen3_vl_model(tmp_path / "m"), max_model_len=256).engine.runner
@@ -140,9 +140,25 @@ def _model_files() -> list[str]:
     while pending:
         module = pending.pop()
         seen.add(module)
-        source = (ROOT / (module.replace(".", "/") + ".py")).read_text()
-        pending |= set(re.findall(r"^from (models\.\w+) import", source, re.M)) - seen
-    return sorted(m.replace(".", "/") + ".py" for m in seen)
+        pending |= set(_imported_models_modules(_module_path(module).read_text())) - seen
+    return sorted(str(_module_path(m).relative_to(ROOT)) for m in seen)
+
+
+def _module_path(module: str) -> Path:
+    base = ROOT / module.replace(".", "/")
+    return base.with_suffix(".py") if base.with_suffix(".py").exists() else base / "__init__.py"
+
+
+def _imported_models_modules(source: str) -> list[str]:
+    """`models.*` modules a source imports at its top level: `from models.x.y import a` gives
+    models.x.y, and `from models.x import y` gives models.x.y where y is a module."""
+    found = []
+    for module, names in re.findall(r"^from (models(?:\.\w+)+) import ([\w, ]+)$", source, re.M):
+        found.append(module)
+        for name in (n.split(" as ")[0].strip() for n in names.split(",")):
+            if (ROOT / module.replace(".", "/") / f"{name}.py").exists():
+                found.append(f"{module}.{name}")
+    return found
 
 
 FORWARD_FILES = _model_files()
@@ -150,21 +166,22 @@ HOST_READS = re.compile(r"\.(tolist|item|cpu|numpy)\(\)|torch\.nonzero|\bint\(\w
 
 
 def test_the_file_list_covers_every_family():
-    for path in ("models/attention.py", "models/layers.py", "models/decoder.py",
-                 "models/qwen2_vl.py", "models/qwen_vl_vision.py", "models/qwen2_audio.py"):
+    for path in ("models/layers/attention.py", "models/layers/basic.py",
+                 "models/layers/decoder.py", "models/qwen_vl/model.py",
+                 "models/encoders/qwen_vl.py", "models/qwen2_audio/model.py"):
         assert path in FORWARD_FILES
 
 
 @pytest.mark.parametrize("path", FORWARD_FILES)
 def test_forward_sources_never_read_tensors_back(path):
     source = (ROOT / path).read_text()
-    if path == "models/attention.py":  # build_metadata runs on the host
+    if path == "models/layers/attention.py":  # build_metadata runs on the host
         source = source[source.index("def paged_attention") :]
     assert not HOST_READS.search(source), HOST_READS.search(source)
 
 
 def test_audio_encoder_has_no_host_sync(qwen2_audio_path):
-    from models.qwen2_audio import build_audio_batch, encoder_lengths, receptive_frames
+    from models.qwen2_audio.model import build_audio_batch, encoder_lengths, receptive_frames
 
     model = LLM(qwen2_audio_path, max_model_len=256).engine.runner.model
     frames = [3000, 201, 57]  # a full window and two shorter clips
@@ -174,5 +191,5 @@ def test_audio_encoder_has_no_host_sync(qwen2_audio_path):
         embeds = model.multi_modal_projector.linear(model.audio_tower(batch))
     assert rec.seen == []
     assert embeds.shape[0] == sum(encoder_lengths(n)[1] for n in frames)
-    source = (ROOT / "models/qwen2_audio.py").read_text()
+    source = (ROOT / "models/qwen2_audio/model.py").read_text()
     assert not HOST_READS.search(source), HOST_READS.search(source)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from models.attention import build_metadata
+from models.layers.attention import build_metadata
 
 ATOL = 3e-4
 GEMMA3_1B_SHAPE = {  # Gemma 3 1B's proportions, shrunk: 6 layers, 5 local : 1 global

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import WhisperFeatureExtractor
 
-from models.whisper_features import LogMelExtractor, MelConfig, slaney_mel_filters
+from models.processing.log_mel import LogMelExtractor, MelConfig, slaney_mel_filters
 from tests.media_fixtures import tone
 
 

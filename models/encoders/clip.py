@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from models.layers.vit import Segments, ViTConfig, vit_blocks
 from models.loader import Shard
-from models.vit import Segments, ViTConfig, vit_blocks
 
 
 @dataclass(frozen=True)

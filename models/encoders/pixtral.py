@@ -1,6 +1,6 @@
 """Pixtral's vision encoder (Pixtral-12B, Mistral Small 3.1), on the shared ViT blocks.
 
-Each image keeps its own size (multiples of the patch size, see models/pixtral_preprocess.py).
+Each image keeps its own size (multiples of the patch size, see models/mistral3/preprocess.py).
 All images of a step are cut into patches and packed into one sequence: one matmul embeds every
 patch (the checkpoint's bias-free convolution), an RMSNorm (`ln_pre`) follows, and the blocks
 (RMSNorm, no biases, gated MLP) attend block-diagonally, one `Segments` entry per image, with
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from models.layers import RMSNorm, to_device
+from models.layers.basic import RMSNorm, to_device
+from models.layers.vit import Segments, ViTConfig, vit_blocks
 from models.loader import Shard
-from models.vit import Segments, ViTConfig, vit_blocks
 
 NORM_EPS = 1e-5  # Pixtral's norms; the config does not carry it
 

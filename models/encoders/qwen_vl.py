@@ -3,11 +3,10 @@
 Patches of all items (images and videos, from any requests) are concatenated into one sequence;
 attention never crosses an item's frame: each frame is a segment (Qwen2-VL), and Qwen2.5-VL's
 windowed layers use smaller segments (windows of merged patches, after reordering the patches
-window by window). The blocks are the shared ViT blocks (models/vit.py) with 2-D rotary angles;
-segments are padded into a batch on the host, so the forward is one SDPA call per layer with a
-key-padding mask, no host sync and no Python loop per item. The merger fuses each 2x2 block of
-patches into one LLM embedding; `VisionBatch.sizes` splits the output back per item.
-"""
+window by window). The blocks are the shared ViT blocks (models/layers/vit.py) with 2-D rotary
+angles; segments are padded into a batch on the host, so the forward is one SDPA call per layer with
+a key-padding mask, no host sync and no Python loop per item. The merger fuses each 2x2 block of
+patches into one LLM embedding; `VisionBatch.sizes` splits the output back per item."""
 
 from __future__ import annotations
 
@@ -18,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers import to_device
-from models.projectors import PatchMerger
-from models.vit import Segments, ViTConfig, vit_blocks
+from models.layers.basic import to_device
+from models.layers.projectors import PatchMerger
+from models.layers.vit import Segments, ViTConfig, vit_blocks
 
 
 @dataclass

@@ -1,12 +1,12 @@
-"""Gemma 3 with vision (Gemma3ForConditionalGeneration): the Gemma decoder (models/decoder.py,
-`gemma_features`: interleaved local sliding-window and global layers with their own rope bases)
-fed by a SigLIP tower and a pooling projector.
+"""Gemma 3 with vision (Gemma3ForConditionalGeneration): the Gemma decoder
+(models/layers/decoder.py, `gemma_features`: interleaved local sliding-window and global layers with
+their own rope bases) fed by a SigLIP tower and a pooling projector.
 
 An encoder item is one image or one pan-and-scan crop, resized to the tower's size: its final
 hidden states (after `post_layernorm`) are average-pooled from a patches x patches grid down to
 `mm_tokens_per_image` (a square), RMS-normed with (1 + w) and projected by a matrix into the
 decoder's width. The decoder attends to the tokens of one image both ways (their placeholder
-spans are bidirectional, see models/attention.py).
+spans are bidirectional, see models/layers/attention.py).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.clip_vision import ClipVisionConfig, ClipVisionTower, vlm_checkpoint_map
-from models.decoder import Decoder, DecoderConfig, gemma_features
+from models.encoders.clip import ClipVisionConfig, ClipVisionTower, vlm_checkpoint_map
 from models.interfaces import EncoderItem
-from models.layers import RMSNorm, to_device
+from models.layers.basic import RMSNorm, to_device
+from models.layers.decoder import Decoder, DecoderConfig, gemma_features
 
 
 class PoolingProjector(nn.Module):
@@ -75,5 +75,5 @@ class Gemma3ForConditionalGeneration(Decoder):
         return list(self.multi_modal_projector(states).unbind(0))
 
     def checkpoint_map(self) -> Callable:
-        """See models.clip_vision.vlm_checkpoint_map."""
+        """See models.encoders.clip.vlm_checkpoint_map."""
         return vlm_checkpoint_map(self, ("multi_modal_projector.",))

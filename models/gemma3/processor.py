@@ -22,8 +22,6 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from engine.hashing import hash_image
-from models.clip_preprocess import ClipPreprocessConfig, preprocess_clip
 from models.interfaces import (
     MultiModalFeature,
     PlaceholderRange,
@@ -31,12 +29,14 @@ from models.interfaces import (
     ProcessorContext,
     PromptPlan,
 )
-from models.processor_base import (
+from models.llava.preprocess import ClipPreprocessConfig, preprocess_clip
+from models.processing.base import (
     ProcessedCache,
     ProcessorDefaults,
     check_mm_kwargs,
     hashed_and_processed,
 )
+from models.processing.hashing import hash_image
 
 _KWARGS = ("do_pan_and_scan", "pan_and_scan_min_crop_size", "pan_and_scan_max_num_crops",
            "pan_and_scan_min_ratio_to_activate")

@@ -1,12 +1,12 @@
-"""Idefics3 and SmolVLM / SmolVLM2: a SigLIP tower (models/clip_vision.py, its last hidden state
-after `post_layernorm`), the pixel-shuffle connector (models/pixel_shuffle.py) and a Llama
-decoder (models/decoder.py).
+"""Idefics3 and SmolVLM / SmolVLM2: a SigLIP tower (models/encoders/clip.py, its last hidden state
+after `post_layernorm`), the pixel-shuffle connector (models/layers/pixel_shuffle.py) and a Llama
+decoder (models/layers/decoder.py).
 
 An encoder item is one image (its tiles row-major, then the global image) or one video (its
 frames); every tile and frame is one tower input of tile x tile pixels, and becomes
 (patches per side / scale_factor)^2 embeddings. All tiles and frames of a step go through the
 tower in one forward; an item's embeddings are its tiles' in order, which is the order of the
-`<image>` runs inside its span (models/idefics3_processor.py).
+`<image>` runs inside its span (models/idefics3/processor.py).
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from models.clip_vision import ClipVisionConfig, ClipVisionTower
-from models.decoder import Decoder, DecoderConfig, text_features
+from models.encoders.clip import ClipVisionConfig, ClipVisionTower
 from models.interfaces import EncoderItem
-from models.layers import to_device
-from models.pixel_shuffle import PixelShuffleProjector
+from models.layers.basic import to_device
+from models.layers.decoder import Decoder, DecoderConfig, text_features
+from models.layers.pixel_shuffle import PixelShuffleProjector
 
 
 def tokens_per_tile(hf_config) -> int:

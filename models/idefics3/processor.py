@@ -7,7 +7,7 @@ per tile then "\\n"; then "\\n<fake_token_around_image><global-img>" + `<image>`
 `<fake_token_around_image>` for the global image (an image of one tile: only that last part).
 A video reads "You are provided the following series of {count} frames from a {H:MM:SS}
 [H:MM:SS] video.\\n", then per frame "\\nFrame from {MM:SS}:" and the one-tile text, then
-"\\n\\n". L is the tokens of one tile (models/idefics3.py).
+"\\n\\n". L is the tokens of one tile (models/idefics3/model.py).
 
 Videos are sampled by the media layer as the reference's video processor samples them: at its
 rate (`video_sampling.fps`), at most its `max_frames`, spread over the source frames from the
@@ -28,10 +28,9 @@ from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
-from engine.hashing import hash_image, hash_video
 from engine.media.sampling import MAX_FPS
-from models.idefics3 import tokens_per_tile
-from models.idefics3_preprocess import (
+from models.idefics3.model import tokens_per_tile
+from models.idefics3.preprocess import (
     MAX_IMAGE_SIDE,
     Idefics3PreprocessConfig,
     frame_clock,
@@ -48,13 +47,14 @@ from models.interfaces import (
     ProcessorContext,
     PromptPlan,
 )
-from models.mm_options import OptionRange
-from models.processor_base import (
+from models.processing.base import (
     ProcessedCache,
     ProcessorDefaults,
     check_mm_kwargs,
     hashed_and_processed,
 )
+from models.processing.hashing import hash_image, hash_video
+from models.processing.options import OptionRange
 
 FAKE, GLOBAL, IMAGE, VIDEO = "<fake_token_around_image>", "<global-img>", "<image>", "<video>"
 _FRAME_BEFORE = re.compile(r"Frame from \d\d:\d\d:$")

@@ -57,8 +57,9 @@ def cache_path(cpu: str | None = None, torch_version: str | None = None,
                native_build: str | None = None, rules: int | None = None) -> Path:
     """kernels-<cpu model>-<torch version>[-native-<build>][-plan<rules>].json under
     $MMSERVE_KERNEL_CACHE, else $MMSERVE_CACHE, else ~/.cache/mmserve. `native_build`
-    identifies the build of our own kernels (models.native) among the candidates, `rules` the
-    version of the plan's candidates and choosing rules: either new is timed afresh."""
+    identifies the build of our own kernels (models.kernels.native) among the candidates,
+    `rules` the version of the plan's candidates and choosing rules: either new is timed
+    afresh."""
     root = os.environ.get(CACHE_ENV) or os.environ.get("MMSERVE_CACHE")
     base = Path(root) if root else Path.home() / ".cache" / "mmserve"
     name = f"kernels-{cpu or cpu_model()}-{torch_version or torch.__version__}"

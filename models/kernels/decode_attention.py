@@ -1,4 +1,4 @@
-"""Which decode attention kernel runs on this machine: each candidate of models.attention's
+"""Which decode attention kernel runs on this machine: each candidate of models.layers.attention's
 KERNELS (ours where it builds) timed once per head shape and dtype, on decode steps run end to
 end out of a paged cache."""
 
@@ -9,8 +9,14 @@ import time
 
 import torch
 
-from models import native
-from models.attention import AttentionGroup, LayerAttention, _attend_group, _decode_view, _Shape
+from models.kernels import native
+from models.layers.attention import (
+    AttentionGroup,
+    LayerAttention,
+    _attend_group,
+    _decode_view,
+    _Shape,
+)
 
 log = logging.getLogger(__name__)
 

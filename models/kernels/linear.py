@@ -1,15 +1,14 @@
 """The formulations a CPU linear can run, and `Linear`, which runs the one planned for its
-input's row count (models.kernel_plan decides by measurement; models.kernel_choice keeps the
+input's row count (models.kernels.plan decides by measurement; models.kernels.choice keeps the
 bookkeeping).
 
 Dense weights: F.linear; (W @ x^T)^T; torch.mv for one row; oneDNN with the weight prepacked
 once (kept beside the dense weight, so choosing it costs that memory again); our own
-matrix-vector kernel (models.native) for a few rows. Quantized weights (models.quantization):
-PyTorch's int kernel, ours, a dense GEMM on the weight dequantized per call (many rows are
-compute-bound, where the int kernels are slower; our dequantizer where it builds), for a float32
-model also in bfloat16, or our GEMM that dequantizes a panel at a time in cache (no dequantized
-copy written out and read back).
-"""
+matrix-vector kernel (models.kernels.native) for a few rows. Quantized weights
+(models.kernels.quantization): PyTorch's int kernel, ours, a dense GEMM on the weight dequantized
+per call (many rows are compute-bound, where the int kernels are slower; our dequantizer where it
+builds), for a float32 model also in bfloat16, or our GEMM that dequantizes a panel at a time in
+cache (no dequantized copy written out and read back)."""
 
 from __future__ import annotations
 
@@ -20,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import native
-from models.kernel_choice import BASELINE, bucket_index
+from models.kernels import native
+from models.kernels.choice import BASELINE, bucket_index
 
 Kernel = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
@@ -66,7 +65,7 @@ def _dequantized(layer: nn.Module, x: torch.Tensor, weight_first: bool) -> torch
 
 
 TILE_BYTES = 4 << 20  # a dequantized tile of a weight: well inside a last-level cache
-TILE_ROWS = 64  # tiles start on a block of the int4 pack (models.quantization.INT4_BLOCK_N)
+TILE_ROWS = 64  # tiles start on a block of the int4 pack (models.kernels.quantization.INT4_BLOCK_N)
 MIN_TILE_ROWS = 1024  # thinner tiles make thin GEMMs (a long-k weight is dequantized whole)
 
 
@@ -155,7 +154,7 @@ def run_kernel(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 class Linear(nn.Linear):
     """nn.Linear that runs, on the CPU, the formulation planned for its input's row-count
-    bucket (`kernels`: one name of KERNELS per models.kernel_choice.BUCKETS; None: F.linear).
+    bucket (`kernels`: one name of KERNELS per models.kernels.choice.BUCKETS; None: F.linear).
     A (W @ x^T)^T result is a transposed view, which the following ops accept."""
 
     is_quantized = False

@@ -1,13 +1,13 @@
-"""Our own CPU kernels (models/native_kernels.c, native_decode_layers.c): built on first use
+"""Our own CPU kernels (the C sources under models/kernels/cpu/): built on first use
 with the machine's C compiler, cached on disk, loaded with ctypes.
 
 The source is compiled with `-O3 -march=native` for the CPU at hand, and linked against the
 OpenMP runtime PyTorch itself loaded, so its parallel loops share PyTorch's thread pool. Where
 that cannot be done (no compiler, a failed build, MMSERVE_NATIVE=0) `load()` returns None and
 says why once; every caller then keeps PyTorch's kernels. Nothing here decides whether a native
-linear or attention kernel runs: models/kernel_plan.py and models/attention.py time it against
-PyTorch's first. The fused small ops (norm, rotary, SiLU-and-multiply) replace several PyTorch
-operators each and run in decoders at up to FUSED_ROWS tokens (`for_small_ops`).
+linear or attention kernel runs: models/kernels/plan.py and models/layers/attention.py time it
+against PyTorch's first. The fused small ops (norm, rotary, SiLU-and-multiply) replace several
+PyTorch operators each and run in decoders at up to FUSED_ROWS tokens (`for_small_ops`).
 
 The shared object is cached as native-<digest>.so under $MMSERVE_KERNEL_CACHE, else
 $MMSERVE_CACHE, else ~/.cache/mmserve, the digest covering the source, the compiler, its flags,
@@ -30,15 +30,14 @@ from pathlib import Path
 
 import torch
 
-from models.kernel_choice import cache_path
+from models.kernels.choice import cache_path
 
 log = logging.getLogger(__name__)
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parent / "cpu"
 # Compiled into one library; the header (shared helpers and declarations) is part of the digest.
-SOURCES = (HERE / "native_kernels.c", HERE / "native_decode_layers.c",
-           HERE / "native_gemm_quantized.c")
-HEADER = HERE / "native_kernels.h"
+SOURCES = (HERE / "kernels.c", HERE / "decode_layers.c", HERE / "gemm_quantized.c")
+HEADER = HERE / "kernels.h"
 DISABLE_ENV = "MMSERVE_NATIVE"  # "0" keeps PyTorch's kernels only
 BUILD_TIMEOUT_S = 120
 FLAGS = ("-O3", "-march=native", "-fPIC", "-std=gnu11", "-Wno-unknown-pragmas")
@@ -99,7 +98,7 @@ class NativeKernels:
         self._read_sum.argtypes, self._read_sum.restype = [_ptr, _i64, _int], ctypes.c_double
         self._attention = lib.mm_decode_attention
         self._attention.argtypes, self._attention.restype = _ATTENTION_ARGS, _int
-        # A decoder's layers in one call; models.native_decode declares its arguments.
+        # A decoder's layers in one call; models.kernels.native_decode declares its arguments.
         self.decode_layers = lib.mm_decode_layers
 
     @staticmethod
@@ -150,7 +149,7 @@ class NativeKernels:
                        group_size: int = 0) -> torch.Tensor:
         """x [M, K] (float32 / bfloat16) . W^T for many rows, W int8 [N, K] with bfloat16
         scales [N], or int4 in PyTorch's CPU pack (see linear_int4) with group_size, dequantized
-        a cached panel at a time (native_gemm_quantized.c). -> [M, N] in x's dtype. Raises
+        a cached panel at a time (cpu/gemm_quantized.c). -> [M, N] in x's dtype. Raises
         ValueError for a shape it does not take (`gemm_quantized_takes`)."""
         m, k = x.shape
         assert qweight.dtype in (torch.int8, torch.uint8), "int8, or the uint8 int4 pack"

@@ -1,20 +1,20 @@
 """A decoder's decode steps through all of its layers in one native call (`mm_decode_layers`
-of models/native_decode_layers.c), on the CPU.
+of models/kernels/cpu/decode_layers.c), on the CPU.
 
 At a decode's few rows, calling a layer's dozen small operations one by one from Python costs
 about as much as the smaller ones compute. The native call runs the same kernels the modules
-would run at those rows (models.native), in their order and with their roundings, so its
+would run at those rows (models.kernels.native), in their order and with their roundings, so its
 result is theirs to the bit; it only replaces the calls. It therefore takes a step only where
 the modules would run exactly those kernels:
 
 - the layers have the shape the kernel implements (pre-norm residual, gated SiLU MLP, full
   attention without soft-capping; optional q / k norms and biases), with the fused decode ops
   on, which `unsupported` checks once when the runner prepares the model;
-- every linear's planned formulation (models.kernel_plan) for the step's row count is ours
+- every linear's planned formulation (models.kernels.plan) for the step's row count is ours
   ("native"): where PyTorch's measured faster for some layer, the modules run;
 - the step decodes only (one token per request), attended by our paged kernel
-  (models.decode_kernel_choice chose it), at most models.native.FUSED_ROWS tokens, with no
-  per-layer media residuals.
+  (models.kernels.decode_attention chose it), at most models.kernels.native.FUSED_ROWS
+  tokens, with no per-layer media residuals.
 
 `MMSERVE_NATIVE_DECODE=0` keeps the modules (for A/B runs: bench/decode_ab.py).
 """
@@ -27,18 +27,18 @@ import os
 
 import torch
 
-from models import native
-from models.attention import AttentionMetadata
-from models.decoder import Attention, Decoder, DecoderLayer
-from models.kernel_choice import BUCKETS, bucket_index
-from models.layers import GatedMLP, RMSNorm
-from models.linear_kernels import Linear
-from models.quantization import QuantizedLinear
+from models.kernels import native
+from models.kernels.choice import BUCKETS, bucket_index
+from models.kernels.linear import Linear
+from models.kernels.quantization import QuantizedLinear
+from models.layers.attention import AttentionMetadata
+from models.layers.basic import GatedMLP, RMSNorm
+from models.layers.decoder import Attention, Decoder, DecoderLayer
 
 log = logging.getLogger(__name__)
 
 DISABLE_ENV = "MMSERVE_NATIVE_DECODE"  # "0": decode steps through the modules
-FORMATS = {"dense": 0, "int8": 1, "int4": 2}  # native_decode_layers.c's FORMAT_*
+FORMATS = {"dense": 0, "int8": 1, "int4": 2}  # cpu/decode_layers.c's FORMAT_*
 
 _ptr, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 

@@ -1,8 +1,8 @@
 """Start-up plan of every CPU linear's formulation per row-count bucket, by measurement.
 
 Linears are grouped by weight format, dtype and shape (a decoder has a handful of groups); each
-group's bucket gets the fastest candidate of models.linear_kernels, timed once on this machine
-and cached on disk (models.kernel_choice), F.linear unless another wins by a margin. A group is
+group's bucket gets the fastest candidate of models.kernels.linear, timed once on this machine
+and cached on disk (models.kernels.choice), F.linear unless another wins by a margin. A group is
 timed on its own layers in turn, as a decode step streams them from memory, up to a byte and a
 FLOP budget per call; a group of one huge matrix (the LM head), or a layer too large for the
 FLOP budget at a prefill's row count, is timed on its first output channels.
@@ -17,8 +17,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from models import native
-from models.kernel_choice import (
+from models.kernels import native
+from models.kernels.choice import (
     BASELINE,
     BUCKETS,
     PROBE_ROWS,
@@ -28,13 +28,13 @@ from models.kernel_choice import (
     choose,
     measure,
 )
-from models.linear_kernels import (
+from models.kernels.linear import (
     KERNELS,
     QUANTIZED_KERNELS,
     Linear,
     dequantization_tiles,
 )
-from models.quantization import INT4_BLOCK_N, QuantizedLinear, int4_layout_known
+from models.kernels.quantization import INT4_BLOCK_N, QuantizedLinear, int4_layout_known
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,8 @@ def candidates(layer: nn.Module, rows: int, dtype: torch.dtype) -> list[str]:
 
 
 def panel_gemm_takes(layer: QuantizedLinear) -> bool:
-    """Whether our panel-dequantizing GEMM (models/native_gemm_quantized.c) takes this layer."""
+    """Whether our panel-dequantizing GEMM (models/kernels/cpu/gemm_quantized.c) takes this
+    layer."""
     kernels = native.load()
     if kernels is None:
         return False
@@ -152,7 +153,7 @@ def _choose(key: str, rows: int, names: list[str], group: list[nn.Module],
             dtype: torch.dtype, cache: KernelCache, timer: Timer) -> str:
     """One bucket's choice for a group: cached, or timed on the group's layers. Where ours is
     a candidate (a decode's rows) it is the one kept on a tie: a decoder whose linears all run
-    ours takes its decode steps in one native call (models.native_decode), which saves more
+    ours takes its decode steps in one native call (models.kernels.native_decode), which saves more
     than the margin a tie allows; PyTorch's must beat ours by the margin to be chosen. So is
     our quantized GEMM at a prefill's rows: its result is contiguous, where the dequantized
     `_t` formulations' is a transposed view whose cost falls on the operations after the

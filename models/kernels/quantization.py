@@ -20,7 +20,7 @@ import logging
 import torch
 from torch import nn
 
-from models.linear_kernels import Linear, run_kernel
+from models.kernels.linear import Linear, run_kernel
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class QuantizedLinear(nn.Module):
     The kernels take bfloat16 activations (a float32 input goes through a path tens of times
     slower), so the input is cast to bfloat16 and the output back to the input's dtype. Which
     formulation runs for a row-count bucket (the int kernel or a dequantized F.linear) is set by
-    `models.kernel_plan.plan_linears`; until then the int kernel runs.
+    `models.kernels.plan.plan_linears`; until then the int kernel runs.
     """
 
     is_quantized = True

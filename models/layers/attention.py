@@ -18,8 +18,8 @@ length. `build_metadata` splits the step, on the host, into attention groups:
 Each group reads only the cache blocks its layers can see: a sliding-window layer starts at the
 block holding its first visible key. Keys are gathered from those blocks per layer (PyTorch has
 no paged kernel on the CPU); the gather is bounded by the group's own context. Decodes may
-instead take our own paged kernel (models.native), which reads the keys in place, where it
-measured faster on this machine (models.decode_kernel_choice).
+instead take our own paged kernel (models.kernels.native), which reads the keys in place, where it
+measured faster on this machine (models.kernels.decode_attention).
 
 Layers differ in how they attend (`LayerAttention`: sliding window, logit soft-cap), so the
 metadata holds one key view per distinct window. Bidirectional spans (media whose tokens see
@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from models import native
-from models.attention_varlen import BACKENDS, VarlenBatch, build_varlen, varlen_attention
-from models.layers import to_device
+from models.kernels import native
+from models.layers.attention_varlen import BACKENDS, VarlenBatch, build_varlen, varlen_attention
+from models.layers.basic import to_device
 
 # A decode bucket's padded work (longest context x members) stays within this factor of the
 # sum of its members' contexts.
@@ -146,7 +146,7 @@ def build_metadata(
     `bidirectional`: per chunk, the absolute [lo, hi) spans inside it whose tokens see each
     other both ways (each lies wholly inside its chunk). `decode_kernel`: see
     `choose_decode_kernel`. `backend` "flash_attn": every request without a bidirectional span
-    goes through one varlen call (models/attention_varlen.py), the rest through SDPA groups.
+    goes through one varlen call (models/layers/attention_varlen.py), the rest through SDPA groups.
     """
     if decode_kernel not in KERNELS:
         raise ValueError(f"decode_kernel must be one of {KERNELS}, got {decode_kernel!r}")

@@ -1,7 +1,7 @@
 """Small building blocks shared by our decoders and encoders: RMSNorm, gated MLP, rotary tables,
 and the one way host-built tensors reach the device. In decoders (`fused_decode`), at a decode
 step's few rows on the CPU, the norm (with the residual add before it), SiLU-and-multiply and the
-rotation run as one call each of our own kernels (models.native), rounding where the PyTorch
+rotation run as one call each of our own kernels (models.kernels.native), rounding where the PyTorch
 operators they replace round."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import native
-from models.linear_kernels import Linear
+from models.kernels import native
+from models.kernels.linear import Linear
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -67,7 +67,7 @@ class RMSNorm(nn.Module):
         return native.for_small_ops(x)
 
     def norm_mode(self, dtype: torch.dtype) -> str:
-        """The convention of models.native.NORM_MODES this norm computes in `dtype`."""
+        """The convention of models.kernels.native.NORM_MODES this norm computes in `dtype`."""
         if self.unit_offset:
             return "unit_offset"
         return "float32" if dtype == torch.float32 else "reduced"

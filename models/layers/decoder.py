@@ -1,6 +1,6 @@
 """The pre-norm decoder shared by every family, assembled from options named by feature.
 
-GQA attention over the paged cache (models.attention) with q/k/v fused into one matmul, RoPE
+GQA attention over the paged cache (models.layers.attention) with q/k/v fused into one matmul, RoPE
 from precomputed tables (one per distinct rope setting: Gemma 3's local and global layers use
 different bases), RMSNorm, a gated MLP with gate/up fused. Options: bias on q/k/v and on o,
 RMSNorm over each head's q and k (`qk_norm`), norms that scale by (1 + w) (`norm_unit_offset`),
@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from models.attention import AttentionMetadata, LayerAttention, paged_attention
 from models.interfaces import EncoderItem
-from models.layers import GatedMLP, RMSNorm, RotaryTable, apply_rotary
-from models.linear_kernels import Linear
+from models.kernels.linear import Linear
+from models.layers.attention import AttentionMetadata, LayerAttention, paged_attention
+from models.layers.basic import GatedMLP, RMSNorm, RotaryTable, apply_rotary
 from models.loader import Shard
 
 if TYPE_CHECKING:
-    from models.native_decode import NativeDecode
+    from models.kernels.native_decode import NativeDecode
 
 
 @dataclass(frozen=True)
@@ -265,8 +265,9 @@ class Decoder(nn.Module):
 
     def prepare_decode(self) -> bool:
         """Once the KV caches are bound and the linears planned, on the CPU: run the decode
-        steps it can take through one native call (models.native_decode). Whether any will."""
-        from models.native_decode import NativeDecode  # it builds on this module's classes
+        steps it can take through one native call (models.kernels.native_decode). Whether any
+        will."""
+        from models.kernels.native_decode import NativeDecode  # it builds on this module's classes
 
         self.native_decode = NativeDecode.build(self)
         return self.native_decode is not None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.layers import ACTIVATIONS, RMSNorm
+from models.layers.basic import ACTIVATIONS, RMSNorm
 
 
 class MLPProjector(nn.Module):

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers import ACTIVATIONS, GatedMLP, RMSNorm, to_device
+from models.layers.basic import ACTIVATIONS, GatedMLP, RMSNorm, to_device
 
 
 @dataclass

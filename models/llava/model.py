@@ -9,7 +9,7 @@ letterboxed the image into the grid's resolution), appends the learned `image_ne
 row, and puts the base image's features first. The processor counts tokens with the same
 arithmetic (`unpad_bounds`), so counts and embeddings always agree.
 
-A checkpoint with a Pixtral tower (Pixtral-12B) is served by models/mistral3.py's PixtralVLM
+A checkpoint with a Pixtral tower (Pixtral-12B) is served by models/mistral3/model.py's PixtralVLM
 (see the registry's vision-tower variants).
 """
 
@@ -20,17 +20,17 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from models.clip_preprocess import unpad_bounds
-from models.clip_vision import (
+from models.encoders.clip import (
     ClipVisionConfig,
     ClipVisionTower,
     select_features,
     vlm_checkpoint_map,
 )
-from models.decoder import Decoder, DecoderConfig, text_features
 from models.interfaces import EncoderItem
-from models.layers import to_device
-from models.projectors import MLPProjector
+from models.layers.basic import to_device
+from models.layers.decoder import Decoder, DecoderConfig, text_features
+from models.layers.projectors import MLPProjector
+from models.llava.preprocess import unpad_bounds
 
 
 class LlavaForConditionalGeneration(Decoder):

@@ -5,7 +5,7 @@ model emits for that image, one span per image. LLaVA-1.5: the tower's patches o
 center-cropped image (less the class token with the "default" feature strategy). LLaVA-NeXT:
 the base image's patches, then the unpadded grid of its tiles with one newline per row, counted
 with the same `unpad_bounds` the model cuts with, so the count and the embeddings agree.
-A checkpoint with a Pixtral tower is served by models/pixtral_processor.py instead (see the
+A checkpoint with a Pixtral tower is served by models/mistral3/processor.py instead (see the
 registry's vision-tower variants).
 """
 
@@ -16,20 +16,19 @@ from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
-from engine.hashing import hash_image
-from models.clip_preprocess import (
+from models.interfaces import (
+    ProcessedPrompt,
+    ProcessorContext,
+    PromptPlan,
+)
+from models.llava.preprocess import (
     ClipPreprocessConfig,
     llava_next_num_image_tokens,
     llava_num_image_tokens,
     preprocess_clip,
     preprocess_llava_next,
 )
-from models.interfaces import (
-    ProcessedPrompt,
-    ProcessorContext,
-    PromptPlan,
-)
-from models.processor_base import (
+from models.processing.base import (
     Expansion,
     ProcessedCache,
     ProcessorDefaults,
@@ -38,6 +37,7 @@ from models.processor_base import (
     expand_placeholders,
     hashed_and_processed,
 )
+from models.processing.hashing import hash_image
 
 
 class LlavaProcessor(ProcessorDefaults):

@@ -1,6 +1,6 @@
 """Mistral Small 3.1 (Mistral3ForConditionalGeneration) and LLaVA with a Pixtral tower
-(Pixtral-12B): a Pixtral vision encoder (models/pixtral_vision.py), a projector, a Mistral or
-Llama decoder (models/decoder.py).
+(Pixtral-12B): a Pixtral vision encoder (models/encoders/pixtral.py), a projector, a Mistral or
+Llama decoder (models/layers/decoder.py).
 
 An encoder item is one image at its own size; every image of a step goes through the tower in
 one forward. Mistral 3's projector RMS-norms the tower's features, concatenates each m x m
@@ -17,12 +17,12 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from models.clip_vision import vlm_checkpoint_map
-from models.decoder import Decoder, DecoderConfig, text_features
+from models.encoders.clip import vlm_checkpoint_map
+from models.encoders.pixtral import PixtralVisionConfig, PixtralVisionTower, build_pixtral_batch
 from models.interfaces import EncoderItem
-from models.layers import RMSNorm
-from models.pixtral_vision import PixtralVisionConfig, PixtralVisionTower, build_pixtral_batch
-from models.projectors import MLPProjector
+from models.layers.basic import RMSNorm
+from models.layers.decoder import Decoder, DecoderConfig, text_features
+from models.layers.projectors import MLPProjector
 
 
 class MergingProjector(MLPProjector):

@@ -16,18 +16,17 @@ from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
-from engine.hashing import hash_image
 from models.interfaces import (
     ProcessedPrompt,
     ProcessorContext,
     PromptPlan,
 )
-from models.pixtral_preprocess import (
+from models.mistral3.preprocess import (
     PixtralPreprocessConfig,
     pixtral_resized_size,
     preprocess_pixtral,
 )
-from models.processor_base import (
+from models.processing.base import (
     Expansion,
     ProcessedCache,
     ProcessorDefaults,
@@ -36,6 +35,7 @@ from models.processor_base import (
     expand_placeholders,
     hashed_and_processed,
 )
+from models.processing.hashing import hash_image
 
 
 class PixtralProcessor(ProcessorDefaults):

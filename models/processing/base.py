@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from models.interfaces import MultiModalFeature, PlaceholderRange, PromptPlan
-from models.mm_options import check_mm_kwargs
+from models.processing.options import check_mm_kwargs
 
 __all__ = [
     "Expansion", "ProcessedCache", "ProcessorDefaults", "check_mm_kwargs",

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.decoder import QWEN2_FEATURES, Decoder, DecoderConfig
-from models.layers import to_device
-from models.vit import Segments, ViTConfig, vit_blocks
+from models.layers.basic import to_device
+from models.layers.decoder import QWEN2_FEATURES, Decoder, DecoderConfig
+from models.layers.vit import Segments, ViTConfig, vit_blocks
 
 
 def encoder_lengths(num_frames: int) -> tuple[int, int]:

@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 
-from engine.hashing import hash_audio
 from engine.media import AudioClip, MediaError
 from models.interfaces import (
     MultiModalFeature,
@@ -35,10 +34,11 @@ from models.interfaces import (
     ProcessorContext,
     PromptPlan,
 )
-from models.mm_options import OptionRange, check_mm_kwargs
-from models.processor_base import ProcessedCache, ProcessorDefaults
-from models.qwen2_audio import encoder_lengths, receptive_frames
-from models.whisper_features import LogMelExtractor, MelConfig
+from models.processing.base import ProcessedCache, ProcessorDefaults
+from models.processing.hashing import hash_audio
+from models.processing.log_mel import LogMelExtractor, MelConfig
+from models.processing.options import OptionRange, check_mm_kwargs
+from models.qwen2_audio.model import encoder_lengths, receptive_frames
 
 DEFAULT_MAX_AUDIO_DURATION_S = 600.0
 _MIN_FRAMES = 3  # the fewest mel frames from which the encoder emits an embedding

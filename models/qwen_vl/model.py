@@ -1,5 +1,5 @@
 """Qwen2-VL, Qwen2.5-VL and Qwen3-VL: a Qwen decoder with multimodal rotary positions (mRoPE)
-and the vision towers of models/qwen_vl_vision.py. Images and videos share the tower, so one
+and the vision towers of models/encoders/qwen_vl.py. Images and videos share the tower, so one
 step's items of both modalities go through it in a single forward.
 
 mRoPE: positions are [3, T] (temporal, row, column). The rotary table is indexed by each row and
@@ -9,7 +9,7 @@ each row for as many frequencies as its section says, the rest from t).
 
 Qwen3-VL's DeepStack: the tower also returns K residuals per item (features of intermediate
 blocks, merged), which the decoder adds to the item's positions after its first K layers; an
-item's encoder output is then [1 + K, n, hidden] (see models/decoder.py `residuals`).
+item's encoder output is then [1 + K, n, hidden] (see models/layers/decoder.py `residuals`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from collections.abc import Callable
 
 import torch
 
-from models.decoder import Decoder, DecoderConfig, text_features
-from models.layers import RotaryTable
+from models.encoders.qwen_vl import VisionConfig, VisionTower, build_vision_batch
+from models.layers.basic import RotaryTable
+from models.layers.decoder import Decoder, DecoderConfig, text_features
 from models.loader import Shard
-from models.qwen_vl_vision import VisionConfig, VisionTower, build_vision_batch
 
 
 class QwenVLForConditionalGeneration(Decoder):

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from engine.hashing import hash_image, hash_video
 from engine.media.sampling import MAX_FPS
 from models.interfaces import (
     MultiModalFeature,
@@ -34,10 +33,11 @@ from models.interfaces import (
     ProcessorContext,
     PromptPlan,
 )
-from models.mm_options import OptionRange, check_mm_kwargs
-from models.mrope import mrope_positions, window_positions
-from models.processor_base import ProcessedCache, ProcessorDefaults, hashed_and_processed
-from models.qwen_vl_preprocess import (
+from models.layers.mrope import mrope_positions, window_positions
+from models.processing.base import ProcessedCache, ProcessorDefaults, hashed_and_processed
+from models.processing.hashing import hash_image, hash_video
+from models.processing.options import OptionRange, check_mm_kwargs
+from models.qwen_vl.preprocess import (
     VisionPreprocessConfig,
     preprocess_image,
     preprocess_video,

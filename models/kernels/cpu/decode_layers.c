@@ -1,8 +1,8 @@
-/* A decoder's decode step through all of its layers in one call (models/native_decode.py).
+/* A decoder's decode step through all of its layers in one call (models/kernels/native_decode.py).
  *
  * At a decode's few rows a layer's work is a dozen small operations, and calling each from
  * Python (module call, dispatch, allocation, thread-pool wake-up) costs about as much as the
- * smaller ones compute. This runs the same kernels of native_kernels.c in the order the
+ * smaller ones compute. This runs the same kernels of kernels.c in the order the
  * modules run them, with the intermediate results in the model dtype as the modules keep them,
  * so that the result is the modules' to the bit (tests/test_native_decode.py). Only the layer
  * shape the modules' fused decode path takes is served: pre-norm residual layers, gated SiLU
@@ -12,7 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "native_kernels.h"
+#include "kernels.h"
 
 #define FORMAT_DENSE 0 /* the weight in the model dtype */
 #define FORMAT_INT8 1  /* int8 per output channel, bfloat16 scales [n] */

@@ -28,7 +28,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "native_kernels.h"
+#include "kernels.h"
 
 #define W_INT8 0
 #define W_INT4 1

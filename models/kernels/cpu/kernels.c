@@ -1,10 +1,10 @@
-/* CPU kernels of our own for the decode step, compiled on the machine at hand by models/native.py
+/* CPU kernels of our own for the decode step, compiled on the machine at hand by models/kernels/native.py
  * (-O3 -march=native, OpenMP from the runtime PyTorch itself loaded) and loaded with ctypes.
  *
  * Plain C: the compiler vectorizes the inner loops (`omp simd`) for whatever vector ISA the CPU
  * has, so one source serves AVX2, AVX-512 and Arm machines. The engine only runs a kernel here
- * where it measured faster than PyTorch's on this machine (models/kernel_plan.py,
- * models/attention.py).
+ * where it measured faster than PyTorch's on this machine (models/kernels/plan.py,
+ * models/layers/attention.py).
  *
  * - mm_linear_*: y[M, N] = x[M, K] . W[N, K]^T for few rows M (decode). A weight row is streamed
  *   once per call and reused from L1 for every row of x, so the kernel runs at the memory
@@ -22,7 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "native_kernels.h"
+#include "kernels.h"
 
 /* rows [M, K] of dtype `dt` -> float32 (a copy when not float32 already; NULL if out of memory) */
 static float* as_f32(const void* x, int dt, int64_t n, int* owned) {

@@ -1,5 +1,5 @@
-/* What the sources of the native library share: dtype codes (models/native.py's DTYPES), element
- * conversions, and the kernels of native_kernels.c that others call (see that file for what each
+/* What the sources of the native library share: dtype codes (models/kernels/native.py's DTYPES), element
+ * conversions, and the kernels of kernels.c that others call (see that file for what each
  * computes). */
 #ifndef MM_NATIVE_KERNELS_H
 #define MM_NATIVE_KERNELS_H
