@@ -63,7 +63,7 @@ def conversation(wave: np.ndarray, before: str, after: str = "Transcribe the aud
 def encoder_flops(cfg, frames: list[int]) -> float:
     """FLOPs of one batched forward: each clip's convolutions over its own receptive frames,
     and the layers over its own positions (nothing is padded)."""
-    from models.qwen2_audio.model import encoder_lengths, receptive_frames
+    from models.encoders.whisper import encoder_lengths, receptive_frames
 
     w = cfg.width
     lengths = [encoder_lengths(f)[0] for f in frames]

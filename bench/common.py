@@ -103,8 +103,6 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
 def decoding_checkpoint(args: argparse.Namespace) -> tuple[Path, str | None]:
     """(checkpoint, quantization or None) from those arguments; without --model,
     bench.generate's checkpoint (Qwen2-0.5B shapes, random weights)."""
-    from bench.generate import build_checkpoint
-
     path = args.model or build_checkpoint()
     return path, None if args.quantization == "none" else args.quantization
 
@@ -126,3 +124,21 @@ def decoding_engine(path: Path, dtype: str, quantization: str | None, max_tokens
     for _ in range(8):  # the prefill and a few decodes
         engine.step()
     return engine
+
+
+QWEN2_05B = dict(
+    hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
+    vocab_size=151936, max_position_embeddings=4096, tie_word_embeddings=True, std=0.02,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+)
+
+
+def build_checkpoint() -> Path:
+    """The text benches' checkpoint (random weights, Qwen2-0.5B shapes), built once."""
+    from testing.tiny import build_text_model
+
+    path = cache_dir("qwen2-0.5b-shapes")
+    if not (path / "config.json").exists():
+        print(f"building a random checkpoint with Qwen2-0.5B shapes in {path} (once)")
+        build_text_model(path, "qwen2", **QWEN2_05B)
+    return path

@@ -29,23 +29,14 @@ from pathlib import Path
 
 import torch
 
-from bench.common import cache_dir, machine, median, memory_bandwidth, print_table, timeit
-
-QWEN2_05B = dict(
-    hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
-    vocab_size=151936, max_position_embeddings=4096, tie_word_embeddings=True, std=0.02,
-    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+from bench.common import (
+    build_checkpoint,
+    machine,
+    median,
+    memory_bandwidth,
+    print_table,
+    timeit,
 )
-
-
-def build_checkpoint() -> Path:
-    from testing.tiny import build_text_model
-
-    path = cache_dir("qwen2-0.5b-shapes")
-    if not (path / "config.json").exists():
-        print(f"building a random checkpoint with Qwen2-0.5B shapes in {path} (once)")
-        build_text_model(path, "qwen2", **QWEN2_05B)
-    return path
 
 
 def decode_bytes_per_token(model) -> int:

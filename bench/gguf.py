@@ -24,7 +24,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from bench.common import cache_dir
+from bench.common import build_checkpoint, cache_dir
 
 CONVERTED = ("f32", "bf16", "q8_0")
 QUANTIZED = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
@@ -102,8 +102,6 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--types", default="f32,bf16,q8_0,q4_0")
     args = parser.parse_args()
-    from bench.generate import build_checkpoint
-
     model = args.model or build_checkpoint()
     for kind in args.types.split(","):
         print(ensure_gguf(model, kind))

@@ -24,8 +24,16 @@ from pathlib import Path
 
 import torch
 
-from bench.common import cache_dir, machine, median, memory_bandwidth, print_table, timeit
-from bench.generate import QWEN2_05B, decode_bytes_per_token
+from bench.common import (
+    QWEN2_05B,
+    cache_dir,
+    machine,
+    median,
+    memory_bandwidth,
+    print_table,
+    timeit,
+)
+from bench.generate import decode_bytes_per_token
 
 LAYERS = 4
 

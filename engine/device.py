@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from models.layers.basic import to_device
+from models.layers.transfer import to_device
 
 __all__ = ["DeviceTimer", "resolve_device", "resolve_dtype", "to_device", "wait_for_device"]
 

@@ -1,5 +1,6 @@
-"""models/llava/preprocess.py against transformers' PIL CLIP / SigLIP / LLaVA / LLaVA-NeXT image
-processors and the LLaVA / LLaVA-NeXT processors' image-token expansion."""
+"""models/processing/clip_image.py and models/llava/preprocess.py against transformers' PIL CLIP /
+SigLIP / LLaVA / LLaVA-NeXT image processors and the LLaVA / LLaVA-NeXT processors' image-token
+expansion."""
 
 from __future__ import annotations
 
@@ -20,15 +21,13 @@ from transformers.models.llava_next.image_processing_pil_llava_next import (
 from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
 from models.llava.preprocess import (
-    CLIP_MEAN,
-    ClipPreprocessConfig,
     llava_next_num_image_tokens,
     llava_num_image_tokens,
-    preprocess_clip,
     preprocess_llava_next,
     select_best_resolution,
     unpad_bounds,
 )
+from models.processing.clip_image import CLIP_MEAN, ClipPreprocessConfig, preprocess_clip
 
 PINPOINTS = [[28, 56], [56, 28], [56, 56], [84, 28], [28, 84]]
 SIZES = [(1, 1), (28, 28), (17, 45), (45, 17), (33, 100), (100, 33), (7, 3), (301, 299)]

@@ -182,7 +182,7 @@ def test_fused_norm_matches_the_pytorch_ops_it_replaces(kernels, dtype, unit_off
     """RMSNorm at a decode's rows (our kernel, the residual add fused) against the same module
     on more rows than FUSED_ROWS (PyTorch's operators): equal up to float32 summation order,
     i.e. at most one bfloat16 rounding step apart."""
-    from models.layers.basic import RMSNorm
+    from models.layers.norm import RMSNorm
 
     gen = torch.Generator().manual_seed(1)
     norm = RMSNorm(96, 1e-6, unit_offset, fused_decode=True).to(dtype)
@@ -206,7 +206,8 @@ def test_fused_norm_matches_the_pytorch_ops_it_replaces(kernels, dtype, unit_off
 def test_fused_rotary_and_silu_match_the_pytorch_ops(kernels, dtype):
     """The rotation rounds exactly where PyTorch's elementwise ops round (bit-equal); SiLU and
     multiply within one rounding of the dtype (a different exp)."""
-    from models.layers.basic import GatedMLP, apply_rotary
+    from models.layers.mlp import GatedMLP
+    from models.layers.rotary import apply_rotary
 
     gen = torch.Generator().manual_seed(2)
     qkv = torch.randn(3, 7 * 16 + 40, generator=gen).to(dtype)

@@ -16,7 +16,7 @@ from transformers import WhisperFeatureExtractor
 
 from engine import LLM, SamplingParams
 from engine.media import MediaError, load_audio_sync
-from models.qwen2_audio.model import encoder_lengths
+from models.encoders.whisper import encoder_lengths
 from tests.helpers import assert_released, assert_top_logprobs, count_calls, process_chat
 from tests.media_fixtures import VideoSpec, encode_av_audio, encode_soundfile, encode_video, tone
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import itertools
 import math
-from dataclasses import dataclass
 from fractions import Fraction
 
 import av
@@ -21,6 +20,7 @@ from engine.media.formats import (
     open_container,
 )
 from engine.media.limits import MediaError, MediaLimits, decoder_errors
+from models.interfaces import AudioClip
 
 DEFAULT_SAMPLE_RATE = 16000
 _BLOCK_FRAMES = 1 << 16
@@ -28,19 +28,6 @@ _BLOCK_FRAMES = 1 << 16
 # channels cannot make one block large.
 _BLOCK_SAMPLES = 1 << 18
 _FLOAT32_BYTES = 4
-
-
-@dataclass
-class AudioClip:
-    """Mono audio."""
-
-    samples: np.ndarray  # float32 [N], nominally within [-1, 1]
-    sample_rate: int
-
-    @property
-    def duration_s(self) -> float:
-        """Length in seconds."""
-        return len(self.samples) / self.sample_rate
 
 
 def check_sample_rate(rate: object, limits: MediaLimits, item: str, what: str) -> int:

@@ -9,21 +9,13 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from models.interfaces import MediaError
+
 log = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
 
 MODALITIES = ("image", "video", "audio")
-
-
-class MediaError(ValueError):
-    """A media item was refused or could not be decoded.
-
-    The message names the item ("image 2"), the problem and, where one applies, the limit
-    and the ``MediaLimits`` field that sets it. It never carries decoder tracebacks, internal
-    filesystem paths or resolved network addresses; the original exception, if any, is
-    chained as ``__cause__`` for debugging.
-    """
 
 
 class MediaFetchError(MediaError):

@@ -5,33 +5,14 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
 
 import numpy as np
 
 from engine.media.limits import MediaError, MediaLimits
+from models.interfaces import MAX_FPS, VideoSampling
 
 DEFAULT_FPS = 2.0
-# Sampling faster than the fastest cameras record only repeats frames.
-MAX_FPS = 240.0
-
 SPREADS = ("uniform", "frame_linspace")
-
-
-@dataclass(frozen=True)
-class VideoSampling:
-    """How frames were chosen: ``target_fps`` clamped to [min_frames, max_frames] frames.
-
-    ``spread`` places them: "uniform" at k * duration / count from the start; "frame_linspace"
-    on source frame indices spaced evenly from the first frame to the last inclusive, a second
-    skipped at both ends when the video is longer than max_frames at target_fps plus two
-    seconds, repeated indices dropped (transformers' SmolVLM video sampling).
-    """
-
-    target_fps: float
-    min_frames: int
-    max_frames: int
-    spread: str = "uniform"
 
 
 def video_sampling(

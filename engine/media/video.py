@@ -7,7 +7,6 @@ import bisect
 import itertools
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from fractions import Fraction
 
 import av
@@ -20,24 +19,10 @@ from engine.media.image import to_rgb
 from engine.media.limits import MediaError, MediaLimits, decoder_errors
 from engine.media.orientation import display_matrix, orientation_of
 from engine.media.sampling import VideoSampling, sample_offsets
+from models.interfaces import VideoFrames
 
 # Frame times are rationals; this absorbs float rounding when comparing them to targets.
 _TIME_EPS = 1e-6
-
-
-@dataclass
-class VideoFrames:
-    """Frames sampled from one video, in display order and orientation."""
-
-    frames: np.ndarray  # uint8 [N, H, W, 3] RGB
-    timestamps: np.ndarray  # float64 [N], seconds since the start of the video
-    sampled_fps: float  # N / duration_s: the sampling rate actually used
-    source_fps: float
-    duration_s: float
-    source_frame_count: int
-    sampling: VideoSampling
-    # Frames the decoder produced to obtain these; with seeking, far fewer than the video has.
-    decoded_frames: int = 0
 
 
 def decode_video(

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from models.layers.basic import RMSNorm, to_device
+from models.layers.norm import RMSNorm
+from models.layers.transfer import to_device
 from models.layers.vit import Segments, ViTConfig, vit_blocks
 from models.loader import Shard
 

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers.basic import to_device
 from models.layers.projectors import PatchMerger
+from models.layers.transfer import to_device
 from models.layers.vit import Segments, ViTConfig, vit_blocks
 
 

@@ -1,10 +1,9 @@
-"""Qwen2-Audio: the Qwen2 decoder fed by a Whisper-style audio encoder, batched over every clip
-of a step.
+"""The Whisper-style audio encoder (Qwen2-Audio's, and Qwen2.5-Omni's), batched over every clip of
+a step.
 
-Encoder: two convolutions (the second halves the frame rate), learned positions, pre-LN
-transformer layers, average pooling by 2, a final LayerNorm, then a linear projector into the
-LLM's width. A clip of L mel frames gives (L + 1) // 2 encoder positions and half as many
-embeddings (`encoder_lengths`).
+Two convolutions (the second halves the frame rate), learned positions, pre-LN transformer layers
+(the shared ViT blocks), average pooling by 2 and a final LayerNorm. A clip of L mel frames gives
+(L + 1) // 2 encoder positions and half as many embeddings (`encoder_lengths`).
 
 Nothing is padded, neither to the 30 s window nor to the step's longest clip: each clip's
 features stop two frames past its real ones (the convolutions' reach: `receptive_frames`), so
@@ -18,7 +17,6 @@ never straddle a clip's end.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -26,8 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers.basic import to_device
-from models.layers.decoder import QWEN2_FEATURES, Decoder, DecoderConfig
+from models.layers.transfer import to_device
 from models.layers.vit import Segments, ViTConfig, vit_blocks
 
 
@@ -133,54 +130,11 @@ class AudioEncoder(nn.Module):
         return self.layer_norm(pooled)
 
 
-class QwenAudioForConditionalGeneration(Decoder):
-    """Decoder + audio encoder + projector. `encode` turns processed clips into embeddings."""
-
-    def __init__(self, hf_config, max_positions: int, device: torch.device) -> None:
-        super().__init__(DecoderConfig.from_hf(hf_config.text_config, **QWEN2_FEATURES),
-                         max_positions, device)
-        self.audio_tower = AudioEncoder(AudioEncoderConfig.from_hf(hf_config.audio_config))
-        self.multi_modal_projector = nn.Module()
-        self.multi_modal_projector.linear = nn.Linear(self.audio_tower.cfg.width,
-                                                      self.cfg.hidden_size)
-
-    @classmethod
-    def from_hf_config(cls, hf_config, max_positions: int, device: torch.device):
-        return cls(hf_config, max_positions, device)
-
-    def encode(self, items: list[tuple[str, dict]]) -> list[torch.Tensor]:
-        """Items ("audio", {"input_features", "num_frames"}) -> embeddings [n_i, hidden] each,
-        every clip in one encoder forward."""
-        weight = self.embed_tokens.weight
-        batch = build_audio_batch(
-            [d["input_features"] for _, d in items], [d["num_frames"] for _, d in items],
-            weight.device, weight.dtype,
-        )
-        states = self.audio_tower(batch)  # [sum(sizes), width]
-        return list(self.multi_modal_projector.linear(states).split(batch.sizes))
-
-    def checkpoint_map(self) -> Callable:
-        """Both layouts: the Hub's (audio_tower.*, multi_modal_projector.*,
-        language_model.model.*, language_model.lm_head.*) and transformers 5's (model.audio_tower.*,
-        model.multi_modal_projector.*, model.language_model.*, lm_head.*)."""
-        hub_lm = self.weight_map(prefix="language_model.model.", lm_head="language_model.lm_head.")
-        new_lm = self.weight_map(prefix="model.language_model.", lm_head="lm_head.")
-
-        def mapping(name: str):
-            for module in ("audio_tower.", "multi_modal_projector."):
-                for prefix in ("model." + module, module):
-                    if name.startswith(prefix):
-                        return module + _audio_block_name(name[len(prefix):]), None
-            return hub_lm(name) if name.startswith("language_model.") else new_lm(name)
-
-        return mapping
-
-
 _AUDIO_BLOCK_NAMES = {"self_attn_layer_norm": "norm1", "final_layer_norm": "norm2",
                       "self_attn": "attn", "fc1": "mlp.fc1", "fc2": "mlp.fc2"}
 
 
-def _audio_block_name(name: str) -> str:
+def whisper_block_name(name: str) -> str:
     """Whisper's `layers.N.<module>...` -> our shared blocks' `blocks.N.<module>...`."""
     if not name.startswith("layers."):
         return name

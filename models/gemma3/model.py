@@ -20,8 +20,9 @@ from torch import nn
 
 from models.encoders.clip import ClipVisionConfig, ClipVisionTower, vlm_checkpoint_map
 from models.interfaces import EncoderItem
-from models.layers.basic import RMSNorm, to_device
 from models.layers.decoder import Decoder, DecoderConfig, gemma_features
+from models.layers.norm import RMSNorm
+from models.layers.transfer import to_device
 
 
 class PoolingProjector(nn.Module):

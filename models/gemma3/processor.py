@@ -29,13 +29,13 @@ from models.interfaces import (
     ProcessorContext,
     PromptPlan,
 )
-from models.llava.preprocess import ClipPreprocessConfig, preprocess_clip
 from models.processing.base import (
     ProcessedCache,
     ProcessorDefaults,
     check_mm_kwargs,
     hashed_and_processed,
 )
+from models.processing.clip_image import ClipPreprocessConfig, preprocess_clip
 from models.processing.hashing import hash_image
 
 _KWARGS = ("do_pan_and_scan", "pan_and_scan_min_crop_size", "pan_and_scan_max_num_crops",

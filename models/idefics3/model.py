@@ -17,9 +17,9 @@ import torch
 
 from models.encoders.clip import ClipVisionConfig, ClipVisionTower
 from models.interfaces import EncoderItem
-from models.layers.basic import to_device
 from models.layers.decoder import Decoder, DecoderConfig, text_features
 from models.layers.pixel_shuffle import PixelShuffleProjector
+from models.layers.transfer import to_device
 
 
 def tokens_per_tile(hf_config) -> int:

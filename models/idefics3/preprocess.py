@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from models.llava.preprocess import rescale_normalize, resize, triple
+from models.processing.image import rescale_normalize, resize, triple
 
 MAX_IMAGE_SIDE = 4096  # the reference's absolute cap on a resized side
 IMAGENET_STANDARD = (0.5, 0.5, 0.5)

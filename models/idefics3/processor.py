@@ -28,7 +28,6 @@ from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
-from engine.media.sampling import MAX_FPS
 from models.idefics3.model import tokens_per_tile
 from models.idefics3.preprocess import (
     MAX_IMAGE_SIDE,
@@ -41,6 +40,7 @@ from models.idefics3.preprocess import (
     video_clock,
 )
 from models.interfaces import (
+    MAX_FPS,
     MultiModalFeature,
     PlaceholderRange,
     ProcessedPrompt,

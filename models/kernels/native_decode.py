@@ -24,6 +24,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -32,8 +34,9 @@ from models.kernels.choice import BUCKETS, bucket_index
 from models.kernels.linear import Linear
 from models.kernels.quantization import QuantizedLinear
 from models.layers.attention import AttentionMetadata
-from models.layers.basic import GatedMLP, RMSNorm
-from models.layers.decoder import Attention, Decoder, DecoderLayer
+from models.layers.decoder_layer import Attention, DecoderConfig, DecoderLayer
+from models.layers.mlp import GatedMLP
+from models.layers.norm import RMSNorm
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +64,20 @@ class _DecoderDesc(ctypes.Structure):
                 ("num_blocks", _i64), ("block_size", _i64)]
 
 
+class DecoderStack(Protocol):
+    """What the call reads of a decoder (models.layers.decoder.Decoder): its shape, its layers
+    (whose forwards it replaces) and the dtype and device of its weights."""
+
+    cfg: DecoderConfig
+    embed_tokens: torch.nn.Embedding
+    layers: Sequence[DecoderLayer]
+
+
 _ARGS = [ctypes.POINTER(_DecoderDesc), ctypes.POINTER(_LayerDesc), _i64, _ptr, _i64, _ptr, _ptr,
          _ptr, _ptr, _i64, _ptr, _ptr]
 
 
-def unsupported(model: Decoder) -> str | None:
+def unsupported(model: DecoderStack) -> str | None:
     """Why the native decode call cannot run this model's layers, or None if it can."""
     dtype = model.embed_tokens.weight.dtype
     if model.embed_tokens.weight.device.type != "cpu" or dtype not in native.DTYPES:
@@ -113,7 +125,7 @@ class NativeDecode:
     """The decode-step call for one model, with its layers' weights and caches described once.
     `run` returns None for a step it does not take (then the modules run it)."""
 
-    def __init__(self, model: Decoder, kernels: native.NativeKernels) -> None:
+    def __init__(self, model: DecoderStack, kernels: native.NativeKernels) -> None:
         self.dtype = model.embed_tokens.weight.dtype
         self._call = kernels.decode_layers
         self._call.argtypes, self._call.restype = _ARGS, ctypes.c_int
@@ -137,7 +149,7 @@ class NativeDecode:
                                  for m in linears) for b in range(len(BUCKETS)))
 
     @classmethod
-    def build(cls, model: Decoder) -> NativeDecode | None:
+    def build(cls, model: DecoderStack) -> NativeDecode | None:
         """The call for this model, or None (logged) where it cannot run its layers."""
         kernels = native.load()
         if os.environ.get(DISABLE_ENV, "1") == "0":

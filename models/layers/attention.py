@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from models.kernels import native
 from models.layers.attention_varlen import BACKENDS, VarlenBatch, build_varlen, varlen_attention
-from models.layers.basic import to_device
+from models.layers.transfer import to_device
 
 # A decode bucket's padded work (longest context x members) stays within this factor of the
 # sum of its members' contexts.

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.layers.basic import to_device
+from models.layers.transfer import to_device
 
 log = logging.getLogger(__name__)
 

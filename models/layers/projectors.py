@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.layers.basic import ACTIVATIONS, RMSNorm
+from models.layers.mlp import ACTIVATIONS
+from models.layers.norm import RMSNorm
 
 
 class MLPProjector(nn.Module):

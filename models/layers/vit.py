@@ -23,7 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers.basic import ACTIVATIONS, GatedMLP, RMSNorm, to_device
+from models.layers.mlp import ACTIVATIONS, GatedMLP
+from models.layers.norm import RMSNorm
+from models.layers.transfer import to_device
 
 
 @dataclass

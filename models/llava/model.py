@@ -27,9 +27,9 @@ from models.encoders.clip import (
     vlm_checkpoint_map,
 )
 from models.interfaces import EncoderItem
-from models.layers.basic import to_device
 from models.layers.decoder import Decoder, DecoderConfig, text_features
 from models.layers.projectors import MLPProjector
+from models.layers.transfer import to_device
 from models.llava.preprocess import unpad_bounds
 
 

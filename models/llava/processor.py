@@ -22,10 +22,8 @@ from models.interfaces import (
     PromptPlan,
 )
 from models.llava.preprocess import (
-    ClipPreprocessConfig,
     llava_next_num_image_tokens,
     llava_num_image_tokens,
-    preprocess_clip,
     preprocess_llava_next,
 )
 from models.processing.base import (
@@ -37,6 +35,7 @@ from models.processing.base import (
     expand_placeholders,
     hashed_and_processed,
 )
+from models.processing.clip_image import ClipPreprocessConfig, preprocess_clip
 from models.processing.hashing import hash_image
 
 

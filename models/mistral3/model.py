@@ -20,8 +20,8 @@ from torch import nn
 from models.encoders.clip import vlm_checkpoint_map
 from models.encoders.pixtral import PixtralVisionConfig, PixtralVisionTower, build_pixtral_batch
 from models.interfaces import EncoderItem
-from models.layers.basic import RMSNorm
 from models.layers.decoder import Decoder, DecoderConfig, text_features
+from models.layers.norm import RMSNorm
 from models.layers.projectors import MLPProjector
 
 

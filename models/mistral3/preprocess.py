@@ -2,7 +2,7 @@
 PixtralImageProcessorPil as PixtralProcessor drives it: an image larger than the longest edge
 is scaled down to fit (sides floored), then each side is rounded up to a whole number of
 `unit`-pixel cells (unit = patch size x spatial merge size) and the image resized to that with
-PIL; rescale and normalize as CLIP does (models/llava/preprocess.py does the pixel work)."""
+PIL; rescale and normalize as CLIP does (models/processing/clip_image.py does the pixel work)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,12 @@ from typing import Any
 import torch
 from PIL import Image
 
-from models.llava.preprocess import CLIP_MEAN, CLIP_STD, ClipPreprocessConfig, preprocess_clip
+from models.processing.clip_image import (
+    CLIP_MEAN,
+    CLIP_STD,
+    ClipPreprocessConfig,
+    preprocess_clip,
+)
 
 
 @dataclass(frozen=True)

@@ -1,24 +1,27 @@
-"""Turn PIL images into the pixel tensors that CLIP / SigLIP vision towers take in LLaVA-1.5 and
-LLaVA-NeXT (anyres tiles), and count the image tokens their processors expand to, matching
-transformers' PIL image processors; PIL resizes, numpy crops and pads, torch scales."""
+"""The CLIP / SigLIP image processor that LLaVA, Gemma 3 and Pixtral-towered models share: its
+settings (`ClipPreprocessConfig`) and one image's pixels as transformers' PIL processors make them
+(CLIPImageProcessor, SiglipImageProcessor, Gemma3ImageProcessor, LlavaImageProcessor): PIL
+resizes, numpy crops and pads, torch rescales and normalizes. LLaVA-NeXT's anyres tiles are
+models/llava/preprocess.py."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
+
+from models.processing.image import rescale_normalize, resize, triple
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 SIGLIP_MEAN = (0.5, 0.5, 0.5)
 SIGLIP_STD = (0.5, 0.5, 0.5)
 LLAVA_NEXT_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
-STRATEGIES = ("default", "full")
 _SIZE_KEYS = ({"shortest_edge"}, {"height", "width"})
 
 Pinpoints = tuple[tuple[int, int], ...]
@@ -145,11 +148,6 @@ def _first(*values: Any) -> Any:
     return next(v for v in values if v is not None)
 
 
-def triple(value: Any) -> tuple[float, ...]:
-    """A per-channel setting: a scalar repeated for the three channels, or the three values."""
-    return (float(value),) * 3 if isinstance(value, int | float) else tuple(map(float, value))
-
-
 def _check_positive(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"ClipPreprocessConfig.{name} must be a positive int, got {value!r}")
@@ -164,114 +162,13 @@ def _check_pair(name: str, value: Any) -> None:
 
 def preprocess_clip(image: Image.Image, cfg: ClipPreprocessConfig) -> torch.Tensor:
     """float32 [3, H, W] pixels of one image, as CLIP/SigLIP/LlavaImageProcessorPil make them."""
-    pixels = _rgb(image, cfg)
+    pixels = rgb_pixels(image, cfg)
     if cfg.pad_to_square:
         pixels = _pad_to_square(pixels, tuple(int(m * 255) for m in cfg.image_mean))
-    return _transform(pixels, cfg)
+    return transform(pixels, cfg)
 
 
-def preprocess_llava_next(
-    image: Image.Image, cfg: ClipPreprocessConfig
-) -> tuple[torch.Tensor, tuple[int, int], tuple[int, int]]:
-    """LLaVA-NeXT anyres pixels of one image: float32 [1 + rows*cols, 3, S, S] (the whole image
-    first, then the tiles of its best-fit resolution row by row), its (height, width) and the
-    tile grid (rows, cols)."""
-    if cfg.image_grid_pinpoints is None:
-        raise ValueError("preprocess_llava_next needs ClipPreprocessConfig.image_grid_pinpoints")
-    pixels = _rgb(image, cfg)
-    height, width = pixels.shape[:2]
-    best_h, best_w = select_best_resolution((height, width), cfg.image_grid_pinpoints)
-    fit_h, fit_w = _fit_within(height, width, best_h, best_w)
-    canvas = np.zeros((best_h, best_w, 3), dtype=np.uint8)
-    top, left = (best_h - fit_h) // 2, (best_w - fit_w) // 2
-    canvas[top : top + fit_h, left : left + fit_w] = resize(pixels, fit_h, fit_w, cfg.resample)
-    s = cfg.tile_size
-    tiles = [canvas[y : y + s, x : x + s] for y in range(0, best_h, s) for x in range(0, best_w, s)]
-    base = resize(pixels, *cfg.base_size, cfg.resample)
-    pixel_values = torch.stack([_transform(tile, cfg) for tile in (base, *tiles)])
-    return pixel_values, (height, width), (-(-best_h // s), -(-best_w // s))
-
-
-def select_best_resolution(
-    orig_size: tuple[int, int], pinpoints: Sequence[Sequence[int]]
-) -> tuple[int, int]:
-    """The (height, width) pinpoint keeping the most of the image's pixels when it is scaled to fit,
-    ties going to the least padding, then to the earliest listed."""
-    orig_h, orig_w = orig_size
-    best, best_kept, best_wasted = None, 0, math.inf
-    for height, width in pinpoints:
-        scale = min(width / orig_w, height / orig_h)
-        kept = min(int(orig_w * scale) * int(orig_h * scale), orig_w * orig_h)
-        wasted = width * height - kept
-        if kept > best_kept or (kept == best_kept and wasted < best_wasted):
-            best, best_kept, best_wasted = (height, width), kept, wasted
-    if best is None:
-        raise ValueError(f"no pinpoint fits an image of {orig_h}x{orig_w}: {list(pinpoints)}")
-    return best
-
-
-def unpad_bounds(image_size: tuple[int, int], height: int, width: int) -> tuple[int, ...]:
-    """(top, bottom, left, right) of the part of a [height, width] anyres feature grid that
-    holds the image (LLaVA-NeXT's unpad_image): the image was scaled to fit the grid's
-    resolution and centred, so whole rows (a wide image) or columns (a tall one) on both sides
-    are padding. The model cuts its features and the processor counts tokens with this."""
-    orig_h, orig_w = image_size
-    if orig_w / orig_h > width / height:
-        fitted = int(round(orig_h * (width / orig_w), 7))
-        pad = (height - fitted) // 2
-        return pad, height - pad, 0, width
-    fitted = int(round(orig_w * (height / orig_h), 7))
-    pad = (width - fitted) // 2
-    return 0, height, pad, width - pad
-
-
-def llava_next_num_image_tokens(
-    orig_height: int,
-    orig_width: int,
-    pinpoints: ClipPreprocessConfig | Sequence[Sequence[int]],
-    image_size: int,
-    patch_size: int,
-    strategy: str = "default",
-    num_additional_image_tokens: int = 1,
-) -> int:
-    """Image tokens LlavaNextProcessor expands one image of orig_height x orig_width to: the base
-    tile's patches (+ CLS), the unpadded tile-grid patches and one newline per grid row; strategy
-    "default" drops one (the CLS). ``image_size`` is the vision tower's input side."""
-    if isinstance(pinpoints, ClipPreprocessConfig):
-        if pinpoints.image_grid_pinpoints is None:
-            raise ValueError("the config has no image_grid_pinpoints")
-        pinpoints = pinpoints.image_grid_pinpoints
-    _check_strategy(strategy)
-    best_h, best_w = select_best_resolution((orig_height, orig_width), pinpoints)
-    side = image_size // patch_size
-    top, bottom, left, right = unpad_bounds(
-        (orig_height, orig_width), best_h // image_size * side, best_w // image_size * side
-    )
-    grid_h, grid_w = bottom - top, right - left
-    base = side * side + num_additional_image_tokens
-    return grid_h * grid_w + grid_h + base - (strategy == "default")
-
-
-def llava_num_image_tokens(
-    image_size: int | tuple[int, int],
-    patch_size: int,
-    strategy: str = "default",
-    num_additional_image_tokens: int = 1,
-) -> int:
-    """Image tokens LlavaProcessor (LLaVA-1.5) expands one image to: its patches plus CLS, less one
-    (the CLS) with strategy "default"."""
-    _check_strategy(strategy)
-    height, width = (image_size, image_size) if isinstance(image_size, int) else image_size
-    patches = (height // patch_size) * (width // patch_size)
-    return patches + num_additional_image_tokens - (strategy == "default")
-
-
-def _check_strategy(strategy: str) -> None:
-    if strategy not in STRATEGIES:
-        raise ValueError(f"vision_feature_select_strategy {strategy!r} is not one of {STRATEGIES}")
-
-
-def _rgb(image: Image.Image, cfg: ClipPreprocessConfig) -> np.ndarray:
+def rgb_pixels(image: Image.Image, cfg: ClipPreprocessConfig) -> np.ndarray:
     """uint8 [H, W, 3]; transparency is composited onto white, as HF's convert_to_rgb does."""
     if not cfg.do_convert_rgb:
         if image.mode != "RGB":
@@ -281,20 +178,6 @@ def _rgb(image: Image.Image, cfg: ClipPreprocessConfig) -> np.ndarray:
         white = Image.new("RGBA", image.size, (255, 255, 255, 255))
         image = Image.alpha_composite(white, image.convert("RGBA"))
     return np.array(image.convert("RGB"))
-
-
-def resize(pixels: np.ndarray, height: int, width: int, resample: int) -> np.ndarray:
-    """uint8 [H, W, C] resized by PIL with `resample` (a PIL.Image.Resampling value)."""
-    resized = Image.fromarray(pixels).resize((width, height), Image.Resampling(resample))
-    return np.array(resized)
-
-
-def _fit_within(height: int, width: int, target_h: int, target_w: int) -> tuple[int, int]:
-    """Size of an image scaled to fit target_h x target_w, the short fit rounded up."""
-    scale_w, scale_h = target_w / width, target_h / height
-    if scale_w < scale_h:
-        return min(math.ceil(height * scale_w), target_h), target_w
-    return target_h, min(math.ceil(width * scale_h), target_w)
 
 
 def _pad_to_square(pixels: np.ndarray, fill: tuple[int, ...]) -> np.ndarray:
@@ -323,7 +206,7 @@ def _center_crop(pixels: np.ndarray, crop_h: int, crop_w: int) -> np.ndarray:
     return out
 
 
-def _transform(pixels: np.ndarray, cfg: ClipPreprocessConfig) -> torch.Tensor:
+def transform(pixels: np.ndarray, cfg: ClipPreprocessConfig) -> torch.Tensor:
     """uint8 [H, W, 3] -> resize, center crop, rescale, normalize -> float32 [3, h, w]."""
     if cfg.do_resize:
         height, width = pixels.shape[:2]
@@ -340,24 +223,3 @@ def _transform(pixels: np.ndarray, cfg: ClipPreprocessConfig) -> torch.Tensor:
         pixels = _center_crop(pixels, *cfg.crop_size)
     return rescale_normalize(torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1),
                              cfg)
-
-
-class RescaleNormalize(Protocol):
-    """The pixel-value settings every image processor config carries."""
-
-    do_rescale: bool
-    rescale_factor: float
-    do_normalize: bool
-    image_mean: tuple[float, ...]
-    image_std: tuple[float, ...]
-
-
-def rescale_normalize(x: torch.Tensor, cfg: RescaleNormalize) -> torch.Tensor:
-    """uint8 [..., 3, H, W] -> float32, as transformers does: rescaled in float64 and rounded to
-    float32 once, then normalized in float32."""
-    x = (x.double() * cfg.rescale_factor).float() if cfg.do_rescale else x.float()
-    if cfg.do_normalize:
-        mean = torch.tensor(cfg.image_mean, dtype=torch.float32).view(3, 1, 1)
-        std = torch.tensor(cfg.image_std, dtype=torch.float32).view(3, 1, 1)
-        x = (x - mean) / std
-    return x.contiguous()

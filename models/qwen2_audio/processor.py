@@ -26,8 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from engine.media import AudioClip, MediaError
+from models.encoders.whisper import encoder_lengths, receptive_frames
 from models.interfaces import (
+    AudioClip,
+    MediaError,
     MultiModalFeature,
     PlaceholderRange,
     ProcessedPrompt,
@@ -38,7 +40,6 @@ from models.processing.base import ProcessedCache, ProcessorDefaults
 from models.processing.hashing import hash_audio
 from models.processing.log_mel import LogMelExtractor, MelConfig
 from models.processing.options import OptionRange, check_mm_kwargs
-from models.qwen2_audio.model import encoder_lengths, receptive_frames
 
 DEFAULT_MAX_AUDIO_DURATION_S = 600.0
 _MIN_FRAMES = 3  # the fewest mel frames from which the encoder emits an embedding

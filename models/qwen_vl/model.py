@@ -19,8 +19,8 @@ from collections.abc import Callable
 import torch
 
 from models.encoders.qwen_vl import VisionConfig, VisionTower, build_vision_batch
-from models.layers.basic import RotaryTable
 from models.layers.decoder import Decoder, DecoderConfig, text_features
+from models.layers.rotary import RotaryTable
 from models.loader import Shard
 
 

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from engine.media.sampling import MAX_FPS
 from models.interfaces import (
+    MAX_FPS,
     MultiModalFeature,
     PlaceholderRange,
     ProcessedPrompt,

@@ -1,0 +1,72 @@
+"""Rotary position embeddings: inverse frequencies per rope type, the precomputed cos / sin table
+a forward gathers rows of, and the rotation (one call of our own kernel at a decode step's rows on
+the CPU). Multimodal position ids (mRoPE) are models/layers/mrope.py."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from models.kernels import native
+
+
+def rope_inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] for the config's `rope_parameters` (float32, CPU).
+
+    Supports rope_type default, linear (positions divided by `factor`, folded into the
+    frequencies) and llama3 (long wavelengths slowed by `factor`, a smooth blend in between).
+    """
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    base = float(rope.get("rope_theta", 10000.0))
+    steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
+    inv = 1.0 / base ** (steps / head_dim)
+    if kind == "default" or kind == "mrope":
+        return inv
+    if kind == "linear":
+        return inv / float(rope["factor"])
+    if kind == "llama3":
+        factor, lo, hi = float(rope["factor"]), rope["low_freq_factor"], rope["high_freq_factor"]
+        old_len = rope["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old_len / lo, inv / factor, inv)
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+        return torch.where(medium, blended, scaled)
+    raise NotImplementedError(
+        f"rope_type {kind!r} is not supported yet (supported: default, linear, llama3)"
+    )
+
+
+class RotaryTable:
+    """Precomputed cos/sin [max_positions, head_dim / 2] (float32), indexed by position ids.
+
+    Built once at start-up on the target device (explicitly on the CPU first, so that building
+    a model on the meta device leaves these real); a forward gathers rows, nothing is
+    recomputed per layer.
+    """
+
+    def __init__(
+        self, head_dim: int, max_positions: int, rope: dict, device: torch.device
+    ) -> None:
+        inv = rope_inv_freq(head_dim, rope)
+        t = torch.arange(max_positions, dtype=torch.int64, device="cpu").float()
+        freqs = torch.outer(t, inv)  # [P, D/2]
+        self.cos = freqs.cos().to(device)
+        self.sin = freqs.sin().to(device)
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """positions [T] -> (cos, sin) [T, 1, D/2] in `dtype`, broadcastable over heads."""
+        return self.cos[positions].to(dtype)[:, None], self.sin[positions].to(dtype)[:, None]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[i], x[i + D/2]); x [T, H, D], cos/sin [T, 1, D/2]."""
+    fused = native.for_small_ops(x)
+    if (fused is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+            and cos.dtype == x.dtype and cos.is_contiguous() and sin.is_contiguous()
+            and cos.shape == sin.shape == (x.shape[0], 1, x.shape[2] // 2)):
+        return fused.rotary(x, cos, sin)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
