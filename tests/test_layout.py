@@ -116,17 +116,40 @@ def test_every_family_folder_holds_its_model():
     takes media. The registry builds nothing from elsewhere but the shared decoder."""
     from models.registry import registered
 
-    roles = {"kernels", "layers", "encoders", "processing"}
-    families = {p.name for p in (ROOT / "models").iterdir()
-                if p.is_dir() and (p / "__init__.py").exists()} - roles
-    assert families, "no family folders"
-    for family in families:
+    assert FAMILIES, "no family folders"
+    for family in FAMILIES:
         assert (ROOT / "models" / family / "model.py").exists(), family
     for spec in registered().values():
         home = spec.model.__module__
-        assert home == "models.layers.decoder" or home.split(".")[1] in families, home
+        assert home == "models.layers.decoder" or home.split(".")[1] in FAMILIES, home
         if spec.processor is not None:
-            assert spec.processor.__module__.split(".")[1] in families
+            assert spec.processor.__module__.split(".")[1] in FAMILIES
+
+
+ROLES = {"kernels", "layers", "encoders", "processing"}
+FAMILIES = {p.name for p in (ROOT / "models").iterdir()
+            if p.is_dir() and (p / "__init__.py").exists()} - ROLES
+
+
+def test_families_never_import_each_other():
+    wrong = sorted(
+        f"{m} -> {d}" for m, deps in GRAPH.items() if m.split(".")[:2][-1] in FAMILIES
+        for d in deps if d.startswith("models.") and d.split(".")[1] in FAMILIES
+        and d.split(".")[1] != m.split(".")[1]
+    )
+    assert wrong == []
+
+
+def test_shared_folders_never_import_a_family():
+    shared = [m for m in GRAPH if m.split(".")[:2][-1] in ROLES]
+    wrong = sorted(f"{m} -> {d}" for m in shared for d in GRAPH[m]
+                   if d.startswith("models.") and d.split(".")[1] in FAMILIES)
+    assert wrong == []
+
+
+@pytest.mark.parametrize("name", ["native", "linear", "choice", "quantization"])
+def test_the_core_kernel_modules_know_no_layer(name):
+    assert not {d for d in GRAPH[f"models.kernels.{name}"] if d.startswith("models.layers")}
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))
