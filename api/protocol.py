@@ -8,6 +8,7 @@ logit_bias, tools, echo, suffix) are refused rather than silently ignored.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -61,20 +62,26 @@ class _GenerationRequest(BaseModel):
         """How many top alternatives to return per token; None: no logprobs at all."""
         raise NotImplementedError
 
-    def sampling_params(self) -> SamplingParams:
-        """The engine's parameters. Raises APIError for an unsupported field and ValueError
-        (from SamplingParams, naming the field) for a value out of range."""
+    def sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """The engine's parameters; a sampling field the request leaves out takes the model's
+        default (`defaults`, from its generation_config.json, as vLLM does), else OpenAI's.
+        Raises APIError for an unsupported field and ValueError (from SamplingParams, naming
+        the field) for a value out of range."""
         self._refuse_unsupported()
+        defaults = defaults or {}
+
+        def pick(name: str, fallback: Any) -> Any:
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, fallback)
+
         return SamplingParams(
             max_tokens=self._max_tokens() or DEFAULT_MAX_TOKENS,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0),
             seed=self.seed,
-            repetition_penalty=(
-                1.0 if self.repetition_penalty is None else self.repetition_penalty
-            ),
+            repetition_penalty=pick("repetition_penalty", 1.0),
             stop=[self.stop] if isinstance(self.stop, str) else self.stop or [],
             stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos,

@@ -65,6 +65,12 @@ def model_list(engines: Mapping[str, AsyncLLM], created: int) -> dict:
                 EXTENSION: {
                     "modalities": list(llm.processor.modalities),
                     "max_num_seqs": llm.engine.config.max_num_seqs,
+                    "sampling_defaults": dict(llm.engine.setup.sampling_defaults),
+                    # every setting read from the checkpoint, and the file it came from
+                    "checkpoint_settings": [
+                        {"component": c, "name": k, "value": v, "source": src}
+                        for c, k, v, src in llm.engine.checkpoint_settings
+                    ],
                 },
             }
             for name, llm in engines.items()

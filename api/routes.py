@@ -73,7 +73,7 @@ def build_router(
     async def chat_completions(request: Request) -> Response:
         body = parse_request(ChatCompletionRequest, await _read_body(request, max_body_bytes))
         llm = gate.engine(body.model)
-        params = body.sampling_params()
+        params = body.sampling_params(llm.engine.setup.sampling_defaults)
         ctx = _context("chatcmpl", body, llm)
         outputs = llm.chat(body.engine_messages(), params, ctx.id, **body.template_kwargs())
         first, rest = await gate.start(request, body.model, outputs, ctx.id)
@@ -85,7 +85,7 @@ def build_router(
     async def completions(request: Request) -> Response:
         body = parse_request(CompletionRequest, await _read_body(request, max_body_bytes))
         llm = gate.engine(body.model)
-        params = body.sampling_params()
+        params = body.sampling_params(llm.engine.setup.sampling_defaults)
         ctx = _context("cmpl", body, llm)
         outputs = llm.generate(body.engine_prompt(), params, ctx.id)
         first, rest = await gate.start(request, body.model, outputs, ctx.id)

@@ -154,7 +154,8 @@ class AsyncLLM:
                 media = await self.processor.load_media(parsed)
                 processed = await asyncio.to_thread(self.processor.process, parsed, media)
                 req = self.engine.make_request(
-                    processed, params or SamplingParams(), request_id, arrival_time=arrival
+                    processed, params or self.engine.default_sampling_params(), request_id,
+                    arrival_time=arrival,
                 )
                 self._submit(("add", req))
             finally:

@@ -93,6 +93,20 @@ class EncoderCacheManager:
             self.freeable[identifier] = self.sizes[identifier]
             self.reclaimable += self.sizes[identifier]
 
+    def discard(self, identifier: str) -> None:
+        """Forget an entry whose encoder output was never stored (its encoder failed), so that
+        no later lookup hits it: the item is encoded again by whoever needs it next. Requests
+        still referencing it lose the reference."""
+        refs = self.cached.pop(identifier, None)
+        if refs is None:
+            return
+        size = self.sizes.pop(identifier)
+        self.free += size
+        if refs:
+            self.reclaimable += size
+        else:
+            del self.freeable[identifier]
+
     def release_consumed(self, req: Request) -> None:
         """Release the items whose spans lie wholly before `req.num_computed_tokens`."""
         if not req.mm_features:

@@ -54,7 +54,7 @@ class LLM:
         return self._run(parsed, sampling_params)
 
     def _run(self, parsed: list[ParsedPrompt], sampling_params) -> list[RequestOutput]:
-        params = _per_prompt(sampling_params, len(parsed))
+        params = _per_prompt(sampling_params, len(parsed), self.engine.default_sampling_params())
         processor = self.engine.processor
         reqs = []
         for p, sp in zip(parsed, params, strict=True):
@@ -83,9 +83,9 @@ def _as_batch(prompts: PromptType | list[PromptType]) -> list[PromptType]:
     return list(prompts)
 
 
-def _per_prompt(params, n: int) -> list[SamplingParams]:
+def _per_prompt(params, n: int, default: SamplingParams) -> list[SamplingParams]:
     if params is None:
-        return [SamplingParams()] * n
+        return [default] * n
     if isinstance(params, SamplingParams):
         return [params] * n
     if len(params) != n:

@@ -13,15 +13,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
 from engine.block_manager import BlockManager
+from engine.checkpoint_setup import CheckpointSetup
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.device import resolve_device, resolve_dtype
 from engine.encoder_cache import EncoderCacheManager
 from engine.hub import resolve_model
-from engine.model_runner import ModelRunner, StepResult
+from engine.model_runner import EncoderItemsFailed, ItemFailure, ModelRunner, StepResult
 from engine.outputs import CompletionOutput, PlaceholderInfo, RequestOutput
 from engine.processing import EncoderBudget, InputProcessor, ProcessedPrompt
 from engine.request import Request, RequestStatus
@@ -29,7 +28,6 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from models.interfaces import ProcessorContext
 from models.kernels import native
-from models.registry import resolve
 
 log = logging.getLogger(__name__)
 
@@ -43,26 +41,33 @@ class LLMEngine:
         self.config = EngineConfig.from_options(**options)
         self.model_path = resolve_model(model)
         self.model_id = str(model)
-        hf_config = AutoConfig.from_pretrained(self.model_path)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        spec = resolve(hf_config)
+        self.setup = setup = CheckpointSetup.load(self.model_path)
+        hf_config, self.tokenizer, spec = setup.hf_config, setup.tokenizer, setup.spec
         self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device, getattr(hf_config, "dtype", None))
+        self.dtype = resolve_dtype(dtype, self.device, setup.dtype)
+
+        def processor(vectors_per_embed: int):
+            return spec.processor(ProcessorContext(
+                hf_config, self.tokenizer, self.model_path, self.model_id,
+                self.config.processed_cache_items,
+                max_item_embeds=min(self.config.encoder_cache_size // vectors_per_embed,
+                                    self.config.max_num_encoder_input_tokens),
+                files=setup.files,
+            ))
+
+        # Built before the weights load, so that a checkpoint whose processor settings we do not
+        # support is refused before its weights are read.
+        mm_processor = processor(1) if spec.processor is not None else None
         self.runner = ModelRunner(
             self.model_path, hf_config, spec.model, self.config, self.device, self.dtype
         )
         layout = self.runner.layout
         self.max_model_len = layout.max_model_len
-        mm_processor = None
         budget = None
         vectors_per_embed = 1 + self.runner.model.deepstack_layers
-        if spec.processor is not None:
-            mm_processor = spec.processor(ProcessorContext(
-                hf_config, self.tokenizer, self.model_path, self.model_id,
-                self.config.processed_cache_items,
-                max_item_embeds=min(self.config.encoder_cache_size // vectors_per_embed,
-                                    self.config.max_num_encoder_input_tokens),
-            ))
+        if mm_processor is not None:
+            if vectors_per_embed > 1:  # DeepStack items take more cache per embedding
+                mm_processor = processor(vectors_per_embed)
             budget = _encoder_budget(self.config, mm_processor, vectors_per_embed)
             _check_bidirectional_budget(self.config, mm_processor.max_bidirectional_span())
         self.processor = InputProcessor(
@@ -74,7 +79,8 @@ class LLMEngine:
         )
         self.encoder_cache = EncoderCacheManager(self.config.encoder_cache_size, vectors_per_embed)
         self.scheduler = Scheduler(self.config, self.block_manager, self.encoder_cache)
-        self.eos_token_ids = _eos_ids(self.model_path, self.tokenizer)
+        self.eos_token_ids = setup.eos_token_ids
+        self.checkpoint_settings = checkpoint_settings(setup, mm_processor)
         self.num_steps = 0
         self.num_errors = 0
         log.info(
@@ -112,6 +118,12 @@ class LLMEngine:
         )
         return req
 
+    def default_sampling_params(self) -> SamplingParams:
+        """What a request that passes no SamplingParams gets: the checkpoint's
+        generation_config.json sampling (greedy where it says do_sample false), else the
+        defaults of SamplingParams."""
+        return SamplingParams(**self.setup.sampling_defaults)
+
     def add_request(self, req: Request) -> None:
         if self.scheduler.find(req.request_id) is not None:
             raise ValueError(f"request id {req.request_id!r} is already in use")
@@ -138,6 +150,8 @@ class LLMEngine:
         t0 = time.monotonic()
         try:
             result = self.runner.execute(out)
+        except EncoderItemsFailed as e:
+            return self._fail_items(out, e.failures)
         except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
             log.exception("engine step failed")
             return self._fail(out, e)
@@ -197,13 +211,53 @@ class LLMEngine:
         return [self._output(req)]
 
     def _fail(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        """A failure not attributable to a media item (the decoder's forward, sampling): every
+        request of the step fails."""
         self.num_errors += 1
         outputs = []
         for chunk in out.chunks:
             chunk.req.error = f"{type(error).__name__}: {error}"
             self.scheduler.finish(chunk.req, RequestStatus.FINISHED_ERROR)
             outputs.append(self._output(chunk.req))
+        self._forget_unencoded(out)
         return outputs
+
+    def _fail_items(self, out: SchedulerOutput, failures: list[ItemFailure]) -> list[RequestOutput]:
+        """Fail the requests whose media items could not be encoded, and only those.
+
+        A request fails if its item failed, or if its chunk needed a failed item's embeddings
+        (the same content, a cache hit this step). Nothing of the step was computed, and
+        `update_after_step` is not called: the other requests keep the KV blocks and encoder
+        outputs scheduled for them with their counters unmoved, so the next step schedules their
+        chunk again, and no block is registered in the prefix cache before its KV is written.
+        """
+        self.num_errors += 1
+        failed = {f.req.mm_features[f.index].identifier: f.message for f in failures}
+        errors: dict[str, tuple[Request, str]] = {}
+        for f in failures:
+            errors.setdefault(f.req.request_id, (f.req, _item_error(f.req, f.index, f.message)))
+        for chunk in out.chunks:
+            req = chunk.req
+            for idx, feature in enumerate(req.mm_features):
+                span, message = feature.placeholder, failed.get(feature.identifier)
+                if message is not None and span.offset < chunk.end and span.end > chunk.start:
+                    errors.setdefault(req.request_id, (req, _item_error(req, idx, message)))
+        outputs = []
+        for req, error in errors.values():
+            log.warning("request %s failed: %s", req.request_id, error)
+            req.error = error
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+            outputs.append(self._output(req))
+        self._forget_unencoded(out)
+        return outputs
+
+    def _forget_unencoded(self, out: SchedulerOutput) -> None:
+        """Drop the encoder-cache entries planned this step whose output was never stored: a
+        later hit on one would find no embeddings."""
+        for req, idx in out.encoder_inputs:
+            identifier = req.mm_features[idx].identifier
+            if identifier not in self.runner.encoder_outputs:
+                self.encoder_cache.discard(identifier)
 
     def _output(self, req: Request) -> RequestOutput:
         finished = req.finished
@@ -250,6 +304,7 @@ class LLMEngine:
             "steps": self.num_steps,
             "step_errors": self.num_errors,
             "weights": self.weights_description(),
+            "checkpoint": self.checkpoint_settings,
             **self.block_manager.stats(),
             **self.encoder_cache.stats(),
         }
@@ -272,6 +327,27 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+
+def _item_error(req: Request, index: int, message: str) -> str:
+    modality = req.mm_features[index].modality
+    return f"{modality} item {index} of the request could not be encoded: {message}"
+
+
+def checkpoint_settings(setup: CheckpointSetup, mm_processor) -> tuple[tuple[str, ...], ...]:
+    """(component, setting, value, where it came from) for every setting the engine read from
+    the checkpoint: its own (dtype, template, EOS, ...) and its processor's."""
+    rows = [("model", name, _shown(value), source) for name, value, source in setup.rows()]
+    if mm_processor is not None:
+        for component, settings in mm_processor.settings().items():
+            rows += [(component, key, _shown(settings.values[key]), settings.sources[key])
+                     for key in settings.values]
+    return tuple(rows)
+
+
+def _shown(value: Any) -> str:
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _encoder_budget(config: EngineConfig, mm_processor, vectors_per_embed: int) -> EncoderBudget:
@@ -301,16 +377,3 @@ def _check_bidirectional_budget(config: EngineConfig, largest_span: int) -> None
             f"must be prefilled in one chunk, but max_num_batched_tokens is "
             f"{config.max_num_batched_tokens}; raise it to at least {largest_span}"
         )
-
-
-def _eos_ids(path: Path, tokenizer) -> frozenset[int]:
-    ids: set[int] = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    try:
-        gen = GenerationConfig.from_pretrained(path)
-    except OSError:
-        return frozenset(ids)
-    eos = gen.eos_token_id
-    ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    return frozenset(ids)

@@ -7,10 +7,15 @@ the flat token batch and samples one token for every chunk that reached the end 
 The only host sync is reading the sampled tokens back at the end; a step that samples nothing
 (all its chunks end mid-prompt) waits for the device instead, so that the step's time and its
 encoder time, which the panels show, are the device's real times.
+
+A media item whose encoder fails (found by encoding the step's items one by one when the batch
+raises) does not fail the step's other requests: `execute` raises EncoderItemsFailed naming the
+items, before the decoder runs, and the engine decides what becomes of each request.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,16 +24,20 @@ import torch
 
 from engine.config import EngineConfig, GiB
 from engine.device import DeviceTimer, to_device, wait_for_device
+from engine.request import Request
 from engine.sampler import SamplingBatch, sample
 from engine.scheduler import SchedulerOutput
-from models.interfaces import LanguageModel
+from models.checkpoint import CheckpointError, describe_tie
+from models.interfaces import LanguageModel, MultiModalFeature
 from models.kernels.decode_attention import choose_decode_kernel
 from models.kernels.huge_pages import place_weights
 from models.kernels.plan import plan_linears
 from models.kernels.quantization import quantize_language_model
 from models.layers.attention import build_metadata
 from models.layers.attention_varlen import choose_backend
-from models.loader import build_on_meta, iter_checkpoint, load_weights
+from models.loader import MissingWeights, build_on_meta, iter_checkpoint, load_weights
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,27 @@ class CacheLayout:
     @property
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size
+
+
+@dataclass(frozen=True)
+class ItemFailure:
+    """One media item whose encoder failed: `req.mm_features[index]`, and why."""
+
+    req: Request
+    index: int
+    message: str
+
+
+class EncoderItemsFailed(RuntimeError):
+    """Some of a step's media items could not be encoded; nothing of the step was computed.
+
+    The items that did encode are stored in `ModelRunner.encoder_outputs`; what becomes of the
+    requests is the engine's call (the scheduler owns their state), not the runner's."""
+
+    def __init__(self, failures: list[ItemFailure]) -> None:
+        super().__init__("; ".join(f"{f.req.request_id} item {f.index}: {f.message}"
+                                   for f in failures))
+        self.failures = failures
 
 
 @dataclass
@@ -77,7 +107,16 @@ class ModelRunner:
         self.model = build_on_meta(
             lambda: model_cls.from_hf_config(hf_config, max_len, device), device, dtype
         )
-        load_weights(self.model, iter_checkpoint(path), self.model.checkpoint_map())
+        try:
+            load_weights(self.model, iter_checkpoint(path), self.model.checkpoint_map())
+        except MissingWeights as e:
+            if "lm_head.weight" not in e.missing:
+                raise
+            raise CheckpointError(
+                f"{e}: the checkpoint has no lm_head.weight and the LM head is not tied to the "
+                f"token embeddings ({describe_tie(hf_config)}; "
+                f"{model_cls.tied_head(hf_config)[1]} decides, as in transformers)"
+            ) from e
         self.model.eval()
         if config.quantization is not None:
             quantize_language_model(self.model, config.quantization,
@@ -184,18 +223,44 @@ class ModelRunner:
         return to_device(torch.tensor(pos, dtype=torch.int64), self.device)
 
     def _run_encoders(self, out: SchedulerOutput) -> DeviceTimer:
-        """One batched encoder call for every item scheduled this step, across requests."""
+        """One batched encoder call for every item scheduled this step, across requests.
+
+        If the batch raises, each item is encoded alone to find the culprits; the items that
+        encode (in the batch or alone) are stored either way, and the failures are raised
+        together as EncoderItemsFailed.
+        """
         features = [req.mm_features[i] for req, i in out.encoder_inputs]
         timer = DeviceTimer(self.device).start()
-        embeds = self.model.encode([(f.modality, f.data) for f in features])
-        for f, emb in zip(features, embeds, strict=True):
-            if emb.shape[-2] != f.placeholder.num_embeds:  # [n, H] or [1 + K, n, H]
-                raise RuntimeError(
-                    f"{f.modality} encoder returned {emb.shape[-2]} embeddings but its "
-                    f"placeholder has {f.placeholder.num_embeds} embed positions"
-                )
-            self.encoder_outputs[f.identifier] = emb
-        return timer.stop()
+        try:
+            embeds = self.model.encode([(f.modality, f.data) for f in features])
+        except Exception as e:  # noqa: BLE001 - find the item(s) to blame below
+            if len(features) == 1:
+                embeds = [e]
+            else:
+                log.warning("batched encoder failed (%s: %s); encoding its %d items one by one",
+                            type(e).__name__, e, len(features))
+                embeds = [self._encode_alone(f) for f in features]
+        failures = []
+        for (req, idx), f, emb in zip(out.encoder_inputs, features, embeds, strict=True):
+            if isinstance(emb, Exception):
+                failures.append(ItemFailure(req, idx, f"{type(emb).__name__}: {emb}"))
+            elif emb.shape[-2] != f.placeholder.num_embeds:  # [n, H] or [1 + K, n, H]
+                failures.append(ItemFailure(req, idx, (
+                    f"the encoder returned {emb.shape[-2]} embeddings but its placeholder "
+                    f"has {f.placeholder.num_embeds} embed positions")))
+            else:
+                self.encoder_outputs[f.identifier] = emb
+        timer.stop()
+        if failures:
+            raise EncoderItemsFailed(failures)
+        return timer
+
+    def _encode_alone(self, feature: MultiModalFeature) -> torch.Tensor | Exception:
+        try:
+            (emb,) = self.model.encode([(feature.modality, feature.data)])
+        except Exception as e:  # noqa: BLE001 - returned: the caller blames this item
+            return e
+        return emb
 
     def _splice_embeddings(self, input_ids: torch.Tensor, chunks):
         """Token embeddings with each chunk's slice of its media embeddings written in place,

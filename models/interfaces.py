@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from models.checkpoint import CheckpointFiles, Settings
+
 if TYPE_CHECKING:  # this module stays importable without torch (the bookkeeping uses it)
     import numpy as np
     import torch
@@ -191,6 +193,12 @@ class ProcessorContext:
     # The most embeddings one item may have: min(encoder_cache_size, max_num_encoder_input_tokens)
     # (per-request options must not make an item that could never be scheduled).
     max_item_embeds: int = 1 << 30
+    # The checkpoint's settings files, read where transformers reads them (models/checkpoint.py).
+    files: CheckpointFiles = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.files is None:
+            object.__setattr__(self, "files", CheckpointFiles(self.model_path))
 
 
 @runtime_checkable
@@ -206,6 +214,11 @@ class MultimodalProcessor(Protocol):
 
     def max_embeds_per_item(self) -> int:
         """The largest encoder item in embeddings, for the start-up budget check."""
+        ...
+
+    def settings(self) -> Mapping[str, Settings]:
+        """Every setting read from the checkpoint, by component ("image_processor",
+        "processor", ...): its value and the file and field (or class default) it came from."""
         ...
 
     def max_bidirectional_span(self) -> int:
@@ -260,6 +273,12 @@ class LanguageModel(Protocol):
     @classmethod
     def from_hf_config(cls, hf_config: Any, max_positions: int, device: torch.device) -> Any:
         """Build the module (on the meta device; weights come from `checkpoint_map`)."""
+        ...
+
+    @classmethod
+    def tied_head(cls, hf_config: Any) -> tuple[bool, str]:
+        """Whether the LM head is tied to the token embeddings as transformers' class decides
+        it, and the flag (or rule) that says so."""
         ...
 
     def checkpoint_map(self) -> WeightMap:

@@ -8,7 +8,6 @@ a checkpoint tensor whose shape does not match.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
+
+from models.checkpoint import weight_files
 
 
 @dataclass(frozen=True)
@@ -29,16 +30,18 @@ class Shard:
 WeightMap = Callable[[str], "tuple[str, Shard | None] | None"]
 
 
+class MissingWeights(ValueError):
+    """Parameters the checkpoint does not fill (`missing`, our names)."""
+
+    def __init__(self, missing: list[str]) -> None:
+        shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+        super().__init__(f"checkpoint does not provide {len(missing)} parameter(s): {shown}")
+        self.missing = missing
+
+
 def checkpoint_files(path: Path) -> list[Path]:
     """The safetensors files of a checkpoint directory, sharded (with index) or single."""
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / n for n in names]
-    single = path / "model.safetensors"
-    if single.exists():
-        return [single]
-    found = sorted(path.glob("*.safetensors"))
+    found = weight_files(path)
     if not found:
         raise FileNotFoundError(
             f"no safetensors weights in {path} (expected model.safetensors or "
@@ -79,8 +82,7 @@ def load_weights(
         filled[ours] += dest.numel()
     missing = [n for n, p in params.items() if filled[n] != p.numel()]
     if missing:
-        shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
-        raise ValueError(f"checkpoint does not provide {len(missing)} parameter(s): {shown}")
+        raise MissingWeights(missing)
 
 
 def build_on_meta(factory: Callable[[], nn.Module], device: torch.device, dtype: torch.dtype):

@@ -62,9 +62,11 @@ def build_gemma3_model(
     pan_and_scan: dict | None = None,
     seed: int = 0,
     std: float = 0.25,
+    tie_word_embeddings: bool | None = None,
 ) -> Path:
-    """A tiny Gemma3ForConditionalGeneration at `path`; `pan_and_scan` options go to the image
-    processor's config (e.g. {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 20})."""
+    """A tiny Gemma3ForConditionalGeneration at `path` with its Gemma3Processor; `pan_and_scan`
+    options go to the image processor's config (e.g. {"do_pan_and_scan": True}), where
+    transformers' processor overrides them with its own defaults unless a call passes them."""
     import transformers
 
     tokenizer = gemma_tokenizer()
@@ -84,12 +86,17 @@ def build_gemma3_model(
         boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"],
         image_token_index=ids["<image_soft_token>"],
     )
+    if tie_word_embeddings is not None:  # the flag transformers ties the head by
+        config.tie_word_embeddings = tie_word_embeddings
     torch.manual_seed(seed)
     model = transformers.Gemma3ForConditionalGeneration(config)
     randomize(model, std=std, seed=seed)
     path = save_checkpoint(model, tokenizer, Path(path),
                            [ids["<end_of_turn>"], ids["<eos>"]])
-    processor = transformers.Gemma3ImageProcessorPil(
+    image_processor = transformers.Gemma3ImageProcessorPil(
         size={"height": image_size, "width": image_size}, **(pan_and_scan or {}))
-    processor.save_pretrained(path)
+    transformers.Gemma3Processor(
+        image_processor=image_processor, tokenizer=tokenizer,
+        image_seq_length=mm_tokens_per_image, chat_template=tokenizer.chat_template,
+    ).save_pretrained(path)
     return path

@@ -44,6 +44,7 @@ def build_llava_model(
     seed: int = 0,
     std: float = 0.25,
     tokenizer_kind: str = "bytes",
+    tie_word_embeddings: bool | None = None,
 ) -> Path:
     """A tiny LlavaForConditionalGeneration (or LlavaNextForConditionalGeneration with
     `next_`), its tokenizer ("bytes" or the demo's "words", see testing.tiny.train_tokenizer),
@@ -80,11 +81,19 @@ def build_llava_model(
         cls = transformers.LlavaNextForConditionalGeneration
     else:
         config, cls = transformers.LlavaConfig(**common), transformers.LlavaForConditionalGeneration
+    if tie_word_embeddings is not None:  # the flag transformers ties the head by
+        config.tie_word_embeddings = tie_word_embeddings
     torch.manual_seed(seed)
     model = cls(config)
     randomize(model, std=std, seed=seed)
     path = save_checkpoint(model, tokenizer, Path(path), [tokenizer.eos_token_id])
-    processor.save_pretrained(path)
+    # The processor as transformers writes it: its image processor nested in
+    # processor_config.json beside its own fields (testing.layouts rewrites older layouts).
+    processor_cls = (transformers.LlavaNextProcessor if next_ else transformers.LlavaProcessor)
+    processor_cls(image_processor=processor, tokenizer=tokenizer, patch_size=14,
+                  vision_feature_select_strategy=strategy,
+                  num_additional_image_tokens=int(tower == "clip"),
+                  chat_template=tokenizer.chat_template).save_pretrained(path)
     return path
 
 

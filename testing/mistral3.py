@@ -48,6 +48,7 @@ def build_mistral3_model(
     feature_layer: int | list[int] = -1,
     seed: int = 0,
     std: float = 0.25,
+    tie_word_embeddings: bool | None = None,
 ) -> Path:
     """A tiny Mistral3ForConditionalGeneration (LlavaForConditionalGeneration with a Pixtral
     tower and no merger with `llava`), its tokenizer and preprocessor config."""
@@ -77,24 +78,40 @@ def build_mistral3_model(
     else:
         config = transformers.Mistral3Config(**common, spatial_merge_size=2)
         cls = transformers.Mistral3ForConditionalGeneration
+    if tie_word_embeddings is not None:  # the flag transformers ties the head by
+        config.tie_word_embeddings = tie_word_embeddings
     torch.manual_seed(seed)
     model = cls(config)
     randomize(model, std=std, seed=seed)
     path = save_checkpoint(model, tokenizer, Path(path), [tokenizer.eos_token_id])
-    transformers.PixtralImageProcessorPil(
-        patch_size={"height": PATCH, "width": PATCH}, size={"longest_edge": LONGEST_EDGE},
+    image_processor = transformers.PixtralImageProcessorPil(
+        patch_size={"height": PATCH, "width": PATCH}, size={"longest_edge": LONGEST_EDGE})
+    pixtral_processor_class()(
+        image_processor=image_processor, tokenizer=tokenizer, patch_size=PATCH,
+        spatial_merge_size=1 if llava else 2, chat_template=tokenizer.chat_template,
     ).save_pretrained(path)
     return path
 
 
 def hf_pixtral_processor(path: Path, merge: int):
-    """transformers' PixtralProcessor over the checkpoint's tokenizer and PIL image processor.
+    """transformers' PixtralProcessor over the checkpoint's tokenizer and PIL image processor
+    (see `pixtral_processor_class`)."""
+    import transformers
+
+    return pixtral_processor_class()(
+        image_processor=transformers.PixtralImageProcessorPil.from_pretrained(path),
+        tokenizer=transformers.AutoTokenizer.from_pretrained(path),
+        patch_size=PATCH, spatial_merge_size=merge,
+    )
+
+
+def pixtral_processor_class():
+    """transformers' PixtralProcessor class.
 
     Its module refuses to import without torchvision (which these machines lack), although
     nothing in it needs torchvision once the PIL image processor is handed in: it is loaded
     from its source with that guard removed and the size helper taken from the PIL module.
     """
-    import transformers
     import transformers.models.pixtral as package
 
     name = "transformers.models.pixtral._processing_pixtral_pil"
@@ -107,8 +124,4 @@ def hf_pixtral_processor(path: Path, merge: int):
         module.__package__, module.__file__ = package.__name__, str(file)
         sys.modules[name] = module
         exec(compile(source, str(file), "exec"), module.__dict__)
-    return sys.modules[name].PixtralProcessor(
-        image_processor=transformers.PixtralImageProcessorPil.from_pretrained(path),
-        tokenizer=transformers.AutoTokenizer.from_pretrained(path),
-        patch_size=PATCH, spatial_merge_size=merge,
-    )
+    return sys.modules[name].PixtralProcessor

@@ -1,14 +1,14 @@
 """Tiny random-weight Qwen3-VL checkpoints (Qwen3VLForConditionalGeneration: Qwen3 decoder with
 interleaved mRoPE, 16-px patch tower with learned positions and DeepStack mergers) and
-Qwen3-VL's image and video preprocessor configs."""
+Qwen3-VL's image and video processor settings in transformers 5's layout."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
+from testing.layouts import save_processor
 from testing.tiny import QWEN_SPECIAL, qwen_tokenizer, randomize, save_checkpoint
 
 
@@ -23,6 +23,7 @@ def build_qwen3_vl_model(
     max_image_tokens: int = 64,
     seed: int = 0,
     std: float = 0.25,
+    tie_word_embeddings: bool | None = None,
 ) -> Path:
     """A tiny Qwen3VLForConditionalGeneration at `path` whose tower feeds DeepStack residuals
     from blocks `deepstack` into the first len(deepstack) decoder layers."""
@@ -50,19 +51,21 @@ def build_qwen3_vl_model(
         vision_start_token_id=special["<|vision_start|>"],
         vision_end_token_id=special["<|vision_end|>"],
     )
+    if tie_word_embeddings is not None:  # the flag transformers ties the head by
+        config.tie_word_embeddings = tie_word_embeddings
     torch.manual_seed(seed)
     model = transformers.Qwen3VLForConditionalGeneration(config)
     randomize(model, std=std, seed=seed)
     path = save_checkpoint(model, tokenizer, Path(path), [tokenizer.eos_token_id])
     unit = 32 * 32  # one merged patch
-    image = {
-        "image_processor_type": "Qwen2VLImageProcessor", "patch_size": 16,
-        "temporal_patch_size": 2, "merge_size": 2,
-        "size": {"shortest_edge": 4 * unit, "longest_edge": max_image_tokens * unit},
-        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-    }
-    (path / "preprocessor_config.json").write_text(json.dumps(image, indent=2))
-    video = {**image, "video_processor_type": "Qwen3VLVideoProcessor", "fps": 2.0,
+    image = transformers.Qwen2VLImageProcessorPil(
+        patch_size=16, temporal_patch_size=2, merge_size=2,
+        size={"shortest_edge": 4 * unit, "longest_edge": max_image_tokens * unit},
+        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+    video = {"video_processor_type": "Qwen3VLVideoProcessor", "patch_size": 16,
+             "temporal_patch_size": 2, "merge_size": 2, "fps": 2.0,
+             "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
              "size": {"shortest_edge": 8 * unit, "longest_edge": 4 * max_image_tokens * unit}}
-    (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
+    save_processor(path, "Qwen3VLProcessor", tokenizer, image_processor=image,
+                   video_settings=video)
     return path

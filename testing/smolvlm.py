@@ -47,6 +47,7 @@ def build_smolvlm_model(
     vision_width: int = 32,
     seed: int = 0,
     std: float = 0.25,
+    tie_word_embeddings: bool | None = None,
 ) -> Path:
     """A tiny SmolVLMForConditionalGeneration (`arch` "smolvlm") or
     Idefics3ForConditionalGeneration ("idefics3") at `path`; images are resized to
@@ -78,14 +79,27 @@ def build_smolvlm_model(
                           transformers.Idefics3ImageProcessorPil(**sizes))
     else:
         raise ValueError(f"unknown arch {arch!r} (smolvlm, idefics3)")
+    if tie_word_embeddings is not None:  # the flag transformers ties the head by
+        config.tie_word_embeddings = tie_word_embeddings
     torch.manual_seed(seed)
     model = cls(config)
     randomize(model, std=std, seed=seed)
     path = save_checkpoint(model, tokenizer, Path(path), [tokenizer.eos_token_id])
-    processor.save_pretrained(path)
-    if arch == "smolvlm":  # what SmolVLMVideoProcessor reads (it needs torchvision to build)
+    per_tile = (TILE // PATCH // 2) ** 2
+    if arch == "idefics3":
+        transformers.Idefics3Processor(
+            image_processor=processor, tokenizer=tokenizer, image_seq_len=per_tile,
+            chat_template=tokenizer.chat_template).save_pretrained(path)
+    else:
+        # SmolVLMProcessor cannot be built without torchvision (its video processor needs it),
+        # so its processor_config.json is assembled as transformers 5 writes it: the image
+        # processor's own to_dict(), the video processor's settings (what SmolVLMVideoProcessor
+        # reads), the processor's own field and class.
         video = {"video_sampling": {"fps": 1, "max_frames": max_frames,
                                     "video_size": {"longest_edge": longest_edge}},
-                 "max_image_size": {"longest_edge": TILE}, "do_sample_frames": True}
-        (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
+                 "max_image_size": {"longest_edge": TILE}, "do_sample_frames": True,
+                 "resample": processor.resample, "video_processor_type": "SmolVLMVideoProcessor"}
+        config = {"image_processor": processor.to_dict(), "video_processor": video,
+                  "image_seq_len": per_tile, "processor_class": "SmolVLMProcessor"}
+        (path / "processor_config.json").write_text(json.dumps(config, indent=2))
     return path

@@ -252,6 +252,7 @@ def build_qwen2_vl_model(
     seed: int = 0,
     std: float = 0.25,
     tokenizer_kind: str = "bytes",
+    tie_word_embeddings: bool | None = None,
 ) -> Path:
     """A tiny Qwen2VLForConditionalGeneration ("qwen2_vl") or Qwen2.5-VL ("qwen2_5_vl").
 
@@ -297,19 +298,28 @@ def build_qwen2_vl_model(
             Qwen2_5_VLForConditionalGeneration)
     else:
         raise ValueError(f"unknown variant {variant!r} (qwen2_vl, qwen2_5_vl)")
+    if tie_word_embeddings is not None:  # the flag transformers ties the head by
+        config.tie_word_embeddings = tie_word_embeddings
     torch.manual_seed(seed)
     model = cls(config)
     randomize(model, std=std, seed=seed)
     path = save_checkpoint(model, tokenizer, Path(path), [tokenizer.eos_token_id])
     unit = 28 * 28  # one merged patch
-    preprocessor = {
-        "image_processor_type": "Qwen2VLImageProcessor", "patch_size": 14,
-        "temporal_patch_size": 2, "merge_size": 2, "min_pixels": 4 * unit,
-        "max_pixels": max_image_tokens * unit, "image_mean": CLIP_MEAN, "image_std": CLIP_STD,
-    }
-    (path / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
-    video = {**preprocessor, "max_pixels": max(4, max_image_tokens // 4) * unit, "fps": 2.0}
-    (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
+    from transformers import Qwen2VLImageProcessorPil
+
+    from testing.layouts import save_processor
+
+    image = Qwen2VLImageProcessorPil(
+        patch_size=14, temporal_patch_size=2, merge_size=2, image_mean=CLIP_MEAN,
+        image_std=CLIP_STD, size={"shortest_edge": 4 * unit,
+                                  "longest_edge": max_image_tokens * unit})
+    video = {"video_processor_type": "Qwen2VLVideoProcessor", "patch_size": 14,
+             "temporal_patch_size": 2, "merge_size": 2, "fps": 2.0,
+             "image_mean": list(CLIP_MEAN), "image_std": list(CLIP_STD),
+             "size": {"shortest_edge": 4 * unit,
+                      "longest_edge": max(4, max_image_tokens // 4) * unit}}
+    processor = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}[variant]
+    save_processor(path, processor, tokenizer, image_processor=image, video_settings=video)
     return path
 
 
@@ -331,6 +341,7 @@ def build_qwen2_audio_model(
     seed: int = 0,
     std: float = 0.25,
     tokenizer_kind: str = "bytes",
+    tie_word_embeddings: bool | None = None,
 ) -> Path:
     """A tiny Qwen2AudioForConditionalGeneration with a Whisper feature-extractor config.
 
@@ -355,14 +366,16 @@ def build_qwen2_audio_model(
     )
     config = Qwen2AudioConfig(audio_config=audio, text_config=text,
                               audio_token_index=tokenizer.convert_tokens_to_ids("<|AUDIO|>"))
+    if tie_word_embeddings is not None:  # its head sits in a causal LM of text_config
+        config.text_config.tie_word_embeddings = tie_word_embeddings
     torch.manual_seed(seed)
     model = Qwen2AudioForConditionalGeneration(config)
     randomize(model, std=std, seed=seed)
     path = save_checkpoint(model, tokenizer, Path(path), [tokenizer.eos_token_id])
-    preprocessor = {
-        "feature_extractor_type": "WhisperFeatureExtractor", "feature_size": n_mels,
-        "sampling_rate": 16000, "hop_length": 160, "chunk_length": 30, "n_fft": 400,
-        "padding_value": 0.0, "return_attention_mask": True,
-    }
-    (path / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    from transformers import Qwen2AudioProcessor, WhisperFeatureExtractor
+
+    Qwen2AudioProcessor(
+        feature_extractor=WhisperFeatureExtractor(feature_size=n_mels, return_attention_mask=True),
+        tokenizer=tokenizer, chat_template=tokenizer.chat_template,
+    ).save_pretrained(path)
     return path

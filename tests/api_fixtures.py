@@ -32,7 +32,8 @@ class FailingEngine:
     def __init__(self, error: BaseException) -> None:
         self.error = error
         self.tokenizer = None
-        self.engine = SimpleNamespace(model_id="failing", max_model_len=64)
+        self.engine = SimpleNamespace(model_id="failing", max_model_len=64,
+                                      setup=SimpleNamespace(sampling_defaults={}))
 
     def stats(self) -> dict:
         return {"requests_waiting": 0}

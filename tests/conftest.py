@@ -46,13 +46,13 @@ def llama_path(tmp_path_factory):
 @pytest.fixture(scope="session")
 def hf_models():
     """Cache of transformers reference models by checkpoint path (float32, eval)."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     cache = {}
 
     def get(path):
         if path not in cache:
-            vision = (path / "preprocessor_config.json").exists()
+            vision = getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None
             auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
             cache[path] = auto.from_pretrained(path, dtype=torch.float32).eval()
         return cache[path]

@@ -101,11 +101,11 @@ def count_calls(module) -> list[int]:
     return calls
 
 
-def process_chat(llm, messages):
+def process_chat(llm, messages, mm_processor_kwargs=None):
     """The engine's processed prompt for `messages`, and the decoded media behind it (the
     references need their sampling rates and samples)."""
     p = llm.engine.processor
-    parsed = p.render_chat(messages)
+    parsed = p.render_chat(messages, mm_processor_kwargs=mm_processor_kwargs)
     media = p.load_media_sync(parsed)
     return p.process(parsed, media), media
 

@@ -67,11 +67,11 @@ def hf_processor(gemma_path):
 
 def reference(hf, hf_processor, llm, messages):
     """transformers' expansion, greedy tokens and per-step log-probabilities."""
-    proc, media = process_chat(llm, messages)
+    proc, media = process_chat(llm, messages, PAN_AND_SCAN)
     text = llm.engine.processor.render_chat(messages).text
     images = media.get("image") or None
     # transformers' Gemma3Processor overrides the image processor's pan-and-scan settings with
-    # its own defaults (off) unless the call passes them; our processor reads the checkpoint's.
+    # its own defaults (off) unless the call passes them; ours does the same (per request).
     inputs = hf_processor(text=[text], images=[images] if images else None,
                           return_tensors="pt", add_special_tokens=False, **PAN_AND_SCAN)
     inputs.pop("num_crops", None)
@@ -88,7 +88,7 @@ def refs(gemma_path, hf_models, hf_processor):
 
 def test_expansion_spans_and_the_bidirectional_mask_matter(gemma_path, refs, hf_models):
     llm = LLM(gemma_path, max_model_len=1024)
-    proc, _ = process_chat(llm, CASES["pan_and_scan"])
+    proc, _ = process_chat(llm, CASES["pan_and_scan"], PAN_AND_SCAN)
     spans = [f.placeholder for f in proc.mm_features]
     assert len(spans) == 1 + 3  # the image and its three crops, each its own item
     assert all(s.length == 16 and s.bidirectional for s in spans)
@@ -108,7 +108,8 @@ def test_each_case_matches_transformers(gemma_path, refs):
     llm = LLM(gemma_path, max_model_len=1024)
     params = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, logprobs=3)
     for case, msgs in CASES.items():
-        assert_matches_reference(llm.chat(msgs, params)[0], *refs[case][:2], case)
+        out = llm.chat(msgs, params, mm_processor_kwargs=PAN_AND_SCAN)[0]
+        assert_matches_reference(out, *refs[case][:2], case)
     assert_released(llm)
 
 
@@ -116,7 +117,7 @@ def test_batch_with_a_budget_that_would_cut_images(gemma_path, refs):
     """20 tokens a step: every 16-token span must start a chunk or fit in one, never be cut."""
     llm = LLM(gemma_path, max_model_len=1024, max_num_batched_tokens=20, max_num_seqs=8)
     tower = count_calls(llm.engine.runner.model.vision_tower)
-    outs = llm.chat(list(CASES.values()), GREEDY)
+    outs = llm.chat(list(CASES.values()), GREEDY, mm_processor_kwargs=PAN_AND_SCAN)
     assert [o.outputs[0].token_ids for o in outs] == [refs[c][0] for c in CASES]
     assert tower[0] >= 1
     assert_released(llm)
@@ -137,11 +138,15 @@ def test_encoder_cache_and_prefix_cache_hits(gemma_path, refs):
     assert_released(llm)
 
 
-def test_pan_and_scan_off_per_request(gemma_path):
+def test_pan_and_scan_is_per_request_as_in_transformers(gemma_path):
+    """The checkpoint's image processor says do_pan_and_scan (testing.gemma3 saves it so), but
+    transformers' Gemma3Processor passes its own default (off) on every call: so do we, and a
+    request turns it on."""
     llm = LLM(gemma_path, max_model_len=1024)
     msgs = CASES["pan_and_scan"]
-    out = llm.chat(msgs, GREEDY, mm_processor_kwargs={"do_pan_and_scan": False})[0]
-    assert len(out.multi_modal_placeholders) == 1
+    assert len(llm.chat(msgs, GREEDY)[0].multi_modal_placeholders) == 1
+    out = llm.chat(msgs, GREEDY, mm_processor_kwargs=PAN_AND_SCAN)[0]
+    assert len(out.multi_modal_placeholders) == 4
     with pytest.raises(ValueError, match="pan_and_scan_max_num_crops must be in"):
         llm.chat(msgs, GREEDY, mm_processor_kwargs={"pan_and_scan_max_num_crops": 99})
 

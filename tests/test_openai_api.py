@@ -76,7 +76,13 @@ def chat_prompt_tokens(engine: AsyncLLM, messages: list[dict]) -> int:
 def test_models_lists_the_served_model(client):
     (model,) = client.models.list().data
     assert model.id == MODEL and model.max_model_len == MAX_MODEL_LEN
-    assert model.mmserve == {"modalities": [], "max_num_seqs": 64}
+    extension = model.mmserve
+    assert extension["modalities"] == [] and extension["max_num_seqs"] == 64
+    # generation_config.json says do_sample false: a request that sets no sampling is greedy
+    assert extension["sampling_defaults"] == {"temperature": 0.0}
+    rows = {(r["component"], r["name"]): r for r in extension["checkpoint_settings"]}
+    assert rows["model", "eos_token_ids"]["source"].startswith("generation_config.json")
+    assert rows["model", "chat template"]["source"] == "chat_template.jinja"
 
 
 def test_token_ids_are_returned_when_asked(client, engine):

@@ -191,7 +191,7 @@ def test_from_hf_config_dicts():
 
 
 def test_from_hf_processor_object():
-    cfg = VisionPreprocessConfig.from_hf(hf_processor(4 * 28 * 28, 28 * 28 * 100))
+    cfg = VisionPreprocessConfig.from_hf(hf_processor(4 * 28 * 28, 28 * 28 * 100).to_dict())
     assert (cfg.min_pixels, cfg.max_pixels) == (4 * 28 * 28, 28 * 28 * 100)
     assert cfg.image_mean == CFG.image_mean and cfg.merge_size == 2
     image = random_image(300, 500, seed=5)

@@ -162,7 +162,7 @@ def test_spans_mark_image_tokens_and_keep_structure_tokens_as_text(smolvlm_path)
 def test_pixels_equal_transformers_image_processor(tmp_path):
     import transformers
 
-    from models.idefics3.preprocess import Idefics3PreprocessConfig, preprocess_image
+    from models.idefics3.preprocess import from_hf_dicts, preprocess_image
 
     sizes = [(90, 150), (170, 50), (33, 33), (7, 200), (301, 97)]
     settings = [
@@ -174,7 +174,7 @@ def test_pixels_equal_transformers_image_processor(tmp_path):
     for cls, options in settings:
         hf = cls(max_image_size={"longest_edge": 32}, **options)
         hf.save_pretrained(tmp_path)
-        cfg = Idefics3PreprocessConfig.from_hf(hf.to_dict())
+        cfg = from_hf_dicts(hf.to_dict())
         for seed, (h, w) in enumerate(sizes):
             image = random_image(h, w, seed)
             ref = hf([image], return_tensors="pt", return_row_col_info=True)

@@ -142,7 +142,14 @@ def _model_files() -> list[str]:
         module = pending.pop()
         seen.add(module)
         pending |= set(_imported_models_modules(_module_path(module).read_text())) - seen
-    return sorted(str(_module_path(m).relative_to(ROOT)) for m in seen)
+    return sorted(str(_module_path(m).relative_to(ROOT)) for m in seen if not _host_only(m))
+
+
+def _host_only(module: str) -> bool:
+    """Preprocessing, which runs in worker threads on the host before any forward (a model may
+    import its arithmetic, e.g. LLaVA-NeXT's unpadding bounds)."""
+    return module.startswith("models.processing.") or module.rsplit(".", 1)[-1] in (
+        "preprocess", "processor")
 
 
 def _module_path(module: str) -> Path:

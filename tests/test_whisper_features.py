@@ -86,4 +86,4 @@ def test_config_from_a_preprocessor_config():
                                        "hop_length": 160, "chunk_length": 30, "n_fft": 400})
     assert cfg == MelConfig(n_mels=128)
     assert (cfg.window_samples, cfg.window_frames) == (480_000, 3000)
-    assert MelConfig.from_preprocessor({}, n_mels=128).n_mels == 128
+    assert MelConfig.from_preprocessor(None).n_mels == 80  # WhisperFeatureExtractor's default

@@ -251,7 +251,19 @@ def engine_html(stats: Mapping[str, Any]) -> str:
             f"<b>Encoder cache hit rate</b>: {pct(stats['encoder_cache_hit_rate'])} "
             f"({stats['encoder_cache_hits']} hits, {stats['encoder_cache_misses']} misses)",
         ]
+    if stats.get("checkpoint"):
+        lines.append(_settings_html(stats["checkpoint"]))
     return section("Engine", lines, css_class="mm-engine")
+
+
+def _settings_html(rows) -> str:
+    """The checkpoint's settings, each with the file (or class default) it came from."""
+    body = "".join(
+        f"<tr><td>{html.escape(c)}</td><td>{html.escape(k)}</td>"
+        f"<td><code>{html.escape(v)}</code></td><td style=\"{MUTED}\">{html.escape(src)}</td></tr>"
+        for c, k, v, src in rows)
+    return (f"<details><summary><b>Checkpoint settings</b> ({len(rows)}, where each came "
+            f"from)</summary><table>{body}</table></details>")
 
 
 def _remote_engine_html(stats: Mapping[str, Any]) -> str:

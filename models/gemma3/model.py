@@ -54,8 +54,9 @@ class Gemma3ForConditionalGeneration(Decoder):
 
     def __init__(self, hf_config, max_positions: int, device: torch.device) -> None:
         text = hf_config.text_config
-        super().__init__(DecoderConfig.from_hf(text, **gemma_features(text)), max_positions,
-                         device)
+        cfg = DecoderConfig.from_hf(text, **gemma_features(text),
+                                    tie_word_embeddings=self.tied_head(hf_config)[0])
+        super().__init__(cfg, max_positions, device)
         vision = ClipVisionConfig.from_hf(hf_config.vision_config)
         self.vision_tower = ClipVisionTower(vision, final_norm=True)
         self.multi_modal_projector = PoolingProjector(

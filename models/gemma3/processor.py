@@ -15,13 +15,13 @@ whose aspect ratio reaches `pan_and_scan_min_ratio_to_activate` is cut along its
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from models.checkpoint import CheckpointError, Schema, choose_schema, read_settings
 from models.interfaces import (
     MultiModalFeature,
     PlaceholderRange,
@@ -35,7 +35,7 @@ from models.processing.base import (
     check_mm_kwargs,
     hashed_and_processed,
 )
-from models.processing.clip_image import ClipPreprocessConfig, preprocess_clip
+from models.processing.clip_image import IMAGE_PROCESSORS, ClipPreprocessConfig, preprocess_clip
 from models.processing.hashing import hash_image
 
 _KWARGS = ("do_pan_and_scan", "pan_and_scan_min_crop_size", "pan_and_scan_max_num_crops",
@@ -44,7 +44,7 @@ _KWARGS = ("do_pan_and_scan", "pan_and_scan_min_crop_size", "pan_and_scan_max_nu
 
 @dataclass(frozen=True)
 class PanAndScan:
-    """Pan-and-scan settings, validated."""
+    """Pan-and-scan settings, validated; the defaults are transformers' Gemma3Processor's."""
 
     enabled: bool = False
     min_crop_size: int = 256
@@ -102,6 +102,10 @@ class PanAndScan:
                 for y in range(0, crop_h * down, crop_h) for x in range(0, crop_w * across, crop_w)]
 
 
+# Gemma3Processor's own field (processor_config.json), with its default.
+PROCESSOR_SCHEMA = Schema("Gemma3Processor", {"image_seq_length": 256})
+
+
 class Gemma3Processor(ProcessorDefaults):
     modalities = ("image",)
 
@@ -114,10 +118,20 @@ class Gemma3Processor(ProcessorDefaults):
         self.soft_id = cfg.image_token_index
         self.boi, self.eoi, self.soft = (tok.convert_ids_to_tokens(i) for i in (
             self.boi_id, self.eoi_id, self.soft_id))
-        path = ctx.model_path / "preprocessor_config.json"
-        raw = json.loads(path.read_text()) if path.exists() else {}
-        self.pre = ClipPreprocessConfig.from_hf(raw)
-        self.pan_and_scan = PanAndScan.from_options(raw)
+        image = ctx.files.component("image_processor")
+        pre = read_settings(image, choose_schema(image, IMAGE_PROCESSORS, "Gemma3ImageProcessor"))
+        own = read_settings(ctx.files.processor_fields(), PROCESSOR_SCHEMA)
+        self.read = {"image_processor": pre, "processor": own}
+        if own["image_seq_length"] != self.num_tokens:
+            raise CheckpointError(
+                f"{own.sources['image_seq_length']}: image_seq_length={own['image_seq_length']} "
+                f"but the model emits config.json's mm_tokens_per_image={self.num_tokens} "
+                "embeddings per image: transformers would fail on this checkpoint too")
+        self.pre = ClipPreprocessConfig.from_settings(pre)
+        # transformers' Gemma3Processor passes its own pan-and-scan defaults to the image
+        # processor on every call (overriding the image processor's saved values): off unless
+        # a request asks (mm_processor_kwargs).
+        self.pan_and_scan = PanAndScan()
         self.cache = ProcessedCache(ctx.processed_cache_items)
 
     def _sequence(self) -> str:

@@ -37,8 +37,9 @@ class Idefics3ForConditionalGeneration(Decoder):
 
     def __init__(self, hf_config, max_positions: int, device: torch.device) -> None:
         text = hf_config.text_config
-        super().__init__(DecoderConfig.from_hf(text, **text_features(text)), max_positions,
-                         device)
+        cfg = DecoderConfig.from_hf(text, **text_features(text),
+                                    tie_word_embeddings=self.tied_head(hf_config)[0])
+        super().__init__(cfg, max_positions, device)
         vision = ClipVisionConfig.from_hf(hf_config.vision_config)
         self.vision_model = ClipVisionTower(vision, final_norm=True)
         self.connector = PixelShuffleProjector(vision.vit.width, hf_config.scale_factor,

@@ -16,16 +16,44 @@ import numpy as np
 import torch
 from PIL import Image
 
+from models.checkpoint import CheckpointError, Found, Schema, Settings, choose_schema, read_settings
 from models.processing.image import rescale_normalize, resize, triple
 
 MAX_IMAGE_SIDE = 4096  # the reference's absolute cap on a resized side
 IMAGENET_STANDARD = (0.5, 0.5, 0.5)
+# Frames sampled from a video whose processor names no rate or count: transformers' video
+# processor samples none itself (do_sample_frames is off), so these are the engine's, the
+# published SmolVLM2 checkpoints' `video_sampling`.
+SAMPLED_FPS, SAMPLED_FRAMES = 1.0, 64
+
+_PIXELS = {
+    "do_convert_rgb": True, "do_resize": True, "resample": Image.Resampling.LANCZOS.value,
+    "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+    "max_image_size": {"longest_edge": 364}, "size": {"longest_edge": 4 * 364},
+    "image_mean": list(IMAGENET_STANDARD), "image_std": list(IMAGENET_STANDARD),
+}
+_SHARED_PIXEL_KEYS = ("do_convert_rgb", "do_resize", "resample", "do_rescale", "rescale_factor",
+                      "do_normalize", "image_mean", "image_std", "max_image_size")
+# transformers' classes with their own defaults. do_pad pads a batch's images (or frames) to
+# one size; each item is taken alone here. do_sample_frames: the engine's loader samples.
+_IMAGE = {**_PIXELS, "do_image_splitting": True}
+IMAGE_PROCESSORS = {
+    name: Schema(name, _IMAGE, inert=frozenset({"do_pad"}))
+    for name in ("Idefics3ImageProcessor", "SmolVLMImageProcessor")
+}
+VIDEO_PROCESSORS = {
+    "SmolVLMVideoProcessor": Schema(
+        "SmolVLMVideoProcessor",
+        {**_PIXELS, "video_sampling": None, "fps": None, "num_frames": None},
+        inert=frozenset({"do_pad", "do_sample_frames", "default_to_square"})),
+}
 
 
 @dataclass(frozen=True)
 class Idefics3PreprocessConfig:
-    """Settings of one Idefics3/SmolVLM image processor (preprocessor_config.json), plus the
-    video settings of SmolVLM's video processor."""
+    """Settings of one Idefics3/SmolVLM image processor, plus the video settings of SmolVLM's
+    video processor (the defaults here are only for building one by hand: a checkpoint's are
+    read through `from_settings`)."""
 
     longest_edge: int = 4 * 364  # `size`: the image's longest edge after the first resize
     tile: int = 364  # `max_image_size`: side of a tile and of the global image
@@ -49,41 +77,67 @@ class Idefics3PreprocessConfig:
             raise ValueError(f"Idefics3 preprocessing: image_std has a zero: {self.image_std}")
 
     @classmethod
-    def from_hf(cls, image: Mapping[str, Any], video: Mapping[str, Any] | None = None
-                ) -> Idefics3PreprocessConfig:
-        """From preprocessor_config.json (and video_preprocessor_config.json) dicts."""
-        video = video or {}
-        base = cls()
-        sampling = video.get("video_sampling") or {}
-        longest = _longest(image.get("size"), base.longest_edge)
-        return cls(
+    def from_settings(cls, image: Settings, video: Settings | None = None
+                      ) -> Idefics3PreprocessConfig:
+        """From the image processor's settings (and SmolVLM's video processor's), read from a
+        checkpoint against IMAGE_PROCESSORS / VIDEO_PROCESSORS."""
+        longest = _longest(image["size"], image.sources["size"])
+        values = dict(
             longest_edge=longest,
-            tile=_longest(image.get("max_image_size"), base.tile),
-            do_resize=bool(image.get("do_resize", True)),
-            do_image_splitting=bool(image.get("do_image_splitting", True)),
-            resample=int(image.get("resample", base.resample)),
-            do_rescale=bool(image.get("do_rescale", True)),
-            rescale_factor=float(image.get("rescale_factor", base.rescale_factor)),
-            do_normalize=bool(image.get("do_normalize", True)),
-            image_mean=triple(image.get("image_mean", base.image_mean)),
-            image_std=triple(image.get("image_std", base.image_std)),
-            # The video processor's `size` overrides its sampling's `video_size`.
-            video_longest_edge=_longest(video.get("size") or sampling.get("video_size"),
-                                        base.video_longest_edge),
-            video_fps=float(sampling.get("fps", video.get("fps") or base.video_fps)),
-            video_max_frames=int(sampling.get("max_frames",
-                                              video.get("num_frames") or base.video_max_frames)),
+            tile=_longest(image["max_image_size"], image.sources["max_image_size"]),
+            do_resize=bool(image["do_resize"]),
+            do_image_splitting=bool(image["do_image_splitting"]),
+            resample=int(image["resample"]),
+            do_rescale=bool(image["do_rescale"]),
+            rescale_factor=float(image["rescale_factor"]),
+            do_normalize=bool(image["do_normalize"]),
+            image_mean=triple(image["image_mean"]),
+            image_std=triple(image["image_std"]),
+        )
+        if video is None:
+            return cls(**values)
+        for key in _SHARED_PIXEL_KEYS:  # frames go through the image path
+            if video[key] != image[key]:
+                raise CheckpointError(
+                    f"{video.sources[key]}: {key}={video[key]!r} differs from the image "
+                    f"processor's {image[key]!r} ({image.sources[key]}); mmserve processes "
+                    "video frames with the image settings")
+        # transformers 4 wrote the video's sampling as `video_sampling` (its `video_size`
+        # overridden by the processor's `size`), transformers 5 as `fps` / `num_frames`.
+        sampling = video["video_sampling"] or {}
+        fps = sampling.get("fps", video["fps"])
+        frames = sampling.get("max_frames", video["num_frames"])
+        return cls(
+            **values,
+            video_longest_edge=_longest(
+                video["size"] if video.given("size") or "video_size" not in sampling
+                else sampling["video_size"], video.sources["size"]),
+            video_fps=float(fps if fps is not None else SAMPLED_FPS),
+            video_max_frames=int(frames if frames is not None else SAMPLED_FRAMES),
         )
 
 
-def _longest(size: Any, default: int) -> int:
-    if size is None:
-        return default
+def from_hf_dicts(image: Mapping[str, Any] | None, video: Mapping[str, Any] | None = None,
+                  default_class: str = "Idefics3ImageProcessor") -> Idefics3PreprocessConfig:
+    """From an image processor's settings dict (and a video processor's), e.g. a
+    transformers processor's `to_dict()`."""
+    found = None if image is None else Found(image, "image processor settings")
+    image_settings = read_settings(found, choose_schema(found, IMAGE_PROCESSORS, default_class))
+    if video is None:
+        return Idefics3PreprocessConfig.from_settings(image_settings)
+    video_found = Found(video, "video processor settings")
+    return Idefics3PreprocessConfig.from_settings(image_settings, read_settings(
+        video_found, choose_schema(video_found, VIDEO_PROCESSORS, "SmolVLMVideoProcessor",
+                                   "video_processor_type")))
+
+
+def _longest(size: Any, where: str) -> int:
     if isinstance(size, int):
         return size
     if isinstance(size, Mapping) and "longest_edge" in size:
         return int(size["longest_edge"])
-    raise NotImplementedError(f"Idefics3 preprocessing needs a longest_edge size, got {size!r}")
+    raise CheckpointError(f"{where}: Idefics3 preprocessing needs a longest_edge size, got "
+                          f"{size!r}")
 
 
 def fit_longest_edge(height: int, width: int, longest: int) -> tuple[int, int]:

@@ -22,15 +22,17 @@ video is ONE span, from its first `<fake_token_around_image>` to its last; `is_e
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
+from models.checkpoint import CheckpointError, Schema, choose_schema, read_settings
 from models.idefics3.model import tokens_per_tile
 from models.idefics3.preprocess import (
+    IMAGE_PROCESSORS,
     MAX_IMAGE_SIDE,
+    VIDEO_PROCESSORS,
     Idefics3PreprocessConfig,
     frame_clock,
     frame_count_words,
@@ -60,6 +62,11 @@ FAKE, GLOBAL, IMAGE, VIDEO = "<fake_token_around_image>", "<global-img>", "<imag
 _FRAME_BEFORE = re.compile(r"Frame from \d\d:\d\d:$")
 
 
+# transformers' processors' own field (processor_config.json), with its default.
+PROCESSORS = {"idefics3": Schema("Idefics3Processor", {"image_seq_len": 169}),
+              "smolvlm": Schema("SmolVLMProcessor", {"image_seq_len": 169})}
+
+
 class Idefics3Processor(ProcessorDefaults):
     modalities = ("image", "video")  # an instance without video support narrows this
 
@@ -78,9 +85,27 @@ class Idefics3Processor(ProcessorDefaults):
                              f"{FAKE} or {GLOBAL}")
         # Token-id prompts can hold a video only where `<video>` is one token.
         self.video_id = _token_id(tok, VIDEO) if self.videos else None
-        self.pre = Idefics3PreprocessConfig.from_hf(*(
-            _read_json(ctx.model_path / name)
-            for name in ("preprocessor_config.json", "video_preprocessor_config.json")))
+        files = ctx.files
+        image = files.component("image_processor")
+        image_settings = read_settings(image, choose_schema(
+            image, IMAGE_PROCESSORS,
+            "SmolVLMImageProcessor" if self.videos else "Idefics3ImageProcessor"))
+        self.read = {"image_processor": image_settings}
+        video_settings = None
+        if self.videos:
+            video = files.component("video_processor")
+            video_settings = read_settings(video, choose_schema(
+                video, VIDEO_PROCESSORS, "SmolVLMVideoProcessor", "video_processor_type"))
+            self.read["video_processor"] = video_settings
+        own = read_settings(files.processor_fields(), PROCESSORS[cfg.model_type])
+        self.read["processor"] = own
+        if own["image_seq_len"] != self.per_tile:
+            raise CheckpointError(
+                f"{own.sources['image_seq_len']}: image_seq_len={own['image_seq_len']} but the "
+                f"model emits {self.per_tile} embeddings per tile (config.json: vision_config "
+                "image_size / patch_size / scale_factor): transformers would fail on this "
+                "checkpoint too")
+        self.pre = Idefics3PreprocessConfig.from_settings(image_settings, video_settings)
         if self.pre.tile != cfg.vision_config.image_size:
             raise NotImplementedError(
                 f"tiles of {self.pre.tile} pixels for a tower of {cfg.vision_config.image_size}: "
@@ -309,7 +334,3 @@ def _token_id(tokenizer, text: str) -> int | None:
     if token is None or tokenizer.convert_ids_to_tokens(token) != text:
         return None
     return token
-
-
-def _read_json(path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
+from models.checkpoint import tie_word_embeddings
 from models.interfaces import EncoderItem
 from models.kernels.linear import Linear
 from models.kernels.native_decode import NativeDecode
@@ -52,6 +54,14 @@ class Decoder(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         self.rotaries = [self.make_rotary(max_positions, rope, device) for rope in ropes]
+
+    @classmethod
+    def tied_head(cls, hf_config: Any) -> tuple[bool, str]:
+        """Whether transformers' class ties this model's LM head to the token embeddings, and
+        the flag that says so: the top-level config's `tie_word_embeddings` (a text-only
+        model's own config; a composite model's outer one). Families whose reference class
+        decides otherwise override this."""
+        return tie_word_embeddings(hf_config)
 
     def tie_weights(self) -> None:
         if self.cfg.tie_word_embeddings:

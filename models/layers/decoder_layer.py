@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from models.checkpoint import tie_word_embeddings
 from models.kernels.linear import Linear
 from models.layers.attention import AttentionMetadata, LayerAttention, paged_attention
 from models.layers.mlp import GatedMLP
@@ -74,7 +75,9 @@ class DecoderConfig:
 
         Fields every family names alike are read here (Llama's `attention_bias` puts a bias on
         q/k/v and o); `features` set the options a family's config does not spell out, e.g.
-        Qwen2's `qkv_bias=True`.
+        Qwen2's `qkv_bias=True`. A text-only model's head is tied by `cfg`'s own flag; a
+        composite model passes `tie_word_embeddings` as its reference class decides it
+        (`Decoder.tied_head`).
         """
         attention_bias = bool(getattr(cfg, "attention_bias", False))
         heads = cfg.num_attention_heads
@@ -88,7 +91,7 @@ class DecoderConfig:
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
             rms_norm_eps=cfg.rms_norm_eps,
             max_position_embeddings=cfg.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            tie_word_embeddings=tie_word_embeddings(cfg)[0],
             hidden_act=getattr(cfg, "hidden_act", None) or cfg.hidden_activation,
             layer_rope=layer_rope_from_hf(cfg),
             layer_attention=layer_attention_from_hf(cfg),

@@ -38,8 +38,9 @@ class LlavaForConditionalGeneration(Decoder):
 
     def __init__(self, hf_config, max_positions: int, device: torch.device) -> None:
         text = hf_config.text_config
-        super().__init__(DecoderConfig.from_hf(text, **text_features(text)), max_positions,
-                         device)
+        cfg = DecoderConfig.from_hf(text, **text_features(text),
+                                    tie_word_embeddings=self.tied_head(hf_config)[0])
+        super().__init__(cfg, max_positions, device)
         self.vision_tower = ClipVisionTower(ClipVisionConfig.from_hf(hf_config.vision_config))
         layer = hf_config.vision_feature_layer
         self.feature_layers = self.vision_tower.resolve_layers(

@@ -11,11 +11,11 @@ registry's vision-tower variants).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
+from models.checkpoint import PROCESSOR, CheckpointError, Schema, choose_schema, read_settings
 from models.interfaces import (
     ProcessedPrompt,
     ProcessorContext,
@@ -35,8 +35,14 @@ from models.processing.base import (
     expand_placeholders,
     hashed_and_processed,
 )
-from models.processing.clip_image import ClipPreprocessConfig, preprocess_clip
+from models.processing.clip_image import IMAGE_PROCESSORS, ClipPreprocessConfig, preprocess_clip
 from models.processing.hashing import hash_image
+
+_OWN = {"patch_size": None, "vision_feature_select_strategy": None,
+        "num_additional_image_tokens": 0, "image_token": "<image>"}
+# transformers' processors' own fields (processor_config.json), with their defaults.
+PROCESSORS = {"llava": Schema("LlavaProcessor", _OWN),
+              "llava_next": Schema("LlavaNextProcessor", _OWN)}
 
 
 class LlavaProcessor(ProcessorDefaults):
@@ -47,17 +53,50 @@ class LlavaProcessor(ProcessorDefaults):
         self.model_id = ctx.model_id
         self.image_token_id = cfg.image_token_index
         self.anyres = cfg.model_type == "llava_next"
+        files = ctx.files
+        image = files.component("image_processor")
+        pre = read_settings(image, choose_schema(
+            image, IMAGE_PROCESSORS,
+            "LlavaNextImageProcessor" if self.anyres else "CLIPImageProcessor"))
+        own = read_settings(files.processor_fields(), PROCESSORS[cfg.model_type])
+        self.read = {"image_processor": pre, "processor": own}
+        self.pre = ClipPreprocessConfig.from_settings(pre)
+        # The tokens an image becomes, as transformers' processor counts them (its own fields),
+        # which must be the features the model emits for it (the model config's).
         vision = cfg.vision_config
-        self.tile, self.patch = vision.image_size, vision.patch_size
+        self.tile, self.patch = self.pre.tile_size, own["patch_size"]
+        if self.patch is None:
+            raise CheckpointError(
+                f"{PROCESSOR} has no patch_size: {own.schema.cls} cannot count an image's "
+                f"tokens without it (the vision tower's patch_size is {vision.patch_size})")
+        # transformers drops one token for "default" and none for anything else (None too).
+        given = own["vision_feature_select_strategy"]
+        self.strategy = "default" if given == "default" else "full"
+        self.class_tokens = own["num_additional_image_tokens"]
         self.side = self.tile // self.patch  # patches per tile side
-        self.strategy = cfg.vision_feature_select_strategy
-        self.class_tokens = int(vision.model_type.startswith("clip"))
         self.per_tile = llava_num_image_tokens(self.tile, self.patch, self.strategy,
                                                self.class_tokens)
+        emitted = llava_num_image_tokens(
+            vision.image_size, vision.patch_size, cfg.vision_feature_select_strategy,
+            int(vision.model_type.startswith("clip")))
+        if (self.per_tile, self.side) != (emitted, vision.image_size // vision.patch_size):
+            raise CheckpointError(
+                f"the processor expands a {self.tile}-pixel tile to {self.per_tile} tokens "
+                f"({own.sources['patch_size']}={self.patch}, vision_feature_select_strategy="
+                f"{given!r}, num_additional_image_tokens={self.class_tokens}), but the "
+                f"model emits {emitted} features for its {vision.image_size}-pixel input "
+                "(config.json: vision_config, vision_feature_select_strategy): transformers "
+                "would fail on this checkpoint too")
+        if ctx.tokenizer.convert_tokens_to_ids(own["image_token"]) != self.image_token_id:
+            raise CheckpointError(
+                f"{own.sources['image_token']}: image_token {own['image_token']!r} is not the "
+                f"token config.json's image_token_index={self.image_token_id} names")
         self.pinpoints = [tuple(p) for p in getattr(cfg, "image_grid_pinpoints", None) or []]
-        path = ctx.model_path / "preprocessor_config.json"
-        self.pre = ClipPreprocessConfig.from_hf(
-            json.loads(path.read_text()) if path.exists() else {})
+        if self.anyres and [tuple(p) for p in self.pre.image_grid_pinpoints] != self.pinpoints:
+            raise CheckpointError(
+                f"{pre.sources['image_grid_pinpoints']}: image_grid_pinpoints "
+                f"{self.pre.image_grid_pinpoints} differ from config.json's "
+                f"{self.pinpoints}: the processor would tile images differently from the model")
         self.cache = ProcessedCache(ctx.processed_cache_items)
 
     def loader_kwargs(self, mm_kwargs: Mapping[str, Any]) -> dict[str, Any]:

@@ -14,12 +14,22 @@ from typing import Any
 import torch
 from PIL import Image
 
+from models.checkpoint import CheckpointError, Found, Schema, Settings, choose_schema, read_settings
 from models.processing.clip_image import (
     CLIP_MEAN,
     CLIP_STD,
     ClipPreprocessConfig,
     preprocess_clip,
 )
+
+# transformers' PixtralImageProcessor with its own defaults. `patch_size`: PixtralProcessor
+# passes its own patch_size x spatial_merge_size on every call, which overrides this one; do_pad
+# pads a batch's images to one size, and each image is taken alone here.
+IMAGE_PROCESSORS = {"PixtralImageProcessor": Schema("PixtralImageProcessor", {
+    "do_convert_rgb": True, "do_resize": True, "resample": Image.Resampling.BICUBIC.value,
+    "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+    "size": {"longest_edge": 1024}, "image_mean": list(CLIP_MEAN), "image_std": list(CLIP_STD),
+}, fixed={"do_resize": True}, inert=frozenset({"patch_size", "do_pad"}))}
 
 
 @dataclass(frozen=True)
@@ -41,27 +51,30 @@ class PixtralPreprocessConfig:
             raise ValueError(f"longest_edge must be a positive int, got {self.longest_edge!r}")
 
     @classmethod
-    def from_hf(cls, d: Mapping[str, Any]) -> PixtralPreprocessConfig:
-        if d.get("do_resize") is False:
-            raise NotImplementedError("Pixtral preprocessing without do_resize")
-        size = d.get("size") or {"longest_edge": cls.longest_edge}
+    def from_settings(cls, s: Settings) -> PixtralPreprocessConfig:
+        """From PixtralImageProcessor's settings, read from a checkpoint."""
+        size = s["size"]
         if not isinstance(size, Mapping) or "longest_edge" not in size:
-            raise NotImplementedError(f"Pixtral size {size!r} (longest_edge only)")
-        defaults = cls()
-
-        def pick(key: str) -> Any:
-            return getattr(defaults, key) if d.get(key) is None else d[key]
-
+            raise CheckpointError(f"{s.sources['size']}: Pixtral size {size!r} is not "
+                                  "supported (longest_edge only)")
         return cls(
             longest_edge=int(size["longest_edge"]),
-            resample=int(pick("resample")),
-            do_rescale=bool(pick("do_rescale")),
-            rescale_factor=float(pick("rescale_factor")),
-            do_normalize=bool(pick("do_normalize")),
-            image_mean=tuple(map(float, pick("image_mean"))),
-            image_std=tuple(map(float, pick("image_std"))),
-            do_convert_rgb=bool(pick("do_convert_rgb")),
+            resample=int(s["resample"]),
+            do_rescale=bool(s["do_rescale"]),
+            rescale_factor=float(s["rescale_factor"]),
+            do_normalize=bool(s["do_normalize"]),
+            image_mean=tuple(map(float, s["image_mean"])),
+            image_std=tuple(map(float, s["image_std"])),
+            do_convert_rgb=bool(s["do_convert_rgb"]),
         )
+
+    @classmethod
+    def from_hf(cls, d: Mapping[str, Any] | None) -> PixtralPreprocessConfig:
+        """From an image processor's settings dict (e.g. a transformers processor's
+        `to_dict()`)."""
+        found = None if d is None else Found(d, "image processor settings")
+        return cls.from_settings(read_settings(found, choose_schema(
+            found, IMAGE_PROCESSORS, "PixtralImageProcessor")))
 
 
 def pixtral_resized_size(height: int, width: int, longest_edge: int, unit: int) -> tuple[int, int]:

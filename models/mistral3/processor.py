@@ -11,17 +11,18 @@ embeddings.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
+from models.checkpoint import PROCESSOR, CheckpointError, Schema, choose_schema, read_settings
 from models.interfaces import (
     ProcessedPrompt,
     ProcessorContext,
     PromptPlan,
 )
 from models.mistral3.preprocess import (
+    IMAGE_PROCESSORS,
     PixtralPreprocessConfig,
     pixtral_resized_size,
     preprocess_pixtral,
@@ -37,6 +38,11 @@ from models.processing.base import (
 )
 from models.processing.hashing import hash_image
 
+# transformers' PixtralProcessor's own fields (processor_config.json), with its defaults.
+PROCESSOR_SCHEMA = Schema("PixtralProcessor", {
+    "patch_size": 16, "spatial_merge_size": 1, "image_token": "[IMG]",
+    "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"})
+
 
 class PixtralProcessor(ProcessorDefaults):
     modalities = ("image",)
@@ -45,15 +51,30 @@ class PixtralProcessor(ProcessorDefaults):
         cfg = ctx.hf_config
         self.model_id = ctx.model_id
         self.image_token_id = cfg.image_token_index
-        # The merge size from the model's config (Mistral 3); LLaVA-Pixtral has no merger.
-        self.unit = cfg.vision_config.patch_size * (getattr(cfg, "spatial_merge_size", None) or 1)
-        path = ctx.model_path / "processor_config.json"
-        names = json.loads(path.read_text()) if path.exists() else {}
-        self.break_id = _token_id(ctx.tokenizer, names.get("image_break_token", "[IMG_BREAK]"))
-        self.end_id = _token_id(ctx.tokenizer, names.get("image_end_token", "[IMG_END]"))
-        path = ctx.model_path / "preprocessor_config.json"
-        self.pre = PixtralPreprocessConfig.from_hf(
-            json.loads(path.read_text()) if path.exists() else {})
+        files = ctx.files
+        image = files.component("image_processor")
+        pre = read_settings(image, choose_schema(image, IMAGE_PROCESSORS, "PixtralImageProcessor"))
+        own = read_settings(files.processor_fields(), PROCESSOR_SCHEMA)
+        self.read = {"image_processor": pre, "processor": own}
+        # An image is cut into cells of patch x merge pixels, one embedding each: the
+        # processor's fields must say what the model's config does (Mistral 3 merges 2 x 2;
+        # LLaVA-Pixtral has no merger).
+        self.unit = own["patch_size"] * own["spatial_merge_size"]
+        model_unit = cfg.vision_config.patch_size * (getattr(cfg, "spatial_merge_size", None) or 1)
+        if self.unit != model_unit:
+            raise CheckpointError(
+                f"{PROCESSOR}: patch_size={own['patch_size']} x spatial_merge_size="
+                f"{own['spatial_merge_size']} ({own.sources['patch_size']}, "
+                f"{own.sources['spatial_merge_size']}) cut images into {self.unit}-pixel cells, "
+                f"but the model embeds {model_unit}-pixel cells (config.json: vision_config."
+                "patch_size, spatial_merge_size): transformers would fail on this checkpoint too")
+        if _token_id(ctx.tokenizer, own["image_token"]) != self.image_token_id:
+            raise CheckpointError(
+                f"{own.sources['image_token']}: image_token {own['image_token']!r} is not the "
+                f"token config.json's image_token_index={self.image_token_id} names")
+        self.break_id = _token_id(ctx.tokenizer, own["image_break_token"])
+        self.end_id = _token_id(ctx.tokenizer, own["image_end_token"])
+        self.pre = PixtralPreprocessConfig.from_settings(pre)
         self.cache = ProcessedCache(ctx.processed_cache_items)
 
     def loader_kwargs(self, mm_kwargs: Mapping[str, Any]) -> dict[str, Any]:

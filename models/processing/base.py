@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from models.checkpoint import Settings
 from models.interfaces import MultiModalFeature, PlaceholderRange, PromptPlan
 from models.processing.options import check_mm_kwargs
 
@@ -24,7 +25,13 @@ __all__ = [
 
 class ProcessorDefaults:
     """What most processors do for the optional parts of models.interfaces.MultimodalProcessor:
-    no bidirectional spans, no text-level expansion, no plan before processing."""
+    no bidirectional spans, no text-level expansion, no plan before processing; `settings`
+    returns what the processor stored in `self.read` while it was built."""
+
+    read: Mapping[str, Settings] = {}
+
+    def settings(self) -> Mapping[str, Settings]:
+        return dict(self.read)
 
     def max_bidirectional_span(self) -> int:
         return 0

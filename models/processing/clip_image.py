@@ -15,14 +15,52 @@ import numpy as np
 import torch
 from PIL import Image
 
+from models.checkpoint import (
+    CheckpointError,
+    Found,
+    Schema,
+    Settings,
+    choose_schema,
+    read_settings,
+)
 from models.processing.image import rescale_normalize, resize, triple
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 SIGLIP_MEAN = (0.5, 0.5, 0.5)
 SIGLIP_STD = (0.5, 0.5, 0.5)
-LLAVA_NEXT_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
+LLAVA_NEXT_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
 _SIZE_KEYS = ({"shortest_edge"}, {"height", "width"})
+
+_COMMON = {
+    "do_convert_rgb": True, "do_resize": True, "resample": Image.Resampling.BICUBIC.value,
+    "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+}
+_CLIP = {**_COMMON, "do_center_crop": True, "size": {"shortest_edge": 224},
+         "crop_size": {"height": 224, "width": 224}, "image_mean": list(CLIP_MEAN),
+         "image_std": list(CLIP_STD)}
+_SIGLIP = {**_COMMON, "size": {"height": 224, "width": 224}, "image_mean": list(SIGLIP_MEAN),
+           "image_std": list(SIGLIP_STD)}
+# Classes that resize to a fixed size never center-crop.
+_NO_CROP = {"do_center_crop": False, "crop_size": None}
+# The image processor classes these families' checkpoints name, with transformers' own
+# defaults (tests/test_checkpoint_schemas.py compares them with the classes').
+IMAGE_PROCESSORS = {
+    "CLIPImageProcessor": Schema("CLIPImageProcessor", _CLIP),
+    "SiglipImageProcessor": Schema("SiglipImageProcessor", _SIGLIP, _NO_CROP),
+    "LlavaImageProcessor": Schema("LlavaImageProcessor", {**_CLIP, "do_pad": False}),
+    # do_pad pads a batch's tile stacks to one count; each image is taken alone here.
+    "LlavaNextImageProcessor": Schema(
+        "LlavaNextImageProcessor", {**_CLIP, "image_grid_pinpoints": LLAVA_NEXT_PINPOINTS},
+        inert=frozenset({"do_pad"})),
+    # Pan-and-scan: transformers' Gemma3Processor passes its own defaults (off) to every call,
+    # which override these; a request turns it on through mm_processor_kwargs.
+    "Gemma3ImageProcessor": Schema(
+        "Gemma3ImageProcessor", {**_SIGLIP, "resample": Image.Resampling.BILINEAR.value},
+        _NO_CROP, inert=frozenset({"do_pan_and_scan", "pan_and_scan_min_crop_size",
+                                   "pan_and_scan_max_num_crops",
+                                   "pan_and_scan_min_ratio_to_activate"})),
+}
 
 Pinpoints = tuple[tuple[int, int], ...]
 
@@ -96,56 +134,56 @@ class ClipPreprocessConfig:
         return (self.crop_size or self.size or (self.shortest_edge,))[0]
 
     @classmethod
-    def from_hf(cls, d: Mapping[str, Any]) -> ClipPreprocessConfig:
-        """Read a preprocessor_config.json dict (CLIP, SigLIP, Gemma 3, LLaVA or LLaVA-NeXT).
-
-        Missing keys take the defaults of the class named by ``image_processor_type``; like HF,
-        an int ``size`` is a shortest edge and an int ``crop_size`` a square.
-        """
-        kind = str(d.get("image_processor_type") or "")
-        # SigLIP's and Gemma 3's processors resize to a fixed size and never center-crop.
-        siglip = kind.startswith(("Siglip", "Gemma3"))
-        size = _first(d.get("size"), {"height": 224, "width": 224} if siglip else 224)
+    def from_settings(cls, s: Settings) -> ClipPreprocessConfig:
+        """From one of IMAGE_PROCESSORS' settings, read from a checkpoint. Like transformers, an
+        int `size` is a shortest edge (a square for classes that resize to a fixed size) and an
+        int `crop_size` a square."""
+        fixed = "shortest_edge" not in s.schema.defaults["size"]  # resizes to (height, width)
+        size = s["size"]
         if isinstance(size, int):
-            size = {"shortest_edge": size}
-        elif isinstance(size, Sequence):
-            size = {"height": size[0], "width": size[1]} if len(size) == 2 else size
+            size = {"height": size, "width": size} if fixed else {"shortest_edge": size}
+        elif isinstance(size, Sequence) and not isinstance(size, Mapping) and len(size) == 2:
+            size = {"height": size[0], "width": size[1]}
         if not isinstance(size, Mapping) or set(size) not in _SIZE_KEYS:
-            raise ValueError(f"size must be shortest_edge or height/width, got {size!r}")
-        crop = d.get("crop_size", None if siglip else 224)
+            raise CheckpointError(f"{s.sources['size']}: size must be shortest_edge or "
+                                  f"height/width, got {size!r}")
+        crop = s.values.get("crop_size")
         if isinstance(crop, int):
             crop = (crop, crop)
         elif isinstance(crop, Mapping):
             if set(crop) != {"height", "width"}:
-                raise ValueError(f"crop_size must have height and width, got {crop!r}")
+                raise CheckpointError(f"{s.sources['crop_size']}: crop_size must have height "
+                                      f"and width, got {crop!r}")
             crop = (crop["height"], crop["width"])
-        pinpoints = d.get("image_grid_pinpoints")
-        if pinpoints is None and kind.startswith("LlavaNext"):
-            pinpoints = LLAVA_NEXT_PINPOINTS
-        mean = _first(d.get("image_mean"), SIGLIP_MEAN if siglip else CLIP_MEAN)
-        std = _first(d.get("image_std"), SIGLIP_STD if siglip else CLIP_STD)
+        pinpoints = s.values.get("image_grid_pinpoints")
         return cls(
             shortest_edge=size.get("shortest_edge"),
             size=(size["height"], size["width"]) if "height" in size else None,
             crop_size=None if crop is None else (crop[0], crop[1]),
-            resample=int(_first(d.get("resample"), Image.Resampling.BICUBIC)),
-            do_resize=bool(_first(d.get("do_resize"), True)),
-            do_center_crop=bool(_first(d.get("do_center_crop"), not siglip)),
-            do_rescale=bool(_first(d.get("do_rescale"), True)),
-            rescale_factor=float(_first(d.get("rescale_factor"), 1 / 255)),
-            do_normalize=bool(_first(d.get("do_normalize"), True)),
-            image_mean=triple(mean),
-            image_std=triple(std),
-            do_convert_rgb=bool(_first(d.get("do_convert_rgb"), True)),
-            pad_to_square=kind.startswith("LlavaImageProcessor") and bool(d.get("do_pad")),
+            resample=int(s["resample"]),
+            do_resize=bool(s["do_resize"]),
+            do_center_crop=bool(s.values.get("do_center_crop", False)),
+            do_rescale=bool(s["do_rescale"]),
+            rescale_factor=float(s["rescale_factor"]),
+            do_normalize=bool(s["do_normalize"]),
+            image_mean=triple(s["image_mean"]),
+            image_std=triple(s["image_std"]),
+            do_convert_rgb=bool(s["do_convert_rgb"]),
+            # LlavaImageProcessor's do_pad pads to a square; LlavaNext's pads a batch (inert).
+            pad_to_square=s.schema.cls == "LlavaImageProcessor" and bool(s["do_pad"]),
             image_grid_pinpoints=(
                 None if pinpoints is None else tuple((p[0], p[1]) for p in pinpoints)
             ),
         )
 
-
-def _first(*values: Any) -> Any:
-    return next(v for v in values if v is not None)
+    @classmethod
+    def from_hf(cls, d: Mapping[str, Any] | None,
+                default_class: str = "CLIPImageProcessor") -> ClipPreprocessConfig:
+        """From an image processor's settings dict (None: none saved), its class named by
+        `image_processor_type`, else `default_class`."""
+        found = None if d is None else Found(d, "image processor settings")
+        return cls.from_settings(read_settings(found, choose_schema(
+            found, IMAGE_PROCESSORS, default_class)))
 
 
 def _check_positive(name: str, value: Any) -> None:

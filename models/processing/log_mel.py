@@ -18,6 +18,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from models.checkpoint import Found, Schema, Settings, read_settings
+
+# transformers' WhisperFeatureExtractor with its own defaults. The filterbank it builds in
+# __init__ (`mel_filters`) and the window sizes derived from chunk_length (`n_samples`,
+# `nb_max_frames`) are recomputed from these, so the saved copies change nothing; padding
+# side and attention masks only shape a batch's output, and each clip is taken alone here.
+FEATURE_EXTRACTOR = Schema("WhisperFeatureExtractor", {
+    "feature_size": 80, "sampling_rate": 16000, "n_fft": 400, "hop_length": 160,
+    "chunk_length": 30,
+}, fixed={"padding_value": 0.0, "dither": 0.0},
+    inert=frozenset({"mel_filters", "n_samples", "nb_max_frames"}))
+
 
 @dataclass(frozen=True)
 class MelConfig:
@@ -30,17 +42,17 @@ class MelConfig:
     chunk_length: int = 30  # seconds in one window
 
     @classmethod
-    def from_preprocessor(cls, cfg: dict, n_mels: int | None = None) -> MelConfig:
-        """Read `feature_size`, `sampling_rate`, `n_fft`, `hop_length`, `chunk_length`
-        (defaults for the absent ones; `n_mels`, if given, is the default feature size)."""
-        default = cls()
-        return cls(
-            n_mels=int(cfg.get("feature_size", n_mels or default.n_mels)),
-            sample_rate=int(cfg.get("sampling_rate", default.sample_rate)),
-            n_fft=int(cfg.get("n_fft", default.n_fft)),
-            hop_length=int(cfg.get("hop_length", default.hop_length)),
-            chunk_length=int(cfg.get("chunk_length", default.chunk_length)),
-        )
+    def from_settings(cls, s: Settings) -> MelConfig:
+        """From WhisperFeatureExtractor's settings (FEATURE_EXTRACTOR), read from a checkpoint."""
+        return cls(n_mels=int(s["feature_size"]), sample_rate=int(s["sampling_rate"]),
+                   n_fft=int(s["n_fft"]), hop_length=int(s["hop_length"]),
+                   chunk_length=int(s["chunk_length"]))
+
+    @classmethod
+    def from_preprocessor(cls, cfg: dict | None) -> MelConfig:
+        """From a feature extractor's settings dict (e.g. its `to_dict()`)."""
+        found = None if cfg is None else Found(cfg, "feature extractor settings")
+        return cls.from_settings(read_settings(found, FEATURE_EXTRACTOR))
 
     @property
     def window_samples(self) -> int:

@@ -21,12 +21,19 @@ class QwenAudioForConditionalGeneration(Decoder):
     """Decoder + audio encoder + projector. `encode` turns processed clips into embeddings."""
 
     def __init__(self, hf_config, max_positions: int, device: torch.device) -> None:
-        super().__init__(DecoderConfig.from_hf(hf_config.text_config, **QWEN2_FEATURES),
+        super().__init__(DecoderConfig.from_hf(hf_config.text_config, **QWEN2_FEATURES,
+                               tie_word_embeddings=self.tied_head(hf_config)[0]),
                          max_positions, device)
         self.audio_tower = AudioEncoder(AudioEncoderConfig.from_hf(hf_config.audio_config))
         self.multi_modal_projector = nn.Module()
         self.multi_modal_projector.linear = nn.Linear(self.audio_tower.cfg.width,
                                                       self.cfg.hidden_size)
+
+    @classmethod
+    def tied_head(cls, hf_config) -> tuple[bool, str]:
+        """transformers' Qwen2AudioForConditionalGeneration declares no tied weights: its head
+        is never tied, whatever the flags say."""
+        return False, "Qwen2AudioForConditionalGeneration never ties its head (transformers)"
 
     @classmethod
     def from_hf_config(cls, hf_config, max_positions: int, device: torch.device):

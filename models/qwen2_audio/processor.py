@@ -17,15 +17,14 @@ through mm_processor_kwargs) are refused, as are clips past engine.media's
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from models.checkpoint import CheckpointError, Schema, choose_schema, read_settings
 from models.encoders.whisper import encoder_lengths, receptive_frames
 from models.interfaces import (
     AudioClip,
@@ -38,7 +37,7 @@ from models.interfaces import (
 )
 from models.processing.base import ProcessedCache, ProcessorDefaults
 from models.processing.hashing import hash_audio
-from models.processing.log_mel import LogMelExtractor, MelConfig
+from models.processing.log_mel import FEATURE_EXTRACTOR, LogMelExtractor, MelConfig
 from models.processing.options import OptionRange, check_mm_kwargs
 
 DEFAULT_MAX_AUDIO_DURATION_S = 600.0
@@ -51,6 +50,12 @@ _OPTIONS = {
 }
 
 
+# transformers' Qwen2AudioProcessor's own fields (processor_config.json), with its defaults.
+PROCESSOR_SCHEMA = Schema("Qwen2AudioProcessor", {
+    "audio_token": "<|AUDIO|>", "audio_bos_token": "<|audio_bos|>",
+    "audio_eos_token": "<|audio_eos|>"})
+
+
 class QwenAudioProcessor(ProcessorDefaults):
     """Expands `<|AUDIO|>` placeholders into per-window spans and prepares their mel features."""
 
@@ -60,21 +65,29 @@ class QwenAudioProcessor(ProcessorDefaults):
         hf_config, tokenizer = ctx.hf_config, ctx.tokenizer
         self.model_id = ctx.model_id
         self.audio_token_id = hf_config.audio_token_id
-        self.bos_token_id, self.eos_token_id = (
-            _special_id(tokenizer, t) for t in ("<|audio_bos|>", "<|audio_eos|>"))
         audio = hf_config.audio_config
-        self.mel = MelConfig.from_preprocessor(_preprocessor_config(ctx.model_path),
-                                               audio.num_mel_bins)
+        found = ctx.files.component("feature_extractor")
+        mel = read_settings(found, choose_schema(
+            found, {FEATURE_EXTRACTOR.cls: FEATURE_EXTRACTOR}, FEATURE_EXTRACTOR.cls,
+            "feature_extractor_type"))
+        own = read_settings(ctx.files.processor_fields(), PROCESSOR_SCHEMA)
+        self.read = {"feature_extractor": mel, "processor": own}
+        self.mel = MelConfig.from_settings(mel)
         if self.mel.n_mels != audio.num_mel_bins:
-            raise ValueError(
-                f"preprocessor_config.json has feature_size {self.mel.n_mels} but the audio "
-                f"encoder expects {audio.num_mel_bins} mel bins"
-            )
+            raise CheckpointError(
+                f"{mel.sources['feature_size']}: feature_size={self.mel.n_mels} but the audio "
+                f"encoder expects config.json's audio_config.num_mel_bins={audio.num_mel_bins}")
+        if tokenizer.convert_tokens_to_ids(own["audio_token"]) != self.audio_token_id:
+            raise CheckpointError(
+                f"{own.sources['audio_token']}: audio_token {own['audio_token']!r} is not the "
+                f"token config.json's audio_token_id={self.audio_token_id} names")
         if encoder_lengths(self.mel.window_frames)[0] > audio.max_source_positions:
             raise ValueError(
                 f"a {self.mel.chunk_length} s window gives more encoder positions than the "
                 f"encoder's max_source_positions={audio.max_source_positions}"
             )
+        self.bos_token_id, self.eos_token_id = (
+            _special_id(tokenizer, own[t]) for t in ("audio_bos_token", "audio_eos_token"))
         self.extractor = LogMelExtractor(self.mel)
         self.cache = ProcessedCache(ctx.processed_cache_items)
 
@@ -195,9 +208,3 @@ def _special_id(tokenizer, token: str) -> int:
     if token_id is None or token_id == tokenizer.unk_token_id:
         raise ValueError(f"the tokenizer has no {token} token, which Qwen2-Audio prompts need")
     return token_id
-
-
-def _preprocessor_config(path: Path) -> dict:
-    """The checkpoint's preprocessor_config.json (empty if absent)."""
-    file = path / "preprocessor_config.json"
-    return json.loads(file.read_text()) if file.exists() else {}

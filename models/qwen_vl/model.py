@@ -31,8 +31,8 @@ class QwenVLForConditionalGeneration(Decoder):
 
     def __init__(self, hf_config, max_positions: int, device: torch.device) -> None:
         text = hf_config.text_config
-        tie = bool(getattr(hf_config, "tie_word_embeddings", False))
-        cfg = DecoderConfig.from_hf(text, **text_features(text), tie_word_embeddings=tie)
+        cfg = DecoderConfig.from_hf(text, **text_features(text),
+                                    tie_word_embeddings=self.tied_head(hf_config)[0])
         super().__init__(cfg, max_positions, device)
         self.visual = VisionTower(VisionConfig.from_hf(hf_config.vision_config))
         self.deepstack_layers = len(self.visual.cfg.deepstack_layers)

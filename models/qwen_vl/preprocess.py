@@ -12,9 +12,46 @@ import numpy as np
 import torch
 from PIL import Image
 
+from models.checkpoint import CheckpointError, Found, Schema, Settings, choose_schema, read_settings
+
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+IMAGENET_STANDARD = (0.5, 0.5, 0.5)
 MAX_ASPECT_RATIO = 200
+# Frames per second sampled from a video whose processor names no rate: qwen-vl-utils' rate
+# (and Qwen3VLVideoProcessor's default); transformers' Qwen2VLVideoProcessor samples no frames.
+SAMPLED_FPS = 2.0
+
+# What our preprocessing implements of the rest: PIL bicubic resize, rescale by 1 / 255, then
+# normalize, RGB.
+_FIXED = {"do_resize": True, "resample": Image.Resampling.BICUBIC.value, "do_rescale": True,
+          "rescale_factor": 1 / 255, "do_normalize": True, "do_convert_rgb": True}
+# transformers' classes with their own defaults; `min_pixels` / `max_pixels` are transformers
+# 4's names for the budget (None: `size` holds it).
+IMAGE_PROCESSORS = {"Qwen2VLImageProcessor": Schema("Qwen2VLImageProcessor", {
+    "size": {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280},
+    "min_pixels": None, "max_pixels": None, "patch_size": 14, "temporal_patch_size": 2,
+    "merge_size": 2, "image_mean": list(CLIP_MEAN), "image_std": list(CLIP_STD),
+}, _FIXED)}
+# Frame sampling (fps aside, which the engine's loader takes) is the loader's, and a
+# per-frame cap only applies with cap_pixels_per_frame, which is not implemented.
+_SAMPLING = frozenset({"do_sample_frames", "min_frames", "max_frames", "num_frames",
+                       "max_duration", "max_video_tokens", "max_image_size", "video_metadata",
+                       "default_to_square"})
+VIDEO_PROCESSORS = {
+    "Qwen2VLVideoProcessor": Schema("Qwen2VLVideoProcessor", {
+        "size": {"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768},
+        "min_pixels": None, "max_pixels": None, "patch_size": 14, "temporal_patch_size": 2,
+        "merge_size": 2, "image_mean": list(CLIP_MEAN), "image_std": list(CLIP_STD),
+        "fps": None,
+    }, {**_FIXED, "cap_pixels_per_frame": False}, _SAMPLING),
+    "Qwen3VLVideoProcessor": Schema("Qwen3VLVideoProcessor", {
+        "size": {"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768},
+        "min_pixels": None, "max_pixels": None, "patch_size": 16, "temporal_patch_size": 2,
+        "merge_size": 2, "image_mean": list(IMAGENET_STANDARD),
+        "image_std": list(IMAGENET_STANDARD), "fps": 2,
+    }, {**_FIXED, "cap_pixels_per_frame": False}, _SAMPLING),
+}
 
 
 def smart_resize(
@@ -115,56 +152,61 @@ class VisionPreprocessConfig:
         return self.patch_size * self.merge_size
 
     @classmethod
-    def from_hf(cls, image_config: Any, video_config: Any = None) -> VisionPreprocessConfig:
-        """Read a checkpoint's preprocessor_config.json (a dict) or a HF image processor/processor.
-
-        Pixel budgets come from ``min_pixels``/``max_pixels`` when present, which win over
-        ``size: {"shortest_edge", "longest_edge"}``, as in HF. Like HF, a checkpoint without a
-        video_preprocessor_config.json (``video_config`` None) reuses the image config's budgets
-        for videos, and falls back to the video defaults only where it sets none.
-        """
-        if hasattr(image_config, "image_processor"):  # a full processor
-            if video_config is None:
-                video_config = getattr(image_config, "video_processor", None)
-            image_config = image_config.image_processor
-        image = _as_dict(image_config)
-        video = image if video_config is None else _as_dict(video_config)
-        default = cls()
-        min_pixels, max_pixels = _pixel_budget(image, default.min_pixels, default.max_pixels)
-        video_min, video_max = _pixel_budget(
-            video, default.video_min_pixels, default.video_max_pixels
-        )
+    def from_settings(cls, image: Settings, video: Settings) -> VisionPreprocessConfig:
+        """From the image and video processors' settings, read from a checkpoint against
+        IMAGE_PROCESSORS / VIDEO_PROCESSORS. Pixel budgets come from `min_pixels` /
+        `max_pixels` when given (transformers 4's names), which win over `size`'s
+        `shortest_edge` / `longest_edge`, as in transformers."""
+        for key in ("patch_size", "temporal_patch_size", "merge_size"):
+            if video[key] != image[key]:
+                raise CheckpointError(
+                    f"{video.sources[key]}: {key}={video[key]} differs from the image "
+                    f"processor's {image[key]} ({image.sources[key]}): images and videos share "
+                    "one tower")
+        min_pixels, max_pixels = _pixel_budget(image)
+        video_min, video_max = _pixel_budget(video)
         return cls(
-            patch_size=_first(image.get("patch_size"), default.patch_size),
-            temporal_patch_size=_first(
-                image.get("temporal_patch_size"), default.temporal_patch_size
-            ),
-            merge_size=_first(image.get("merge_size"), default.merge_size),
+            patch_size=int(image["patch_size"]),
+            temporal_patch_size=int(image["temporal_patch_size"]),
+            merge_size=int(image["merge_size"]),
             min_pixels=min_pixels,
             max_pixels=max_pixels,
             video_min_pixels=video_min,
             video_max_pixels=video_max,
-            video_fps=float(_first(video.get("fps"), default.video_fps)),
-            image_mean=tuple(_first(image.get("image_mean"), default.image_mean)),
-            image_std=tuple(_first(image.get("image_std"), default.image_std)),
-            video_budget_per_clip=str(video.get("video_processor_type", "")).startswith("Qwen3"),
+            video_fps=float(video["fps"] if video["fps"] is not None else SAMPLED_FPS),
+            image_mean=tuple(map(float, image["image_mean"])),
+            image_std=tuple(map(float, image["image_std"])),
+            video_budget_per_clip=video.schema.cls == "Qwen3VLVideoProcessor",
         )
 
-
-def _as_dict(config: Any) -> dict[str, Any]:
-    return dict(config) if isinstance(config, Mapping) else config.to_dict()
+    @classmethod
+    def from_hf(cls, image_config: Mapping[str, Any] | None,
+                video_config: Mapping[str, Any] | None = None,
+                video_class: str = "Qwen2VLVideoProcessor") -> VisionPreprocessConfig:
+        """From image and video processor settings dicts (e.g. transformers processors'
+        `to_dict()`); without a video dict, the video processor reads the image one, as
+        transformers' does when a checkpoint has no video processor file."""
+        image = None if image_config is None else Found(image_config, "image settings")
+        video = image if video_config is None else Found(video_config, "video settings")
+        return cls.from_settings(
+            read_settings(image, choose_schema(image, IMAGE_PROCESSORS,
+                                               "Qwen2VLImageProcessor")),
+            read_settings(video, choose_schema(video, VIDEO_PROCESSORS, video_class,
+                                               "video_processor_type")))
 
 
 def _first(*values: Any) -> Any:
     return next(v for v in values if v is not None)
 
 
-def _pixel_budget(config: Mapping[str, Any], lo: int, hi: int) -> tuple[int, int]:
-    size = config.get("size") or {}
-    return (
-        _first(config.get("min_pixels"), size.get("shortest_edge"), size.get("min_pixels"), lo),
-        _first(config.get("max_pixels"), size.get("longest_edge"), size.get("max_pixels"), hi),
-    )
+def _pixel_budget(s: Settings) -> tuple[int, int]:
+    size = s["size"] or {}
+    lo = s["min_pixels"] if s["min_pixels"] is not None else size.get("shortest_edge")
+    hi = s["max_pixels"] if s["max_pixels"] is not None else size.get("longest_edge")
+    if lo is None or hi is None:
+        raise CheckpointError(f"{s.sources['size']}: size {size!r} has no shortest_edge / "
+                              "longest_edge pixel budget")
+    return int(lo), int(hi)
 
 
 def preprocess_image(

@@ -16,15 +16,14 @@ frames); each group's span covers that text too, with `is_embed` marking the pad
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from models.checkpoint import Schema, choose_schema, read_settings
 from models.interfaces import (
     MAX_FPS,
     MultiModalFeature,
@@ -38,6 +37,8 @@ from models.processing.base import ProcessedCache, ProcessorDefaults, hashed_and
 from models.processing.hashing import hash_image, hash_video
 from models.processing.options import OptionRange, check_mm_kwargs
 from models.qwen_vl.preprocess import (
+    IMAGE_PROCESSORS,
+    VIDEO_PROCESSORS,
     VisionPreprocessConfig,
     preprocess_image,
     preprocess_video,
@@ -58,6 +59,16 @@ class MRopePositions:
         return window_positions(self.prompt, self.delta, start, end)
 
 
+# transformers' processors take no fields of their own (their tokens come from the tokenizer).
+PROCESSORS = {kind: Schema(name, {}) for kind, name in (
+    ("qwen2_vl", "Qwen2VLProcessor"), ("qwen2_5_vl", "Qwen2_5_VLProcessor"),
+    ("qwen3_vl", "Qwen3VLProcessor"))}
+# The video processor class transformers picks for each model type (its defaults apply to a
+# checkpoint whose video settings do not name one).
+VIDEO_CLASSES = {"qwen2_vl": "Qwen2VLVideoProcessor", "qwen2_5_vl": "Qwen2VLVideoProcessor",
+                 "qwen3_vl": "Qwen3VLVideoProcessor"}
+
+
 class QwenVLProcessor(ProcessorDefaults):
     modalities = ("image", "video")
 
@@ -76,7 +87,16 @@ class QwenVLProcessor(ProcessorDefaults):
             getattr(vision, "tokens_per_second", None)
             if hf_config.model_type == "qwen2_5_vl" else None
         )
-        self.cfg = VisionPreprocessConfig.from_hf(*_preprocessor_configs(ctx.model_path))
+        files = ctx.files
+        image, video = files.component("image_processor"), files.component("video_processor")
+        image_settings = read_settings(image, choose_schema(image, IMAGE_PROCESSORS,
+                                                            "Qwen2VLImageProcessor"))
+        video_settings = read_settings(video, choose_schema(
+            video, VIDEO_PROCESSORS, VIDEO_CLASSES[hf_config.model_type], "video_processor_type"))
+        own = read_settings(files.processor_fields(), PROCESSORS[hf_config.model_type])
+        self.read = {"image_processor": image_settings, "video_processor": video_settings,
+                     "processor": own}
+        self.cfg = VisionPreprocessConfig.from_settings(image_settings, video_settings)
         self.cache = ProcessedCache(ctx.processed_cache_items)
         self.option_ranges = _option_ranges(self.cfg, ctx.max_item_embeds)
 
@@ -286,13 +306,3 @@ def _group_seconds(timestamps, cfg: VisionPreprocessConfig) -> list[float]:
     times += [times[-1]] * (-len(times) % cfg.temporal_patch_size)
     k = cfg.temporal_patch_size
     return [(times[i] + times[i + k - 1]) / 2 for i in range(0, len(times), k)]
-
-
-def _preprocessor_configs(path: Path) -> tuple[dict, dict | None]:
-    """The checkpoint's preprocessor_config.json (empty if absent) and video config, if any."""
-    image = path / "preprocessor_config.json"
-    video = path / "video_preprocessor_config.json"
-    return (
-        json.loads(image.read_text()) if image.exists() else {},
-        json.loads(video.read_text()) if video.exists() else None,
-    )

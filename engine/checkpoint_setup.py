@@ -1,0 +1,87 @@
+"""What the engine takes from a checkpoint besides its weights, read once at start-up where
+transformers reads it (models/checkpoint.py), each with the file it came from: the config and
+the architecture's spec, the tokenizer and its chat template, the EOS ids and the default
+sampling of generation_config.json, the dtype the weights are meant for and whether the LM head
+is tied. `python -m engine.inspect` prints it; /v1/models and the engine panel show it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoConfig, AutoTokenizer
+
+from models.checkpoint import (
+    CheckpointFiles,
+    checkpoint_dtype,
+)
+from models.registry import ModelSpec, resolve
+
+
+@dataclass(frozen=True)
+class CheckpointSetup:
+    """A checkpoint's configuration (no weights): what the engine builds from it."""
+
+    path: Path
+    files: CheckpointFiles
+    hf_config: Any  # transformers PretrainedConfig
+    tokenizer: Any  # transformers tokenizer, its chat template set as found
+    spec: ModelSpec
+    eos_token_ids: frozenset[int]
+    sampling_defaults: Mapping[str, Any]  # what a request that sets none of these gets
+    dtype: str | None  # the weights' intended dtype, e.g. "bfloat16"
+    tie_word_embeddings: bool
+    sources: Mapping[str, str]  # setting -> the file (and field) it came from
+
+    @classmethod
+    def load(cls, path: Path) -> CheckpointSetup:
+        """Read the checkpoint at `path`. An unsupported architecture is a ValueError naming
+        the supported ones; a settings file we cannot read is a CheckpointError."""
+        path = Path(path)
+        hf_config = AutoConfig.from_pretrained(path)
+        spec = resolve(hf_config)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        files = CheckpointFiles(path)
+        template, template_source = files.chat_template()
+        if template is not None:
+            tokenizer.chat_template = template
+        generation = files.generation()
+        eos, eos_source = set(generation.eos_token_ids), generation.source
+        if not eos:  # generate() then takes the model config's
+            config_eos = getattr(hf_config.get_text_config(), "eos_token_id", None)
+            eos = set(config_eos if isinstance(config_eos, list) else
+                      [] if config_eos is None else [config_eos])
+            eos_source = "config.json: eos_token_id" if eos else "none"
+        if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+            eos.add(tokenizer.eos_token_id)
+            eos_source += " + the tokenizer's eos_token"
+        dtype, dtype_source = checkpoint_dtype(hf_config, files)
+        tie, tie_source = spec.model.tied_head(hf_config)
+        return cls(
+            path=path, files=files, hf_config=hf_config, tokenizer=tokenizer, spec=spec,
+            eos_token_ids=frozenset(eos), sampling_defaults=dict(generation.sampling),
+            dtype=dtype, tie_word_embeddings=tie,
+            sources={"chat_template": template_source, "eos_token_ids": eos_source,
+                     "sampling_defaults": generation.source if generation.sampling else "none",
+                     "dtype": dtype_source, "tie_word_embeddings": tie_source},
+        )
+
+    @property
+    def architecture(self) -> str:
+        return (getattr(self.hf_config, "architectures", None) or ["?"])[0]
+
+    def rows(self) -> list[tuple[str, Any, str]]:
+        """(setting, value, where it came from) for display."""
+        return [
+            ("architecture", self.architecture, "config.json: architectures"),
+            ("model class", self.spec.model.__name__, "models/registry.py"),
+            ("dtype", self.dtype, self.sources["dtype"]),
+            ("tie_word_embeddings", self.tie_word_embeddings, self.sources["tie_word_embeddings"]),
+            ("chat template", "present" if self.tokenizer.chat_template else "none",
+             self.sources["chat_template"]),
+            ("eos_token_ids", sorted(self.eos_token_ids), self.sources["eos_token_ids"]),
+            ("default sampling", dict(self.sampling_defaults) or "none",
+             self.sources["sampling_defaults"]),
+        ]

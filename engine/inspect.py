@@ -1,0 +1,148 @@
+"""`python -m engine.inspect PATH_OR_HUB_ID`: what the engine will do with a checkpoint, read
+without loading its weights. It prints the architecture and the model class, the dtype, whether
+the LM head is tied, the chat template's source, the EOS ids and default sampling, every
+processor setting with the file (or class default) it came from, the weights' and the KV cache's
+estimated bytes, and what is not supported. Run it first on a new download; it exits with 1
+when the engine would refuse the checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.checkpoint_setup import CheckpointSetup
+from engine.device import resolve_dtype
+from engine.hub import resolve_model
+from models.checkpoint import CheckpointError, safetensors_header, weight_files
+from models.interfaces import ProcessorContext
+
+DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+
+
+@dataclass
+class Report:
+    """What `inspect` found: (component, setting, value, source) rows, sizes, and problems."""
+
+    model: str
+    rows: list[tuple[str, str, Any, str]] = field(default_factory=list)
+    weight_bytes: int | None = None
+    kv_bytes_per_token: int | None = None
+    max_model_len: int | None = None
+    unsupported: list[str] = field(default_factory=list)
+
+
+def inspect(model: str | Path, dtype: str = "auto") -> Report:
+    """Read `model`'s configuration, tokenizer and processor settings (no weights) as the engine
+    would, on the CPU. Problems that would stop the engine are listed in `unsupported`."""
+    report = Report(str(model))
+    try:
+        path = resolve_model(model)
+        setup = CheckpointSetup.load(path)
+    except (ValueError, OSError) as e:
+        report.unsupported.append(str(e))
+        return report
+    report.rows += [("model", *row) for row in setup.rows()]
+    engine_dtype = resolve_dtype(dtype, torch.device("cpu"), setup.dtype)
+    report.rows.append(("model", "engine dtype on this CPU", str(engine_dtype).removeprefix(
+        "torch."), f"--dtype {dtype}"))
+    if setup.spec.processor is not None:
+        try:
+            processor = setup.spec.processor(ProcessorContext(
+                setup.hf_config, setup.tokenizer, path, str(model), 0, files=setup.files))
+        except (CheckpointError, NotImplementedError, ValueError) as e:
+            report.unsupported.append(f"processor: {e}")
+        else:
+            report.rows.append(("processor", "modalities", ", ".join(processor.modalities),
+                                "models/registry.py"))
+            for component, settings in processor.settings().items():
+                report.rows += [(component, key, settings.values[key], settings.sources[key])
+                                for key in settings.values]
+    try:
+        _sizes(report, setup, engine_dtype)
+    except (CheckpointError, NotImplementedError, ValueError, KeyError) as e:
+        report.unsupported.append(f"model: {e}")
+    return report
+
+
+def _sizes(report: Report, setup: CheckpointSetup, dtype: torch.dtype) -> None:
+    """Weight bytes (the checkpoint tensors the model maps, at the engine's dtype), KV bytes per
+    token, and whether the LM head is provided; the model is built on the meta device."""
+    text = setup.hf_config.get_text_config()
+    report.max_model_len = getattr(text, "max_position_embeddings", None)
+    with torch.device("meta"):
+        model = setup.spec.model.from_hf_config(setup.hf_config, 1, torch.device("meta"))
+    mapping = model.checkpoint_map()
+    total, names = 0, set()
+    for file in weight_files(setup.path):
+        for name, info in safetensors_header(file).items():
+            if name == "__metadata__" or mapping(name) is None:
+                continue
+            names.add(mapping(name)[0])
+            total += DTYPE_BYTES[dtype] * _numel(info["shape"])
+    report.weight_bytes = total
+    shape = model.cfg
+    report.kv_bytes_per_token = (2 * shape.num_layers * shape.num_kv_heads * shape.head_dim
+                                 * DTYPE_BYTES[dtype])
+    if not setup.tie_word_embeddings and "lm_head.weight" not in names:
+        report.unsupported.append(
+            "the checkpoint has no lm_head.weight and the config does not tie the head to the "
+            "token embeddings")
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def render(report: Report) -> str:
+    """The report as plain text."""
+    lines = [f"checkpoint: {report.model}"]
+    width = max((len(f"{c}.{k}") for c, k, _, _ in report.rows), default=0)
+    for component, key, value, source in report.rows:
+        lines.append(f"  {f'{component}.{key}':<{width}}  {_short(value)!s:<40}  <- {source}")
+    if report.weight_bytes is not None:
+        lines.append(f"weights: {_size(report.weight_bytes)} at the engine dtype")
+    if report.kv_bytes_per_token is not None:
+        full = (f", {_size(report.kv_bytes_per_token * report.max_model_len)} for one "
+                f"{report.max_model_len}-token sequence" if report.max_model_len else "")
+        lines.append(f"KV cache: {_size(report.kv_bytes_per_token)} per token{full}")
+    if report.unsupported:
+        lines.append("NOT SUPPORTED (the engine would refuse this checkpoint):")
+        lines += [f"  - {problem}" for problem in report.unsupported]
+    else:
+        lines.append("supported: the engine can serve this checkpoint")
+    return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def _short(value: Any) -> str:
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.inspect", description=__doc__)
+    parser.add_argument("model", help="a local checkpoint directory or a Hugging Face Hub id")
+    parser.add_argument("--dtype", default="auto", help="the dtype the engine would run in")
+    args = parser.parse_args(argv)
+    report = inspect(args.model, args.dtype)
+    print(render(report))
+    return 1 if report.unsupported else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,248 @@
+"""Every family read from both checkpoint layouts the Hub holds, against transformers.
+
+Each tiny checkpoint is written by transformers' own `save_pretrained` (model, tokenizer and
+processor) with processor settings away from their class defaults (sizes, pinpoints,
+max_image_size, min/max pixels, image_seq_length, the mel bins) and with the LM head tied or
+not; the legacy layout is the same checkpoint rewritten as older transformers releases wrote it
+(testing/layouts.py: component files beside a flat processor_config.json, the chat template in
+tokenizer_config.json or chat_template.json, torch_dtype). For each, transformers' own processor
+(AutoProcessor, or its image processor where the full processor needs torchvision) loads the
+checkpoint from disk as a user's would, and our prompt ids, pixel values (or mel features) and
+greedy tokens must equal its. Add a layout or a family: add it here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from testing.layouts import to_legacy_layout
+from tests.helpers import hf_greedy, process_chat, random_image
+
+N = 4
+GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
+LAYOUTS = {
+    "transformers5": None,
+    "legacy-tokenizer-template": "tokenizer_config.json",
+    "legacy-chat-template-json": "chat_template.json",
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    build: Callable[[Path, bool], Path]  # (path, tie_word_embeddings) -> checkpoint
+    media: Callable[[], dict]  # a content part with the family's media
+    reference: Callable[[Path, str, list, object], dict]  # HF inputs (path, text, media, tok)
+    features: str = "pixel_values"  # the processed input compared with transformers'
+    ties: bool = True  # whether transformers' class ties the head when the flag says so
+
+
+def _image() -> dict:
+    return {"type": "image", "image": random_image(70, 90, 1)}
+
+
+def _audio() -> dict:
+    t = np.arange(24000) / 16000
+    wave = (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
+    return {"type": "input_audio", "input_audio": _wav(wave)}
+
+
+def _wav(wave: np.ndarray) -> dict:
+    import base64
+    import io
+
+    import soundfile as sf
+
+    buf = io.BytesIO()
+    sf.write(buf, wave, 16000, format="WAV")
+    return {"data": base64.b64encode(buf.getvalue()).decode(), "format": "wav"}
+
+
+def _auto_processor(path, text, media, tokenizer):
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(path)
+    return dict(processor(text=[text], images=media or None, return_tensors="pt",
+                          add_special_tokens=False))
+
+
+def _gemma(path, text, media, tokenizer):
+    inputs = _auto_processor(path, text, media, tokenizer)
+    inputs.pop("num_crops", None)
+    return inputs
+
+
+def _pixtral(path, text, media, tokenizer):
+    from testing.mistral3 import pixtral_processor_class
+
+    processor = pixtral_processor_class().from_pretrained(path)
+    return dict(processor(text=[text], images=media, return_tensors="pt",
+                          add_special_tokens=False))
+
+
+def _smolvlm(path, text, media, tokenizer):
+    """SmolVLMProcessor needs torchvision (its video processor); for images it writes what
+    Idefics3Processor writes, over the checkpoint's own image processor and fields."""
+    import json
+
+    import transformers
+
+    image_processor = transformers.AutoImageProcessor.from_pretrained(path)
+    fields = json.loads((path / "processor_config.json").read_text())
+    processor = transformers.Idefics3Processor(
+        image_processor=image_processor, tokenizer=tokenizer,
+        image_seq_len=fields["image_seq_len"])
+    return dict(processor(text=[text], images=[media], return_tensors="pt",
+                          add_special_tokens=False))
+
+
+def _qwen_vl(path, text, media, tokenizer):
+    """Qwen-VL processors need torchvision (their video processors); the image processor is
+    loaded from the checkpoint as AutoImageProcessor finds it, and each image's pad token
+    expanded to its grid's merged patches as the processor does."""
+    import transformers
+
+    image_processor = transformers.AutoImageProcessor.from_pretrained(path)
+    pixels = image_processor(images=media, return_tensors="pt")
+    merge = image_processor.merge_size ** 2
+    counts = iter(int(g.prod()) // merge for g in pixels["image_grid_thw"])
+    parts = text.split("<|image_pad|>")
+    text = parts[0] + "".join("<|image_pad|>" * next(counts) + p for p in parts[1:])
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    image_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **pixels,
+            "mm_token_type_ids": (ids == image_id).long()}
+
+
+def _qwen_audio(path, text, media, tokenizer):
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(path)
+    return dict(processor(text=[text], audio=[c.samples for c in media],
+                          sampling_rate=16000, return_tensors="pt"))
+
+
+def _llava(next_: bool = False, tower: str = "clip"):
+    from testing.llava import build_llava_model
+
+    return lambda p, tie: build_llava_model(p, next_=next_, tower=tower, num_layers=1,
+                                            tie_word_embeddings=tie)
+
+
+def _families() -> dict[str, Family]:
+    from testing.gemma3 import build_gemma3_model
+    from testing.mistral3 import build_mistral3_model
+    from testing.qwen3_vl import build_qwen3_vl_model
+    from testing.smolvlm import build_smolvlm_model
+    from testing.tiny import build_qwen2_audio_model, build_qwen2_vl_model
+
+    return {
+        "llava": Family(_llava(), _image, _auto_processor),
+        "llava-siglip": Family(_llava(tower="siglip"), _image, _auto_processor),
+        "llava-next": Family(_llava(next_=True), _image, _auto_processor),
+        "gemma3": Family(lambda p, tie: build_gemma3_model(p, tie_word_embeddings=tie), _image,
+                         _gemma),
+        "idefics3": Family(lambda p, tie: build_smolvlm_model(
+            p, arch="idefics3", tie_word_embeddings=tie), _image, _auto_processor),
+        "smolvlm": Family(lambda p, tie: build_smolvlm_model(p, tie_word_embeddings=tie),
+                          _image, _smolvlm),
+        "mistral3": Family(lambda p, tie: build_mistral3_model(p, tie_word_embeddings=tie),
+                           _image, _pixtral),
+        "qwen2_vl": Family(lambda p, tie: build_qwen2_vl_model(p, tie_word_embeddings=tie),
+                           _image, _qwen_vl),
+        "qwen2_5_vl": Family(lambda p, tie: build_qwen2_vl_model(
+            p, "qwen2_5_vl", tie_word_embeddings=tie), _image, _qwen_vl),
+        "qwen3_vl": Family(lambda p, tie: build_qwen3_vl_model(p, tie_word_embeddings=tie),
+                           _image, _qwen_vl),
+        "qwen2_audio": Family(lambda p, tie: build_qwen2_audio_model(
+            p, tie_word_embeddings=tie), _audio, _qwen_audio, "input_features", ties=False),
+    }
+
+
+FAMILIES = _families()
+CASES = [(f, layout, tie) for f in FAMILIES for layout in LAYOUTS for tie in (False, True)
+         if (layout == "transformers5") or tie == (layout == "legacy-tokenizer-template")]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """One checkpoint per (family, tie), built once; each layout is a rewritten copy."""
+    import shutil
+
+    built: dict[tuple[str, bool], Path] = {}
+
+    def get(family: str, layout: str, tie: bool) -> Path:
+        if (family, tie) not in built:
+            root = tmp_path_factory.mktemp(f"{family}-{'tied' if tie else 'untied'}")
+            built[family, tie] = FAMILIES[family].build(root / "t5", tie)
+        path = built[family, tie]
+        if LAYOUTS[layout] is None:
+            return path
+        copy = path.parent / layout
+        if not copy.exists():
+            shutil.copytree(path, copy)
+            to_legacy_layout(copy, LAYOUTS[layout])
+        return copy
+
+    return get
+
+
+@pytest.mark.parametrize(("family", "layout", "tie"), CASES,
+                         ids=[f"{f}-{lay}-{'tied' if t else 'untied'}" for f, lay, t in CASES])
+def test_ours_equals_transformers(checkpoints, family, layout, tie):
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    spec = FAMILIES[family]
+    path = checkpoints(family, layout, tie)
+    _check_layout(path, layout)
+    llm = LLM(path, max_model_len=1024)
+    messages = [{"role": "user", "content": [spec.media(), {"type": "text", "text": "Hi!"}]}]
+    proc, media = process_chat(llm, messages)
+    text = llm.engine.processor.render_chat(messages).text
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    items = next(iter(media.values()))
+    ref = spec.reference(path, text, items, tokenizer)
+    assert ref["input_ids"][0].tolist() == proc.token_ids, "prompt ids"
+    ours = torch.cat([f.data[spec.features].reshape(-1) for f in proc.mm_features])
+    theirs = ref[spec.features]
+    if spec.features == "input_features":  # transformers pads every clip to the 30 s window
+        frames = proc.mm_features[0].data[spec.features].shape[-1]
+        theirs = theirs[..., :frames]
+    torch.testing.assert_close(ours, theirs.reshape(-1).float(), atol=1e-5, rtol=1e-5)
+    if family == "qwen2_audio":
+        import transformers
+
+        hf = transformers.Qwen2AudioForConditionalGeneration.from_pretrained(
+            path, dtype=torch.float32).eval()
+    else:
+        hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    hf_tied = hf.get_output_embeddings().weight is hf.get_input_embeddings().weight
+    assert hf_tied == (tie and spec.ties)  # the checkpoint is what the case says
+    assert llm.engine.runner.model.cfg.tie_word_embeddings == hf_tied
+    tokens, _ = hf_greedy(hf, ref, len(proc.token_ids), N)
+    assert llm.chat(messages, GREEDY)[0].outputs[0].token_ids == tokens
+
+
+def _check_layout(path: Path, layout: str) -> None:
+    """The rewritten layout really is what it claims (so the test reads what it says)."""
+    import json
+
+    processor = json.loads((path / "processor_config.json").read_text())
+    nested = any(k in processor for k in ("image_processor", "feature_extractor"))
+    if layout == "transformers5":
+        assert nested and (path / "chat_template.jinja").exists()
+        assert not (path / "preprocessor_config.json").exists()
+        return
+    assert not nested and (path / "preprocessor_config.json").exists()
+    assert not (path / "chat_template.jinja").exists()
+    if layout == "legacy-chat-template-json":
+        assert (path / "chat_template.json").exists()
+    else:
+        assert "chat_template" in json.loads((path / "tokenizer_config.json").read_text())
+    assert "torch_dtype" in json.loads((path / "config.json").read_text())
