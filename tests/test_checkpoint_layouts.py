@@ -8,7 +8,8 @@ not; the legacy layout is the same checkpoint rewritten as older transformers re
 tokenizer_config.json or chat_template.json, torch_dtype). For each, transformers' own processor
 (AutoProcessor, or its image processor where the full processor needs torchvision) loads the
 checkpoint from disk as a user's would, and our prompt ids, pixel values (or mel features) and
-greedy tokens must equal its. Add a layout or a family: add it here.
+greedy tokens must equal its; text-only families are checked the same way for the template, dtype
+and tie. Add a layout or a family: add it here.
 """
 
 from __future__ import annotations
@@ -246,3 +247,39 @@ def _check_layout(path: Path, layout: str) -> None:
     else:
         assert "chat_template" in json.loads((path / "tokenizer_config.json").read_text())
     assert "torch_dtype" in json.loads((path / "config.json").read_text())
+
+
+TEXT_CASES = [(f, layout, tie) for f in ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+              for layout in ("transformers5", "legacy-tokenizer-template")
+              for tie in (False, True)]
+
+
+@pytest.mark.parametrize(("family", "layout", "tie"), TEXT_CASES,
+                         ids=[f"{f}-{lay}-{'tied' if t else 'untied'}"
+                              for f, lay, t in TEXT_CASES])
+def test_text_families_in_both_layouts(tmp_path, family, layout, tie):
+    """Text-only checkpoints: the chat template in chat_template.jinja or tokenizer_config.json,
+    dtype or torch_dtype, the head tied by the config's own flag."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from testing.tiny import build_text_model
+
+    overrides = {"head_dim": 16, "query_pre_attn_scalar": 16} if family == "gemma3_text" else {}
+    path = build_text_model(tmp_path / "m", family, num_layers=1, tie_word_embeddings=tie,
+                            config_overrides=overrides)
+    if LAYOUTS[layout] is not None:
+        to_legacy_layout(path, LAYOUTS[layout])
+    assert (path / "chat_template.jinja").exists() == (layout == "transformers5")
+    llm = LLM(path, max_model_len=256)
+    messages = [{"role": "user", "content": "Hello there!"}]
+    text = llm.engine.processor.render_chat(messages).text
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert text == tokenizer.apply_chat_template(messages, tokenize=False,
+                                                 add_generation_prompt=True)
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf_tied = hf.get_output_embeddings().weight is hf.get_input_embeddings().weight
+    assert hf_tied == tie == llm.engine.runner.model.cfg.tie_word_embeddings
+    tokens, _ = hf_greedy(hf, {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                          ids.shape[1], N)
+    assert llm.chat(messages, GREEDY)[0].outputs[0].token_ids == tokens
