@@ -85,7 +85,7 @@ def test_int8_linear_matches_the_dequantized_weight(kernels, k, rows):
 @pytest.mark.parametrize("generic", [False, True])  # the VNNI path where the CPU has one
 @pytest.mark.parametrize("group, rows", [(32, 1), (128, 3), (64, 6)])
 def test_int4_linear_matches_the_dequantized_weight(kernels, generic, group, rows):
-    """Read in place from PyTorch's int4 pack. The VNNI path writes each group's activations
+    """Read in place from our int4 pack. The VNNI path writes each group's activations
     as two int8 digits, each within max|x| / 65024 of the value, and computes exactly W . x'
     for the written x': an output's error is within that bound weighted by |w| (checked with a
     factor 3 of margin), plus float32 rounding of the scale and offset terms it is summed from,
@@ -312,27 +312,34 @@ def test_paged_attention_takes_the_native_decode_kernel(kernels):
     torch.testing.assert_close(outs["native"], outs["matmul"], atol=1e-5, rtol=0)
 
 
-def test_build_is_cached_and_keyed_by_source(kernels, tmp_path, monkeypatch):
+def test_build_is_cached_and_keyed_by_variant_and_source(kernels, tmp_path, monkeypatch):
+    from models.kernels.cpu_variants import BY_NAME
+
     monkeypatch.setenv("MMSERVE_KERNEL_CACHE", str(tmp_path))
     compiler = os.environ.get("CC") or "cc"
     openmp = native.openmp_runtime()
-    path, seconds = native._build(compiler, openmp)
-    assert path.parent == tmp_path and seconds > 0
-    assert native._build(compiler, openmp) == (path, 0.0)  # the second start reuses it
+    variant = BY_NAME[kernels.variant]
+    path, seconds = native.build(variant, compiler, openmp)
+    assert path.parent == tmp_path and seconds > 0 and variant.name in path.name
+    assert native.build(variant, compiler, openmp) == (path, 0.0)  # the second start reuses it
+    lower = native.build(BY_NAME["x86-64"] if variant.arch == "x86_64" else BY_NAME["armv8-a"],
+                         compiler, openmp)[0]
+    assert lower != path
     edited = tmp_path / "kernels.c"
     edited.write_text(native.SOURCES[0].read_text() + "\n/* edited */\n")
     monkeypatch.setattr(native, "SOURCES", (edited, *native.SOURCES[1:]))
-    assert native._build(compiler, openmp)[0] != path
+    assert native.build(variant, compiler, openmp)[0] != path
 
 
 def test_without_a_compiler_the_engine_keeps_pytorch_kernels(monkeypatch):
+    from models.kernels.cpu_variants import chosen
     from models.kernels.plan import candidates
 
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    kernels, detail = native._load()
+    kernels, detail = native._load(chosen())
     assert kernels is None and "no C compiler" in detail
     monkeypatch.setenv(native.DISABLE_ENV, "0")
-    assert native._load() == (None, f"disabled by {native.DISABLE_ENV}=0")
+    assert native._load(chosen()) == (None, f"disabled by {native.DISABLE_ENV}=0")
     monkeypatch.setattr(native, "load", lambda: None)
     assert "native" not in candidates(Linear(8, 8), 1, torch.float32)
 

@@ -1,19 +1,21 @@
-"""Our own CPU kernels (the C sources under models/kernels/cpu/): built on first use
-with the machine's C compiler, cached on disk, loaded with ctypes.
+"""Our own CPU kernels (the C sources under models/kernels/cpu/): built on first use with the
+machine's C compiler, cached on disk, loaded with ctypes.
 
-The source is compiled with `-O3 -march=native` for the CPU at hand, and linked against the
-OpenMP runtime PyTorch itself loaded, so its parallel loops share PyTorch's thread pool. Where
-that cannot be done (no compiler, a failed build, MMSERVE_NATIVE=0) `load()` returns None and
-says why once; every caller then keeps PyTorch's kernels. Nothing here decides whether a native
-linear or attention kernel runs: models/kernels/plan.py and models/layers/attention.py time it
-against PyTorch's first. The fused small ops (norm, rotary, SiLU-and-multiply) replace several
-PyTorch operators each and run in decoders at up to FUSED_ROWS tokens (`for_small_ops`).
+The sources are compiled for one instruction-set level, the variant models.kernels.cpu_variants
+chooses for this CPU (or $MMSERVE_CPU_ISA forces), with that variant's explicit target flags,
+and linked against the OpenMP runtime PyTorch itself loaded, so its parallel loops share
+PyTorch's thread pool. Where that cannot be done (no compiler, a failed build, no variant for
+this architecture, MMSERVE_NATIVE=0) `load()` returns None and says why once; every caller then
+keeps PyTorch's kernels. Nothing here decides whether a native linear or attention kernel runs:
+models/kernels/plan.py and models/layers/attention.py time it against PyTorch's first. The
+fused small ops (norm, rotary, SiLU-and-multiply) replace several PyTorch operators each and
+run in decoders at up to FUSED_ROWS tokens (`for_small_ops`).
 
-The shared object is cached as native-<digest>.so under $MMSERVE_KERNEL_CACHE, else
-$MMSERVE_CACHE, else ~/.cache/mmserve, the digest covering the source, the compiler, its flags,
-the CPU's flags and the OpenMP runtime, so a change of any of them builds anew.
+The shared object is cached as native-<variant>-<digest>.so under $MMSERVE_KERNEL_CACHE, else
+$MMSERVE_CACHE, else ~/.cache/mmserve, the digest covering the sources, the compiler, its flags
+and the OpenMP runtime, so a change of any of them builds anew; a variant's build serves any
+CPU that runs the variant.
 """
-
 from __future__ import annotations
 
 import ctypes
@@ -30,7 +32,9 @@ from pathlib import Path
 
 import torch
 
+from models.kernels import cpu_variants
 from models.kernels.choice import cache_path
+from models.kernels.cpu_variants import Variant
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +44,7 @@ SOURCES = (HERE / "kernels.c", HERE / "decode_layers.c", HERE / "gemm_quantized.
 HEADER = HERE / "kernels.h"
 DISABLE_ENV = "MMSERVE_NATIVE"  # "0" keeps PyTorch's kernels only
 BUILD_TIMEOUT_S = 120
-FLAGS = ("-O3", "-march=native", "-fPIC", "-std=gnu11", "-Wno-unknown-pragmas")
+FLAGS = ("-O3", "-fPIC", "-std=gnu11", "-Wno-unknown-pragmas")  # + the variant's target
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 FUSED_ROWS = 64  # fused small ops serve inputs up to this many tokens: a decode step's
 NORM_MODES = {"float32": 0, "reduced": 1, "unit_offset": 2}
@@ -73,7 +77,9 @@ class NativeKernels:
     accumulate in float32."""
 
     def __init__(self, lib: ctypes.CDLL, build_id: str) -> None:
-        self.build_id = build_id  # the digest naming the shared object
+        self.build_id = build_id  # the variant and digest naming the shared object
+        lib.mm_variant.restype = ctypes.c_char_p
+        self.variant: str = lib.mm_variant().decode()  # the one the library was compiled as
         self._linear = {}
         for dtype, name in WEIGHT_KERNELS.items():
             fn = getattr(lib, name)
@@ -126,10 +132,10 @@ class NativeKernels:
 
     def linear_int4(self, x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
                     group_size: int, generic: bool = False) -> torch.Tensor:
-        """x [M, K] (float32 / bfloat16) through int4 weights in PyTorch's CPU pack, read in
-        place: packed [N, K / 2] uint8 from aten._convert_weight_to_int4pack_for_cpu,
-        scales_and_zeros [K / group_size, N, 2] bfloat16. -> [M, N] in x's dtype. `generic`
-        runs the plain-C path even where the VNNI one is built (for tests)."""
+        """x [M, K] (float32 / bfloat16) through int4 weights read in place from our pack
+        (models.kernels.quantization.pack_int4): packed [N, K / 2] uint8, scales_and_zeros
+        [K / group_size, N, 2] bfloat16. -> [M, N] in x's dtype. `generic` runs the plain-C
+        path even where the VNNI one is built (for tests)."""
         m, k = x.shape
         n = packed.shape[0]
         assert packed.dtype == torch.uint8 and packed.shape[1] * 2 == k and n % 64 == 0
@@ -148,7 +154,7 @@ class NativeKernels:
     def gemm_quantized(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                        group_size: int = 0) -> torch.Tensor:
         """x [M, K] (float32 / bfloat16) . W^T for many rows, W int8 [N, K] with bfloat16
-        scales [N], or int4 in PyTorch's CPU pack (see linear_int4) with group_size, dequantized
+        scales [N], or int4 in our pack (see linear_int4) with group_size, dequantized
         a cached panel at a time (cpu/gemm_quantized.c). -> [M, N] in x's dtype. Raises
         ValueError for a shape it does not take (`gemm_quantized_takes`)."""
         m, k = x.shape
@@ -191,7 +197,7 @@ class NativeKernels:
 
     def dequantize_int4(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
                         group_size: int, out: torch.Tensor, first: int = 0) -> torch.Tensor:
-        """Output channels first .. first + len(out) - 1 of PyTorch's CPU int4 pack (see
+        """Output channels first .. first + len(out) - 1 of our int4 pack (see
         linear_int4) into `out` [rows, K] (float32 / bfloat16): (q - 8) * scale + zero computed
         in float32 and rounded once. `first` and the rows are multiples of 64."""
         n, k = packed.shape[0], packed.shape[1] * 2
@@ -295,39 +301,51 @@ def for_small_ops(x: torch.Tensor) -> NativeKernels | None:
     return load()
 
 
-@functools.cache
 def load() -> NativeKernels | None:
-    """The native kernels, built if needed; None (logged once, see `status`) when unavailable."""
-    kernels, detail = _load()
-    _STATUS.append(NativeStatus(kernels is not None, detail))
+    """The native kernels of this CPU's variant (or $MMSERVE_CPU_ISA's), built if needed; None
+    (logged once, see `status`) when unavailable. A forced variant this CPU cannot run is a
+    ValueError that says why."""
+    variant = cpu_variants.chosen()
+    return load_variant(variant.name if variant else None)
+
+
+@functools.cache
+def load_variant(name: str | None) -> NativeKernels | None:
+    """The kernels built for the variant `name` (None: none for this CPU); cached per name."""
+    kernels, detail = _load(cpu_variants.BY_NAME[name] if name else None)
+    _STATUS[name] = NativeStatus(kernels is not None, detail)
     (log.info if kernels is not None else log.warning)("native CPU kernels: %s", detail)
     return kernels
 
 
-_STATUS: list[NativeStatus] = []
+_STATUS: dict[str | None, NativeStatus] = {}
 
 
 def status() -> NativeStatus:
     """What `load()` found (loading first if it has not run)."""
     load()
-    return _STATUS[-1]
+    variant = cpu_variants.chosen()
+    return _STATUS[variant.name if variant else None]
 
 
-def _load() -> tuple[NativeKernels | None, str]:
+def _load(variant: Variant | None) -> tuple[NativeKernels | None, str]:
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None, f"disabled by {DISABLE_ENV}=0"
+    if variant is None:
+        return None, (f"no kernel variant for this CPU ({cpu_variants.machine_arch()}): "
+                      "PyTorch's kernels only")
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler or not shutil.which(compiler):
         return None, "no C compiler found (install gcc, or set CC): PyTorch's kernels only"
     openmp = openmp_runtime()
     try:
-        path, seconds = _build(compiler, openmp)
+        path, seconds = build(variant, compiler, openmp)
         kernels = NativeKernels(ctypes.CDLL(str(path)), path.stem.removeprefix("native-"))
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
-        return None, f"build with {compiler} failed ({e}): PyTorch's kernels only"
+        return None, f"{variant.name} build with {compiler} failed ({e}): PyTorch's kernels only"
     threads = "OpenMP shared with PyTorch" if openmp else "one thread (no OpenMP runtime found)"
     built = f"built in {seconds:.1f} s" if seconds else "cached"
-    return kernels, f"{Path(compiler).name} -march=native, {threads}, {built}"
+    return kernels, f"{variant.name} variant, {Path(compiler).name}, {threads}, {built}"
 
 
 def openmp_runtime() -> Path | None:
@@ -343,26 +361,19 @@ def openmp_runtime() -> Path | None:
     return None
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
-def _build(compiler: str, openmp: Path | None) -> tuple[Path, float]:
-    """Compile (unless cached) -> (path of the shared object, seconds spent building)."""
+def build(variant: Variant, compiler: str, openmp: Path | None = None,
+          target_dir: Path | None = None) -> tuple[Path, float]:
+    """Compile the sources as `variant` (unless cached) -> (path of the shared object, seconds
+    spent building). `target_dir`: where to put it (default: beside the kernel choices)."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
-    flags = list(FLAGS) + (["-fopenmp"] if openmp else [])
+    flags = [*FLAGS, *variant.flags, f'-DMM_VARIANT="{variant.name}"'] + (
+        ["-fopenmp"] if openmp else [])
     digest = hashlib.sha256("\0".join(
         [*(p.read_text() for p in (*SOURCES, HEADER)), compiler, version, " ".join(flags),
-         str(openmp), _cpu_flags()]
+         str(openmp)]
     ).encode()).hexdigest()[:16]
-    target = cache_path().parent / f"native-{digest}.so"  # beside the kernel choices
+    target = (target_dir or cache_path().parent) / f"native-{variant.name}-{digest}.so"
     if target.exists():
         return target, 0.0
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,7 @@ from models.kernels.linear import (
     Linear,
     dequantization_tiles,
 )
-from models.kernels.quantization import INT4_BLOCK_N, QuantizedLinear, int4_layout_known
+from models.kernels.quantization import INT4_BLOCK_N, QuantizedLinear
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +55,8 @@ def candidates(layer: nn.Module, rows: int, dtype: torch.dtype) -> list[str]:
     ours = rows <= NATIVE_ROWS and native.load() is not None
     if layer.is_quantized:
         names = ["int_kernel"]
-        if ours and (layer.mode == "int8" or int4_layout_known()):
-            names.append("native")  # ours reads PyTorch's int4 pack in place
+        if ours:
+            names.append("native")
         # Dequantizing per call pays only when rows share the weight (the int kernels' dot
         # products grow with the rows: at a few rows already they can lose), and at a decode's
         # rows only through ours, tile by tile into a reused buffer: PyTorch's whole copy of a
@@ -66,8 +66,7 @@ def candidates(layer: nn.Module, rows: int, dtype: torch.dtype) -> list[str]:
         # that timing a large layer sees would hide. A float32 model's GEMMs are timed in
         # bfloat16 too, as the int kernels compute.
         tiled = native.load() is not None
-        if rows > 1 and (tiled or rows > PROBE_ROWS[2]) and (
-                layer.mode == "int8" or int4_layout_known()):
+        if rows > 1 and (tiled or rows > PROBE_ROWS[2]):
             for gemm_dtype, suffix in [(dtype, "")] + (
                     [(torch.bfloat16, "_bf16")] if dtype == torch.float32 else []):
                 if len(dequantization_tiles(layer.out_features, layer.in_features,
@@ -80,7 +79,7 @@ def candidates(layer: nn.Module, rows: int, dtype: torch.dtype) -> list[str]:
     names = [BASELINE]
     if dtype in (torch.float32, torch.bfloat16):
         names.append("mv" if rows == 1 else "matmul_t")
-        if torch.backends.mkldnn.is_available():
+        if onednn_prepacks(dtype):
             names.append("onednn")
         if ours:
             names.append("native")
@@ -95,8 +94,17 @@ def panel_gemm_takes(layer: QuantizedLinear) -> bool:
         return False
     if layer.mode == "int8":
         return kernels.gemm_quantized_takes(layer.out_features, layer.in_features)
-    return int4_layout_known() and kernels.gemm_quantized_takes(
-        layer.out_features, layer.in_features, layer.group_size)
+    return kernels.gemm_quantized_takes(layer.out_features, layer.in_features,
+                                        layer.group_size)
+
+
+def onednn_prepacks(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can prepack a weight of `dtype` on this CPU (bfloat16 needs AVX-512 BW /
+    VL / DQ or AVX-NE-CONVERT: oneDNN refuses it elsewhere)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (
+        dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def group_key(layer: nn.Module, dtype: torch.dtype) -> str:
@@ -142,6 +150,8 @@ def plan_linears(model: nn.Module, dtype: torch.dtype, cache: KernelCache | None
                     _prepack(layer)
                 elif not layer.is_quantized:
                     layer.packed = None  # prepacked only for timing
+                elif "int_kernel" not in plan:
+                    layer.torch_packed = None  # PyTorch's int4 pack: made only for timing
                 layer.kernels = plans[key]
     cache.save()
     log.info("linear kernels for %d groups planned in %.2f s", len(groups),

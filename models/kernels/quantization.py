@@ -2,10 +2,17 @@
 
 int8: symmetric, one scale per output channel, w ~= q * scale with q in [-127, 127]
 (`aten._weight_int8pack_mm`). int4: asymmetric, one scale and zero per `group_size` inputs of
-each output channel, w ~= (q - 8) * scale + zero with q in [0, 15], packed by
-`aten._convert_weight_to_int4pack_for_cpu` for `aten._weight_int4pack_mm_for_cpu`. Scales and
-zeros are stored in bfloat16 and q is computed against the rounded values, so dequantizing
-reproduces exactly what the kernels compute with.
+each output channel, w ~= (q - 8) * scale + zero with q in [0, 15], in our own pack (below), the
+one layout every build of our kernels reads. Scales and zeros are stored in bfloat16 and q is
+computed against the rounded values, so dequantizing reproduces exactly what the kernels compute
+with.
+
+Our int4 pack: output channels in blocks of 64, [N / 64, K, 32] bytes (stored as [N, K / 2]),
+byte (b, k, d) holding q of channel 64b + d in its low nibble and of 64b + 32 + d in its high
+one: a block's 64 channels of one input are 32 consecutive bytes. PyTorch's own int4 kernel
+(`aten._weight_int4pack_mm_for_cpu`) is timed as a candidate; its pack, whose layout PyTorch
+chooses per CPU and does not document, is made from q by PyTorch's own
+`aten._convert_weight_to_int4pack_for_cpu` when that kernel first runs, and read only by it.
 
 Only the decoder's linears and the LM head are quantized (a tied head gets a quantized copy; the
 embedding table stays in the model dtype, as do norms and vision / audio towers).
@@ -14,7 +21,6 @@ embedding table stays in the model dtype, as do norms and vision / audio towers)
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 
 import torch
@@ -26,7 +32,7 @@ log = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128)
-INT4_BLOCK_N = 64  # the CPU int4 pack interleaves output channels in blocks of 64
+INT4_BLOCK_N = 64  # our int4 pack interleaves output channels in blocks of 64
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,22 +72,30 @@ def dequantize_int4_values(
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 2)
+    """q [N, K] in [0, 15] (N a multiple of 64) -> our int4 pack [N, K / 2] uint8."""
+    n, k = q.shape
+    blocks = q.to(torch.uint8).reshape(n // INT4_BLOCK_N, 2, INT4_BLOCK_N // 2, k)
+    packed = blocks[:, 0] | (blocks[:, 1] << 4)  # [N / 64, 32, K]
+    return packed.transpose(1, 2).contiguous().view(n, k // 2)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """The CPU pack [N, K / 2] uint8 back to q [N, K] int32: viewed as [N / 64, K, 32] bytes,
-    byte (b, k, d) holds channel 64b + d in its low nibble and 64b + 32 + d in its high one."""
+    """Our int4 pack [N, K / 2] uint8 back to q [N, K] int32."""
     n, k = packed.shape[0], packed.shape[1] * 2
     blocks = packed.reshape(n // INT4_BLOCK_N, k, INT4_BLOCK_N // 2)
     halves = torch.stack([blocks & 15, blocks >> 4], dim=1)  # [N / 64, 2, K, 32]
     return halves.transpose(2, 3).reshape(n, k).to(torch.int32)
 
 
+def torch_int4_pack(packed: torch.Tensor) -> torch.Tensor:
+    """PyTorch's int4 pack of the same q, made by PyTorch's own op (for its own kernel only)."""
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(packed), 2)
+
+
 def dequantize_int4(
     packed: torch.Tensor, scales_and_zeros: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """The CPU pack and its scales straight to (q - 8) * scale + zero, [N, K] in `dtype`: the
+    """Our int4 pack and its scales straight to (q - 8) * scale + zero, [N, K] in `dtype`: the
     nibbles are written into the output in place, and the arithmetic runs in place on it (the
     same operations, in the same order, as dequantize_int4_values(unpack_int4(...)))."""
     n, k = packed.shape[0], packed.shape[1] * 2
@@ -96,17 +110,6 @@ def dequantize_int4(
     return values.view(n, k)
 
 
-@functools.cache
-def int4_layout_known() -> bool:
-    """Whether this build packs int4 the way `unpack_int4` reads it (checked once)."""
-    q = torch.randint(0, 16, (INT4_BLOCK_N, 32), generator=torch.Generator().manual_seed(0),
-                      dtype=torch.int32)
-    try:
-        return torch.equal(unpack_int4(pack_int4(q)), q)
-    except RuntimeError:
-        return False
-
-
 def int4_supported(out_features: int, in_features: int, group_size: int) -> bool:
     return out_features % INT4_BLOCK_N == 0 and in_features % group_size == 0
 
@@ -114,10 +117,12 @@ def int4_supported(out_features: int, in_features: int, group_size: int) -> bool
 class QuantizedLinear(nn.Module):
     """A Linear whose weight is int8 per channel or int4 group-wise; bias in the model dtype.
 
-    The kernels take bfloat16 activations (a float32 input goes through a path tens of times
-    slower), so the input is cast to bfloat16 and the output back to the input's dtype. Which
-    formulation runs for a row-count bucket (the int kernel or a dequantized F.linear) is set by
-    `models.kernels.plan.plan_linears`; until then the int kernel runs.
+    PyTorch's int kernels take bfloat16 activations (a float32 input goes through a path tens
+    of times slower), so for them the input is cast to bfloat16 and the output back to the
+    input's dtype. Which formulation runs for a row-count bucket (PyTorch's int kernel, ours, a
+    dequantized GEMM) is set by `models.kernels.plan.plan_linears`; until then PyTorch's int
+    kernel runs. `torch_packed` is PyTorch's int4 pack, made when its kernel first runs and
+    dropped by the plan where that kernel is not chosen.
     """
 
     is_quantized = True
@@ -140,6 +145,7 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(),
                                                            requires_grad=False)
         self.kernels: tuple[str, ...] | None = None
+        self.torch_packed: torch.Tensor | None = None
 
     @property
     def format(self) -> str:
@@ -158,6 +164,7 @@ class QuantizedLinear(nn.Module):
         part._buffers = dict(self._buffers)
         part._parameters = dict(self._parameters)
         part.out_features = n
+        part.torch_packed = None
         if self.mode == "int8":
             part.qweight, part.scales = self.qweight[:n], self.scales[:n]
         else:
@@ -168,14 +175,16 @@ class QuantizedLinear(nn.Module):
         return part
 
     def int_mm(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] -> [M, N] through the int kernel, in x's dtype (x may be strided: the
+        """x [M, K] -> [M, N] through PyTorch's int kernel, in x's dtype (x may be strided: the
         output of a (W x^T)^T formulation is a transposed view; the kernels take rows)."""
         xb = x.to(torch.bfloat16).contiguous()
         if self.mode == "int8":
             out = torch.ops.aten._weight_int8pack_mm(xb, self.qweight, self.scales)
         else:
+            if self.torch_packed is None:
+                self.torch_packed = torch_int4_pack(self.qweight)
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                xb, self.qweight, self.group_size, self.scales)
+                xb, self.torch_packed, self.group_size, self.scales)
         return out.to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -193,8 +202,6 @@ def quantized_linears(model: nn.Module) -> list[tuple[nn.Module, str]]:
 def quantize_language_model(model: nn.Module, mode: str, group_size: int = 128) -> int:
     """Replace the decoder's linears and the LM head by QuantizedLinear; returns how many.
     A layer whose shape the int4 pack cannot take is quantized to int8 instead (logged)."""
-    if mode == "int4" and not int4_layout_known():
-        raise RuntimeError("this PyTorch build packs int4 weights in an unknown layout")
     count = 0
     for parent, name in quantized_linears(model):
         linear = getattr(parent, name)

@@ -16,7 +16,7 @@
 
 #define FORMAT_DENSE 0 /* the weight in the model dtype */
 #define FORMAT_INT8 1  /* int8 per output channel, bfloat16 scales [n] */
-#define FORMAT_INT4 2  /* PyTorch's CPU int4 pack, bfloat16 scales and zeros [k / group, n, 2] */
+#define FORMAT_INT4 2  /* our int4 pack, bfloat16 scales and zeros [k / group, n, 2] */
 
 typedef struct {
     int32_t format, group;

@@ -1,5 +1,5 @@
 /* A quantized weight's GEMM for a prefill's many rows, y = x . W^T, with W int8 (one bfloat16
- * scale per output channel) or int4 (PyTorch's CPU pack, a scale and zero per group), never
+ * scale per output channel) or int4 (our pack, a scale and zero per group), never
  * dequantized whole: each thread dequantizes a panel of its output channels (64 channels x up to
  * PANEL_K inputs, bfloat16) into its own cache and multiplies every row of x by it through
  * VDPBF16PS. The weight is read from memory once per call and the product runs from cache, as a
@@ -245,7 +245,7 @@ int mm_gemm_quantized_takes(int64_t n, int64_t k, int w_format, int64_t group) {
 }
 
 /* y [M, ldy] (columns 0 .. N - 1 written, in x's dtype) = x [M, K] . W^T. w: int8 [N, K]
- * with scales [N] (format 0), or PyTorch's int4 pack [N, K / 2] with scales_and_zeros
+ * with scales [N] (format 0), or our int4 pack [N, K / 2] with scales_and_zeros
  * [K / group, N, 2] (format 1). Returns 0; 1 out of memory; 2 a shape or build it does not
  * take (mm_gemm_quantized_takes). */
 int mm_gemm_quantized(const void* x, int x_dtype, const void* w, int w_format,

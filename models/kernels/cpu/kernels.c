@@ -11,7 +11,7 @@
  *   bandwidth where a GEMM library's small-M path does not. Weights float32, bfloat16 or int8
  *   with one bfloat16 scale per output channel; x and y float32 or bfloat16 (y in x's dtype);
  *   float32 accumulation.
- * - mm_linear_i4: the same for int4 weights in PyTorch's CPU pack, read in place (group-wise
+ * - mm_linear_i4: the same for int4 weights in our pack (models/kernels/quantization.py), read in place (group-wise
  *   scales and zeros), through VNNI dot products where the CPU has them.
  * - mm_decode_attention: one query token per sequence against its keys read in place from the
  *   paged cache (no gather), with sliding windows, logit soft-capping and grouped-query heads;
@@ -23,6 +23,13 @@
 #include <string.h>
 
 #include "kernels.h"
+
+#ifndef MM_VARIANT
+#define MM_VARIANT "unnamed"
+#endif
+
+/* The variant this library was compiled as (models/kernels/cpu_variants.py). */
+const char* mm_variant(void) { return MM_VARIANT; }
 
 /* rows [M, K] of dtype `dt` -> float32 (a copy when not float32 already; NULL if out of memory) */
 static float* as_f32(const void* x, int dt, int64_t n, int* owned) {
@@ -267,7 +274,7 @@ int mm_linear_i8(const void* x, int x_dtype, const int8_t* w, const uint16_t* sc
     return linear_i8_float(x, x_dtype, w, scales, y, m, n, k, threads);
 }
 
-/* int4 weights in PyTorch's CPU pack (aten._convert_weight_to_int4pack_for_cpu), read in place:
+/* int4 weights in our pack (models/kernels/quantization.py), read in place:
  * packed [N / 64, K, 32] bytes, byte (b, k, d) holding q of channel 64b + d in its low nibble and
  * of 64b + 32 + d in its high one; sz [K / group, N, 2] bfloat16 (scale, zero), the weight being
  * (q - 8) * scale + zero. Per group and channel,
@@ -545,7 +552,7 @@ static inline void i4_transpose_tile(const uint8_t* rows, __m512i v[16]) {
 }
 #endif
 
-/* int4 in PyTorch's CPU pack -> out [count * 64, K]: output channels 64 first .. 64 (first +
+/* int4 in our pack -> out [count * 64, K]: output channels 64 first .. 64 (first +
  * count) - 1 of the weight, row-major as a dense weight is (so a GEMM may take it as its plain
  * left operand). Each value is (q - 8) * scale + zero as fma(q, scale, zero - 8 * scale) in
  * float32, rounded once. With AVX-512 (VBMI), per group and channel the 16 values q can take

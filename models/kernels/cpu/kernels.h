@@ -10,7 +10,7 @@
 #define DTYPE_F32 0
 #define DTYPE_BF16 1
 #define DTYPE_I8 2
-#define I4_BLOCK_N 64 /* PyTorch's CPU int4 pack interleaves output channels in blocks of 64 */
+#define I4_BLOCK_N 64 /* our int4 pack interleaves output channels in blocks of 64 */
 
 /* ---- element conversions shared by the sources ---- */
 
