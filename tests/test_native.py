@@ -312,6 +312,16 @@ def test_paged_attention_takes_the_native_decode_kernel(kernels):
     torch.testing.assert_close(outs["native"], outs["matmul"], atol=1e-5, rtol=0)
 
 
+def test_the_forced_variant_is_the_one_loaded(kernels):
+    """Under MMSERVE_CPU_ISA (tests/test_cpu_variants.py runs these tests so per variant) the
+    library loaded is that variant's build; otherwise the best this CPU runs."""
+    from models.kernels.cpu_variants import chosen
+
+    forced = os.environ.get("MMSERVE_CPU_ISA")
+    assert kernels.variant == (forced or chosen().name)
+    assert kernels.variant in native.status().detail
+
+
 def test_build_is_cached_and_keyed_by_variant_and_source(kernels, tmp_path, monkeypatch):
     from models.kernels.cpu_variants import BY_NAME
 
@@ -322,9 +332,8 @@ def test_build_is_cached_and_keyed_by_variant_and_source(kernels, tmp_path, monk
     path, seconds = native.build(variant, compiler, openmp)
     assert path.parent == tmp_path and seconds > 0 and variant.name in path.name
     assert native.build(variant, compiler, openmp) == (path, 0.0)  # the second start reuses it
-    lower = native.build(BY_NAME["x86-64"] if variant.arch == "x86_64" else BY_NAME["armv8-a"],
-                         compiler, openmp)[0]
-    assert lower != path
+    other = next(v for v in BY_NAME.values() if v.arch == variant.arch and v != variant)
+    assert native.build(other, compiler, openmp)[0] != path
     edited = tmp_path / "kernels.c"
     edited.write_text(native.SOURCES[0].read_text() + "\n/* edited */\n")
     monkeypatch.setattr(native, "SOURCES", (edited, *native.SOURCES[1:]))

@@ -1,0 +1,422 @@
+/* A test harness for the C kernels of models/kernels/cpu/, built with the kernels into one
+ * executable per variant: natively for the x86 variants, and cross-compiled for the aarch64 ones
+ * and run under qemu-aarch64 (tests/test_cpu_variants.py). Each kernel runs on fixed
+ * pseudo-random inputs against a reference computed here in double precision from the same
+ * inputs (the weights as the kernels see them: bfloat16 / int8 / int4 values); the tolerance of
+ * each check is the rounding the kernel is allowed (bfloat16 outputs, activation digits of the
+ * int kernels), stated beside it. Prints one line per check ("ok" or "FAIL ...") and exits with
+ * the number of failures. */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+
+const char* mm_variant(void);
+void mm_dequantize_i8(const int8_t* w, const uint16_t* scales, void* out, int out_dtype,
+                      int64_t n, int64_t k, int threads);
+void mm_dequantize_i4(const uint8_t* w, const uint16_t* sz, void* out, int out_dtype, int64_t n,
+                      int64_t k, int64_t group, int64_t first, int64_t count, int threads);
+void mm_argmax(const float* x, int64_t rows, int64_t n, int64_t* out);
+int mm_gemm_quantized_takes(int64_t n, int64_t k, int w_format, int64_t group);
+int mm_gemm_quantized(const void* x, int x_dtype, const void* w, int w_format,
+                      const uint16_t* scales, int64_t group, void* y, int64_t ldy, int64_t m,
+                      int64_t n, int64_t k, int threads);
+
+static int failures = 0;
+static uint64_t state = 0x9E3779B97F4A7C15ull;
+
+static double uniform(void) {  /* xorshift64*, in [-1, 1) */
+    state ^= state >> 12, state ^= state << 25, state ^= state >> 27;
+    return (double)((state * 0x2545F4914F6CDD1Dull) >> 11) / (double)(1ull << 52) - 1.0;
+}
+
+static void* alloc(size_t bytes) {
+    void* p = calloc(1, bytes);
+    if (p == NULL) {
+        printf("FAIL out of memory\n");
+        exit(99);
+    }
+    return p;
+}
+
+/* values of dtype dt: x as stored (float32 or bfloat16) and as float64 */
+static void fill(void* x, int dt, double* ref, int64_t n, double scale) {
+    for (int64_t i = 0; i < n; i++) {
+        const float v = (float)(uniform() * scale);
+        if (dt == DTYPE_F32) ((float*)x)[i] = v, ref[i] = v;
+        else ((uint16_t*)x)[i] = f32_to_bf16(v), ref[i] = bf16_to_f32(f32_to_bf16(v));
+    }
+}
+
+static double get(const void* y, int dt, int64_t i) {
+    return dt == DTYPE_F32 ? ((const float*)y)[i] : bf16_to_f32(((const uint16_t*)y)[i]);
+}
+
+/* |got - want| <= atol + rtol * |want| everywhere; reports the worst excess */
+static void check(const char* name, const void* y, int dt, const double* want, int64_t n,
+                  double atol, double rtol) {
+    double worst = 0.0;
+    int64_t at = -1;
+    for (int64_t i = 0; i < n; i++) {
+        const double err = fabs(get(y, dt, i) - want[i]) - (atol + rtol * fabs(want[i]));
+        if (err > worst || isnan(get(y, dt, i))) worst = isnan(get(y, dt, i)) ? INFINITY : err,
+                                                 at = i;
+    }
+    if (at < 0) {
+        printf("ok   %s\n", name);
+    } else {
+        failures++;
+        printf("FAIL %s: index %lld got %.6g want %.6g\n", name, (long long)at, get(y, dt, at),
+               want[at]);
+    }
+}
+
+static const char* dname(int dt) { return dt == DTYPE_F32 ? "f32" : "bf16"; }
+
+/* ---- matrix-vector linears -------------------------------------------------------------- */
+
+static void test_dense(int w_bf16, int dt, int64_t m, int64_t n, int64_t k) {
+    void* x = alloc(4 * (size_t)(m * k));
+    double* xr = alloc(8 * (size_t)(m * k));
+    fill(x, dt, xr, m * k, 1.0);
+    void* w = alloc(4 * (size_t)(n * k));
+    double* wr = alloc(8 * (size_t)(n * k));
+    fill(w, w_bf16 ? DTYPE_BF16 : DTYPE_F32, wr, n * k, 0.5);
+    double* want = alloc(8 * (size_t)(m * n));
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t r = 0; r < n; r++) {
+            double s = 0;
+            for (int64_t j = 0; j < k; j++) s += xr[i * k + j] * wr[r * k + j];
+            want[i * n + r] = s;
+        }
+    void* y = alloc(4 * (size_t)(m * n));
+    int status = w_bf16 ? mm_linear_bf16(x, dt, w, NULL, y, m, n, k, 1)
+                        : mm_linear_f32(x, dt, w, NULL, y, m, n, k, 1);
+    char name[96];
+    snprintf(name, sizeof name, "linear %s weights, %s x, m=%lld k=%lld",
+             w_bf16 ? "bf16" : "f32", dname(dt), (long long)m, (long long)k);
+    if (status) printf("FAIL %s: status %d\n", name, status), failures++;
+    /* float32 sums of k products: within k * 2^-24 of each term's size; bf16 output rounding */
+    check(name, y, dt, want, m * n, 1e-5 * (double)k, dt == DTYPE_F32 ? 1e-5 : 8e-3);
+    free(x), free(xr), free(w), free(wr), free(want), free(y);
+}
+
+static void test_int8(int dt, int64_t m, int64_t n, int64_t k) {
+    void* x = alloc(4 * (size_t)(m * k));
+    double* xr = alloc(8 * (size_t)(m * k));
+    fill(x, dt, xr, m * k, 1.0);
+    int8_t* w = alloc((size_t)(n * k));
+    uint16_t* scales = alloc(2 * (size_t)n);
+    double* want = alloc(8 * (size_t)(m * n));
+    for (int64_t i = 0; i < n * k; i++) w[i] = (int8_t)(uniform() * 127.0);
+    for (int64_t r = 0; r < n; r++) scales[r] = f32_to_bf16((float)(0.01 + 0.01 * fabs(uniform())));
+    double bound = 0.0;  /* the activation digits: within max|x| / 32512 of x per element */
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t r = 0; r < n; r++) {
+            double s = 0, mag = 0;
+            for (int64_t j = 0; j < k; j++) s += xr[i * k + j] * w[r * k + j],
+                                             mag += fabs((double)w[r * k + j]);
+            want[i * n + r] = s * bf16_to_f32(scales[r]);
+            const double b = mag * bf16_to_f32(scales[r]) / 32512.0;
+            bound = b > bound ? b : bound;
+        }
+    void* y = alloc(4 * (size_t)(m * n));
+    char name[96];
+    snprintf(name, sizeof name, "linear int8, %s x, m=%lld k=%lld", dname(dt), (long long)m,
+             (long long)k);
+    if (mm_linear_i8(x, dt, w, scales, y, m, n, k, 1)) printf("FAIL %s: status\n", name),
+                                                       failures++;
+    check(name, y, dt, want, m * n, bound + 1e-5 * (double)k, dt == DTYPE_F32 ? 1e-5 : 8e-3);
+    free(x), free(xr), free(w), free(scales), free(want), free(y);
+}
+
+/* our int4 pack: byte (b, k, d) = q[64b + d][k] | q[64b + 32 + d][k] << 4 */
+static void pack_int4(const uint8_t* q, uint8_t* packed, int64_t n, int64_t k) {
+    for (int64_t b = 0; b < n / 64; b++)
+        for (int64_t kk = 0; kk < k; kk++)
+            for (int d = 0; d < 32; d++)
+                packed[(b * k + kk) * 32 + d] = (uint8_t)(q[(64 * b + d) * k + kk] |
+                                                          (q[(64 * b + 32 + d) * k + kk] << 4));
+}
+
+typedef struct {
+    uint8_t* q;
+    uint8_t* packed;
+    uint16_t* sz;
+    double* w; /* the dequantized values, float64 */
+} Int4;
+
+static Int4 make_int4(int64_t n, int64_t k, int64_t group) {
+    Int4 t = {alloc((size_t)(n * k)), alloc((size_t)(n * k / 2)), alloc(4 * (size_t)(n * k)),
+              alloc(8 * (size_t)(n * k))};
+    for (int64_t i = 0; i < n * k; i++) t.q[i] = (uint8_t)((uniform() + 1.0) * 8.0) & 15;
+    for (int64_t g = 0; g < k / group; g++)
+        for (int64_t r = 0; r < n; r++) {
+            t.sz[(g * n + r) * 2] = f32_to_bf16((float)(0.01 + 0.02 * fabs(uniform())));
+            t.sz[(g * n + r) * 2 + 1] = f32_to_bf16((float)(0.05 * uniform()));
+        }
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t j = 0; j < k; j++) {
+            const uint16_t* s = t.sz + ((j / group) * n + r) * 2;
+            t.w[r * k + j] = fmaf((float)t.q[r * k + j], bf16_to_f32(s[0]),
+                                  bf16_to_f32(s[1]) - 8.0f * bf16_to_f32(s[0]));
+        }
+    pack_int4(t.q, t.packed, n, k);
+    return t;
+}
+
+static void free_int4(Int4 t) { free(t.q), free(t.packed), free(t.sz), free(t.w); }
+
+static void test_int4(int dt, int64_t m, int64_t n, int64_t k, int64_t group, int generic) {
+    Int4 t = make_int4(n, k, group);
+    void* x = alloc(4 * (size_t)(m * k));
+    double* xr = alloc(8 * (size_t)(m * k));
+    fill(x, dt, xr, m * k, 1.0);
+    double* want = alloc(8 * (size_t)(m * n));
+    double bound = 0.0;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t r = 0; r < n; r++) {
+            double s = 0, mag = 0;
+            for (int64_t j = 0; j < k; j++) s += xr[i * k + j] * t.w[r * k + j],
+                                             mag += fabs(t.w[r * k + j]);
+            want[i * n + r] = s;
+            bound = mag / 32512.0 > bound ? mag / 32512.0 : bound;
+        }
+    void* y = alloc(4 * (size_t)(m * n));
+    char name[112];
+    snprintf(name, sizeof name, "linear int4 g%lld%s, %s x, m=%lld k=%lld", (long long)group,
+             generic ? " (plain path)" : "", dname(dt), (long long)m, (long long)k);
+    if (mm_linear_i4(x, dt, t.packed, t.sz, y, m, n, k, group, generic, 1))
+        printf("FAIL %s: status\n", name), failures++;
+    check(name, y, dt, want, m * n, bound + 1e-5 * (double)k, dt == DTYPE_F32 ? 1e-5 : 8e-3);
+    free_int4(t), free(x), free(xr), free(want), free(y);
+}
+
+static void test_dequantize(int dt) {
+    const int64_t n = 128, k = 256, group = 64;
+    int8_t* w8 = alloc((size_t)(n * k));
+    uint16_t* scales = alloc(2 * (size_t)n);
+    double* want = alloc(8 * (size_t)(n * k));
+    for (int64_t i = 0; i < n * k; i++) w8[i] = (int8_t)(uniform() * 127.0);
+    for (int64_t r = 0; r < n; r++) scales[r] = f32_to_bf16((float)(0.001 + fabs(uniform())));
+    for (int64_t i = 0; i < n * k; i++) want[i] = (float)w8[i] * bf16_to_f32(scales[i / k]);
+    void* out = alloc(4 * (size_t)(n * k));
+    mm_dequantize_i8(w8, scales, out, dt, n, k, 1);
+    char name[64];
+    snprintf(name, sizeof name, "dequantize int8 -> %s", dname(dt));
+    check(name, out, dt, want, n * k, 0.0, dt == DTYPE_F32 ? 0.0 : 4e-3);
+    Int4 t = make_int4(n, k, group);
+    mm_dequantize_i4(t.packed, t.sz, out, dt, n, k, group, 0, n / 64, 1);
+    snprintf(name, sizeof name, "dequantize int4 -> %s", dname(dt));
+    check(name, out, dt, t.w, n * k, 0.0, dt == DTYPE_F32 ? 0.0 : 4e-3);
+    free_int4(t), free(w8), free(scales), free(want), free(out);
+}
+
+/* ---- the quantized prefill GEMM ------------------------------------------------------------ */
+
+static void test_gemm_quantized(int format, int dt) {
+    const int64_t m = 37, n = 192, k = 256, group = 64;
+    if (!mm_gemm_quantized_takes(n, k, format, group)) {
+        printf("ok   gemm quantized %s: not built in this variant\n", format ? "int4" : "int8");
+        return;
+    }
+    void* x = alloc(4 * (size_t)(m * k));
+    double* xr = alloc(8 * (size_t)(m * k));
+    fill(x, dt, xr, m * k, 1.0);
+    double* wd = alloc(8 * (size_t)(n * k));
+    int8_t* w8 = alloc((size_t)(n * k));
+    uint16_t* scales = alloc(2 * (size_t)n);
+    Int4 t = make_int4(n, k, group);
+    if (format == 0) {
+        for (int64_t i = 0; i < n * k; i++) w8[i] = (int8_t)(uniform() * 127.0);
+        for (int64_t r = 0; r < n; r++) scales[r] = f32_to_bf16((float)(0.01 + fabs(uniform())));
+        for (int64_t i = 0; i < n * k; i++) wd[i] = (double)w8[i] * bf16_to_f32(scales[i / k]);
+    } else {
+        memcpy(wd, t.w, 8 * (size_t)(n * k));
+    }
+    double* want = alloc(8 * (size_t)(m * n));
+    double worst_term = 0.0;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t r = 0; r < n; r++) {
+            double s = 0, mag = 0;
+            for (int64_t j = 0; j < k; j++) s += xr[i * k + j] * wd[r * k + j],
+                                             mag += fabs(xr[i * k + j] * wd[r * k + j]);
+            want[i * n + r] = s;
+            worst_term = mag > worst_term ? mag : worst_term;
+        }
+    void* y = alloc(4 * (size_t)(m * n));
+    char name[64];
+    snprintf(name, sizeof name, "gemm quantized %s, %s x", format ? "int4" : "int8", dname(dt));
+    if (mm_gemm_quantized(x, dt, format ? (const void*)t.packed : (const void*)w8, format,
+                          format ? t.sz : scales, group, y, n, m, n, k, 1))
+        printf("FAIL %s: status\n", name), failures++;
+    /* the operands may be rounded to bfloat16 (2^-8 each) before exact products */
+    check(name, y, dt, want, m * n, worst_term * 8e-3, 8e-3);
+    free_int4(t), free(x), free(xr), free(wd), free(w8), free(scales), free(want), free(y);
+}
+
+/* ---- fused small ops ----------------------------------------------------------------------- */
+
+static void test_rms_norm(int dt, int mode, int with_delta) {
+    const int64_t rows = 3, dim = 96;
+    const float eps = 1e-6f;
+    void *x = alloc(4 * rows * dim), *delta = alloc(4 * rows * dim), *w = alloc(4 * dim);
+    double *xr = alloc(8 * rows * dim), *dr = alloc(8 * rows * dim), *wr = alloc(8 * dim);
+    fill(x, dt, xr, rows * dim, 2.0);
+    fill(delta, dt, dr, rows * dim, 1.0);
+    fill(w, dt, wr, dim, 1.0);
+    void *sum = alloc(4 * rows * dim), *out = alloc(4 * rows * dim);
+    double* want = alloc(8 * rows * dim);
+    for (int64_t r = 0; r < rows; r++) {
+        double h[96], sq = 0;
+        for (int64_t j = 0; j < dim; j++) {
+            h[j] = xr[r * dim + j] + (with_delta ? dr[r * dim + j] : 0.0);
+            if (dt == DTYPE_BF16) h[j] = bf16_to_f32(f32_to_bf16((float)h[j]));
+            sq += h[j] * h[j];
+        }
+        const double inv = 1.0 / sqrt(sq / (double)dim + eps);
+        for (int64_t j = 0; j < dim; j++)
+            want[r * dim + j] = h[j] * inv * (mode == 2 ? 1.0 + wr[j] : wr[j]);
+    }
+    if (mm_rms_norm(x, with_delta ? delta : NULL, sum, w, out, dt, rows, dim, eps, mode))
+        printf("FAIL rms_norm status\n"), failures++;
+    char name[64];
+    snprintf(name, sizeof name, "rms_norm mode %d%s, %s", mode, with_delta ? " + residual" : "",
+             dname(dt));
+    check(name, out, dt, want, rows * dim, 1e-5, dt == DTYPE_F32 ? 1e-5 : 1.6e-2);
+    free(x), free(delta), free(w), free(xr), free(dr), free(wr), free(sum), free(out), free(want);
+}
+
+static void test_rotary_silu(int dt) {
+    const int64_t tokens = 3, heads = 2, dim = 64, half = 32;
+    void *x = alloc(4 * tokens * heads * dim), *c = alloc(4 * tokens * half),
+         *s = alloc(4 * tokens * half), *out = alloc(4 * tokens * heads * dim);
+    double *xr = alloc(8 * tokens * heads * dim), *cr = alloc(8 * tokens * half),
+           *sr = alloc(8 * tokens * half), *want = alloc(8 * tokens * heads * dim);
+    fill(x, dt, xr, tokens * heads * dim, 1.0);
+    fill(c, dt, cr, tokens * half, 1.0);
+    fill(s, dt, sr, tokens * half, 1.0);
+    for (int64_t t = 0; t < tokens; t++)
+        for (int64_t h = 0; h < heads; h++)
+            for (int64_t j = 0; j < half; j++) {
+                const int64_t at = (t * heads + h) * dim;
+                const double x1 = xr[at + j], x2 = xr[at + half + j];
+                want[at + j] = x1 * cr[t * half + j] - x2 * sr[t * half + j];
+                want[at + half + j] = x2 * cr[t * half + j] + x1 * sr[t * half + j];
+            }
+    mm_rotary(x, c, s, out, dt, tokens, heads, dim, heads * dim);
+    char name[64];
+    snprintf(name, sizeof name, "rotary, %s", dname(dt));
+    /* bfloat16: each product rounded before the sum (as PyTorch's ops), products <= 1 */
+    check(name, out, dt, want, tokens * heads * dim, dt == DTYPE_F32 ? 1e-6 : 8e-3,
+          dt == DTYPE_F32 ? 1e-5 : 8e-3);
+    const int64_t inner = 80;
+    void* gu = alloc(4 * 2 * inner * 2);
+    double* gr = alloc(8 * 2 * inner * 2);
+    fill(gu, dt, gr, 2 * inner * 2, 4.0);
+    for (int64_t r = 0; r < 2; r++)
+        for (int64_t j = 0; j < inner; j++) {
+            const double g = gr[r * 2 * inner + j];
+            want[r * inner + j] = g / (1.0 + exp(-g)) * gr[r * 2 * inner + inner + j];
+        }
+    mm_silu_mul(gu, out, dt, 2, inner);
+    snprintf(name, sizeof name, "silu_mul, %s", dname(dt));
+    check(name, out, dt, want, 2 * inner, 1e-6, dt == DTYPE_F32 ? 1e-5 : 1.6e-2);
+    free(x), free(c), free(s), free(out), free(xr), free(cr), free(sr), free(want), free(gu),
+        free(gr);
+}
+
+/* ---- paged decode attention ---------------------------------------------------------------- */
+
+static void test_attention(int dt, int64_t window, float softcap) {
+    const int64_t batch = 2, heads = 4, kv_heads = 2, dim = 64, bs = 4, blocks = 12, width = 5;
+    const int64_t context[2] = {7, 18}, key0[2] = {0, 4};
+    const int64_t table[10] = {3, 1, 0, 0, 0, /* seq 1: keys from position 4 */ 5, 6, 7, 8, 9};
+    const int64_t cache_n = 2 * kv_heads * blocks * bs * dim;
+    void *cache = alloc(4 * cache_n), *q = alloc(4 * batch * heads * dim),
+         *out = alloc(4 * batch * heads * dim);
+    double *cr = alloc(8 * cache_n), *qr = alloc(8 * batch * heads * dim),
+           *want = alloc(8 * batch * heads * dim);
+    fill(cache, dt, cr, cache_n, 1.0);
+    fill(q, dt, qr, batch * heads * dim, 1.0);
+    const double scale = 0.125;
+    for (int64_t b = 0; b < batch; b++)
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t kvh = h / (heads / kv_heads), ctx = context[b];
+            int64_t lo = window > 0 && ctx > window ? ctx - window : 0;
+            lo = lo < key0[b] ? key0[b] : lo;
+            double scores[32], top = -INFINITY, total = 0;
+            for (int64_t p = lo; p < ctx; p++) {
+                const int64_t slot = table[b * width + (p - key0[b]) / bs] * bs + p % bs;
+                double s = 0;
+                for (int64_t d = 0; d < dim; d++)
+                    s += qr[(b * heads + h) * dim + d] *
+                         cr[(kvh * blocks * bs + slot) * dim + d];
+                s *= scale;
+                if (softcap > 0) s = softcap * tanh(s / softcap);
+                scores[p - lo] = s, top = s > top ? s : top;
+            }
+            for (int64_t p = lo; p < ctx; p++) total += scores[p - lo] = exp(scores[p - lo] - top);
+            for (int64_t d = 0; d < dim; d++) {
+                double acc = 0;
+                for (int64_t p = lo; p < ctx; p++) {
+                    const int64_t slot = table[b * width + (p - key0[b]) / bs] * bs + p % bs;
+                    acc += scores[p - lo] / total *
+                           cr[((kv_heads + kvh) * blocks * bs + slot) * dim + d];
+                }
+                want[(b * heads + h) * dim + d] = acc;
+            }
+        }
+    if (mm_decode_attention(q, cache, out, dt, table, key0, context, batch, heads, kv_heads, dim,
+                            width, blocks, bs, window, (float)scale, softcap, 1))
+        printf("FAIL attention status\n"), failures++;
+    char name[80];
+    snprintf(name, sizeof name, "decode attention window %lld softcap %g, %s", (long long)window,
+             softcap, dname(dt));
+    check(name, out, dt, want, batch * heads * dim, 1e-5, dt == DTYPE_F32 ? 1e-4 : 8e-3);
+    free(cache), free(q), free(out), free(cr), free(qr), free(want);
+}
+
+static void test_argmax(void) {
+    float x[2 * 1000];
+    for (int i = 0; i < 2000; i++) x[i] = (float)uniform();
+    x[517] = 3.0f, x[900] = 3.0f;  /* the first of equal maxima */
+    x[1000 + 20] = NAN, x[1000 + 30] = 9.0f;  /* a NaN counts as the largest */
+    int64_t out[2];
+    mm_argmax(x, 2, 1000, out);
+    if (out[0] == 517 && out[1] == 20) printf("ok   argmax\n");
+    else printf("FAIL argmax: %lld %lld\n", (long long)out[0], (long long)out[1]), failures++;
+}
+
+int main(void) {
+    printf("variant %s\n", mm_variant());
+    for (int dt = 0; dt < 2; dt++) {
+        for (int w = 0; w < 2; w++) {
+            test_dense(w, dt, 1, 70, 200);
+            test_dense(w, dt, 5, 33, 512);
+        }
+        test_int8(dt, 1, 64, 256);
+        test_int8(dt, 3, 40, 192);
+        test_int8(dt, 2, 16, 100);
+        for (int g = 32; g <= 128; g *= 2) test_int4(dt, 1, 128, 256, g, 0);
+        test_int4(dt, 3, 64, 384, 64, 0);
+        test_int4(dt, 2, 64, 256, 32, 1);
+        test_dequantize(dt);
+        test_gemm_quantized(0, dt);
+        test_gemm_quantized(1, dt);
+        for (int mode = 0; mode < 3; mode++) {
+            test_rms_norm(dt, mode, 0);
+            test_rms_norm(dt, mode, 1);
+        }
+        test_rotary_silu(dt);
+        test_attention(dt, 0, 0.0f);
+        test_attention(dt, 5, 0.0f);
+        test_attention(dt, 0, 30.0f);
+    }
+    test_argmax();
+    printf("%d failure(s)\n", failures);
+    return failures;
+}
