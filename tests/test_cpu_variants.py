@@ -100,8 +100,9 @@ def _build_harness(variant, tmp_path: Path) -> Path:
             pytest.fail(f"no {variant.arch} C compiler (.ci/run installs gcc-aarch64-linux-gnu)")
         pytest.skip(f"no {variant.arch} C compiler")
     exe = tmp_path / f"harness-{variant.name}"
-    sources = [HARNESS, SOURCES / "kernels.c", SOURCES / "gemm_quantized.c",
-               SOURCES / "decode_layers.c"]
+    from models.kernels.native import SOURCES as KERNELS
+
+    sources = [HARNESS, *KERNELS]
     static = ["-static"] if variant.arch != HERE else []
     done = subprocess.run(
         [compiler, "-O2", "-std=gnu11", "-fopenmp-simd", "-Wno-unknown-pragmas", *static,

@@ -60,10 +60,11 @@ def test_int4_pack_round_trip():
     packed = pack_int4(q)
     assert packed.shape == (192, 128) and packed.dtype == torch.uint8
     assert torch.equal(unpack_int4(packed), q)
-    # the layout the C kernels read: byte (b, k, d) = q[64b + d, k] | q[64b + 32 + d, k] << 4
-    blocks = packed.view(3, 256, 32)
+    # the layout the C kernels read (tests/native/harness.c packs the same):
+    # byte (b, s, d, j) = q[64b + d, 4s + j] | q[64b + 32 + d, 4s + j] << 4
+    steps = packed.view(3, 64, 32, 4)
     for b, k, d in [(0, 0, 0), (1, 17, 5), (2, 255, 31)]:
-        assert blocks[b, k, d] == q[64 * b + d, k] | (q[64 * b + 32 + d, k] << 4)
+        assert steps[b, k // 4, d, k % 4] == q[64 * b + d, k] | (q[64 * b + 32 + d, k] << 4)
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])

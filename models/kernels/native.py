@@ -40,7 +40,9 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent / "cpu"
 # Compiled into one library; the header (shared helpers and declarations) is part of the digest.
-SOURCES = (HERE / "kernels.c", HERE / "decode_layers.c", HERE / "gemm_quantized.c")
+SOURCES = tuple(HERE / name for name in (
+    "small_ops.c", "linear_dense.c", "linear_int8.c", "linear_int4.c", "attention.c",
+    "decode_layers.c", "gemm_quantized.c"))
 HEADER = HERE / "kernels.h"
 DISABLE_ENV = "MMSERVE_NATIVE"  # "0" keeps PyTorch's kernels only
 BUILD_TIMEOUT_S = 120

@@ -7,9 +7,12 @@ one layout every build of our kernels reads. Scales and zeros are stored in bflo
 computed against the rounded values, so dequantizing reproduces exactly what the kernels compute
 with.
 
-Our int4 pack: output channels in blocks of 64, [N / 64, K, 32] bytes (stored as [N, K / 2]),
-byte (b, k, d) holding q of channel 64b + d in its low nibble and of 64b + 32 + d in its high
-one: a block's 64 channels of one input are 32 consecutive bytes. PyTorch's own int4 kernel
+Our int4 pack: output channels in blocks of 64, each block's inputs in steps of 4,
+[N / 64, K / 4, 32, 4] bytes (stored as [N, K / 2]): byte (b, s, d, j) holds q of channel 64b + d
+for input 4s + j in its low nibble and of channel 64b + 32 + d in its high one. A channel's four
+inputs that an integer dot product sums per 32-bit lane are adjacent, and a vector load covers
+consecutive channels, so every build of our kernels (AVX-512 VNNI, AVX2, NEON dot products, plain
+C) reads it as stored (models/kernels/cpu/linear_int4.c). PyTorch's own int4 kernel
 (`aten._weight_int4pack_mm_for_cpu`) is timed as a candidate; its pack, whose layout PyTorch
 chooses per CPU and does not document, is made from q by PyTorch's own
 `aten._convert_weight_to_int4pack_for_cpu` when that kernel first runs, and read only by it.
@@ -72,19 +75,24 @@ def dequantize_int4_values(
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """q [N, K] in [0, 15] (N a multiple of 64) -> our int4 pack [N, K / 2] uint8."""
+    """q [N, K] in [0, 15] (N a multiple of 64, K of 4) -> our int4 pack [N, K / 2] uint8."""
     n, k = q.shape
-    blocks = q.to(torch.uint8).reshape(n // INT4_BLOCK_N, 2, INT4_BLOCK_N // 2, k)
-    packed = blocks[:, 0] | (blocks[:, 1] << 4)  # [N / 64, 32, K]
-    return packed.transpose(1, 2).contiguous().view(n, k // 2)
+    blocks = q.to(torch.uint8).reshape(n // INT4_BLOCK_N, 2, INT4_BLOCK_N // 2, k // 4, 4)
+    packed = blocks[:, 0] | (blocks[:, 1] << 4)  # [N / 64, 32, K / 4, 4]
+    return packed.permute(0, 2, 1, 3).contiguous().view(n, k // 2)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """Our int4 pack [N, K / 2] uint8 back to q [N, K] int32."""
+    return _nibbles(packed).reshape(packed.shape[0], -1).to(torch.int32)
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Our pack's q values as [N / 64, 2, 32, K] uint8 (channel 64b + 32h + d at [b, h, d])."""
     n, k = packed.shape[0], packed.shape[1] * 2
-    blocks = packed.reshape(n // INT4_BLOCK_N, k, INT4_BLOCK_N // 2)
-    halves = torch.stack([blocks & 15, blocks >> 4], dim=1)  # [N / 64, 2, K, 32]
-    return halves.transpose(2, 3).reshape(n, k).to(torch.int32)
+    steps = packed.reshape(n // INT4_BLOCK_N, k // 4, INT4_BLOCK_N // 2, 4)  # [b, s, d, j]
+    halves = torch.stack([steps & 15, steps >> 4], dim=1)  # [b, 2, s, d, j]
+    return halves.permute(0, 1, 3, 2, 4).reshape(n // INT4_BLOCK_N, 2, INT4_BLOCK_N // 2, k)
 
 
 def torch_int4_pack(packed: torch.Tensor) -> torch.Tensor:
@@ -95,15 +103,12 @@ def torch_int4_pack(packed: torch.Tensor) -> torch.Tensor:
 def dequantize_int4(
     packed: torch.Tensor, scales_and_zeros: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Our int4 pack and its scales straight to (q - 8) * scale + zero, [N, K] in `dtype`: the
-    nibbles are written into the output in place, and the arithmetic runs in place on it (the
-    same operations, in the same order, as dequantize_int4_values(unpack_int4(...)))."""
+    """Our int4 pack and its scales straight to (q - 8) * scale + zero, [N, K] in `dtype` (the
+    same operations, in the same order, as dequantize_int4_values(unpack_int4(...)), in place
+    on one output buffer)."""
     n, k = packed.shape[0], packed.shape[1] * 2
     groups = scales_and_zeros.shape[0]
-    blocks = packed.view(n // INT4_BLOCK_N, k, INT4_BLOCK_N // 2)
-    out = torch.empty(n // INT4_BLOCK_N, 2, INT4_BLOCK_N // 2, k, dtype=dtype)
-    out[:, 0].copy_((blocks & 15).transpose(1, 2))
-    out[:, 1].copy_((blocks >> 4).transpose(1, 2))
+    out = _nibbles(packed).to(dtype)
     sz = scales_and_zeros.to(dtype).permute(1, 0, 2)  # [N, G, 2]
     values = out.view(n, groups, k // groups)
     values.sub_(8).mul_(sz[..., :1]).add_(sz[..., 1:])
@@ -111,7 +116,7 @@ def dequantize_int4(
 
 
 def int4_supported(out_features: int, in_features: int, group_size: int) -> bool:
-    return out_features % INT4_BLOCK_N == 0 and in_features % group_size == 0
+    return out_features % INT4_BLOCK_N == 0 and in_features % group_size == 0  # groups of 4 k
 
 
 class QuantizedLinear(nn.Module):

@@ -133,13 +133,13 @@ static void test_int8(int dt, int64_t m, int64_t n, int64_t k) {
     free(x), free(xr), free(w), free(scales), free(want), free(y);
 }
 
-/* our int4 pack: byte (b, k, d) = q[64b + d][k] | q[64b + 32 + d][k] << 4 */
+/* our int4 pack: byte (b, s, d, j) = q[64b + d][4s + j] | q[64b + 32 + d][4s + j] << 4 */
 static void pack_int4(const uint8_t* q, uint8_t* packed, int64_t n, int64_t k) {
     for (int64_t b = 0; b < n / 64; b++)
         for (int64_t kk = 0; kk < k; kk++)
             for (int d = 0; d < 32; d++)
-                packed[(b * k + kk) * 32 + d] = (uint8_t)(q[(64 * b + d) * k + kk] |
-                                                          (q[(64 * b + 32 + d) * k + kk] << 4));
+                packed[b * k * 32 + (kk / 4) * 128 + 4 * d + kk % 4] = (uint8_t)(
+                    q[(64 * b + d) * k + kk] | (q[(64 * b + 32 + d) * k + kk] << 4));
 }
 
 typedef struct {

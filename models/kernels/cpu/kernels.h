@@ -5,7 +5,31 @@
 #define MM_NATIVE_KERNELS_H
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+
+/* What the variant being compiled has (models/kernels/cpu_variants.py), named once. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define MM_AVX512_BF16 1 /* VDPBF16PS */
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define MM_AVX512_VNNI 1 /* VPDPBUSD */
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define MM_AVX2 1
+#endif
+#if defined(__ARM_NEON) && defined(__aarch64__)
+#define MM_NEON 1
+#endif
+#if defined(MM_NEON) && defined(__ARM_FEATURE_DOTPROD)
+#define MM_NEON_DOT 1 /* SDOT / UDOT */
+#endif
+#if defined(MM_AVX512_BF16) || defined(MM_AVX512_VNNI) || defined(MM_AVX2)
+#include <immintrin.h>
+#endif
+#ifdef MM_NEON
+#include <arm_neon.h>
+#endif
 
 #define DTYPE_F32 0
 #define DTYPE_BF16 1
@@ -59,10 +83,191 @@ static inline void store(void* y, int dt, int64_t i, float v) {
     else ((uint16_t*)y)[i] = f32_to_bf16(v);
 }
 
+/* rows [M, K] of dtype `dt` -> float32 (a copy when not float32 already; NULL if out of memory) */
+static inline float* as_f32(const void* x, int dt, int64_t n, int* owned) {
+    *owned = dt != DTYPE_F32;
+    if (!*owned) return (float*)x;
+    float* out = malloc(sizeof(float) * (size_t)n);
+    if (out != NULL) load_row(out, x, dt, 0, n);
+    return out;
+}
+
+/* exp(x) for x <= 0 (a softmax's shifted scores), within 2 ulp of expf: x = n ln2 + r with
+ * |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial, 2^n from the exponent bits. Plain
+ * arithmetic, so loops over it vectorize (libm's expf is a call per element). */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = __builtin_rintf(x * 1.44269504f);  /* nearest (roundf would not vectorize) */
+    const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+    float p = 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+/* The portable matrix-vector linear, one instantiation per weight type (LOAD(w, j): element j
+ * of a weight row as float; `scales`: one bfloat16 per output channel, or NULL). Each dot
+ * product is kept as MV_LANES partial sums, which the compiler turns into several independent
+ * vector accumulators whatever the vector width (a single sum would wait on each multiply-add's
+ * latency). */
+#define MV_LANES 64
+#define LINEAR_PLAIN(NAME, WTYPE, LOAD)                                                        \
+    static int NAME(const void* x, int x_dtype, const WTYPE* w, const uint16_t* scales,       \
+                    void* y, int64_t m, int64_t n, int64_t k, int threads) {                   \
+        int owned;                                                                             \
+        const float* xf = as_f32(x, x_dtype, m * k, &owned);                                   \
+        if (xf == NULL) return 1;                                                              \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                      \
+        for (int64_t r = 0; r < n; r++) {                                                      \
+            const WTYPE* wr = w + r * k;                                                       \
+            const float scale = scales ? bf16_to_f32(scales[r]) : 1.0f;                        \
+            for (int64_t i = 0; i < m; i++) {                                                  \
+                const float* xr = xf + i * k;                                                  \
+                float part[MV_LANES] = {0};                                                    \
+                int64_t j = 0;                                                                 \
+                for (; j + MV_LANES <= k; j += MV_LANES) {                                     \
+                    prefetch_ahead(wr + j, MV_LANES * (int)sizeof(WTYPE));                     \
+                    _Pragma("omp simd")                                                        \
+                    for (int l = 0; l < MV_LANES; l++) part[l] += xr[j + l] * LOAD(wr, j + l); \
+                }                                                                              \
+                float acc = 0.0f;                                                              \
+                for (; j < k; j++) acc += xr[j] * LOAD(wr, j);                                 \
+                for (int l = 0; l < MV_LANES; l++) acc += part[l];                             \
+                store(y, x_dtype, i * n + r, acc * scale);                                     \
+            }                                                                                  \
+        }                                                                                      \
+        if (owned) free((void*)xf);                                                            \
+        return 0;                                                                              \
+    }
+#define LOAD_F32(w, j) (w)[j]
+#define LOAD_BF16(w, j) bf16_to_f32((w)[j])
+#define LOAD_I8(w, j) ((float)(w)[j])
+
+/* Weight bytes a streaming kernel asks for ahead of where it reads: from memory, the hardware
+ * prefetchers alone left the AVX2 int8 loop (8-byte loads) at a third of the bandwidth. */
+#define PREFETCH_AHEAD 2048
+/* Prefetches the cache lines of `bytes` bytes at p + PREFETCH_AHEAD. */
+static inline void prefetch_ahead(const void* p, int bytes) {
+    for (int b = 0; b < bytes; b += 64)
+        __builtin_prefetch((const char*)p + PREFETCH_AHEAD + b, 0, 3);
+}
+
+/* ---- the vector matrix-vector linear (AVX2 / NEON), per weight type ---- */
+
+#if defined(MM_AVX2)
+/* x [M, K] float32 . W[N, K]^T: per output channel, two rows of x at a time, each dot product
+ * in four accumulators of 8 (latency-bound chains otherwise), 32 weights per step converted in
+ * registers by LOAD8(w, j) (8 weights from element j as __m256). */
+#define LINEAR_VEC(NAME, WTYPE, LOAD8)                                                         \
+    static int NAME(const void* x, int x_dtype, const WTYPE* w, const uint16_t* scales,       \
+                    void* y, int64_t m, int64_t n, int64_t k, int threads) {                   \
+        int owned;                                                                             \
+        const float* xf = as_f32(x, x_dtype, m * k, &owned);                                   \
+        if (xf == NULL) return 1;                                                              \
+        const int64_t body = k / 32 * 32;                                                      \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                      \
+        for (int64_t r = 0; r < n; r++) {                                                      \
+            const WTYPE* wr = w + r * k;                                                       \
+            const float scale = scales ? bf16_to_f32(scales[r]) : 1.0f;                        \
+            for (int64_t i0 = 0; i0 < m; i0 += 2) {                                            \
+                const int two = i0 + 1 < m;                                                    \
+                const float* x0 = xf + i0 * k;                                                 \
+                const float* x1 = two ? x0 + k : x0;                                           \
+                __m256 a[4], b[4];                                                             \
+                for (int q = 0; q < 4; q++) a[q] = b[q] = _mm256_setzero_ps();                 \
+                for (int64_t j = 0; j < body; j += 32) {                                       \
+                    prefetch_ahead(wr + j, 32 * (int)sizeof(WTYPE));                           \
+                    for (int q = 0; q < 4; q++) {                                              \
+                        const __m256 wv = LOAD8(wr, j + 8 * q);                                \
+                        a[q] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x0 + j + 8 * q), a[q]);     \
+                        b[q] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x1 + j + 8 * q), b[q]);     \
+                    }                                                                          \
+                }                                                                              \
+                float s0 = hsum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]),                      \
+                                               _mm256_add_ps(a[2], a[3])));                    \
+                float s1 = hsum8(_mm256_add_ps(_mm256_add_ps(b[0], b[1]),                      \
+                                               _mm256_add_ps(b[2], b[3])));                    \
+                for (int64_t j = body; j < k; j++) {                                           \
+                    const float wv = (float)LOAD_SCALAR(wr, j);                                \
+                    s0 += x0[j] * wv, s1 += x1[j] * wv;                                        \
+                }                                                                              \
+                store(y, x_dtype, i0 * n + r, s0 * scale);                                     \
+                if (two) store(y, x_dtype, (i0 + 1) * n + r, s1 * scale);                      \
+            }                                                                                  \
+        }                                                                                      \
+        if (owned) free((void*)xf);                                                            \
+        return 0;                                                                              \
+    }
+
+static inline float hsum8(__m256 v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+#define LOAD8_F32(w, j) _mm256_loadu_ps((w) + (j))
+#define LOAD8_BF16(w, j)                                                                       \
+    _mm256_castsi256_ps(_mm256_slli_epi32(                                                     \
+        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)((w) + (j)))), 16))
+#define LOAD8_I8(w, j)                                                                         \
+    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)((w) + (j)))))
+#elif defined(MM_NEON)
+/* The same for NEON: 4 lanes, four accumulators per row of x, two rows at a time. */
+#define LINEAR_VEC(NAME, WTYPE, LOAD4)                                                         \
+    static int NAME(const void* x, int x_dtype, const WTYPE* w, const uint16_t* scales,       \
+                    void* y, int64_t m, int64_t n, int64_t k, int threads) {                   \
+        int owned;                                                                             \
+        const float* xf = as_f32(x, x_dtype, m * k, &owned);                                   \
+        if (xf == NULL) return 1;                                                              \
+        const int64_t body = k / 16 * 16;                                                      \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                      \
+        for (int64_t r = 0; r < n; r++) {                                                      \
+            const WTYPE* wr = w + r * k;                                                       \
+            const float scale = scales ? bf16_to_f32(scales[r]) : 1.0f;                        \
+            for (int64_t i0 = 0; i0 < m; i0 += 2) {                                            \
+                const int two = i0 + 1 < m;                                                    \
+                const float* x0 = xf + i0 * k;                                                 \
+                const float* x1 = two ? x0 + k : x0;                                           \
+                float32x4_t a[4], b[4];                                                        \
+                for (int q = 0; q < 4; q++) a[q] = b[q] = vdupq_n_f32(0.0f);                   \
+                for (int64_t j = 0; j < body; j += 16) {                                       \
+                    prefetch_ahead(wr + j, 16 * (int)sizeof(WTYPE));                           \
+                    for (int q = 0; q < 4; q++) {                                              \
+                        const float32x4_t wv = LOAD4(wr, j + 4 * q);                           \
+                        a[q] = vfmaq_f32(a[q], wv, vld1q_f32(x0 + j + 4 * q));                 \
+                        b[q] = vfmaq_f32(b[q], wv, vld1q_f32(x1 + j + 4 * q));                 \
+                    }                                                                          \
+                }                                                                              \
+                float s0 = vaddvq_f32(vaddq_f32(vaddq_f32(a[0], a[1]), vaddq_f32(a[2], a[3]))); \
+                float s1 = vaddvq_f32(vaddq_f32(vaddq_f32(b[0], b[1]), vaddq_f32(b[2], b[3]))); \
+                for (int64_t j = body; j < k; j++) {                                           \
+                    const float wv = (float)LOAD_SCALAR(wr, j);                                \
+                    s0 += x0[j] * wv, s1 += x1[j] * wv;                                        \
+                }                                                                              \
+                store(y, x_dtype, i0 * n + r, s0 * scale);                                     \
+                if (two) store(y, x_dtype, (i0 + 1) * n + r, s1 * scale);                      \
+            }                                                                                  \
+        }                                                                                      \
+        if (owned) free((void*)xf);                                                            \
+        return 0;                                                                              \
+    }
+#define LOAD8_F32(w, j) vld1q_f32((w) + (j))
+#define LOAD8_BF16(w, j) vreinterpretq_f32_u32(vshll_n_u16(vld1_u16((w) + (j)), 16))
+#define LOAD8_I8(w, j)                                                                         \
+    vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vld1_s8((w) + (j))))))
+#endif
+/* One weight as float, whatever its type (the tails of LINEAR_VEC). */
+#define LOAD_SCALAR(w, j) _Generic((w)[0], uint16_t: bf16_to_f32((w)[j]), default: (w)[j])
+
 /* ---- AVX-512 helpers shared by the sources ---- */
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
 #if defined(__AVX512BW__)
 /* 32 int8 at q -> float32 (exact): lo = q[0 .. 15], hi = q[16 .. 31]. */
 static inline void i8x32_to_f32(const int8_t* q, __m512* lo, __m512* hi) {
@@ -97,6 +302,18 @@ static inline void transpose16(__m512 v[16]) {
         v[4 + j] = _mm512_shuffle_f32x4(s1, s3, 0x88);
         v[8 + j] = _mm512_shuffle_f32x4(s0, s2, 0xDD);
         v[12 + j] = _mm512_shuffle_f32x4(s1, s3, 0xDD);
+    }
+}
+#endif
+
+#ifdef MM_AVX512_BF16
+/* 32 float32 (a, b: 16 each) stored at out + at as float32, or as bfloat16 rounded to nearest
+ * even (as f32_to_bf16, NaNs aside) */
+static inline void store_f32x32(void* out, int out_dtype, int64_t at, __m512 a, __m512 b) {
+    if (out_dtype == DTYPE_F32) {
+        _mm512_storeu_ps((float*)out + at, a), _mm512_storeu_ps((float*)out + at + 16, b);
+    } else {
+        _mm512_storeu_si512((uint16_t*)out + at, (__m512i)_mm512_cvtne2ps_pbh(b, a));
     }
 }
 #endif

@@ -1,0 +1,201 @@
+/* int8 weights (one bfloat16 scale per output channel): the matrix-vector linear of a decode's
+ * few rows, and the dequantizer of a prefill's (where a dense GEMM on the dequantized weight
+ * beats the int kernels). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#ifdef LINEAR_VEC
+LINEAR_VEC(linear_i8_float, int8_t, LOAD8_I8)
+#else
+LINEAR_PLAIN(linear_i8_float, int8_t, LOAD_I8)
+#endif
+
+#ifdef MM_AVX512_VNNI
+#define I8_BLOCK 64 /* activations share one scale per 64 inputs: one 512-bit register */
+/* ACC += A (unsigned bytes) . B (signed bytes), per 32-bit lane. Inline, so that the compiler
+ * keeps the accumulator in place: with the intrinsic, GCC 12 copies (and spills) it around
+ * every instruction. */
+#define DPBUSD(ACC, A, B) __asm__("vpdpbusd %2, %1, %0" : "+v"(ACC) : "v"(A), "v"(B))
+
+/* int8 weights through VNNI's int8 dot products. Each block of 64 activations is written as
+ * s * (h + l / 256), h in [-127, 127] and l in [-128, 127] integers with s = max|x| / 127: two
+ * int8 digits, within max|x| / 65024 of x (finer than the bfloat16 activations PyTorch's int8
+ * kernel takes; l = 128, a tie, is written 127: within max|x| / 32512 there). VNNI multiplies
+ * unsigned by signed bytes: the digits are the signed operand and the weights the unsigned one,
+ * offset by 128 (q XOR 0x80 = q + 128), which adds 128 * sum_k (256 h_k + l_k) * s / 256 to
+ * every output channel alike: subtracted once per row of x at the end. Per 64 weight bytes: an
+ * XOR and two dot products, no int-to-float conversion of the weights. Requires k % 64 == 0. */
+static int linear_i8_vnni(const void* x, int x_dtype, const int8_t* w, const uint16_t* scales,
+                          void* y, int64_t m, int64_t n, int64_t k, int threads) {
+    const int64_t blocks = k / I8_BLOCK;
+    int8_t* digits = malloc((size_t)(2 * m * k));  /* h, then l, per block of 64 */
+    float* block_scale = malloc(sizeof(float) * (size_t)(m * blocks));  /* s / 256 */
+    float* offset = malloc(sizeof(float) * (size_t)m);  /* what the weights' +128 adds */
+    if (digits == NULL || block_scale == NULL || offset == NULL) {
+        free(digits), free(block_scale), free(offset);
+        return 1;
+    }
+    const __m512 zero_ps = _mm512_setzero_ps();
+    for (int64_t i = 0; i < m; i++) {
+        double added = 0.0;
+        for (int64_t b = 0; b < blocks; b++) {  /* 16 lanes at a time (this runs on one thread) */
+            const int64_t at = i * k + b * I8_BLOCK;
+            __m512 v[4], top = zero_ps;
+            for (int q = 0; q < 4; q++) {
+                float lanes[16];
+                load_row(lanes, x, x_dtype, at + 16 * q, 16);
+                v[q] = _mm512_loadu_ps(lanes);
+                top = _mm512_max_ps(top, _mm512_abs_ps(v[q]));
+            }
+            const float largest = _mm512_reduce_max_ps(top);
+            const __m512 s = _mm512_set1_ps(largest > 0.0f ? largest / 127.0f : 1.0f);
+            int8_t* hd = digits + 2 * at;
+            __m512i digit_sum = _mm512_setzero_si512();  /* 256 h + l, per lane */
+            for (int q = 0; q < 4; q++) {
+                const int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+                const __m512 u = _mm512_div_ps(v[q], s);
+                const __m512 h = _mm512_roundscale_ps(u, nearest);
+                __m512 l = _mm512_roundscale_ps(
+                    _mm512_mul_ps(_mm512_sub_ps(u, h), _mm512_set1_ps(256.0f)), nearest);
+                l = _mm512_min_ps(_mm512_max_ps(l, _mm512_set1_ps(-128.0f)),
+                                  _mm512_set1_ps(127.0f));
+                const __m512i hi = _mm512_cvtps_epi32(h), lo = _mm512_cvtps_epi32(l);
+                digit_sum = _mm512_add_epi32(digit_sum, _mm512_add_epi32(
+                    _mm512_slli_epi32(hi, 8), lo));
+                _mm_storeu_si128((__m128i*)(hd + 16 * q), _mm512_cvtepi32_epi8(hi));
+                _mm_storeu_si128((__m128i*)(hd + I8_BLOCK + 16 * q), _mm512_cvtepi32_epi8(lo));
+            }
+            const float bs = _mm512_cvtss_f32(s) / 256.0f;
+            block_scale[i * blocks + b] = bs;
+            added += 128.0 * (double)_mm512_reduce_add_epi32(digit_sum) * bs;
+        }
+        offset[i] = (float)added;
+    }
+    const __m512i bias = _mm512_set1_epi8((char)0x80);
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")
+    for (int64_t r = 0; r < n; r++) {
+        const int8_t* wr = w + r * k;
+        const float scale = bf16_to_f32(scales[r]);
+        for (int64_t i = 0; i < m; i++) {
+            __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();  /* two fma chains */
+            const int8_t* hd = digits + 2 * i * k;
+            const float* bs = block_scale + i * blocks;
+#define I8_BLOCK_DOT(ACC, B)                                                                  \
+    do {                                                                                      \
+        const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512(wr + (B) * I8_BLOCK), bias);   \
+        __m512i both = _mm512_setzero_si512();                                                \
+        DPBUSD(both, wu, _mm512_loadu_si512(hd + 2 * (B) * I8_BLOCK));                        \
+        both = _mm512_slli_epi32(both, 8);                                                    \
+        DPBUSD(both, wu, _mm512_loadu_si512(hd + (2 * (B) + 1) * I8_BLOCK));                  \
+        ACC = _mm512_fmadd_ps(_mm512_cvtepi32_ps(both), _mm512_set1_ps(bs[B]), ACC);          \
+    } while (0)
+            int64_t b = 0;
+            for (; b + 2 <= blocks; b += 2) {
+                prefetch_ahead(wr + b * I8_BLOCK, 2 * I8_BLOCK);
+                I8_BLOCK_DOT(even, b);
+                I8_BLOCK_DOT(odd, b + 1);
+            }
+            if (b < blocks) I8_BLOCK_DOT(even, b);
+#undef I8_BLOCK_DOT
+            const float sum = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+            store(y, x_dtype, i * n + r, (sum - offset[i]) * scale);
+        }
+    }
+    free(digits), free(block_scale), free(offset);
+    return 0;
+}
+#endif
+
+#ifdef MM_AVX512_BF16
+#define I8_ROWS 4 /* rows of x per pass over a weight row (accumulators in registers) */
+/* Several rows of x: the digit path's work grows with every row, so here each block of 32
+ * weights is converted to bfloat16 once (exact: |q| <= 127) and multiplied with every row of x
+ * by VDPBF16PS (exact products, float32 sums), the channel's scale applied at the end. A
+ * bfloat16 x is taken as it is; a float32 x as two bfloat16 planes, hi = bf16(x) and
+ * lo = bf16(x - hi), within |x| / 2^16 of x as the digits are. Requires k % 32 == 0. */
+static int linear_i8_bf16_rows(const void* x, int x_dtype, const int8_t* w,
+                               const uint16_t* scales, void* y, int64_t m, int64_t n, int64_t k,
+                               int threads) {
+    const int split = x_dtype != DTYPE_BF16;
+    uint16_t* xb = (uint16_t*)x;  /* [m, k], then with `split` the low plane [m, k] */
+    if (split) {
+        xb = malloc(sizeof(uint16_t) * (size_t)(2 * m * k));
+        if (xb == NULL) return 1;
+        for (int64_t j = 0; j < m * k; j++) {
+            const float v = ((const float*)x)[j];
+            xb[j] = f32_to_bf16(v);
+            xb[m * k + j] = f32_to_bf16(v - bf16_to_f32(xb[j]));
+        }
+    }
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")
+    for (int64_t r = 0; r < n; r++) {
+        const int8_t* wr = w + r * k;
+        const float scale = bf16_to_f32(scales[r]);
+        for (int64_t i0 = 0; i0 < m; i0 += I8_ROWS) {
+            const int rows = m - i0 < I8_ROWS ? (int)(m - i0) : I8_ROWS;
+            __m512 acc[I8_ROWS];
+            for (int i = 0; i < I8_ROWS; i++) acc[i] = _mm512_setzero_ps();
+            for (int64_t j = 0; j < k; j += 32) {
+                const __m512 lo = _mm512_cvtepi32_ps(
+                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(wr + j))));
+                const __m512 hi = _mm512_cvtepi32_ps(
+                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(wr + j + 16))));
+                const __m512bh wb = _mm512_cvtne2ps_pbh(hi, lo);  /* weights j .. j + 31 */
+                for (int i = 0; i < rows; i++) {
+                    const uint16_t* xr = xb + (i0 + i) * k + j;
+                    acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(xr), wb);
+                    if (split)
+                        acc[i] = _mm512_dpbf16_ps(
+                            acc[i], (__m512bh)_mm512_loadu_si512(xr + m * k), wb);
+                }
+            }
+            for (int i = 0; i < rows; i++)
+                store(y, x_dtype, (i0 + i) * n + r, _mm512_reduce_add_ps(acc[i]) * scale);
+        }
+    }
+    if (split) free(xb);
+    return 0;
+}
+#endif
+
+int mm_linear_i8(const void* x, int x_dtype, const int8_t* w, const uint16_t* scales, void* y,
+                 int64_t m, int64_t n, int64_t k, int threads) {
+#ifdef MM_AVX512_BF16
+    if (m > 1 && k % 32 == 0)
+        return linear_i8_bf16_rows(x, x_dtype, w, scales, y, m, n, k, threads);
+#endif
+#ifdef MM_AVX512_VNNI
+    if (k % I8_BLOCK == 0) return linear_i8_vnni(x, x_dtype, w, scales, y, m, n, k, threads);
+#endif
+    return linear_i8_float(x, x_dtype, w, scales, y, m, n, k, threads);
+}
+
+/* Dequantizers, for a prefill's many rows, where a dense GEMM on the dequantized weight beats
+ * the int kernels (compute-bound there). Each value is computed in float32 and rounded once to
+ * the output dtype (float32 or bfloat16). */
+
+
+
+/* int8 [N, K] with one bfloat16 scale per row -> out [N, K]. */
+void mm_dequantize_i8(const int8_t* w, const uint16_t* scales, void* out, int out_dtype,
+                      int64_t n, int64_t k, int threads) {
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")
+    for (int64_t r = 0; r < n; r++) {
+        const float scale = bf16_to_f32(scales[r]);
+        const int8_t* wr = w + r * k;
+        int64_t j = 0;
+#ifdef MM_AVX512_BF16
+        const __m512 sv = _mm512_set1_ps(scale);
+        for (; j + 32 <= k; j += 32) {
+            __m512 a, b;
+            i8x32_to_f32(wr + j, &a, &b);
+            store_f32x32(out, out_dtype, r * k + j, _mm512_mul_ps(a, sv), _mm512_mul_ps(b, sv));
+        }
+#endif
+        for (; j < k; j++) store(out, out_dtype, r * k + j, (float)wr[j] * scale);
+    }
+}
