@@ -33,11 +33,12 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device, checkpoint_dtype=None):
     """'auto' is the checkpoint's own dtype, corrected for the device.
 
-    On the CPU: float16 becomes bfloat16 where the CPU computes bfloat16 natively (AMX or
-    AVX512-BF16; there bfloat16 measured faster than float32 in every phase: prefill, batched
-    and single-stream decode), else float32; bfloat16 on a CPU
-    without native support becomes float32. On CUDA: the checkpoint's half dtype, else
-    bfloat16 (float16 where bfloat16 is unsupported).
+    On the CPU: a bfloat16 checkpoint stays bfloat16 where the CPU computes bfloat16 natively
+    (AMX or AVX512-BF16) or our kernels are built (they widen bfloat16 in registers for the
+    decode step, and the planner's "widened" GEMM in cache for prefill, so the weights keep half
+    of float32's memory at float32's speed); without either, float32. float16 becomes bfloat16
+    where the CPU computes bfloat16 natively, else float32. On CUDA: the checkpoint's half
+    dtype, else bfloat16 (float16 where bfloat16 is unsupported).
     """
     if isinstance(checkpoint_dtype, str):
         checkpoint_dtype = _DTYPES.get(checkpoint_dtype)
@@ -45,8 +46,11 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, checkpoint_dty
         chosen = dtype
     elif dtype == "auto":
         if device.type == "cpu":
-            if checkpoint_dtype in (torch.bfloat16, torch.float16):
-                return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+            if checkpoint_dtype == torch.bfloat16 and (cpu_has_native_bf16()
+                                                       or native_kernels_built()):
+                return torch.bfloat16
+            if checkpoint_dtype == torch.float16 and cpu_has_native_bf16():
+                return torch.bfloat16
             return torch.float32
         chosen = checkpoint_dtype if checkpoint_dtype in (torch.bfloat16, torch.float16) else (
             torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -58,6 +62,13 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, checkpoint_dty
     if chosen not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {chosen}")
     return chosen
+
+
+def native_kernels_built() -> bool:
+    """Whether our CPU kernels are built for this machine (models.kernels.native)."""
+    from models.kernels import native  # built on first use: only when a CPU dtype is chosen
+
+    return native.load() is not None
 
 
 def cpu_has_native_bf16() -> bool:

@@ -13,11 +13,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from engine.block_manager import BlockManager
 from engine.checkpoint_setup import CheckpointSetup
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.device import resolve_device, resolve_dtype
+from engine.device import cpu_has_native_bf16, resolve_device, resolve_dtype
 from engine.encoder_cache import EncoderCacheManager
 from engine.hub import resolve_model
 from engine.model_runner import EncoderItemsFailed, ItemFailure, ModelRunner, StepResult
@@ -311,8 +313,9 @@ class LLMEngine:
 
     def weights_description(self) -> str:
         """The weights' precision and device, e.g. "bfloat16, int4 linears (group 128), cpu,
-        own kernels, decode in one native call" (on the CPU: whether models.kernels.native
-        built, else PyTorch's kernels only, and whether decode steps run
+        own kernels (avx512-bf16), decode in one native call" (on the CPU: the variant of
+        models.kernels.native built, else PyTorch's kernels only; whether bfloat16 is widened
+        to float32 for lack of bfloat16 arithmetic; whether decode steps run
         models.kernels.native_decode's call)."""
         text = str(self.dtype).removeprefix("torch.")
         mode = self.config.quantization
@@ -320,10 +323,13 @@ class LLMEngine:
             text += ", int8 linears"
         elif mode == "int4":
             text += f", int4 linears (group {self.config.quantization_group_size})"
-        if self.device.type == "cpu":
-            text += f", cpu, {'own kernels' if native.status().available else 'PyTorch kernels'}"
-            return text + (", decode in one native call" if self.runner.native_decode else "")
-        return f"{text}, {self.device}"
+        if self.device.type != "cpu":
+            return f"{text}, {self.device}"
+        kernels = native.load()
+        text += f", cpu, own kernels ({kernels.variant})" if kernels else ", cpu, PyTorch kernels"
+        if self.dtype == torch.bfloat16 and not cpu_has_native_bf16():
+            text += ", bfloat16 kept in memory, multiplied in float32 (no bfloat16 arithmetic)"
+        return text + (", decode in one native call" if self.runner.native_decode else "")
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

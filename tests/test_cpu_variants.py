@@ -8,7 +8,8 @@
   (Neoverse N1) and one with i8mm and bfloat16 ("max").
 - The Python kernel tests run again in a subprocess per lower variant this machine can run,
   forced by MMSERVE_CPU_ISA, with PyTorch held to that level too (ATEN_CPU_CAPABILITY,
-  ONEDNN_MAX_CPU_ISA), so that an AVX-512 machine sees what an AVX2 one runs; the subprocess
+  ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS), so that an AVX-512 machine sees what an AVX2
+  one runs; the subprocess
   asserts which variant it loaded (tests/test_native.py).
 
 On CI (CI=true) a missing cross compiler or qemu fails the run; elsewhere those tests skip.
@@ -36,10 +37,15 @@ FEATURES = cpu_variants.cpu_features()
 # What the CPU of each aarch64 variant is emulated as under qemu.
 QEMU_CPU = {"armv8-a": "cortex-a53", "armv8.2-a+dotprod": "neoverse-n1",
             "armv8.6-a+i8mm+bf16": "max"}
-# PyTorch's own kernels held to a variant's level (the ones it names).
-TORCH_LEVEL = {"x86-64": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"},
-               "x86-64-v3": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
-               "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}}
+# PyTorch's own kernels (ATen, oneDNN, MKL) held to a variant's level.
+TORCH_LEVEL = {
+    "x86-64": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41",
+               "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
+    "x86-64-v3": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                  "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+               "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+}
 KERNEL_TESTS = ["tests/test_native.py", "tests/test_quantization.py", "tests/test_panel_gemm.py",
                 "tests/test_native_decode.py", "tests/test_layers.py",
                 "tests/test_kernel_choice.py", "tests/test_attention.py"]

