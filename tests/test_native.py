@@ -1,4 +1,4 @@
-"""Our own CPU kernels (models/kernels/cpu/kernels.c) against float64 references: matrix-vector
+"""Our own CPU kernels (models/kernels/cpu/) against float64 references: matrix-vector
 linears (float32, bfloat16, int8 and int4 weights), dequantizers, the fused small ops of a decode
 step against the PyTorch ops they replace, paged decode attention (grouped-query heads,
 sliding windows, soft-caps, tables that start past block 0), the build cache and the fallback

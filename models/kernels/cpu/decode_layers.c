@@ -2,7 +2,7 @@
  *
  * At a decode's few rows a layer's work is a dozen small operations, and calling each from
  * Python (module call, dispatch, allocation, thread-pool wake-up) costs about as much as the
- * smaller ones compute. This runs the same kernels of kernels.c in the order the
+ * smaller ones compute. This runs the same kernels of this folder in the order the
  * modules run them, with the intermediate results in the model dtype as the modules keep them,
  * so that the result is the modules' to the bit (tests/test_native_decode.py). Only the layer
  * shape the modules' fused decode path takes is served: pre-norm residual layers, gated SiLU

@@ -1,5 +1,5 @@
 /* What the sources of the native library share: dtype codes (models/kernels/native.py's DTYPES), element
- * conversions, and the kernels of kernels.c that others call (see that file for what each
+ * conversions, and the kernels of this folder that others call (see their files for what each
  * computes). */
 #ifndef MM_NATIVE_KERNELS_H
 #define MM_NATIVE_KERNELS_H
