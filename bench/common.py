@@ -75,7 +75,11 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    from models.kernels import native
+
+    kernels = native.load()
+    variant = f"our kernels {kernels.variant}" if kernels else "no kernels of ours"
+    return f"{cpu}, {variant}, {torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
 def print_table(rows: list[tuple], header: tuple) -> None:

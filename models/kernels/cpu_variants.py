@@ -10,6 +10,7 @@ choice is testable on any machine.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import subprocess
@@ -68,9 +69,10 @@ def machine_arch() -> str:
             "aarch64": "aarch64"}.get(machine, machine)
 
 
+@functools.cache
 def cpu_features() -> frozenset[str]:
     """The CPU's features, named as Linux's /proc/cpuinfo names them (its "flags" on x86, its
-    "Features" on Arm); on macOS from sysctl."""
+    "Features" on Arm); on macOS from sysctl. Read once per process."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
@@ -122,5 +124,11 @@ def choose(arch: str, features: frozenset[str], forced: str | None = None) -> Va
 
 
 def chosen() -> Variant | None:
-    """The variant for this machine and $MMSERVE_CPU_ISA."""
-    return choose(machine_arch(), cpu_features(), os.environ.get(FORCE_ENV) or None)
+    """The variant for this machine and $MMSERVE_CPU_ISA (asked before every call of our
+    kernels: the CPU's features are read once, the choice cached per forced value)."""
+    return _chosen(os.environ.get(FORCE_ENV) or None)
+
+
+@functools.cache
+def _chosen(forced: str | None) -> Variant | None:
+    return choose(machine_arch(), cpu_features(), forced)
