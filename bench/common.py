@@ -137,12 +137,39 @@ QWEN2_05B = dict(
 )
 
 
-def build_checkpoint() -> Path:
-    """The text benches' checkpoint (random weights, Qwen2-0.5B shapes), built once."""
+# Qwen3.5-0.8B's language model: 24 layers, three Gated DeltaNet layers to one gated attention.
+QWEN3_5_08B = dict(
+    hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+    num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+    linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+    vocab_size=248320, max_position_embeddings=32768, rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                     "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+)
+SHAPES = ("qwen2-0.5b", "qwen3.5-0.8b")
+
+
+def build_checkpoint(shapes: str = "qwen2-0.5b") -> Path:
+    """The text benches' checkpoint (random weights), built once: Qwen2-0.5B's shapes, or
+    Qwen3.5-0.8B's language model (a text-only Qwen3_5ForCausalLM, saved in bfloat16)."""
     from testing.tiny import build_text_model
 
-    path = cache_dir("qwen2-0.5b-shapes")
-    if not (path / "config.json").exists():
-        print(f"building a random checkpoint with Qwen2-0.5B shapes in {path} (once)")
+    if shapes not in SHAPES:
+        raise ValueError(f"shapes must be one of {SHAPES}, got {shapes!r}")
+    path = cache_dir(f"{shapes}-shapes")
+    if (path / "config.json").exists():
+        return path
+    print(f"building a random checkpoint with {shapes} shapes in {path} (once)")
+    if shapes == "qwen2-0.5b":
         build_text_model(path, "qwen2", **QWEN2_05B)
-    return path
+        return path
+    import transformers
+
+    from testing.tiny import qwen_tokenizer, save_checkpoint
+
+    tok = qwen_tokenizer()
+    config = transformers.Qwen3_5TextConfig(**QWEN3_5_08B, tie_word_embeddings=True,
+                                            eos_token_id=tok.eos_token_id, bos_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForCausalLM(config).to(torch.bfloat16)
+    return save_checkpoint(model, tok, path, [tok.eos_token_id])

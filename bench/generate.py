@@ -1,21 +1,26 @@
 """Text generation, this engine (per dtype x weight quantization) vs transformers generate(),
 side by side in one run, with an optional llama.cpp column.
 
-    python -m bench.generate [--model PATH] [--dtype float32,bfloat16]
-        [--quantization none,int8,int4] [--group-size 128] [--runs 3] [--no-llama-cpp]
+    python -m bench.generate [--model PATH | --shapes qwen2-0.5b|qwen3.5-0.8b]
+        [--dtype float32,bfloat16] [--quantization none,int8,int4] [--group-size 128]
+        [--runs 3] [--no-llama-cpp]
 
-Without --model it builds (once, cached) a checkpoint with Qwen2-0.5B's shapes and random
-weights. For each dtype it measures, run after run alternating with transformers: single-stream
-TTFT and decode tokens/s, and total output tokens/s for 8 concurrent requests (transformers runs
-them one after another, as a local app would), then the decode rate as a fraction of the
-memory-bandwidth roofline on the weight bytes one decode step actually reads (int8 / int4
-weights and their scales), against the bandwidth read right after that row's single-stream
-decode (on a shared VM it moves with the neighbours' load, within a run too). transformers has
-no counterpart of the quantized rows: their ratios are against its unquantized model in the same
-dtype. With llama-cpp-python installed (bench-only, never a runtime dependency: `pip install
-llama-cpp-python sentencepiece` builds it), each row is also run alternately against llama.cpp
-on a GGUF of the same weights at the matching precision (f32, bf16, q8_0 for int8, q4_0 for
-int4; bench.gguf converts them once); otherwise that column is skipped.
+Without --model it builds (once, cached) a checkpoint with random weights and Qwen2-0.5B's
+shapes, or with `--shapes qwen3.5-0.8b` Qwen3.5-0.8B's language model (hybrid: Gated DeltaNet
+and attention; its rows also give the recurrent state's bytes per request, which each decode
+step reads and writes, counted in its roofline). For each dtype it measures, run after run
+alternating with transformers: single-stream TTFT and decode tokens/s, and total output
+tokens/s for 8 concurrent requests (transformers runs them one after another, as a local app
+would), then the decode rate as a fraction of the memory-bandwidth roofline on the bytes one
+decode step actually reads (int8 / int4 weights and their scales), against the bandwidth read
+right after that row's single-stream decode (on a shared VM it moves with the neighbours'
+load, within a run too). transformers has no counterpart of the quantized rows: their ratios
+are against its unquantized model in the same dtype. With llama-cpp-python installed
+(bench-only, never a runtime dependency: `pip install llama-cpp-python sentencepiece` builds
+it), each row is also run alternately against llama.cpp on a GGUF of the same weights at the
+matching precision (f32, bf16, q8_0 for int8, q4_0 for int4; bench.gguf converts them once);
+otherwise that column is skipped. The machine line names the CPU and the variant of our
+kernels that ran.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from pathlib import Path
 import torch
 
 from bench.common import (
+    SHAPES,
     build_checkpoint,
     machine,
     median,
@@ -39,13 +45,14 @@ from bench.common import (
 )
 
 
-def decode_bytes_per_token(model) -> int:
-    """Weight bytes one decode step reads: every parameter and buffer (quantized weights and
-    their scales; a oneDNN-prepacked copy replaces the weight it packs), except that of the
-    embedding table only one row is gathered, while the LM head is read whole even when it
-    shares the table."""
+def decode_bytes_per_token(model, state_bytes: int = 0) -> int:
+    """Bytes one decode step of one request reads: every parameter and buffer (quantized
+    weights and their scales; a oneDNN-prepacked copy replaces the weight it packs), except
+    that of the embedding table only one row is gathered, while the LM head is read whole even
+    when it shares the table; and a hybrid model's recurrent state (`state_bytes` per request),
+    read and written back."""
     table = model.embed_tokens.weight
-    seen, total = {table.data_ptr()}, 0
+    seen, total = {table.data_ptr()}, 2 * state_bytes
     for t in [*model.parameters(), *model.buffers()]:
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
@@ -132,12 +139,19 @@ def llama_cpp_engines(path: Path, dtype_name: str, modes: list[str | None],
     from bench.gguf import ensure_gguf
 
     kinds = {q: LLAMA_QUANTIZED[q] if q else LLAMA_DENSE.get(dtype_name) for q in modes}
-    return {q: LlamaCpp(ensure_gguf(path, kind), context) for q, kind in kinds.items() if kind}
+    try:
+        return {q: LlamaCpp(ensure_gguf(path, kind), context)
+                for q, kind in kinds.items() if kind}
+    except Exception as e:  # noqa: BLE001 - a converter or llama.cpp without this architecture
+        print(f"llama.cpp column skipped for {path.name}: {type(e).__name__}: {e}")
+        return {}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--shapes", default=SHAPES[0], choices=SHAPES,
+                        help="the checkpoint built when --model is not given")
     parser.add_argument("--dtype", default="float32,bfloat16", help="comma-separated")
     parser.add_argument("--quantization", default="none,int8,int4", help="comma-separated")
     parser.add_argument("--group-size", type=int, default=128)
@@ -153,7 +167,7 @@ def main() -> None:
 
     from engine import LLM, SamplingParams
 
-    path = args.model or build_checkpoint()
+    path = args.model or build_checkpoint(args.shapes)
     modes = [None if q == "none" else q for q in args.quantization.split(",")]
     n = args.new_tokens
     context = max(1024, args.prompt_len + n)
@@ -192,7 +206,8 @@ def main() -> None:
                   + "; ".join(f"{q or 'none'} " + ", ".join(
                       f"{k}={v:.3g}" for k, v in ours[q][-1].items()) for q in modes))
         for q, llm in engines.items():
-            weight_bytes = decode_bytes_per_token(llm.engine.runner.model)
+            state = llm.engine.stats().get("state_bytes_per_request", 0)
+            weight_bytes = decode_bytes_per_token(llm.engine.runner.model, state)
             of_roofline = median([r["decode"] * weight_bytes / r["bandwidth"] for r in ours[q]])
 
             def med(key: str, runs=ours[q]) -> float:
@@ -210,6 +225,7 @@ def main() -> None:
                           f"{ratio('ttft', base=cpp[q], invert=True):.2f}x TTFT")
             rows.append((label, med("ttft"), ratio("ttft", invert=True), med("decode"),
                          ratio("decode"), of_roofline, weight_bytes / 1e9,
+                         f"{state / 2**20:.1f}" if state else "-",
                          med("conc"), ratio("conc"), versus))
             if cpp.get(q):
                 llama_rows.append((f"{str(dtype)[6:]} {q or 'dense'}", llama[q].name,
@@ -228,6 +244,7 @@ def main() -> None:
           f"int4 group {args.group_size}\n")
     print_table(rows, ("this engine", "TTFT (s)", "TTFT speed-up", "decode tok/s",
                        "decode speed-up", "of roofline", "GB read / token",
+                       "state MiB / request",
                        f"{args.concurrent} concurrent tok/s", "concurrent speed-up",
                        "vs llama.cpp"))
     print("\nspeed-ups: median of per-run ratios against transformers, unquantized, same dtype")

@@ -28,6 +28,7 @@ from engine.processing import EncoderBudget, InputProcessor, ProcessedPrompt
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.state_cache import StateCacheManager
 from models.interfaces import ProcessorContext
 from models.kernels import native
 
@@ -74,21 +75,25 @@ class LLMEngine:
             _check_bidirectional_budget(self.config, mm_processor.max_bidirectional_span())
         self.processor = InputProcessor(
             self.tokenizer, self.runner.vocab_size, self.max_model_len, mm_processor,
-            encoder_budget=budget,
+            encoder_budget=budget, message_starts=self.runner.state_layout is not None,
         )
         self.block_manager = BlockManager(
             layout.num_blocks, layout.block_size, self.config.enable_prefix_caching
         )
         self.encoder_cache = EncoderCacheManager(self.config.encoder_cache_size, vectors_per_embed)
-        self.scheduler = Scheduler(self.config, self.block_manager, self.encoder_cache)
+        states = self.runner.state_layout
+        self.state_cache = None if states is None else StateCacheManager(
+            states.num_slots, states.num_snapshots, layout.block_size)
+        self.scheduler = Scheduler(self.config, self.block_manager, self.encoder_cache,
+                                   self.state_cache)
         self.eos_token_ids = setup.eos_token_ids
         self.checkpoint_settings = checkpoint_settings(setup, mm_processor)
         self.num_steps = 0
         self.num_errors = 0
         log.info(
-            "engine ready: %s (%s), %d KV blocks x %d tokens, max_model_len %d",
+            "engine ready: %s (%s), %d KV blocks x %d tokens, max_model_len %d%s",
             self.model_id, self.weights_description(),
-            layout.num_blocks, layout.block_size, self.max_model_len,
+            layout.num_blocks, layout.block_size, self.max_model_len, self._states_line(),
         )
 
     # ---- requests ---------------------------------------------------------------------------
@@ -111,6 +116,7 @@ class LLMEngine:
             prompt=processed.text,
             mm_features=processed.mm_features,
             position_info=processed.position_info,
+            message_starts=processed.message_starts,
         )
         if arrival_time is not None:
             req.metrics.arrival_time = arrival_time
@@ -216,6 +222,7 @@ class LLMEngine:
         """A failure not attributable to a media item (the decoder's forward, sampling): every
         request of the step fails."""
         self.num_errors += 1
+        self.scheduler.abandon(out)
         outputs = []
         for chunk in out.chunks:
             chunk.req.error = f"{type(error).__name__}: {error}"
@@ -234,6 +241,7 @@ class LLMEngine:
         chunk again, and no block is registered in the prefix cache before its KV is written.
         """
         self.num_errors += 1
+        self.scheduler.abandon(out)
         failed = {f.req.mm_features[f.index].identifier: f.message for f in failures}
         errors: dict[str, tuple[Request, str]] = {}
         for f in failures:
@@ -309,7 +317,29 @@ class LLMEngine:
             "checkpoint": self.checkpoint_settings,
             **self.block_manager.stats(),
             **self.encoder_cache.stats(),
+            **self.state_stats(),
         }
+
+    def state_stats(self) -> dict[str, Any]:
+        """The linear-attention state cache (hybrid models; empty for the others): slots and
+        snapshots in use, their bytes, and how many prefix hits restored a snapshot."""
+        states = self.runner.state_layout
+        if states is None:
+            return {}
+        return {**self.state_cache.snapshot_stats(),
+                "state_bytes_per_request": states.bytes_per_sequence,
+                "state_slot_bytes": states.slot_bytes,
+                "state_snapshot_bytes": states.snapshot_bytes}
+
+    def _states_line(self) -> str:
+        states = self.runner.state_layout
+        if states is None:
+            return ""
+        mib = 1 << 20
+        return (f"; recurrent state of {states.num_layers} linear-attention layers: "
+                f"{states.bytes_per_sequence / mib:.1f} MiB per request, {states.num_slots} "
+                f"slots ({states.slot_bytes / mib:.0f} MiB) and {states.num_snapshots} prefix "
+                f"snapshots ({states.snapshot_bytes / mib:.0f} MiB)")
 
     def weights_description(self) -> str:
         """The weights' precision and device, e.g. "bfloat16, int4 linears (group 128), cpu,

@@ -30,11 +30,13 @@ from engine.scheduler import SchedulerOutput
 from models.checkpoint import CheckpointError, describe_tie
 from models.interfaces import LanguageModel, MultiModalFeature
 from models.kernels.decode_attention import choose_decode_kernel
+from models.kernels.delta_rule_choice import choose_recurrence
 from models.kernels.huge_pages import place_weights
 from models.kernels.plan import plan_linears
 from models.kernels.quantization import quantize_language_model
 from models.layers.attention import build_metadata
 from models.layers.attention_varlen import choose_backend
+from models.layers.state_metadata import build_state_metadata
 from models.loader import MissingWeights, build_on_meta, iter_checkpoint, load_weights
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,25 @@ class CacheLayout:
     @property
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Recurrent-state pools of a hybrid model's linear-attention layers, sized at start-up:
+    one slot per running request (`max_num_seqs`) and `num_snapshots` prefix snapshots."""
+
+    num_slots: int
+    num_snapshots: int
+    bytes_per_sequence: int  # all linear layers' state of one sequence (= of one snapshot)
+    num_layers: int
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.num_slots * self.bytes_per_sequence
+
+    @property
+    def snapshot_bytes(self) -> int:
+        return self.num_snapshots * self.bytes_per_sequence
 
 
 @dataclass(frozen=True)
@@ -133,6 +154,7 @@ class ModelRunner:
         self.attention_backend = choose_backend(device, dtype)
         self.layout = self._plan_kv_cache(max_len)
         self.kv_caches = self._allocate_kv_cache()
+        self.state_layout = self._allocate_states()
         # Whether decode steps run the layers in one native call (CPU; at some row counts).
         self.native_decode = device.type == "cpu" and self.model.prepare_decode()
         # Encoder outputs by content hash; which ones exist is decided by EncoderCacheManager.
@@ -143,7 +165,8 @@ class ModelRunner:
     def _plan_kv_cache(self, max_model_len: int) -> CacheLayout:
         cfg, bs = self.model.cfg, self.config.block_size
         elem = torch.finfo(self.dtype).bits // 8
-        per_block = 2 * cfg.num_layers * bs * cfg.num_kv_heads * cfg.head_dim * elem
+        layers = len(self.model.attention_layers())
+        per_block = 2 * layers * bs * cfg.num_kv_heads * cfg.head_dim * elem
         useful = self.config.max_num_seqs * -(-max_model_len // bs) * per_block
         budget = self.config.kv_cache_bytes
         if budget is None:
@@ -163,11 +186,35 @@ class ModelRunner:
         shape = (2, cfg.num_kv_heads, lay.num_blocks, lay.block_size, cfg.head_dim)
         # Zeros, not empty: padded gathers read unused slots, and NaN garbage there would
         # leak through SDPA's masked softmax (0 * NaN).
-        caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                  for _ in range(cfg.num_layers)]
-        for attn, cache in zip(self.model.attention_layers(), caches, strict=True):
+        layers = self.model.attention_layers()
+        caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers]
+        for attn, cache in zip(layers, caches, strict=True):
             attn.kv_cache = cache
         return caches
+
+    def _allocate_states(self) -> StateLayout | None:
+        """The linear-attention layers' state pools (None for a model without such layers):
+        a slot per running request and the prefix snapshots within `state_snapshot_bytes`."""
+        layers = self.model.state_layers()
+        if not layers:
+            return None
+        shape = layers[0].shape
+        per_sequence = len(layers) * shape.state_bytes(self.dtype)
+        budget = self.config.state_snapshot_bytes
+        if budget is None:
+            budget = min(64 * per_sequence, GiB)
+        snapshots = budget // per_sequence if self.config.enable_prefix_caching else 0
+        slots = self.config.max_num_seqs
+        conv, recurrent = shape.state_shapes()
+        recurrence = choose_recurrence(*recurrent, self.device)
+        for layer in layers:
+            layer.recurrence = recurrence
+            layer.bind_state(
+                torch.zeros((slots, *conv), dtype=self.dtype, device=self.device),
+                torch.zeros((slots, *recurrent), dtype=torch.float32, device=self.device),
+                torch.zeros((snapshots, *conv), dtype=self.dtype, device=self.device),
+                torch.zeros((snapshots, *recurrent), dtype=torch.float32, device=self.device))
+        return StateLayout(slots, snapshots, per_sequence, len(layers))
 
     # ---- one step ---------------------------------------------------------------------------
 
@@ -189,6 +236,10 @@ class ModelRunner:
             windows=self.windows, bidirectional=[_bidirectional_spans(c) for c in chunks],
             decode_kernel=self.decode_kernel, backend=self.attention_backend,
         )
+        if self.state_layout is not None:
+            meta.states = build_state_metadata(
+                [c.start for c in chunks], [c.num_tokens for c in chunks],
+                [c.state for c in chunks], self.device)
         embeds, residuals = self._splice_embeddings(input_ids, chunks)
         hidden = self.model(input_ids, positions, meta, embeds, residuals)
 

@@ -31,6 +31,9 @@ class ParsedPrompt:
     mm_kwargs: dict[str, Any]
     add_special_tokens: bool = True
     stages: dict[str, float] = field(default_factory=dict)  # seconds per stage so far
+    # Chat prompts: the rendered text of the conversation up to each later message (those
+    # that are prefixes of `text`), to find where messages start.
+    message_prefixes: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -52,8 +55,12 @@ class InputProcessor:
         mm_processor: MultimodalProcessor | None = None,
         media_limits: MediaLimits | None = None,
         encoder_budget: EncoderBudget | None = None,
+        message_starts: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
+        # Whether chat prompts record where their messages start (hybrid models snapshot their
+        # state there; see engine/state_cache.py).
+        self.message_starts = message_starts
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.mm_processor = mm_processor
@@ -99,7 +106,14 @@ class InputProcessor:
         text = self.tokenizer.apply_chat_template(
             rendered, tokenize=False, add_generation_prompt=True, **template_kwargs
         )
-        return ParsedPrompt(text, None, self._check_mm_data(media), mm_kwargs, False)
+        parsed = ParsedPrompt(text, None, self._check_mm_data(media), mm_kwargs, False)
+        if self.message_starts:
+            for i in range(1, len(rendered)):
+                head = self.tokenizer.apply_chat_template(
+                    rendered[:i], tokenize=False, add_generation_prompt=False, **template_kwargs)
+                if text.startswith(head):
+                    parsed.message_prefixes.append(head)
+        return parsed
 
     def load_media_sync(self, parsed: ParsedPrompt) -> dict[str, list[Any]]:
         """Decode the prompt's media in this thread (items of one prompt in parallel)."""
@@ -143,6 +157,7 @@ class InputProcessor:
             out.text = parsed.text
         else:
             out = ProcessedPrompt(parsed.text, list(ids))
+        out.message_starts = self._message_starts(parsed, ids, out)
         out.stages.setdefault("preprocess", time.perf_counter() - t0)
         out.stages.update(parsed.stages)
         self._check_plan(PromptPlan(
@@ -150,6 +165,20 @@ class InputProcessor:
             [(f.modality, f.placeholder.num_embeds) for f in out.mm_features],
         ))
         return out
+
+    def _message_starts(self, parsed: ParsedPrompt, ids: list[int],
+                        out: ProcessedPrompt) -> tuple[int, ...]:
+        """Token offsets of the chat's message starts: each earlier part of the conversation
+        whose tokens begin the prompt's, as long as no media placeholder comes before it (the
+        offsets of the processed prompt move where placeholders expand)."""
+        first_media = min((f.placeholder.offset for f in out.mm_features), default=len(ids))
+        starts = []
+        for head in parsed.message_prefixes:
+            head_ids = self.tokenizer.encode(head, add_special_tokens=parsed.add_special_tokens)
+            n = len(head_ids)
+            if 0 < n <= first_media and ids[:n] == head_ids and out.token_ids[:n] == head_ids:
+                starts.append(n)
+        return tuple(starts)
 
     def _check_plan(self, plan: PromptPlan) -> None:
         """Refuse a prompt that could never run: empty, too long, or with an item larger than

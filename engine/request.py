@@ -47,6 +47,8 @@ class Request:
     mm_features: list[MultiModalFeature] = field(default_factory=list)
     # Multi-row positions (mRoPE), from the processor; None for 1-D positions.
     position_info: PositionInfo | None = None
+    # Token offsets where chat messages start (prefixes likely to be reused; may be empty).
+    message_starts: tuple[int, ...] = ()
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
     status: RequestStatus = RequestStatus.WAITING

@@ -14,6 +14,11 @@ encoder compute budget and the cache space; a chunk that cannot have it is cut t
 the span. Encoder-cache space is allocated only once the chunk's KV blocks are. A chunk never
 ends inside a bidirectional span (its tokens attend to each other both ways, so the whole span
 must be computed together): it ends before the span instead.
+
+Hybrid models (linear-attention layers) also hold a state slot per running request and prefix
+snapshots of that state (engine/state_cache.py): a waiting request's prefix hit is cut to the
+longest prefix that has both its KV blocks and a snapshot, and each chunk carries its
+`ChunkState` (slot, snapshot to restore, snapshots to save).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.encoder_cache import EncoderCacheManager
 from engine.request import Request, RequestStatus
+from engine.state_cache import StateCacheManager, save_points
+from models.interfaces import ChunkState
 
 
 @dataclass
@@ -35,6 +42,7 @@ class ScheduledChunk:
     req: Request
     start: int
     num_tokens: int
+    state: ChunkState | None = None  # hybrid models: what the chunk does with its state
 
     @property
     def end(self) -> int:
@@ -71,10 +79,12 @@ class Scheduler:
         config: EngineConfig,
         block_manager: BlockManager,
         encoder_cache: EncoderCacheManager,
+        state_cache: StateCacheManager | None = None,
     ) -> None:
         self.config = config
         self.blocks = block_manager
         self.encoder_cache = encoder_cache
+        self.states = state_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -114,11 +124,17 @@ class Scheduler:
                 break
             req = self.waiting[0]
             hits = self.blocks.find_cached_prefix(req)
+            kv_hits, snapshot = len(hits), None
+            if self.states is not None:  # the hit needs the state too
+                cut, snapshot = self.states.longest_hit(req.block_hashes, kv_hits)
+                hits = hits[:cut]
             start = len(hits) * self.blocks.block_size
             n, items = self._plan_encoder(req, start, _chunk_len(req, start, budget), out)
             if n == 0 or not self.blocks.allocate(req, start + n, hits):
                 self.encoder_cache.release_request(req)  # undo this step's cache lookups
                 break
+            if self.states is not None:
+                self._admit_state(req, kv_hits, snapshot, start)
             self.waiting.popleft()
             self.running.append(req)
             req.status = RequestStatus.RUNNING
@@ -163,8 +179,31 @@ class Scheduler:
             planned += size
         return n, items
 
+    def _admit_state(self, req: Request, kv_hits: int, snapshot: int | None, start: int) -> None:
+        """Give an admitted request its state slot, the snapshot its first chunk restores (the
+        prefix hit) and the boundaries worth snapshotting, among them the end of a longer
+        cached KV prefix that had no snapshot (where this prompt branches off another)."""
+        points: set[int] = set()
+        if self.states.num_snapshots:
+            bs = self.blocks.block_size
+            points = save_points(
+                req.num_prompt_tokens, bs, message_starts=req.message_starts,
+                media_ends=[f.placeholder.end for f in req.mm_features])
+            if kv_hits * bs > start:
+                points.add(kv_hits * bs)
+            points = {p for p in points if p > start}
+        held = self.states.admit(req.request_id, points)
+        if snapshot is not None and start:
+            self.states.restore(held, snapshot, start)
+
     def _commit(self, req: Request, n: int, items: list[int], out: SchedulerOutput) -> None:
-        out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+        start, state = req.num_computed_tokens, None
+        if self.states is not None:
+            held = self.states.get(req.request_id)
+            saves = self.states.plan_saves(held, start, start + n) if n > 1 else []
+            state = ChunkState(held.slot, held.restore,
+                               tuple((point - start, snapshot) for point, snapshot in saves))
+        out.chunks.append(ScheduledChunk(req, start, n, state))
         for idx in items:
             feature = req.mm_features[idx]
             self.encoder_cache.allocate(req, feature.identifier, feature.placeholder.num_embeds)
@@ -177,9 +216,12 @@ class Scheduler:
         Encoder inputs it scheduled this step still run: another request may have hit them.
         """
         self.running.remove(req)
+        self._release_saves([c for c in out.chunks if c.req is req])
         out.chunks = [c for c in out.chunks if c.req is not req]
         self.blocks.free_request(req)
         self.encoder_cache.release_request(req)
+        if self.states is not None:
+            self.states.release_request(req.request_id)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.metrics.num_preemptions += 1
@@ -193,6 +235,34 @@ class Scheduler:
             req.num_computed_tokens = chunk.end
             self.blocks.cache_computed_blocks(req, chunk.start, chunk.end)
             self.encoder_cache.release_consumed(req)
+            if chunk.state is not None:
+                self._commit_state(chunk)
+
+    def _commit_state(self, chunk: ScheduledChunk) -> None:
+        """The chunk ran: its restore is done, its snapshots are published under the hash of
+        the block each one ends."""
+        held = self.states.get(chunk.req.request_id)
+        if chunk.state.restore is not None:
+            self.states.restored(held)
+        bs = self.blocks.block_size
+        for offset, snapshot in chunk.state.saves:
+            block = (chunk.start + offset) // bs - 1
+            self.states.commit(snapshot, chunk.req.block_hashes[block])
+
+    def abandon(self, out: SchedulerOutput) -> None:
+        """The step did not run (its requests stay where they were): give back the snapshots
+        it reserved, and keep their points for the chunks scheduled again."""
+        self._release_saves(out.chunks)
+
+    def _release_saves(self, chunks: list[ScheduledChunk]) -> None:
+        for chunk in chunks:
+            if chunk.state is None:
+                continue
+            held = self.states.get(chunk.req.request_id)
+            for offset, snapshot in chunk.state.saves:
+                self.states.release(snapshot)
+                if held is not None:
+                    held.points.add(chunk.start + offset)
 
     # ---- finishing --------------------------------------------------------------------------
 
@@ -205,6 +275,8 @@ class Scheduler:
         req.status = status
         self.blocks.free_request(req)
         self.encoder_cache.release_request(req)
+        if self.states is not None:
+            self.states.release_request(req.request_id)
 
     def find(self, request_id: str) -> Request | None:
         for req in self.running:
@@ -220,6 +292,10 @@ class Scheduler:
         assert not any(r.block_ids for r in self.waiting), "a waiting request holds KV blocks"
         self.blocks.check_integrity(live)
         self.encoder_cache.check_integrity(live)
+        if self.states is not None:
+            assert not any(self.states.get(r.request_id) for r in self.waiting), (
+                "a waiting request holds a state slot")
+            self.states.check_integrity(r.request_id for r in self.running)
 
 
 def _chunk_len(req: Request, start: int, budget: int) -> int:

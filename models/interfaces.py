@@ -170,6 +170,8 @@ class ProcessedPrompt:
     mm_features: list[MultiModalFeature] = field(default_factory=list)
     position_info: PositionInfo | None = None
     stages: dict[str, float] = field(default_factory=dict)  # seconds per stage
+    # Token offsets where a chat message starts (prefixes likely to be reused), if known.
+    message_starts: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -248,6 +250,21 @@ class MultimodalProcessor(Protocol):
 
 # ---- what the engine asks of a model -----------------------------------------------------------
 
+
+@dataclass(frozen=True)
+class ChunkState:
+    """What one chunk of the step does with its request's state (the engine's plan for a
+    hybrid model's linear-attention layers; see engine/state_cache.py).
+
+    `slot`: the request's state slot; `restore`: a snapshot id copied into the slot before the
+    chunk (a prefix-cache hit), else None; `saves`: (tokens into the chunk, snapshot id) pairs,
+    the state after that many of the chunk's tokens is copied to the snapshot."""
+
+    slot: int
+    restore: int | None = None
+    saves: tuple[tuple[int, int], ...] = ()
+
+
 EncoderItem = tuple[str, dict[str, Any]]  # (modality, MultiModalFeature.data)
 WeightMap = Callable[[str], "tuple[str, Any] | None"]  # checkpoint name -> (ours, row shard)
 
@@ -286,7 +303,15 @@ class LanguageModel(Protocol):
         ...
 
     def attention_layers(self) -> list[Any]:
-        """Modules with a `kv_cache` attribute the runner binds, one per layer."""
+        """Modules with a `kv_cache` attribute the runner binds, one per attention layer."""
+        ...
+
+    def state_layers(self) -> list[Any]:
+        """Modules that keep a recurrent state per sequence instead (a hybrid model's
+        linear-attention layers; empty for the others): each has a `shape`
+        (models.layers.gated_deltanet.LinearAttentionShape) and `bind_state(conv_states,
+        recurrent_states, conv_snapshots, recurrent_snapshots)`, and reads
+        `meta.states` (models.layers.state_metadata) in its forward."""
         ...
 
     def attention_windows(self) -> tuple[int | None, ...]:

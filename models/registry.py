@@ -40,6 +40,8 @@ _REGISTRY: dict[str, ModelSpec] = {
         QwenVLForConditionalGeneration, QwenVLProcessor
     ),
     "Qwen3VLForConditionalGeneration": ModelSpec(QwenVLForConditionalGeneration, QwenVLProcessor),
+    "Qwen3_5ForConditionalGeneration": ModelSpec(QwenVLForConditionalGeneration, QwenVLProcessor),
+    "Qwen3_5ForCausalLM": ModelSpec(CausalLM),
     "Gemma3ForConditionalGeneration": ModelSpec(Gemma3ForConditionalGeneration, Gemma3Processor),
     "LlavaForConditionalGeneration": ModelSpec(LlavaForConditionalGeneration, LlavaProcessor),
     "LlavaNextForConditionalGeneration": ModelSpec(

@@ -139,6 +139,7 @@ def _llava(next_: bool = False, tower: str = "clip"):
 def _families() -> dict[str, Family]:
     from testing.gemma3 import build_gemma3_model
     from testing.mistral3 import build_mistral3_model
+    from testing.qwen3_5 import build_qwen3_5_model
     from testing.qwen3_vl import build_qwen3_vl_model
     from testing.smolvlm import build_smolvlm_model
     from testing.tiny import build_qwen2_audio_model, build_qwen2_vl_model
@@ -161,6 +162,8 @@ def _families() -> dict[str, Family]:
             p, "qwen2_5_vl", tie_word_embeddings=tie), _image, _qwen_vl),
         "qwen3_vl": Family(lambda p, tie: build_qwen3_vl_model(p, tie_word_embeddings=tie),
                            _image, _qwen_vl),
+        "qwen3_5": Family(lambda p, tie: build_qwen3_5_model(p, tie_word_embeddings=tie),
+                          _image, _qwen_vl),
         "qwen2_audio": Family(lambda p, tie: build_qwen2_audio_model(
             p, tie_word_embeddings=tie), _audio, _qwen_audio, "input_features", ties=False),
     }
@@ -249,7 +252,8 @@ def _check_layout(path: Path, layout: str) -> None:
     assert "torch_dtype" in json.loads((path / "config.json").read_text())
 
 
-TEXT_CASES = [(f, layout, tie) for f in ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+TEXT_CASES = [(f, layout, tie)
+              for f in ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_5_text")
               for layout in ("transformers5", "legacy-tokenizer-template")
               for tie in (False, True)]
 
@@ -262,11 +266,16 @@ def test_text_families_in_both_layouts(tmp_path, family, layout, tie):
     dtype or torch_dtype, the head tied by the config's own flag."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from testing.qwen3_5 import build_qwen3_5_text_model
     from testing.tiny import build_text_model
 
-    overrides = {"head_dim": 16, "query_pre_attn_scalar": 16} if family == "gemma3_text" else {}
-    path = build_text_model(tmp_path / "m", family, num_layers=1, tie_word_embeddings=tie,
-                            config_overrides=overrides)
+    if family == "qwen3_5_text":  # hybrid: Gated DeltaNet and attention layers
+        path = build_qwen3_5_text_model(tmp_path / "m", tie_word_embeddings=tie)
+    else:
+        overrides = {"head_dim": 16, "query_pre_attn_scalar": 16} \
+            if family == "gemma3_text" else {}
+        path = build_text_model(tmp_path / "m", family, num_layers=1, tie_word_embeddings=tie,
+                                config_overrides=overrides)
     if LAYOUTS[layout] is not None:
         to_legacy_layout(path, LAYOUTS[layout])
     assert (path / "chat_template.jinja").exists() == (layout == "transformers5")

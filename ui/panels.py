@@ -226,8 +226,9 @@ def cache_html(output: RequestOutput) -> str:
 
 
 def engine_html(stats: Mapping[str, Any]) -> str:
-    """Engine-wide counters: requests, KV blocks, prefix cache, encoder cache; for a remote
-    engine (stats with a "backend"), this app's requests to its server."""
+    """Engine-wide counters: requests, KV blocks, prefix cache, encoder cache, a hybrid model's
+    state slots and snapshots; for a remote engine (stats with a "backend"), this app's
+    requests to its server."""
     if "backend" in stats:
         return _remote_engine_html(stats)
     lines = [
@@ -250,6 +251,21 @@ def engine_html(stats: Mapping[str, Any]) -> str:
             ),
             f"<b>Encoder cache hit rate</b>: {pct(stats['encoder_cache_hit_rate'])} "
             f"({stats['encoder_cache_hits']} hits, {stats['encoder_cache_misses']} misses)",
+        ]
+    if "state_slots_total" in stats:  # a hybrid model's linear-attention state
+        mib = 1 << 20
+        lines += [
+            _meter(
+                "State slots", stats["state_slots_used"], stats["state_slots_total"],
+                f"{stats['state_bytes_per_request'] / mib:.1f} MiB per request, "
+                f"{stats['state_slot_bytes'] / mib:.0f} MiB in all",
+            ),
+            _meter(
+                "State snapshots", stats["state_snapshots_used"], stats["state_snapshots_total"],
+                f"{stats['state_snapshot_bytes'] / mib:.0f} MiB for prefix reuse; "
+                f"{stats['state_snapshot_hits']} hits restored "
+                f"{stats['state_snapshot_hit_tokens']} tokens",
+            ),
         ]
     if stats.get("checkpoint"):
         lines.append(_settings_html(stats["checkpoint"]))

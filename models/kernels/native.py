@@ -42,7 +42,7 @@ HERE = Path(__file__).parent / "cpu"
 # Compiled into one library; the header (shared helpers and declarations) is part of the digest.
 SOURCES = tuple(HERE / name for name in (
     "small_ops.c", "linear_dense.c", "linear_int8.c", "linear_int4.c", "attention.c",
-    "decode_layers.c", "gemm_quantized.c"))
+    "decode_layers.c", "gemm_quantized.c", "delta_rule.c"))
 HEADER = HERE / "kernels.h"
 DISABLE_ENV = "MMSERVE_NATIVE"  # "0" keeps PyTorch's kernels only
 BUILD_TIMEOUT_S = 120
@@ -64,6 +64,7 @@ _ROTARY_ARGS = [_ptr, _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64]
 _SILU_MUL_ARGS = [_ptr, _ptr, _int, _i64, _i64]
 _ATTENTION_ARGS = [_ptr, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
                    _i64, _i64, _f32, _f32, _int]
+_DELTA_STEP_ARGS = [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int]
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,8 @@ class NativeKernels:
         self._read_sum.argtypes, self._read_sum.restype = [_ptr, _i64, _int], ctypes.c_double
         self._attention = lib.mm_decode_attention
         self._attention.argtypes, self._attention.restype = _ATTENTION_ARGS, _int
+        self._delta_step = lib.mm_delta_rule_step
+        self._delta_step.argtypes, self._delta_step.restype = _DELTA_STEP_ARGS, _int
         # A decoder's layers in one call; models.kernels.native_decode declares its arguments.
         self.decode_layers = lib.mm_decode_layers
 
@@ -290,6 +293,26 @@ class NativeKernels:
         if status:
             raise MemoryError(f"native decode attention failed (status {status}): out of memory "
                               "for its scores, or a head size over 8192")
+        return out
+
+
+    def delta_rule_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        g: torch.Tensor, beta: torch.Tensor, states: torch.Tensor,
+                        slots: torch.Tensor) -> torch.Tensor:
+        """One decode step of the gated delta rule, each sequence's state updated in place in
+        the pool: q, k [B, H, dk], v [B, H, dv], g, beta [B, H] float32; states [S, H, dk, dv]
+        float32; slots [B] int64 -> o [B, H, dv] (models.layers.delta_rule.recurrent_step)."""
+        assert states.dtype == torch.float32 and states.is_contiguous()
+        q, k, v, g, beta = (t.float().contiguous() for t in (q, k, v, g, beta))
+        slots = slots.to(torch.int64).contiguous()
+        batch, heads, dk = q.shape
+        out = torch.empty_like(v)
+        status = self._delta_step(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
+            states.data_ptr(), slots.data_ptr(), out.data_ptr(), batch, heads, dk, v.shape[-1],
+            torch.get_num_threads())
+        if status:
+            raise ValueError(f"native delta rule step: value heads of {v.shape[-1]} exceed 1024")
         return out
 
 

@@ -84,12 +84,16 @@ def unsupported(model: DecoderStack) -> str | None:
         return "it runs float32 or bfloat16 models on the CPU"
     norms: list[RMSNorm] = []
     for i, layer in enumerate(model.layers):
+        if layer.is_linear:
+            return "linear-attention (Gated DeltaNet) layers are not implemented"
         attn, mlp = layer.self_attn, layer.mlp
         # The kernel implements these classes' forwards; a family overriding one is not served.
         if (type(layer).forward is not DecoderLayer.forward
                 or type(attn).forward is not Attention.forward
                 or type(mlp).forward is not GatedMLP.forward):
             return f"layer {i} runs a forward of its own"
+        if attn.output_gate or attn.rotary_dim != attn.head_dim:
+            return "attention output gates and partial rotary embeddings are not implemented"
         if layer.sandwich:
             return "layers with norms after attention and MLP are not implemented"
         if not mlp.fused_silu:

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from models.kernels import native
 from models.layers.attention_varlen import BACKENDS, VarlenBatch, build_varlen, varlen_attention
+from models.layers.state_metadata import StateMetadata
 from models.layers.transfer import to_device
 
 # A decode bucket's padded work (longest context x members) stays within this factor of the
@@ -104,6 +105,8 @@ class AttentionMetadata:
     groups: list[AttentionGroup]
     decode_kernel: str = "sdpa"  # how decode groups attend: one of KERNELS
     varlen: VarlenBatch | None = None  # requests attended by flash-attn's varlen kernel
+    # The linear-attention layers' state work (hybrid models; None for the others).
+    states: StateMetadata | None = None
 
     def mask_bytes(self) -> int:
         """Bytes held by the step's masks (distinct tensors counted once)."""

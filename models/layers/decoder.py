@@ -24,6 +24,7 @@ from models.kernels.linear import Linear
 from models.kernels.native_decode import NativeDecode
 from models.layers.attention import AttentionMetadata
 from models.layers.decoder_layer import Attention, DecoderConfig, DecoderLayer
+from models.layers.gated_deltanet import GatedDeltaNet
 from models.layers.norm import RMSNorm
 from models.layers.rotary import RotaryTable
 from models.loader import Shard
@@ -46,8 +47,8 @@ class Decoder(nn.Module):
         ropes = list({repr(sorted(r.items())): r for r in cfg.layer_rope}.values())
         index = [ropes.index(r) for r in cfg.layer_rope]
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, layout, i)
-            for layout, i in zip(cfg.layer_attention, index, strict=True)
+            DecoderLayer(cfg, layout, rope, i)
+            for i, (layout, rope) in enumerate(zip(cfg.layer_attention, index, strict=True))
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset,
                             fused_decode=True)
@@ -68,7 +69,7 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def make_rotary(self, max_positions: int, rope: dict, device: torch.device) -> RotaryTable:
-        return RotaryTable(self.cfg.head_dim, max_positions, rope, device)
+        return RotaryTable(self.cfg.rotary_dim or self.cfg.head_dim, max_positions, rope, device)
 
     def rotary_cos_sin(self, rotary: RotaryTable, positions: torch.Tensor, dtype: torch.dtype):
         return rotary.lookup(positions, dtype)
@@ -122,7 +123,13 @@ class Decoder(nn.Module):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn for layer in self.layers]
+        """The layers' attention modules, whose KV caches the runner binds (a hybrid stack's
+        linear-attention layers have none)."""
+        return [layer.self_attn for layer in self.layers if not layer.is_linear]
+
+    def state_layers(self) -> list[GatedDeltaNet]:
+        """The linear-attention modules, whose state pools the runner binds."""
+        return [layer.linear_attn for layer in self.layers if layer.is_linear]
 
     def attention_windows(self) -> tuple[int | None, ...]:
         """The distinct sliding windows of the layers (None: full attention)."""
@@ -130,7 +137,8 @@ class Decoder(nn.Module):
 
     def weight_map(self, prefix: str = "model.", lm_head: str = "lm_head.") -> Callable:
         """Maps a checkpoint tensor name to (our parameter name, row shard) or None (skip)."""
-        q, kv = self.layers[0].self_attn.q_size, self.layers[0].self_attn.kv_size
+        attn = self.attention_layers()[0]
+        q, kv = attn.q_rows, attn.kv_size
         inter = self.cfg.intermediate_size
         fused = {
             "q_proj": ("qkv_proj", Shard(0, q)),
@@ -139,6 +147,14 @@ class Decoder(nn.Module):
             "gate_proj": ("gate_up_proj", Shard(0, inter)),
             "up_proj": ("gate_up_proj", Shard(inter, inter)),
         }
+        linear = self.cfg.linear_attention
+        if linear is not None:  # Gated DeltaNet's four input projections, in one
+            offset = 0
+            for name, rows in zip(("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+                                  self.state_layers()[0].splits, strict=True):
+                fused[name] = ("in_proj", Shard(offset, rows))
+                offset += rows
+            fused["conv1d"] = ("conv_weight", None)
         tied = self.cfg.tie_word_embeddings
 
         def mapping(name: str) -> tuple[str, Shard | None] | None:
@@ -150,6 +166,8 @@ class Decoder(nn.Module):
             parts = ours.split(".")
             if len(parts) >= 2 and parts[-2] in fused:
                 target, shard = fused[parts[-2]]
+                if shard is None:  # a renamed parameter
+                    return ".".join(parts[:-2] + [target]), None
                 return ".".join(parts[:-2] + [target, parts[-1]]), shard
             return ours, None
 
@@ -157,7 +175,8 @@ class Decoder(nn.Module):
 
 
 class CausalLM(Decoder):
-    """A text-only causal LM of any family in TEXT_FEATURES (Llama, Mistral, Qwen2/3, Gemma 3)."""
+    """A text-only causal LM of any family in TEXT_FEATURES (Llama, Mistral, Qwen2/3, Qwen3.5,
+    Gemma 3)."""
 
     @classmethod
     def from_hf_config(cls, hf_config, max_positions: int, device: torch.device) -> CausalLM:
@@ -193,6 +212,9 @@ TEXT_FEATURES: dict[str, Callable[[object], dict]] = {
     "qwen2_5_vl_text": lambda cfg: QWEN2_FEATURES,
     "qwen3": lambda cfg: {"qk_norm": True},
     "qwen3_vl_text": lambda cfg: {"qk_norm": True},
+    # Qwen3.5: hybrid layers (read from `layer_types`), (1 + w) norms, gated attention output.
+    "qwen3_5_text": lambda cfg: {"qk_norm": True, "norm_unit_offset": True,
+                                 "attn_output_gate": True},
     "gemma3_text": gemma_features,
 }
 

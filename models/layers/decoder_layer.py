@@ -5,7 +5,11 @@ GQA attention over the paged cache (models.layers.attention) with q/k/v fused in
 from the tables the decoder precomputes, RMSNorm, a gated MLP with gate/up fused. Options: bias on
 q/k/v and on o, RMSNorm over each head's q and k (`qk_norm`), norms that scale by (1 + w)
 (`norm_unit_offset`), norms after attention and MLP as well (`sandwich_norms`), the attention
-scale, per-layer sliding windows and soft-caps. The stack of layers is models/layers/decoder.py.
+scale, per-layer sliding windows and soft-caps, RoPE on the first `rotary_dim` dimensions of each
+head only, an output gate (`attn_output_gate`: q_proj also emits a per-head gate, and the
+attention output is multiplied by its sigmoid), and hybrid stacks whose layers mix tokens by
+Gated DeltaNet linear attention instead (`layer_mixers`, models/layers/gated_deltanet.py). The
+stack of layers is models/layers/decoder.py.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from torch import nn
 from models.checkpoint import tie_word_embeddings
 from models.kernels.linear import Linear
 from models.layers.attention import AttentionMetadata, LayerAttention, paged_attention
+from models.layers.gated_deltanet import GatedDeltaNet, LinearAttentionShape
 from models.layers.mlp import GatedMLP
 from models.layers.norm import RMSNorm
 from models.layers.rotary import apply_rotary
@@ -52,6 +57,12 @@ class DecoderConfig:
     embed_scale: float | None = None
     attn_scale: float | None = None  # None: head_dim ** -0.5
     final_logit_softcap: float | None = None
+    rotary_dim: int | None = None  # dimensions of each head RoPE rotates (None: all)
+    attn_output_gate: bool = False
+    # One entry per layer: "attention" or "linear_attention" (None: attention everywhere);
+    # the linear layers' shape.
+    layer_mixers: tuple[str, ...] | None = None
+    linear_attention: LinearAttentionShape | None = None
     extra: dict = field(default_factory=dict, compare=False)  # family data, e.g. mrope_section
 
     def __post_init__(self) -> None:
@@ -63,6 +74,28 @@ class DecoderConfig:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
             )
+        if self.rotary_dim is not None and not (
+                0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise ValueError(f"rotary_dim={self.rotary_dim} must be even and in "
+                             f"(0, head_dim={self.head_dim}]")
+        if self.layer_mixers is not None:
+            if len(self.layer_mixers) != self.num_layers:
+                raise ValueError(f"layer_mixers has {len(self.layer_mixers)} entries for "
+                                 f"{self.num_layers} layers")
+            unknown = set(self.layer_mixers) - set(MIXERS)
+            if unknown:
+                raise ValueError(f"unknown layer mixers {sorted(unknown)} (known: {MIXERS})")
+            if "linear_attention" in self.layer_mixers and self.linear_attention is None:
+                raise ValueError("linear_attention layers need the linear_attention shape")
+
+    def mixer(self, layer: int) -> str:
+        """How layer `layer` mixes tokens: "attention" or "linear_attention"."""
+        return "attention" if self.layer_mixers is None else self.layer_mixers[layer]
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers with a KV cache."""
+        return sum(self.mixer(i) == "attention" for i in range(self.num_layers))
 
     @property
     def rope(self) -> dict:
@@ -81,6 +114,9 @@ class DecoderConfig:
         """
         attention_bias = bool(getattr(cfg, "attention_bias", False))
         heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        kinds = _layer_kinds(cfg)
+        hybrid = "linear_attention" in kinds
         options = dict(
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
@@ -88,7 +124,7 @@ class DecoderConfig:
             num_layers=cfg.num_hidden_layers,
             num_heads=heads,
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.rms_norm_eps,
             max_position_embeddings=cfg.max_position_embeddings,
             tie_word_embeddings=tie_word_embeddings(cfg)[0],
@@ -99,9 +135,26 @@ class DecoderConfig:
             o_bias=attention_bias,
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
             final_logit_softcap=getattr(cfg, "final_logit_softcapping", None),
+            rotary_dim=_rotary_dim(cfg, head_dim),
+            layer_mixers=tuple("linear_attention" if k == "linear_attention" else "attention"
+                               for k in kinds) if hybrid else None,
+            linear_attention=LinearAttentionShape.from_hf(cfg) if hybrid else None,
         )
         options.update(features)
         return cls(**options)
+
+
+MIXERS = ("attention", "linear_attention")
+
+
+def _rotary_dim(cfg, head_dim: int) -> int | None:
+    """Dimensions RoPE rotates: head_dim x `partial_rotary_factor` (in `rope_parameters`, where
+    transformers 5 keeps it, or on the config), None when it is the whole head."""
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    factor = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
+    if factor is None or int(head_dim * factor) == head_dim:
+        return None
+    return int(head_dim * factor)
 
 
 def _layer_kinds(cfg) -> list[str]:
@@ -109,7 +162,7 @@ def _layer_kinds(cfg) -> list[str]:
     if kinds is None:
         window = getattr(cfg, "sliding_window", None)
         kinds = ["sliding_attention" if window else "full_attention"] * cfg.num_hidden_layers
-    unknown = set(kinds) - {"sliding_attention", "full_attention"}
+    unknown = set(kinds) - {"sliding_attention", "full_attention", "linear_attention"}
     if unknown:
         raise NotImplementedError(f"layer types {sorted(unknown)} are not supported")
     return list(kinds)
@@ -132,7 +185,8 @@ def layer_rope_from_hf(cfg) -> tuple[dict, ...]:
     rope = dict(getattr(cfg, "rope_parameters", None) or {"rope_type": "default"})
     kinds = _layer_kinds(cfg)
     if set(rope) <= {"sliding_attention", "full_attention"}:
-        return tuple(dict(rope[kind]) for kind in kinds)
+        return tuple(dict(rope[kind]) if kind in rope else {"rope_type": "default"}
+                     for kind in kinds)
     return (rope,) * len(kinds)
 
 
@@ -146,7 +200,11 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.attn_scale or cfg.head_dim**-0.5
         self.layout = layout
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias)
+        self.rotary_dim = cfg.rotary_dim or cfg.head_dim
+        self.output_gate = cfg.attn_output_gate
+        # q_proj's rows: per head, its query then (with the output gate) its gate.
+        self.q_rows = 2 * self.q_size if self.output_gate else self.q_size
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_rows + 2 * self.kv_size, cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             head_norm = functools.partial(RMSNorm, cfg.head_dim, cfg.rms_norm_eps,
@@ -157,29 +215,48 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        gate = None
+        if self.output_gate:
+            qg, k, v = self.qkv_proj(x).split([self.q_rows, self.kv_size, self.kv_size], dim=-1)
+            q, gate = qg.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            qk = torch.cat([q, k.view(t, self.num_kv_heads, self.head_dim)], dim=1)
+        else:
+            qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            qk = qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         # q and k are adjacent in the fused projection: rotate both heads at once.
-        qk = apply_rotary(qk, cos, sin)
+        if self.rotary_dim == self.head_dim:
+            qk = apply_rotary(qk, cos, sin)
+        else:
+            r = self.rotary_dim
+            qk = torch.cat([apply_rotary(qk[..., :r], cos, sin), qk[..., r:]], dim=-1)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        return self.o_proj(
-            paged_attention(q, k, v, self.kv_cache, meta, self.scale, self.layout)
-        )
+        out = paged_attention(q, k, v, self.kv_cache, meta, self.scale, self.layout)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(t, self.q_size))
+        return self.o_proj(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig, layout: LayerAttention, rope_index: int) -> None:
+    """Pre-norm token mixer (attention, or linear attention in hybrid stacks) and MLP."""
+
+    def __init__(self, cfg: DecoderConfig, layout: LayerAttention, rope_index: int,
+                 index: int = 0) -> None:
         super().__init__()
         norm = functools.partial(RMSNorm, cfg.hidden_size, cfg.rms_norm_eps,
                                  cfg.norm_unit_offset, fused_decode=True)
         self.rope_index = rope_index
         self.sandwich = cfg.sandwich_norms
         self.input_layernorm = norm()
-        self.self_attn = Attention(cfg, layout)
+        self.is_linear = cfg.mixer(index) == "linear_attention"
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(cfg.hidden_size, cfg.linear_attention,
+                                             cfg.rms_norm_eps)
+        else:
+            self.self_attn = Attention(cfg, layout)
         # Without sandwich norms this is the norm before the MLP (the checkpoints' naming).
         self.post_attention_layernorm = norm()
         if cfg.sandwich_norms:
@@ -189,8 +266,11 @@ class DecoderLayer(nn.Module):
                             fused_decode=True)
 
     def forward(self, h, rotary: list, meta: AttentionMetadata) -> torch.Tensor:
-        cos, sin = rotary[self.rope_index]
-        attn = self.self_attn(self.input_layernorm(h), cos, sin, meta)
+        if self.is_linear:
+            attn = self.linear_attn(self.input_layernorm(h), meta.states)
+        else:
+            cos, sin = rotary[self.rope_index]
+            attn = self.self_attn(self.input_layernorm(h), cos, sin, meta)
         if not self.sandwich:
             h, normed = self.post_attention_layernorm.add_and_norm(h, attn)
             return h + self.mlp(normed)

@@ -1,11 +1,14 @@
-"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL: a Qwen decoder with multimodal rotary positions (mRoPE)
-and the vision towers of models/encoders/qwen_vl.py. Images and videos share the tower, so one
-step's items of both modalities go through it in a single forward.
+"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5: a Qwen decoder with multimodal rotary positions
+(mRoPE) and the vision towers of models/encoders/qwen_vl.py. Images and videos share the tower, so
+one step's items of both modalities go through it in a single forward. Qwen3.5's decoder is
+hybrid (three Gated DeltaNet layers to one attention layer, attention with an output gate and
+RoPE on a quarter of each head; see models/layers/decoder_layer.py), its tower Qwen3-VL's
+without DeepStack.
 
 mRoPE: positions are [3, T] (temporal, row, column). The rotary table is indexed by each row and
 every frequency takes its angle from one row: Qwen2/2.5-VL split the frequencies into
-`mrope_section` bands (band i from row i % 3); Qwen3-VL interleaves them (t, h, w, t, h, w...,
-each row for as many frequencies as its section says, the rest from t).
+`mrope_section` bands (band i from row i % 3); Qwen3-VL and Qwen3.5 interleave them (t, h, w, t,
+h, w..., each row for as many frequencies as its section says, the rest from t).
 
 Qwen3-VL's DeepStack: the tower also returns K residuals per item (features of intermediate
 blocks, merged), which the decoder adds to the item's positions after its first K layers; an
@@ -23,6 +26,10 @@ from models.layers.decoder import Decoder, DecoderConfig, text_features
 from models.layers.rotary import RotaryTable
 from models.loader import Shard
 
+# Model types whose mRoPE interleaves its rows, and the `mrope_section` their reference classes
+# assume when the config has none.
+INTERLEAVED_SECTIONS = {"qwen3_vl": [24, 20, 20], "qwen3_5": [11, 11, 10]}
+
 
 class QwenVLForConditionalGeneration(Decoder):
     """Decoder + vision tower. `encode` turns processed items into LLM embeddings."""
@@ -36,10 +43,11 @@ class QwenVLForConditionalGeneration(Decoder):
         super().__init__(cfg, max_positions, device)
         self.visual = VisionTower(VisionConfig.from_hf(hf_config.vision_config))
         self.deepstack_layers = len(self.visual.cfg.deepstack_layers)
-        interleaved = hf_config.model_type == "qwen3_vl"
-        default = [24, 20, 20] if interleaved else [16, 24, 24]
+        interleaved = hf_config.model_type in INTERLEAVED_SECTIONS
+        default = INTERLEAVED_SECTIONS.get(hf_config.model_type, [16, 24, 24])
         section = list(self.cfg.rope.get("mrope_section", default))
-        self.band = mrope_bands(section, self.cfg.head_dim // 2, interleaved).to(device)
+        half = (self.cfg.rotary_dim or self.cfg.head_dim) // 2
+        self.band = mrope_bands(section, half, interleaved).to(device)
 
     @classmethod
     def from_hf_config(cls, hf_config, max_positions: int, device: torch.device):

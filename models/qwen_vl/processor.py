@@ -1,4 +1,5 @@
-"""Prompt processing for Qwen2-VL / Qwen2.5-VL / Qwen3-VL: media -> patches, spans, mRoPE.
+"""Prompt processing for Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5: media -> patches, spans,
+mRoPE (Qwen3.5 checkpoints name transformers' Qwen3VLProcessor).
 
 The chat template writes `<|vision_start|><|image_pad|><|vision_end|>` per image (`<|video_pad|>`
 per video). Each pad token becomes t*h*w / merge^2 pad tokens, the number of embeddings the
@@ -62,11 +63,11 @@ class MRopePositions:
 # transformers' processors take no fields of their own (their tokens come from the tokenizer).
 PROCESSORS = {kind: Schema(name, {}) for kind, name in (
     ("qwen2_vl", "Qwen2VLProcessor"), ("qwen2_5_vl", "Qwen2_5_VLProcessor"),
-    ("qwen3_vl", "Qwen3VLProcessor"))}
+    ("qwen3_vl", "Qwen3VLProcessor"), ("qwen3_5", "Qwen3VLProcessor"))}
 # The video processor class transformers picks for each model type (its defaults apply to a
 # checkpoint whose video settings do not name one).
 VIDEO_CLASSES = {"qwen2_vl": "Qwen2VLVideoProcessor", "qwen2_5_vl": "Qwen2VLVideoProcessor",
-                 "qwen3_vl": "Qwen3VLVideoProcessor"}
+                 "qwen3_vl": "Qwen3VLVideoProcessor", "qwen3_5": "Qwen3VLVideoProcessor"}
 
 
 class QwenVLProcessor(ProcessorDefaults):
@@ -79,8 +80,9 @@ class QwenVLProcessor(ProcessorDefaults):
         self.video_token_id = hf_config.video_token_id
         self.vision_start_token_id = hf_config.vision_start_token_id
         self.vision_end_token_id = hf_config.vision_end_token_id
-        # Qwen3-VL writes each temporal group of a video as its own "<t seconds>" + vision span.
-        self.video_timestamps = hf_config.model_type == "qwen3_vl"
+        # Qwen3-VL and Qwen3.5 write each temporal group of a video as its own "<t seconds>" +
+        # vision span.
+        self.video_timestamps = hf_config.model_type in ("qwen3_vl", "qwen3_5")
         self.tokenizer = ctx.tokenizer
         vision = hf_config.vision_config
         self.tokens_per_second = (

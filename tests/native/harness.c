@@ -24,6 +24,9 @@ int mm_gemm_quantized_takes(int64_t n, int64_t k, int w_format, int64_t group);
 int mm_gemm_quantized(const void* x, int x_dtype, const void* w, int w_format,
                       const uint16_t* scales, int64_t group, void* y, int64_t ldy, int64_t m,
                       int64_t n, int64_t k, int threads);
+int mm_delta_rule_step(const float* q, const float* k, const float* v, const float* g,
+                       const float* beta, float* states, const int64_t* slots, float* out,
+                       int64_t batch, int64_t heads, int64_t dk, int64_t dv, int threads);
 
 static int failures = 0;
 static uint64_t state = 0x9E3779B97F4A7C15ull;
@@ -380,6 +383,47 @@ static void test_attention(int dt, int64_t window, float softcap) {
     free(cache), free(q), free(out), free(cr), free(qr), free(want);
 }
 
+/* ---- the gated delta rule's decode step ------------------------------------------------------ */
+
+static void test_delta_rule(void) {
+    const int64_t batch = 2, heads = 3, dk = 16, dv = 24, pool = 4;
+    const int64_t slots[2] = {3, 1};
+    const int64_t sn = pool * heads * dk * dv;
+    float *q = alloc(4 * batch * heads * dk), *k = alloc(4 * batch * heads * dk),
+          *v = alloc(4 * batch * heads * dv), *g = alloc(4 * batch * heads),
+          *beta = alloc(4 * batch * heads), *s = alloc(4 * sn), *out = alloc(4 * batch * heads * dv);
+    double *sr = alloc(8 * sn), *want = alloc(8 * batch * heads * dv), *scratch = alloc(8 * sn);
+    for (int64_t i = 0; i < batch * heads * dk; i++) q[i] = (float)uniform(), k[i] = (float)uniform();
+    for (int64_t i = 0; i < batch * heads * dv; i++) v[i] = (float)uniform();
+    for (int64_t i = 0; i < batch * heads; i++)
+        g[i] = (float)(-0.5 * (uniform() + 1.0)), beta[i] = (float)(0.5 * (uniform() + 1.0));
+    for (int64_t i = 0; i < sn; i++) s[i] = (float)(0.1 * uniform()), sr[i] = s[i];
+    memcpy(scratch, sr, 8 * (size_t)sn);
+    for (int64_t b = 0; b < batch; b++)
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t bh = b * heads + h;
+            double* st = scratch + (slots[b] * heads + h) * dk * dv;
+            const double d = exp((double)g[bh]);
+            for (int64_t j = 0; j < dv; j++) {
+                double mem = 0;
+                for (int64_t i = 0; i < dk; i++) mem += st[i * dv + j] * d * k[bh * dk + i];
+                const double u = beta[bh] * (v[bh * dv + j] - mem);
+                double o = 0;
+                for (int64_t i = 0; i < dk; i++) {
+                    st[i * dv + j] = st[i * dv + j] * d + k[bh * dk + i] * u;
+                    o += st[i * dv + j] * q[bh * dk + i];
+                }
+                want[bh * dv + j] = o;
+            }
+        }
+    if (mm_delta_rule_step(q, k, v, g, beta, s, slots, out, batch, heads, dk, dv, 1))
+        printf("FAIL delta rule status\n"), failures++;
+    check("delta rule step: outputs", out, DTYPE_F32, want, batch * heads * dv, 1e-5, 1e-4);
+    check("delta rule step: states in place", s, DTYPE_F32, scratch, sn, 1e-6, 1e-4);
+    free(q), free(k), free(v), free(g), free(beta), free(s), free(out), free(sr), free(want),
+        free(scratch);
+}
+
 static void test_argmax(void) {
     float x[2 * 1000];
     for (int i = 0; i < 2000; i++) x[i] = (float)uniform();
@@ -417,6 +461,7 @@ int main(void) {
         test_attention(dt, 0, 30.0f);
     }
     test_argmax();
+    test_delta_rule();
     printf("%d failure(s)\n", failures);
     return failures;
 }

@@ -1,0 +1,104 @@
+"""Tiny random-weight Qwen3.5 checkpoints: Qwen3_5ForConditionalGeneration (a hybrid decoder of
+Gated DeltaNet and gated-attention layers with partial interleaved mRoPE; Qwen3-VL's 16-px tower
+without DeepStack) with Qwen3-VL's processor settings, and the text-only Qwen3_5ForCausalLM, in
+transformers 5's layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from testing.layouts import save_processor
+from testing.tiny import QWEN_SPECIAL, qwen_tokenizer, randomize, save_checkpoint
+
+# Two linear-attention layers, a full-attention one, and a linear one after it.
+LAYER_TYPES = ("linear_attention", "linear_attention", "full_attention", "linear_attention")
+
+
+def text_config(tokenizer, special: dict[str, int], hidden_size: int,
+                layer_types: tuple[str, ...]) -> dict:
+    """The text settings both builders share: 4 attention heads of 32 (RoPE on 8 of them, in
+    interleaved sections 2, 1, 1), linear attention with 2 key heads and 4 value heads of 16."""
+    return dict(
+        hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=len(layer_types), layer_types=list(layer_types),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        vocab_size=len(tokenizer), max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 1, 1],
+                         "mrope_interleaved": True, "partial_rotary_factor": 0.25},
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        pad_token_id=special["<|endoftext|>"],
+    )
+
+
+def build_qwen3_5_model(
+    path: Path,
+    *,
+    hidden_size: int = 64,
+    layer_types: tuple[str, ...] = LAYER_TYPES,
+    vision_width: int = 32,
+    vision_depth: int = 2,
+    max_image_tokens: int = 64,
+    seed: int = 0,
+    std: float = 0.25,
+    tie_word_embeddings: bool | None = None,
+) -> Path:
+    """A tiny Qwen3_5ForConditionalGeneration at `path`."""
+    import transformers
+
+    tokenizer = qwen_tokenizer()
+    special = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL}
+    vision = dict(depth=vision_depth, hidden_size=vision_width, intermediate_size=2 * vision_width,
+                  num_heads=4, out_hidden_size=hidden_size, patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, num_position_embeddings=16)
+    config = transformers.Qwen3_5Config(
+        text_config=text_config(tokenizer, special, hidden_size, layer_types),
+        vision_config=vision, image_token_id=special["<|image_pad|>"],
+        video_token_id=special["<|video_pad|>"],
+        vision_start_token_id=special["<|vision_start|>"],
+        vision_end_token_id=special["<|vision_end|>"],
+    )
+    if tie_word_embeddings is not None:
+        config.tie_word_embeddings = tie_word_embeddings
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5ForConditionalGeneration(config)
+    randomize(model, std=std, seed=seed)
+    path = save_checkpoint(model, tokenizer, Path(path), [tokenizer.eos_token_id])
+    unit = 32 * 32  # one merged patch
+    image = transformers.Qwen2VLImageProcessorPil(
+        patch_size=16, temporal_patch_size=2, merge_size=2,
+        size={"shortest_edge": 4 * unit, "longest_edge": max_image_tokens * unit},
+        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+    video = {"video_processor_type": "Qwen3VLVideoProcessor", "patch_size": 16,
+             "temporal_patch_size": 2, "merge_size": 2, "fps": 2.0,
+             "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+             "size": {"shortest_edge": 8 * unit, "longest_edge": 4 * max_image_tokens * unit}}
+    save_processor(path, "Qwen3VLProcessor", tokenizer, image_processor=image,
+                   video_settings=video)
+    return path
+
+
+def build_qwen3_5_text_model(
+    path: Path,
+    *,
+    hidden_size: int = 64,
+    layer_types: tuple[str, ...] = LAYER_TYPES,
+    seed: int = 0,
+    std: float = 0.25,
+    tie_word_embeddings: bool = False,
+) -> Path:
+    """A tiny text-only Qwen3_5ForCausalLM at `path`."""
+    import transformers
+
+    tokenizer = qwen_tokenizer()
+    special = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL}
+    config = transformers.Qwen3_5TextConfig(
+        **text_config(tokenizer, special, hidden_size, layer_types),
+        tie_word_embeddings=tie_word_embeddings)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5ForCausalLM(config)
+    randomize(model, std=std, seed=seed)
+    return save_checkpoint(model, tokenizer, Path(path), [tokenizer.eos_token_id])
