@@ -69,8 +69,7 @@ def build_checkpoint() -> Path:
 
 
 SYSTEM = ("You are the assistant of a small bakery. Answer in one or two short sentences, "
-          "name prices in euros, never promise a delivery time, suggest the daily special when "
-          "asked for advice, and say you do not know when a question is not about the bakery.")
+          "name prices in euros and never promise a delivery time.")  # ~100 tokens rendered
 QUESTIONS = ["What is the special today?", "Do you sell rye bread?", "How much is a croissant?",
              "Are you open on Sunday?", "Can I order a cake for Friday?", "What is gluten?",
              "Which bread keeps longest?", "Do you have vegan pastries?", "Where are you?",
@@ -137,7 +136,11 @@ def main() -> None:
                      f"{sum(hits) / sum(lengths):.0%}", median(vllm_hits),
                      f"{sum(vllm_hits) / sum(lengths):.0%}", median(ratios)))
     end = warm.stats()
-    print(f"\nmachine: {machine()}; checkpoint {path.name}, {args.dtype}; "
+    tok = warm.engine.tokenizer
+    system = len(tok.encode(tok.apply_chat_template([{"role": "system", "content": SYSTEM}],
+                                                    tokenize=False), add_special_tokens=False))
+    print(f"\nmachine: {machine()}; checkpoint {path.name}, {args.dtype}; system prompt "
+          f"{system} tokens as rendered; "
           f"{args.requests - 1} requests after the first per scenario; state "
           f"{stats['state_bytes_per_request'] / 2**20:.1f} MiB per request, "
           f"{stats['state_snapshots_total']} snapshots "

@@ -133,10 +133,16 @@ def test_plan_keeps_f_linear_when_nothing_wins_by_the_margin(tmp_path):
     ours = ["native" in candidates(model.b, rows, torch.float32) for rows in PROBE_ROWS]
     assert model.b.kernels == tuple("native" if o else BASELINE for o in ours)
     assert model.q.kernels[0] == ("native" if ours[0] else "int_kernel")
-    # PyTorch's kernels beating ours by the margin are chosen.
+    # At a decode's rows ours is kept against PyTorch's faster by less than DECODE_MARGIN
+    # (losing the one-call decode costs more)...
+    model = Tiny(torch.float32)
+    plan_linears(model, torch.float32, KernelCache(tmp_path / "k1.json"),
+                 FakeTimer({BASELINE: 1.0, "native": 1.2, "int_kernel": 1.0}))
+    assert model.b.kernels == tuple("native" if o else BASELINE for o in ours)
+    # ...and PyTorch's beating ours by more are chosen.
     model = Tiny(torch.float32)
     plan_linears(model, torch.float32, KernelCache(tmp_path / "k2.json"),
-                 FakeTimer({BASELINE: 1.0, "native": 1.2, "int_kernel": 1.0}))
+                 FakeTimer({BASELINE: 1.0, "native": 1.5, "int_kernel": 1.0}))
     assert model.b.kernels == (BASELINE,) * len(BUCKETS)
     prefill = "panel_gemm" if panel_gemm_takes(model.q) else "int_kernel"
     assert model.q.kernels == ("int_kernel", "int_kernel", prefill, prefill, prefill)

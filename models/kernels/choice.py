@@ -126,10 +126,11 @@ class KernelCache:
 
 
 def choose(
-    key: str, candidates: Mapping[str, Callable[[], object]], cache: KernelCache, timer: Timer
+    key: str, candidates: Mapping[str, Callable[[], object]], cache: KernelCache, timer: Timer,
+    margin: float = MARGIN,
 ) -> str:
     """The cached choice for `key` if it names a candidate, else time them, cache and log.
-    The first candidate is the baseline (kept unless another wins by the margin); a winner
+    The first candidate is the baseline (kept unless another wins by `margin`); a winner
     other than the baseline is timed against it once more and must win both times (each keeps
     its slower time)."""
     cached = cache.get(key, set(candidates))
@@ -139,13 +140,13 @@ def choose(
     if len(candidates) == 1:
         return baseline
     seconds = timer(candidates)
-    choice = pick(seconds, baseline)
+    choice = pick(seconds, baseline, margin)
     if choice != baseline:
         # Confirm against the baseline: a burst of load on a shared machine during the first
         # timing must not leave a slower choice in the cache for good.
         again = timer({n: candidates[n] for n in (baseline, choice)})
         seconds = {**seconds, **{n: max(seconds[n], t) for n, t in again.items()}}
-        choice = pick(seconds, baseline)
+        choice = pick(seconds, baseline, margin)
     cache.put(key, choice, seconds)
     shown = ", ".join(f"{k} {v * 1e6:.0f}us" for k, v in sorted(seconds.items()))
     log.info("linear kernel %s: %s (%s)", key, choice, shown)

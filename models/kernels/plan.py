@@ -21,6 +21,7 @@ from models.kernels import native
 from models.kernels.choice import (
     BASELINE,
     BUCKETS,
+    MARGIN,
     PROBE_ROWS,
     KernelCache,
     Timer,
@@ -43,9 +44,14 @@ TIMED_FLOPS = 5e8  # and FLOPs
 SLICE_ROWS = 16384  # a lone matrix with more output rows is timed on its first rows
 PLAN_SECONDS = 3.0  # past this, buckets left unmeasured keep F.linear (and are not cached)
 NATIVE_ROWS = PROBE_ROWS[1]  # our matrix-vector kernel is a candidate up to this many rows
+# At a decode's rows, how much faster than ours another kernel must be to be chosen: one layer
+# group planned to PyTorch's costs every decode step the one native call through all layers
+# (models.kernels.native_decode), whose saving no single linear's timing shows (a group 9%
+# faster through PyTorch's int4 kernel, within timing noise, made a whole step 1.6x slower).
+DECODE_MARGIN = 0.25
 # The version of the candidates and choosing rules below, part of the cache file's name: bump
 # it when they change, so that choices made under the old ones are timed afresh.
-PLAN_RULES = 3
+PLAN_RULES = 4
 
 
 def candidates(layer: nn.Module, rows: int, dtype: torch.dtype) -> list[str]:
@@ -164,16 +170,19 @@ def plan_linears(model: nn.Module, dtype: torch.dtype, cache: KernelCache | None
 def _choose(key: str, rows: int, names: list[str], group: list[nn.Module],
             dtype: torch.dtype, cache: KernelCache, timer: Timer) -> str:
     """One bucket's choice for a group: cached, or timed on the group's layers. Where ours is
-    a candidate (a decode's rows) it is the one kept on a tie: a decoder whose linears all run
-    ours takes its decode steps in one native call (models.kernels.native_decode), which saves more
-    than the margin a tie allows; PyTorch's must beat ours by the margin to be chosen. So is
-    our quantized GEMM at a prefill's rows: its result is contiguous, where the dequantized
-    `_t` formulations' is a transposed view whose cost falls on the operations after the
-    linear, which timing it alone does not see (bench.prefill_ab at 512 tokens: bfloat16 int8
-    TTFT 0.99x dense through ours, 1.22x through `dequantized_t`, the linears alone tying)."""
+    a candidate (a decode's rows) it is kept unless another is faster by DECODE_MARGIN: a
+    decoder whose linears all run ours takes its decode steps in one native call
+    (models.kernels.native_decode), which saves more than one linear's timing shows. Our
+    quantized GEMM is kept on a tie (MARGIN) at a prefill's rows: its result is contiguous,
+    where the dequantized `_t` formulations' is a transposed view whose cost falls on the
+    operations after the linear, which timing it alone does not see (bench.prefill_ab at 512
+    tokens: bfloat16 int8 TTFT 0.99x dense through ours, 1.22x through `dequantized_t`, the
+    linears alone tying)."""
+    margin = MARGIN
     for ours in ("native", "panel_gemm"):
         if ours in names:
             names = [ours] + [n for n in names if n != ours]
+            margin = DECODE_MARGIN if ours == "native" else MARGIN
             break
     if cache.get(key, set(names)) is not None or len(names) == 1:
         return choose(key, {n: _noop for n in names}, cache, timer)
@@ -191,7 +200,7 @@ def _choose(key: str, rows: int, names: list[str], group: list[nn.Module],
         kernel = table[name]
         return lambda: [kernel(layer, x) for layer in layers]
 
-    return choose(key, {n: run(n) for n in names}, cache, timer)
+    return choose(key, {n: run(n) for n in names}, cache, timer, margin)
 
 
 def _timing_layers(group: list[nn.Module], rows: int, dtype: torch.dtype) -> list[nn.Module]:

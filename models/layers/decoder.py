@@ -137,16 +137,16 @@ class Decoder(nn.Module):
 
     def weight_map(self, prefix: str = "model.", lm_head: str = "lm_head.") -> Callable:
         """Maps a checkpoint tensor name to (our parameter name, row shard) or None (skip)."""
-        attn = self.attention_layers()[0]
-        q, kv = attn.q_rows, attn.kv_size
         inter = self.cfg.intermediate_size
         fused = {
-            "q_proj": ("qkv_proj", Shard(0, q)),
-            "k_proj": ("qkv_proj", Shard(q, kv)),
-            "v_proj": ("qkv_proj", Shard(q + kv, kv)),
             "gate_proj": ("gate_up_proj", Shard(0, inter)),
             "up_proj": ("gate_up_proj", Shard(inter, inter)),
         }
+        for attn in self.attention_layers()[:1]:  # every attention layer has the same shape
+            q, kv = attn.q_rows, attn.kv_size
+            fused |= {"q_proj": ("qkv_proj", Shard(0, q)),
+                      "k_proj": ("qkv_proj", Shard(q, kv)),
+                      "v_proj": ("qkv_proj", Shard(q + kv, kv))}
         linear = self.cfg.linear_attention
         if linear is not None:  # Gated DeltaNet's four input projections, in one
             offset = 0

@@ -93,11 +93,6 @@ class DecoderConfig:
         return "attention" if self.layer_mixers is None else self.layer_mixers[layer]
 
     @property
-    def num_attention_layers(self) -> int:
-        """Layers with a KV cache."""
-        return sum(self.mixer(i) == "attention" for i in range(self.num_layers))
-
-    @property
     def rope(self) -> dict:
         """The first layer's rope setting (models with one setting for every layer)."""
         return self.layer_rope[0]
