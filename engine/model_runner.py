@@ -129,7 +129,8 @@ class ModelRunner:
             lambda: model_cls.from_hf_config(hf_config, max_len, device), device, dtype
         )
         try:
-            load_weights(self.model, iter_checkpoint(path), self.model.checkpoint_map())
+            load_weights(self.model, self.model.checkpoint_tensors(iter_checkpoint(path)),
+                         self.model.checkpoint_map())
         except MissingWeights as e:
             if "lm_head.weight" not in e.missing:
                 raise

@@ -15,7 +15,7 @@ The registry (models/registry.py) pairs them by `architectures[0]`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -300,6 +300,13 @@ class LanguageModel(Protocol):
 
     def checkpoint_map(self) -> WeightMap:
         """Checkpoint tensor name -> (our parameter name, row shard) or None (skip)."""
+        ...
+
+    def checkpoint_tensors(
+        self, tensors: Iterator[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's (name, tensor) pairs as `checkpoint_map` reads them (a tensor that
+        holds several of our parameters, such as fused experts, split into views)."""
         ...
 
     def attention_layers(self) -> list[Any]:

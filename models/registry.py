@@ -34,6 +34,7 @@ _REGISTRY: dict[str, ModelSpec] = {
     "MistralForCausalLM": ModelSpec(CausalLM),
     "Qwen2ForCausalLM": ModelSpec(CausalLM),
     "Qwen3ForCausalLM": ModelSpec(CausalLM),
+    "Qwen3MoeForCausalLM": ModelSpec(CausalLM),
     "Gemma3ForCausalLM": ModelSpec(CausalLM),
     "Qwen2VLForConditionalGeneration": ModelSpec(QwenVLForConditionalGeneration, QwenVLProcessor),
     "Qwen2_5_VLForConditionalGeneration": ModelSpec(
@@ -42,6 +43,13 @@ _REGISTRY: dict[str, ModelSpec] = {
     "Qwen3VLForConditionalGeneration": ModelSpec(QwenVLForConditionalGeneration, QwenVLProcessor),
     "Qwen3_5ForConditionalGeneration": ModelSpec(QwenVLForConditionalGeneration, QwenVLProcessor),
     "Qwen3_5ForCausalLM": ModelSpec(CausalLM),
+    "Qwen3VLMoeForConditionalGeneration": ModelSpec(
+        QwenVLForConditionalGeneration, QwenVLProcessor
+    ),
+    "Qwen3_5MoeForConditionalGeneration": ModelSpec(
+        QwenVLForConditionalGeneration, QwenVLProcessor
+    ),
+    "Qwen3_5MoeForCausalLM": ModelSpec(CausalLM),
     "Gemma3ForConditionalGeneration": ModelSpec(Gemma3ForConditionalGeneration, Gemma3Processor),
     "LlavaForConditionalGeneration": ModelSpec(LlavaForConditionalGeneration, LlavaProcessor),
     "LlavaNextForConditionalGeneration": ModelSpec(

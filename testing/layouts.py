@@ -76,3 +76,20 @@ def save_processor(path: Path, processor_class: str, tokenizer, *, image_process
     if tokenizer.chat_template:
         (path / "chat_template.jinja").write_text(tokenizer.chat_template)
     return path
+
+
+def transpose_fused_experts(path: Path) -> Path:
+    """Rewrite `path`'s fused experts tensors (`experts.gate_up_proj` [E, 2I, H],
+    `experts.down_proj` [E, H, I]) as transformers 4 wrote Qwen3-VL-MoE's, the layout of its
+    Hub checkpoints: [E, H, 2I] and [E, I, H] (every other tensor as it was)."""
+    from safetensors.torch import load_file, save_file
+
+    file = Path(path) / "model.safetensors"
+    tensors = load_file(file)
+    fused = [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    if not fused:
+        raise ValueError(f"{file} has no fused experts tensors")
+    for key in fused:
+        tensors[key] = tensors[key].transpose(1, 2).contiguous()
+    save_file(tensors, file, metadata={"format": "pt"})
+    return path

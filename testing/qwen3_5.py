@@ -1,7 +1,8 @@
 """Tiny random-weight Qwen3.5 checkpoints: Qwen3_5ForConditionalGeneration (a hybrid decoder of
 Gated DeltaNet and gated-attention layers with partial interleaved mRoPE; Qwen3-VL's 16-px tower
 without DeepStack) with Qwen3-VL's processor settings, and the text-only Qwen3_5ForCausalLM, in
-transformers 5's layout."""
+transformers 5's layout; with `experts`, Qwen3.5-MoE's classes (every layer's feed-forward block
+a mixture of experts with a gated shared expert)."""
 
 from __future__ import annotations
 
@@ -17,11 +18,13 @@ LAYER_TYPES = ("linear_attention", "linear_attention", "full_attention", "linear
 
 
 def text_config(tokenizer, special: dict[str, int], hidden_size: int,
-                layer_types: tuple[str, ...]) -> dict:
+                layer_types: tuple[str, ...], experts: dict | None = None) -> dict:
     """The text settings both builders share: 4 attention heads of 32 (RoPE on 8 of them, in
-    interleaved sections 2, 1, 1), linear attention with 2 key heads and 4 value heads of 16."""
+    interleaved sections 2, 1, 1), linear attention with 2 key heads and 4 value heads of 16;
+    `experts` replace the dense MLP's size (Qwen3.5-MoE has no dense layers)."""
+    mlp = {"intermediate_size": 2 * hidden_size} if experts is None else experts
     return dict(
-        hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        hidden_size=hidden_size, **mlp,
         num_hidden_layers=len(layer_types), layer_types=list(layer_types),
         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -45,8 +48,13 @@ def build_qwen3_5_model(
     seed: int = 0,
     std: float = 0.25,
     tie_word_embeddings: bool | None = None,
+    experts: dict | None = None,
+    **save_kwargs,
 ) -> Path:
-    """A tiny Qwen3_5ForConditionalGeneration at `path`."""
+    """A tiny Qwen3_5ForConditionalGeneration at `path` (with `experts`, text config fields
+    such as num_experts, num_experts_per_tok, moe_intermediate_size,
+    shared_expert_intermediate_size: a Qwen3_5MoeForConditionalGeneration); `save_kwargs` go
+    to save_pretrained."""
     import transformers
 
     tokenizer = qwen_tokenizer()
@@ -54,8 +62,9 @@ def build_qwen3_5_model(
     vision = dict(depth=vision_depth, hidden_size=vision_width, intermediate_size=2 * vision_width,
                   num_heads=4, out_hidden_size=hidden_size, patch_size=16, spatial_merge_size=2,
                   temporal_patch_size=2, num_position_embeddings=16)
-    config = transformers.Qwen3_5Config(
-        text_config=text_config(tokenizer, special, hidden_size, layer_types),
+    kind = "Qwen3_5" if experts is None else "Qwen3_5Moe"
+    config = getattr(transformers, kind + "Config")(
+        text_config=text_config(tokenizer, special, hidden_size, layer_types, experts),
         vision_config=vision, image_token_id=special["<|image_pad|>"],
         video_token_id=special["<|video_pad|>"],
         vision_start_token_id=special["<|vision_start|>"],
@@ -64,9 +73,10 @@ def build_qwen3_5_model(
     if tie_word_embeddings is not None:
         config.tie_word_embeddings = tie_word_embeddings
     torch.manual_seed(seed)
-    model = transformers.Qwen3_5ForConditionalGeneration(config)
+    model = getattr(transformers, kind + "ForConditionalGeneration")(config)
     randomize(model, std=std, seed=seed)
-    path = save_checkpoint(model, tokenizer, Path(path), [tokenizer.eos_token_id])
+    path = save_checkpoint(model, tokenizer, Path(path), [tokenizer.eos_token_id],
+                           **save_kwargs)
     unit = 32 * 32  # one merged patch
     image = transformers.Qwen2VLImageProcessorPil(
         patch_size=16, temporal_patch_size=2, merge_size=2,

@@ -1,5 +1,6 @@
 """Tiny random-weight Qwen3-VL checkpoints (Qwen3VLForConditionalGeneration: Qwen3 decoder with
-interleaved mRoPE, 16-px patch tower with learned positions and DeepStack mergers) and
+interleaved mRoPE, 16-px patch tower with learned positions and DeepStack mergers; with
+`experts`, Qwen3VLMoeForConditionalGeneration, the same with mixture-of-experts layers) and
 Qwen3-VL's image and video processor settings in transformers 5's layout."""
 
 from __future__ import annotations
@@ -24,9 +25,14 @@ def build_qwen3_vl_model(
     seed: int = 0,
     std: float = 0.25,
     tie_word_embeddings: bool | None = None,
+    experts: dict | None = None,
+    **save_kwargs,
 ) -> Path:
     """A tiny Qwen3VLForConditionalGeneration at `path` whose tower feeds DeepStack residuals
-    from blocks `deepstack` into the first len(deepstack) decoder layers."""
+    from blocks `deepstack` into the first len(deepstack) decoder layers. `experts` (text
+    config fields such as num_experts, num_experts_per_tok, moe_intermediate_size,
+    mlp_only_layers): a Qwen3VLMoeForConditionalGeneration instead; `save_kwargs` go to
+    save_pretrained (`save_original_format=False`: transformers 5's in-memory layout)."""
     import transformers
 
     tokenizer = qwen_tokenizer()
@@ -45,8 +51,10 @@ def build_qwen3_vl_model(
                   num_heads=4, out_hidden_size=hidden_size, patch_size=16, spatial_merge_size=2,
                   temporal_patch_size=2, num_position_embeddings=16,
                   deepstack_visual_indexes=list(deepstack))
-    config = transformers.Qwen3VLConfig(
-        text_config=text, vision_config=vision, image_token_id=special["<|image_pad|>"],
+    kind = "Qwen3VL" if experts is None else "Qwen3VLMoe"
+    config = getattr(transformers, kind + "Config")(
+        text_config={**text, **(experts or {})}, vision_config=vision,
+        image_token_id=special["<|image_pad|>"],
         video_token_id=special["<|video_pad|>"],
         vision_start_token_id=special["<|vision_start|>"],
         vision_end_token_id=special["<|vision_end|>"],
@@ -54,9 +62,10 @@ def build_qwen3_vl_model(
     if tie_word_embeddings is not None:  # the flag transformers ties the head by
         config.tie_word_embeddings = tie_word_embeddings
     torch.manual_seed(seed)
-    model = transformers.Qwen3VLForConditionalGeneration(config)
+    model = getattr(transformers, kind + "ForConditionalGeneration")(config)
     randomize(model, std=std, seed=seed)
-    path = save_checkpoint(model, tokenizer, Path(path), [tokenizer.eos_token_id])
+    path = save_checkpoint(model, tokenizer, Path(path), [tokenizer.eos_token_id],
+                           **save_kwargs)
     unit = 32 * 32  # one merged patch
     image = transformers.Qwen2VLImageProcessorPil(
         patch_size=16, temporal_patch_size=2, merge_size=2,

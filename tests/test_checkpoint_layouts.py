@@ -136,6 +136,9 @@ def _llava(next_: bool = False, tower: str = "clip"):
                                             tie_word_embeddings=tie)
 
 
+TINY_EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+
+
 def _families() -> dict[str, Family]:
     from testing.gemma3 import build_gemma3_model
     from testing.mistral3 import build_mistral3_model
@@ -164,6 +167,11 @@ def _families() -> dict[str, Family]:
                            _image, _qwen_vl),
         "qwen3_5": Family(lambda p, tie: build_qwen3_5_model(p, tie_word_embeddings=tie),
                           _image, _qwen_vl),
+        "qwen3_vl_moe": Family(lambda p, tie: build_qwen3_vl_model(
+            p, tie_word_embeddings=tie, experts=TINY_EXPERTS), _image, _qwen_vl),
+        "qwen3_5_moe": Family(lambda p, tie: build_qwen3_5_model(
+            p, tie_word_embeddings=tie,
+            experts={**TINY_EXPERTS, "shared_expert_intermediate_size": 32}), _image, _qwen_vl),
         "qwen2_audio": Family(lambda p, tie: build_qwen2_audio_model(
             p, tie_word_embeddings=tie), _audio, _qwen_audio, "input_features", ties=False),
     }
@@ -253,7 +261,8 @@ def _check_layout(path: Path, layout: str) -> None:
 
 
 TEXT_CASES = [(f, layout, tie)
-              for f in ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_5_text")
+              for f in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text",
+                        "qwen3_5_text")
               for layout in ("transformers5", "legacy-tokenizer-template")
               for tie in (False, True)]
 
@@ -274,6 +283,8 @@ def test_text_families_in_both_layouts(tmp_path, family, layout, tie):
     else:
         overrides = {"head_dim": 16, "query_pre_attn_scalar": 16} \
             if family == "gemma3_text" else {}
+        if family == "qwen3_moe":
+            overrides = {**TINY_EXPERTS, "norm_topk_prob": True}
         path = build_text_model(tmp_path / "m", family, num_layers=1, tie_word_embeddings=tie,
                                 config_overrides=overrides)
     if LAYOUTS[layout] is not None:

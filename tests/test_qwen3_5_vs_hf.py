@@ -22,6 +22,7 @@ from tests.helpers import (
     assert_released,
     hf_greedy,
     process_chat,
+    qwen_vl_hf_inputs,
     random_image,
     random_video,
     user,
@@ -58,21 +59,7 @@ def text_path(tmp_path_factory):
     return build_qwen3_5_text_model(tmp_path_factory.mktemp("qwen3_5_text") / "m")
 
 
-def hf_inputs(hf, proc) -> dict:
-    ids = torch.tensor([proc.token_ids])
-    cfg = hf.config
-    kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-              "mm_token_type_ids": (ids == cfg.image_token_id).int()
-              + 2 * (ids == cfg.video_token_id).int()}
-    images = [f.data for f in proc.mm_features if f.modality == "image"]
-    if images:
-        kwargs["pixel_values"] = torch.cat([d["pixel_values"] for d in images])
-        kwargs["image_grid_thw"] = torch.tensor([d["grid_thw"] for d in images])
-    groups = [f.data for f in proc.mm_features if f.modality == "video"]
-    if groups:  # one video: its temporal groups back in one tensor
-        kwargs["pixel_values_videos"] = torch.cat([d["pixel_values"] for d in groups])
-        kwargs["video_grid_thw"] = torch.tensor([(len(groups), *groups[0]["grid_thw"][1:])])
-    return kwargs
+hf_inputs = qwen_vl_hf_inputs
 
 
 @pytest.fixture(scope="module")

@@ -61,7 +61,8 @@ class VisionConfig:
 
     @classmethod
     def from_hf(cls, vc) -> VisionConfig:
-        """Read a Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Qwen3.5 vision config."""
+        """Read a Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Qwen3.5 vision config (the MoE variants'
+        towers are their dense family's)."""
         rope_theta = float((getattr(vc, "rope_parameters", None) or {}).get("rope_theta", 1e4))
         common = dict(depth=vc.depth, num_heads=vc.num_heads, patch_size=vc.patch_size,
                       temporal_patch_size=vc.temporal_patch_size,
@@ -76,7 +77,9 @@ class VisionConfig:
                        mlp_hidden=vc.intermediate_size, norm="rms", gated_mlp=True,
                        window_size=vc.window_size,
                        full_attention_layers=tuple(vc.fullatt_block_indexes), **common)
-        if vc.model_type in ("qwen3_vl", "qwen3_vl_vision", "qwen3_5", "qwen3_5_vision"):
+        if vc.model_type in ("qwen3_vl", "qwen3_vl_vision", "qwen3_5", "qwen3_5_vision",
+                             "qwen3_vl_moe", "qwen3_vl_moe_vision", "qwen3_5_moe",
+                             "qwen3_5_moe_vision"):
             side = math.isqrt(vc.num_position_embeddings)
             # Qwen3.5's tower is Qwen3-VL's without the DeepStack mergers.
             deepstack = () if vc.model_type.startswith("qwen3_5") else tuple(

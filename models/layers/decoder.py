@@ -12,7 +12,7 @@ On the CPU, decode steps the native call can take run all layers in one call of 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from models.kernels.native_decode import NativeDecode
 from models.layers.attention import AttentionMetadata
 from models.layers.decoder_layer import Attention, DecoderConfig, DecoderLayer
 from models.layers.gated_deltanet import GatedDeltaNet
+from models.layers.moe import MoEShape, sparse_layers, unfuse_experts
 from models.layers.norm import RMSNorm
 from models.layers.rotary import RotaryTable
 from models.loader import Shard
@@ -135,13 +136,17 @@ class Decoder(nn.Module):
         """The distinct sliding windows of the layers (None: full attention)."""
         return tuple(dict.fromkeys(a.layout.sliding_window for a in self.attention_layers()))
 
+    def checkpoint_tensors(
+        self, tensors: Iterator[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors as the weight map reads them: a fused experts tensor
+        (models/layers/moe.py) becomes one view per expert; the rest pass through."""
+        moe = self.cfg.moe
+        return tensors if moe is None else unfuse_experts(tensors, moe, self.cfg.hidden_size)
+
     def weight_map(self, prefix: str = "model.", lm_head: str = "lm_head.") -> Callable:
         """Maps a checkpoint tensor name to (our parameter name, row shard) or None (skip)."""
-        inter = self.cfg.intermediate_size
-        fused = {
-            "gate_proj": ("gate_up_proj", Shard(0, inter)),
-            "up_proj": ("gate_up_proj", Shard(inter, inter)),
-        }
+        fused: dict[str, tuple[str, Shard | None]] = {}
         for attn in self.attention_layers()[:1]:  # every attention layer has the same shape
             q, kv = attn.q_rows, attn.kv_size
             fused |= {"q_proj": ("qkv_proj", Shard(0, q)),
@@ -155,7 +160,16 @@ class Decoder(nn.Module):
                 fused[name] = ("in_proj", Shard(offset, rows))
                 offset += rows
             fused["conv1d"] = ("conv_weight", None)
+        moe = self.cfg.moe
         tied = self.cfg.tie_word_embeddings
+
+        def mlp_rows(parts: list[str]) -> int:
+            """The intermediate size of the MLP a gate_proj / up_proj belongs to."""
+            if moe is not None and "experts" in parts:
+                return moe.intermediate_size
+            if moe is not None and "shared_expert" in parts:
+                return moe.shared_expert_size or 0
+            return self.cfg.intermediate_size
 
         def mapping(name: str) -> tuple[str, Shard | None] | None:
             if name.startswith(lm_head):
@@ -164,7 +178,13 @@ class Decoder(nn.Module):
                 return None
             ours = name[len(prefix):]
             parts = ours.split(".")
-            if len(parts) >= 2 and parts[-2] in fused:
+            if len(parts) < 2:
+                return ours, None
+            if parts[-2] in ("gate_proj", "up_proj"):  # gate and up, in one
+                inter = mlp_rows(parts)
+                shard = Shard(0 if parts[-2] == "gate_proj" else inter, inter)
+                return ".".join(parts[:-2] + ["gate_up_proj", parts[-1]]), shard
+            if parts[-2] in fused:
                 target, shard = fused[parts[-2]]
                 if shard is None:  # a renamed parameter
                     return ".".join(parts[:-2] + [target]), None
@@ -188,6 +208,13 @@ class CausalLM(Decoder):
 
 
 QWEN2_FEATURES = {"qkv_bias": True, "o_bias": False}  # bias on q/k/v, none on o
+# Qwen3.5: hybrid layers (read from `layer_types`), (1 + w) norms, gated attention output.
+QWEN3_5_FEATURES = {"qk_norm": True, "norm_unit_offset": True, "attn_output_gate": True}
+
+
+def moe_features(cfg, normalize_top_k: bool) -> dict:
+    """Sparse feed-forward blocks where the config places them (models/layers/moe.py)."""
+    return {"moe": MoEShape.from_hf(cfg, normalize_top_k), "moe_layers": sparse_layers(cfg)}
 
 
 def gemma_features(cfg) -> dict:
@@ -212,9 +239,12 @@ TEXT_FEATURES: dict[str, Callable[[object], dict]] = {
     "qwen2_5_vl_text": lambda cfg: QWEN2_FEATURES,
     "qwen3": lambda cfg: {"qk_norm": True},
     "qwen3_vl_text": lambda cfg: {"qk_norm": True},
-    # Qwen3.5: hybrid layers (read from `layer_types`), (1 + w) norms, gated attention output.
-    "qwen3_5_text": lambda cfg: {"qk_norm": True, "norm_unit_offset": True,
-                                 "attn_output_gate": True},
+    # Mixtures of experts: Qwen3-MoE renormalises the top k as its config says; Qwen3-VL-MoE's
+    # and Qwen3.5-MoE's routers always do.
+    "qwen3_moe": lambda cfg: {"qk_norm": True, **moe_features(cfg, cfg.norm_topk_prob)},
+    "qwen3_vl_moe_text": lambda cfg: {"qk_norm": True, **moe_features(cfg, True)},
+    "qwen3_5_text": lambda cfg: QWEN3_5_FEATURES,
+    "qwen3_5_moe_text": lambda cfg: {**QWEN3_5_FEATURES, **moe_features(cfg, True)},
     "gemma3_text": gemma_features,
 }
 

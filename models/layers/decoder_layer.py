@@ -7,8 +7,9 @@ q/k/v and on o, RMSNorm over each head's q and k (`qk_norm`), norms that scale b
 (`norm_unit_offset`), norms after attention and MLP as well (`sandwich_norms`), the attention
 scale, per-layer sliding windows and soft-caps, RoPE on the first `rotary_dim` dimensions of each
 head only, an output gate (`attn_output_gate`: q_proj also emits a per-head gate, and the
-attention output is multiplied by its sigmoid), and hybrid stacks whose layers mix tokens by
-Gated DeltaNet linear attention instead (`layer_mixers`, models/layers/gated_deltanet.py). The
+attention output is multiplied by its sigmoid), hybrid stacks whose layers mix tokens by Gated
+DeltaNet linear attention instead (`layer_mixers`, models/layers/gated_deltanet.py), and
+mixture-of-experts feed-forward blocks in some or all layers (`moe`, models/layers/moe.py). The
 stack of layers is models/layers/decoder.py.
 """
 
@@ -25,6 +26,7 @@ from models.kernels.linear import Linear
 from models.layers.attention import AttentionMetadata, LayerAttention, paged_attention
 from models.layers.gated_deltanet import GatedDeltaNet, LinearAttentionShape
 from models.layers.mlp import GatedMLP
+from models.layers.moe import MoEShape, SparseMoE
 from models.layers.norm import RMSNorm
 from models.layers.rotary import apply_rotary
 
@@ -63,6 +65,10 @@ class DecoderConfig:
     # the linear layers' shape.
     layer_mixers: tuple[str, ...] | None = None
     linear_attention: LinearAttentionShape | None = None
+    # Mixture-of-experts feed-forward blocks: their shape and the layers that have one (the
+    # others have the dense MLP of `intermediate_size`).
+    moe: MoEShape | None = None
+    moe_layers: tuple[int, ...] = ()
     extra: dict = field(default_factory=dict, compare=False)  # family data, e.g. mrope_section
 
     def __post_init__(self) -> None:
@@ -87,6 +93,16 @@ class DecoderConfig:
                 raise ValueError(f"unknown layer mixers {sorted(unknown)} (known: {MIXERS})")
             if "linear_attention" in self.layer_mixers and self.linear_attention is None:
                 raise ValueError("linear_attention layers need the linear_attention shape")
+        if self.moe_layers and self.moe is None:
+            raise ValueError("moe_layers need the moe shape")
+        if any(not 0 <= i < self.num_layers for i in self.moe_layers):
+            raise ValueError(f"moe_layers {self.moe_layers} outside [0, {self.num_layers})")
+        if len(self.moe_layers) < self.num_layers and self.intermediate_size <= 0:
+            raise ValueError("layers with a dense MLP need intermediate_size > 0")
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s feed-forward block is a mixture of experts."""
+        return layer in self.moe_layers
 
     def mixer(self, layer: int) -> str:
         """How layer `layer` mixes tokens: "attention" or "linear_attention"."""
@@ -115,7 +131,8 @@ class DecoderConfig:
         options = dict(
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size,
+            # Absent where every layer is sparse (Qwen3.5-MoE).
+            intermediate_size=getattr(cfg, "intermediate_size", None) or 0,
             num_layers=cfg.num_hidden_layers,
             num_heads=heads,
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
@@ -257,8 +274,12 @@ class DecoderLayer(nn.Module):
         if cfg.sandwich_norms:
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act,
-                            fused_decode=True)
+        self.mlp: GatedMLP | SparseMoE
+        if cfg.is_sparse(index):
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, cfg.hidden_act)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias,
+                                cfg.hidden_act, fused_decode=True)
 
     def forward(self, h, rotary: list, meta: AttentionMetadata) -> torch.Tensor:
         if self.is_linear:

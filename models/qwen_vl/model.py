@@ -1,9 +1,10 @@
-"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5: a Qwen decoder with multimodal rotary positions
-(mRoPE) and the vision towers of models/encoders/qwen_vl.py. Images and videos share the tower, so
-one step's items of both modalities go through it in a single forward. Qwen3.5's decoder is
-hybrid (three Gated DeltaNet layers to one attention layer, attention with an output gate and
-RoPE on a quarter of each head; see models/layers/decoder_layer.py), its tower Qwen3-VL's
-without DeepStack.
+"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 (and Qwen3-VL-MoE and Qwen3.5-MoE, the same with
+mixture-of-experts feed-forward blocks): a Qwen decoder with multimodal rotary positions (mRoPE)
+and the vision towers of models/encoders/qwen_vl.py. Images and videos share the tower, so one
+step's items of both modalities go through it in a single forward. Qwen3.5's decoder is hybrid
+(three Gated DeltaNet layers to one attention layer, attention with an output gate and RoPE on a
+quarter of each head; see models/layers/decoder_layer.py), its tower Qwen3-VL's without
+DeepStack.
 
 mRoPE: positions are [3, T] (temporal, row, column). The rotary table is indexed by each row and
 every frequency takes its angle from one row: Qwen2/2.5-VL split the frequencies into
@@ -25,6 +26,7 @@ from models.encoders.qwen_vl import VisionConfig, VisionTower, build_vision_batc
 from models.layers.decoder import Decoder, DecoderConfig, text_features
 from models.layers.rotary import RotaryTable
 from models.loader import Shard
+from models.qwen_vl.family import base_family
 
 # Model types whose mRoPE interleaves its rows, and the `mrope_section` their reference classes
 # assume when the config has none.
@@ -43,8 +45,9 @@ class QwenVLForConditionalGeneration(Decoder):
         super().__init__(cfg, max_positions, device)
         self.visual = VisionTower(VisionConfig.from_hf(hf_config.vision_config))
         self.deepstack_layers = len(self.visual.cfg.deepstack_layers)
-        interleaved = hf_config.model_type in INTERLEAVED_SECTIONS
-        default = INTERLEAVED_SECTIONS.get(hf_config.model_type, [16, 24, 24])
+        family = base_family(hf_config.model_type)
+        interleaved = family in INTERLEAVED_SECTIONS
+        default = INTERLEAVED_SECTIONS.get(family, [16, 24, 24])
         section = list(self.cfg.rope.get("mrope_section", default))
         half = (self.cfg.rotary_dim or self.cfg.head_dim) // 2
         self.band = mrope_bands(section, half, interleaved).to(device)

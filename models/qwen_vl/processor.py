@@ -37,6 +37,7 @@ from models.layers.mrope import mrope_positions, window_positions
 from models.processing.base import ProcessedCache, ProcessorDefaults, hashed_and_processed
 from models.processing.hashing import hash_image, hash_video
 from models.processing.options import OptionRange, check_mm_kwargs
+from models.qwen_vl.family import base_family
 from models.qwen_vl.preprocess import (
     IMAGE_PROCESSORS,
     VIDEO_PROCESSORS,
@@ -82,20 +83,21 @@ class QwenVLProcessor(ProcessorDefaults):
         self.vision_end_token_id = hf_config.vision_end_token_id
         # Qwen3-VL and Qwen3.5 write each temporal group of a video as its own "<t seconds>" +
         # vision span.
-        self.video_timestamps = hf_config.model_type in ("qwen3_vl", "qwen3_5")
+        family = base_family(hf_config.model_type)
+        self.video_timestamps = family in ("qwen3_vl", "qwen3_5")
         self.tokenizer = ctx.tokenizer
         vision = hf_config.vision_config
         self.tokens_per_second = (
             getattr(vision, "tokens_per_second", None)
-            if hf_config.model_type == "qwen2_5_vl" else None
+            if family == "qwen2_5_vl" else None
         )
         files = ctx.files
         image, video = files.component("image_processor"), files.component("video_processor")
         image_settings = read_settings(image, choose_schema(image, IMAGE_PROCESSORS,
                                                             "Qwen2VLImageProcessor"))
         video_settings = read_settings(video, choose_schema(
-            video, VIDEO_PROCESSORS, VIDEO_CLASSES[hf_config.model_type], "video_processor_type"))
-        own = read_settings(files.processor_fields(), PROCESSORS[hf_config.model_type])
+            video, VIDEO_PROCESSORS, VIDEO_CLASSES[family], "video_processor_type"))
+        own = read_settings(files.processor_fields(), PROCESSORS[family])
         self.read = {"image_processor": image_settings, "video_processor": video_settings,
                      "processor": own}
         self.cfg = VisionPreprocessConfig.from_settings(image_settings, video_settings)
