@@ -49,17 +49,31 @@ def decode_bytes_per_token(model, state_bytes: int = 0) -> int:
     """Bytes one decode step of one request reads: every parameter and buffer (quantized
     weights and their scales; a oneDNN-prepacked copy replaces the weight it packs), except
     that of the embedding table only one row is gathered, while the LM head is read whole even
-    when it shares the table; and a hybrid model's recurrent state (`state_bytes` per request),
-    read and written back."""
+    when it shares the table; of a mixture-of-experts block only the routed experts (top k of
+    them; the router and any shared expert whole); and a hybrid model's recurrent state
+    (`state_bytes` per request), read and written back."""
+    from models.layers.moe import SparseMoE
+
     table = model.embed_tokens.weight
     seen, total = {table.data_ptr()}, 2 * state_bytes
-    for t in [*model.parameters(), *model.buffers()]:
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
+    experts = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    for block in experts:  # all experts of a block have one size: k of them are read
+        sizes = [_nbytes(e, seen) for e in block.experts]
+        total += sizes[0] * block.shape.top_k
+    total += _nbytes(model, seen)
     head = getattr(model.lm_head, "weight", None)
     if head is not None and head.data_ptr() == table.data_ptr():
         total += head.numel() * head.element_size()
+    return total
+
+
+def _nbytes(module, seen: set[int]) -> int:
+    """Bytes of `module`'s parameters and buffers not in `seen` (which it extends)."""
+    total = 0
+    for t in [*module.parameters(), *module.buffers()]:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
     return total
 
 
@@ -161,6 +175,9 @@ def main() -> None:
     parser.add_argument("--concurrent", type=int, default=8)
     parser.add_argument("--no-llama-cpp", action="store_true",
                         help="skip the llama.cpp column even when llama-cpp-python is installed")
+    parser.add_argument("--no-transformers", action="store_true",
+                        help="skip transformers (a checkpoint it cannot hold in memory); the "
+                             "speed-up columns are then empty")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(0)
@@ -181,28 +198,31 @@ def main() -> None:
                           quantization=q, quantization_group_size=args.group_size)
                    for q in modes}
         dtype = next(iter(engines.values())).engine.dtype
-        hf = Transformers(path, dtype)
+        hf = None if args.no_transformers else Transformers(path, dtype)
         llama = {} if args.no_llama_cpp else llama_cpp_engines(path, dtype_name, modes, context)
-        vocab = hf.model.config.vocab_size
+        vocab = next(iter(engines.values())).engine.runner.vocab_size
         prompts = [torch.randint(0, min(vocab, 100_000), (args.prompt_len,)).tolist()
                    for _ in range(args.concurrent)]
         for llm in engines.values():  # warm-up
             llm.generate([prompts[0]], SamplingParams(max_tokens=4, ignore_eos=True))
-        hf.generate(prompts[0], 4)
+        if hf is not None:
+            hf.generate(prompts[0], 4)
         for other in llama.values():
             other.measure(prompts, 4)
         ours = {q: [] for q in modes}
         theirs = []
         cpp = {q: [] for q in llama}
         for run in range(args.runs):  # alternating: drift hits every row alike
-            theirs.append(hf.measure(prompts, n))
+            if hf is not None:
+                theirs.append(hf.measure(prompts, n))
             for q, llm in engines.items():
                 ours[q].append(measure_engine(llm, prompts, n))
                 bandwidths.append(ours[q][-1]["bandwidth"])
                 if q in llama:
                     cpp[q].append(llama[q].measure(prompts, n))
             print(f"{dtype_name} run {run + 1}/{args.runs}: transformers "
-                  + ", ".join(f"{k}={v:.3g}" for k, v in theirs[-1].items()) + "; "
+                  + (", ".join(f"{k}={v:.3g}" for k, v in theirs[-1].items()) if theirs
+                     else "-") + "; "
                   + "; ".join(f"{q or 'none'} " + ", ".join(
                       f"{k}={v:.3g}" for k, v in ours[q][-1].items()) for q in modes))
         for q, llm in engines.items():
@@ -213,7 +233,9 @@ def main() -> None:
             def med(key: str, runs=ours[q]) -> float:
                 return median([r[key] for r in runs])
 
-            def ratio(key: str, runs=ours[q], base=theirs, invert: bool = False) -> float:
+            def ratio(key: str, runs=ours[q], base=theirs, invert: bool = False):
+                if not base:
+                    return "-"
                 pairs = zip(runs, base, strict=True)
                 return median([h[key] / o[key] if invert else o[key] / h[key] for o, h in pairs])
 
@@ -231,9 +253,10 @@ def main() -> None:
                 llama_rows.append((f"{str(dtype)[6:]} {q or 'dense'}", llama[q].name,
                                    median([r["ttft"] for r in cpp[q]]),
                                    median([r["decode"] for r in cpp[q]])))
-        summary.append((str(dtype)[6:], median([t["ttft"] for t in theirs]),
-                        median([t["decode"] for t in theirs]),
-                        median([t["conc"] for t in theirs])))
+        if theirs:
+            summary.append((str(dtype)[6:], median([t["ttft"] for t in theirs]),
+                            median([t["decode"] for t in theirs]),
+                            median([t["conc"] for t in theirs])))
         del engines, hf, llama
         gc.collect()
 

@@ -33,7 +33,7 @@ from models.kernels.decode_attention import choose_decode_kernel
 from models.kernels.delta_rule_choice import choose_recurrence
 from models.kernels.huge_pages import place_weights
 from models.kernels.plan import plan_linears
-from models.kernels.quantization import quantize_language_model
+from models.kernels.quantization import QuantizeOnLoad, quantize_language_model
 from models.layers.attention import build_metadata
 from models.layers.attention_varlen import choose_backend
 from models.layers.state_metadata import build_state_metadata
@@ -125,12 +125,16 @@ class ModelRunner:
                 f"(device {device}); leave it unset on {device.type}"
             )
         max_len = _max_model_len(hf_config, config)
+        # Quantized weights are quantized as they stream in: the dense model need not fit.
+        quantizer = None if config.quantization is None else QuantizeOnLoad(
+            config.quantization, config.quantization_group_size)
         self.model = build_on_meta(
-            lambda: model_cls.from_hf_config(hf_config, max_len, device), device, dtype
+            lambda: model_cls.from_hf_config(hf_config, max_len, device), device, dtype,
+            defer=None if quantizer is None else quantizer.defer,
         )
         try:
             load_weights(self.model, self.model.checkpoint_tensors(iter_checkpoint(path)),
-                         self.model.checkpoint_map())
+                         self.model.checkpoint_map(), quantizer)
         except MissingWeights as e:
             if "lm_head.weight" not in e.missing:
                 raise
@@ -140,9 +144,12 @@ class ModelRunner:
                 f"{model_cls.tied_head(hf_config)[1]} decides, as in transformers)"
             ) from e
         self.model.eval()
-        if config.quantization is not None:
+        if quantizer is not None:
             quantize_language_model(self.model, config.quantization,
-                                    config.quantization_group_size)
+                                    config.quantization_group_size)  # the LM head
+            log.info("%d linears quantized to %s as they loaded; at most %.1f MiB of them "
+                     "dense at once", quantizer.count, config.quantization,
+                     quantizer.peak_dense_bytes / 2**20)
         if device.type == "cpu":
             place_weights(self.model)  # before planning: the plan times them where they run
             plan_linears(self.model, dtype)

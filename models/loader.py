@@ -4,13 +4,18 @@ The module is built on the meta device (no memory, no random init), materialised
 target device, then every parameter is filled from the checkpoint through the model's explicit
 name map. A parameter (or row range of a fused parameter) that nothing fills is an error, as is
 a checkpoint tensor whose shape does not match.
+
+Parameters the caller defers stay on the meta device until the checkpoint first writes them, and
+an observer hears of each as it is complete (weights quantized while they stream in: only the
+linears being filled are ever resident in the model dtype).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
@@ -57,13 +62,33 @@ def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+class LoadObserver(Protocol):
+    """Told of deferred parameters as load_weights allocates them and of every parameter as it
+    is complete (models.kernels.quantization.QuantizeOnLoad)."""
+
+    def allocated(self, name: str, nbytes: int) -> None:
+        """A deferred parameter was allocated on its first write."""
+        ...
+
+    def filled(self, name: str) -> Collection[str]:
+        """`name` is complete; returns the parameters the observer took over (e.g. a linear it
+        replaced by a quantized one), which load_weights then stops holding."""
+        ...
+
+
 @torch.no_grad()
 def load_weights(
-    module: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], mapping: WeightMap
+    module: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], mapping: WeightMap,
+    observer: LoadObserver | None = None,
 ) -> None:
-    """Copy checkpoint tensors into `module` (dtype converted); fail on gaps or mismatches."""
+    """Copy checkpoint tensors into `module` (dtype converted); fail on gaps or mismatches.
+
+    A parameter still on the meta device is allocated (empty, on the CPU) when first written;
+    the parameters an `observer` takes over as they are complete are no longer held here, so
+    their memory goes as soon as the module drops them."""
     params = dict(module.named_parameters())
     filled: dict[str, int] = {name: 0 for name in params}
+    done: set[str] = set()
     for name, tensor in weights:
         target = mapping(name)
         if target is None:
@@ -71,7 +96,12 @@ def load_weights(
         ours, shard = target
         param = params.get(ours)
         if param is None:
-            raise ValueError(f"checkpoint tensor {name} maps to unknown parameter {ours}")
+            raise ValueError(f"checkpoint tensor {name} maps to unknown parameter {ours}"
+                             + (" (filled and already taken over)" if ours in done else ""))
+        if param.is_meta:
+            param = params[ours] = _allocate(module, ours, param)
+            if observer is not None:
+                observer.allocated(ours, param.numel() * param.element_size())
         dest = param if shard is None else param.narrow(0, shard.start, shard.size)
         if dest.shape != tensor.shape:
             raise ValueError(
@@ -80,21 +110,52 @@ def load_weights(
             )
         dest.copy_(tensor)
         filled[ours] += dest.numel()
+        if observer is not None and filled[ours] == param.numel():
+            for taken in observer.filled(ours):
+                del params[taken]
+                done.add(taken)
     missing = [n for n, p in params.items() if filled[n] != p.numel()]
     if missing:
         raise MissingWeights(missing)
 
 
-def build_on_meta(factory: Callable[[], nn.Module], device: torch.device, dtype: torch.dtype):
+def _allocate(module: nn.Module, name: str, param: nn.Parameter) -> nn.Parameter:
+    """Replace a meta-device parameter by an empty CPU one on its owner; returns it."""
+    owner_name, _, attr = name.rpartition(".")
+    owner = module.get_submodule(owner_name)
+    fresh = nn.Parameter(torch.empty_like(param, device="cpu"), requires_grad=param.requires_grad)
+    owner._parameters[attr] = fresh
+    return fresh
+
+
+def build_on_meta(factory: Callable[[], nn.Module], device: torch.device, dtype: torch.dtype,
+                  defer: Callable[[nn.Module], Collection[str]] | None = None):
     """Construct with `factory` on the meta device, then allocate (uninitialised) on `device`.
 
     Buffers created with an explicit device inside the factory (rotary tables) stay as built.
     Moving off the meta device makes new Parameter objects, which unties shared weights, so the
-    module's `tie_weights()` (if any) runs again afterwards.
+    module's `tie_weights()` (if any) runs again afterwards. `defer(meta module)` names
+    parameters to leave on the meta device (CPU only): load_weights allocates each when the
+    checkpoint first writes it.
     """
     with torch.device("meta"):
         module = factory()
-    module = module.to(dtype=dtype).to_empty(device=device)
+    module = module.to(dtype=dtype)
+    if defer is None:
+        module = module.to_empty(device=device)
+    else:
+        if device.type != "cpu":
+            raise ValueError(f"deferred parameters are allocated on the CPU, not {device}")
+        deferred = set(defer(module))
+        for owner_name, owner in module.named_modules():
+            for attr, param in list(owner._parameters.items()):
+                full = f"{owner_name}.{attr}" if owner_name else attr
+                if param is not None and param.is_meta and full not in deferred:
+                    owner._parameters[attr] = nn.Parameter(
+                        torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+            for attr, buffer in list(owner._buffers.items()):
+                if buffer is not None and buffer.is_meta:
+                    owner._buffers[attr] = torch.empty_like(buffer, device=device)
     if hasattr(module, "tie_weights"):
         module.tie_weights()
     return module

@@ -290,3 +290,46 @@ def test_tiny_model_bound_fails_with_wrong_scales(
     agree, cos, err = _engine_errors(qwen2_path, engine_prompts, dense_logits, "int8")
     low_agree, low_cos, high_err = ENGINE_BOUNDS["int8"]
     assert not (agree >= low_agree and cos >= low_cos and err <= high_err), (agree, cos, err)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_quantized_while_loading_equals_after_and_stays_small(tmp_path, fused):
+    """QuantizeOnLoad: the decoder's linears wait on the meta device and are quantized as the
+    checkpoint fills them; the result equals quantizing the loaded dense model, and at no time
+    are more than a couple of linears dense (per-expert and fused experts layouts)."""
+    from transformers import AutoConfig
+
+    from models.kernels.quantization import QuantizeOnLoad
+    from models.loader import build_on_meta, iter_checkpoint, load_weights
+    from testing.tiny import build_text_model
+
+    path = build_text_model(
+        tmp_path / "m", "qwen3_moe", num_layers=3, config_overrides={
+            "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+            "norm_topk_prob": True, "head_dim": 16},
+        **({"save_original_format": False} if fused else {}))
+    hf_config = AutoConfig.from_pretrained(path)
+    cpu = torch.device("cpu")
+
+    def load(streamed: bool):
+        quantizer = QuantizeOnLoad("int4", 32) if streamed else None
+        model = build_on_meta(lambda: CausalLM.from_hf_config(hf_config, 64, cpu), cpu,
+                              torch.float32, defer=quantizer.defer if quantizer else None)
+        load_weights(model, model.checkpoint_tensors(iter_checkpoint(path)),
+                     model.checkpoint_map(), quantizer)
+        quantize_language_model(model, "int4", 32)
+        return model, quantizer
+
+    after, _ = load(streamed=False)
+    during, quantizer = load(streamed=True)
+    assert quantizer.count == 3 * (2 + 8 * 2)  # per layer: qkv, o, and 8 experts' two
+    theirs = dict(after.named_buffers()) | dict(after.named_parameters())
+    ours = dict(during.named_buffers()) | dict(during.named_parameters())
+    assert sorted(theirs) == sorted(ours)
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name
+    assert not any(t.is_meta for t in ours.values())
+    sizes = [m.out_features * m.in_features * 4 for m in during.layers.modules()
+             if isinstance(m, QuantizedLinear)]
+    assert 0 < quantizer.peak_dense_bytes <= 2 * max(sizes) < sum(sizes) / 10, (
+        quantizer.peak_dense_bytes, max(sizes), sum(sizes))

@@ -187,7 +187,38 @@ def test_forward_sources_never_read_tensors_back(path):
     source = (ROOT / path).read_text()
     if path == "models/layers/attention.py":  # build_metadata runs on the host
         source = source[source.index("def paged_attention") :]
+    if path == "models/layers/moe.py":  # reads counts of CPU tensors only (tested below)
+        source = _without_function(source, "_grouped_on_host")
     assert not HOST_READS.search(source), HOST_READS.search(source)
+
+
+def _without_function(source: str, name: str) -> str:
+    tree = ast.parse(source)
+    (fn,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name]
+    lines = source.splitlines()
+    return "\n".join(lines[: fn.lineno - 1] + lines[fn.end_lineno:])
+
+
+def test_experts_read_counts_on_the_host_only_for_cpu_tensors():
+    """The MoE block groups tokens by expert from counts read on the host only when its input
+    is a CPU tensor; the formulation other devices run reads nothing back and gives the same
+    result."""
+    from models.layers.moe import MoEShape, SparseMoE
+
+    source = (ROOT / "models/layers/moe.py").read_text()
+    assert 'if x.device.type == "cpu":\n            return self._grouped_on_host(' in source
+    torch.manual_seed(0)
+    block = SparseMoE(32, MoEShape(6, 2, 16, True, shared_expert_size=8), "silu").eval()
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(9, 32)
+    with torch.inference_mode():
+        weights, experts = block.gate(x)
+        grouped = block.routed(x, weights, experts)
+        with SyncRecorder() as rec:
+            every = block._every_expert(x, weights, experts)
+    assert rec.seen == []
+    torch.testing.assert_close(every, grouped, atol=1e-6, rtol=1e-6)
 
 
 def test_audio_encoder_has_no_host_sync(qwen2_audio_path):

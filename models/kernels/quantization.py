@@ -198,24 +198,91 @@ class QuantizedLinear(nn.Module):
 
 def quantized_linears(model: nn.Module) -> list[tuple[nn.Module, str]]:
     """(parent, attribute) of every linear to quantize: the decoder layers' and the LM head."""
-    found = [(parent, name) for layer in model.layers for parent in layer.modules()
-             for name, child in parent.named_children() if isinstance(child, Linear)]
-    return found + [(model, "lm_head")]
+    return _layer_linears(model) + [(model, "lm_head")]
+
+
+def _layer_linears(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    return [(parent, name) for layer in model.layers for parent in layer.modules()
+            for name, child in parent.named_children() if isinstance(child, Linear)]
+
+
+def quantize_linear(linear: nn.Module, mode: str, group_size: int) -> QuantizedLinear:
+    """`linear` as a QuantizedLinear; int8 where the int4 pack cannot take its shape (logged)."""
+    layer_mode = mode
+    if mode == "int4" and not int4_supported(*linear.weight.shape, group_size):
+        log.info("int4 cannot pack %s (group %d): int8 instead", tuple(linear.weight.shape),
+                 group_size)
+        layer_mode = "int8"
+    return QuantizedLinear(linear.weight, linear.bias, layer_mode, group_size)
 
 
 @torch.no_grad()
 def quantize_language_model(model: nn.Module, mode: str, group_size: int = 128) -> int:
-    """Replace the decoder's linears and the LM head by QuantizedLinear; returns how many.
-    A layer whose shape the int4 pack cannot take is quantized to int8 instead (logged)."""
+    """Replace the decoder's linears and the LM head by QuantizedLinear (those still dense: a
+    model loaded through QuantizeOnLoad has only its head left); returns how many."""
     count = 0
     for parent, name in quantized_linears(model):
         linear = getattr(parent, name)
-        layer_mode = mode
-        if mode == "int4" and not int4_supported(*linear.weight.shape, group_size):
-            log.info("int4 cannot pack %s %s (group %d): int8 instead", name,
-                     tuple(linear.weight.shape), group_size)
-            layer_mode = "int8"
-        setattr(parent, name, QuantizedLinear(linear.weight, linear.bias, layer_mode,
-                                              group_size))
-        count += 1
+        if isinstance(linear, Linear):
+            setattr(parent, name, quantize_linear(linear, mode, group_size))
+            count += 1
     return count
+
+
+class QuantizeOnLoad:
+    """Quantizes each decoder-layer linear as soon as the checkpoint loader has filled it
+    (models.loader: `defer` to build, then the observer of load_weights), so that a model
+    whose weights in its own dtype exceed memory loads: the linears wait on the meta device,
+    and only those being filled are dense at any time. The LM head (which may share the
+    embedding table) is quantized after loading, by quantize_language_model.
+
+    `peak_dense_bytes`: the most bytes of dense linear weights resident at once while
+    loading."""
+
+    def __init__(self, mode: str, group_size: int) -> None:
+        if mode not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {mode!r}")
+        self.mode, self.group_size = mode, group_size
+        self._linears: dict[str, tuple[nn.Module, str]] = {}  # weight name -> parent, attr
+        self._waiting: dict[str, set[str]] = {}  # weight name -> its parameters not yet full
+        self._owner: dict[str, str] = {}  # parameter name -> its linear's weight name
+        self._dense_bytes = 0
+        self.peak_dense_bytes = 0
+        self.count = 0
+
+    def defer(self, model: nn.Module) -> list[str]:
+        """build_on_meta's `defer`: the decoder-layer linears' weights, to leave on the meta
+        device (the module tree, built on it, is the one loaded afterwards)."""
+        names = {id(m): n for n, m in model.named_modules()}
+        for parent, attr in _layer_linears(model):
+            prefix = f"{names[id(parent)]}.{attr}"
+            weight = f"{prefix}.weight"
+            self._linears[weight] = (parent, attr)
+            self._waiting[weight] = {f"{prefix}.{p}" for p, _ in
+                                     getattr(parent, attr).named_parameters()}
+        self._owner = {p: w for w, params in self._waiting.items() for p in params}
+        return list(self._linears)
+
+    def allocated(self, name: str, nbytes: int) -> None:
+        """A deferred weight was allocated: dense from now until quantized."""
+        self._dense_bytes += nbytes
+        self.peak_dense_bytes = max(self.peak_dense_bytes, self._dense_bytes)
+
+    @torch.no_grad()
+    def filled(self, name: str) -> list[str]:
+        """Once all of a linear's parameters are filled, replace it by its quantized form and
+        return the names of the parameters it dropped."""
+        weight = self._owner.get(name)
+        if weight is None:
+            return []
+        waiting = self._waiting[weight]
+        parent, attr = self._linears[weight]
+        waiting.discard(name)
+        if waiting:
+            return []
+        linear = getattr(parent, attr)
+        self._dense_bytes -= linear.weight.numel() * linear.weight.element_size()
+        setattr(parent, attr, quantize_linear(linear, self.mode, self.group_size))
+        self.count += 1
+        prefix = weight.removesuffix(".weight")
+        return [f"{prefix}.{p}" for p, _ in linear.named_parameters()]

@@ -3,9 +3,11 @@ MLPs and, where the config has one, a shared expert scaled by a sigmoid gate.
 
 Each expert is a GatedMLP of its own (gate and up fused), so quantization, the start-up plan of
 linear kernels and our decode kernels treat the experts' linears as any other: a token reads
-only its routed experts' weights. Tokens are grouped by expert, and each active expert runs one
-GEMM over its tokens (at a decode's rows, one matrix-vector product per routed expert); the
-formulation for that row count is the one the plan timed for the experts' shape group.
+only its routed experts' weights. On the CPU tokens are grouped by expert, and each active expert
+runs one GEMM over its tokens (at a decode's rows, one matrix-vector product per routed expert);
+the formulation for that row count is the one the plan timed for the experts' shape group. On an
+accelerator, where grouping would read the counts back to the host, every expert runs over every
+token with zero weight where not routed (correct, not fast: no grouped GEMM is built).
 
 The router and the shared expert's gate stay in the model dtype (plain `nn.Linear`, never
 quantized): rounding their weights would change which experts a token reaches.
@@ -116,11 +118,18 @@ class SparseMoE(nn.Module):
     def routed(self, x: torch.Tensor, weights: torch.Tensor,
                experts: torch.Tensor) -> torch.Tensor:
         """The weighted sum of each token's routed experts, accumulated expert by expert in
-        increasing index (the reference's order, so rounding in bfloat16 matches).
+        increasing index (the reference's order, so rounding in bfloat16 matches). On the CPU
+        each active expert runs once over its own tokens; elsewhere every expert runs over
+        every token (see `_every_expert`)."""
+        if x.device.type == "cpu":
+            return self._grouped_on_host(x, weights, experts)
+        return self._every_expert(x, weights, experts)
 
-        Token-expert pairs are sorted by expert (stable: a token's pairs keep their order);
-        each active expert runs once over its rows. The per-expert counts come to the host
-        (free on the CPU; one sync per layer on an accelerator)."""
+    def _grouped_on_host(self, x: torch.Tensor, weights: torch.Tensor,
+                         experts: torch.Tensor) -> torch.Tensor:
+        """Token-expert pairs sorted by expert (stable: a token's pairs keep their order); each
+        active expert runs once over its rows. The per-expert counts are read on the host,
+        which on the CPU is a read of memory, not a device sync: CPU tensors only."""
         k = experts.shape[1]
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -138,6 +147,19 @@ class SparseMoE(nn.Module):
             y = self.experts[expert](x if single else x[token_rows])
             out.index_add_(0, token_rows, y * scale[start:end])
             start = end
+        return out
+
+    def _every_expert(self, x: torch.Tensor, weights: torch.Tensor,
+                      experts: torch.Tensor) -> torch.Tensor:
+        """Accelerators: every expert over every token, scaled by the token's weight for it
+        (zero where the token is not routed there), so that nothing is read back to the host
+        inside the forward; num_experts / top_k times the routed FLOPs. A grouped GEMM that
+        takes the per-expert offsets on the device is not built."""
+        dense = torch.zeros(x.shape[0], self.shape.num_experts, dtype=weights.dtype,
+                            device=x.device).scatter_(1, experts, weights)  # [T, E]
+        out = torch.zeros_like(x)
+        for expert, mlp in enumerate(self.experts):
+            out = out + mlp(x) * dense[:, expert, None]
         return out
 
 
