@@ -7,7 +7,8 @@ Needs `llama-cpp-python` (built from source by pip; never a runtime dependency) 
 `sentencepiece`. The converter is not part of llama-cpp-python's wheel, so its source
 distribution (which vendors llama.cpp's `convert_hf_to_gguf.py`) is fetched once from the
 package index into the cache and the converter's files extracted. f32 / bf16 / q8_0 are written
-by the converter, q4_0 by llama.cpp's own quantizer from the f32 file.
+by the converter, q4_0 by llama.cpp's own quantizer from the f32 file (bf16 for a bfloat16
+checkpoint, which it holds exactly).
 
 Test checkpoints carry locally trained tokenizers, whose pre-tokenizer the converter does not
 recognise by hash; the speed measured does not depend on it (prompts are token ids), so the
@@ -67,6 +68,16 @@ def converter_source() -> Path:
     return root
 
 
+def _lossless(model: Path) -> str:
+    """The converted type that holds the checkpoint's weights exactly (q4_0's source): bf16
+    for a bfloat16 checkpoint (half the bytes of f32), else f32."""
+    import json
+
+    config = json.loads((model / "config.json").read_text())
+    dtype = config.get("dtype") or config.get("torch_dtype")
+    return "bf16" if dtype == "bfloat16" else "f32"
+
+
 def ensure_gguf(model: Path, kind: str) -> Path:
     """The GGUF of `model` at `kind` (f32, bf16, q8_0 or q4_0), converted once and cached."""
     folder = cache_dir("gguf")
@@ -84,7 +95,7 @@ def ensure_gguf(model: Path, kind: str) -> Path:
     elif kind in QUANTIZED:
         import llama_cpp
 
-        source = ensure_gguf(model, "f32")
+        source = ensure_gguf(model, _lossless(model))
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype = getattr(llama_cpp, QUANTIZED[kind])
         print(f"quantizing {source.name} to {kind} (once)")

@@ -49,7 +49,7 @@ TORCH_LEVEL = {
 KERNEL_TESTS = ["tests/test_native.py", "tests/test_quantization.py", "tests/test_panel_gemm.py",
                 "tests/test_native_decode.py", "tests/test_layers.py",
                 "tests/test_kernel_choice.py", "tests/test_attention.py",
-                "tests/test_delta_rule.py"]
+                "tests/test_delta_rule.py", "tests/test_native_experts.py"]
 
 
 # ---- the choice ---------------------------------------------------------------------------

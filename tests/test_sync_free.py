@@ -206,7 +206,7 @@ def test_experts_read_counts_on_the_host_only_for_cpu_tensors():
     from models.layers.moe import MoEShape, SparseMoE
 
     source = (ROOT / "models/layers/moe.py").read_text()
-    assert 'if x.device.type == "cpu":\n            return self._grouped_on_host(' in source
+    assert 'if x.device.type != "cpu":\n            return self._every_expert(' in source
     torch.manual_seed(0)
     block = SparseMoE(32, MoEShape(6, 2, 16, True, shared_expert_size=8), "silu").eval()
     for p in block.parameters():

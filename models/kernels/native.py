@@ -42,7 +42,7 @@ HERE = Path(__file__).parent / "cpu"
 # Compiled into one library; the header (shared helpers and declarations) is part of the digest.
 SOURCES = tuple(HERE / name for name in (
     "small_ops.c", "linear_dense.c", "linear_int8.c", "linear_int4.c", "attention.c",
-    "decode_layers.c", "gemm_quantized.c", "delta_rule.c"))
+    "decode_layers.c", "gemm_quantized.c", "delta_rule.c", "moe_experts.c"))
 HEADER = HERE / "kernels.h"
 DISABLE_ENV = "MMSERVE_NATIVE"  # "0" keeps PyTorch's kernels only
 BUILD_TIMEOUT_S = 120
@@ -108,8 +108,10 @@ class NativeKernels:
         self._attention.argtypes, self._attention.restype = _ATTENTION_ARGS, _int
         self._delta_step = lib.mm_delta_rule_step
         self._delta_step.argtypes, self._delta_step.restype = _DELTA_STEP_ARGS, _int
-        # A decoder's layers in one call; models.kernels.native_decode declares its arguments.
+        # A decoder's layers in one call, a sparse block's routed experts in one call;
+        # models.kernels.native_decode and native_experts declare their arguments.
         self.decode_layers = lib.mm_decode_layers
+        self.moe_experts = lib.mm_moe_experts
 
     @staticmethod
     def supports_linear(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:

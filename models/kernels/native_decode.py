@@ -32,6 +32,7 @@ import torch
 from models.kernels import native
 from models.kernels.choice import BUCKETS, bucket_index
 from models.kernels.linear import Linear
+from models.kernels.native_linear import LinearDesc, linear_desc
 from models.kernels.quantization import QuantizedLinear
 from models.layers.attention import AttentionMetadata
 from models.layers.decoder_layer import Attention, DecoderConfig, DecoderLayer
@@ -41,19 +42,12 @@ from models.layers.norm import RMSNorm
 log = logging.getLogger(__name__)
 
 DISABLE_ENV = "MMSERVE_NATIVE_DECODE"  # "0": decode steps through the modules
-FORMATS = {"dense": 0, "int8": 1, "int4": 2}  # cpu/decode_layers.c's FORMAT_*
-
 _ptr, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
 
-class _LinearDesc(ctypes.Structure):
-    _fields_ = [("format", _i32), ("group", _i32), ("n", _i64), ("k", _i64),
-                ("weight", _ptr), ("scales", _ptr), ("bias", _ptr)]
-
-
 class _LayerDesc(ctypes.Structure):
-    _fields_ = [("qkv", _LinearDesc), ("o", _LinearDesc), ("gate_up", _LinearDesc),
-                ("down", _LinearDesc), ("input_norm", _ptr), ("post_norm", _ptr),
+    _fields_ = [("qkv", LinearDesc), ("o", LinearDesc), ("gate_up", LinearDesc),
+                ("down", LinearDesc), ("input_norm", _ptr), ("post_norm", _ptr),
                 ("q_norm", _ptr), ("k_norm", _ptr), ("kv_cache", _ptr), ("rope", _i64)]
 
 
@@ -209,23 +203,13 @@ class NativeDecode:
 def _layer_desc(layer: DecoderLayer) -> _LayerDesc:
     attn, mlp = layer.self_attn, layer.mlp
     return _LayerDesc(
-        qkv=_linear_desc(attn.qkv_proj), o=_linear_desc(attn.o_proj),
-        gate_up=_linear_desc(mlp.gate_up_proj), down=_linear_desc(mlp.down_proj),
+        qkv=linear_desc(attn.qkv_proj), o=linear_desc(attn.o_proj),
+        gate_up=linear_desc(mlp.gate_up_proj), down=linear_desc(mlp.down_proj),
         input_norm=layer.input_layernorm.weight.data_ptr(),
         post_norm=layer.post_attention_layernorm.weight.data_ptr(),
         q_norm=attn.q_norm.weight.data_ptr() if attn.qk_norm else None,
         k_norm=attn.k_norm.weight.data_ptr() if attn.qk_norm else None,
         kv_cache=attn.kv_cache.data_ptr(), rope=layer.rope_index)
-
-
-def _linear_desc(linear: Linear | QuantizedLinear) -> _LinearDesc:
-    bias = None if linear.bias is None else linear.bias.data_ptr()
-    if linear.is_quantized:
-        return _LinearDesc(FORMATS[linear.mode], linear.group_size, linear.out_features,
-                           linear.in_features, linear.qweight.data_ptr(),
-                           linear.scales.data_ptr(), bias)
-    return _LinearDesc(FORMATS["dense"], 0, linear.out_features, linear.in_features,
-                       linear.weight.data_ptr(), None, bias)
 
 
 def _decode_tables(meta: AttentionMetadata,

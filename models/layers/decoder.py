@@ -25,7 +25,7 @@ from models.kernels.native_decode import NativeDecode
 from models.layers.attention import AttentionMetadata
 from models.layers.decoder_layer import Attention, DecoderConfig, DecoderLayer
 from models.layers.gated_deltanet import GatedDeltaNet
-from models.layers.moe import MoEShape, sparse_layers, unfuse_experts
+from models.layers.moe import MoEShape, SparseMoE, sparse_layers, unfuse_experts
 from models.layers.norm import RMSNorm
 from models.layers.rotary import RotaryTable
 from models.loader import Shard
@@ -102,9 +102,13 @@ class Decoder(nn.Module):
 
     def prepare_decode(self) -> bool:
         """Once the KV caches are bound and the linears planned, on the CPU: run the decode
-        steps it can take through one native call (models.kernels.native_decode). Whether any
-        will."""
+        steps it can take through one native call (models.kernels.native_decode), and a sparse
+        block's routed experts in one call (models.kernels.native_experts). Whether the
+        whole-decoder call will."""
         self.native_decode = NativeDecode.build(self)
+        for layer in self.layers:
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.prepare_decode()
         return self.native_decode is not None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

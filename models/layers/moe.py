@@ -5,7 +5,8 @@ Each expert is a GatedMLP of its own (gate and up fused), so quantization, the s
 linear kernels and our decode kernels treat the experts' linears as any other: a token reads
 only its routed experts' weights. On the CPU tokens are grouped by expert, and each active expert
 runs one GEMM over its tokens (at a decode's rows, one matrix-vector product per routed expert);
-the formulation for that row count is the one the plan timed for the experts' shape group. On an
+the formulation for that row count is the one the plan timed for the experts' shape group (at
+a decode's rows, where all are ours, in one native call: models.kernels.native_experts). On an
 accelerator, where grouping would read the counts back to the host, every expert runs over every
 token with zero weight where not routed (correct, not fast: no grouped GEMM is built).
 
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.kernels.native_experts import NativeExperts
 from models.layers.mlp import GatedMLP
 
 
@@ -106,6 +108,15 @@ class SparseMoE(nn.Module):
             self.shared_expert = GatedMLP(hidden, shape.shared_expert_size, act=act,
                                           fused_decode=True)
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        self.native: NativeExperts | None = None  # set by prepare_decode
+
+    def prepare_decode(self) -> bool:
+        """Once the linears are placed and planned, on the CPU: run the routed experts of the
+        decode steps it can take in one native call (models.kernels.native_experts)."""
+        self.native = NativeExperts.build(
+            [(e.gate_up_proj, e.down_proj) for e in self.experts], self.gate.weight.dtype,
+            all(e.fused_silu for e in self.experts))
+        return self.native is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.gate(x)
@@ -121,9 +132,10 @@ class SparseMoE(nn.Module):
         increasing index (the reference's order, so rounding in bfloat16 matches). On the CPU
         each active expert runs once over its own tokens; elsewhere every expert runs over
         every token (see `_every_expert`)."""
-        if x.device.type == "cpu":
-            return self._grouped_on_host(x, weights, experts)
-        return self._every_expert(x, weights, experts)
+        if x.device.type != "cpu":
+            return self._every_expert(x, weights, experts)
+        out = None if self.native is None else self.native.run(x, weights, experts)
+        return self._grouped_on_host(x, weights, experts) if out is None else out
 
     def _grouped_on_host(self, x: torch.Tensor, weights: torch.Tensor,
                          experts: torch.Tensor) -> torch.Tensor:

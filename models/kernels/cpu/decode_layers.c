@@ -14,18 +14,6 @@
 
 #include "kernels.h"
 
-#define FORMAT_DENSE 0 /* the weight in the model dtype */
-#define FORMAT_INT8 1  /* int8 per output channel, bfloat16 scales [n] */
-#define FORMAT_INT4 2  /* our int4 pack, bfloat16 scales and zeros [k / group, n, 2] */
-
-typedef struct {
-    int32_t format, group;
-    int64_t n, k;
-    const void* weight;
-    const void* scales;
-    const void* bias; /* [n] in the model dtype, or NULL */
-} mm_linear_desc;
-
 typedef struct {
     mm_linear_desc qkv, o, gate_up, down;
     const void* input_norm; /* [hidden] */
@@ -41,29 +29,6 @@ typedef struct {
     float eps, scale;
     int64_t hidden, heads, kv_heads, head_dim, intermediate, num_blocks, block_size;
 } mm_decoder_desc;
-
-/* a[i] = dtype(a[i] + b[i % period]): PyTorch's elementwise add in the dtype */
-static void add_into(void* a, const void* b, int dt, int64_t n, int64_t period) {
-    for (int64_t i = 0; i < n; i++)
-        store(a, dt, i, load_x(a, dt, i) + load_x(b, dt, i % period));
-}
-
-/* y [m, n] = x [m, k] . W^T (+ bias), through the kernel of the weight's format */
-static int linear(const mm_linear_desc* l, const void* x, void* y, int64_t m, int dt,
-                  int threads) {
-    int status;
-    if (l->format == FORMAT_INT4)
-        status = mm_linear_i4(x, dt, l->weight, l->scales, y, m, l->n, l->k, l->group, 0,
-                              threads);
-    else if (l->format == FORMAT_INT8)
-        status = mm_linear_i8(x, dt, l->weight, l->scales, y, m, l->n, l->k, threads);
-    else if (dt == DTYPE_F32)
-        status = mm_linear_f32(x, dt, l->weight, NULL, y, m, l->n, l->k, threads);
-    else
-        status = mm_linear_bf16(x, dt, l->weight, NULL, y, m, l->n, l->k, threads);
-    if (status == 0 && l->bias != NULL) add_into(y, l->bias, dt, m * l->n, l->n);
-    return status;
-}
 
 /* h [m, hidden] (the hidden states entering layer 0) becomes the states leaving the last layer.
  * cos / sin: per rope table, [m, head_dim / 2] in the dtype. slots [m]: where each token's key
@@ -96,7 +61,7 @@ int mm_decode_layers(const mm_decoder_desc* d, const mm_layer_desc* layers, int6
         /* the residual add of the previous layer's MLP fused into this layer's input norm */
         status = mm_rms_norm(h, l ? parts[MLP] : NULL, h, L->input_norm, parts[NORMED], dt, m,
                              hidden, d->eps, d->norm_mode);
-        if (status == 0) status = linear(&L->qkv, parts[NORMED], parts[QKV], m, dt, threads);
+        if (status == 0) status = run_linear(&L->qkv, parts[NORMED], parts[QKV], m, dt, threads);
         if (status) break;
         /* q and k are adjacent: one rotary call rotates both (normed per head first) */
         const void* unrotated = parts[QKV];
@@ -132,15 +97,15 @@ int mm_decode_layers(const mm_decoder_desc* d, const mm_layer_desc* layers, int6
         status = mm_decode_attention(parts[Q], L->kv_cache, parts[ATTN], dt, table, key0, context,
                                      m, hq, hkv, dim, width, d->num_blocks, d->block_size, 0,
                                      d->scale, 0.0f, threads);
-        if (status == 0) status = linear(&L->o, parts[ATTN], parts[O], m, dt, threads);
+        if (status == 0) status = run_linear(&L->o, parts[ATTN], parts[O], m, dt, threads);
         if (status == 0)
             status = mm_rms_norm(h, parts[O], h, L->post_norm, parts[NORMED], dt, m, hidden,
                                  d->eps, d->norm_mode);
         if (status == 0)
-            status = linear(&L->gate_up, parts[NORMED], parts[GATE_UP], m, dt, threads);
+            status = run_linear(&L->gate_up, parts[NORMED], parts[GATE_UP], m, dt, threads);
         if (status) break;
         mm_silu_mul(parts[GATE_UP], parts[ACT], dt, m, d->intermediate);
-        status = linear(&L->down, parts[ACT], parts[MLP], m, dt, threads);
+        status = run_linear(&L->down, parts[ACT], parts[MLP], m, dt, threads);
     }
     if (status == 0 && num_layers > 0) add_into(h, parts[MLP], dt, m * hidden, m * hidden);
     free(work);

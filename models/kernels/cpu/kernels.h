@@ -343,4 +343,41 @@ void mm_dequantize_i4_block(const uint8_t* w, const uint16_t* sz, void* out, int
                             int64_t ldo, int64_t n, int64_t k, int64_t group, int64_t b,
                             int64_t g0, int64_t g1);
 
+/* ---- a linear layer as the calls that run several take it ---- */
+
+#define FORMAT_DENSE 0 /* the weight in the model dtype */
+#define FORMAT_INT8 1  /* int8 per output channel, bfloat16 scales [n] */
+#define FORMAT_INT4 2  /* our int4 pack, bfloat16 scales and zeros [k / group, n, 2] */
+
+typedef struct {
+    int32_t format, group;
+    int64_t n, k;
+    const void* weight;
+    const void* scales;
+    const void* bias; /* [n] in the model dtype, or NULL */
+} mm_linear_desc;
+
+/* a[i] = dtype(a[i] + b[i % period]): PyTorch's elementwise add in the dtype */
+static inline void add_into(void* a, const void* b, int dt, int64_t n, int64_t period) {
+    for (int64_t i = 0; i < n; i++)
+        store(a, dt, i, load_x(a, dt, i) + load_x(b, dt, i % period));
+}
+
+/* y [m, n] = x [m, k] . W^T (+ bias), through the kernel of the weight's format */
+static inline int run_linear(const mm_linear_desc* l, const void* x, void* y, int64_t m, int dt,
+                             int threads) {
+    int status;
+    if (l->format == FORMAT_INT4)
+        status = mm_linear_i4(x, dt, l->weight, l->scales, y, m, l->n, l->k, l->group, 0,
+                              threads);
+    else if (l->format == FORMAT_INT8)
+        status = mm_linear_i8(x, dt, l->weight, l->scales, y, m, l->n, l->k, threads);
+    else if (dt == DTYPE_F32)
+        status = mm_linear_f32(x, dt, l->weight, NULL, y, m, l->n, l->k, threads);
+    else
+        status = mm_linear_bf16(x, dt, l->weight, NULL, y, m, l->n, l->k, threads);
+    if (status == 0 && l->bias != NULL) add_into(y, l->bias, dt, m * l->n, l->n);
+    return status;
+}
+
 #endif
