@@ -3,7 +3,9 @@
 The module is built on the meta device (no memory, no random init), materialised empty on the
 target device, then every parameter is filled from the checkpoint through the model's explicit
 name map. A parameter (or row range of a fused parameter) that nothing fills is an error, as is
-a checkpoint tensor whose shape does not match.
+a checkpoint tensor whose shape does not match. Tensors are read with plain reads, one at a time,
+and memory freed along the way is handed back to the system, so loading holds little more than
+the model.
 
 Parameters the caller defers stay on the meta device until the checkpoint first writes them, and
 an observer hears of each as it is complete (weights quantized while they stream in: only the
@@ -18,10 +20,10 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
-from models.checkpoint import weight_files
+from models.checkpoint import safetensors_header, weight_files
+from models.kernels.huge_pages import TRIM_BYTES, return_freed_memory
 
 
 @dataclass(frozen=True)
@@ -55,11 +57,59 @@ def checkpoint_files(path: Path) -> list[Path]:
     return found
 
 
+# safetensors' dtype names -> torch dtypes (what checkpoints hold).
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
 def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint's safetensors files, each read into memory of its own in
+    file order (plain reads, no mapping of the file: pages of a mapped shard would count as this
+    process's memory while it is open, several GB for a Hub shard)."""
+    read = 0
     for file in checkpoint_files(path):
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+        for name, tensor in read_safetensors(file):
+            yield name, tensor
+            read += tensor.numel() * tensor.element_size()
+            if read >= TRIM_BYTES:  # the dense weights quantized since, the tensors copied
+                return_freed_memory()
+                read = 0
+    return_freed_memory()
+
+
+def read_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of one safetensors file (little-endian, as the format is), in the order
+    the data lies in the file."""
+    header = safetensors_header(file)
+    entries = sorted(((k, v) for k, v in header.items() if k != "__metadata__"),
+                     key=lambda item: item[1]["data_offsets"][0])
+    with open(file, "rb", buffering=0) as f:
+        start = 8 + int.from_bytes(f.read(8), "little")  # the data follows the header
+        for name, info in entries:
+            dtype = SAFETENSORS_DTYPES.get(info["dtype"])
+            if dtype is None:
+                raise ValueError(f"{file.name}: tensor {name} has dtype {info['dtype']}, which "
+                                 f"we do not read ({', '.join(SAFETENSORS_DTYPES)})")
+            first, last = info["data_offsets"]
+            tensor = torch.empty(info["shape"], dtype=dtype)
+            nbytes = tensor.numel() * tensor.element_size()
+            if last - first != nbytes:
+                raise ValueError(f"{file.name}: tensor {name} has {last - first} bytes for shape "
+                                 f"{info['shape']} of {info['dtype']}")
+            if nbytes:
+                f.seek(start + first)
+                view = memoryview(tensor.view(-1).view(torch.uint8).numpy())
+                got = 0
+                while got < nbytes:
+                    n = f.readinto(view[got:])
+                    if not n:
+                        raise ValueError(f"{file.name} ends inside tensor {name}")
+                    got += n
+            yield name, tensor
 
 
 class LoadObserver(Protocol):

@@ -333,3 +333,22 @@ def test_quantized_while_loading_equals_after_and_stays_small(tmp_path, fused):
              if isinstance(m, QuantizedLinear)]
     assert 0 < quantizer.peak_dense_bytes <= 2 * max(sizes) < sum(sizes) / 10, (
         quantizer.peak_dense_bytes, max(sizes), sum(sizes))
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_weights_own_their_storage(mode):
+    """qweight and scales are tensors of their own, not views: a view's base would keep the
+    old storage alive when the weights move into huge pages (the model resident twice)."""
+    layer = QuantizedLinear(torch.randn(4 * 64, 256), None, mode, 32)
+    assert layer.qweight._base is None and layer.scales._base is None
+    # Quantized a block of rows at a time, the same as all at once.
+    big = torch.randn(3 * 64, 128)
+    original = quantization.QUANTIZE_BLOCK_BYTES
+    try:
+        quantization.QUANTIZE_BLOCK_BYTES = 64 * 128 * 4  # one 64-row block at a time
+        blocked = QuantizedLinear(big, None, mode, 32)
+    finally:
+        quantization.QUANTIZE_BLOCK_BYTES = original
+    whole = QuantizedLinear(big, None, mode, 32)
+    assert torch.equal(blocked.qweight, whole.qweight)
+    assert torch.equal(blocked.scales, whole.scales)

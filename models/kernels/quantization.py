@@ -79,7 +79,9 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     n, k = q.shape
     blocks = q.to(torch.uint8).reshape(n // INT4_BLOCK_N, 2, INT4_BLOCK_N // 2, k // 4, 4)
     packed = blocks[:, 0] | (blocks[:, 1] << 4)  # [N / 64, 32, K / 4, 4]
-    return packed.permute(0, 2, 1, 3).contiguous().view(n, k // 2)
+    # reshape copies here (the permuted order is not a view of [N, K / 2]): a tensor of its own,
+    # not a view whose base would keep the storage alive when the weights move (huge pages).
+    return packed.permute(0, 2, 1, 3).reshape(n, k // 2)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -115,6 +117,16 @@ def dequantize_int4(
     return values.view(n, k)
 
 
+QUANTIZE_BLOCK_BYTES = 64 << 20  # float32 bytes of a weight's rows quantized at once
+
+
+def _row_blocks(n: int, k: int) -> list[tuple[int, int]]:
+    """(first, last) rows of each block a weight [n, k] is quantized in: whole blocks of the
+    int4 pack's 64 rows, about QUANTIZE_BLOCK_BYTES of float32 each."""
+    rows = max(INT4_BLOCK_N, QUANTIZE_BLOCK_BYTES // (4 * k) // INT4_BLOCK_N * INT4_BLOCK_N)
+    return [(first, min(n, first + rows)) for first in range(0, n, rows)]
+
+
 def int4_supported(out_features: int, in_features: int, group_size: int) -> bool:
     return out_features % INT4_BLOCK_N == 0 and in_features % group_size == 0  # groups of 4 k
 
@@ -139,14 +151,22 @@ class QuantizedLinear(nn.Module):
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {mode!r}")
         self.out_features, self.in_features = weight.shape
         self.mode, self.group_size = mode, group_size
+        n, k = weight.shape
+        # Quantized a block of rows at a time: the float32 temporaries of a whole LM head would
+        # be several times its size.
         if mode == "int8":
-            q, scales = quantize_int8(weight)
-            self.register_buffer("qweight", q)
-            self.register_buffer("scales", scales)
+            q = torch.empty(n, k, dtype=torch.int8)
+            scales = torch.empty(n, dtype=torch.bfloat16)
+            for first, last in _row_blocks(n, k):
+                q[first:last], scales[first:last] = quantize_int8(weight[first:last])
         else:
-            q, scales_and_zeros = quantize_int4(weight, group_size)
-            self.register_buffer("qweight", pack_int4(q))
-            self.register_buffer("scales", scales_and_zeros)
+            q = torch.empty(n, k // 2, dtype=torch.uint8)
+            scales = torch.empty(k // group_size, n, 2, dtype=torch.bfloat16)
+            for first, last in _row_blocks(n, k):  # the pack keeps blocks of 64 rows apart
+                values, scales[:, first:last] = quantize_int4(weight[first:last], group_size)
+                q[first:last] = pack_int4(values)
+        self.register_buffer("qweight", q)
+        self.register_buffer("scales", scales)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(),
                                                            requires_grad=False)
         self.kernels: tuple[str, ...] | None = None
