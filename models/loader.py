@@ -14,6 +14,7 @@ linears being filled are ever resident in the model dtype).
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,7 +103,8 @@ def read_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
                                  f"{info['shape']} of {info['dtype']}")
             if nbytes:
                 f.seek(start + first)
-                view = memoryview(tensor.view(-1).view(torch.uint8).numpy())
+                view = memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr()))
+                view = view.cast("B")
                 got = 0
                 while got < nbytes:
                     n = f.readinto(view[got:])
