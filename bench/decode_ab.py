@@ -1,6 +1,7 @@
 """A/B of one engine feature on single-stream decode, side by side in one process.
 
-    python -m bench.decode_ab --feature huge_pages|fused_ops|native_decode [--dtype bfloat16]
+    python -m bench.decode_ab --feature huge_pages|fused_ops|native_decode|native_experts
+        [--model PATH] [--dtype bfloat16]
         [--quantization none|int8|int4] [--rounds 8] [--steps 16]
 
 Without --model it uses bench.generate's checkpoint (Qwen2-0.5B shapes, random weights).
@@ -9,7 +10,9 @@ Without --model it uses bench.generate's checkpoint (Qwen2-0.5B shapes, random w
 step's norm / rotary / SiLU-and-multiply as our fused kernels
 (models.kernels.native.for_small_ops) or as PyTorch's operators;
 `native_decode`: one engine, its decode steps through the layers in one native call
-(models.kernels.native_decode) or module by module.
+(models.kernels.native_decode) or module by module; `native_experts`: one engine of a
+mixture-of-experts model, its routed experts at decode steps in one native call per block
+(models.kernels.native_experts) or through the modules.
 Each engine decodes one request; rounds of `--steps` decode steps alternate between the two
 sides, and the median milliseconds per step of each side and the median per-round ratio are
 printed.
@@ -35,7 +38,7 @@ from bench.common import (
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--feature", required=True,
-                        choices=["huge_pages", "fused_ops", "native_decode"])
+                        choices=["huge_pages", "fused_ops", "native_decode", "native_experts"])
     add_decoding_arguments(parser)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=16)
@@ -71,6 +74,24 @@ def main() -> None:
             return run
 
         sides = {"native call": toggled(call), "modules": toggled(None)}
+    elif args.feature == "native_experts":
+        from models.layers.moe import SparseMoE
+
+        shared = engine()
+        blocks = [m for m in shared.runner.model.modules() if isinstance(m, SparseMoE)]
+        calls = [block.native for block in blocks]
+        if not blocks or None in calls:
+            raise SystemExit("this model has no sparse blocks whose experts take the native "
+                             "call (see log)")
+
+        def experts(on: bool) -> Callable[[], None]:
+            def run() -> None:
+                for block, call in zip(blocks, calls, strict=True):
+                    block.native = call if on else None
+                shared.step()
+            return run
+
+        sides = {"native call": experts(True), "modules": experts(False)}
     else:
         shared, fused = engine(), native.for_small_ops
 

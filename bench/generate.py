@@ -3,7 +3,7 @@ side by side in one run, with an optional llama.cpp column.
 
     python -m bench.generate [--model PATH | --shapes qwen2-0.5b|qwen3.5-0.8b]
         [--dtype float32,bfloat16] [--quantization none,int8,int4] [--group-size 128]
-        [--runs 3] [--no-llama-cpp]
+        [--runs 3] [--no-llama-cpp] [--no-transformers]
 
 Without --model it builds (once, cached) a checkpoint with random weights and Qwen2-0.5B's
 shapes, or with `--shapes qwen3.5-0.8b` Qwen3.5-0.8B's language model (hybrid: Gated DeltaNet
@@ -20,7 +20,9 @@ are against its unquantized model in the same dtype. With llama-cpp-python insta
 it), each row is also run alternately against llama.cpp on a GGUF of the same weights at the
 matching precision (f32, bf16, q8_0 for int8, q4_0 for int4; bench.gguf converts them once);
 otherwise that column is skipped. The machine line names the CPU and the variant of our
-kernels that ran.
+kernels that ran. A mixture-of-experts model's roofline counts the routed experts only (top k
+per sparse layer, bench.moe_checkpoint writes one with Qwen3-30B-A3B's shapes);
+`--no-transformers` skips the reference where it cannot hold the model in memory.
 """
 
 from __future__ import annotations

@@ -182,11 +182,18 @@ def run_kernel(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 class Linear(nn.Linear):
     """nn.Linear that runs, on the CPU, the formulation planned for its input's row-count
     bucket (`kernels`: one name of KERNELS per models.kernels.choice.BUCKETS; None: F.linear).
-    A (W @ x^T)^T result is a transposed view, which the following ops accept."""
+    A (W @ x^T)^T result is a transposed view, which the following ops accept.
+    `quantizable=False` keeps the weight in the model dtype when the model is quantized (a
+    mixture-of-experts router: rounding it would change which experts a token reaches)."""
 
     is_quantized = False
     kernels: tuple[str, ...] | None = None
     packed: torch.Tensor | None = None  # the oneDNN-prepacked weight, when planned
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 quantizable: bool = True, **factory) -> None:
+        super().__init__(in_features, out_features, bias, **factory)
+        self.quantizable = quantizable
 
     @property
     def format(self) -> str:

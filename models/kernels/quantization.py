@@ -18,7 +18,8 @@ chooses per CPU and does not document, is made from q by PyTorch's own
 `aten._convert_weight_to_int4pack_for_cpu` when that kernel first runs, and read only by it.
 
 Only the decoder's linears and the LM head are quantized (a tied head gets a quantized copy; the
-embedding table stays in the model dtype, as do norms and vision / audio towers).
+embedding table stays in the model dtype, as do norms, vision / audio towers and the linears
+built `quantizable=False`, such as mixture-of-experts routers).
 """
 
 from __future__ import annotations
@@ -223,7 +224,8 @@ def quantized_linears(model: nn.Module) -> list[tuple[nn.Module, str]]:
 
 def _layer_linears(model: nn.Module) -> list[tuple[nn.Module, str]]:
     return [(parent, name) for layer in model.layers for parent in layer.modules()
-            for name, child in parent.named_children() if isinstance(child, Linear)]
+            for name, child in parent.named_children()
+            if isinstance(child, Linear) and child.quantizable]
 
 
 def quantize_linear(linear: nn.Module, mode: str, group_size: int) -> QuantizedLinear:

@@ -10,8 +10,8 @@ a decode's rows, where all are ours, in one native call: models.kernels.native_e
 accelerator, where grouping would read the counts back to the host, every expert runs over every
 token with zero weight where not routed (correct, not fast: no grouped GEMM is built).
 
-The router and the shared expert's gate stay in the model dtype (plain `nn.Linear`, never
-quantized): rounding their weights would change which experts a token reaches.
+The router and the shared expert's gate stay in the model dtype (linears built
+`quantizable=False`): rounding their weights would change which experts a token reaches.
 
 Checkpoints store experts either per expert (`experts.{e}.gate_proj.weight`, what transformers
 writes) or fused (`experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I],
@@ -26,9 +26,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from models.kernels.linear import Linear, run_kernel
 from models.kernels.native_experts import NativeExperts
 from models.layers.mlp import GatedMLP
 
@@ -74,18 +74,18 @@ def sparse_layers(cfg) -> tuple[int, ...]:
                  if i not in dense and (i + 1) % step == 0)
 
 
-class Router(nn.Module):
-    """Softmax over the experts' logits (in float32), the top k, optionally renormalised; the
-    weights are returned in the input's dtype, as the reference rounds them."""
+class Router(Linear):
+    """The experts' logits (a linear kept in the model dtype, planned like any other), softmax
+    over them in float32, the top k, optionally renormalised; the weights are returned in the
+    input's dtype, as the reference rounds them."""
 
     def __init__(self, hidden: int, shape: MoEShape) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(shape.num_experts, hidden), requires_grad=False)
+        super().__init__(hidden, shape.num_experts, bias=False, quantizable=False)
         self.top_k, self.normalize = shape.top_k, shape.normalize_top_k
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k] in x's dtype, experts [T, k] int64)."""
-        logits = F.linear(x, self.weight)
+        logits = run_kernel(self, x)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:
@@ -107,7 +107,7 @@ class SparseMoE(nn.Module):
         if shape.shared_expert_size is not None:
             self.shared_expert = GatedMLP(hidden, shape.shared_expert_size, act=act,
                                           fused_decode=True)
-            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+            self.shared_expert_gate = Linear(hidden, 1, bias=False, quantizable=False)
         self.native: NativeExperts | None = None  # set by prepare_decode
 
     def prepare_decode(self) -> bool:
