@@ -11,6 +11,7 @@ On the CPU, decode steps the native call can take run all layers in one call of 
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -29,6 +30,8 @@ from models.layers.moe import MoEShape, SparseMoE, sparse_layers, unfuse_experts
 from models.layers.norm import RMSNorm
 from models.layers.rotary import RotaryTable
 from models.loader import Shard
+
+log = logging.getLogger(__name__)
 
 
 class Decoder(nn.Module):
@@ -106,9 +109,11 @@ class Decoder(nn.Module):
         block's routed experts in one call (models.kernels.native_experts). Whether the
         whole-decoder call will."""
         self.native_decode = NativeDecode.build(self)
-        for layer in self.layers:
-            if isinstance(layer.mlp, SparseMoE):
-                layer.mlp.prepare_decode()
+        sparse = [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
+        taken = sum(block.prepare_decode() for block in sparse)
+        if taken:
+            log.info("decode steps run the routed experts of %d of %d sparse blocks in one "
+                     "native call each", taken, len(sparse))
         return self.native_decode is not None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
