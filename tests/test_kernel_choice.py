@@ -214,3 +214,20 @@ def test_onednn_choice_prepacks_and_matches(tmp_path):
     assert layer.kernels == ("onednn",) * len(BUCKETS) and layer.packed is not None
     x = torch.randn(5, 32)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+def test_pytorchs_int4_pack_only_for_groups_within_the_budget(tmp_path):
+    """PyTorch's int4 kernel keeps a second pack of the weight: a group whose pack exceeds the
+    budget (a tenth of the model's int4 bytes) never gets it as a candidate, even where it would
+    time fastest, and keeps no such pack; a small group may."""
+    model = nn.Module()
+    model.experts = nn.ModuleList(QuantizedLinear(torch.randn(128, 256), None, "int4", 32)
+                                  for _ in range(16))
+    model.small = QuantizedLinear(torch.randn(64, 64), None, "int4", 32)
+    assert "int_kernel" not in candidates(model.experts[0], 32, torch.float32, torch_int4=False)
+    assert candidates(model.experts[0], 1, torch.float32, torch_int4=False)  # never empty
+    plan_linears(model, torch.float32, KernelCache(tmp_path / "k.json"),
+                 FakeTimer({"int_kernel": 0.01}))
+    assert all("int_kernel" not in layer.kernels and layer.torch_packed is None
+               for layer in model.experts)
+    assert "int_kernel" in model.small.kernels

@@ -5,7 +5,9 @@ group's bucket gets the fastest candidate of models.kernels.linear, timed once o
 and cached on disk (models.kernels.choice), F.linear unless another wins by a margin. A group is
 timed on its own layers in turn, as a decode step streams them from memory, up to a byte and a
 FLOP budget per call; a group of one huge matrix (the LM head), or a layer too large for the
-FLOP budget at a prefill's row count, is timed on its first output channels.
+FLOP budget at a prefill's row count, is timed on its first output channels. PyTorch's int4
+kernel, which keeps a second pack of the weight, is a candidate only for groups whose packs
+fit `TORCH_INT4_PACK_SHARE` of the model's int4 bytes.
 """
 
 from __future__ import annotations
@@ -49,18 +51,24 @@ NATIVE_ROWS = PROBE_ROWS[1]  # our matrix-vector kernel is a candidate up to thi
 # (models.kernels.native_decode), whose saving no single linear's timing shows (a group 9%
 # faster through PyTorch's int4 kernel, within timing noise, made a whole step 1.6x slower).
 DECODE_MARGIN = 0.25
+# PyTorch's int4 kernel reads a pack of its own, a second copy of the weight beside ours: the
+# groups planned to it may add at most this share of the model's int4 bytes (the largest groups,
+# a mixture's experts or a large model's layers, keep one copy).
+TORCH_INT4_PACK_SHARE = 0.1
 # The version of the candidates and choosing rules below, part of the cache file's name: bump
 # it when they change, so that choices made under the old ones are timed afresh.
-PLAN_RULES = 4
+PLAN_RULES = 5
 
 
-def candidates(layer: nn.Module, rows: int, dtype: torch.dtype) -> list[str]:
+def candidates(layer: nn.Module, rows: int, dtype: torch.dtype,
+               torch_int4: bool = True) -> list[str]:
     """The formulations worth timing for this layer at `rows` rows, the baseline first (what
-    runs when nothing beats it, or when the plan's time budget is spent)."""
+    runs when nothing beats it, or when the plan's time budget is spent). `torch_int4=False`:
+    PyTorch's int4 kernel is not one (its pack of the weight would not fit the budget)."""
     # Ours streams each weight row once and reuses it per input row: a decode's few rows.
     ours = rows <= NATIVE_ROWS and native.load() is not None
     if layer.is_quantized:
-        names = ["int_kernel"]
+        names = ["int_kernel"] if layer.mode == "int8" or torch_int4 else []
         if ours:
             names.append("native")
         # Dequantizing per call pays only when rows share the weight (the int kernels' dot
@@ -81,7 +89,7 @@ def candidates(layer: nn.Module, rows: int, dtype: torch.dtype) -> list[str]:
                 names.append("dequantized_t" + suffix)
         if rows > NATIVE_ROWS and panel_gemm_takes(layer):
             names.append("panel_gemm")
-        return names
+        return names or ["dequantized_t"]  # the weight dequantized per call, where nothing else
     names = [BASELINE]
     if dtype in (torch.float32, torch.bfloat16):
         names.append("mv" if rows == 1 else "matmul_t")
@@ -141,11 +149,16 @@ def plan_linears(model: nn.Module, dtype: torch.dtype, cache: KernelCache | None
                          key=lambda item: -sum(_nbytes(layer) for layer in item[1])))
     start = time.perf_counter()
     plans: dict[str, tuple] = {}
+    int4 = [layer for group in groups.values() for layer in group
+            if layer.is_quantized and layer.mode == "int4"]
+    pack_budget = TORCH_INT4_PACK_SHARE * sum(layer.qweight.nbytes for layer in int4)
     with torch.inference_mode():
         for key, group in groups.items():
+            pack = sum(layer.qweight.nbytes for layer in group if layer.is_quantized)
+            torch_int4 = pack <= pack_budget
             plan = []
             for bucket, rows in zip(BUCKETS, PROBE_ROWS, strict=True):
-                names = candidates(group[0], rows, dtype)
+                names = candidates(group[0], rows, dtype, torch_int4)
                 bucket_key = f"{key}/{bucket}"
                 if cache.get(bucket_key, set(names)) is None and (
                         time.perf_counter() - start > budget_s):
@@ -153,6 +166,8 @@ def plan_linears(model: nn.Module, dtype: torch.dtype, cache: KernelCache | None
                     continue
                 plan.append(_choose(bucket_key, rows, names, group, dtype, cache, timer))
             plans[key] = tuple(plan)
+            if "int_kernel" in plan and group[0].is_quantized and group[0].mode == "int4":
+                pack_budget -= pack
             for layer in group:
                 if "onednn" in plan:
                     _prepack(layer)

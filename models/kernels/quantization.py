@@ -13,9 +13,10 @@ for input 4s + j in its low nibble and of channel 64b + 32 + d in its high one. 
 inputs that an integer dot product sums per 32-bit lane are adjacent, and a vector load covers
 consecutive channels, so every build of our kernels (AVX-512 VNNI, AVX2, NEON dot products, plain
 C) reads it as stored (models/kernels/cpu/linear_int4.c). PyTorch's own int4 kernel
-(`aten._weight_int4pack_mm_for_cpu`) is timed as a candidate; its pack, whose layout PyTorch
-chooses per CPU and does not document, is made from q by PyTorch's own
-`aten._convert_weight_to_int4pack_for_cpu` when that kernel first runs, and read only by it.
+(`aten._weight_int4pack_mm_for_cpu`) is timed as a candidate where its pack fits the plan's
+memory budget (models.kernels.plan); that pack, whose layout PyTorch chooses per CPU and does
+not document, is made from q by PyTorch's own `aten._convert_weight_to_int4pack_for_cpu` when
+that kernel first runs, and read only by it.
 
 Only the decoder's linears and the LM head are quantized (a tied head gets a quantized copy; the
 embedding table stays in the model dtype, as do norms, vision / audio towers and the linears
