@@ -46,6 +46,7 @@ TIMED_FLOPS = 5e8  # and FLOPs
 SLICE_ROWS = 16384  # a lone matrix with more output rows is timed on its first rows
 PLAN_SECONDS = 3.0  # past this, buckets left unmeasured keep F.linear (and are not cached)
 NATIVE_ROWS = PROBE_ROWS[1]  # our matrix-vector kernel is a candidate up to this many rows
+QUANTIZED_NATIVE_ROWS = PROBE_ROWS[2]  # and for a quantized weight up to this many
 # At a decode's rows, how much faster than ours another kernel must be to be chosen: one layer
 # group planned to PyTorch's costs every decode step the one native call through all layers
 # (models.kernels.native_decode), whose saving no single linear's timing shows (a group 9%
@@ -65,8 +66,11 @@ def candidates(layer: nn.Module, rows: int, dtype: torch.dtype,
     """The formulations worth timing for this layer at `rows` rows, the baseline first (what
     runs when nothing beats it, or when the plan's time budget is spent). `torch_int4=False`:
     PyTorch's int4 kernel is not one (its pack of the weight would not fit the budget)."""
-    # Ours streams each weight row once and reuses it per input row: a decode's few rows.
-    ours = rows <= NATIVE_ROWS and native.load() is not None
+    # Ours streams each weight row once and reuses it per input row: a decode's few rows, and
+    # for a quantized weight up to QUANTIZED_NATIVE_ROWS (its rows come from cache again
+    # cheaper than a dequantized GEMM or PyTorch's int kernels run at those counts).
+    limit = QUANTIZED_NATIVE_ROWS if layer.is_quantized else NATIVE_ROWS
+    ours = rows <= limit and native.load() is not None
     if layer.is_quantized:
         names = ["int_kernel"] if layer.mode == "int8" or torch_int4 else []
         if ours:
