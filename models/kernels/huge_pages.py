@@ -10,7 +10,8 @@ MADV_HUGEPAGE, and each tensor's data is pointed there (`tensor.data = ...`, so 
 parameters survive). The mapping lives as long as the tensors viewing it.
 
 Nothing changes where the kernel's THP setting is "never", off Linux, or with
-MMSERVE_HUGE_PAGES=0.
+MMSERVE_HUGE_PAGES=0. Memory freed as the weights move (and while they load:
+`return_freed_memory`) is handed back to the system, so the model is not resident twice.
 """
 
 from __future__ import annotations
