@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from testing.layouts import save_processor
+from testing.qwen3_vl import save_qwen3_vl_processor
 from testing.tiny import QWEN_SPECIAL, qwen_tokenizer, randomize, save_checkpoint
 
 # Two linear-attention layers, a full-attention one, and a linear one after it.
@@ -77,18 +77,7 @@ def build_qwen3_5_model(
     randomize(model, std=std, seed=seed)
     path = save_checkpoint(model, tokenizer, Path(path), [tokenizer.eos_token_id],
                            **save_kwargs)
-    unit = 32 * 32  # one merged patch
-    image = transformers.Qwen2VLImageProcessorPil(
-        patch_size=16, temporal_patch_size=2, merge_size=2,
-        size={"shortest_edge": 4 * unit, "longest_edge": max_image_tokens * unit},
-        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
-    video = {"video_processor_type": "Qwen3VLVideoProcessor", "patch_size": 16,
-             "temporal_patch_size": 2, "merge_size": 2, "fps": 2.0,
-             "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-             "size": {"shortest_edge": 8 * unit, "longest_edge": 4 * max_image_tokens * unit}}
-    save_processor(path, "Qwen3VLProcessor", tokenizer, image_processor=image,
-                   video_settings=video)
-    return path
+    return save_qwen3_vl_processor(path, tokenizer, max_image_tokens)
 
 
 def build_qwen3_5_text_model(

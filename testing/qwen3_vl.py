@@ -66,6 +66,14 @@ def build_qwen3_vl_model(
     randomize(model, std=std, seed=seed)
     path = save_checkpoint(model, tokenizer, Path(path), [tokenizer.eos_token_id],
                            **save_kwargs)
+    return save_qwen3_vl_processor(path, tokenizer, max_image_tokens)
+
+
+def save_qwen3_vl_processor(path: Path, tokenizer, max_image_tokens: int) -> Path:
+    """Qwen3VLProcessor's settings for the tiny 16-px towers (Qwen3-VL's, Qwen3.5's): images of
+    4 to `max_image_tokens` merged patches, videos sampled at 2 fps."""
+    import transformers
+
     unit = 32 * 32  # one merged patch
     image = transformers.Qwen2VLImageProcessorPil(
         patch_size=16, temporal_patch_size=2, merge_size=2,

@@ -175,6 +175,24 @@ def qwen_vl_hf_inputs(hf, proc) -> dict:
     return kwargs
 
 
+def qwen_vl_reference(hf, llm, messages, n: int):
+    """transformers' greedy tokens and log-probabilities (hf_greedy) for the prompt the engine
+    builds from `messages`, through qwen_vl_hf_inputs."""
+    proc, _ = process_chat(llm, messages)
+    return hf_greedy(hf, qwen_vl_hf_inputs(hf, proc), len(proc.token_ids), n)
+
+
+def assert_rope_index_positions(llm, hf, messages, label: str = "") -> None:
+    """Our mRoPE positions and delta for `messages` equal transformers' get_rope_index."""
+    proc, _ = process_chat(llm, messages)
+    kwargs = qwen_vl_hf_inputs(hf, proc)
+    ref, delta = hf.model.get_rope_index(
+        kwargs["input_ids"], kwargs["mm_token_type_ids"], kwargs.get("image_grid_thw"),
+        kwargs.get("video_grid_thw"))
+    assert torch.equal(proc.position_info.window(0, len(proc.token_ids)), ref[:, 0]), label
+    assert proc.position_info.delta == int(delta), label
+
+
 def assert_matches_reference(output, tokens: list[int], logprobs, label: str = "",
                              k: int = 3, atol: float = 1e-3) -> None:
     """Greedy tokens identical, and each step's reference top-k tokens among ours with

@@ -25,7 +25,7 @@ from tests.helpers import (
     assert_released,
     hf_greedy,
     process_chat,
-    qwen_vl_hf_inputs,
+    qwen_vl_reference,
     random_image,
     user,
 )
@@ -84,12 +84,12 @@ def cases(name: str) -> dict:
 def references(hf, llm, name: str) -> dict:
     out = {}
     for case, messages in cases(name).items():
+        if not name.startswith("qwen3_moe"):
+            out[case] = qwen_vl_reference(hf, llm, messages, N)
+            continue
         proc, _ = process_chat(llm, messages)
-        if name.startswith("qwen3_moe"):
-            kwargs = {"input_ids": torch.tensor([proc.token_ids])}
-        else:
-            kwargs = qwen_vl_hf_inputs(hf, proc)
-        out[case] = hf_greedy(hf, kwargs, len(proc.token_ids), N)
+        out[case] = hf_greedy(hf, {"input_ids": torch.tensor([proc.token_ids])},
+                              len(proc.token_ids), N)
     return out
 
 

@@ -20,9 +20,9 @@ from engine.llm_engine import LLMEngine
 from tests.helpers import (
     assert_matches_reference,
     assert_released,
+    assert_rope_index_positions,
     hf_greedy,
-    process_chat,
-    qwen_vl_hf_inputs,
+    qwen_vl_reference,
     random_image,
     random_video,
     user,
@@ -59,31 +59,18 @@ def text_path(tmp_path_factory):
     return build_qwen3_5_text_model(tmp_path_factory.mktemp("qwen3_5_text") / "m")
 
 
-hf_inputs = qwen_vl_hf_inputs
-
-
 @pytest.fixture(scope="module")
 def refs(vl_path, hf_models):
     llm = LLM(vl_path, max_model_len=2048)
     hf = hf_models(vl_path)
-    out = {}
-    for case, messages in CASES.items():
-        proc, _ = process_chat(llm, messages)
-        out[case] = hf_greedy(hf, hf_inputs(hf, proc), len(proc.token_ids), N)
-    return out
+    return {case: qwen_vl_reference(hf, llm, msgs, N) for case, msgs in CASES.items()}
 
 
 def test_positions_match_get_rope_index(vl_path, hf_models):
     llm = LLM(vl_path, max_model_len=2048)
     hf = hf_models(vl_path)
     for case in ("one_image", "video"):
-        proc, _ = process_chat(llm, CASES[case])
-        kwargs = hf_inputs(hf, proc)
-        ref, delta = hf.model.get_rope_index(
-            kwargs["input_ids"], kwargs["mm_token_type_ids"], kwargs.get("image_grid_thw"),
-            kwargs.get("video_grid_thw"))
-        assert torch.equal(proc.position_info.window(0, len(proc.token_ids)), ref[:, 0]), case
-        assert proc.position_info.delta == int(delta)
+        assert_rope_index_positions(llm, hf, CASES[case], case)
 
 
 def test_each_case_matches_transformers(vl_path, refs):

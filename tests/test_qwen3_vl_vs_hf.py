@@ -19,10 +19,10 @@ from engine import LLM, SamplingParams
 from tests.helpers import (
     assert_matches_reference,
     assert_released,
+    assert_rope_index_positions,
     count_calls,
-    hf_greedy,
     process_chat,
-    qwen_vl_hf_inputs,
+    qwen_vl_reference,
     random_image,
     random_video,
     user,
@@ -48,33 +48,18 @@ def qwen3_vl_path(tmp_path_factory):
     return build_qwen3_vl_model(tmp_path_factory.mktemp("qwen3_vl") / "m")
 
 
-hf_inputs = qwen_vl_hf_inputs
-
-
-def reference(hf, llm, messages):
-    proc, _ = process_chat(llm, messages)
-    return hf_greedy(hf, hf_inputs(hf, proc), len(proc.token_ids), N)
-
-
 @pytest.fixture(scope="module")
 def refs(qwen3_vl_path, hf_models):
     llm = LLM(qwen3_vl_path, max_model_len=2048)
     hf = hf_models(qwen3_vl_path)
-    return {case: reference(hf, llm, msgs) for case, msgs in CASES.items()}
+    return {case: qwen_vl_reference(hf, llm, msgs, N) for case, msgs in CASES.items()}
 
 
 def test_positions_match_get_rope_index(qwen3_vl_path, hf_models):
     llm = LLM(qwen3_vl_path, max_model_len=2048)
     hf = hf_models(qwen3_vl_path)
     for case in ("two_images", "video"):
-        proc, _ = process_chat(llm, CASES[case])
-        kwargs = hf_inputs(hf, proc)
-        ref, delta = hf.model.get_rope_index(
-            kwargs["input_ids"], kwargs["mm_token_type_ids"], kwargs.get("image_grid_thw"),
-            kwargs.get("video_grid_thw"))
-        ours = proc.position_info.window(0, len(proc.token_ids))
-        assert torch.equal(ours, ref[:, 0]), case
-        assert proc.position_info.delta == int(delta)
+        assert_rope_index_positions(llm, hf, CASES[case], case)
 
 
 def test_video_groups_carry_timestamps_inside_their_spans(qwen3_vl_path):

@@ -158,7 +158,9 @@ def plan_linears(model: nn.Module, dtype: torch.dtype, cache: KernelCache | None
     pack_budget = TORCH_INT4_PACK_SHARE * sum(layer.qweight.nbytes for layer in int4)
     with torch.inference_mode():
         for key, group in groups.items():
-            pack = sum(layer.qweight.nbytes for layer in group if layer.is_quantized)
+            # the bytes PyTorch's int4 pack of this group would add (0 for other formats)
+            pack = sum(layer.qweight.nbytes for layer in group
+                       if layer.is_quantized and layer.mode == "int4")
             torch_int4 = pack <= pack_budget
             plan = []
             for bucket, rows in zip(BUCKETS, PROBE_ROWS, strict=True):
@@ -170,7 +172,7 @@ def plan_linears(model: nn.Module, dtype: torch.dtype, cache: KernelCache | None
                     continue
                 plan.append(_choose(bucket_key, rows, names, group, dtype, cache, timer))
             plans[key] = tuple(plan)
-            if "int_kernel" in plan and group[0].is_quantized and group[0].mode == "int4":
+            if "int_kernel" in plan:
                 pack_budget -= pack
             for layer in group:
                 if "onednn" in plan:

@@ -24,6 +24,10 @@ int mm_gemm_quantized_takes(int64_t n, int64_t k, int w_format, int64_t group);
 int mm_gemm_quantized(const void* x, int x_dtype, const void* w, int w_format,
                       const uint16_t* scales, int64_t group, void* y, int64_t ldy, int64_t m,
                       int64_t n, int64_t k, int threads);
+int mm_moe_experts(const mm_linear_desc* gate_up, const mm_linear_desc* down,
+                   int64_t num_experts, const void* x, int dt, int64_t m,
+                   const int64_t* experts, const void* weights, int64_t k, void* out,
+                   int threads);
 int mm_delta_rule_step(const float* q, const float* k, const float* v, const float* g,
                        const float* beta, float* states, const int64_t* slots, float* out,
                        int64_t batch, int64_t heads, int64_t dk, int64_t dv, int threads);
@@ -383,6 +387,53 @@ static void test_attention(int dt, int64_t window, float softcap) {
     free(cache), free(q), free(out), free(cr), free(qr), free(want);
 }
 
+/* ---- a mixture of experts' routed experts ---------------------------------------------- */
+
+static void test_moe_experts(int dt) {
+    enum { E = 5, TOP = 2, M = 3, H = 48, I = 32 };
+    const int64_t experts[M * TOP] = {3, 0, 1, 3, 4, 2};  /* expert 3 serves two tokens */
+    void *gu[E], *dn[E];
+    double *gur[E], *dnr[E];
+    mm_linear_desc gate_up[E], down[E];
+    for (int e = 0; e < E; e++) {
+        gu[e] = alloc(4 * 2 * I * H), gur[e] = alloc(8 * 2 * I * H);
+        dn[e] = alloc(4 * H * I), dnr[e] = alloc(8 * H * I);
+        fill(gu[e], dt, gur[e], 2 * I * H, 0.3);
+        fill(dn[e], dt, dnr[e], H * I, 0.3);
+        gate_up[e] = (mm_linear_desc){FORMAT_DENSE, 0, 2 * I, H, gu[e], NULL, NULL};
+        down[e] = (mm_linear_desc){FORMAT_DENSE, 0, H, I, dn[e], NULL, NULL};
+    }
+    void *x = alloc(4 * M * H), *w = alloc(4 * M * TOP), *out = alloc(4 * M * H);
+    double *xr = alloc(8 * M * H), *wr = alloc(8 * M * TOP), *want = alloc(8 * M * H);
+    fill(x, dt, xr, M * H, 1.0);
+    fill(w, dt, wr, M * TOP, 1.0);
+    for (int64_t t = 0; t < M; t++)
+        for (int64_t j = 0; j < TOP; j++) {
+            const int64_t e = experts[t * TOP + j];
+            double act[I];
+            for (int64_t i = 0; i < I; i++) {
+                double g = 0, u = 0;
+                for (int64_t c = 0; c < H; c++)
+                    g += gur[e][i * H + c] * xr[t * H + c], u += gur[e][(I + i) * H + c] * xr[t * H + c];
+                act[i] = g / (1.0 + exp(-g)) * u;
+            }
+            for (int64_t c = 0; c < H; c++) {
+                double y = 0;
+                for (int64_t i = 0; i < I; i++) y += dnr[e][c * I + i] * act[i];
+                want[t * H + c] += wr[t * TOP + j] * y;
+            }
+        }
+    char name[64];
+    snprintf(name, sizeof name, "moe experts, %s", dname(dt));
+    if (mm_moe_experts(gate_up, down, E, x, dt, M, experts, w, TOP, out, 1))
+        printf("FAIL %s: status\n", name), failures++;
+    /* float32 sums; in bfloat16 every intermediate (gate_up, activation, down, scaled, sum) is
+     * rounded, as the modules round them */
+    check(name, out, dt, want, M * H, dt == DTYPE_F32 ? 1e-5 : 2e-2, dt == DTYPE_F32 ? 1e-4 : 4e-2);
+    for (int e = 0; e < E; e++) free(gu[e]), free(gur[e]), free(dn[e]), free(dnr[e]);
+    free(x), free(w), free(out), free(xr), free(wr), free(want);
+}
+
 /* ---- the gated delta rule's decode step ------------------------------------------------------ */
 
 static void test_delta_rule(void) {
@@ -459,6 +510,7 @@ int main(void) {
         test_attention(dt, 0, 0.0f);
         test_attention(dt, 5, 0.0f);
         test_attention(dt, 0, 30.0f);
+        test_moe_experts(dt);
     }
     test_argmax();
     test_delta_rule();
