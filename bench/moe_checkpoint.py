@@ -86,13 +86,13 @@ def write(out: Path, shapes: str, layers: int | None, shard_gib: float, seed: in
     current: dict[str, torch.Tensor] = {}  # the shard being filled; written when full
     names: list[list[str]] = []
     total = 0
+    filled = 0  # bytes in `current`
 
     def flush() -> None:
         names.append(list(current))
         save_file(current, out / f"part-{len(names):05d}.safetensors",
                   metadata={"format": "pt"})
-        print(f"  shard {len(names)}: {sum(t.numel() * 2 for t in current.values()) / 2**30:.2f}"
-              " GiB", flush=True)
+        print(f"  shard {len(names)}: {filled / 2**30:.2f} GiB", flush=True)
         current.clear()
 
     for name, shape in all_tensors(cfg):
@@ -101,9 +101,11 @@ def write(out: Path, shapes: str, layers: int | None, shard_gib: float, seed: in
         else:
             tensor = (0.02 * torch.randn(shape, generator=gen)).to(torch.bfloat16)
         nbytes = tensor.numel() * 2
-        if current and sum(t.numel() * 2 for t in current.values()) + nbytes > limit:
+        if current and filled + nbytes > limit:
             flush()
+            filled = 0
         current[name] = tensor
+        filled += nbytes
         total += nbytes
     flush()
     weight_map = {}
