@@ -176,7 +176,7 @@ def _image_schemas():
     from models.mistral3.preprocess import IMAGE_PROCESSORS as PIXTRAL
     from models.processing.clip_image import IMAGE_PROCESSORS as CLIP
     from models.processing.log_mel import FEATURE_EXTRACTOR
-    from models.qwen_vl.preprocess import IMAGE_PROCESSORS as QWEN
+    from models.processing.qwen_vision import IMAGE_PROCESSORS as QWEN
 
     schemas = {**CLIP, **IDEFICS3, **PIXTRAL, **QWEN}
     pil = {name: f"{name}Pil" for name in schemas}
@@ -203,7 +203,7 @@ def test_image_schema_defaults_are_the_classes(schema, cls):
 ])
 def test_video_schema_defaults_are_the_classes(module, cls):
     from models.idefics3.preprocess import VIDEO_PROCESSORS as SMOLVLM
-    from models.qwen_vl.preprocess import VIDEO_PROCESSORS as QWEN
+    from models.processing.qwen_vision import VIDEO_PROCESSORS as QWEN
 
     schema = {**QWEN, **SMOLVLM}[cls]
     theirs = _class_attributes(module, cls)

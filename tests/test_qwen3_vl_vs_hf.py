@@ -166,7 +166,7 @@ def _reference_video_resize():
 def test_video_resize_and_timestamps_follow_qwen3_vl():
     from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 
-    from models.qwen_vl.preprocess import VisionPreprocessConfig, smart_resize_clip
+    from models.processing.qwen_vision import VisionPreprocessConfig, smart_resize_clip
     from models.qwen_vl.processor import _group_seconds
 
     reference = _reference_video_resize()

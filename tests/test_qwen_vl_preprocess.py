@@ -1,4 +1,4 @@
-"""models/qwen_vl/preprocess.py against transformers' PIL/numpy Qwen2-VL image processor."""
+"""models/processing/qwen_vision.py against transformers' PIL/numpy Qwen2-VL image processor."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
     smart_resize as hf_smart_resize,
 )
 
-from models.qwen_vl.preprocess import (
+from models.processing.qwen_vision import (
     VisionPreprocessConfig,
     preprocess_image,
     preprocess_video,

@@ -24,6 +24,7 @@ import torch
 
 from models.encoders.qwen_vl import VisionConfig, VisionTower, build_vision_batch
 from models.layers.decoder import Decoder, DecoderConfig, text_features
+from models.layers.mrope import mrope_bands
 from models.layers.rotary import RotaryTable
 from models.loader import Shard
 from models.qwen_vl.family import base_family
@@ -105,16 +106,3 @@ class QwenVLForConditionalGeneration(Decoder):
             return old_lm(name)
 
         return mapping
-
-
-def mrope_bands(section: list[int], half: int, interleaved: bool) -> torch.Tensor:
-    """For each of the head's `half` frequencies, the position row (0 t, 1 h, 2 w) that drives
-    it: contiguous bands of `section` sizes, or interleaved t, h, w (Qwen3-VL). int64 [half]."""
-    if sum(section) != half:
-        raise ValueError(f"mrope_section {section} must sum to head_dim / 2 = {half}")
-    if not interleaved:
-        return torch.cat([torch.full((n,), i % 3, device="cpu") for i, n in enumerate(section)])
-    band = torch.zeros(half, dtype=torch.int64, device="cpu")  # explicit: built under meta
-    for row in (1, 2):
-        band[row : 3 * section[row] : 3] = row
-    return band

@@ -18,11 +18,8 @@ frames); each group's span covers that text too, with `is_embed` marking the pad
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
-
-import torch
 
 from models.checkpoint import Schema, choose_schema, read_settings
 from models.interfaces import (
@@ -33,12 +30,11 @@ from models.interfaces import (
     ProcessorContext,
     PromptPlan,
 )
-from models.layers.mrope import mrope_positions, window_positions
+from models.layers.mrope import MRopePositions, mrope_positions
 from models.processing.base import ProcessedCache, ProcessorDefaults, hashed_and_processed
 from models.processing.hashing import hash_image, hash_video
 from models.processing.options import OptionRange, check_mm_kwargs
-from models.qwen_vl.family import base_family
-from models.qwen_vl.preprocess import (
+from models.processing.qwen_vision import (
     IMAGE_PROCESSORS,
     VIDEO_PROCESSORS,
     VisionPreprocessConfig,
@@ -47,19 +43,7 @@ from models.qwen_vl.preprocess import (
     smart_resize,
     smart_resize_clip,
 )
-
-
-@dataclass(frozen=True)
-class MRopePositions:
-    """A request's mRoPE positions: its prompt's [3, P] and the decode delta."""
-
-    prompt: torch.Tensor
-    delta: int
-
-    def window(self, start: int, end: int) -> torch.Tensor:
-        """Positions [3, end - start] of sequence indices [start, end)."""
-        return window_positions(self.prompt, self.delta, start, end)
-
+from models.qwen_vl.family import base_family
 
 # transformers' processors take no fields of their own (their tokens come from the tokenizer).
 PROCESSORS = {kind: Schema(name, {}) for kind, name in (
