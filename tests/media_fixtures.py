@@ -97,7 +97,8 @@ class VideoSpec:
     rotation: float | None = None
     hflip: bool = False
     pts_ms: tuple[int, ...] | None = None  # explicit times (variable frame rate), time base 1/1000
-    audio_rate: int | None = None  # add a 440 Hz stereo AAC track at this rate
+    audio_rate: int | None = None  # add a stereo AAC tone of audio_freq Hz at this rate
+    audio_freq: float = 440.0
     pattern: Callable[[int], np.ndarray] | None = field(default=None, repr=False)
 
 
@@ -132,7 +133,8 @@ def encode_video(spec: VideoSpec) -> bytes:
         container.mux(stream.encode())
         if audio is not None:
             seconds = spec.frames / spec.fps
-            _encode_audio_stream(container, audio, tone(440, spec.audio_rate, seconds, 2))
+            samples = tone(spec.audio_freq, spec.audio_rate, seconds, 2)
+            _encode_audio_stream(container, audio, samples)
     return buffer.getvalue()
 
 

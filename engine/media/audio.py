@@ -136,37 +136,71 @@ def _decode_with_soundfile(
     return _finished(resampler, item)
 
 
+def decode_sound_track(
+    data: bytes,
+    *,
+    sample_rate: int,
+    limits: MediaLimits,
+    item: str,
+    budget: RequestBudget | None = None,
+) -> AudioClip | None:
+    """Decode the first audio stream of a video's ``data`` to mono at ``sample_rate`` Hz;
+    None when the container has no audio stream.
+
+    The FFmpeg path of ``decode_audio``, with its codec, sample-rate and duration checks and
+    its reservation in ``budget``; a refusal reads "<item>: its sound track: ...", and the
+    sound is reserved apart from the item's frames.
+    """
+    track = f"{item}: its sound track"
+    output = _Output(budget or RequestBudget.for_limits(limits), sample_rate, track)
+    with decoder_errors(track, "audio"), open_container(data, track, "audio") as container:
+        if not container.streams.audio:
+            return None
+        return _decode_stream(container, sample_rate, limits, track, output)
+
+
 def _decode_with_ffmpeg(
     data: bytes, sample_rate: int, limits: MediaLimits, item: str, output: _Output
 ) -> AudioClip:
     with open_container(data, item, "audio") as container:
         if not container.streams.audio:
             raise MediaError(f"{item}: the file contains no audio stream")
-        stream = container.streams.audio[0]
-        check_codec(stream, AUDIO_CODECS, item, "audio")
-        check_sample_rate(stream.sample_rate, limits, item, "sample rate")
-        if stream.duration and stream.time_base:
-            declared = float(stream.duration * stream.time_base)
-        elif container.duration:
-            declared = container.duration / av.time_base
-        else:
-            declared = 0.0
-        _check_duration(declared, limits, item)
-        output.reserve(declared)
-        # Planar float32 at the source rate and layout; downmix and rate change follow.
-        to_float = av.AudioResampler(format="fltp")
-        resampler: _MonoResampler | None = None
-        seconds = 0.0
-        # The trailing None flushes the converter.
-        for frame in itertools.chain(container.decode(stream), [None]):
-            for converted in to_float.resample(frame):
-                if resampler is None:
-                    rate = check_sample_rate(converted.sample_rate, limits, item, "sample rate")
-                    resampler = _MonoResampler(rate, sample_rate)
-                seconds += converted.samples / converted.sample_rate
-                _check_duration(seconds, limits, item)
-                output.reserve(seconds)
-                resampler.push(converted.to_ndarray().mean(axis=0, dtype=np.float32))
+        return _decode_stream(container, sample_rate, limits, item, output)
+
+
+def _decode_stream(
+    container: av.container.InputContainer,
+    sample_rate: int,
+    limits: MediaLimits,
+    item: str,
+    output: _Output,
+) -> AudioClip:
+    """Decode ``container``'s first audio stream, checked against the limits as it goes."""
+    stream = container.streams.audio[0]
+    check_codec(stream, AUDIO_CODECS, item, "audio")
+    check_sample_rate(stream.sample_rate, limits, item, "sample rate")
+    if stream.duration and stream.time_base:
+        declared = float(stream.duration * stream.time_base)
+    elif container.duration:
+        declared = container.duration / av.time_base
+    else:
+        declared = 0.0
+    _check_duration(declared, limits, item)
+    output.reserve(declared)
+    # Planar float32 at the source rate and layout; downmix and rate change follow.
+    to_float = av.AudioResampler(format="fltp")
+    resampler: _MonoResampler | None = None
+    seconds = 0.0
+    # The trailing None flushes the converter.
+    for frame in itertools.chain(container.decode(stream), [None]):
+        for converted in to_float.resample(frame):
+            if resampler is None:
+                rate = check_sample_rate(converted.sample_rate, limits, item, "sample rate")
+                resampler = _MonoResampler(rate, sample_rate)
+            seconds += converted.samples / converted.sample_rate
+            _check_duration(seconds, limits, item)
+            output.reserve(seconds)
+            resampler.push(converted.to_ndarray().mean(axis=0, dtype=np.float32))
     if resampler is None:
         raise MediaError(f"{item}: the audio contains no samples")
     return _finished(resampler, item)

@@ -19,6 +19,7 @@ from engine.media.audio import (
     check_sample_rate,
     clip_from_waveform,
     decode_audio,
+    decode_sound_track,
 )
 from engine.media.budget import RequestBudget
 from engine.media.image import decode_image, image_from_pixels
@@ -59,6 +60,7 @@ def load_video_sync(
     fps: float = DEFAULT_FPS,
     min_frames: int = 1,
     max_frames: int | None = None,
+    audio_sample_rate: int | None = None,
     limits: MediaLimits = DEFAULT_LIMITS,
     item: str = "video 1",
 ) -> VideoFrames:
@@ -68,11 +70,18 @@ def load_video_sync(
     ``src``: any encoded source ``load_image_sync`` takes, or in-memory frames: a uint8
     array or tensor [N, H, W, 3] or [N, 3, H, W], or a list of PIL images (played at
     ``fps``).
+
+    ``audio_sample_rate`` (default None: frames only) also decodes the sound track of an
+    encoded source, from the same bytes read once, as mono float32 at that rate into
+    ``VideoFrames.audio`` with ``has_audio_track`` True; a source without one, or in-memory
+    frames, give ``audio`` None and ``has_audio_track`` False. A sound track that is refused
+    (codec, sample rate, ``limits.max_audio_duration_s``, corrupt data) raises MediaError.
     """
     sampling = video_sampling(
         fps=fps, min_frames=min_frames, max_frames=max_frames, limits=limits, item=item
     )
-    return _video(src, sampling, limits, item, None)
+    audio_rate = _audio_rate(audio_sample_rate, limits, item)
+    return _video(src, sampling, audio_rate, limits, item, None)
 
 
 def load_audio_sync(
@@ -108,10 +117,11 @@ async def load_video(
     fps: float = DEFAULT_FPS,
     min_frames: int = 1,
     max_frames: int | None = None,
+    audio_sample_rate: int | None = None,
     limits: MediaLimits = DEFAULT_LIMITS,
     item: str = "video 1",
 ) -> VideoFrames:
-    """``load_video_sync`` in a worker thread."""
+    """``load_video_sync`` in a worker thread (``audio_sample_rate``: its sound track too)."""
     return await _in_worker(
         partial(
             load_video_sync,
@@ -119,6 +129,7 @@ async def load_video(
             fps=fps,
             min_frames=min_frames,
             max_frames=max_frames,
+            audio_sample_rate=audio_sample_rate,
             limits=limits,
             item=item,
         )
@@ -153,8 +164,10 @@ async def load_request_media(
     A list holds several items; any other value is one item (so a video given as frames is
     a list inside the list). Item counts are checked first; then each item is decoded in a
     worker thread and all of them are awaited together, their encoded bytes counted
-    against ``limits.max_request_bytes``. ``video_kwargs`` (fps, min_frames, max_frames) and
-    ``audio_kwargs`` (sample_rate) apply to every item of their modality. Returns the
+    against ``limits.max_request_bytes``. ``video_kwargs`` (fps, min_frames, max_frames,
+    spread, audio_sample_rate) and ``audio_kwargs`` (sample_rate) apply to every item of their
+    modality; ``audio_sample_rate`` (default None: frames only) also decodes each encoded
+    video's sound track from the same bytes, read once (see ``load_video_sync``). Returns the
     loaded items under the same keys, in order; the first failure raises its MediaError.
     """
     jobs = _plan(mm_data, limits, video_kwargs or {}, audio_kwargs or {})
@@ -220,14 +233,23 @@ def _plan(
             if modality == "image":
                 job = partial(_image, src, limits, item, budget)
             elif modality == "video":
-                sampling = video_sampling(**video_kwargs, limits=limits, item=item)
-                job = partial(_video, src, sampling, limits, item, budget)
+                options = dict(video_kwargs)
+                audio_rate = _audio_rate(options.pop("audio_sample_rate", None), limits, item)
+                sampling = video_sampling(**options, limits=limits, item=item)
+                job = partial(_video, src, sampling, audio_rate, limits, item, budget)
             else:
                 rate = audio_kwargs.get("sample_rate", DEFAULT_SAMPLE_RATE)
                 rate = check_sample_rate(rate, limits, item, "requested sample rate")
                 job = partial(_audio, src, rate, limits, item, budget)
             jobs.append((modality, job))
     return jobs
+
+
+def _audio_rate(rate: object, limits: MediaLimits, item: str) -> int | None:
+    """A video's validated ``audio_sample_rate``; None asks for no sound track."""
+    if rate is None:
+        return None
+    return check_sample_rate(rate, limits, item, "requested audio sample rate")
 
 
 def _as_list(value: Any) -> list[Any]:
@@ -264,25 +286,38 @@ def _image(src: Any, limits: MediaLimits, item: str, budget: RequestBudget | Non
 def _video(
     src: Any,
     sampling: VideoSampling,
+    audio_rate: int | None,
     limits: MediaLimits,
     item: str,
     budget: RequestBudget | None,
 ) -> VideoFrames:
     budget = budget or RequestBudget.for_limits(limits)
+    pixels = _in_memory_frames(src)
+    data = None
+    if pixels is not None:
+        video = frames_from_pixels(
+            pixels, sampling=sampling, limits=limits, item=item, budget=budget
+        )
+    else:
+        data = read_source(src, limits=limits, item=item, budget=budget)
+        video = decode_video(data, sampling=sampling, limits=limits, item=item, budget=budget)
+    if audio_rate is not None:
+        if data is not None:
+            video.audio = decode_sound_track(
+                data, sample_rate=audio_rate, limits=limits, item=item, budget=budget
+            )
+        video.has_audio_track = video.audio is not None
+    return video
+
+
+def _in_memory_frames(src: Any) -> np.ndarray | list[Any] | None:
+    """Frames given in memory (a PIL image, a list of images, arrays or tensors, an array or
+    a tensor), tensors as arrays; None for an encoded source."""
     if isinstance(src, Image.Image):
         src = [src]
     if isinstance(src, list | tuple):
-        frames = [_as_numpy(frame) if _is_tensor(frame) else frame for frame in src]
-        return frames_from_pixels(
-            frames, sampling=sampling, limits=limits, item=item, budget=budget
-        )
-    pixels = _as_numpy(src)
-    if pixels is not None:
-        return frames_from_pixels(
-            pixels, sampling=sampling, limits=limits, item=item, budget=budget
-        )
-    data = read_source(src, limits=limits, item=item, budget=budget)
-    return decode_video(data, sampling=sampling, limits=limits, item=item, budget=budget)
+        return [_as_numpy(frame) if _is_tensor(frame) else frame for frame in src]
+    return _as_numpy(src)
 
 
 def _audio(
