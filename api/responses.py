@@ -89,15 +89,16 @@ def usage(out: RequestOutput) -> dict:
 
 
 def extension(out: RequestOutput) -> dict:
-    """Our fields: each media item's span, content hash and encoder-cache outcome (null: its
-    span's KV came from the prefix cache, so it was never looked up), and the stage timings
-    measured in the engine (seconds)."""
+    """Our fields: each encoder item's span, content hash and encoder-cache outcome (null: its
+    span's KV came from the prefix cache, so it was never looked up) and the media item it is
+    part of (`item`, null: the identifier's part before ":"; `part`, its label), and the stage
+    timings measured in the engine (seconds)."""
     return {
         "placeholders": [
             {"modality": p.modality, "offset": p.offset, "length": p.length,
              "num_embeds": p.num_embeds, "identifier": p.identifier, "cache_hit": p.cache_hit,
              "parts": [[name, n] for name, n in p.parts],
-             "text_offsets": list(p.text_offsets)}
+             "text_offsets": list(p.text_offsets), "item": p.item, "part": p.part}
             for p in out.multi_modal_placeholders
         ],
         "metrics": out.metrics.as_dict(),

@@ -297,7 +297,7 @@ class LLMEngine:
                 PlaceholderInfo(
                     f.modality, f.placeholder.offset, f.placeholder.length,
                     f.placeholder.num_embeds, f.identifier, f.cache_hit, f.placeholder.parts,
-                    f.placeholder.text_offsets(),
+                    f.placeholder.text_offsets(), f.item, f.part,
                 )
                 for f in req.mm_features
             ],

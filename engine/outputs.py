@@ -14,9 +14,9 @@ from engine.metrics import RequestMetrics
 
 @dataclass(frozen=True)
 class PlaceholderInfo:
-    """A media item's place in the prompt, for the UI: span, embed positions, content hash
+    """An encoder item's place in the prompt, for the UI: span, embed positions, content hash
     (None when the backend did not report it), encoder-cache outcome (None: not looked up,
-    or not reported)."""
+    or not reported), and the media item it is part of."""
 
     modality: str
     offset: int
@@ -28,6 +28,11 @@ class PlaceholderInfo:
     # Offsets inside the span of the tokens that keep their text embeddings (row breaks, tile
     # labels, timestamps): the positions the span's `is_embed` mask leaves out.
     text_offsets: tuple[int, ...] = ()
+    # The media item this encoder item is part of (the encoder items of one item share it: a
+    # video's temporal patches, the frames and sound of a video heard with its sound; None:
+    # the identifier's part before ":") and this part's label ("sound 0-2 s"; "": none).
+    item: str | None = None
+    part: str = ""
 
 
 @dataclass

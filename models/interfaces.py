@@ -84,6 +84,12 @@ class VideoFrames:
     sampling: VideoSampling
     # Frames the decoder produced to obtain these; with seeking, far fewer than the video has.
     decoded_frames: int = 0
+    # The sound track, decoded from the same source when the loader was asked for it
+    # (`audio_sample_rate` in its video options): None when not asked for or absent.
+    audio: AudioClip | None = None
+    # Whether the source has a sound track: None when not asked for; False when asked and
+    # there is none (frames given in memory never have one).
+    has_audio_track: bool | None = None
 
 
 # ---- what a processor hands the engine ---------------------------------------------------------
@@ -149,6 +155,11 @@ class MultiModalFeature:
     data: dict[str, Any] | None = None
     # Filled by the engine for the UI: did this item hit the encoder cache?
     cache_hit: bool | None = None
+    # For display: the media item this encoder item is part of (the features of one item share
+    # it: a video's temporal patches, the frames and sound of a video heard with its sound;
+    # None: the identifier's part before ":") and this part's label ("sound 0-2 s"; "": none).
+    item: str | None = None
+    part: str = ""
 
 
 @runtime_checkable

@@ -16,6 +16,8 @@ from models.mistral3.model import PixtralVLM
 from models.mistral3.processor import PixtralProcessor
 from models.qwen2_audio.model import QwenAudioForConditionalGeneration
 from models.qwen2_audio.processor import QwenAudioProcessor
+from models.qwen_omni.model import QwenOmniThinker
+from models.qwen_omni.processor import QwenOmniProcessor
 from models.qwen_vl.model import QwenVLForConditionalGeneration
 from models.qwen_vl.processor import QwenVLProcessor
 
@@ -65,6 +67,10 @@ _REGISTRY: dict[str, ModelSpec] = {
     "Qwen2AudioForConditionalGeneration": ModelSpec(
         QwenAudioForConditionalGeneration, QwenAudioProcessor
     ),
+    # Qwen2.5-Omni: its thinker alone, or the whole model (whose speech output is not built).
+    "Qwen2_5OmniThinkerForConditionalGeneration": ModelSpec(QwenOmniThinker, QwenOmniProcessor),
+    "Qwen2_5OmniForConditionalGeneration": ModelSpec(QwenOmniThinker, QwenOmniProcessor),
+    "Qwen2_5OmniModel": ModelSpec(QwenOmniThinker, QwenOmniProcessor),
 }
 
 

@@ -61,17 +61,20 @@ def _write(file: Path, data: dict) -> None:
 
 
 def save_processor(path: Path, processor_class: str, tokenizer, *, image_processor=None,
-                   video_settings: dict | None = None, fields: dict | None = None) -> Path:
+                   video_settings: dict | None = None, fields: dict | None = None,
+                   components: dict[str, dict] | None = None) -> Path:
     """What transformers 5's `save_pretrained` writes for a processor that cannot be built here
     (its video processor needs torchvision): processor_config.json with the image processor's
-    own `to_dict()` and the video processor's settings nested beside the processor's fields
-    and class, and the tokenizer's chat template in chat_template.jinja."""
+    own `to_dict()`, the video processor's settings and any other `components` (e.g. a feature
+    extractor's `to_dict()`) nested beside the processor's fields and class, and the tokenizer's
+    chat template in chat_template.jinja."""
     path = Path(path)
     config = {**(fields or {}), "processor_class": processor_class}
     if image_processor is not None:
         config["image_processor"] = image_processor.to_dict()
     if video_settings is not None:
         config["video_processor"] = video_settings
+    config.update(components or {})
     _write(path / "processor_config.json", config)
     if tokenizer.chat_template:
         (path / "chat_template.jinja").write_text(tokenizer.chat_template)

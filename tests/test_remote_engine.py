@@ -6,13 +6,19 @@ error, and an API key is sent."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 from contextlib import ExitStack
 
 import pytest
 
 from api import create_app
+from api.responses import extension
 from engine import SamplingParams
+from engine.metrics import RequestMetrics
+from engine.outputs import CompletionOutput, PlaceholderInfo, RequestOutput
 from engine.remote import BackendError, RemoteConfig, RequestRefusedError, connect
+from engine.remote.stream import EXTENSION, StreamState
 from tests.api_fixtures import running_server
 from tests.helpers import assert_released, pace_steps
 from tests.helpers import wait_idle_async as wait_idle
@@ -119,6 +125,30 @@ async def test_an_audio_turn(remote, samples):
     (ph,) = final.multi_modal_placeholders
     assert ph.modality == "audio" and ph.length == ph.num_embeds > 0
     assert final.outputs[0].finish_reason == "length"
+
+
+def test_placeholders_cross_the_wire_with_their_item_and_part():
+    """What the API sends of a placeholder is what the remote engine reads back; an older
+    server's reply without `item` and `part` reads as their defaults."""
+    out = RequestOutput("r", None, [0] * 8, [CompletionOutput(0, "", [])], True, 0,
+                        RequestMetrics(), [
+        PlaceholderInfo("video", 1, 2, 2, "vid:t0", False, item="vid", part="frames 0-1 s"),
+        PlaceholderInfo("audio", 3, 4, 3, "snd:w0", None, text_offsets=(1,), item="vid",
+                        part="sound 0-2 s"),
+        PlaceholderInfo("image", 7, 1, 1, "img", True, parts=(("base", 1),)),
+    ])
+    report = json.loads(json.dumps(extension(out)))
+
+    def read(report: dict) -> list[PlaceholderInfo]:
+        state = StreamState("r", 0.0, 0.0, ("video", "image"), from_mmserve=True)
+        state.add({EXTENSION: report, "choices": []}, 0.0)
+        return state.output(finished=True).multi_modal_placeholders
+
+    assert read(report) == out.multi_modal_placeholders
+    for p in report["placeholders"]:
+        del p["item"], p["part"]
+    assert read(report) == [dataclasses.replace(p, item=None, part="")
+                            for p in out.multi_modal_placeholders]
 
 
 async def test_stop_aborts_the_servers_request(remote, engines, samples, monkeypatch):

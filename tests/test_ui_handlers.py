@@ -7,6 +7,7 @@ import ast
 import contextlib
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import gradio as gr
@@ -358,3 +359,77 @@ def test_structure_tokens_inside_a_span_are_shown_apart_from_its_embeddings():
     output.multi_modal_placeholders = [plain]
     strip = panels.placeholder_html(output, _Vocab())
     assert "6 embeds ·" in strip and "text inside" not in strip
+
+
+def _heard_video_output():
+    """An image, a video heard with its sound (Qwen2.5-Omni style: frames and sound windows
+    interleaved; the second window's span holds the last video patch between its tokens), then
+    a clip alone. The placeholders are listed as the processor lists them: image, video
+    patches, sound windows, clip."""
+    from engine.metrics import RequestMetrics
+    from engine.outputs import CompletionOutput, PlaceholderInfo, RequestOutput
+
+    img, v, a = 9, 20, 21
+    ids = [7, img, img, 7, v, v, v, v, a, a, v, a, v, a, 7, a, a, 7]
+    video = [
+        PlaceholderInfo("video", 4, 2, 2, "vid:t0", False, item="vid", part="frames 0-1 s"),
+        PlaceholderInfo("video", 6, 2, 2, "vid:t1", False, item="vid", part="frames 1-2 s"),
+        PlaceholderInfo("video", 10, 1, 1, "vid:t2", False, item="vid", part="frames 2-3 s"),
+        PlaceholderInfo("video", 12, 1, 1, "vid:t3", False, item="vid", part="frames 3-4 s"),
+    ]
+    sound = [
+        PlaceholderInfo("audio", 8, 2, 2, "snd:w0", False, item="vid", part="sound 0-2 s"),
+        # positions 11 (its own), 12 (video t3), 13 (its own): the mask leaves out 12
+        PlaceholderInfo("audio", 11, 3, 2, "snd:w1", True, text_offsets=(1,), item="vid",
+                        part="sound 2-4 s"),
+    ]
+    phs = [PlaceholderInfo("image", 1, 2, 2, "img", False), *video, *sound,
+           PlaceholderInfo("audio", 15, 2, 2, "clip:w0", None)]
+    return RequestOutput("r", None, ids, [CompletionOutput(0, "", [])], False, 0,
+                         RequestMetrics(), phs)
+
+
+class _OmniVocab(_Vocab):
+    texts = {**_Vocab.texts, 20: "<|VIDEO|>", 21: "<|AUDIO|>"}
+
+
+def test_a_video_heard_with_its_sound_is_one_item_of_interleaved_chips():
+    output = _heard_video_output()
+    labels = ["image 1", "video 1 · frames 0-1 s", "video 1 · frames 1-2 s",
+              "video 1 · frames 2-3 s", "video 1 · frames 3-4 s", "video 1 · sound 0-2 s",
+              "video 1 · sound 2-4 s", "audio 1 · w0"]
+    assert panels.item_labels(output) == labels
+    # Numbered by the prompt, not by the order the placeholders are listed in.
+    reordered = dataclasses.replace(output,
+                                    multi_modal_placeholders=output.multi_modal_placeholders[::-1])
+    assert panels.item_labels(reordered) == labels[::-1]
+
+    table = panels.placeholder_table(output)
+    assert table["item"].tolist() == labels
+    assert table["modality"].tolist() == ["image", *["video"] * 4, "audio", "audio", "audio"]
+    assert table["hash"].tolist() == ["img", *["vid"] * 4, "snd", "snd", "clip"]
+
+    strip = panels.placeholder_html(output, _OmniVocab())
+    chips = re.findall(r'background:(#\w+);color:#fff;font-family[^>]*>\S+ ([^@<]+) · @', strip)
+    c = panels.MODALITY_COLORS
+    assert chips == [
+        (c["image"], "image 1"), (c["video"], "video 1 · frames 0-1 s"),
+        (c["video"], "video 1 · frames 1-2 s"), (c["audio"], "video 1 · sound 0-2 s"),
+        (c["video"], "video 1 · frames 2-3 s"), (c["audio"], "video 1 · sound 2-4 s"),
+        (c["video"], "video 1 · frames 3-4 s"), (c["audio"], "audio 1 · w0"),
+    ]
+    # The overlapping window: the video token inside it is not its text, and no text run is
+    # drawn inside a span.
+    assert "video 1 · sound 2-4 s · @11 ×3 · 2 embeds in 3 ·" in strip
+    assert "text inside" not in strip
+    shown = [int(k) for k in re.findall(r'title="#(\d+) id', strip)]
+    assert shown == [0, 3, 14, 17]
+
+
+def test_placeholders_without_item_or_part_label_as_before():
+    output = _heard_video_output()
+    output.multi_modal_placeholders = [
+        dataclasses.replace(ph, item=None, part="") for ph in output.multi_modal_placeholders]
+    assert panels.item_labels(output) == [
+        "image 1", "video 1 · t0", "video 1 · t1", "video 1 · t2", "video 1 · t3",
+        "audio 1 · w0", "audio 1 · w1", "audio 2 · w0"]

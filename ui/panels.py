@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 from collections.abc import Mapping
+from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
@@ -42,19 +43,28 @@ _NO_HASH = "—"
 
 
 def item_labels(output: RequestOutput) -> list[str]:
-    """A short name per placeholder: "image 1", or "video 1 · t0" for the parts of one video
-    (an item identifier's ":suffix" marks a part of the same media item; a placeholder without
-    an identifier is an item of its own)."""
+    """A short name per placeholder: "image 1", or "video 1 · t0" for the parts of one video.
+
+    The placeholders of one media item share its `item` (or, without one, the identifier's part
+    before ":"); a placeholder with neither is an item of its own. Items are numbered per
+    modality in prompt order, by the modality of their first span in the prompt: a video heard
+    with its sound is "video 1", its sound parts "video 1 · sound 0-2 s". A part is labelled by
+    its `part`, else by the identifier's ":suffix"."""
+    phs = output.multi_modal_placeholders
+    keys, parts = [], []
+    for i, ph in enumerate(phs):
+        base, _, suffix = (ph.identifier or f"\0{i}").partition(":")
+        keys.append(ph.item if ph.item is not None else base)
+        parts.append(ph.part or suffix)
     counts: dict[str, int] = {}
-    seen: dict[str, str] = {}
-    labels = []
-    for i, ph in enumerate(output.multi_modal_placeholders):
-        base, _, part = (ph.identifier or f"\0{i}").partition(":")
-        if base not in seen:
-            counts[ph.modality] = counts.get(ph.modality, 0) + 1
-            seen[base] = f"{ph.modality} {counts[ph.modality]}"
-        labels.append(f"{seen[base]} · {part}" if part else seen[base])
-    return labels
+    names: dict[str, str] = {}
+    for i in sorted(range(len(phs)), key=lambda i: phs[i].offset):
+        if keys[i] not in names:
+            modality = phs[i].modality
+            counts[modality] = counts.get(modality, 0) + 1
+            names[keys[i]] = f"{modality} {counts[modality]}"
+    return [f"{names[key]} · {part}" if part else names[key]
+            for key, part in zip(keys, parts, strict=True)]
 
 
 def cache_status(output: RequestOutput, ph: PlaceholderInfo) -> str:
@@ -87,13 +97,17 @@ def placeholder_html(
     remote engine) each text run is one chip that counts its tokens."""
     ids = output.prompt_token_ids
     special = set(tokenizer.all_special_ids) if tokenizer is not None else set()
+    text = _text_offsets(output.multi_modal_placeholders)
     parts = []
     pos = 0
-    spans = zip(item_labels(output), output.multi_modal_placeholders, strict=True)
-    for label, ph in sorted(spans, key=lambda s: s[1].offset):
+    spans = zip(item_labels(output), output.multi_modal_placeholders, text, strict=True)
+    for label, ph, own_text in sorted(spans, key=lambda s: s[1].offset):
+        # Spans may overlap (an audio window's span around the video tokens between its own):
+        # text runs fill only the gaps no span covers.
         parts.append(_text_run(ids, pos, ph.offset, tokenizer, special, max_run))
-        parts.append(_media_chip(label, ph, cache_status(output, ph), ids, tokenizer))
-        pos = ph.offset + ph.length
+        parts.append(
+            _media_chip(label, ph, cache_status(output, ph), ids, tokenizer, own_text))
+        pos = max(pos, ph.offset + ph.length)
     parts.append(_text_run(ids, pos, len(ids), tokenizer, special, max_run))
     legend = " ".join(
         f'<span style="{CHIP}background:{color};color:#fff">{MODALITY_ICONS[m]} {m}</span>'
@@ -116,6 +130,20 @@ def placeholder_html(
         f'white-space: pre-wrap; word-break: break-all">{"".join(parts)}</div>'
     )
     return f'<div class="mm-placeholders" style="{BOX}">{head}{notes}{strip}</div>'
+
+
+def _text_offsets(phs: list[PlaceholderInfo]) -> list[tuple[int, ...]]:
+    """Each span's offsets of the positions that keep their text embeddings: those its
+    `is_embed` mask leaves out, less those another span embeds (when spans interleave, a
+    span's mask also leaves out the other items' tokens inside it)."""
+    spans = sorted((ph.offset, ph.offset + ph.length) for ph in phs)
+    if all(a_end <= b_start for (_, a_end), (b_start, _) in pairwise(spans)):
+        return [ph.text_offsets for ph in phs]  # disjoint spans: nothing to take out
+    embedded: set[int] = set()
+    for ph in phs:
+        kept = set(ph.text_offsets)
+        embedded.update(ph.offset + k for k in range(ph.length) if k not in kept)
+    return [tuple(k for k in ph.text_offsets if ph.offset + k not in embedded) for ph in phs]
 
 
 def _text_run(
@@ -151,10 +179,13 @@ def _tokens(
     return "".join(out)
 
 
-def _structure_summary(ph: PlaceholderInfo, ids: list[int], tokenizer: TokenizerLike) -> str:
-    """The span's text tokens, each distinct one with its count, in order of appearance."""
+def _structure_summary(
+    ph: PlaceholderInfo, text: tuple[int, ...], ids: list[int], tokenizer: TokenizerLike
+) -> str:
+    """The span's text tokens (at offsets `text`), each distinct one with its count, in order
+    of appearance."""
     counts: dict[int, int] = {}
-    for k in ph.text_offsets:
+    for k in text:
         if ph.offset + k < len(ids):
             tid = ids[ph.offset + k]
             counts[tid] = counts.get(tid, 0) + 1
@@ -167,13 +198,16 @@ def _structure_summary(ph: PlaceholderInfo, ids: list[int], tokenizer: Tokenizer
 
 def _media_chip(
     label: str, ph: PlaceholderInfo, status: str, ids: list[int] | None = None,
-    tokenizer: TokenizerLike | None = None,
+    tokenizer: TokenizerLike | None = None, text: tuple[int, ...] | None = None,
 ) -> str:
+    """One span as a chip; `text`: the offsets of its text tokens (default: those its mask
+    leaves out)."""
+    text = ph.text_offsets if text is None else text
     color = MODALITY_COLORS.get(ph.modality, "#374151")
     embeds = f"{ph.num_embeds} embeds"
-    if ph.text_offsets:  # structure tokens inside the span keep their text embeddings
-        embeds += f" + {len(ph.text_offsets)} text"
-    elif ph.num_embeds != ph.length:
+    if text:  # structure tokens inside the span keep their text embeddings
+        embeds += f" + {len(text)} text"
+    if ph.num_embeds + len(text) != ph.length:  # other items' tokens, or not reported
         embeds += f" in {ph.length}"
     if ph.parts:  # e.g. an anyres image: its base image, then its tiles
         embeds += " · " + " + ".join(f"{name} {n}" for name, n in ph.parts)
@@ -181,8 +215,8 @@ def _media_chip(
         f"{label}: tokens {ph.offset}–{ph.offset + ph.length - 1}, {embeds}, "
         f"hash {ph.identifier or 'not reported'}, {_STATUS_HELP[status]}"
     )
-    if ph.text_offsets and ids is not None and tokenizer is not None:
-        title += "; text inside: " + _structure_summary(ph, ids, tokenizer)
+    if text and ids is not None and tokenizer is not None:
+        title += "; text inside: " + _structure_summary(ph, text, ids, tokenizer)
     return (
         f'<span title="{html.escape(title)}" style="{CHIP}background:{color};color:#fff;'
         f'font-family: ui-sans-serif, system-ui, sans-serif;padding:1px 6px">'

@@ -202,16 +202,20 @@ def _merge_server_metrics(m: RequestMetrics, server: dict[str, Any]) -> None:
 
 
 def _report_placeholders(items: Sequence[Any]) -> list[PlaceholderInfo]:
+    """mmserve's placeholders as PlaceholderInfo; fields an older server leaves out (`item`,
+    `part`, ...) take their defaults."""
     out = []
     for p in items:
         if isinstance(p, dict):
-            hit = p.get("cache_hit")
+            hit, item, part = p.get("cache_hit"), p.get("item"), p.get("part")
             out.append(PlaceholderInfo(
                 str(p["modality"]), int(p["offset"]), int(p["length"]), int(p["num_embeds"]),
                 p.get("identifier") if isinstance(p.get("identifier"), str) else None,
                 hit if isinstance(hit, bool) else None,
                 tuple((str(name), int(n)) for name, n in p.get("parts") or ()),
                 tuple(int(k) for k in p.get("text_offsets") or ()),
+                item if isinstance(item, str) else None,
+                part if isinstance(part, str) else "",
             ))
     return out
 

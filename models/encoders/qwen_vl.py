@@ -61,8 +61,8 @@ class VisionConfig:
 
     @classmethod
     def from_hf(cls, vc) -> VisionConfig:
-        """Read a Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Qwen3.5 vision config (the MoE variants'
-        towers are their dense family's)."""
+        """Read a Qwen2-VL, Qwen2.5-VL (Qwen2.5-Omni's too), Qwen3-VL or Qwen3.5 vision config
+        (the MoE variants' towers are their dense family's)."""
         rope_theta = float((getattr(vc, "rope_parameters", None) or {}).get("rope_theta", 1e4))
         common = dict(depth=vc.depth, num_heads=vc.num_heads, patch_size=vc.patch_size,
                       temporal_patch_size=vc.temporal_patch_size,
@@ -72,7 +72,7 @@ class VisionConfig:
             return cls(width=vc.embed_dim, out_dim=vc.hidden_size,
                        mlp_hidden=int(vc.embed_dim * vc.mlp_ratio), norm="layer",
                        gated_mlp=False, window_size=None, full_attention_layers=(), **common)
-        if vc.model_type in ("qwen2_5_vl", "qwen2_5_vl_vision"):
+        if vc.model_type in ("qwen2_5_vl", "qwen2_5_vl_vision", "qwen2_5_omni_vision_encoder"):
             return cls(width=vc.hidden_size, out_dim=vc.out_hidden_size,
                        mlp_hidden=vc.intermediate_size, norm="rms", gated_mlp=True,
                        window_size=vc.window_size,

@@ -1,9 +1,13 @@
 """The Whisper-style audio encoder (Qwen2-Audio's, and Qwen2.5-Omni's), batched over every clip of
 a step.
 
-Two convolutions (the second halves the frame rate), learned positions, pre-LN transformer layers
-(the shared ViT blocks), average pooling by 2 and a final LayerNorm. A clip of L mel frames gives
-(L + 1) // 2 encoder positions and half as many embeddings (`encoder_lengths`).
+Two convolutions (the second halves the frame rate), positions (learned, or the fixed sinusoids
+of Qwen2.5-Omni: `positions`), pre-LN transformer layers (the shared ViT blocks), average pooling
+by 2, a final LayerNorm and, where the checkpoint has one (Qwen2.5-Omni), a projection into the
+LLM's width (`output_dim`). A clip of L mel frames gives (L + 1) // 2 encoder positions and half
+as many embeddings (`encoder_lengths`). Qwen2.5-Omni's encoder attends within windows of
+2 * n_window frames whose positions restart at 0: its processor hands each window over as a clip
+of its own (models/qwen_omni/processor.py).
 
 Nothing is padded, neither to the 30 s window nor to the step's longest clip: each clip's
 features stop two frames past its real ones (the convolutions' reach: `receptive_frames`), so
@@ -17,6 +21,7 @@ never straddle a clip's end.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -41,6 +46,12 @@ def receptive_frames(num_frames: int, window_frames: int) -> int:
     return min(2 * positions + 1, window_frames)
 
 
+POSITIONS = ("learned", "sinusoidal")
+# Audio configs whose encoder has fixed sinusoidal positions, windowed attention and an output
+# projection (Qwen2.5-Omni's); the others are Whisper's (Qwen2-Audio's).
+_OMNI_AUDIO = ("qwen2_5_omni_audio_encoder",)
+
+
 @dataclass(frozen=True)
 class AudioEncoderConfig:
     """The encoder's shape, read once from the checkpoint's audio_config."""
@@ -52,11 +63,23 @@ class AudioEncoderConfig:
     ffn_dim: int
     max_positions: int
     activation: str
+    positions: str = "learned"  # "sinusoidal": fixed, not in the checkpoint
+    output_dim: int | None = None  # a projection after the final norm, into this width
+    window_frames: int | None = None  # attention windows (in mel frames), one clip each
+
+    def __post_init__(self) -> None:
+        if self.positions not in POSITIONS:
+            raise ValueError(f"positions must be one of {POSITIONS}, got {self.positions!r}")
+        if self.window_frames is not None and encoder_lengths(self.window_frames)[0] > (
+                self.max_positions):
+            raise ValueError(f"a window of {self.window_frames} frames has more positions than "
+                             f"max_source_positions={self.max_positions}")
 
     @classmethod
     def from_hf(cls, ac) -> AudioEncoderConfig:
-        if getattr(ac, "scale_embedding", False):
+        if ac.scale_embedding:
             raise NotImplementedError("audio encoders with scale_embedding are not built")
+        omni = ac.model_type in _OMNI_AUDIO
         return cls(
             num_mel_bins=ac.num_mel_bins,
             width=ac.d_model,
@@ -65,6 +88,9 @@ class AudioEncoderConfig:
             ffn_dim=ac.encoder_ffn_dim,
             max_positions=ac.max_source_positions,
             activation=ac.activation_function,
+            positions="sinusoidal" if omni else "learned",
+            output_dim=ac.output_dim if omni else None,
+            window_frames=2 * ac.n_window if omni else None,
         )
 
 
@@ -106,28 +132,49 @@ class AudioEncoder(nn.Module):
         self.cfg = cfg
         self.conv1 = nn.Conv1d(cfg.num_mel_bins, cfg.width, kernel_size=3, padding=1)
         self.conv2 = nn.Conv1d(cfg.width, cfg.width, kernel_size=3, stride=2, padding=1)
-        self.embed_positions = nn.Embedding(cfg.max_positions, cfg.width)
+        if cfg.positions == "learned":
+            self.embed_positions = nn.Embedding(cfg.max_positions, cfg.width)
+        else:  # not a buffer: built on the CPU while the module is built on the meta device
+            self.sinusoids = sinusoids(cfg.max_positions, cfg.width)  # float32, moved on use
         # Whisper's layers: LayerNorm (eps 1e-5), separate q/k/v with no key bias, plain MLP.
         self.blocks = vit_blocks(ViTConfig(
             width=cfg.width, depth=cfg.num_layers, num_heads=cfg.num_heads, mlp_hidden=cfg.ffn_dim,
             act=cfg.activation, norm="layer", norm_eps=1e-5, fused_qkv=False, k_bias=False,
         ))
         self.layer_norm = nn.LayerNorm(cfg.width)
+        self.proj = None if cfg.output_dim is None else nn.Linear(cfg.width, cfg.output_dim)
 
     def forward(self, batch: AudioBatch) -> torch.Tensor:
-        """-> [sum(sizes), width], clips in batch order."""
+        """-> [sum(sizes), output_dim or width], clips in batch order."""
         clips = batch.features.split(batch.frames, dim=1)  # [n_mels, f_i] views
         # The frame kept past a clip's end yields one more position, never used.
         x = torch.cat([
             F.gelu(self.conv2(F.gelu(self.conv1(f))))[:, :n]  # [width, n_i]
             for f, n in zip(clips, batch.lengths, strict=True)
         ], dim=1).T  # [N, width]
-        x = x + self.embed_positions(batch.positions)
+        if self.cfg.positions == "learned":
+            x = x + self.embed_positions(batch.positions)
+        else:
+            if self.sinusoids.device != x.device:
+                self.sinusoids = self.sinusoids.to(x.device)
+            x = x + self.sinusoids[batch.positions].to(x.dtype)
         clips = Segments(batch.lengths)  # one attention call per clip (see the module docstring)
         for block in self.blocks:
             x = block(x, clips)
         pooled = x[batch.pairs].mean(1)  # [sum(sizes), width]
-        return self.layer_norm(pooled)
+        out = self.layer_norm(pooled)
+        return out if self.proj is None else self.proj(out)
+
+
+def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:
+    """Fixed positions [length, channels] float32: sines then cosines of position times
+    geometrically spaced inverse timescales (Whisper's, Qwen2.5-Omni's audio encoder)."""
+    if channels % 2:
+        raise ValueError(f"sinusoidal positions need an even width, got {channels}")
+    step = math.log(max_timescale) / (channels // 2 - 1)
+    inv_timescales = torch.exp(-step * torch.arange(channels // 2, device="cpu").float())
+    scaled = torch.arange(length, device="cpu")[:, None] * inv_timescales[None, :]
+    return torch.cat([torch.sin(scaled), torch.cos(scaled)], dim=1)
 
 
 _AUDIO_BLOCK_NAMES = {"self_attn_layer_norm": "norm1", "final_layer_norm": "norm2",

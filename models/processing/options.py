@@ -56,11 +56,28 @@ class OptionRange:
         return int(value) if self.integer else float(value)
 
 
+@dataclass(frozen=True)
+class Flag:
+    """An option that is true or false (a JSON boolean; 0 and 1 are refused, not guessed)."""
+
+    why: str = ""
+
+    def describe(self) -> str:
+        return "true or false"
+
+    def check(self, name: str, value: Any) -> bool:
+        """``value`` itself; ValueError naming the option and the value when not a bool."""
+        if not isinstance(value, bool):
+            why = f" ({self.why})" if self.why else ""
+            raise ValueError(f"mm_processor_kwargs {name}={value!r} is not true or false{why}")
+        return value
+
+
 def check_mm_kwargs(
     mm_kwargs: Mapping[str, Any],
-    accepted: Mapping[str, OptionRange] | tuple[str, ...],
+    accepted: Mapping[str, OptionRange | Flag] | tuple[str, ...],
     family: str,
-) -> dict[str, int | float | Any]:
+) -> dict[str, int | float | bool | Any]:
     """Refuse options a model's processor does not know (naming those it does) and, where
     ``accepted`` maps names to ranges, values outside them. Returns the checked options."""
     if not isinstance(mm_kwargs, Mapping):

@@ -1,0 +1,169 @@
+"""A tiny Qwen2.5-Omni checkpoint for tests and benchmarks: the thinker (audio encoder, vision
+tower, Qwen2 decoder with TMRoPE) with random weights, a locally trained tokenizer with the
+Omni's media tokens and chat template, and its processor's settings, in transformers 5's layout.
+
+`layout="thinker"` saves Qwen2_5OmniThinkerForConditionalGeneration alone; `layout="omni"` saves
+Qwen2_5OmniForConditionalGeneration, the Hub's layout: the thinker under `thinker.`, beside a
+tiny talker and token-to-wave model (speech output) that the engine skips.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from testing.layouts import save_processor
+from testing.tiny import CLIP_MEAN, CLIP_STD, randomize, save_checkpoint, train_tokenizer
+
+OMNI_SPECIAL = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>",
+    "<|vision_bos|>", "<|vision_eos|>", "<|IMAGE|>", "<|VIDEO|>",
+    "<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>",
+]
+# The names Qwen2_5OmniProcessor reads its tokens by (the tokenizer's extra special tokens).
+OMNI_TOKEN_NAMES = {
+    "image_token": "<|IMAGE|>", "video_token": "<|VIDEO|>", "audio_token": "<|AUDIO|>",
+    "vision_bos_token": "<|vision_bos|>", "vision_eos_token": "<|vision_eos|>",
+    "audio_bos_token": "<|audio_bos|>", "audio_eos_token": "<|audio_eos|>",
+}
+
+# ChatML with the Omni's media placeholders (the layout of Qwen2.5-Omni's own template).
+OMNI_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_bos|><|IMAGE|><|vision_eos|>"
+    "{% elif part['type'] == 'video' %}<|vision_bos|><|VIDEO|><|vision_eos|>"
+    "{% elif part['type'] == 'audio' %}<|audio_bos|><|AUDIO|><|audio_eos|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def omni_tokenizer(vocab_size: int = 600):
+    """A byte-level BPE tokenizer with the Omni's special tokens, named as its processor reads
+    them (`tokenizer.image_token`, ...)."""
+    from transformers import PreTrainedTokenizerFast
+
+    trained = train_tokenizer(OMNI_SPECIAL, vocab_size, OMNI_CHAT_TEMPLATE, "<|im_end|>")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=trained.backend_tokenizer, eos_token="<|im_end|>",
+        pad_token="<|endoftext|>", extra_special_tokens=OMNI_TOKEN_NAMES)
+    tok.chat_template = OMNI_CHAT_TEMPLATE
+    return tok
+
+
+def thinker_config(tokenizer, *, hidden_size: int = 64, num_layers: int = 2,
+                   vision_width: int = 32, vision_depth: int = 2, audio_width: int = 32,
+                   audio_layers: int = 2, tie_word_embeddings: bool | None = None):
+    """Qwen2_5OmniThinkerConfig of the tiny shapes, token ids from `tokenizer`."""
+    from transformers import Qwen2_5OmniThinkerConfig
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in OMNI_SPECIAL}
+    heads = 4
+    half = hidden_size // heads // 2
+    section = [half - 2 * (half * 3 // 8), half * 3 // 8, half * 3 // 8]
+    text = dict(
+        hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=heads, num_key_value_heads=2, vocab_size=len(tokenizer),
+        max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "mrope_section": section, "rope_theta": 1e6},
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        pad_token_id=ids["<|endoftext|>"],
+    )
+    vision = dict(depth=vision_depth + 1, hidden_size=vision_width, out_hidden_size=hidden_size,
+                  intermediate_size=vision_width * 3 // 2, num_heads=4, window_size=56,
+                  fullatt_block_indexes=[1])
+    audio = dict(d_model=audio_width, encoder_layers=audio_layers, encoder_attention_heads=4,
+                 encoder_ffn_dim=2 * audio_width, num_mel_bins=128, max_source_positions=1500,
+                 n_window=100, output_dim=hidden_size)
+    config = Qwen2_5OmniThinkerConfig(
+        text_config=text, vision_config=vision, audio_config=audio,
+        audio_token_index=ids["<|AUDIO|>"], image_token_index=ids["<|IMAGE|>"],
+        video_token_index=ids["<|VIDEO|>"], audio_start_token_id=ids["<|audio_bos|>"],
+        audio_end_token_id=ids["<|audio_eos|>"], position_id_per_seconds=25,
+        seconds_per_chunk=2,
+    )
+    # Read by get_rope_index, not declared by the config class (the Hub's config.json has them).
+    config.vision_start_token_id = ids["<|vision_bos|>"]
+    config.vision_end_token_id = ids["<|vision_eos|>"]
+    if tie_word_embeddings is not None:
+        config.tie_word_embeddings = tie_word_embeddings
+    return config
+
+
+def build_qwen_omni_model(path: Path, *, layout: str = "thinker", seed: int = 0,
+                          std: float = 0.25, max_image_tokens: int = 64,
+                          tie_word_embeddings: bool | None = None, **shapes) -> Path:
+    """Save a tiny Qwen2.5-Omni checkpoint (see the module docstring) and return its path.
+
+    Images are kept small (4 to `max_image_tokens` merged patches); videos follow the Omni
+    processor's own pixel budget (its class default, which overrides the video processor's)."""
+    import transformers
+
+    if layout not in ("thinker", "omni"):
+        raise ValueError(f"unknown layout {layout!r} (thinker, omni)")
+    tokenizer = omni_tokenizer()
+    thinker = thinker_config(tokenizer, tie_word_embeddings=tie_word_embeddings, **shapes)
+    torch.manual_seed(seed)
+    if layout == "thinker":
+        model = transformers.Qwen2_5OmniThinkerForConditionalGeneration(thinker)
+    else:
+        config = transformers.Qwen2_5OmniConfig(
+            thinker_config=thinker.to_dict(), talker_config=_tiny_talker(thinker),
+            token2wav_config=_TINY_TOKEN2WAV, enable_audio_output=True)
+        model = transformers.Qwen2_5OmniForConditionalGeneration(config)
+    randomize(model, std=std, seed=seed)
+    path = save_checkpoint(model, tokenizer, Path(path), [tokenizer.eos_token_id])
+    if layout == "omni":  # the speakers of the speech output (transformers loads the file)
+        torch.save({}, path / "spk_dict.pt")
+    unit = 28 * 28  # one merged patch
+    image = transformers.Qwen2VLImageProcessorPil(
+        patch_size=14, temporal_patch_size=2, merge_size=2, image_mean=CLIP_MEAN,
+        image_std=CLIP_STD, size={"shortest_edge": 4 * unit,
+                                  "longest_edge": max_image_tokens * unit})
+    video = {"video_processor_type": "Qwen2VLVideoProcessor", "patch_size": 14,
+             "temporal_patch_size": 2, "merge_size": 2, "image_mean": list(CLIP_MEAN),
+             "image_std": list(CLIP_STD),
+             "size": {"shortest_edge": 4 * unit, "longest_edge": 16 * unit}}
+    features = transformers.WhisperFeatureExtractor(feature_size=128,
+                                                    return_attention_mask=True)
+    save_processor(path, "Qwen2_5OmniProcessor", tokenizer, image_processor=image,
+                   video_settings=video, components={"feature_extractor": features.to_dict()})
+    return path
+
+
+def _tiny_talker(thinker) -> dict:
+    text = thinker.text_config
+    return dict(
+        vocab_size=64, embedding_size=text.hidden_size, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        text_vocab_size=text.vocab_size, audio_token_index=thinker.audio_token_id,
+        image_token_index=thinker.image_token_id, video_token_index=thinker.video_token_id,
+        rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1],
+                         "rope_theta": 1e6},
+        # Token ids inside the tiny vocabularies (the defaults are the real model's).
+        tts_text_start_token_id=60, tts_text_end_token_id=61, tts_text_pad_token_id=59,
+        tts_codec_start_token_id=62, tts_codec_end_token_id=63, tts_codec_pad_token_id=58,
+        tts_codec_mask_token_id=57, vision_start_token_id=thinker.vision_start_token_id,
+        vision_end_token_id=thinker.vision_end_token_id,
+        audio_start_token_id=thinker.audio_start_token_id,
+        audio_end_token_id=thinker.audio_end_token_id,
+    )
+
+
+_TINY_TOKEN2WAV = {
+    "dit_config": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, head_dim=16,
+                       emb_dim=16, enc_emb_dim=16, enc_dim=16, enc_channels=[16, 16, 16, 16, 48],
+                       enc_attention_channels=8, enc_se_channels=8, num_embeds=64, mel_dim=8,
+                       look_ahead_layers=[1], look_backward_layers=[0]),
+    "bigvgan_config": dict(mel_dim=8, upsample_initial_channel=16,
+                           resblock_kernel_sizes=[3], resblock_dilation_sizes=[[1, 3, 5]],
+                           upsample_rates=[2], upsample_kernel_sizes=[4]),
+}
