@@ -21,6 +21,7 @@ def to_legacy_layout(path: Path, template_home: str = "tokenizer_config.json") -
     processor_file = path / "processor_config.json"
     if processor_file.exists():
         processor = json.loads(processor_file.read_text())
+        files: dict[str, dict] = {}
         for key, name in (("image_processor", "preprocessor_config.json"),
                           ("feature_extractor", "preprocessor_config.json"),
                           ("video_processor", "video_preprocessor_config.json")):
@@ -29,7 +30,11 @@ def to_legacy_layout(path: Path, template_home: str = "tokenizer_config.json") -
                 # transformers 4 wrote the owning processor's class into each component file.
                 if "processor_class" in processor:
                     component.setdefault("processor_class", processor["processor_class"])
-                _write(path / name, component)
+                # An image processor and a feature extractor share one file, merged (the
+                # Hub's Qwen2.5-Omni has them so).
+                files.setdefault(name, {}).update(component)
+        for name, component in files.items():
+            _write(path / name, component)
         _write(processor_file, processor)
     jinja = path / "chat_template.jinja"
     if jinja.exists():

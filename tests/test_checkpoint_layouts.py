@@ -129,6 +129,34 @@ def _qwen_audio(path, text, media, tokenizer):
                           sampling_rate=16000, return_tensors="pt"))
 
 
+def _omni(path, text, media, tokenizer):
+    """Qwen2_5OmniProcessor needs torchvision (its video processor): its image processor and
+    feature extractor are loaded from the checkpoint as a user's would be, and each placeholder
+    expanded as the processor does (an image's merged patches; a clip's encoder outputs)."""
+    import transformers
+    from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import (
+        _get_feat_extract_output_lengths,
+    )
+
+    if isinstance(media[0], np.ndarray) or hasattr(media[0], "samples"):
+        extractor = transformers.WhisperFeatureExtractor.from_pretrained(path)
+        mel = extractor([c.samples for c in media], sampling_rate=16000, padding="max_length",
+                        return_attention_mask=True, return_tensors="pt")
+        counts = iter(_get_feat_extract_output_lengths(mel["attention_mask"].sum(-1)).tolist())
+        inputs = {"input_features": mel["input_features"],
+                  "feature_attention_mask": mel["attention_mask"]}
+        token = "<|AUDIO|>"
+    else:
+        inputs = dict(transformers.AutoImageProcessor.from_pretrained(path)(
+            images=media, return_tensors="pt"))
+        counts = iter(int(g.prod()) // 4 for g in inputs["image_grid_thw"])
+        token = "<|IMAGE|>"
+    parts = text.split(token)
+    text = parts[0] + "".join(token * next(counts) + p for p in parts[1:])
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **inputs}
+
+
 def _llava(next_: bool = False, tower: str = "clip"):
     from testing.llava import build_llava_model
 
@@ -144,6 +172,7 @@ def _families() -> dict[str, Family]:
     from testing.mistral3 import build_mistral3_model
     from testing.qwen3_5 import build_qwen3_5_model
     from testing.qwen3_vl import build_qwen3_vl_model
+    from testing.qwen_omni import build_qwen_omni_model
     from testing.smolvlm import build_smolvlm_model
     from testing.tiny import build_qwen2_audio_model, build_qwen2_vl_model
 
@@ -174,6 +203,11 @@ def _families() -> dict[str, Family]:
             experts={**TINY_EXPERTS, "shared_expert_intermediate_size": 32}), _image, _qwen_vl),
         "qwen2_audio": Family(lambda p, tie: build_qwen2_audio_model(
             p, tie_word_embeddings=tie), _audio, _qwen_audio, "input_features", ties=False),
+        # The thinker saved alone, heard; the whole Omni model (the Hub's layout), seeing.
+        "qwen_omni-thinker": Family(lambda p, tie: build_qwen_omni_model(
+            p, tie_word_embeddings=tie), _audio, _omni, "input_features"),
+        "qwen_omni": Family(lambda p, tie: build_qwen_omni_model(
+            p, layout="omni", tie_word_embeddings=tie), _image, _omni),
     }
 
 
@@ -232,6 +266,13 @@ def test_ours_equals_transformers(checkpoints, family, layout, tie):
 
         hf = transformers.Qwen2AudioForConditionalGeneration.from_pretrained(
             path, dtype=torch.float32).eval()
+    elif family.startswith("qwen_omni"):
+        import transformers
+
+        hf = (transformers.Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(
+            path, dtype=torch.float32) if family == "qwen_omni-thinker" else
+            transformers.Qwen2_5OmniForConditionalGeneration.from_pretrained(
+                path, dtype=torch.float32, enable_audio_output=False).thinker).eval()
     else:
         hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     hf_tied = hf.get_output_embeddings().weight is hf.get_input_embeddings().weight

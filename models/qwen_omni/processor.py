@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from models.checkpoint import CheckpointError, Schema, choose_schema, read_settings
+from models.checkpoint import CheckpointError, Found, Schema, choose_schema, read_settings
 from models.encoders.whisper import encoder_lengths
 from models.interfaces import (
     MAX_FPS,
@@ -102,14 +102,18 @@ class QwenOmniProcessor(ProcessorDefaults):
                 "get_rope_index reads to find images and videos")
         files = ctx.files
         image, video = files.component("image_processor"), files.component("video_processor")
-        image_settings = read_settings(image, choose_schema(image, IMAGE_PROCESSORS,
-                                                            "Qwen2VLImageProcessor"))
-        video_settings = read_settings(video, choose_schema(
-            video, VIDEO_PROCESSORS, "Qwen2VLVideoProcessor", "video_processor_type"))
         found = files.component("feature_extractor")
-        mel = read_settings(found, choose_schema(
-            found, {FEATURE_EXTRACTOR.cls: FEATURE_EXTRACTOR}, FEATURE_EXTRACTOR.cls,
-            "feature_extractor_type"))
+        image_schema = choose_schema(image, IMAGE_PROCESSORS, "Qwen2VLImageProcessor")
+        video_schema = choose_schema(video, VIDEO_PROCESSORS, "Qwen2VLVideoProcessor",
+                                     "video_processor_type")
+        mel_schema = choose_schema(found, {FEATURE_EXTRACTOR.cls: FEATURE_EXTRACTOR},
+                                   FEATURE_EXTRACTOR.cls, "feature_extractor_type")
+        # The Hub's checkpoints keep the image processor and the feature extractor (and, read
+        # from there too, the video processor) in one preprocessor_config.json: each reads its
+        # own keys of it, as transformers' classes do.
+        image_settings = read_settings(_own_keys(image, found, mel_schema), image_schema)
+        video_settings = read_settings(_own_keys(video, found, mel_schema), video_schema)
+        mel = read_settings(_own_keys(found, image, image_schema, video_schema), mel_schema)
         own = read_settings(files.processor_fields(), PROCESSOR_SCHEMA)
         self.read = {"image_processor": image_settings, "video_processor": video_settings,
                      "feature_extractor": mel, "processor": own}
@@ -461,6 +465,15 @@ class _Expansion:
             self._span("audio", window_id, data, at[done:done + n], item,
                        f"sound {start:g}-{end:g} s")
             done += n
+
+
+def _own_keys(found: Found | None, other: Found | None, *schemas: Schema) -> Found | None:
+    """`found` less the keys of `schemas` (another component's) when both components were read
+    from the same file."""
+    if found is None or other is None or found.source != other.source:
+        return found
+    foreign = set().union(*(set(s.defaults) | set(s.fixed) | s.inert for s in schemas))
+    return Found({k: v for k, v in found.data.items() if k not in foreign}, found.source)
 
 
 def _option_ranges(cfg: VisionPreprocessConfig, max_item_embeds: int) -> dict[str, Any]:
