@@ -22,6 +22,7 @@ import transformers
 
 from engine import LLM, SamplingParams
 from models.qwen_omni.processor import VIDEO_PIXELS
+from testing.qwen_omni import items_in_order, reference_inputs
 from tests.helpers import (
     assert_matches_reference,
     assert_released,
@@ -100,59 +101,10 @@ def llm(omni_path):
 # ---- transformers' inputs for our processed prompt ----------------------------------------------
 
 
-def items_in_order(proc, media):
-    """(modality, item features, decoded item) per media item, in prompt order."""
-    features = sorted(proc.mm_features, key=lambda f: f.placeholder.offset)
-    order, by_item = [], {}
-    for f in features:
-        if f.item not in by_item:
-            by_item[f.item] = []
-            order.append(f.item)
-        by_item[f.item].append(f)
-    queues = {m: iter(media.get(m, [])) for m in ("image", "video", "audio")}
-    return [(by_item[i][0].modality, by_item[i], next(queues[by_item[i][0].modality]))
-            for i in order]
-
-
-def hf_inputs(proc, media) -> dict:
-    """generate() inputs: our ids, our pixel values (checked against transformers' processors
-    separately), transformers' own log-mel features of the clips in prompt order, and the
-    video settings its positions need."""
-    ids = torch.tensor([proc.token_ids])
-    kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    images, videos, grids, seconds, clips, heard = [], [], [], [], [], False
-    for modality, features, item in items_in_order(proc, media):
-        if modality == "image":
-            images.append(features[0].data)
-        elif modality == "audio":
-            clips.append(item.samples)
-        else:
-            patches = [f.data for f in features if f.modality == "video"]
-            videos.append(torch.cat([d["pixel_values"] for d in patches]))
-            grids.append((len(patches), *patches[0]["grid_thw"][1:]))
-            seconds.append(2 / item.sampled_fps)
-            if any(f.modality == "audio" for f in features):
-                clips.append(item.audio.samples)
-                heard = True
-    if images:
-        kwargs["pixel_values"] = torch.cat([d["pixel_values"] for d in images])
-        kwargs["image_grid_thw"] = torch.tensor([d["grid_thw"] for d in images])
-    if videos:
-        kwargs.update(pixel_values_videos=torch.cat(videos), video_grid_thw=torch.tensor(grids),
-                      video_second_per_grid=torch.tensor(seconds), use_audio_in_video=heard)
-    if clips:
-        mel = transformers.WhisperFeatureExtractor(feature_size=128)(
-            clips, sampling_rate=RATE, padding="max_length", return_attention_mask=True,
-            return_tensors="pt")
-        kwargs.update(input_features=mel["input_features"],
-                      feature_attention_mask=mel["attention_mask"])
-    return kwargs
-
-
 def reference(hf, llm, name: str):
     messages, options = CASES[name]
     proc, media = process_chat(llm, messages, options)
-    return hf_greedy(hf, hf_inputs(proc, media), len(proc.token_ids), N)
+    return hf_greedy(hf, reference_inputs(proc, media), len(proc.token_ids), N)
 
 
 @pytest.fixture(scope="module")
@@ -212,7 +164,7 @@ def test_processor_matches_transformers(llm, hf, name):
     messages, options = CASES[name]
     proc, media = process_chat(llm, messages, options)
     assert proc.token_ids == reference_ids(llm, name, proc, media)
-    kwargs = hf_inputs(proc, media)
+    kwargs = reference_inputs(proc, media)
     # Log-mel features: every window's real frames equal transformers' extractor's.
     for _, features, item in items_in_order(proc, media):
         windows = [f.data["input_features"] for f in features if f.modality == "audio"]
@@ -321,7 +273,8 @@ def test_encoder_cache_hit_on_a_repeated_video(omni_path, hf):
     out = llm.chat(again, GREEDY)[0]
     assert [p.cache_hit for p in out.multi_modal_placeholders] == [True] * 7
     proc, media = process_chat(llm, again)
-    assert_matches_reference(out, *hf_greedy(hf, hf_inputs(proc, media), len(proc.token_ids), N))
+    ref = hf_greedy(hf, reference_inputs(proc, media), len(proc.token_ids), N)
+    assert_matches_reference(out, *ref)
     assert_released(llm)
 
 
@@ -346,5 +299,49 @@ def test_whole_omni_checkpoint_loads_the_thinker(tmp_path):
     llm = LLM(path, max_model_len=4096)
     messages, options = CASES["video_heard"]
     proc, media = process_chat(llm, messages, options)
-    ref = hf_greedy(whole.thinker, hf_inputs(proc, media), len(proc.token_ids), N)
+    ref = hf_greedy(whole.thinker, reference_inputs(proc, media), len(proc.token_ids), N)
     assert_matches_reference(llm.chat(messages, GREEDY)[0], *ref)
+
+
+# ---- plan, limits and settings -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_plan_knows_the_prompt_before_processing(llm, name):
+    messages, options = CASES[name]
+    p = llm.engine.processor
+    parsed = p.render_chat(messages, mm_processor_kwargs=options)
+    media = p.load_media_sync(parsed)
+    ids = llm.tokenizer.encode(parsed.text, add_special_tokens=parsed.add_special_tokens)
+    plan = p.mm_processor.plan(ids, media, parsed.mm_kwargs)
+    proc = p.process(parsed, media)
+    assert plan.num_tokens == len(proc.token_ids)
+    assert sorted(plan.item_embeds) == sorted(
+        (f.modality, f.placeholder.num_embeds) for f in proc.mm_features)
+
+
+def test_a_sound_track_longer_than_the_window_is_refused_with_the_limit(llm):
+    from models.interfaces import MediaError
+
+    long = user(movie(31, fps=1), "What happens?")  # the tiny extractor's window is 30 s
+    with pytest.raises(MediaError, match=r"video 1: its sound track: duration 31\.\d s exceeds "
+                                         r"the audio window of 30 s .*use_audio_in_video=false"):
+        llm.chat(long, GREEDY)
+    out = llm.chat(long, GREEDY, mm_processor_kwargs={"use_audio_in_video": False})[0]
+    assert {p.modality for p in out.multi_modal_placeholders} == {"video"}
+    assert_released(llm)
+
+
+def test_processor_and_config_must_agree_on_the_chunking(omni_path, tmp_path):
+    import shutil
+
+    from models.checkpoint import CheckpointError
+
+    path = tmp_path / "omni"
+    shutil.copytree(omni_path, path)
+    settings = json.loads((path / "processor_config.json").read_text())
+    settings["seconds_per_chunk"] = 1.0
+    (path / "processor_config.json").write_text(json.dumps(settings))
+    with pytest.raises(CheckpointError, match="seconds_per_chunk=1.0 lays the tokens out, but "
+                                              "config.json's seconds_per_chunk=2"):
+        LLM(path, max_model_len=4096)

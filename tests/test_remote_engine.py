@@ -116,8 +116,8 @@ async def test_an_image_turn_shows_the_servers_placeholders_and_caches(remote, s
 
 async def test_a_video_turn(remote, samples):
     final = (await run(remote[VL], ask("What happens?", video=samples.video.read_bytes())))[-1]
-    assert [p.modality for p in final.multi_modal_placeholders] == ["video", "video"]
-    assert panels.item_labels(final) == ["video 1 · t0", "video 1 · t1"]
+    assert [p.modality for p in final.multi_modal_placeholders] == ["video"] * 4
+    assert panels.item_labels(final) == [f"video 1 · t{i}" for i in range(4)]
 
 
 async def test_an_audio_turn(remote, samples):

@@ -94,9 +94,9 @@ def test_a_video_turn_has_one_span_per_frame_group(served):
     _, samples, client, _ = served
     outputs = send(client, "What happens in this video?", [samples.video])
     rows = items(outputs)
-    # 2 s sampled at 2 fps: 4 frames, 2 per temporal patch; each group 112x84 = 4x3 patches.
-    assert [r["item"] for r in rows] == ["video 1 · t0", "video 1 · t1"]
-    assert [r["embeds"] for r in rows] == [12, 12]
+    # 4 s sampled at 2 fps: 8 frames, 2 per temporal patch; each group 112x84 = 4x3 patches.
+    assert [r["item"] for r in rows] == [f"video 1 · t{i}" for i in range(4)]
+    assert [r["embeds"] for r in rows] == [12] * 4
     assert rows[1]["offset"] == rows[0]["offset"] + rows[0]["length"]
     assert reply(outputs)
 

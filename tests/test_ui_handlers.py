@@ -16,7 +16,7 @@ import pytest
 from api import create_app
 from tests.api_fixtures import running_server
 from tests.helpers import wait_idle
-from tests.ui_fixtures import AUDIO, NO_AUDIO, VL, demo_engines, demo_root
+from tests.ui_fixtures import AUDIO, NO_AUDIO, OMNI, VL, demo_engines, demo_root
 from ui import build_demo, panels, show_result, timing
 from ui.chat import EMPTY_DRAFT, Chat, ChatSettings, engine_messages, modality_of
 from ui.demo import ensure_demo_models, ensure_samples, sample_examples
@@ -87,7 +87,7 @@ def test_history_keeps_earlier_media_in_the_prompt(samples, engines):
     assert first["content"][0] == {"type": "image", "image": samples.image.read_bytes()}
     assert messages[2]["content"] == "A picture."
     assert [p["type"] for p in last["content"]] == ["video", "text", "text"]
-    assert names == {"image": ["shapes.png"], "video": ["bouncing.mp4"]}
+    assert names == {"image": ["shapes.png"], "video": ["bouncing-with-sound.mp4"]}
 
 
 # ---- streaming turns ---------------------------------------------------------------------------
@@ -161,7 +161,15 @@ async def test_a_video_reaches_the_engine_as_frame_groups(chat, samples):
     video = {"text": "What happens?", "files": [str(samples.video)]}
     final = (await run(chat.respond(video, [], VL, GREEDY, "s-video")))[-1].output
     assert {p.modality for p in final.multi_modal_placeholders} == {"video"}
-    assert panels.item_labels(final) == ["video 1 · t0", "video 1 · t1"]
+    assert panels.item_labels(final) == [f"video 1 · t{i}" for i in range(4)]
+
+
+async def test_the_sample_video_is_heard_by_the_omni_model(chat, samples):
+    video = {"text": "What do you see and hear?", "files": [str(samples.video)]}
+    final = (await run(chat.respond(video, [], OMNI, GREEDY, "s-omni")))[-1].output
+    labels = panels.item_labels(final)
+    assert {p.modality for p in final.multi_modal_placeholders} == {"video", "audio"}
+    assert "video 1 · sound 0-2 s" in labels and "video 1 · frames 0-1 s" in labels
 
 
 async def test_audio_reaches_the_audio_model(chat, engines, samples):
@@ -301,10 +309,14 @@ def test_the_demo_is_generated_once_and_its_examples_fit_the_models(engines, tmp
     assert ensure_demo_models(root) == paths and config.stat().st_mtime_ns == built
     modalities = {name: llm.processor.modalities for name, llm in engines.items()}
     rows = sample_examples(modalities, ensure_samples(root))
-    by_files = {tuple(Path(f).suffix for f in message["files"]): model for message, model in rows}
+    by_files = {tuple(Path(f).suffix for f in message["files"]): model for message, model in rows
+                if "hear" not in message["text"]}
     expected = {(".png",): VL, (".mp4",): VL, (".png", ".mp4"): VL}
     if AUDIO in engines:
         expected[(".wav",)] = AUDIO
+    # The sample video heard with its sound: the first model taking video and audio (Omni).
+    heard = [(message["text"], model) for message, model in rows if "hear" in message["text"]]
+    assert heard == [("What do you see and hear in this video?", OMNI)]
     assert by_files == expected
 
 

@@ -48,9 +48,13 @@ DEMO_LINEUP = (
               {"next_": True, "tokenizer_kind": "words"}),
     DemoModel("demo-qwen2-audio", "testing.tiny:build_qwen2_audio_model",
               {"tokenizer_kind": "words"}),
+    # Qwen2.5-Omni's thinker: a video is heard as well as seen (its frames and sound interleave
+    # per 2 s in the placeholder strip).
+    DemoModel("demo-qwen2.5-omni", "testing.qwen_omni:build_qwen_omni_model",
+              {"tokenizer_kind": "words"}),
 )
 # Bumped when the lineup's checkpoints change, so that cached older ones are not reused.
-DEMO_VERSION = 3
+DEMO_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -105,11 +109,12 @@ def _build_atomically(path: Path, build: Callable[[Path], object]) -> None:
 
 
 def ensure_samples(root: Path | None = None) -> Samples:
-    """Write the sample image (PNG), video (H.264 MP4) and audio (WAV) under `root/samples`
-    unless already there."""
+    """Write the sample image (PNG), video (H.264 MP4 with an AAC sound track) and audio (WAV)
+    under `root/samples` unless already there."""
     folder = (root or demo_dir()) / "samples"
     folder.mkdir(parents=True, exist_ok=True)
-    samples = Samples(folder / "shapes.png", folder / "bouncing.mp4", folder / "chirp.wav")
+    samples = Samples(folder / "shapes.png", folder / "bouncing-with-sound.mp4",
+                      folder / "chirp.wav")
     for path, write in (
         (samples.image, _write_image),
         (samples.video, _write_video),
@@ -141,16 +146,26 @@ def _write_image(path: Path) -> None:
     _shapes(320, 240, 0.25).save(path, format="PNG")
 
 
-def _write_video(path: Path, seconds: float = 2.0, fps: int = 12) -> None:
+def _write_video(path: Path, seconds: float = 4.0, fps: int = 12, rate: int = 16000) -> None:
+    """The bouncing ball, and a tone that rises as it moves (AAC, mono)."""
     import av
 
     with av.open(str(path), mode="w", format="mp4") as container:
         stream = container.add_stream("libx264", rate=fps)
         stream.width, stream.height, stream.pix_fmt = 160, 120, "yuv420p"
+        sound = container.add_stream("aac", rate=rate, layout="mono")
         for i in range(int(seconds * fps)):
             frame = av.VideoFrame.from_image(_shapes(160, 120, i / (seconds * fps)))
             container.mux(stream.encode(frame))
         container.mux(stream.encode())
+        t = np.arange(int(seconds * rate)) / rate
+        wave = (0.3 * np.sin(2 * np.pi * (330 * t + 110 * t * t / seconds))).astype(np.float32)
+        for start in range(0, len(wave), 1024):
+            block = av.AudioFrame.from_ndarray(wave[None, start:start + 1024], format="flt",
+                                               layout="mono")
+            block.sample_rate = rate
+            container.mux(sound.encode(block))
+        container.mux(sound.encode())
 
 
 def _write_audio(path: Path, seconds: float = 2.0, rate: int = 16000) -> None:
@@ -168,6 +183,7 @@ def sample_examples(modalities: Mapping[str, tuple[str, ...]], samples: Samples)
         (("image",), "Describe this image.", [samples.image]),
         (("video",), "What happens in this video?", [samples.video]),
         (("audio",), "Transcribe this audio clip.", [samples.audio]),
+        (("video", "audio"), "What do you see and hear in this video?", [samples.video]),
         (("image", "video"), "Compare the picture with the video.", [samples.image, samples.video]),
     ]
     rows = []

@@ -137,13 +137,32 @@ def _native_quantized(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return native.load().linear_int4(x, layer.qweight, layer.scales, layer.group_size)
 
 
+def _matmul_t(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """(W @ x^T)^T, a view of [out, rows]; the bias goes into the GEMM (a broadcast column),
+    since adding it to the transposed view afterwards is a strided pass over the output."""
+    if layer.bias is None:
+        return (layer.weight @ x.t()).t()
+    return torch.addmm(layer.bias.unsqueeze(1), layer.weight, x.t()).t()
+
+
+def _with_bias(kernel: Kernel) -> Kernel:
+    """A kernel that computes x W^T, followed by the bias."""
+    def run(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        out = kernel(layer, x)
+        return out if layer.bias is None else out + layer.bias
+    return run
+
+
+# Dense formulations: each computes x W^T + b, the bias fused where the formulation allows
+# (the plan times them so, bias included).
 KERNELS: dict[str, Kernel] = {
-    BASELINE: lambda layer, x: F.linear(x, layer.weight),
-    "matmul_t": lambda layer, x: (layer.weight @ x.t()).t(),  # a view of [out, rows]
-    "mv": lambda layer, x: torch.mv(layer.weight, x[0]).unsqueeze(0),
-    "onednn": _onednn,
-    "native": _native,
-    "widened": _widened,
+    BASELINE: lambda layer, x: F.linear(x, layer.weight, layer.bias),
+    "matmul_t": _matmul_t,
+    "mv": lambda layer, x: (torch.mv(layer.weight, x[0]) if layer.bias is None else
+                            torch.addmv(layer.bias, layer.weight, x[0])).unsqueeze(0),
+    "onednn": _with_bias(_onednn),
+    "native": _with_bias(_native),
+    "widened": _with_bias(_widened),
 }
 QUANTIZED_KERNELS: dict[str, Kernel] = {
     "int_kernel": lambda layer, x: layer.int_mm(x),  # the baseline of quantized layers
@@ -170,12 +189,10 @@ def run_kernel(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if x.device.type != "cpu" and not quantized:
         return F.linear(x, layer.weight, layer.bias)
     plan = layer.kernels
-    if quantized:
-        name = "int_kernel" if plan is None else plan[bucket_index(x.shape[0])]
-        out = QUANTIZED_KERNELS[name](layer, x)
-    else:
-        name = BASELINE if plan is None else plan[bucket_index(x.shape[0])]
-        out = KERNELS[name](layer, x)
+    if not quantized:
+        return KERNELS[BASELINE if plan is None else plan[bucket_index(x.shape[0])]](layer, x)
+    name = "int_kernel" if plan is None else plan[bucket_index(x.shape[0])]
+    out = QUANTIZED_KERNELS[name](layer, x)
     return out if layer.bias is None else out + layer.bias
 
 

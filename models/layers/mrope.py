@@ -1,6 +1,6 @@
 """Multimodal rotary position ids (M-RoPE) of the Qwen-VL and Qwen-Omni families: a (temporal,
-height, width) triple per token, computed on the CPU once per request, the positions of any later
-token, and which row drives each rotary frequency."""
+height, width) triple per token, computed on the host once per request (by the processors), and
+the positions of any later token."""
 
 from __future__ import annotations
 
@@ -139,16 +139,3 @@ class MRopePositions:
     def window(self, start: int, end: int) -> torch.Tensor:
         """Positions [3, end - start] of sequence indices [start, end)."""
         return window_positions(self.prompt, self.delta, start, end)
-
-
-def mrope_bands(section: list[int], half: int, interleaved: bool) -> torch.Tensor:
-    """For each of the head's `half` frequencies, the position row (0 t, 1 h, 2 w) that drives
-    it: contiguous bands of `section` sizes, or interleaved t, h, w (Qwen3-VL). int64 [half]."""
-    if sum(section) != half:
-        raise ValueError(f"mrope_section {section} must sum to head_dim / 2 = {half}")
-    if not interleaved:
-        return torch.cat([torch.full((n,), i % 3, device="cpu") for i, n in enumerate(section)])
-    band = torch.zeros(half, dtype=torch.int64, device="cpu")  # explicit: built under meta
-    for row in (1, 2):
-        band[row : 3 * section[row] : 3] = row
-    return band

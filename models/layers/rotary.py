@@ -1,6 +1,7 @@
 """Rotary position embeddings: inverse frequencies per rope type, the precomputed cos / sin table
 a forward gathers rows of, and the rotation (one call of our own kernel at a decode step's rows on
-the CPU). Multimodal position ids (mRoPE) are models/layers/mrope.py."""
+the CPU), and which position row drives each frequency under mRoPE (`mrope_bands`). Multimodal
+position ids themselves are models/layers/mrope.py."""
 
 from __future__ import annotations
 
@@ -70,3 +71,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         return fused.rotary(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def mrope_bands(section: list[int], half: int, interleaved: bool) -> torch.Tensor:
+    """For each of the head's `half` frequencies, the position row (0 t, 1 h, 2 w) that drives
+    it: contiguous bands of `section` sizes, or interleaved t, h, w (Qwen3-VL). int64 [half]."""
+    if sum(section) != half:
+        raise ValueError(f"mrope_section {section} must sum to head_dim / 2 = {half}")
+    if not interleaved:
+        return torch.cat([torch.full((n,), i % 3, device="cpu") for i, n in enumerate(section)])
+    band = torch.zeros(half, dtype=torch.int64, device="cpu")  # explicit: built under meta
+    for row in (1, 2):
+        band[row : 3 * section[row] : 3] = row
+    return band

@@ -24,8 +24,7 @@ from models.encoders.whisper import (
     whisper_block_name,
 )
 from models.layers.decoder import QWEN2_FEATURES, Decoder, DecoderConfig
-from models.layers.mrope import mrope_bands
-from models.layers.rotary import RotaryTable
+from models.layers.rotary import RotaryTable, mrope_bands
 from models.loader import Shard
 from models.qwen_omni.family import OMNI_TYPES, thinker_config
 

@@ -34,7 +34,14 @@ from typing import Any
 
 import torch
 
-from models.checkpoint import CheckpointError, Found, Schema, choose_schema, read_settings
+from models.checkpoint import (
+    CheckpointError,
+    Found,
+    Schema,
+    Settings,
+    choose_schema,
+    read_settings,
+)
 from models.encoders.whisper import encoder_lengths
 from models.interfaces import (
     MAX_FPS,
@@ -115,6 +122,11 @@ class QwenOmniProcessor(ProcessorDefaults):
         video_settings = read_settings(_own_keys(video, found, mel_schema), video_schema)
         mel = read_settings(_own_keys(found, image, image_schema, video_schema), mel_schema)
         own = read_settings(files.processor_fields(), PROCESSOR_SCHEMA)
+        # Shown with the settings: the video budget transformers passes over video_processor's.
+        own = Settings(own.schema, {**own.values, "videos_kwargs.size": {
+            "shortest_edge": VIDEO_PIXELS[0], "longest_edge": VIDEO_PIXELS[1]}}, {
+            **own.sources, "videos_kwargs.size": "default of Qwen2_5OmniProcessor (passed to "
+            "its video processor over the video processor's own size)"})
         self.read = {"image_processor": image_settings, "video_processor": video_settings,
                      "feature_extractor": mel, "processor": own}
         cfg = VisionPreprocessConfig.from_settings(image_settings, video_settings)

@@ -24,8 +24,7 @@ import torch
 
 from models.encoders.qwen_vl import VisionConfig, VisionTower, build_vision_batch
 from models.layers.decoder import Decoder, DecoderConfig, text_features
-from models.layers.mrope import mrope_bands
-from models.layers.rotary import RotaryTable
+from models.layers.rotary import RotaryTable, mrope_bands
 from models.loader import Shard
 from models.qwen_vl.family import base_family
 
