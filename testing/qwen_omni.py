@@ -14,7 +14,14 @@ from pathlib import Path
 import torch
 
 from testing.layouts import save_processor
-from testing.tiny import CLIP_MEAN, CLIP_STD, randomize, save_checkpoint, train_tokenizer
+from testing.tiny import (
+    CLIP_MEAN,
+    CLIP_STD,
+    chatml_template,
+    randomize,
+    save_checkpoint,
+    train_tokenizer,
+)
 
 OMNI_SPECIAL = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>",
@@ -29,21 +36,9 @@ OMNI_TOKEN_NAMES = {
 }
 
 # ChatML with the Omni's media placeholders (the layout of Qwen2.5-Omni's own template).
-OMNI_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}<|vision_bos|><|IMAGE|><|vision_eos|>"
-    "{% elif part['type'] == 'video' %}<|vision_bos|><|VIDEO|><|vision_eos|>"
-    "{% elif part['type'] == 'audio' %}<|audio_bos|><|AUDIO|><|audio_eos|>"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+OMNI_CHAT_TEMPLATE = chatml_template(
+    "<|vision_bos|><|IMAGE|><|vision_eos|>", "<|vision_bos|><|VIDEO|><|vision_eos|>",
+    "<|audio_bos|><|AUDIO|><|audio_eos|>")
 
 
 def omni_tokenizer(vocab_size: int = 600, kind: str = "bytes"):

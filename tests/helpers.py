@@ -130,7 +130,8 @@ def random_video(frames: int, h: int, w: int, seed: int):
 
 
 def user(*parts) -> list[dict]:
-    """One user message: str parts are text, PIL images images, arrays videos."""
+    """One user message: str parts are text, PIL images images, (waveform, rate) tuples audio,
+    dicts content parts as they are, arrays and encoded bytes videos."""
     from PIL import Image
 
     content = []
@@ -139,6 +140,10 @@ def user(*parts) -> list[dict]:
             content.append({"type": "text", "text": part})
         elif isinstance(part, Image.Image):
             content.append({"type": "image", "image": part})
+        elif isinstance(part, tuple):
+            content.append({"type": "audio", "audio": part})
+        elif isinstance(part, dict):
+            content.append(part)
         else:
             content.append({"type": "video", "video": part})
     return [{"role": "user", "content": content}]

@@ -12,8 +12,8 @@ import pytest
 from PIL import Image
 
 from engine import LLM, SamplingParams
+from models.processing import qwen_items  # where the Qwen-VL processor prepares pixels
 from models.processing.options import OptionRange, check_mm_kwargs
-from models.qwen_vl import processor as qwen2_vl_processor
 from tests.helpers import assert_released
 from tests.media_fixtures import VideoSpec, encode_video
 
@@ -136,8 +136,8 @@ def test_oversized_prompts_are_refused_before_pixels_are_prepared(vl, monkeypatc
     def never(*args, **kwargs):
         raise AssertionError("pixels were prepared for a prompt that is refused")
 
-    monkeypatch.setattr(qwen2_vl_processor, "preprocess_image", never)
-    monkeypatch.setattr(qwen2_vl_processor, "preprocess_video", never)
+    monkeypatch.setattr(qwen_items, "preprocess_image", never)
+    monkeypatch.setattr(qwen_items, "preprocess_video", never)
     # Five images of 256 embeddings each: 1280 tokens, past max_model_len.
     five = [{"role": "user", "content": [{"type": "image", "image": picture()}] * 5}]
     with pytest.raises(ValueError, match=r"the prompt has 1\d\d\d tokens, but max_model_len is "

@@ -17,7 +17,13 @@ from transformers import WhisperFeatureExtractor
 from engine import LLM, SamplingParams
 from engine.media import MediaError, load_audio_sync
 from models.encoders.whisper import encoder_lengths
-from tests.helpers import assert_released, assert_top_logprobs, count_calls, process_chat
+from tests.helpers import (
+    assert_released,
+    assert_top_logprobs,
+    count_calls,
+    process_chat,
+    user,
+)
 from tests.media_fixtures import VideoSpec, encode_av_audio, encode_soundfile, encode_video, tone
 
 N = 10
@@ -29,18 +35,6 @@ WINDOW = 30 * RATE
 def noise(seconds: float, seed: int, rate: int = RATE) -> np.ndarray:
     return (0.3 * np.random.default_rng(seed).standard_normal(round(rate * seconds))).astype(
         np.float32)
-
-
-def user(*parts) -> list[dict]:
-    content = []
-    for part in parts:
-        if isinstance(part, str):
-            content.append({"type": "text", "text": part})
-        elif isinstance(part, dict):
-            content.append(part)
-        else:
-            content.append({"type": "audio", "audio": part})
-    return [{"role": "user", "content": content}]
 
 
 CASES = {

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from models.qwen_vl import processor as qwen2_vl_processor
+from models.processing import qwen_items  # where the Qwen-VL processor prepares pixels
 from tests.helpers import (
     assert_released,
     assert_top_logprobs,
@@ -277,7 +277,7 @@ def test_item_larger_than_the_encoder_budget_is_refused(qwen2_vl_path, monkeypat
     def never(*args, **kwargs):
         raise AssertionError("pixels were prepared for a prompt that is refused")
 
-    monkeypatch.setattr(qwen2_vl_processor, "preprocess_image", never)
+    monkeypatch.setattr(qwen_items, "preprocess_image", never)
     with pytest.raises(ValueError, match=r"image needs \d+ embeddings, more than the encoder "
                        r"budget of 64 \(encoder_cache_size\)"):
         processor.process(parsed, media)

@@ -30,6 +30,7 @@ from tests.helpers import (
     hf_greedy,
     process_chat,
     random_image,
+    user,
 )
 from tests.media_fixtures import VideoSpec, encode_video, tone
 from tests.test_qwen_vl_preprocess import hf_video_reference
@@ -49,20 +50,6 @@ def movie(seconds: int, fps: int = 8, freq: float | None = 660.0, seed: int = 0)
     spec = VideoSpec(frames=seconds * fps, fps=fps, gop=fps, audio_rate=RATE if freq else None,
                      audio_freq=freq or 440.0, pattern=functools.partial(_noise_frame, seed))
     return encode_video(spec)
-
-
-def user(*parts) -> list[dict]:
-    content = []
-    for part in parts:
-        if isinstance(part, str):
-            content.append({"type": "text", "text": part})
-        elif isinstance(part, bytes):
-            content.append({"type": "video", "video": part})
-        elif isinstance(part, tuple):
-            content.append({"type": "audio", "audio": part})
-        else:
-            content.append({"type": "image", "image": part})
-    return [{"role": "user", "content": content}]
 
 
 # name -> (messages, mm_processor_kwargs)

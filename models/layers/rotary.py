@@ -1,7 +1,7 @@
 """Rotary position embeddings: inverse frequencies per rope type, the precomputed cos / sin table
 a forward gathers rows of, and the rotation (one call of our own kernel at a decode step's rows on
-the CPU), and which position row drives each frequency under mRoPE (`mrope_bands`). Multimodal
-position ids themselves are models/layers/mrope.py."""
+the CPU), and under mRoPE which position row drives each frequency (`mrope_bands`,
+`mrope_cos_sin`). Multimodal position ids themselves are models/layers/mrope.py."""
 
 from __future__ import annotations
 
@@ -84,3 +84,14 @@ def mrope_bands(section: list[int], half: int, interleaved: bool) -> torch.Tenso
     for row in (1, 2):
         band[row : 3 * section[row] : 3] = row
     return band
+
+
+def mrope_cos_sin(rotary: RotaryTable, positions: torch.Tensor, band: torch.Tensor,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [3, T] -> cos, sin [T, 1, D/2]: frequency i takes its angle from position row
+    band[i] (`mrope_bands`)."""
+    cos, sin = rotary.cos[positions], rotary.sin[positions]  # [3, T, D/2]
+    rows = band[None, :].expand(positions.shape[1], -1)[None]  # [1, T, D/2]
+    cos = cos.gather(0, rows).squeeze(0)
+    sin = sin.gather(0, rows).squeeze(0)
+    return cos.to(dtype)[:, None], sin.to(dtype)[:, None]

@@ -24,7 +24,7 @@ from models.encoders.whisper import (
     whisper_block_name,
 )
 from models.layers.decoder import QWEN2_FEATURES, Decoder, DecoderConfig
-from models.layers.rotary import RotaryTable, mrope_bands
+from models.layers.rotary import RotaryTable, mrope_bands, mrope_cos_sin
 from models.loader import Shard
 from models.qwen_omni.family import OMNI_TYPES, thinker_config
 
@@ -66,11 +66,7 @@ class QwenOmniThinker(Decoder):
 
     def rotary_cos_sin(self, rotary: RotaryTable, positions: torch.Tensor, dtype: torch.dtype):
         """positions [3, T] -> cos, sin [T, 1, D/2], each band from its own position row."""
-        cos, sin = rotary.cos[positions], rotary.sin[positions]  # [3, T, D/2]
-        band = self.band[None, :].expand(positions.shape[1], -1)  # [T, D/2]
-        cos = cos.gather(0, band[None]).squeeze(0)
-        sin = sin.gather(0, band[None]).squeeze(0)
-        return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
+        return mrope_cos_sin(rotary, positions, self.band, dtype)
 
     def encode(self, items: list[tuple[str, dict]]) -> list[torch.Tensor]:
         """Items ("image" | "video", {"pixel_values", "grid_thw"}) or ("audio",

@@ -24,7 +24,7 @@ import torch
 
 from models.encoders.qwen_vl import VisionConfig, VisionTower, build_vision_batch
 from models.layers.decoder import Decoder, DecoderConfig, text_features
-from models.layers.rotary import RotaryTable, mrope_bands
+from models.layers.rotary import RotaryTable, mrope_bands, mrope_cos_sin
 from models.loader import Shard
 from models.qwen_vl.family import base_family
 
@@ -58,11 +58,7 @@ class QwenVLForConditionalGeneration(Decoder):
 
     def rotary_cos_sin(self, rotary: RotaryTable, positions: torch.Tensor, dtype: torch.dtype):
         """positions [3, T] -> cos, sin [T, 1, D/2], each band from its own position row."""
-        cos, sin = rotary.cos[positions], rotary.sin[positions]  # [3, T, D/2]
-        band = self.band[None, :].expand(positions.shape[1], -1)  # [T, D/2]
-        cos = cos.gather(0, band[None]).squeeze(0)
-        sin = sin.gather(0, band[None]).squeeze(0)
-        return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
+        return mrope_cos_sin(rotary, positions, self.band, dtype)
 
     def encode(self, items: list[tuple[str, dict]]) -> list[torch.Tensor]:
         """Items (modality, {"pixel_values", "grid_thw"}) -> embeddings [n_i, hidden] each

@@ -18,12 +18,10 @@ frames); each group's span covers that text too, with `is_embed` marking the pad
 from __future__ import annotations
 
 import time
-from functools import partial
 from typing import Any
 
 from models.checkpoint import Schema, choose_schema, read_settings
 from models.interfaces import (
-    MAX_FPS,
     MultiModalFeature,
     PlaceholderRange,
     ProcessedPrompt,
@@ -31,15 +29,19 @@ from models.interfaces import (
     PromptPlan,
 )
 from models.layers.mrope import MRopePositions, mrope_positions
-from models.processing.base import ProcessedCache, ProcessorDefaults, hashed_and_processed
-from models.processing.hashing import hash_image, hash_video
-from models.processing.options import OptionRange, check_mm_kwargs
+from models.processing.base import ProcessedCache, ProcessorDefaults
+from models.processing.options import check_mm_kwargs
+from models.processing.qwen_items import (
+    image_item,
+    pixel_budget,
+    temporal_patches,
+    video_item,
+    vision_options,
+)
 from models.processing.qwen_vision import (
     IMAGE_PROCESSORS,
     VIDEO_PROCESSORS,
     VisionPreprocessConfig,
-    preprocess_image,
-    preprocess_video,
     smart_resize,
     smart_resize_clip,
 )
@@ -86,7 +88,7 @@ class QwenVLProcessor(ProcessorDefaults):
                      "processor": own}
         self.cfg = VisionPreprocessConfig.from_settings(image_settings, video_settings)
         self.cache = ProcessedCache(ctx.processed_cache_items)
-        self.option_ranges = _option_ranges(self.cfg, ctx.max_item_embeds)
+        self.option_ranges = vision_options(self.cfg, ctx.max_item_embeds)
 
     def loader_kwargs(self, mm_kwargs: dict[str, Any]) -> dict[str, Any]:
         """Options for engine.media: how many frames to sample from a video (the media layer
@@ -176,19 +178,10 @@ class QwenVLProcessor(ProcessorDefaults):
                     f"were given; each {name} needs one placeholder (the chat template adds it)"
                 )
 
-    def _pixel_budget(self, options: dict[str, Any], *, video: bool) -> dict[str, int]:
-        cfg = self.cfg
-        return {
-            "min_pixels": options.get("min_pixels", cfg.video_min_pixels if video
-                                      else cfg.min_pixels),
-            "max_pixels": options.get("max_pixels", cfg.video_max_pixels if video
-                                      else cfg.max_pixels),
-        }
-
     def _size(self, height: int, width: int, frames: int, options: dict[str, Any], *,
               video: bool) -> tuple[int, int]:
         """(height, width) an item is resized to (as preprocess_image / preprocess_video)."""
-        budget = self._pixel_budget(options, video=video)
+        budget = pixel_budget(self.cfg, options, video=video)
         if video and self.cfg.video_budget_per_clip:
             return smart_resize_clip(frames, height, width, self.cfg.factor, **budget,
                                      temporal_factor=self.cfg.temporal_patch_size)
@@ -200,27 +193,14 @@ class QwenVLProcessor(ProcessorDefaults):
         return [*head, self.vision_start_token_id]
 
     def _image(self, image, kw, stages) -> tuple[str, dict]:
-        options = self._pixel_budget(kw, video=False)
-
-        def compute():
-            pixels, grid = preprocess_image(image, self.cfg, **options)
-            return {"pixel_values": pixels, "grid_thw": grid}
-
-        identify = partial(hash_image, image, model_id=self.model_id, processor_kwargs=options)
-        return hashed_and_processed(self.cache, identify, compute, stages)
+        budget = pixel_budget(self.cfg, kw, video=False)
+        return image_item(self.cache, image, self.cfg, budget, self.model_id, stages)
 
     def _video(self, video, kw, stages) -> tuple[str, dict]:
-        options = self._pixel_budget(kw, video=True)
-
-        def compute():
-            pixels, grid = preprocess_video(video.frames, self.cfg, **options)
-            # Seconds covered by one temporal patch (Qwen2.5-VL's temporal positions).
-            per_grid = self.cfg.temporal_patch_size / video.sampled_fps
-            return {"pixel_values": pixels, "grid_thw": grid, "second_per_grid_t": per_grid,
-                    "group_seconds": _group_seconds(video.timestamps, self.cfg)}
-
-        identify = partial(hash_video, video, model_id=self.model_id, processor_kwargs=options)
-        return hashed_and_processed(self.cache, identify, compute, stages)
+        budget = pixel_budget(self.cfg, kw, video=True)
+        identifier, data = video_item(self.cache, video, self.cfg, budget, self.model_id, stages)
+        # Qwen3-VL's timestamps (the processed inputs, cached, are shared with other prompts).
+        return identifier, {**data, "group_seconds": _group_seconds(video.timestamps, self.cfg)}
 
     def _expand(self, token_ids: list[int], encoded: dict[str, list]):
         """Repeat each pad token to its item's embedding count; one feature per image and per
@@ -237,7 +217,7 @@ class QwenVLProcessor(ProcessorDefaults):
                 continue
             identifier, data = next(queues[modality])
             t, h, w = data["grid_thw"]
-            parts = [(identifier, data)] if modality == "image" else _temporal_patches(
+            parts = [(identifier, data)] if modality == "image" else temporal_patches(
                 identifier, data)
             for i, (part_id, part) in enumerate(parts):
                 n = h * w // merge * part["grid_thw"][0]
@@ -253,38 +233,6 @@ class QwenVLProcessor(ProcessorDefaults):
                     ids.extend([token] * n)
                 features.append(MultiModalFeature(modality, part_id, span, part))
         return ids, features
-
-
-def _temporal_patches(identifier: str, data: dict) -> list[tuple[str, dict]]:
-    """Split a processed video into one encoder item per temporal patch (views, no copies)."""
-    t, h, w = data["grid_thw"]
-    rows = h * w  # patch rows per temporal patch
-    return [
-        (f"{identifier}:t{i}",
-         {"pixel_values": data["pixel_values"][i * rows : (i + 1) * rows], "grid_thw": (1, h, w)})
-        for i in range(t)
-    ]
-
-
-def _option_ranges(cfg: VisionPreprocessConfig, max_item_embeds: int) -> dict[str, OptionRange]:
-    """Per-request options and their ranges: pixel budgets from one merged patch up to the
-    largest item the encoder budget can take, so that no option makes an item that could never
-    be scheduled (or that allocates past what the engine could encode)."""
-    pixels = OptionRange(
-        cfg.factor**2,
-        max_item_embeds * cfg.factor**2,
-        integer=True,
-        why=f"pixels per image or video frame: at least one {cfg.factor}x{cfg.factor} patch, at "
-        f"most {max_item_embeds} of them, min(encoder_cache_size, max_num_encoder_input_tokens)",
-    )
-    return {
-        "min_pixels": pixels,
-        "max_pixels": pixels,
-        "fps": OptionRange(0, MAX_FPS, low_open=True, why="video frames sampled per second"),
-        "max_frames": OptionRange(
-            1, integer=True, why="frames per video, at most MediaLimits.max_video_frames"
-        ),
-    }
 
 
 def _group_seconds(timestamps, cfg: VisionPreprocessConfig) -> list[float]:
