@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +22,13 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.device import cpu_has_native_bf16, resolve_device, resolve_dtype
 from engine.encoder_cache import EncoderCacheManager
+from engine.fanout import FanOut
+from engine.grammar import GrammarCompiler
 from engine.hub import resolve_model
 from engine.model_runner import EncoderItemsFailed, ItemFailure, ModelRunner, StepResult
 from engine.outputs import CompletionOutput, PlaceholderInfo, RequestOutput
 from engine.processing import EncoderBudget, InputProcessor, ProcessedPrompt
+from engine.reasoning import ReasoningSplitter
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -87,6 +91,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.block_manager, self.encoder_cache,
                                    self.state_cache)
         self.eos_token_ids = setup.eos_token_ids
+        self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size,
+                                        sorted(self.eos_token_ids))
+        self.fanout = FanOut()
         self.checkpoint_settings = checkpoint_settings(setup, mm_processor)
         self.num_steps = 0
         self.num_errors = 0
@@ -104,9 +111,22 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        thinking: bool | None = None,
     ) -> Request:
-        """Build a Request from a processed prompt (safe to call from any thread)."""
+        """Build a Request from a processed prompt (safe to call from any thread): its
+        structured-output grammar compiled (ValueError if refused), its text split into
+        reasoning and answer when `thinking` is not None (a thinking model's chat; True: the
+        prompt opened the thinking block)."""
         n = len(processed.token_ids)
+        vocab = self.runner.vocab_size
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
+                          ("stop_token_ids", params.stop_token_ids)):
+            if any(t >= vocab for t in ids):
+                raise ValueError(f"{name}: token id {max(ids)} is outside the vocabulary "
+                                 f"(ids 0 to {vocab - 1})")
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.grammars.compile(params.structured_outputs)
         req = Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=processed.token_ids,
@@ -117,6 +137,7 @@ class LLMEngine:
             mm_features=processed.mm_features,
             position_info=processed.position_info,
             message_starts=processed.message_starts,
+            grammar=None if grammar is None else grammar.new_state(),
         )
         if arrival_time is not None:
             req.metrics.arrival_time = arrival_time
@@ -124,7 +145,23 @@ class LLMEngine:
         req.detokenizer = IncrementalDetokenizer(
             self.tokenizer, params.stop, params.skip_special_tokens
         )
+        if thinking is not None and self.processor.thinking is not None:
+            req.reasoning = ReasoningSplitter(self.processor.thinking, thinking)
         return req
+
+    def _child(self, req: Request, index: int) -> Request:
+        """Completion `index` of `req` (n > 1): the same prompt and media, its own state."""
+        child = self.make_request(
+            ProcessedPrompt(req.prompt, req.prompt_token_ids, [
+                replace(f, cache_hit=None) for f in req.mm_features], req.position_info),
+            req.sampling_params, req.request_id if index == 0 else f"{req.request_id}#{index}",
+            arrival_time=req.metrics.arrival_time)
+        child.message_starts = req.message_starts
+        child.metrics.stages.update(req.metrics.stages)
+        child.index, child.parent_id = index, req.request_id
+        if req.reasoning is not None:
+            child.reasoning = ReasoningSplitter(req.reasoning.fmt, req.reasoning.in_reasoning)
+        return child
 
     def default_sampling_params(self) -> SamplingParams:
         """What a request that passes no SamplingParams gets: the checkpoint's
@@ -133,18 +170,33 @@ class LLMEngine:
         return SamplingParams(**self.setup.sampling_defaults)
 
     def add_request(self, req: Request) -> None:
-        if self.scheduler.find(req.request_id) is not None:
+        if self.scheduler.find(req.request_id) is not None or self.fanout.family(
+                req.request_id) is not None:
             raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.sampling_params.n > 1 and req.parent_id is None:
+            req = self.fanout.split(req, self._child)
         req.metrics.queued_time = time.monotonic()
         self.scheduler.add(req)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Finish a request now, freeing its KV blocks and cache references."""
-        req = self.scheduler.find(request_id)
-        if req is None:
-            return None
-        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-        return self._output(req)
+        """Finish a request now (all its completions), freeing its KV blocks and cache
+        references."""
+        family = self.fanout.family(request_id)
+        reqs = [self.scheduler.find(request_id)] if family is None else [
+            c for c in family.children if not c.finished]
+        reqs = [r for r in reqs if r is not None]
+        for req in reqs:
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return self._output(reqs[-1]) if reqs else None
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        """Finish `req` (and, for a first completion that never sampled, its siblings that
+        are still waiting for it)."""
+        self.scheduler.finish(req, status)
+        if not req.output_token_ids:
+            for sibling in self.fanout.unstarted(req):
+                sibling.error = req.error
+                sibling.status = status
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -182,6 +234,8 @@ class LLMEngine:
             if token is None:
                 continue
             req.append_token(token)
+            for sibling in self.fanout.ready(req):
+                self.scheduler.add(sibling)
             if logprobs is not None:
                 req.logprobs.append(logprobs)
             if req.metrics.first_token_time is None:
@@ -189,17 +243,26 @@ class LLMEngine:
             req.metrics.last_token_time = now
             status = self._check_stop(req, token)
             if status is not None:
-                self.scheduler.finish(req, status)
+                self._finish(req, status)
             outputs.append(self._output(req))
         return outputs
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        complete = False
+        if req.grammar is not None and token not in req.eos_token_ids:
+            complete = req.grammar.accept(token, req.output_token_ids)
+            if req.grammar.error is not None:
+                req.error = req.grammar.error
+                return RequestStatus.FINISHED_ERROR
+        if token in req.eos_token_ids or token in req.sampling_params.stop_token_ids:
+            # (not detokenized: its text, kept with skip_special_tokens false, is no output)
+            req.stop_reason = None if token in req.eos_token_ids else token
+            return RequestStatus.FINISHED_STOPPED
         stop_string = req.detokenizer.add(token)
         if stop_string is not None:
             req.stop_reason = stop_string
             return RequestStatus.FINISHED_STOPPED
-        if token in req.eos_token_ids or token in req.sampling_params.stop_token_ids:
-            req.stop_reason = None if token in req.eos_token_ids else token
+        if complete:  # the grammar allows nothing more: the output is whole
             return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= req.max_tokens:
             return RequestStatus.FINISHED_LENGTH
@@ -215,7 +278,7 @@ class LLMEngine:
             f"request needs more than the idle engine can give ({req.num_tokens} tokens, "
             f"{len(req.mm_features)} media items); raise kv_cache_bytes or encoder_cache_size"
         )
-        self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+        self._finish(req, RequestStatus.FINISHED_ERROR)
         return [self._output(req)]
 
     def _fail(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
@@ -226,7 +289,7 @@ class LLMEngine:
         outputs = []
         for chunk in out.chunks:
             chunk.req.error = f"{type(error).__name__}: {error}"
-            self.scheduler.finish(chunk.req, RequestStatus.FINISHED_ERROR)
+            self._finish(chunk.req, RequestStatus.FINISHED_ERROR)
             outputs.append(self._output(chunk.req))
         self._forget_unencoded(out)
         return outputs
@@ -256,7 +319,7 @@ class LLMEngine:
         for req, error in errors.values():
             log.warning("request %s failed: %s", req.request_id, error)
             req.error = error
-            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+            self._finish(req, RequestStatus.FINISHED_ERROR)
             outputs.append(self._output(req))
         self._forget_unencoded(out)
         return outputs
@@ -274,18 +337,24 @@ class LLMEngine:
         if finished and req.metrics.finished_time is None:
             req.metrics.finished_time = time.monotonic()
         delta_text = req.detokenizer.delta(finished)
+        text, reasoning, delta_reasoning = req.detokenizer.streamed_text, None, ""
+        if req.reasoning is not None:
+            delta_reasoning, delta_text = req.reasoning.feed(delta_text, finished)
+            text, reasoning = req.reasoning.content, req.reasoning.reasoning
         sent, req.num_streamed_tokens = req.num_streamed_tokens, req.num_output_tokens
         completion = CompletionOutput(
-            index=0,
-            text=req.detokenizer.streamed_text,
+            index=req.index,
+            text=text,
             token_ids=list(req.output_token_ids),
             finish_reason=req.status.value if finished else None,
             stop_reason=req.stop_reason,
             logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None else None,
             delta_text=delta_text,
             delta_token_ids=req.output_token_ids[sent:],
+            reasoning_content=reasoning,
+            delta_reasoning_content=delta_reasoning,
         )
-        return RequestOutput(
+        single = RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,
             prompt_token_ids=req.prompt_token_ids,
@@ -303,6 +372,7 @@ class LLMEngine:
             ],
             error=req.error,
         )
+        return single if req.parent_id is None else self.fanout.merge(req, single)
 
     # ---- introspection ----------------------------------------------------------------------
 

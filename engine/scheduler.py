@@ -222,6 +222,7 @@ class Scheduler:
         self.encoder_cache.release_request(req)
         if self.states is not None:
             self.states.release_request(req.request_id)
+        req.release_grammar()
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.metrics.num_preemptions += 1
@@ -277,6 +278,7 @@ class Scheduler:
         self.encoder_cache.release_request(req)
         if self.states is not None:
             self.states.release_request(req.request_id)
+        req.release_grammar()
 
     def find(self, request_id: str) -> Request | None:
         for req in self.running:
@@ -290,6 +292,8 @@ class Scheduler:
     def check_integrity(self) -> None:
         live = self.running + list(self.waiting)
         assert not any(r.block_ids for r in self.waiting), "a waiting request holds KV blocks"
+        assert not any(r.grammar is not None and r.grammar.held for r in self.waiting), (
+            "a waiting request holds a grammar matcher")
         self.blocks.check_integrity(live)
         self.encoder_cache.check_integrity(live)
         if self.states is not None:
