@@ -50,16 +50,18 @@ class GrammarCompiler:
         """int32 words of one bitmask row."""
         return (self.vocab_size + 31) // 32
 
-    def compile(self, spec: StructuredOutputs) -> CompiledGrammar:
-        """The constraint's grammar; GrammarError naming the problem if it is refused."""
-        key = (spec.kind, getattr(spec, spec.kind), spec.whitespace_flexible)
+    def compile(self, spec: StructuredOutputs, prefix: str = "") -> CompiledGrammar:
+        """The constraint's grammar, after the literal `prefix` (a thinking model's prompt
+        that opened the thinking block: the reply closes it first); GrammarError naming the
+        problem if it is refused."""
+        key = (spec.kind, getattr(spec, spec.kind), spec.whitespace_flexible, prefix)
         with self._lock:
             template = self._cache.get(key)
             if template is not None:
                 self._cache.move_to_end(key)
                 return CompiledGrammar(template, self.mask_words)
             tokenizer = self._llg_tokenizer()
-        template = llguidance.LLMatcher(tokenizer, _grammar_text(spec), log_level=0)
+        template = llguidance.LLMatcher(tokenizer, _grammar_text(spec, prefix), log_level=0)
         if template.is_error():
             raise GrammarError(f"the {_describe(spec)} cannot be compiled: "
                                f"{template.get_error()}")
@@ -133,17 +135,26 @@ class GrammarState:
         return self._matcher
 
 
-def _grammar_text(spec: StructuredOutputs) -> str:
+def _grammar_text(spec: StructuredOutputs, prefix: str = "") -> str:
     options = {"whitespace_flexible": spec.whitespace_flexible}
     kind = spec.kind
     if kind in ("json", "json_object"):
-        return llguidance.LLMatcher.grammar_from_json_schema(spec.schema, defaults=options)
-    if kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(spec.regex)
-    if kind == "choice":
-        return llguidance.LLMatcher.grammar_from_lark(
+        text = llguidance.LLMatcher.grammar_from_json_schema(spec.schema, defaults=options)
+    elif kind == "regex":
+        text = llguidance.LLMatcher.grammar_from_regex(spec.regex)
+    elif kind == "choice":
+        text = llguidance.LLMatcher.grammar_from_lark(
             "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice))
-    return llguidance.LLMatcher.grammar_from_lark(spec.grammar)
+    else:
+        text = llguidance.LLMatcher.grammar_from_lark(spec.grammar)
+    if not prefix:
+        return text
+    # llguidance's grammar list: a Lark start rule that writes the prefix, then the
+    # constraint's own grammar, referenced by name.
+    inner = (json.loads(text) if text.lstrip().startswith("{")
+             else {"grammars": [{"lark_grammar": text}]})["grammars"][0]
+    outer = {"lark_grammar": f"start: {json.dumps(prefix)} @constraint"}
+    return json.dumps({"grammars": [outer, {**inner, "name": "constraint"}]})
 
 
 def _describe(spec: StructuredOutputs) -> str:

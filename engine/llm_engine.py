@@ -126,7 +126,10 @@ class LLMEngine:
                                  f"(ids 0 to {vocab - 1})")
         grammar = None
         if params.structured_outputs is not None:
-            grammar = self.grammars.compile(params.structured_outputs)
+            # A prompt that opened a thinking block: the constrained reply closes it at once.
+            fmt = self.processor.thinking
+            prefix = f"{fmt.end}\n\n" if thinking and fmt is not None else ""
+            grammar = self.grammars.compile(params.structured_outputs, prefix)
         req = Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=processed.token_ids,
@@ -155,12 +158,11 @@ class LLMEngine:
             ProcessedPrompt(req.prompt, req.prompt_token_ids, [
                 replace(f, cache_hit=None) for f in req.mm_features], req.position_info),
             req.sampling_params, req.request_id if index == 0 else f"{req.request_id}#{index}",
-            arrival_time=req.metrics.arrival_time)
+            arrival_time=req.metrics.arrival_time,
+            thinking=None if req.reasoning is None else req.reasoning.in_reasoning)
         child.message_starts = req.message_starts
         child.metrics.stages.update(req.metrics.stages)
         child.index, child.parent_id = index, req.request_id
-        if req.reasoning is not None:
-            child.reasoning = ReasoningSplitter(req.reasoning.fmt, req.reasoning.in_reasoning)
         return child
 
     def default_sampling_params(self) -> SamplingParams:
