@@ -174,7 +174,9 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def template_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for AsyncLLM.chat beyond the messages."""
-        kwargs: dict[str, Any] = dict(self.chat_template_kwargs or {})
+        kwargs: dict[str, Any] = {}
+        if self.chat_template_kwargs:
+            kwargs["chat_template_kwargs"] = self.chat_template_kwargs
         if self.mm_processor_kwargs:
             kwargs["mm_processor_kwargs"] = self.mm_processor_kwargs
         if self.tools:

@@ -116,7 +116,7 @@ def chat_completion(ctx: ResponseContext, final: RequestOutput) -> dict:
     for c in final.outputs:
         content, calls = ctx.tools.message(c.text)
         message: dict[str, Any] = {"role": "assistant", "content": content}
-        if c.reasoning_content is not None:
+        if c.reasoning_content:
             message["reasoning_content"] = c.reasoning_content
         if calls:
             message["tool_calls"] = calls

@@ -39,7 +39,7 @@ class ToolPlan:
                          == body.tool_choice.function.name]
             parallel = body.parallel_tool_calls and mode == "required"
             constraint = StructuredOutputs(
-                grammar=parser.grammar(tools, parallel, _special_token_id(tokenizer)))
+                grammar=parser.grammar(tools, parallel, added_token_id(tokenizer)))
         return cls(parser, constraint)
 
     def message(self, text: str) -> tuple[str | None, list[dict]]:
@@ -94,9 +94,8 @@ def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _special_token_id(tokenizer):
-    """Marker -> id, for markers that are one special token of the model (a grammar names
-    those by id; their text is not matched)."""
-    special = {t.content: i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
-               if t.special}
-    return special.get
+def added_token_id(tokenizer):
+    """Marker -> id, for markers that are one added token of the model (special or not:
+    llguidance treats every added token as special, so a grammar names them by id)."""
+    added = {t.content: i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
+    return added.get

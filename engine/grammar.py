@@ -50,10 +50,17 @@ class GrammarCompiler:
         """int32 words of one bitmask row."""
         return (self.vocab_size + 31) // 32
 
+    def literal(self, text: str) -> str:
+        """`text` in a Lark rule: by id where it is one added token of the tokenizer
+        (llguidance treats every added token as special, which a quoted string does not
+        match), else quoted."""
+        added = {t.content: i for i, t in self.tokenizer.added_tokens_decoder.items()}
+        return f"<[{added[text]}]>" if text in added else json.dumps(text)
+
     def compile(self, spec: StructuredOutputs, prefix: str = "") -> CompiledGrammar:
-        """The constraint's grammar, after the literal `prefix` (a thinking model's prompt
-        that opened the thinking block: the reply closes it first); GrammarError naming the
-        problem if it is refused."""
+        """The constraint's grammar, after `prefix` (a Lark expression; a thinking model's
+        prompt that opened the thinking block: the reply closes it first); GrammarError
+        naming the problem if it is refused."""
         key = (spec.kind, getattr(spec, spec.kind), spec.whitespace_flexible, prefix)
         with self._lock:
             template = self._cache.get(key)
@@ -153,7 +160,7 @@ def _grammar_text(spec: StructuredOutputs, prefix: str = "") -> str:
     # constraint's own grammar, referenced by name.
     inner = (json.loads(text) if text.lstrip().startswith("{")
              else {"grammars": [{"lark_grammar": text}]})["grammars"][0]
-    outer = {"lark_grammar": f"start: {json.dumps(prefix)} @constraint"}
+    outer = {"lark_grammar": f"start: {prefix} @constraint"}
     return json.dumps({"grammars": [outer, {**inner, "name": "constraint"}]})
 
 

@@ -128,7 +128,9 @@ class LLMEngine:
         if params.structured_outputs is not None:
             # A prompt that opened a thinking block: the constrained reply closes it at once.
             fmt = self.processor.thinking
-            prefix = f"{fmt.end}\n\n" if thinking and fmt is not None else ""
+            prefix = ""
+            if thinking and fmt is not None:
+                prefix = f'{self.grammars.literal(fmt.end)} "\\n\\n"'
             grammar = self.grammars.compile(params.structured_outputs, prefix)
         req = Request(
             request_id=request_id or uuid.uuid4().hex,

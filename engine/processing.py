@@ -109,17 +109,22 @@ class InputProcessor:
         )
 
     def render_chat(
-        self, messages: list[dict], tools: list[dict] | None = None, **template_kwargs: Any
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        **template_kwargs: Any,
     ) -> ParsedPrompt:
         """Apply the model's chat template (with the generation prompt) to OpenAI messages.
 
         tools: OpenAI tool definitions, rendered by the template (ValueError if it renders
-            none). template_kwargs: `mm_processor_kwargs`, and variables the template reads
-            (`chat_template_kwargs`, such as Qwen3's `enable_thinking`); a key it does not
-            read is a ValueError naming the keys it does."""
+            none). chat_template_kwargs (and any other keyword but `mm_processor_kwargs`):
+            variables the template reads, such as Qwen3's `enable_thinking`; a key it does
+            not read is a ValueError naming the keys it does."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; use generate() with a prompt")
         mm_kwargs = self._check_mm_kwargs(template_kwargs.pop("mm_processor_kwargs", None))
+        template_kwargs.update(chat_template_kwargs or {})
         self.template_variables.check(template_kwargs, tools)
         if tools:
             template_kwargs["tools"] = tools

@@ -37,8 +37,9 @@ class Parsed:
     calls: list[PartialCall]
 
 
-# The token id of a marker when it is a single special token of the model (None otherwise):
-# a grammar must name such a token by id, its text does not match it.
+# The token id of a marker when it is a single added token of the model (None otherwise):
+# a grammar must name such a token by id (llguidance treats added tokens as special; their
+# text as a string does not match them).
 TokenId = Callable[[str], "int | None"]
 
 
@@ -130,6 +131,6 @@ def call_object_schema(tools: list[dict], args_key: str) -> dict:
 
 
 def lark_literal(marker: str, token_id: TokenId) -> str:
-    """A marker in a grammar: by id where it is one special token, else as text."""
+    """A marker in a grammar: by id where it is one added token, else as text."""
     tid = token_id(marker)
     return f"<[{tid}]>" if tid is not None else json.dumps(marker)
