@@ -24,6 +24,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException
 from starlette.types import Receive
 
 from api import responses
@@ -142,6 +143,9 @@ class _OpenAIRoute(APIRoute):
                 return await handler(request)
             except RequestValidationError as e:
                 return validation_error(e.errors()).response()
+            except HTTPException as e:  # FastAPI could not parse the body (not UTF-8 ...)
+                return APIError(e.status_code, f"the request body is not valid JSON: "
+                                f"{e.detail}").response()
             except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI error body
                 return from_exception(e).response()
 

@@ -68,7 +68,10 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return CompiledGrammar(template, self.mask_words)
             tokenizer = self._llg_tokenizer()
-        template = llguidance.LLMatcher(tokenizer, _grammar_text(spec, prefix), log_level=0)
+        try:
+            template = llguidance.LLMatcher(tokenizer, _grammar_text(spec, prefix), log_level=0)
+        except (ValueError, TypeError, RuntimeError) as e:  # malformed input, said by name
+            raise GrammarError(f"the {_describe(spec)} cannot be compiled: {e}") from None
         if template.is_error():
             raise GrammarError(f"the {_describe(spec)} cannot be compiled: "
                                f"{template.get_error()}")
