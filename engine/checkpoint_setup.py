@@ -85,3 +85,19 @@ class CheckpointSetup:
             ("default sampling", dict(self.sampling_defaults) or "none",
              self.sources["sampling_defaults"]),
         ]
+
+
+def checkpoint_settings(setup: CheckpointSetup, mm_processor) -> tuple[tuple[str, ...], ...]:
+    """(component, setting, value, where it came from) for every setting the engine read from
+    the checkpoint: its own (dtype, template, EOS, ...) and its processor's."""
+    rows = [("model", name, _shown(value), source) for name, value, source in setup.rows()]
+    if mm_processor is not None:
+        for component, settings in mm_processor.settings().items():
+            rows += [(component, key, _shown(settings.values[key]), settings.sources[key])
+                     for key in settings.values]
+    return tuple(rows)
+
+
+def _shown(value: Any) -> str:
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."

@@ -57,6 +57,16 @@ class GrammarCompiler:
         added = {t.content: i for i, t in self.tokenizer.added_tokens_decoder.items()}
         return f"<[{added[text]}]>" if text in added else json.dumps(text)
 
+    def state(self, spec: StructuredOutputs | None,
+              closes_thinking: str | None = None) -> GrammarState | None:
+        """A new request's place in its constraint's grammar (None: unconstrained).
+        `closes_thinking`: the end marker of a thinking block the prompt opened; the
+        constrained reply writes it first (and no reasoning)."""
+        if spec is None:
+            return None
+        prefix = "" if closes_thinking is None else f'{self.literal(closes_thinking)} "\\n\\n"'
+        return self.compile(spec, prefix).new_state()
+
     def compile(self, spec: StructuredOutputs, prefix: str = "") -> CompiledGrammar:
         """The constraint's grammar, after `prefix` (a Lark expression; a thinking model's
         prompt that opened the thinking block: the reply closes it first); GrammarError

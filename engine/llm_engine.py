@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from engine.block_manager import BlockManager
-from engine.checkpoint_setup import CheckpointSetup
+from engine.checkpoint_setup import CheckpointSetup, checkpoint_settings
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.device import cpu_has_native_bf16, resolve_device, resolve_dtype
@@ -118,20 +118,8 @@ class LLMEngine:
         reasoning and answer when `thinking` is not None (a thinking model's chat; True: the
         prompt opened the thinking block)."""
         n = len(processed.token_ids)
-        vocab = self.runner.vocab_size
-        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
-                          ("stop_token_ids", params.stop_token_ids)):
-            if any(t >= vocab for t in ids):
-                raise ValueError(f"{name}: token id {max(ids)} is outside the vocabulary "
-                                 f"(ids 0 to {vocab - 1})")
-        grammar = None
-        if params.structured_outputs is not None:
-            # A prompt that opened a thinking block: the constrained reply closes it at once.
-            fmt = self.processor.thinking
-            prefix = ""
-            if thinking and fmt is not None:
-                prefix = f'{self.grammars.literal(fmt.end)} "\\n\\n"'
-            grammar = self.grammars.compile(params.structured_outputs, prefix)
+        params.check_token_ids(self.runner.vocab_size)
+        closes = self.processor.thinking.end if thinking and self.processor.thinking else None
         req = Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=processed.token_ids,
@@ -142,7 +130,7 @@ class LLMEngine:
             mm_features=processed.mm_features,
             position_info=processed.position_info,
             message_starts=processed.message_starts,
-            grammar=None if grammar is None else grammar.new_state(),
+            grammar=self.grammars.state(params.structured_outputs, closes),
         )
         if arrival_time is not None:
             req.metrics.arrival_time = arrival_time
@@ -158,12 +146,10 @@ class LLMEngine:
         """Completion `index` of `req` (n > 1): the same prompt and media, its own state."""
         child = self.make_request(
             ProcessedPrompt(req.prompt, req.prompt_token_ids, [
-                replace(f, cache_hit=None) for f in req.mm_features], req.position_info),
+                replace(f, cache_hit=None) for f in req.mm_features], req.position_info,
+                dict(req.metrics.stages), req.message_starts),
             req.sampling_params, req.request_id if index == 0 else f"{req.request_id}#{index}",
-            arrival_time=req.metrics.arrival_time,
-            thinking=None if req.reasoning is None else req.reasoning.in_reasoning)
-        child.message_starts = req.message_starts
-        child.metrics.stages.update(req.metrics.stages)
+            req.metrics.arrival_time, None if req.reasoning is None else req.reasoning.in_reasoning)
         child.index, child.parent_id = index, req.request_id
         return child
 
@@ -442,22 +428,6 @@ class LLMEngine:
 def _item_error(req: Request, index: int, message: str) -> str:
     modality = req.mm_features[index].modality
     return f"{modality} item {index} of the request could not be encoded: {message}"
-
-
-def checkpoint_settings(setup: CheckpointSetup, mm_processor) -> tuple[tuple[str, ...], ...]:
-    """(component, setting, value, where it came from) for every setting the engine read from
-    the checkpoint: its own (dtype, template, EOS, ...) and its processor's."""
-    rows = [("model", name, _shown(value), source) for name, value, source in setup.rows()]
-    if mm_processor is not None:
-        for component, settings in mm_processor.settings().items():
-            rows += [(component, key, _shown(settings.values[key]), settings.sources[key])
-                     for key in settings.values]
-    return tuple(rows)
-
-
-def _shown(value: Any) -> str:
-    text = value if isinstance(value, str) else repr(value)
-    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _encoder_budget(config: EngineConfig, mm_processor, vectors_per_embed: int) -> EncoderBudget:

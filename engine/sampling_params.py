@@ -110,6 +110,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def check_token_ids(self, vocab_size: int) -> None:
+        """ValueError for a token id (logit_bias, stop_token_ids) outside the vocabulary."""
+        for name, ids in (("logit_bias", [t for t, _ in self.logit_bias]),
+                          ("stop_token_ids", self.stop_token_ids)):
+            if any(t >= vocab_size for t in ids):
+                raise SamplingParamsError(name, f"{name}: token id {max(ids)} is outside the "
+                                          f"vocabulary (ids 0 to {vocab_size - 1})")
+
     @property
     def penalized(self) -> bool:
         """Whether presence or frequency penalties apply."""
