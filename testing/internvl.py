@@ -62,8 +62,16 @@ def build_internvl_model(
     text: str = "qwen2",
     hidden_size: int = 64,
     num_layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate_size: int | None = None,
+    vocab_size: int | None = None,
     vision_width: int = 32,
     vision_depth: int = 2,
+    vision_heads: int = 4,
+    vision_intermediate: int | None = None,
+    tile: int = TILE,
+    patch: int = PATCH,
     qk_norm: bool = False,
     norm_type: str = "layer_norm",
     attention_bias: bool = True,
@@ -78,27 +86,30 @@ def build_internvl_model(
     tie_word_embeddings: bool | None = None,
 ) -> Path:
     """A tiny InternVLForConditionalGeneration at `path` with a `text` decoder (qwen2, qwen3,
-    llama) and the tower's variants as options; images are cut into at most `max_patches`
-    tiles of 32 pixels; with `num_frames`, the video processor samples that many frames
-    (do_sample_frames), else it takes every frame it is given (its class default)."""
+    llama) and the tower's variants as options (the widths too, for the benchmarks); images
+    are cut into at most `max_patches` tiles of `tile` pixels; with `num_frames`, the video
+    processor samples that many frames (do_sample_frames), else it takes every frame it is
+    given (its class default)."""
     import transformers
 
     from testing.layouts import save_processor
 
     tokenizer = internvl_tokenizer(kind=tokenizer_kind)
     text_cfg = getattr(transformers, TEXT_CONFIGS[text])(
-        hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tokenizer),
-        max_position_embeddings=4096, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        hidden_size=hidden_size, intermediate_size=intermediate_size or 2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        vocab_size=vocab_size or len(tokenizer), max_position_embeddings=4096,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
         pad_token_id=tokenizer.pad_token_id,
-        **({"head_dim": hidden_size // 4} if text == "qwen3" else {}))
+        **({"head_dim": hidden_size // heads} if text == "qwen3" else {}))
     vision = transformers.InternVLVisionConfig(
-        hidden_size=vision_width, intermediate_size=2 * vision_width,
-        num_hidden_layers=vision_depth, num_attention_heads=4, image_size=TILE, patch_size=PATCH,
-        use_qk_norm=qk_norm, norm_type=norm_type, attention_bias=attention_bias,
-        use_mean_pooling=mean_pooling)
+        hidden_size=vision_width, intermediate_size=vision_intermediate or 2 * vision_width,
+        num_hidden_layers=vision_depth, num_attention_heads=vision_heads, image_size=tile,
+        patch_size=patch, use_qk_norm=qk_norm, norm_type=norm_type,
+        attention_bias=attention_bias, use_mean_pooling=mean_pooling)
+    per_tile = (tile // patch // 2) ** 2
     config = transformers.InternVLConfig(
-        text_config=text_cfg, vision_config=vision, image_seq_length=TOKENS_PER_TILE,
+        text_config=text_cfg, vision_config=vision, image_seq_length=per_tile,
         image_token_id=tokenizer.convert_tokens_to_ids("<IMG_CONTEXT>"),
         vision_feature_layer=vision_feature_layer)
     if tie_word_embeddings is not None:  # the flag transformers ties the head by
@@ -107,7 +118,7 @@ def build_internvl_model(
     model = transformers.InternVLForConditionalGeneration(config)
     randomize(model, std=std, seed=seed)
     path = save_checkpoint(model, tokenizer, Path(path), [tokenizer.eos_token_id])
-    size = {"height": TILE, "width": TILE}
+    size = {"height": tile, "width": tile}
     image = transformers.GotOcr2ImageProcessorPil(
         size=size, min_patches=min_patches, max_patches=max_patches, image_mean=IMAGENET_MEAN,
         image_std=IMAGENET_STD)
@@ -120,7 +131,7 @@ def build_internvl_model(
              "initial_shift": True, "return_metadata": False,
              "video_processor_type": "InternVLVideoProcessor"}
     save_processor(path, "InternVLProcessor", tokenizer, image_processor=image,
-                   video_settings=video, fields={"image_seq_length": TOKENS_PER_TILE})
+                   video_settings=video, fields={"image_seq_length": per_tile})
     return path
 
 

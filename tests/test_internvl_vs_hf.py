@@ -226,10 +226,12 @@ def test_video_frames_are_those_the_reference_samples(tmp_path, monkeypatch):
 
 def test_plans_agree_with_processing(llm):
     """Sizes-only plans equal processing, for text prompts and for token-id prompts mixing
-    images and a one-frame video (whose run looks like a one-tile image's)."""
+    images and videos, one-tile images beside one-frame videos (whose runs look alike) in
+    both orders."""
     p = llm.engine.processor
     msgs = user("See", random_image(33, 33, 3), random_video(1, 40, 60, 5), "and",
-                random_image(150, 40, 4), random_video(2, 20, 20, 6))
+                random_image(150, 40, 4), random_video(2, 20, 20, 6), random_video(1, 9, 9, 7),
+                random_image(20, 20, 8))
     parsed = p.render_chat(msgs)
     media = p.load_media_sync(parsed)
     mm = p.mm_processor
@@ -243,7 +245,7 @@ def test_plans_agree_with_processing(llm):
         assert plan.item_embeds == [(f.modality, f.placeholder.num_embeds)
                                     for f in out.mm_features]
         assert [f.modality for f in out.mm_features] == ["image", "video", *["image"] * 5,
-                                                          "video", "video"]
+                                                          "video", "video", "video", "image"]
     assert mm.process(raw, media, {}).token_ids == expanded
 
 

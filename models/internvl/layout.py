@@ -9,8 +9,9 @@ token-id prompts are expanded here.
 
 In an expanded prompt every run `<img>` ... `</img>` is found and handed to the items in prompt
 order: the next image if the run holds its L * n tokens, the next video if the next f runs hold
-L tokens each and each follows its "Frame{k}: " label (a one-tile image and a video frame hold
-the same run; only the label tells them apart).
+L tokens each. Where both fit (a one-tile image and a video's first frame hold the same run),
+the frame labels decide: the video's runs each follow "Frame{k}:" (compared as decoded text
+without whitespace, since tokenizers decode spacing differently).
 """
 
 from __future__ import annotations
@@ -123,12 +124,15 @@ class PromptLayout:
         image = video = r = 0
         while r < len(runs):
             offset, length = runs[r]
-            if video < len(frames) and self._is_video(ids, runs[r:r + frames[video]],
-                                                      frames[video]):
-                placed.append(Placed("video", video, tuple(o for o, _ in
-                                                           runs[r:r + frames[video]])))
-                r, video = r + frames[video], video + 1
-            elif image < len(tiles) and length == self.per_tile * tiles[image]:
+            count = frames[video] if video < len(frames) else 0
+            frame_runs = runs[r:r + count]
+            video_fits = bool(count) and len(frame_runs) == count and all(
+                n == self.per_tile for _, n in frame_runs)
+            image_fits = image < len(tiles) and length == self.per_tile * tiles[image]
+            if video_fits and (not image_fits or self._labelled(ids, frame_runs)):
+                placed.append(Placed("video", video, tuple(o for o, _ in frame_runs)))
+                r, video = r + count, video + 1
+            elif image_fits:
                 placed.append(Placed("image", image, (offset,)))
                 r, image = r + 1, image + 1
             else:
@@ -166,8 +170,10 @@ class PromptLayout:
                              "image and nothing around it")
         return runs
 
-    def _is_video(self, ids: list[int], runs: list[tuple[int, int]], frames: int) -> bool:
-        if len(runs) < frames or any(n != self.per_tile for _, n in runs):
-            return False
-        return all(self.decode(ids[max(0, o - 1 - _LABEL_WINDOW):o - 1]).endswith(
-            f"Frame{k + 1}: ") for k, (o, _) in enumerate(runs))
+    def _labelled(self, ids: list[int], runs: list[tuple[int, int]]) -> bool:
+        """Whether each run follows its frame label "Frame{k}:"."""
+        for k, (offset, _) in enumerate(runs):
+            before = self.decode(ids[max(0, offset - 1 - _LABEL_WINDOW):offset - 1])
+            if not "".join(before.split()).endswith(f"Frame{k + 1}:"):
+                return False
+        return True

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
-from models.checkpoint import CheckpointError, Schema, choose_schema, read_settings
+from models.checkpoint import CheckpointError, Schema, Settings, choose_schema, read_settings
 from models.interfaces import (
     MAX_FPS,
     MultiModalFeature,
@@ -65,6 +65,9 @@ class InternVLProcessor(ProcessorDefaults):
         self.model_id = ctx.model_id
         self.per_tile = tokens_per_tile(cfg)
         tokens = special_tokens(tok)
+        token_settings = Settings(  # for the inspector: where the processor found its tokens
+            Schema("tokenizer", dict.fromkeys(_TOKENS)), {n: getattr(tok, n) for n in _TOKENS},
+            dict.fromkeys(_TOKENS, "tokenizer_config.json (the tokenizer's extra special tokens)"))
         if tokens.context_id != cfg.image_token_id:
             raise CheckpointError(
                 f"tokenizer: context_image_token {tokens.context!r} is id {tokens.context_id}, "
@@ -81,7 +84,7 @@ class InternVLProcessor(ProcessorDefaults):
             video, VIDEO_PROCESSORS, "InternVLVideoProcessor", "video_processor_type"))
         own = read_settings(files.processor_fields(), PROCESSORS["internvl"])
         self.read = {"image_processor": image_settings, "video_processor": video_settings,
-                     "processor": own}
+                     "processor": own, "tokenizer": token_settings}
         if own["image_seq_length"] != self.per_tile:
             raise CheckpointError(
                 f"{own.sources['image_seq_length']}: image_seq_length={own['image_seq_length']} "
