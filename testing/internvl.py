@@ -1,9 +1,9 @@
 """Tiny random-weight InternVL (InternVLForConditionalGeneration) checkpoints: an InternViT tower
-on 32-pixel tiles of 4-pixel patches (16 tokens a tile after the pixel shuffle), a Qwen2, Qwen3
-or Llama decoder, a tokenizer with InternVL's media tokens (`<img>`, `</img>`, `<IMG_CONTEXT>`,
-`<video>`, named in its config as transformers' converted checkpoints name them) and the chat
-template of the converted checkpoints, the GotOcr2 image processor's and the InternVL video
-processor's settings.
+on 32-pixel tiles of 4-pixel patches (16 tokens a tile after the pixel shuffle), a Qwen2, Qwen3,
+Qwen3-MoE or Llama decoder, a tokenizer with InternVL's media tokens (`<img>`, `</img>`,
+`<IMG_CONTEXT>`, `<video>`, named in its config as transformers' converted checkpoints name them)
+and the chat template of the converted checkpoints, the GotOcr2 image processor's and the
+InternVL video processor's settings.
 
 `reference_processor` is transformers' own InternVLProcessor for images (its video processor
 needs torchvision, absent here, so the processor is assembled without it), and
@@ -12,6 +12,7 @@ needs torchvision, absent here, so the processor is assembled without it), and
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -39,11 +40,17 @@ IMAGENET_STD = [0.229, 0.224, 0.225]
 TILE = 32
 PATCH = 4
 TOKENS_PER_TILE = (TILE // PATCH // 2) ** 2
-TEXT_CONFIGS = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "llama": "LlamaConfig"}
+TEXT_CONFIGS = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "llama": "LlamaConfig",
+                "qwen3_moe": "Qwen3MoeConfig"}
+# InternVL3.5's mixtures of experts, tiny: 4 experts, 2 routed per token.
+TINY_EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                "norm_topk_prob": True}
 
 
+@functools.cache
 def internvl_tokenizer(vocab_size: int = 600, kind: str = "bytes"):
-    """A trained tokenizer whose config names InternVL's media tokens."""
+    """A trained tokenizer whose config names InternVL's media tokens (trained once per
+    process: every checkpoint built here shares it, unchanged)."""
     from transformers import PreTrainedTokenizerFast
 
     trained = train_tokenizer(INTERNVL_SPECIAL, vocab_size, INTERNVL_CHAT_TEMPLATE, "<|im_end|>",
@@ -86,10 +93,10 @@ def build_internvl_model(
     tie_word_embeddings: bool | None = None,
 ) -> Path:
     """A tiny InternVLForConditionalGeneration at `path` with a `text` decoder (qwen2, qwen3,
-    llama) and the tower's variants as options (the widths too, for the benchmarks); images
-    are cut into at most `max_patches` tiles of `tile` pixels; with `num_frames`, the video
-    processor samples that many frames (do_sample_frames), else it takes every frame it is
-    given (its class default)."""
+    qwen3_moe, llama) and the tower's variants as options (the widths too, for the
+    benchmarks); images are cut into at most `max_patches` tiles of `tile` pixels; with
+    `num_frames`, the video processor samples that many frames (do_sample_frames), else it
+    takes every frame it is given (its class default)."""
     import transformers
 
     from testing.layouts import save_processor
@@ -101,7 +108,8 @@ def build_internvl_model(
         vocab_size=vocab_size or len(tokenizer), max_position_embeddings=4096,
         eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
         pad_token_id=tokenizer.pad_token_id,
-        **({"head_dim": hidden_size // heads} if text == "qwen3" else {}))
+        **({"head_dim": hidden_size // heads} if text.startswith("qwen3") else {}),
+        **(TINY_EXPERTS if text == "qwen3_moe" else {}))
     vision = transformers.InternVLVisionConfig(
         hidden_size=vision_width, intermediate_size=vision_intermediate or 2 * vision_width,
         num_hidden_layers=vision_depth, num_attention_heads=vision_heads, image_size=tile,

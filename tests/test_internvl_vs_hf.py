@@ -9,9 +9,10 @@ torchvision, absent here); transformers' model gets the pixel values in prompt o
 processor concatenates them. Greedy tokens identical and top log-probabilities within 1e-3 for
 one image, two images with different tile grids, a video, text only, in one batch, for three
 towers (LayerNorm with q/k/v biases; QK-norm, RMSNorm, no biases and a final norm; an earlier
-hidden layer) and three decoders; then chunk budgets that cut inside tiles and frames, an
-encoder budget of one tile, encoder-cache and prefix-cache hits, the per-request options, the
-frame sampling and the grids against the reference's own functions.
+hidden layer) and three decoders (Qwen2, Qwen3-MoE, Llama; Qwen3 in the layout matrix); then
+chunk budgets that cut inside tiles and frames, an encoder budget of one tile, encoder-cache
+and prefix-cache hits, the per-request options, the frame sampling and the grids against the
+reference's own functions.
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
 LOGPROBS = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, logprobs=3)
 VARIANTS = {  # name -> build_internvl_model options
     "qwen2": {},
-    # InternViT-6B's shape: QK-norm, RMSNorm, no q/k/v biases, a final LayerNorm.
-    "qwen3-qknorm": {"text": "qwen3", "qk_norm": True, "norm_type": "rms_norm",
-                     "attention_bias": False, "mean_pooling": False},
+    # InternViT-6B's shape (QK-norm, RMSNorm, no q/k/v biases, a final LayerNorm) before
+    # InternVL3.5's mixture-of-experts decoder.
+    "qwen3_moe-qknorm": {"text": "qwen3_moe", "qk_norm": True, "norm_type": "rms_norm",
+                         "attention_bias": False, "mean_pooling": False},
     "llama-layer-2": {"text": "llama", "vision_feature_layer": -2, "vision_depth": 3},
 }
 CASES = {
@@ -368,3 +370,25 @@ def test_tower_and_projector_have_no_host_sync(llm):
         embeds = model.encode(items)
     assert rec.seen == []
     assert [e.shape[0] for e in embeds] == [L] * 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_matches_the_cpu_without_host_sync(path, llm):
+    """Tokens on CUDA equal the CPU's for images, a video and text in one batch, tiles cut by
+    small chunks; the tower and projector run without a host sync."""
+    cases = list(CASES.values())
+    gpu = LLM(path, device="cuda", dtype="float32", max_model_len=2048,
+              max_num_batched_tokens=24)
+    expected = [o.outputs[0].token_ids for o in llm.chat(cases, GREEDY)]
+    assert [o.outputs[0].token_ids for o in gpu.chat(cases, GREEDY)] == expected
+    model = gpu.engine.runner.model
+    items = [("image", {"pixel_values": torch.randn(1, 3, 32, 32)}) for _ in range(3)]
+    model.encode(items)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.inference_mode():
+            model.encode(items)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
