@@ -76,6 +76,8 @@ class PixelConfig:
     @classmethod
     def from_settings(cls, s: Settings) -> PixelConfig:
         size = s["size"]
+        if isinstance(size, int) and not isinstance(size, bool):  # transformers: a square
+            size = {"height": size, "width": size}
         if not isinstance(size, Mapping) or set(size) != {"height", "width"}:
             raise CheckpointError(f"{s.sources['size']}: size must be a height and a width, "
                                   f"got {size!r}")

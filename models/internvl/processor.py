@@ -26,6 +26,7 @@ from functools import partial
 from typing import Any
 
 from models.checkpoint import CheckpointError, Schema, Settings, choose_schema, read_settings
+from models.encoders.internvit import InternViTConfig
 from models.interfaces import (
     MAX_FPS,
     MultiModalFeature,
@@ -93,8 +94,7 @@ class InternVLProcessor(ProcessorDefaults):
                 "fail on this checkpoint too")
         self.image_cfg = PixelConfig.from_settings(image_settings)
         self.video_cfg = PixelConfig.from_settings(video_settings)
-        tower = cfg.vision_config.image_size
-        tower = tower if isinstance(tower, int) else tower[0]
+        tower = InternViTConfig.from_hf(cfg.vision_config).image_size
         for name, pixels, settings in (("image", self.image_cfg, image_settings),
                                        ("video", self.video_cfg, video_settings)):
             if pixels.tile != tower:
