@@ -62,7 +62,8 @@ class VideoSampling:
     ``spread`` places them: "uniform" at k * duration / count from the start; "frame_linspace"
     on source frame indices spaced evenly from the first frame to the last inclusive, a second
     skipped at both ends when the video is longer than max_frames at target_fps plus two
-    seconds, repeated indices dropped (transformers' SmolVLM video sampling).
+    seconds, repeated indices dropped (transformers' SmolVLM video sampling); "segment_centers"
+    on the middle source frame of each of `count` equal segments (transformers' InternVL).
     """
 
     target_fps: float

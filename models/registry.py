@@ -9,6 +9,8 @@ from models.gemma3.processor import Gemma3Processor
 from models.idefics3.model import Idefics3ForConditionalGeneration
 from models.idefics3.processor import Idefics3Processor
 from models.interfaces import LanguageModel, ProcessorFactory
+from models.internvl.model import InternVLForConditionalGeneration
+from models.internvl.processor import InternVLProcessor
 from models.layers.decoder import CausalLM
 from models.llava.model import LlavaForConditionalGeneration
 from models.llava.processor import LlavaProcessor
@@ -64,6 +66,9 @@ _REGISTRY: dict[str, ModelSpec] = {
         Idefics3ForConditionalGeneration, Idefics3Processor
     ),
     "Mistral3ForConditionalGeneration": ModelSpec(PixtralVLM, PixtralProcessor),
+    "InternVLForConditionalGeneration": ModelSpec(
+        InternVLForConditionalGeneration, InternVLProcessor
+    ),
     "Qwen2AudioForConditionalGeneration": ModelSpec(
         QwenAudioForConditionalGeneration, QwenAudioProcessor
     ),

@@ -103,6 +103,15 @@ def _smolvlm(path, text, media, tokenizer):
                           add_special_tokens=False))
 
 
+def _internvl(path, text, media, tokenizer):
+    """InternVLProcessor needs torchvision (its video processor): it is assembled over the
+    checkpoint's image processor, tokenizer and fields (testing.internvl.reference_processor)."""
+    from testing.internvl import reference_processor
+
+    return dict(reference_processor(path)(text=[text], images=media, return_tensors="pt",
+                                          add_special_tokens=False))
+
+
 def _qwen_vl(path, text, media, tokenizer):
     """Qwen-VL processors need torchvision (their video processors); the image processor is
     loaded from the checkpoint as AutoImageProcessor finds it, and each image's pad token
@@ -169,6 +178,7 @@ TINY_EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_si
 
 def _families() -> dict[str, Family]:
     from testing.gemma3 import build_gemma3_model
+    from testing.internvl import build_internvl_model, rename_to_transformers5_keys
     from testing.mistral3 import build_mistral3_model
     from testing.qwen3_5 import build_qwen3_5_model
     from testing.qwen3_vl import build_qwen3_vl_model
@@ -186,6 +196,12 @@ def _families() -> dict[str, Family]:
             p, arch="idefics3", tie_word_embeddings=tie), _image, _auto_processor),
         "smolvlm": Family(lambda p, tie: build_smolvlm_model(p, tie_word_embeddings=tie),
                           _image, _smolvlm),
+        # Weights under the Hub's names (what save_pretrained writes), and under the names
+        # transformers 5's class holds them by.
+        "internvl": Family(lambda p, tie: build_internvl_model(
+            p, min_patches=2, max_patches=4, tie_word_embeddings=tie), _image, _internvl),
+        "internvl-model-keys": Family(lambda p, tie: rename_to_transformers5_keys(
+            build_internvl_model(p, text="qwen3", tie_word_embeddings=tie)), _image, _internvl),
         "mistral3": Family(lambda p, tie: build_mistral3_model(p, tie_word_embeddings=tie),
                            _image, _pixtral),
         "qwen2_vl": Family(lambda p, tie: build_qwen2_vl_model(p, tie_word_embeddings=tie),

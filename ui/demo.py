@@ -52,9 +52,13 @@ DEMO_LINEUP = (
     # per 2 s in the placeholder strip).
     DemoModel("demo-qwen2.5-omni", "testing.qwen_omni:build_qwen_omni_model",
               {"tokenizer_kind": "words"}),
+    # InternVL: an image is cut into tiles by its aspect ratio plus a thumbnail, each tile its
+    # own encoder item; a video's 8 frames (sampled as its video processor says) each too.
+    DemoModel("demo-internvl", "testing.internvl:build_internvl_model",
+              {"tokenizer_kind": "words", "num_frames": 8}),
 )
 # Bumped when the lineup's checkpoints change, so that cached older ones are not reused.
-DEMO_VERSION = 4
+DEMO_VERSION = 5
 
 
 @dataclass(frozen=True)

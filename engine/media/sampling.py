@@ -12,7 +12,7 @@ from engine.media.limits import MediaError, MediaLimits
 from models.interfaces import MAX_FPS, VideoSampling
 
 DEFAULT_FPS = 2.0
-SPREADS = ("uniform", "frame_linspace")
+SPREADS = ("uniform", "frame_linspace", "segment_centers")
 
 
 def video_sampling(
@@ -74,6 +74,13 @@ def sample_offsets(
     if sampling.spread == "uniform" or not frame_count or fps <= 0:
         count = sample_count(duration, frame_count, sampling)
         return [k * duration / count for k in range(count)]
+    if sampling.spread == "segment_centers":
+        count = sample_count(duration, frame_count, sampling)
+        step = frame_count / count  # the source frames split into `count` equal segments
+        # Each segment's middle frame, as transformers' InternVL video processor indexes
+        # them: float32 positions, truncated.
+        centers = (step / 2 + step * np.arange(count)).astype(np.float32).astype(np.int64)
+        return [float(i) / fps for i in centers]
     wanted = max(1, min(round(sampling.target_fps * duration), sampling.max_frames))
     first, last = 0, frame_count - 1
     if duration - 2 > sampling.max_frames * sampling.target_fps:  # skip a second at both ends
