@@ -417,25 +417,20 @@ def _encoder_budget(config: EngineConfig, mm_processor, vectors_per_embed: int,
     """Refuse a configuration in which the largest media item could never be encoded (an item
     occupies `vectors_per_embed` vectors per embedding in the cache: DeepStack residuals; a
     cross-attention model's cache holds key positions within `cross_attention_cache_bytes`)."""
-    cache = config.encoder_cache_size // vectors_per_embed
-    setting = "encoder_cache_size"
-    step = config.max_num_encoder_input_tokens
-    largest = mm_processor.max_embeds_per_item()
+    cache, setting = config.encoder_cache_size // vectors_per_embed, "encoder_cache_size"
+    unit, scale = "embeddings", vectors_per_embed  # the setting's units per unit of an item
     if cross is not None:
         cache, setting = cross.num_keys, "cross_attention_cache_bytes"
-        if largest > cache and cache <= step:
-            raise ValueError(
-                f"the largest image this model accepts has {largest} key positions "
-                f"({largest * cross.bytes_per_key} bytes of cross-attention keys and values), "
-                f"but cross_attention_cache_bytes={cross.nbytes} holds {cache}; raise it to at "
-                f"least {largest * cross.bytes_per_key}")
+        unit, scale = "key positions", cross.bytes_per_key
+    step = config.max_num_encoder_input_tokens
     budget = EncoderBudget(cache, setting) if cache <= step else EncoderBudget(
         step, "max_num_encoder_input_tokens")
+    largest = mm_processor.max_embeds_per_item()
     if largest > budget.max_embeds:
         raise ValueError(
-            f"the largest media item this model accepts needs {largest} embeddings, but "
+            f"the largest media item this model accepts needs {largest} {unit}, but "
             f"{budget.setting} allows {budget.max_embeds}; raise {budget.setting} to at least "
-            f"{largest * (vectors_per_embed if budget.setting == 'encoder_cache_size' else 1)} "
+            f"{largest * (scale if budget.setting == setting else 1)} "
             "(or, for images and videos, lower max_pixels in the checkpoint's preprocessor "
             "config)"
         )

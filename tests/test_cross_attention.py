@@ -45,14 +45,13 @@ def test_rows_per_image_are_transformers(ids):
 
 def test_the_plan_splits_rows_where_images_start_and_end():
     a, b = torch.zeros(2, 2, 1, 3, 4), torch.zeros(2, 2, 1, 5, 4)
-    # chunk 1: rows 0-9 of a request whose image a is seen by rows 4-6, b from 6 on;
-    # chunk 2: a decode (row 20) of a request seeing a; chunk 3: a text-only prefill.
+    # chunk 1: rows 0-9 of a request whose image a is seen by rows 4-5, b from 6 on;
+    # chunk 2: a decode (row 10 of the batch) of a request seeing a; chunk 3: text only.
     plan = build_cross_metadata(
         [0, 20, 0], [10, 1, 5],
         [[(4, 6, a), (6, None, b)], [(3, None, a)], []], torch.device("cpu"))
-    assert plan.rows.tolist() == [4, 5, 6, 7, 8, 9, 10]
-    assert [(s.lo, s.hi, len(s.states)) for s in plan.segments] == [(0, 2, 1), (2, 6, 1),
-                                                                     (6, 7, 1)]
+    assert plan.rows.tolist() == [4, 5, 10, 6, 7, 8, 9]  # a's rows together, then b's
+    assert [(s.lo, s.hi, len(s.states)) for s in plan.segments] == [(0, 3, 1), (3, 7, 1)]
     assert plan.segments[0].states[0] is a and plan.segments[1].states[0] is b
     together = build_cross_metadata([0], [4], [[(0, None, a), (1, None, b)]],
                                     torch.device("cpu"))

@@ -205,7 +205,7 @@ def test_state_cache_and_prefix_cache_hits(path, refs):
 
 
 def test_startup_refuses_a_state_pool_below_the_largest_image(path):
-    with pytest.raises(ValueError, match="68 key positions .*cross_attention_cache_bytes"):
+    with pytest.raises(ValueError, match="68 key positions.*cross_attention_cache_bytes.*34816"):
         LLM(path, max_model_len=256, cross_attention_cache_bytes=67 * 512)
 
 
@@ -253,3 +253,81 @@ def test_soak_with_aborts_failures_and_preemption_leaves_nothing_held(path, monk
     assert stats["kv_blocks_used"] == 0 and stats["encoder_cache_referenced"] == 0
     preempted = sum(r.metrics.num_preemptions for r in made)
     assert all(failures.values()) and preempted, (failures, preempted)
+
+
+def test_tower_states_and_cross_layers_have_no_host_sync(llm):
+    from engine.cross_states import cross_items
+    from engine.scheduler import ScheduledChunk
+    from models.layers.attention import build_metadata
+    from models.layers.cross_metadata import build_cross_metadata
+    from tests.test_sync_free import SyncRecorder
+
+    runner = llm.engine.runner
+    proc, _ = process_chat(llm, CASES["two_images"])
+    with torch.inference_mode(), SyncRecorder() as rec:
+        states = runner.model.encode([(f.modality, f.data) for f in proc.mm_features])
+    assert rec.seen == [] and [s.shape[-2] for s in states] == [
+        f.cross.num_keys for f in proc.mm_features]
+    outputs = {f.identifier: s for f, s in zip(proc.mm_features, states, strict=True)}
+    req = llm.engine.make_request(proc, GREEDY)
+    n = len(proc.token_ids)
+    chunk = ScheduledChunk(req, 0, n)
+    meta = build_metadata([0], [n], [list(range(-(-n // 16)))], 16, torch.device("cpu"))
+    meta.cross = build_cross_metadata([0], [n], cross_items([chunk], outputs),
+                                      torch.device("cpu"))
+    with torch.inference_mode(), SyncRecorder() as rec:
+        runner.model(torch.tensor(proc.token_ids), torch.arange(n), meta)
+    llm.engine.block_manager.reset_prefix_cache()  # the blocks written above hold no prefix
+    assert rec.seen == []
+
+
+def test_inspect_states_the_cross_attention_memory(path):
+    from engine import inspect
+
+    report = inspect.inspect(path)
+    assert not report.unsupported
+    # 2 layers x (key + value) x 2 heads x 16 x 4 bytes; the largest image: 4 tiles x 17
+    assert (report.cross_bytes_per_key, report.cross_largest_item) == (512, 68)
+    assert report.kv_bytes_per_token == 3 * 2 * 2 * 16 * 4  # the 3 self-attention layers
+    assert "34.00 KiB for the largest image (68 key positions)" in inspect.render(report)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_matches_the_cpu_and_never_synchronizes(path):
+    """The mixed batch under a cutting budget gives the CPU's tokens on CUDA; the tower, the
+    states and a forward through the cross-attention layers run under CUDA's sync debug mode
+    (any synchronizing call is an error)."""
+    from engine.cross_states import cross_items
+    from engine.scheduler import ScheduledChunk
+    from models.layers.attention import build_metadata
+    from models.layers.cross_metadata import build_cross_metadata
+
+    options = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=5, max_num_seqs=8)
+    cpu = LLM(path, device="cpu", **options)
+    gpu = LLM(path, device="cuda", **options)
+    messages = list(CASES.values())
+    want = [o.outputs[0].token_ids for o in cpu.chat(messages, GREEDY)]
+    assert [o.outputs[0].token_ids for o in gpu.chat(messages, GREEDY)] == want
+    assert_released(gpu)
+    bf16 = LLM(path, device="cuda", dtype="bfloat16", max_model_len=256)
+    assert all(len(o.outputs[0].token_ids) == N for o in bf16.chat(messages, GREEDY))
+
+    runner, device = gpu.engine.runner, torch.device("cuda")
+    proc, _ = process_chat(gpu, CASES["two_images"])
+    req = gpu.engine.make_request(proc, GREEDY)
+    n = len(proc.token_ids)
+    meta = build_metadata([0], [n], [list(range(-(-n // 16)))], 16, device)
+    ids = torch.tensor(proc.token_ids, device=device)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.inference_mode():
+            states = runner.model.encode([(f.modality, f.data) for f in proc.mm_features])
+            outputs = {f.identifier: s for f, s in zip(proc.mm_features, states, strict=True)}
+            meta.cross = build_cross_metadata(
+                [0], [n], cross_items([ScheduledChunk(req, 0, n)], outputs), device)
+            runner.model(ids, torch.arange(n, device=device), meta)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    gpu.engine.block_manager.reset_prefix_cache()

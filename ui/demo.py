@@ -52,9 +52,13 @@ DEMO_LINEUP = (
     # per 2 s in the placeholder strip).
     DemoModel("demo-qwen2.5-omni", "testing.qwen_omni:build_qwen_omni_model",
               {"tokenizer_kind": "words"}),
+    # Llama 3.2 Vision: an image stays one token and is attended through cross-attention
+    # layers (the engine panel shows the keys and values it holds).
+    DemoModel("demo-llama3.2-vision", "testing.mllama:build_mllama_model",
+              {"tokenizer_kind": "words"}),
 )
 # Bumped when the lineup's checkpoints change, so that cached older ones are not reused.
-DEMO_VERSION = 4
+DEMO_VERSION = 5
 
 
 @dataclass(frozen=True)

@@ -2,12 +2,14 @@
 which rows of the flat batch attend to which media items' keys and values.
 
 A cross-attention item (models.interfaces.CrossAttention) is attended by a range of its
-request's rows. Within a chunk, the rows split where an item's range starts or ends into
-`CrossSegment`s, each attending to the same items (several where images follow each other, as
-Mllama groups them). Rows that attend to no item (text-only requests, text before a request's
-first image) are in no segment: the cross-attention layers leave them unchanged, as Meta's
-Llama 3.2 Vision does (their attention output is zeroed, and so is their MLP's). A step in
-which no row attends to anything has no metadata at all, and the layers are skipped.
+request's rows. Within a chunk, the rows split where an item's range starts or ends; rows that
+see the same items, from any chunk of the step, form one `CrossSegment` (several items where
+images follow each other, as Mllama groups them; one item for the decodes of several requests
+about the same image, which then attend in one call). Rows that attend to no item (text-only
+requests, text before a request's first image) are in no segment: the cross-attention layers
+leave them unchanged, as Meta's Llama 3.2 Vision does (their attention output is zeroed, and so
+is their MLP's). A step in which no row attends to anything has no metadata at all, and the
+layers are skipped.
 """
 
 from __future__ import annotations
@@ -48,9 +50,9 @@ def build_cross_metadata(
     device: torch.device,
 ) -> CrossAttentionMetadata | None:
     """The step's plan from each chunk's start, length and cross-attention items (None: no row
-    of the step attends to any item)."""
-    rows: list[int] = []
-    segments: list[CrossSegment] = []
+    of the step attends to any item). Rows that see the same items (the same tensors), in any
+    chunk, form one segment: requests about one image attend together."""
+    groups: dict[tuple[int, ...], tuple[tuple[torch.Tensor, ...], list[int]]] = {}
     offset = 0
     for start, n, chunk_items in zip(starts, q_lens, items, strict=True):
         end = start + n
@@ -60,13 +62,18 @@ def build_cross_metadata(
         bounds = sorted(cuts)
         for a, b in zip(bounds, bounds[1:], strict=False):
             seen = tuple(s for lo, hi, s in chunk_items if lo <= a and (hi is None or b <= hi))
-            if not seen:
-                continue
-            segments.append(CrossSegment(len(rows), len(rows) + b - a, seen))
-            rows.extend(range(offset + a - start, offset + b - start))
+            if seen:
+                key = tuple(id(s) for s in seen)
+                groups.setdefault(key, (seen, []))[1].extend(
+                    range(offset + a - start, offset + b - start))
         offset += n
-    if not segments:
+    if not groups:
         return None
+    rows: list[int] = []
+    segments = []
+    for seen, members in groups.values():
+        segments.append(CrossSegment(len(rows), len(rows) + len(members), seen))
+        rows += members
     if rows == list(range(offset)):
         return CrossAttentionMetadata(None, segments)
     index = to_device(torch.tensor(rows, dtype=torch.int64), device)
