@@ -140,7 +140,7 @@ class PlaceholderRange:
 
 
 @dataclass(frozen=True)
-class CrossAttention:
+class CrossRows:
     """How a cross-attention item is used: token rows [start, end) of the sequence attend to
     its encoder output, `num_keys` key positions, through the model's cross-attention layers
     (`end` None: through the end of the sequence, generated tokens included)."""
@@ -183,7 +183,7 @@ class MultiModalFeature:
     part: str = ""
     # Cross-attention items: the rows that attend to the item (from its placeholder on), and
     # its key count.
-    cross: CrossAttention | None = None
+    cross: CrossRows | None = None
 
     def __post_init__(self) -> None:
         if self.cross is not None and self.cross.start != self.placeholder.offset:

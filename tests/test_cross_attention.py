@@ -12,7 +12,7 @@ from engine.config import EngineConfig
 from engine.encoder_cache import EncoderCacheManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from models.interfaces import CrossAttention, MultiModalFeature, PlaceholderRange
+from models.interfaces import CrossRows, MultiModalFeature, PlaceholderRange
 from models.layers.cross_metadata import build_cross_metadata
 from models.mllama.processor import cross_rows
 
@@ -66,7 +66,7 @@ def _request(features) -> Request:
 
 def _cross(offset: int, end: int | None, keys: int, name: str) -> MultiModalFeature:
     return MultiModalFeature("image", name, PlaceholderRange(offset, 1, is_embed=(False,)),
-                             cross=CrossAttention(offset, end, keys))
+                             cross=CrossRows(offset, end, keys))
 
 
 def test_an_item_is_held_while_rows_attend_to_it():
@@ -85,7 +85,7 @@ def test_an_item_is_held_while_rows_attend_to_it():
     cache.release_request(req)
     assert cache.num_referenced == 0 and cache.reclaimable == 100
     with pytest.raises(ValueError, match="rows start at 4"):
-        MultiModalFeature("image", "c", PlaceholderRange(3, 1), cross=CrossAttention(4, None, 1))
+        MultiModalFeature("image", "c", PlaceholderRange(3, 1), cross=CrossRows(4, None, 1))
 
 
 def test_the_scheduler_encodes_an_item_when_its_rows_come_and_cuts_before_it():

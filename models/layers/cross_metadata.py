@@ -1,7 +1,7 @@
 """Per-step plan of the cross-attention layers, built on the host like the attention metadata:
 which rows of the flat batch attend to which media items' keys and values.
 
-A cross-attention item (models.interfaces.CrossAttention) is attended by a range of its
+A cross-attention item (models.interfaces.CrossRows) is attended by a range of its
 request's rows. Within a chunk, the rows split where an item's range starts or ends; rows that
 see the same items, from any chunk of the step, form one `CrossSegment` (several items where
 images follow each other, as Mllama groups them; one item for the decodes of several requests

@@ -22,7 +22,7 @@ from typing import Any
 
 from models.checkpoint import CheckpointError, Schema, choose_schema, read_settings
 from models.interfaces import (
-    CrossAttention,
+    CrossRows,
     MultiModalFeature,
     PlaceholderRange,
     ProcessedPrompt,
@@ -151,5 +151,5 @@ class MllamaProcessor(ProcessorDefaults):
             features.append(MultiModalFeature(
                 "image", identifier, PlaceholderRange(start, 1, is_embed=(False,)), data,
                 part=f"{tiles} tile{'s' if tiles > 1 else ''}, cross-attended",
-                cross=CrossAttention(start, end, tiles * self.positions)))
+                cross=CrossRows(start, end, tiles * self.positions)))
         return ProcessedPrompt(None, list(token_ids), features, None, stages)
