@@ -39,6 +39,9 @@ _ENGINE_OPTIONS = {  # flag -> (engine option, type, help)
     "--max-num-encoder-input-tokens": (
         "max_num_encoder_input_tokens", int, "encoder budget of one step, in embeddings"),
     "--processed-cache-items": ("processed_cache_items", int, "processed-input cache, in items"),
+    "--cross-attention-cache-bytes": (
+        "cross_attention_cache_bytes", int,
+        "bytes for cross-attention models' image keys and values (Llama 3.2 Vision)"),
     "--quantization": (
         "quantization", str, "int8 or int4 weights for the language model's linears (CPU)"),
     "--quantization-group-size": (

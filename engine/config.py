@@ -36,7 +36,8 @@ class EngineConfig:
         max_num_seqs: most requests running at once.
         max_model_len: longest sequence (prompt + output); None = the model's context length.
         enable_prefix_caching: reuse KV blocks of identical prefixes across requests.
-        encoder_cache_size: encoder-output cache capacity, in embeddings (multimodal models).
+        encoder_cache_size: encoder-output cache capacity, in embeddings (multimodal models
+            whose media embeddings are spliced into the prompt).
         max_num_encoder_input_tokens: encoder compute budget of one step, in embeddings.
         processed_cache_items: processed-input cache size, in items (0 disables it).
         quantization: weight-only quantization of the language model's linears at load time
@@ -46,6 +47,11 @@ class EngineConfig:
         state_snapshot_bytes: hybrid models (linear-attention layers) only: bytes for prefix
             snapshots of the layers' recurrent state (what a prefix-cache hit restores); None =
             automatic (64 snapshots, at most 1 GiB); 0 = no snapshots (no prefix hits).
+        cross_attention_cache_bytes: models with cross-attention layers (Llama 3.2 Vision)
+            only: bytes for those layers' keys and values of media items, held by the requests
+            that attend to them and cached by content (this replaces `encoder_cache_size` for
+            such models); None = automatic (half of the automatic KV-cache budget, taken out
+            of it).
     """
 
     block_size: int = 16
@@ -60,6 +66,7 @@ class EngineConfig:
     quantization: str | None = None
     quantization_group_size: int = 128
     state_snapshot_bytes: int | None = None
+    cross_attention_cache_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
@@ -74,6 +81,7 @@ class EngineConfig:
         _check_range("max_num_encoder_input_tokens", self.max_num_encoder_input_tokens, 1)
         _check_range("processed_cache_items", self.processed_cache_items, 0)
         _check_range("state_snapshot_bytes", self.state_snapshot_bytes, 0)
+        _check_range("cross_attention_cache_bytes", self.cross_attention_cache_bytes, 1)
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(
                 f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}"

@@ -33,6 +33,9 @@ class Report:
     rows: list[tuple[str, str, Any, str]] = field(default_factory=list)
     weight_bytes: int | None = None
     kv_bytes_per_token: int | None = None
+    # Cross-attention models: keys and values of one media key position, and of the largest item.
+    cross_bytes_per_key: int | None = None
+    cross_largest_item: int | None = None  # key positions
     max_model_len: int | None = None
     unsupported: list[str] = field(default_factory=list)
 
@@ -51,6 +54,7 @@ def inspect(model: str | Path, dtype: str = "auto") -> Report:
     engine_dtype = resolve_dtype(dtype, torch.device("cpu"), setup.dtype)
     report.rows.append(("model", "engine dtype on this CPU", str(engine_dtype).removeprefix(
         "torch."), f"--dtype {dtype}"))
+    processor = None
     if setup.spec.processor is not None:
         try:
             processor = setup.spec.processor(ProcessorContext(
@@ -64,15 +68,17 @@ def inspect(model: str | Path, dtype: str = "auto") -> Report:
                 report.rows += [(component, key, settings.values[key], settings.sources[key])
                                 for key in settings.values]
     try:
-        _sizes(report, setup, engine_dtype)
+        _sizes(report, setup, engine_dtype, processor)
     except (CheckpointError, NotImplementedError, ValueError, KeyError) as e:
         report.unsupported.append(f"model: {e}")
     return report
 
 
-def _sizes(report: Report, setup: CheckpointSetup, dtype: torch.dtype) -> None:
+def _sizes(report: Report, setup: CheckpointSetup, dtype: torch.dtype, processor) -> None:
     """Weight bytes (the checkpoint tensors the model maps, at the engine's dtype), KV bytes per
-    token, and whether the LM head is provided; the model is built on the meta device."""
+    token (its attention layers'), a cross-attention model's keys and values per media key
+    position and for the largest item, and whether the LM head is provided; the model is built
+    on the meta device."""
     text = setup.hf_config.get_text_config()
     report.max_model_len = getattr(text, "max_position_embeddings", None)
     with torch.device("meta"):
@@ -87,8 +93,13 @@ def _sizes(report: Report, setup: CheckpointSetup, dtype: torch.dtype) -> None:
             total += DTYPE_BYTES[dtype] * _numel(info["shape"])
     report.weight_bytes = total
     shape = model.cfg
-    report.kv_bytes_per_token = (2 * shape.num_layers * shape.num_kv_heads * shape.head_dim
-                                 * DTYPE_BYTES[dtype])
+    per_layer = 2 * shape.num_kv_heads * shape.head_dim * DTYPE_BYTES[dtype]
+    report.kv_bytes_per_token = len(model.attention_layers()) * per_layer
+    cross = model.cross_attention_layers()
+    if cross:
+        report.cross_bytes_per_key = len(cross) * per_layer
+        if processor is not None:
+            report.cross_largest_item = processor.max_embeds_per_item()
     if not setup.tie_word_embeddings and "lm_head.weight" not in names:
         report.unsupported.append(
             "the checkpoint has no lm_head.weight and the config does not tie the head to the "
@@ -114,6 +125,12 @@ def render(report: Report) -> str:
         full = (f", {_size(report.kv_bytes_per_token * report.max_model_len)} for one "
                 f"{report.max_model_len}-token sequence" if report.max_model_len else "")
         lines.append(f"KV cache: {_size(report.kv_bytes_per_token)} per token{full}")
+    if report.cross_bytes_per_key is not None:
+        largest = report.cross_largest_item
+        item = (f", {_size(report.cross_bytes_per_key * largest)} for the largest image "
+                f"({largest} key positions)" if largest else "")
+        lines.append(f"cross-attention keys and values: {_size(report.cross_bytes_per_key)} per "
+                     f"media key position{item}")
     if report.unsupported:
         lines.append("NOT SUPPORTED (the engine would refuse this checkpoint):")
         lines += [f"  - {problem}" for problem in report.unsupported]

@@ -19,6 +19,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.checkpoint_setup import CheckpointSetup, checkpoint_settings
 from engine.config import EngineConfig
+from engine.cross_states import CrossLayout
 from engine.detokenizer import IncrementalDetokenizer
 from engine.device import cpu_has_native_bf16, resolve_device, resolve_dtype
 from engine.encoder_cache import EncoderCacheManager
@@ -72,19 +73,24 @@ class LLMEngine:
         self.max_model_len = layout.max_model_len
         budget = None
         vectors_per_embed = 1 + self.runner.model.deepstack_layers
+        cross = self.runner.cross_layout  # cross-attention models cache keys and values
         if mm_processor is not None:
             if vectors_per_embed > 1:  # DeepStack items take more cache per embedding
                 mm_processor = processor(vectors_per_embed)
-            budget = _encoder_budget(self.config, mm_processor, vectors_per_embed)
+            budget = _encoder_budget(self.config, mm_processor, vectors_per_embed, cross)
             _check_bidirectional_budget(self.config, mm_processor.max_bidirectional_span())
+        # Prompt ids may reach past the LM head's vocabulary where the embeddings do (an image
+        # token).
         self.processor = InputProcessor(
-            self.tokenizer, self.runner.vocab_size, self.max_model_len, mm_processor,
+            self.tokenizer, self.runner.model.cfg.embedding_rows or self.runner.vocab_size,
+            self.max_model_len, mm_processor,
             encoder_budget=budget, message_starts=self.runner.state_layout is not None,
         )
         self.block_manager = BlockManager(
             layout.num_blocks, layout.block_size, self.config.enable_prefix_caching
         )
-        self.encoder_cache = EncoderCacheManager(self.config.encoder_cache_size, vectors_per_embed)
+        self.encoder_cache = EncoderCacheManager(
+            self.config.encoder_cache_size if cross is None else cross.num_keys, vectors_per_embed)
         states = self.runner.state_layout
         self.state_cache = None if states is None else StateCacheManager(
             states.num_slots, states.num_snapshots, layout.block_size)
@@ -100,7 +106,8 @@ class LLMEngine:
         log.info(
             "engine ready: %s (%s), %d KV blocks x %d tokens, max_model_len %d%s",
             self.model_id, self.weights_description(),
-            layout.num_blocks, layout.block_size, self.max_model_len, self._states_line(),
+            layout.num_blocks, layout.block_size, self.max_model_len,
+            self._states_line() + self._cross_line(),
         )
 
     # ---- requests ---------------------------------------------------------------------------
@@ -378,7 +385,18 @@ class LLMEngine:
             **self.block_manager.stats(),
             **self.encoder_cache.stats(),
             **self.state_stats(),
+            **self.cross_stats(),
         }
+
+    def cross_stats(self) -> dict[str, int]:
+        """A cross-attention model's keys-and-values budget (the encoder cache's entries, in
+        key positions, are those states; empty for other models)."""
+        cross = self.runner.cross_layout
+        if cross is None:
+            return {}
+        return {"cross_attention_layers": cross.num_layers,
+                "cross_attention_bytes_per_key": cross.bytes_per_key,
+                "cross_attention_cache_bytes": cross.nbytes}
 
     def state_stats(self) -> dict[str, Any]:
         """The linear-attention state cache (hybrid models; empty for the others): slots and
@@ -400,6 +418,14 @@ class LLMEngine:
                 f"{states.bytes_per_sequence / mib:.1f} MiB per request, {states.num_slots} "
                 f"slots ({states.slot_bytes / mib:.0f} MiB) and {states.num_snapshots} prefix "
                 f"snapshots ({states.snapshot_bytes / mib:.0f} MiB)")
+
+    def _cross_line(self) -> str:
+        cross = self.runner.cross_layout
+        if cross is None:
+            return ""
+        return (f"; keys and values of {cross.num_layers} cross-attention layers: "
+                f"{cross.bytes_per_key / 1024:.1f} KiB per media key position, "
+                f"{cross.nbytes / (1 << 20):.0f} MiB for {cross.num_keys} positions")
 
     def weights_description(self) -> str:
         """The weights' precision and device, e.g. "bfloat16, int4 linears (group 128), cpu,
@@ -430,19 +456,25 @@ def _item_error(req: Request, index: int, message: str) -> str:
     return f"{modality} item {index} of the request could not be encoded: {message}"
 
 
-def _encoder_budget(config: EngineConfig, mm_processor, vectors_per_embed: int) -> EncoderBudget:
+def _encoder_budget(config: EngineConfig, mm_processor, vectors_per_embed: int,
+                    cross: CrossLayout | None = None) -> EncoderBudget:
     """Refuse a configuration in which the largest media item could never be encoded (an item
-    occupies `vectors_per_embed` vectors per embedding in the cache: DeepStack residuals)."""
-    cache = config.encoder_cache_size // vectors_per_embed
+    occupies `vectors_per_embed` vectors per embedding in the cache: DeepStack residuals; a
+    cross-attention model's cache holds key positions within `cross_attention_cache_bytes`)."""
+    cache, setting = config.encoder_cache_size // vectors_per_embed, "encoder_cache_size"
+    unit, scale = "embeddings", vectors_per_embed  # the setting's units per unit of an item
+    if cross is not None:
+        cache, setting = cross.num_keys, "cross_attention_cache_bytes"
+        unit, scale = "key positions", cross.bytes_per_key
     step = config.max_num_encoder_input_tokens
-    budget = EncoderBudget(cache, "encoder_cache_size") if cache <= step else EncoderBudget(
+    budget = EncoderBudget(cache, setting) if cache <= step else EncoderBudget(
         step, "max_num_encoder_input_tokens")
     largest = mm_processor.max_embeds_per_item()
     if largest > budget.max_embeds:
         raise ValueError(
-            f"the largest media item this model accepts needs {largest} embeddings, but "
+            f"the largest media item this model accepts needs {largest} {unit}, but "
             f"{budget.setting} allows {budget.max_embeds}; raise {budget.setting} to at least "
-            f"{largest * (vectors_per_embed if budget.setting == 'encoder_cache_size' else 1)} "
+            f"{largest * (scale if budget.setting == setting else 1)} "
             "(or, for images and videos, lower max_pixels in the checkpoint's preprocessor "
             "config)"
         )

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig, GiB
+from engine.cross_states import cross_items, plan_cross_states
 from engine.device import DeviceTimer, to_device, wait_for_device
 from engine.request import Request
 from engine.sampler import SamplingBatch, sample
@@ -36,6 +37,7 @@ from models.kernels.plan import plan_linears
 from models.kernels.quantization import QuantizeOnLoad, quantize_language_model
 from models.layers.attention import build_metadata
 from models.layers.attention_varlen import choose_backend
+from models.layers.cross_metadata import build_cross_metadata
 from models.layers.state_metadata import build_state_metadata
 from models.loader import MissingWeights, build_on_meta, iter_checkpoint, load_weights
 
@@ -160,7 +162,10 @@ class ModelRunner:
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype, device, config.block_size
         )
         self.attention_backend = choose_backend(device, dtype)
-        self.layout = self._plan_kv_cache(max_len)
+        # Cross-attention layers' keys and values (engine/cross_states.py), out of the KV budget.
+        self.cross_layout = plan_cross_states(self.model, config, dtype, _default_kv_bytes(device))
+        self.layout = self._plan_kv_cache(
+            max_len, 0 if self.cross_layout is None else self.cross_layout.nbytes)
         self.kv_caches = self._allocate_kv_cache()
         self.state_layout = self._allocate_states()
         # Whether decode steps run the layers in one native call (CPU; at some row counts).
@@ -170,7 +175,8 @@ class ModelRunner:
 
     # ---- start-up ---------------------------------------------------------------------------
 
-    def _plan_kv_cache(self, max_model_len: int) -> CacheLayout:
+    def _plan_kv_cache(self, max_model_len: int, reserved: int = 0) -> CacheLayout:
+        """`reserved`: bytes the automatic budget leaves to other states."""
         cfg, bs = self.model.cfg, self.config.block_size
         elem = torch.finfo(self.dtype).bits // 8
         layers = len(self.model.attention_layers())
@@ -178,7 +184,7 @@ class ModelRunner:
         useful = self.config.max_num_seqs * -(-max_model_len // bs) * per_block
         budget = self.config.kv_cache_bytes
         if budget is None:
-            budget = min(_default_kv_bytes(self.device), useful)
+            budget = min(_default_kv_bytes(self.device) - reserved, useful)
         num_blocks = budget // per_block
         if num_blocks * bs < max_model_len:
             raise ValueError(
@@ -248,6 +254,10 @@ class ModelRunner:
             meta.states = build_state_metadata(
                 [c.start for c in chunks], [c.num_tokens for c in chunks],
                 [c.state for c in chunks], self.device)
+        if self.cross_layout is not None:
+            meta.cross = build_cross_metadata(
+                [c.start for c in chunks], [c.num_tokens for c in chunks],
+                cross_items(chunks, self.encoder_outputs), self.device)
         embeds, residuals = self._splice_embeddings(input_ids, chunks)
         hidden = self.model(input_ids, positions, meta, embeds, residuals)
 
@@ -303,7 +313,11 @@ class ModelRunner:
         for (req, idx), f, emb in zip(out.encoder_inputs, features, embeds, strict=True):
             if isinstance(emb, Exception):
                 failures.append(ItemFailure(req, idx, f"{type(emb).__name__}: {emb}"))
-            elif emb.shape[-2] != f.placeholder.num_embeds:  # [n, H] or [1 + K, n, H]
+            elif f.cross is not None and emb.shape[-2] != f.cross.num_keys:  # [L, 2, Hkv, n, D]
+                failures.append(ItemFailure(req, idx, (
+                    f"the encoder returned {emb.shape[-2]} key positions but the item has "
+                    f"{f.cross.num_keys}")))
+            elif emb.shape[-2] != f.encoder_size:  # [n, H] or [1 + K, n, H]
                 failures.append(ItemFailure(req, idx, (
                     f"the encoder returned {emb.shape[-2]} embeddings but its placeholder "
                     f"has {f.placeholder.num_embeds} embed positions")))
@@ -336,7 +350,7 @@ class ModelRunner:
             for f in c.req.mm_features:
                 span = f.placeholder
                 lo, hi = max(c.start, span.offset), min(c.end, span.end)
-                if lo >= hi:
+                if lo >= hi or f.cross is not None:  # cross-attended items are not spliced
                     continue
                 emb = self.encoder_outputs.get(f.identifier)
                 if emb is None:

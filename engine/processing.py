@@ -190,7 +190,7 @@ class InputProcessor:
         out.stages.update(parsed.stages)
         self._check_plan(PromptPlan(
             len(out.token_ids),
-            [(f.modality, f.placeholder.num_embeds) for f in out.mm_features],
+            [(f.modality, f.encoder_size) for f in out.mm_features],
         ))
         return out
 

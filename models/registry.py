@@ -16,6 +16,8 @@ from models.llava.model import LlavaForConditionalGeneration
 from models.llava.processor import LlavaProcessor
 from models.mistral3.model import PixtralVLM
 from models.mistral3.processor import PixtralProcessor
+from models.mllama.model import MllamaForConditionalGeneration
+from models.mllama.processor import MllamaProcessor
 from models.qwen2_audio.model import QwenAudioForConditionalGeneration
 from models.qwen2_audio.processor import QwenAudioProcessor
 from models.qwen_omni.model import QwenOmniThinker
@@ -68,6 +70,10 @@ _REGISTRY: dict[str, ModelSpec] = {
     "Mistral3ForConditionalGeneration": ModelSpec(PixtralVLM, PixtralProcessor),
     "InternVLForConditionalGeneration": ModelSpec(
         InternVLForConditionalGeneration, InternVLProcessor
+    ),
+    # Llama 3.2 Vision: images through cross-attention layers.
+    "MllamaForConditionalGeneration": ModelSpec(
+        MllamaForConditionalGeneration, MllamaProcessor
     ),
     "Qwen2AudioForConditionalGeneration": ModelSpec(
         QwenAudioForConditionalGeneration, QwenAudioProcessor

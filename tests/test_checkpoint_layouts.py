@@ -42,6 +42,9 @@ class Family:
     reference: Callable[[Path, str, list, object], dict]  # HF inputs (path, text, media, tok)
     features: str = "pixel_values"  # the processed input compared with transformers'
     ties: bool = True  # whether transformers' class ties the head when the flag says so
+    # Hooks that make the reference compute what we serve, where the two differ on purpose
+    # (Mllama's rows before the first image: testing.mllama.zero_text_rows).
+    patch_reference: Callable[[object], object] | None = None
 
 
 def _image() -> dict:
@@ -180,6 +183,7 @@ def _families() -> dict[str, Family]:
     from testing.gemma3 import build_gemma3_model
     from testing.internvl import build_internvl_model, rename_to_transformers5_keys
     from testing.mistral3 import build_mistral3_model
+    from testing.mllama import build_mllama_model, zero_text_rows
     from testing.qwen3_5 import build_qwen3_5_model
     from testing.qwen3_vl import build_qwen3_vl_model
     from testing.qwen_omni import build_qwen_omni_model
@@ -204,6 +208,10 @@ def _families() -> dict[str, Family]:
             build_internvl_model(p, text="qwen3", tie_word_embeddings=tie)), _image, _internvl),
         "mistral3": Family(lambda p, tie: build_mistral3_model(p, tie_word_embeddings=tie),
                            _image, _pixtral),
+        # Llama 3.2 Vision: tiles, aspect ratio ids and the cross-attention mask from its
+        # processor; transformers' class never ties the head.
+        "mllama": Family(lambda p, tie: build_mllama_model(p, tie_word_embeddings=tie), _image,
+                         _auto_processor, ties=False, patch_reference=zero_text_rows),
         "qwen2_vl": Family(lambda p, tie: build_qwen2_vl_model(p, tie_word_embeddings=tie),
                            _image, _qwen_vl),
         "qwen2_5_vl": Family(lambda p, tie: build_qwen2_vl_model(
@@ -291,6 +299,8 @@ def test_ours_equals_transformers(checkpoints, family, layout, tie):
                 path, dtype=torch.float32, enable_audio_output=False).thinker).eval()
     else:
         hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    if spec.patch_reference is not None:
+        spec.patch_reference(hf)
     hf_tied = hf.get_output_embeddings().weight is hf.get_input_embeddings().weight
     assert hf_tied == (tie and spec.ties)  # the checkpoint is what the case says
     assert llm.engine.runner.model.cfg.tie_word_embeddings == hf_tied

@@ -175,11 +175,12 @@ def _image_schemas():
     from models.idefics3.preprocess import IMAGE_PROCESSORS as IDEFICS3
     from models.internvl.preprocess import IMAGE_PROCESSORS as INTERNVL
     from models.mistral3.preprocess import IMAGE_PROCESSORS as PIXTRAL
+    from models.mllama.preprocess import IMAGE_PROCESSORS as MLLAMA
     from models.processing.clip_image import IMAGE_PROCESSORS as CLIP
     from models.processing.log_mel import FEATURE_EXTRACTOR
     from models.processing.qwen_vision import IMAGE_PROCESSORS as QWEN
 
-    schemas = {**CLIP, **IDEFICS3, **INTERNVL, **PIXTRAL, **QWEN}
+    schemas = {**CLIP, **IDEFICS3, **INTERNVL, **PIXTRAL, **QWEN, **MLLAMA}
     pil = {name: f"{name}Pil" for name in schemas}
     return [(schemas[n], pil[n]) for n in sorted(schemas)] + [
         (FEATURE_EXTRACTOR, "WhisperFeatureExtractor")]

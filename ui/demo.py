@@ -56,9 +56,13 @@ DEMO_LINEUP = (
     # own encoder item; a video's 8 frames (sampled as its video processor says) each too.
     DemoModel("demo-internvl", "testing.internvl:build_internvl_model",
               {"tokenizer_kind": "words", "num_frames": 8}),
+    # Llama 3.2 Vision: an image stays one token and is attended through cross-attention
+    # layers (the engine panel shows the keys and values it holds).
+    DemoModel("demo-llama3.2-vision", "testing.mllama:build_mllama_model",
+              {"tokenizer_kind": "words"}),
 )
 # Bumped when the lineup's checkpoints change, so that cached older ones are not reused.
-DEMO_VERSION = 5
+DEMO_VERSION = 6
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,8 @@ def unsupported(model: DecoderStack) -> str | None:
     for i, layer in enumerate(model.layers):
         if layer.is_linear:
             return "linear-attention (Gated DeltaNet) layers are not implemented"
+        if layer.mixer != "attention":
+            return f"{layer.mixer} layers are not implemented"
         if model.cfg.is_sparse(i):
             return "mixture-of-experts layers are not implemented"
         attn, mlp = layer.self_attn, layer.mlp

@@ -24,6 +24,7 @@ from models.interfaces import EncoderItem
 from models.kernels.linear import Linear
 from models.kernels.native_decode import NativeDecode
 from models.layers.attention import AttentionMetadata
+from models.layers.cross_attention import CrossAttentionLayer
 from models.layers.decoder_layer import Attention, DecoderConfig, DecoderLayer
 from models.layers.gated_deltanet import GatedDeltaNet
 from models.layers.moe import MoEShape, SparseMoE, sparse_layers, unfuse_experts
@@ -47,11 +48,13 @@ class Decoder(nn.Module):
     def __init__(self, cfg: DecoderConfig, max_positions: int, device: torch.device) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(cfg.embedding_rows or cfg.vocab_size, cfg.hidden_size)
         ropes = list({repr(sorted(r.items())): r for r in cfg.layer_rope}.values())
         index = [ropes.index(r) for r in cfg.layer_rope]
+        cross = [i for i in range(cfg.num_layers) if cfg.mixer(i) == "cross_attention"]
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, layout, rope, i)
+            CrossAttentionLayer(cfg, cross.index(i)) if i in cross
+            else DecoderLayer(cfg, layout, rope, i)
             for i, (layout, rope) in enumerate(zip(cfg.layer_attention, index, strict=True))
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset,
@@ -135,11 +138,15 @@ class Decoder(nn.Module):
     def attention_layers(self) -> list[Attention]:
         """The layers' attention modules, whose KV caches the runner binds (a hybrid stack's
         linear-attention layers have none)."""
-        return [layer.self_attn for layer in self.layers if not layer.is_linear]
+        return [layer.self_attn for layer in self.layers if layer.mixer == "attention"]
 
     def state_layers(self) -> list[GatedDeltaNet]:
         """The linear-attention modules, whose state pools the runner binds."""
         return [layer.linear_attn for layer in self.layers if layer.is_linear]
+
+    def cross_attention_layers(self) -> list[CrossAttentionLayer]:
+        """The layers that attend to media items' keys and values, in order (their `index`)."""
+        return [layer for layer in self.layers if layer.mixer == "cross_attention"]
 
     def attention_windows(self) -> tuple[int | None, ...]:
         """The distinct sliding windows of the layers (None: full attention)."""

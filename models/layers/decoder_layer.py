@@ -69,6 +69,9 @@ class DecoderConfig:
     # others have the dense MLP of `intermediate_size`).
     moe: MoEShape | None = None
     moe_layers: tuple[int, ...] = ()
+    # Token embedding rows when ids past the LM head's vocabulary have embeddings (an image
+    # token); None: vocab_size.
+    embedding_rows: int | None = None
     extra: dict = field(default_factory=dict, compare=False)  # family data, e.g. mrope_section
 
     def __post_init__(self) -> None:
@@ -99,13 +102,18 @@ class DecoderConfig:
             raise ValueError(f"moe_layers {self.moe_layers} outside [0, {self.num_layers})")
         if len(self.moe_layers) < self.num_layers and self.intermediate_size <= 0:
             raise ValueError("layers with a dense MLP need intermediate_size > 0")
+        if self.embedding_rows is not None and (
+                self.embedding_rows < self.vocab_size or self.tie_word_embeddings
+                and self.embedding_rows != self.vocab_size):
+            raise ValueError(f"embedding_rows={self.embedding_rows} must be >= vocab_size="
+                             f"{self.vocab_size}, and equal to it with a tied LM head")
 
     def is_sparse(self, layer: int) -> bool:
         """Whether layer `layer`'s feed-forward block is a mixture of experts."""
         return layer in self.moe_layers
 
     def mixer(self, layer: int) -> str:
-        """How layer `layer` mixes tokens: "attention" or "linear_attention"."""
+        """How layer `layer` mixes tokens: one of MIXERS."""
         return "attention" if self.layer_mixers is None else self.layer_mixers[layer]
 
     @property
@@ -156,7 +164,9 @@ class DecoderConfig:
         return cls(**options)
 
 
-MIXERS = ("attention", "linear_attention")
+# "cross_attention": the layer attends to media items' keys and values instead
+# (models/layers/cross_attention.py).
+MIXERS = ("attention", "linear_attention", "cross_attention")
 
 
 def _rotary_dim(cfg, head_dim: int) -> int | None:
@@ -263,7 +273,8 @@ class DecoderLayer(nn.Module):
         self.rope_index = rope_index
         self.sandwich = cfg.sandwich_norms
         self.input_layernorm = norm()
-        self.is_linear = cfg.mixer(index) == "linear_attention"
+        self.mixer = cfg.mixer(index)
+        self.is_linear = self.mixer == "linear_attention"
         if self.is_linear:
             self.linear_attn = GatedDeltaNet(cfg.hidden_size, cfg.linear_attention,
                                              cfg.rms_norm_eps)
