@@ -52,6 +52,7 @@ class _GenerationRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     return_token_ids: bool = False  # prompt_token_ids and token_ids in the response
+    lora: str | None = None  # ours: a LoRA adapter the engine loaded (SamplingParams.lora)
 
     @property
     def include_usage(self) -> bool:
@@ -87,6 +88,7 @@ class _GenerationRequest(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=self.num_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            lora=self.lora,
         )
 
     def _max_tokens(self) -> int | None:

@@ -26,7 +26,7 @@ from engine.model_runner import EncoderItemsFailed, ItemFailure, ModelRunner, St
 from engine.outputs import CompletionOutput, PlaceholderInfo, RequestOutput
 from engine.processing import EncoderBudget, InputProcessor, ProcessedPrompt
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.state_cache import StateCacheManager
 from models.interfaces import ProcessorContext
@@ -107,6 +107,7 @@ class LLMEngine:
     ) -> Request:
         """Build a Request from a processed prompt (safe to call from any thread)."""
         n = len(processed.token_ids)
+        adapter = self.adapter_for(params, processed)
         req = Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=processed.token_ids,
@@ -117,6 +118,7 @@ class LLMEngine:
             mm_features=processed.mm_features,
             position_info=processed.position_info,
             message_starts=processed.message_starts,
+            adapter=adapter,
         )
         if arrival_time is not None:
             req.metrics.arrival_time = arrival_time
@@ -125,6 +127,25 @@ class LLMEngine:
             self.tokenizer, params.stop, params.skip_special_tokens
         )
         return req
+
+    def adapter_for(self, params: SamplingParams, processed: ProcessedPrompt) -> str | None:
+        """The LoRA adapter a request computes with: the one it names, else the checkpoint's
+        adapter for the first of its media's modalities that has one (Phi-4-MM), else none.
+        A name the engine did not load is a ValueError naming the loaded ones."""
+        adapters = self.runner.adapters
+        if params.lora is not None:
+            names = () if adapters is None else adapters.names
+            if params.lora not in names:
+                raise SamplingParamsError("lora", (
+                    f"unknown LoRA adapter {params.lora!r} (loaded: "
+                    f"{', '.join(names) if names else 'none'})"))
+            return params.lora
+        defaults = self.runner.modality_adapters
+        for name, modality, _ in self.runner.model.modality_adapters():
+            if defaults.get(modality) == name and any(
+                    f.modality == modality for f in processed.mm_features):
+                return name
+        return None
 
     def default_sampling_params(self) -> SamplingParams:
         """What a request that passes no SamplingParams gets: the checkpoint's

@@ -27,6 +27,7 @@ from engine.device import DeviceTimer, to_device, wait_for_device
 from engine.request import Request
 from engine.sampler import SamplingBatch, sample
 from engine.scheduler import SchedulerOutput
+from models.adapters import read_adapter
 from models.checkpoint import CheckpointError, describe_tie
 from models.interfaces import LanguageModel, MultiModalFeature
 from models.kernels.decode_attention import choose_decode_kernel
@@ -36,6 +37,7 @@ from models.kernels.plan import plan_linears
 from models.kernels.quantization import QuantizeOnLoad, quantize_language_model
 from models.layers.attention import build_metadata
 from models.layers.attention_varlen import choose_backend
+from models.layers.lora import AdapterSet, build_adapter_batch
 from models.layers.state_metadata import build_state_metadata
 from models.loader import MissingWeights, build_on_meta, iter_checkpoint, load_weights
 
@@ -144,6 +146,7 @@ class ModelRunner:
                 f"{model_cls.tied_head(hf_config)[1]} decides, as in transformers)"
             ) from e
         self.model.eval()
+        self.adapters, self.modality_adapters = self._load_adapters(path)
         if quantizer is not None:
             quantize_language_model(self.model, config.quantization,
                                     config.quantization_group_size)  # the LM head
@@ -169,6 +172,30 @@ class ModelRunner:
         self.encoder_outputs: dict[str, torch.Tensor] = {}
 
     # ---- start-up ---------------------------------------------------------------------------
+
+    def _load_adapters(self, path: Path) -> tuple[AdapterSet | None, dict[str, str]]:
+        """The LoRA adapters requests may choose: those the checkpoint ships for its
+        modalities (folders inside it) and `lora_adapters`, attached beside the decoder's
+        linears. -> (the set or None, {modality: adapter name} for the defaults present)."""
+        wanted: list[tuple[str, Path]] = []
+        defaults: dict[str, str] = {}
+        for name, modality, folder in self.model.modality_adapters():
+            if (path / folder).is_dir():
+                wanted.append((name, path / folder))
+                defaults.setdefault(modality, name)
+            else:
+                log.warning("the checkpoint has no %s/ adapter folder: %s requests compute "
+                            "with the base model", folder, modality)
+        wanted += [(name, Path(folder)) for name, folder in self.config.lora_adapters]
+        if not wanted:
+            return None, defaults
+        weight_map = self.model.checkpoint_map()
+        adapters = [read_adapter(name, folder, weight_map) for name, folder in wanted]
+        self.model.adapters = AdapterSet(self.model, adapters, self.device, self.dtype)
+        for adapter in adapters:
+            log.info("LoRA adapter %r from %s: %s", adapter.name, adapter.path,
+                     adapter.describe())
+        return self.model.adapters, defaults
 
     def _plan_kv_cache(self, max_model_len: int) -> CacheLayout:
         cfg, bs = self.model.cfg, self.config.block_size
@@ -248,6 +275,10 @@ class ModelRunner:
             meta.states = build_state_metadata(
                 [c.start for c in chunks], [c.num_tokens for c in chunks],
                 [c.state for c in chunks], self.device)
+        if self.adapters is not None:
+            meta.adapters = build_adapter_batch(
+                [self.adapters.slot(c.req.adapter) for c in chunks],
+                [c.num_tokens for c in chunks], self.device)
         embeds, residuals = self._splice_embeddings(input_ids, chunks)
         hidden = self.model(input_ids, positions, meta, embeds, residuals)
 

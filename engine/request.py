@@ -49,6 +49,9 @@ class Request:
     position_info: PositionInfo | None = None
     # Token offsets where chat messages start (prefixes likely to be reused; may be empty).
     message_starts: tuple[int, ...] = ()
+    # The LoRA adapter its tokens compute with (None: the base model); part of its KV blocks'
+    # prefix-cache identity.
+    adapter: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
     status: RequestStatus = RequestStatus.WAITING

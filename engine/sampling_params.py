@@ -23,6 +23,8 @@ class SamplingParams:
     those filters. `seed` makes one request reproducible whatever else shares its batch.
     `stop` strings end generation and are not included in the text; `stop_token_ids` end it too.
     `logprobs=k` returns, for every sampled token, its log-probability and the k most likely.
+    `lora` names a LoRA adapter the engine loaded (EngineConfig.lora_adapters, or one the
+    checkpoint ships); None: the model's default for the request's media (most: none).
     """
 
     max_tokens: int = 16
@@ -37,6 +39,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         # Accept a single string / lists for convenience; store tuples (frozen, hashable).
@@ -71,6 +74,8 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            raise bad("lora", "must be None or an adapter's name")
         if self.logprobs is not None and (
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from models.kernels import native
 from models.layers.attention_varlen import BACKENDS, VarlenBatch, build_varlen, varlen_attention
+from models.layers.lora import AdapterBatch
 from models.layers.state_metadata import StateMetadata
 from models.layers.transfer import to_device
 
@@ -107,6 +108,8 @@ class AttentionMetadata:
     varlen: VarlenBatch | None = None  # requests attended by flash-attn's varlen kernel
     # The linear-attention layers' state work (hybrid models; None for the others).
     states: StateMetadata | None = None
+    # Which tokens' linears add which LoRA adapter (models/layers/lora.py; None: none does).
+    adapters: AdapterBatch | None = None
 
     def mask_bytes(self) -> int:
         """Bytes held by the step's masks (distinct tensors counted once)."""
