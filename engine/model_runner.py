@@ -430,12 +430,18 @@ def _bidirectional_spans(chunk) -> list[tuple[int, int]]:
 def _max_model_len(hf_config, config: EngineConfig) -> int:
     text_cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     model_max = getattr(text_cfg, "max_position_embeddings", None) or 2048
+    limit = f"max_position_embeddings={model_max}"
+    rope = getattr(text_cfg, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "longrope":  # its long factors are not implemented
+        model_max = min(model_max, rope["original_max_position_embeddings"])
+        limit = (f"longrope's original_max_position_embeddings={model_max}; longer sequences "
+                 "would need its long factors, which are not implemented")
     if config.max_model_len is None:
         return model_max
     if config.max_model_len > model_max:
         raise ValueError(
             f"max_model_len={config.max_model_len} exceeds the model's context length "
-            f"(max_position_embeddings={model_max})"
+            f"({limit})"
         )
     return config.max_model_len
 
