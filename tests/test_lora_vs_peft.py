@@ -214,3 +214,21 @@ async def test_the_api_takes_lora_per_request(setup):
     assert ok.status_code == 200, ok.text
     assert ok.json()["choices"][0]["token_ids"] == refs[PROMPTS[1], "mlp"][0]
     assert bad.status_code == 400 and "unknown LoRA adapter 'nope'" in bad.text
+
+
+def test_a_step_with_adapters_has_no_host_sync(setup):
+    """Contract 1: a forward whose rows use two adapters and none (the hooks' gathers and
+    indexed adds) reads nothing back from the device."""
+    from models.layers.attention import build_metadata
+    from models.layers.lora import build_adapter_batch
+    from tests.test_sync_free import SyncRecorder
+
+    model = engine(setup).engine.runner.model
+    lens, starts, tables = [5, 1, 4], [0, 7, 0], [[0], [1], [2]]
+    meta = build_metadata(starts, lens, tables, 16, torch.device("cpu"))
+    meta.adapters = build_adapter_batch([1, 0, 2], lens, torch.device("cpu"))
+    assert len(meta.adapters.groups) == 2
+    ids, pos = torch.arange(10) % 50, torch.tensor([0, 1, 2, 3, 4, 7, 0, 1, 2, 3])
+    with torch.inference_mode(), SyncRecorder() as rec:
+        model.compute_logits(model(ids, pos, meta))
+    assert rec.seen == []

@@ -228,3 +228,19 @@ def test_refusals(phi_path):
         llm.chat(CASES["image"][0], GREEDY, mm_processor_kwargs={"dynamic_hd": 9})
     with pytest.raises(ValueError, match="max_model_len=4096 exceeds .*longrope"):
         LLM(phi_path, max_model_len=4096)
+
+
+def test_encoders_have_no_host_sync(phi_path):
+    """Contract 1 for both encoders: crops of two images and two clips (one past the 500
+    position window) in one encode, nothing read back from the device."""
+    from tests.test_sync_free import SyncRecorder
+
+    llm = LLM(phi_path, max_model_len=2048)
+    msgs = user(random_image(300, 500, 0), random_image(120, 90, 2), tone(1.1, 3),
+                tone(41.0, 5), "Hi")
+    proc, _ = process_chat(llm, msgs)
+    items = [(f.modality, f.data) for f in proc.mm_features]
+    with torch.inference_mode(), SyncRecorder() as rec:
+        out = llm.engine.runner.model.encode(items)
+    assert rec.seen == []
+    assert [len(o) for o in out] == [f.placeholder.length for f in proc.mm_features]
