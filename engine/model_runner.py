@@ -27,7 +27,6 @@ from engine.device import DeviceTimer, to_device, wait_for_device
 from engine.request import Request
 from engine.sampler import SamplingBatch, sample
 from engine.scheduler import SchedulerOutput
-from models.adapters import read_adapter
 from models.checkpoint import CheckpointError, describe_tie
 from models.interfaces import LanguageModel, MultiModalFeature
 from models.kernels.decode_attention import choose_decode_kernel
@@ -37,7 +36,7 @@ from models.kernels.plan import plan_linears
 from models.kernels.quantization import QuantizeOnLoad, quantize_language_model
 from models.layers.attention import build_metadata
 from models.layers.attention_varlen import choose_backend
-from models.layers.lora import AdapterSet, build_adapter_batch
+from models.layers.lora import attach_adapters, build_adapter_batch
 from models.layers.state_metadata import build_state_metadata
 from models.loader import MissingWeights, build_on_meta, iter_checkpoint, load_weights
 
@@ -146,7 +145,9 @@ class ModelRunner:
                 f"{model_cls.tied_head(hf_config)[1]} decides, as in transformers)"
             ) from e
         self.model.eval()
-        self.adapters, self.modality_adapters = self._load_adapters(path)
+        # LoRA adapters requests may choose: the checkpoint's, per modality, and the configured.
+        self.adapters, self.modality_adapters = attach_adapters(
+            self.model, path, config.lora_adapters, device, dtype)
         if quantizer is not None:
             quantize_language_model(self.model, config.quantization,
                                     config.quantization_group_size)  # the LM head
@@ -172,30 +173,6 @@ class ModelRunner:
         self.encoder_outputs: dict[str, torch.Tensor] = {}
 
     # ---- start-up ---------------------------------------------------------------------------
-
-    def _load_adapters(self, path: Path) -> tuple[AdapterSet | None, dict[str, str]]:
-        """The LoRA adapters requests may choose: those the checkpoint ships for its
-        modalities (folders inside it) and `lora_adapters`, attached beside the decoder's
-        linears. -> (the set or None, {modality: adapter name} for the defaults present)."""
-        wanted: list[tuple[str, Path]] = []
-        defaults: dict[str, str] = {}
-        for name, modality, folder in self.model.modality_adapters():
-            if (path / folder).is_dir():
-                wanted.append((name, path / folder))
-                defaults.setdefault(modality, name)
-            else:
-                log.warning("the checkpoint has no %s/ adapter folder: %s requests compute "
-                            "with the base model", folder, modality)
-        wanted += [(name, Path(folder)) for name, folder in self.config.lora_adapters]
-        if not wanted:
-            return None, defaults
-        weight_map = self.model.checkpoint_map()
-        adapters = [read_adapter(name, folder, weight_map) for name, folder in wanted]
-        self.model.adapters = AdapterSet(self.model, adapters, self.device, self.dtype)
-        for adapter in adapters:
-            log.info("LoRA adapter %r from %s: %s", adapter.name, adapter.path,
-                     adapter.describe())
-        return self.model.adapters, defaults
 
     def _plan_kv_cache(self, max_model_len: int) -> CacheLayout:
         cfg, bs = self.model.cfg, self.config.block_size
@@ -427,15 +404,21 @@ def _bidirectional_spans(chunk) -> list[tuple[int, int]]:
     return spans
 
 
-def _max_model_len(hf_config, config: EngineConfig) -> int:
+def context_length(hf_config) -> tuple[int, str]:
+    """The longest sequence the model serves, and what sets it: max_position_embeddings, or for
+    longrope its original_max_position_embeddings (its long factors are not implemented)."""
     text_cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     model_max = getattr(text_cfg, "max_position_embeddings", None) or 2048
-    limit = f"max_position_embeddings={model_max}"
     rope = getattr(text_cfg, "rope_parameters", None) or {}
-    if rope.get("rope_type") == "longrope":  # its long factors are not implemented
+    if rope.get("rope_type") == "longrope":
         model_max = min(model_max, rope["original_max_position_embeddings"])
-        limit = (f"longrope's original_max_position_embeddings={model_max}; longer sequences "
-                 "would need its long factors, which are not implemented")
+        return model_max, (f"longrope's original_max_position_embeddings={model_max}; longer "
+                           "sequences would need its long factors, which are not implemented")
+    return model_max, f"max_position_embeddings={model_max}"
+
+
+def _max_model_len(hf_config, config: EngineConfig) -> int:
+    model_max, limit = context_length(hf_config)
     if config.max_model_len is None:
         return model_max
     if config.max_model_len > model_max:

@@ -1,7 +1,8 @@
 """Tiny random-weight Phi-4-multimodal checkpoints: Phi4MultimodalForCausalLM (a SigLIP tower on
 dynamic-HD crops, a conformer audio encoder, a Phi-3 style decoder with partial rotary and
 longrope), a tokenizer with Phi's turn tokens and `<|image|>` / `<|audio|>`, its chat template,
-and the Hub's two PEFT adapter folders beside the weights: `vision-lora` and `speech-lora`.
+and the Hub's two PEFT adapter folders beside the weights: `vision-lora` and `speech-lora`
+(written in PEFT's format without PEFT: testing/lora.py).
 
 The crops keep Phi-4-MM's real geometry (448-pixel crops of 14-pixel patches: transformers'
 processor counts an image's tokens for that geometry only), on a narrow two-layer tower, with
@@ -12,12 +13,13 @@ transformers itself).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
 
 from testing.layouts import save_processor
-from testing.lora import save_random_adapter
+from testing.lora import write_lora_folder
 from testing.tiny import randomize, save_checkpoint, train_tokenizer
 
 PHI_SPECIAL = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>",
@@ -114,8 +116,10 @@ def build_phi4mm_model(
                    components={"image_processor": image_processor_settings(dynamic_hd),
                                "audio_processor": extractor.to_dict()})
     if adapters:
+        shapes = {name: (m.in_features, m.out_features) for name, m in model.named_modules()
+                  if isinstance(m, torch.nn.Linear) and re.fullmatch(LORA_TARGETS, name)}
         for folder, options in ADAPTERS.items():
-            save_random_adapter(model, path / folder, LORA_TARGETS, std=0.4, **options)
+            write_lora_folder(path / folder, shapes, LORA_TARGETS, std=0.4, **options)
     return path
 
 

@@ -244,3 +244,25 @@ def test_encoders_have_no_host_sync(phi_path):
         out = llm.engine.runner.model.encode(items)
     assert rec.seen == []
     assert [len(o) for o in out] == [f.placeholder.length for f in proc.mm_features]
+
+
+def test_the_adapter_folders_are_what_peft_writes(phi_path, tmp_path):
+    """testing/phi4mm.py writes its adapters without PEFT (the demo has no PEFT): the same
+    tensors, names and shapes PEFT's own save_pretrained writes for the same targets."""
+    from peft import LoraConfig
+    from safetensors import safe_open
+
+    from testing.lora import save_random_adapter
+    from testing.phi4mm import LORA_TARGETS
+
+    def shapes(folder):
+        with safe_open(folder / "adapter_model.safetensors", "pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+
+    from transformers import Phi4MultimodalForCausalLM
+
+    base = Phi4MultimodalForCausalLM.from_pretrained(phi_path, dtype=torch.float32)
+    peft_written = save_random_adapter(base, tmp_path / "peft", LORA_TARGETS, r=8)
+    assert shapes(phi_path / "vision-lora") == shapes(peft_written)
+    config = LoraConfig.from_pretrained(phi_path / "speech-lora")
+    assert (config.r, config.lora_alpha) == (6, 12)

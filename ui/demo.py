@@ -52,9 +52,13 @@ DEMO_LINEUP = (
     # per 2 s in the placeholder strip).
     DemoModel("demo-qwen2.5-omni", "testing.qwen_omni:build_qwen_omni_model",
               {"tokenizer_kind": "words"}),
+    # Phi-4-multimodal: images in dynamic-HD crops, audio through its conformer, and a LoRA
+    # adapter per modality (vision, speech) chosen for each request in the same batch.
+    DemoModel("demo-phi4-multimodal", "testing.phi4mm:build_phi4mm_model",
+              {"tokenizer_kind": "words", "dynamic_hd": 2}),
 )
 # Bumped when the lineup's checkpoints change, so that cached older ones are not reused.
-DEMO_VERSION = 4
+DEMO_VERSION = 5
 
 
 @dataclass(frozen=True)

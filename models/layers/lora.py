@@ -22,11 +22,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from models.adapters import LoraAdapter
+from models.adapters import LoraAdapter, read_adapter
 from models.layers.transfer import to_device
 
 log = logging.getLogger(__name__)
@@ -144,6 +145,33 @@ def _update(adapter: LoraAdapter, linear: nn.Module, parts: list, device: torch.
         cols.append((lo, lo + rank, p.first, p.b.to(device=device, dtype=dtype).contiguous()))
         lo += rank
     return _Update(torch.cat(a).to(device=device, dtype=dtype).contiguous(), tuple(cols))
+
+
+def attach_adapters(model: nn.Module, path: Path, configured: Sequence[tuple[str, str]],
+                    device: torch.device, dtype: torch.dtype
+                    ) -> tuple[AdapterSet | None, dict[str, str]]:
+    """Read and attach the adapters requests may choose: those the checkpoint at `path` ships
+    for its modalities (`model.modality_adapters()`, folders inside it; a missing one is logged
+    and its modality computes with the base model) and the `configured` (name, folder) pairs.
+    Sets `model.adapters`. -> (the set or None, {modality: adapter name} of the defaults)."""
+    wanted: list[tuple[str, Path]] = []
+    defaults: dict[str, str] = {}
+    for name, modality, folder in model.modality_adapters():
+        if (path / folder).is_dir():
+            wanted.append((name, path / folder))
+            defaults.setdefault(modality, name)
+        else:
+            log.warning("the checkpoint has no %s/ adapter folder: %s requests compute with "
+                        "the base model", folder, modality)
+    wanted += [(name, Path(folder)) for name, folder in configured]
+    if not wanted:
+        return None, defaults
+    weight_map = model.checkpoint_map()
+    adapters = [read_adapter(name, folder, weight_map) for name, folder in wanted]
+    model.adapters = AdapterSet(model, adapters, device, dtype)
+    for adapter in adapters:
+        log.info("LoRA adapter %r from %s: %s", adapter.name, adapter.path, adapter.describe())
+    return model.adapters, defaults
 
 
 # The linears an adapter may update, by block: attention's and a dense gated MLP's (a mixture
