@@ -232,3 +232,36 @@ def test_a_step_with_adapters_has_no_host_sync(setup):
     with torch.inference_mode(), SyncRecorder() as rec:
         model.compute_logits(model(ids, pos, meta))
     assert rec.seen == []
+
+
+def test_the_config_schema_is_loraconfigs():
+    """Every field PEFT's LoraConfig writes is read, refused unless off, or inert; the defaults
+    we compute with are its own."""
+    import dataclasses
+
+    from peft import LoraConfig
+
+    from models.adapters import LORA_CONFIG
+
+    fields = {f.name: f for f in dataclasses.fields(LoraConfig)}
+    written = set(LoraConfig(r=4).to_dict())
+    known = set(LORA_CONFIG.defaults) | set(LORA_CONFIG.fixed) | LORA_CONFIG.inert
+    assert written <= known, sorted(written - known)
+    for key, ours in LORA_CONFIG.defaults.items():
+        f = fields[key]
+        theirs = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        assert theirs == ours, key
+
+
+def test_engine_and_command_line_options(tmp_path):
+    from app import engine_options, parse_args
+    from engine.config import EngineConfig
+
+    args = parse_args(["--lora", "sql=/a/b", "--lora", "chat.v2=/c"])
+    assert engine_options(args)["lora_adapters"] == (("sql", "/a/b"), ("chat.v2", "/c"))
+    with pytest.raises(SystemExit):
+        parse_args(["--lora", "no-path"])
+    assert EngineConfig(lora_adapters={"a": tmp_path}).lora_adapters == (("a", str(tmp_path)),)
+    for bad in ({"bad name": "/x"}, [("a", "/x"), ("a", "/y")], "a=/x"):
+        with pytest.raises(ValueError, match="lora_adapters"):
+            EngineConfig(lora_adapters=bad)

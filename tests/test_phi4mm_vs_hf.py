@@ -266,3 +266,28 @@ def test_the_adapter_folders_are_what_peft_writes(phi_path, tmp_path):
     assert shapes(phi_path / "vision-lora") == shapes(peft_written)
     config = LoraConfig.from_pretrained(phi_path / "speech-lora")
     assert (config.r, config.lora_alpha) == (6, 12)
+
+
+def test_setting_defaults_are_the_classes():
+    """The schemas' defaults are transformers' own: the image processor's class attributes (its
+    module needs torchvision to import: read from its source) and the feature extractor's
+    constructor defaults."""
+    import inspect
+
+    import transformers
+
+    from models.phi4mm.fbank import FEATURE_EXTRACTOR
+    from models.phi4mm.processor import IMAGE_PROCESSOR
+    from tests.test_checkpoint_reader import _class_attributes, _same
+
+    theirs = _class_attributes(
+        "transformers.models.phi4_multimodal.image_processing_phi4_multimodal",
+        "Phi4MultimodalImageProcessor")
+    for key, ours in {**IMAGE_PROCESSOR.defaults, **IMAGE_PROCESSOR.fixed}.items():
+        if key == "rescale_factor":  # the base class's 1 / 255
+            assert ours == 1 / 255
+            continue
+        assert _same(ours, theirs[key]), key
+    params = inspect.signature(transformers.Phi4MultimodalFeatureExtractor.__init__).parameters
+    for key, ours in {**FEATURE_EXTRACTOR.defaults, **FEATURE_EXTRACTOR.fixed}.items():
+        assert params[key].default == ours, key
