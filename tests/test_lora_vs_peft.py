@@ -265,3 +265,31 @@ def test_engine_and_command_line_options(tmp_path):
     for bad in ({"bad name": "/x"}, [("a", "/x"), ("a", "/y")], "a=/x"):
         with pytest.raises(ValueError, match="lora_adapters"):
             EngineConfig(lora_adapters=bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_adapters_on_cuda_match_the_cpu_without_a_host_sync(setup):
+    """The same mixed batch on CUDA: tokens equal to the CPU's, and a step whose rows use two
+    adapters and none runs under CUDA's sync debug mode."""
+    from models.layers.attention import build_metadata
+    from models.layers.lora import build_adapter_batch
+
+    cases = [(p, a) for p in PROMPTS for a in ADAPTERS]
+    prompts, sampling = [p for p, _ in cases], [params(a) for _, a in cases]
+    cpu = [o.outputs[0].token_ids for o in engine(setup).generate(prompts, sampling)]
+    gpu = engine(setup, device="cuda", dtype="float32", max_num_batched_tokens=16)
+    assert [o.outputs[0].token_ids for o in gpu.generate(prompts, sampling)] == cpu
+    model, device = gpu.engine.runner.model, torch.device("cuda")
+    lens = [5, 1, 4]
+    meta = build_metadata([0, 7, 0], lens, [[0], [1], [2]], 16, device)
+    meta.adapters = build_adapter_batch([1, 0, 2], lens, device)
+    ids = torch.arange(10, device=device) % 50
+    pos = torch.tensor([0, 1, 2, 3, 4, 7, 0, 1, 2, 3], device=device)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.inference_mode():
+            model.compute_logits(model(ids, pos, meta))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

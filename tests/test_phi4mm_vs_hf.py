@@ -291,3 +291,24 @@ def test_setting_defaults_are_the_classes():
     params = inspect.signature(transformers.Phi4MultimodalFeatureExtractor.__init__).parameters
     for key, ours in {**FEATURE_EXTRACTOR.defaults, **FEATURE_EXTRACTOR.fixed}.items():
         assert params[key].default == ours, key
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_matches_the_cpu_and_encodes_without_a_host_sync(phi_path):
+    """An image, audio and text (three adapters, none among them) on CUDA: the CPU's tokens;
+    both encoders under CUDA's sync debug mode."""
+    cases = ["image", "audio", "image_audio", "text"]
+    msgs = [CASES[c][0] for c in cases]
+    cpu = [o.outputs[0].token_ids for o in LLM(phi_path, max_model_len=2048).chat(msgs, GREEDY)]
+    gpu = LLM(phi_path, device="cuda", dtype="float32", max_model_len=2048,
+              max_num_batched_tokens=96)
+    assert [o.outputs[0].token_ids for o in gpu.chat(msgs, GREEDY)] == cpu
+    proc, _ = process_chat(gpu, user(random_image(300, 500, 0), tone(41.0, 5), "Hi"))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.inference_mode():
+            gpu.engine.runner.model.encode([(f.modality, f.data) for f in proc.mm_features])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
