@@ -157,6 +157,8 @@ def test_native_decode_declines_steps_with_an_adapter(setup):
 
 def test_unknown_adapter_is_refused(setup):
     llm = engine(setup)
+    rows = [r for r in llm.stats()["checkpoint"] if r[0] == "lora"]  # the engine panel's
+    assert [r[1] for r in rows] == ["attn", "mlp"] and rows[0][2].startswith("r=4, 4 linears")
     with pytest.raises(ValueError, match=r"unknown LoRA adapter 'nope' \(loaded: attn, mlp\)"):
         llm.generate("Hi", params("nope"))
     plain = LLM(setup[0], max_model_len=64)

@@ -9,9 +9,10 @@ A step may hold requests with different adapters or none. `AdapterBatch`, built 
 the runner (`build_adapter_batch`) and carried in the step's metadata, lists for each adapter
 used in the step the rows of the flat token batch that use it (None: every row). An adapted
 linear then adds, per adapter: one gather of its rows, x A^T for all the parts it adapts at
-once, one small GEMM per part and one indexed add into the output, grouped by adapter (a few
-per step), never by token. Rows without an adapter keep the base output. Nothing reads a device
-value: the rows are index tensors made on the host, the loop runs over host lists.
+once, and per part (q, k, v of a fused qkv_proj) a small GEMM and an indexed add into its rows
+of the output: grouped by adapter (a few per step), never by token. Rows without an adapter
+keep the base output. Nothing reads a device value: the rows are index tensors made on the
+host, the loop runs over host lists.
 
 Adapters apply to the linears of attention and dense MLP blocks, whose inputs are the step's
 token rows in order; other targets (embeddings, the LM head, routed experts) are refused.
