@@ -117,7 +117,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--no-prefix-caching", action="store_true", help="engine option: disable prefix caching"
     )
+    parser.add_argument(
+        "--lora", action="append", default=[], metavar="NAME=PATH",
+        help="engine option: a LoRA adapter (a PEFT folder) that requests may choose by NAME "
+        "(SamplingParams.lora, or `lora` in an API request); repeat for several",
+    )
     args = parser.parse_args(argv)
+    for spec in args.lora:
+        name, _, folder = spec.partition("=")
+        if not name or not folder:
+            parser.error(f"--lora {spec!r}: expected NAME=PATH")
     if args.backend:
         misplaced = local_only_options(args)
         if misplaced:
@@ -132,7 +141,7 @@ def local_only_options(args: argparse.Namespace) -> list[str]:
     given += [flag for flag, on in (
         ("--no-prefix-caching", args.no_prefix_caching), ("--api-only", args.api_only),
         ("--api-key", args.api_key), ("--device", args.device != "auto"),
-        ("--dtype", args.dtype != "auto"),
+        ("--dtype", args.dtype != "auto"), ("--lora", bool(args.lora)),
     ) if on]
     return given
 
@@ -146,6 +155,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     options = {k: v for k, v in options.items() if v is not None}
     if args.no_prefix_caching:
         options["enable_prefix_caching"] = False
+    if args.lora:
+        options["lora_adapters"] = tuple(tuple(spec.split("=", 1)) for spec in args.lora)
     return options
 
 

@@ -69,6 +69,7 @@ class _GenerationRequest(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    lora: str | None = None  # ours: a LoRA adapter the engine loaded (SamplingParams.lora)
 
     @property
     def include_usage(self) -> bool:
@@ -112,6 +113,7 @@ class _GenerationRequest(BaseModel):
             frequency_penalty=self.frequency_penalty or 0.0,
             logit_bias=self._logit_bias(),
             structured_outputs=constraint or self.output_constraint(),
+            lora=self.lora,
         )
 
     def output_constraint(self) -> StructuredOutputs | None:

@@ -6,11 +6,14 @@ Values derived at start-up from the model and the device (number of KV blocks, t
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 GiB = 1 << 30
 QUANTIZATIONS = (None, "int8", "int4")
 QUANTIZATION_GROUP_SIZES = (32, 64, 128)
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 def _check_range(name: str, value: int | float | None, lo: float, hi: float | None = None) -> None:
@@ -52,6 +55,9 @@ class EngineConfig:
             that attend to them and cached by content (this replaces `encoder_cache_size` for
             such models); None = automatic (half of the automatic KV-cache budget, taken out
             of it).
+        lora_adapters: LoRA adapters requests may choose by name (`SamplingParams.lora`):
+            (name, PEFT adapter folder) pairs, or a {name: folder} mapping. Names are letters,
+            digits, ".", "_" and "-", at most 64 characters.
     """
 
     block_size: int = 16
@@ -67,8 +73,10 @@ class EngineConfig:
     quantization_group_size: int = 128
     state_snapshot_bytes: int | None = None
     cross_attention_cache_bytes: int | None = None
+    lora_adapters: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
+        self._check_adapters()
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(
                 f"block_size must be a power of two in [1, 256], got {self.block_size}"
@@ -101,6 +109,24 @@ class EngineConfig:
             value = getattr(self, f.name)
             if isinstance(value, float):
                 raise ValueError(f"{f.name} must be an integer, got {value!r}")
+
+    def _check_adapters(self) -> None:
+        pairs = self.lora_adapters
+        if isinstance(pairs, Mapping):
+            pairs = tuple(pairs.items())
+        try:
+            pairs = tuple((name, str(folder)) for name, folder in pairs)
+        except (TypeError, ValueError):
+            raise ValueError(f"lora_adapters must be (name, folder) pairs or a mapping, got "
+                             f"{self.lora_adapters!r}") from None
+        for name, _ in pairs:
+            if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name):
+                raise ValueError(f"lora_adapters: name {name!r} must be letters, digits, '.', "
+                                 "'_' or '-' (at most 64 characters)")
+        names = [name for name, _ in pairs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_adapters: a name repeats in {names}")
+        object.__setattr__(self, "lora_adapters", pairs)
 
     @classmethod
     def from_options(cls, **options: object) -> EngineConfig:

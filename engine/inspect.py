@@ -2,8 +2,8 @@
 without loading its weights. It prints the architecture and the model class, the dtype, whether
 the LM head is tied, the chat template's source, the EOS ids and default sampling, every
 processor setting with the file (or class default) it came from, the weights' and the KV cache's
-estimated bytes, and what is not supported. Run it first on a new download; it exits with 1
-when the engine would refuse the checkpoint.
+estimated bytes, the LoRA adapters it ships, and what is not supported. Run it first on a new
+download; it exits with 1 when the engine would refuse the checkpoint.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import torch
 from engine.checkpoint_setup import CheckpointSetup
 from engine.device import resolve_dtype
 from engine.hub import resolve_model
+from engine.model_runner import context_length
+from models.adapters import CONFIG, read_lora_config
 from models.checkpoint import CheckpointError, safetensors_header, weight_files
 from models.interfaces import ProcessorContext
 
@@ -67,6 +69,7 @@ def inspect(model: str | Path, dtype: str = "auto") -> Report:
             for component, settings in processor.settings().items():
                 report.rows += [(component, key, settings.values[key], settings.sources[key])
                                 for key in settings.values]
+    _adapters(report, setup, path)
     try:
         _sizes(report, setup, engine_dtype, processor)
     except (CheckpointError, NotImplementedError, ValueError, KeyError) as e:
@@ -74,13 +77,28 @@ def inspect(model: str | Path, dtype: str = "auto") -> Report:
     return report
 
 
+def _adapters(report: Report, setup: CheckpointSetup, path: Path) -> None:
+    """The LoRA adapters the checkpoint ships for its modalities (their configs only)."""
+    for name, modality, folder in setup.spec.model.modality_adapters():
+        if not (path / folder).is_dir():
+            report.rows.append(("lora", name, f"absent: {modality} requests use the base model",
+                                f"{folder}/"))
+            continue
+        try:
+            settings = read_lora_config(path / folder)
+        except CheckpointError as e:
+            report.unsupported.append(f"lora {name}: {e}")
+            continue
+        report.rows.append(("lora", name, f"for {modality} requests: r={settings['r']}, "
+                            f"lora_alpha={settings['lora_alpha']}", f"{folder}/{CONFIG}"))
+
+
 def _sizes(report: Report, setup: CheckpointSetup, dtype: torch.dtype, processor) -> None:
     """Weight bytes (the checkpoint tensors the model maps, at the engine's dtype), KV bytes per
     token (its attention layers'), a cross-attention model's keys and values per media key
     position and for the largest item, and whether the LM head is provided; the model is built
     on the meta device."""
-    text = setup.hf_config.get_text_config()
-    report.max_model_len = getattr(text, "max_position_embeddings", None)
+    report.max_model_len = context_length(setup.hf_config)[0]
     with torch.device("meta"):
         model = setup.spec.model.from_hf_config(setup.hf_config, 1, torch.device("meta"))
     mapping = model.checkpoint_map()

@@ -31,7 +31,7 @@ from engine.outputs import CompletionOutput, PlaceholderInfo, RequestOutput
 from engine.processing import EncoderBudget, InputProcessor, ProcessedPrompt
 from engine.reasoning import ReasoningSplitter
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.state_cache import StateCacheManager
 from models.interfaces import ProcessorContext
@@ -100,7 +100,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size,
                                         sorted(self.eos_token_ids))
         self.fanout = FanOut()
-        self.checkpoint_settings = checkpoint_settings(setup, mm_processor)
+        self.checkpoint_settings = checkpoint_settings(setup, mm_processor, self.runner.adapters)
         self.num_steps = 0
         self.num_errors = 0
         log.info(
@@ -127,6 +127,7 @@ class LLMEngine:
         n = len(processed.token_ids)
         params.check_token_ids(self.runner.vocab_size)
         closes = self.processor.thinking.end if thinking and self.processor.thinking else None
+        adapter = self.adapter_for(params, processed)
         req = Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=processed.token_ids,
@@ -138,6 +139,7 @@ class LLMEngine:
             position_info=processed.position_info,
             message_starts=processed.message_starts,
             grammar=self.grammars.state(params.structured_outputs, closes),
+            adapter=adapter,
         )
         if arrival_time is not None:
             req.metrics.arrival_time = arrival_time
@@ -159,6 +161,25 @@ class LLMEngine:
             req.metrics.arrival_time, None if req.reasoning is None else req.reasoning.in_reasoning)
         child.index, child.parent_id = index, req.request_id
         return child
+
+    def adapter_for(self, params: SamplingParams, processed: ProcessedPrompt) -> str | None:
+        """The LoRA adapter a request computes with: the one it names, else the checkpoint's
+        adapter for the first of its media's modalities that has one (Phi-4-MM), else none.
+        A name the engine did not load is a ValueError naming the loaded ones."""
+        adapters = self.runner.adapters
+        if params.lora is not None:
+            names = () if adapters is None else adapters.names
+            if params.lora not in names:
+                raise SamplingParamsError("lora", (
+                    f"unknown LoRA adapter {params.lora!r} (loaded: "
+                    f"{', '.join(names) if names else 'none'})"))
+            return params.lora
+        defaults = self.runner.modality_adapters
+        for name, modality, _ in self.runner.model.modality_adapters():
+            if defaults.get(modality) == name and any(
+                    f.modality == modality for f in processed.mm_features):
+                return name
+        return None
 
     def default_sampling_params(self) -> SamplingParams:
         """What a request that passes no SamplingParams gets: the checkpoint's

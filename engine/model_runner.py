@@ -38,6 +38,7 @@ from models.kernels.quantization import QuantizeOnLoad, quantize_language_model
 from models.layers.attention import build_metadata
 from models.layers.attention_varlen import choose_backend
 from models.layers.cross_metadata import build_cross_metadata
+from models.layers.lora import attach_adapters, build_adapter_batch
 from models.layers.state_metadata import build_state_metadata
 from models.loader import MissingWeights, build_on_meta, iter_checkpoint, load_weights
 
@@ -146,6 +147,9 @@ class ModelRunner:
                 f"{model_cls.tied_head(hf_config)[1]} decides, as in transformers)"
             ) from e
         self.model.eval()
+        # LoRA adapters requests may choose: the checkpoint's, per modality, and the configured.
+        self.adapters, self.modality_adapters = attach_adapters(
+            self.model, path, config.lora_adapters, device, dtype)
         if quantizer is not None:
             quantize_language_model(self.model, config.quantization,
                                     config.quantization_group_size)  # the LM head
@@ -258,6 +262,10 @@ class ModelRunner:
             meta.cross = build_cross_metadata(
                 [c.start for c in chunks], [c.num_tokens for c in chunks],
                 cross_items(chunks, self.encoder_outputs), self.device)
+        if self.adapters is not None:
+            meta.adapters = build_adapter_batch(
+                [self.adapters.slot(c.req.adapter) for c in chunks],
+                [c.num_tokens for c in chunks], self.device)
         embeds, residuals = self._splice_embeddings(input_ids, chunks)
         hidden = self.model(input_ids, positions, meta, embeds, residuals)
 
@@ -410,15 +418,27 @@ def _bidirectional_spans(chunk) -> list[tuple[int, int]]:
     return spans
 
 
-def _max_model_len(hf_config, config: EngineConfig) -> int:
+def context_length(hf_config) -> tuple[int, str]:
+    """The longest sequence the model serves, and what sets it: max_position_embeddings, or for
+    longrope its original_max_position_embeddings (its long factors are not implemented)."""
     text_cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     model_max = getattr(text_cfg, "max_position_embeddings", None) or 2048
+    rope = getattr(text_cfg, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "longrope":
+        model_max = min(model_max, rope["original_max_position_embeddings"])
+        return model_max, (f"longrope's original_max_position_embeddings={model_max}; longer "
+                           "sequences would need its long factors, which are not implemented")
+    return model_max, f"max_position_embeddings={model_max}"
+
+
+def _max_model_len(hf_config, config: EngineConfig) -> int:
+    model_max, limit = context_length(hf_config)
     if config.max_model_len is None:
         return model_max
     if config.max_model_len > model_max:
         raise ValueError(
             f"max_model_len={config.max_model_len} exceeds the model's context length "
-            f"(max_position_embeddings={model_max})"
+            f"({limit})"
         )
     return config.max_model_len
 

@@ -51,6 +51,9 @@ class Request:
     position_info: PositionInfo | None = None
     # Token offsets where chat messages start (prefixes likely to be reused; may be empty).
     message_starts: tuple[int, ...] = ()
+    # The LoRA adapter its tokens compute with (None: the base model); part of its KV blocks'
+    # prefix-cache identity.
+    adapter: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     # Completion `index` of a request fanned out for n > 1 (engine/fanout.py), and its parent.
     index: int = 0

@@ -33,6 +33,8 @@ class SamplingParams:
     every token already generated, once / per occurrence; `logit_bias` adds to given token ids'
     logits (a mapping, stored as sorted (id, bias) pairs). `structured_outputs` constrains the
     output (engine/structured_outputs.py).
+    `lora` names a LoRA adapter the engine loaded (EngineConfig.lora_adapters, or one the
+    checkpoint ships); None: the model's default for the request's media (most: none).
     """
 
     max_tokens: int = 16
@@ -52,6 +54,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = field(default=())
     structured_outputs: StructuredOutputs | None = None
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.logit_bias, Mapping):
@@ -89,6 +92,8 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            raise bad("lora", "must be None or an adapter's name")
         if self.logprobs is not None and (
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):

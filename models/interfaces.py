@@ -419,5 +419,13 @@ class LanguageModel(Protocol):
         with such layers), all in one batched forward per modality; text-only models raise."""
         ...
 
+    @classmethod
+    def modality_adapters(cls) -> tuple[tuple[str, str, str], ...]:
+        """LoRA adapters the checkpoint ships for its modalities, in order of precedence:
+        (adapter name, modality, folder inside the checkpoint); a request without an adapter
+        of its own that has media of a listed modality uses the first such adapter (Phi-4-MM:
+        images the vision adapter, audio the speech adapter). Empty for most families."""
+        ...
+
 
 ProcessorFactory = Callable[[ProcessorContext], MultimodalProcessor]

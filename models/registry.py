@@ -18,6 +18,8 @@ from models.mistral3.model import PixtralVLM
 from models.mistral3.processor import PixtralProcessor
 from models.mllama.model import MllamaForConditionalGeneration
 from models.mllama.processor import MllamaProcessor
+from models.phi4mm.model import Phi4MMForCausalLM
+from models.phi4mm.processor import Phi4MMProcessor
 from models.qwen2_audio.model import QwenAudioForConditionalGeneration
 from models.qwen2_audio.processor import QwenAudioProcessor
 from models.qwen_omni.model import QwenOmniThinker
@@ -82,6 +84,8 @@ _REGISTRY: dict[str, ModelSpec] = {
     "Qwen2_5OmniThinkerForConditionalGeneration": ModelSpec(QwenOmniThinker, QwenOmniProcessor),
     "Qwen2_5OmniForConditionalGeneration": ModelSpec(QwenOmniThinker, QwenOmniProcessor),
     "Qwen2_5OmniModel": ModelSpec(QwenOmniThinker, QwenOmniProcessor),
+    # Phi-4-multimodal; its vision-lora / speech-lora adapter folders load with it.
+    "Phi4MultimodalForCausalLM": ModelSpec(Phi4MMForCausalLM, Phi4MMProcessor),
 }
 
 

@@ -169,6 +169,31 @@ def _omni(path, text, media, tokenizer):
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **inputs}
 
 
+def _phi4mm(path, text, media, tokenizer):
+    """Phi4MultimodalProcessor needs torchvision (its image processor): its feature extractor
+    is loaded from the checkpoint as a user's would be, and each `<|audio|>` expanded to the
+    clip's embed size as the processor does."""
+    import transformers
+
+    extractor = transformers.Phi4MultimodalFeatureExtractor.from_pretrained(path)
+    features = extractor([c.samples for c in media], sampling_rate=16000, return_tensors="pt")
+    counts = iter(features["audio_embed_sizes"].tolist())
+    parts = text.split("<|audio|>")
+    text = parts[0] + "".join("<|audio|>" * next(counts) + p for p in parts[1:])
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **features}
+
+
+def _phi4mm_reference(path):
+    """transformers' model with the checkpoint's speech adapter (what an audio request uses),
+    loaded by PEFT."""
+    import transformers
+    from peft import PeftModel
+
+    hf = transformers.Phi4MultimodalForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return PeftModel.from_pretrained(hf, path / "speech-lora").eval()
+
+
 def _llava(next_: bool = False, tower: str = "clip"):
     from testing.llava import build_llava_model
 
@@ -184,6 +209,7 @@ def _families() -> dict[str, Family]:
     from testing.internvl import build_internvl_model, rename_to_transformers5_keys
     from testing.mistral3 import build_mistral3_model
     from testing.mllama import build_mllama_model, zero_text_rows
+    from testing.phi4mm import build_phi4mm_model
     from testing.qwen3_5 import build_qwen3_5_model
     from testing.qwen3_vl import build_qwen3_vl_model
     from testing.qwen_omni import build_qwen_omni_model
@@ -232,6 +258,9 @@ def _families() -> dict[str, Family]:
             p, tie_word_embeddings=tie), _audio, _omni, "input_features"),
         "qwen_omni": Family(lambda p, tie: build_qwen_omni_model(
             p, layout="omni", tie_word_embeddings=tie), _image, _omni),
+        # Heard: transformers' image processor needs torchvision, its feature extractor not.
+        "phi4mm": Family(lambda p, tie: build_phi4mm_model(p, tie_word_embeddings=tie), _audio,
+                         _phi4mm, "audio_input_features"),
     }
 
 
@@ -297,6 +326,8 @@ def test_ours_equals_transformers(checkpoints, family, layout, tie):
             path, dtype=torch.float32) if family == "qwen_omni-thinker" else
             transformers.Qwen2_5OmniForConditionalGeneration.from_pretrained(
                 path, dtype=torch.float32, enable_audio_output=False).thinker).eval()
+    elif family == "phi4mm":
+        hf = _phi4mm_reference(path)
     else:
         hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     if spec.patch_reference is not None:

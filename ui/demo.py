@@ -60,9 +60,13 @@ DEMO_LINEUP = (
     # layers (the engine panel shows the keys and values it holds).
     DemoModel("demo-llama3.2-vision", "testing.mllama:build_mllama_model",
               {"tokenizer_kind": "words"}),
+    # Phi-4-multimodal: images in dynamic-HD crops, audio through its conformer, and a LoRA
+    # adapter per modality (vision, speech) chosen for each request in the same batch.
+    DemoModel("demo-phi4-multimodal", "testing.phi4mm:build_phi4mm_model",
+              {"tokenizer_kind": "words", "dynamic_hd": 2}),
 )
 # Bumped when the lineup's checkpoints change, so that cached older ones are not reused.
-DEMO_VERSION = 6
+DEMO_VERSION = 7
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ the modules would run exactly those kernels:
   ("native"): where PyTorch's measured faster for some layer, the modules run;
 - the step decodes only (one token per request), attended by our paged kernel
   (models.kernels.decode_attention chose it), at most models.kernels.native.FUSED_ROWS
-  tokens, with no per-layer media residuals.
+  tokens, with no per-layer media residuals and no request using a LoRA adapter (the
+  adapters' updates are added by the modules' linears: models/layers/lora.py).
 
 `MMSERVE_NATIVE_DECODE=0` keeps the modules (for A/B runs: bench/decode_ab.py).
 """
@@ -177,7 +178,8 @@ class NativeDecode:
         """h [m, H] entering the first layer -> the states leaving the last, or None when this
         step is not one the call takes. rotary: (cos, sin) [m, 1, D / 2] per rope table."""
         m = h.shape[0]
-        if (h.dim() != 2 or m > native.FUSED_ROWS or h.dtype != self.dtype
+        if (meta.adapters is not None or h.dim() != 2 or m > native.FUSED_ROWS
+                or h.dtype != self.dtype
                 or h.device.type != "cpu" or not self.buckets[bucket_index(m)]):
             return None
         tables = _decode_tables(meta, m)

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from models.kernels import native
 from models.layers.attention_varlen import BACKENDS, VarlenBatch, build_varlen, varlen_attention
 from models.layers.cross_metadata import CrossAttentionMetadata
+from models.layers.lora import AdapterBatch
 from models.layers.state_metadata import StateMetadata
 from models.layers.transfer import to_device
 
@@ -110,6 +111,8 @@ class AttentionMetadata:
     states: StateMetadata | None = None
     # Which rows the cross-attention layers attend with, to which items (None: no row does).
     cross: CrossAttentionMetadata | None = None
+    # Which tokens' linears add which LoRA adapter (models/layers/lora.py; None: none does).
+    adapters: AdapterBatch | None = None
 
     def mask_bytes(self) -> int:
         """Bytes held by the step's masks (distinct tensors counted once)."""

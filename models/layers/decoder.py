@@ -6,7 +6,9 @@ which checkpoint tensor fills which rows. Text-only checkpoints are `CausalLM`; 
 holds the options each family's text config does not spell out.
 
 On the CPU, decode steps the native call can take run all layers in one call of ours
-(models.kernels.native_decode, set up by `prepare_decode`), with the same result.
+(models.kernels.native_decode, set up by `prepare_decode`), with the same result. LoRA adapters
+chosen per request (models/layers/lora.py) add their updates beside the layers' linears; the
+step's metadata says which tokens use which (`meta.adapters`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from models.layers.attention import AttentionMetadata
 from models.layers.cross_attention import CrossAttentionLayer
 from models.layers.decoder_layer import Attention, DecoderConfig, DecoderLayer
 from models.layers.gated_deltanet import GatedDeltaNet
+from models.layers.lora import AdapterSet
 from models.layers.moe import MoEShape, SparseMoE, sparse_layers, unfuse_experts
 from models.layers.norm import RMSNorm
 from models.layers.rotary import RotaryTable
@@ -44,6 +47,7 @@ class Decoder(nn.Module):
     position_rows = 1
     deepstack_layers = 0  # per-layer media residuals each encoder item carries (DeepStack)
     native_decode: NativeDecode | None = None  # set by prepare_decode
+    adapters: AdapterSet | None = None  # LoRA adapters requests may choose (set by the runner)
 
     def __init__(self, cfg: DecoderConfig, max_positions: int, device: torch.device) -> None:
         super().__init__()
@@ -71,6 +75,14 @@ class Decoder(nn.Module):
         decides otherwise override this."""
         return tie_word_embeddings(hf_config)
 
+    @classmethod
+    def modality_adapters(cls) -> tuple[tuple[str, str, str], ...]:
+        """LoRA adapters the checkpoint ships for its modalities, in order of precedence:
+        (adapter name, modality, folder inside the checkpoint). A request without an adapter of
+        its own that has media of a listed modality uses the first such adapter. None for most
+        families."""
+        return ()
+
     def tie_weights(self) -> None:
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -94,6 +106,8 @@ class Decoder(nn.Module):
         `residuals` (rows [R] int64, values [K, R, H]): added to the rows' hidden states after
         each of the first K layers (DeepStack's per-layer media features)."""
         h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        if self.adapters is not None:
+            self.adapters.step = meta.adapters  # which tokens' linears add which adapter
         rotary = [self.rotary_cos_sin(r, positions, h.dtype) for r in self.rotaries]
         layers_out = None
         if self.native_decode is not None and residuals is None:
