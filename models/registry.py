@@ -12,6 +12,8 @@ from models.interfaces import LanguageModel, ProcessorFactory
 from models.layers.decoder import CausalLM
 from models.llava.model import LlavaForConditionalGeneration
 from models.llava.processor import LlavaProcessor
+from models.minicpmv.model import MiniCPMVForConditionalGeneration
+from models.minicpmv.processor import MiniCPMVProcessor
 from models.mistral3.model import PixtralVLM
 from models.mistral3.processor import PixtralProcessor
 from models.qwen2_audio.model import QwenAudioForConditionalGeneration
@@ -64,6 +66,9 @@ _REGISTRY: dict[str, ModelSpec] = {
         Idefics3ForConditionalGeneration, Idefics3Processor
     ),
     "Mistral3ForConditionalGeneration": ModelSpec(PixtralVLM, PixtralProcessor),
+    "MiniCPMV4_6ForConditionalGeneration": ModelSpec(
+        MiniCPMVForConditionalGeneration, MiniCPMVProcessor
+    ),
     "Qwen2AudioForConditionalGeneration": ModelSpec(
         QwenAudioForConditionalGeneration, QwenAudioProcessor
     ),
