@@ -173,12 +173,13 @@ def _same(ours, theirs) -> bool:
 
 def _image_schemas():
     from models.idefics3.preprocess import IMAGE_PROCESSORS as IDEFICS3
+    from models.minicpmv.preprocess import IMAGE_PROCESSORS as MINICPMV
     from models.mistral3.preprocess import IMAGE_PROCESSORS as PIXTRAL
     from models.processing.clip_image import IMAGE_PROCESSORS as CLIP
     from models.processing.log_mel import FEATURE_EXTRACTOR
     from models.processing.qwen_vision import IMAGE_PROCESSORS as QWEN
 
-    schemas = {**CLIP, **IDEFICS3, **PIXTRAL, **QWEN}
+    schemas = {**CLIP, **IDEFICS3, **MINICPMV, **PIXTRAL, **QWEN}
     pil = {name: f"{name}Pil" for name in schemas}
     return [(schemas[n], pil[n]) for n in sorted(schemas)] + [
         (FEATURE_EXTRACTOR, "WhisperFeatureExtractor")]
@@ -200,12 +201,14 @@ def test_image_schema_defaults_are_the_classes(schema, cls):
     ("transformers.models.qwen2_vl.video_processing_qwen2_vl", "Qwen2VLVideoProcessor"),
     ("transformers.models.qwen3_vl.video_processing_qwen3_vl", "Qwen3VLVideoProcessor"),
     ("transformers.models.smolvlm.video_processing_smolvlm", "SmolVLMVideoProcessor"),
+    ("transformers.models.minicpmv4_6.video_processing_minicpmv4_6", "MiniCPMV4_6VideoProcessor"),
 ])
 def test_video_schema_defaults_are_the_classes(module, cls):
     from models.idefics3.preprocess import VIDEO_PROCESSORS as SMOLVLM
+    from models.minicpmv.preprocess import VIDEO_PROCESSORS as MINICPMV
     from models.processing.qwen_vision import VIDEO_PROCESSORS as QWEN
 
-    schema = {**QWEN, **SMOLVLM}[cls]
+    schema = {**QWEN, **SMOLVLM, **MINICPMV}[cls]
     theirs = _class_attributes(module, cls)
     for key, ours in schema.defaults.items():
         if key in theirs:
