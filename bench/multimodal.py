@@ -16,7 +16,9 @@ Without --model it builds (once, cached) a random-weight checkpoint with Qwen2-V
   tower and decoder (`--omni-model` for another). Ours starts from the mp4's bytes (decoding,
   preprocessing, both encoders, prefill, one token); transformers' from our decoded frames,
   sound and pixel values (its video processor needs torchvision), with its own feature
-  extractor and generate(): its time leaves out decoding and pixel preprocessing.
+  extractor and generate(): its time leaves out decoding and pixel preprocessing;
+- TTFT of a new sliced image and of a new question about it (encoder-cache hit) for MiniCPM-V
+  4.6 against transformers (bench/minicpmv.py; `--minicpmv-model` for another checkpoint).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 from PIL import Image
 
 from bench.common import cache_dir, machine, matmul_flops, median, print_table, timeit
+from bench.minicpmv import minicpmv_rows
 
 QWEN2_VL_2B_WIDTHS = dict(vision_width=1280, vision_depth=8, vision_heads=16, hidden=1536,
                           intermediate=8960, layers=8, heads=12, kv_heads=2, vocab=151936)
@@ -97,6 +100,7 @@ def main() -> None:
     parser.add_argument("--video-frames", type=int, default=32)
     parser.add_argument("--omni-model", type=Path, default=None)
     parser.add_argument("--heard-seconds", type=int, default=8)
+    parser.add_argument("--minicpmv-model", type=Path, default=None)
     args = parser.parse_args()
     path = args.model or build_checkpoint()
     print(f"machine: {machine()}; checkpoint {path.name}; dtype {args.dtype}")
@@ -106,6 +110,7 @@ def main() -> None:
     rows += concurrency_rows(path, args)
     rows += itl_rows(path, args)
     rows += heard_video_rows(args)
+    rows += minicpmv_rows(args)
     print()
     print_table([r[:4] for r in rows], ("metric", "value", "reference", "ratio"))
     print("\nsummary: " + "; ".join(f"{r[0]}: {r[3]:.2f} (target {r[4]})" for r in rows

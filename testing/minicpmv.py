@@ -33,9 +33,11 @@ PATCH = 4
 SCALE = 64
 
 
-def minicpmv_tokenizer(vocab_size: int = 600):
-    """A byte-level BPE tokenizer with ChatML, the structure tokens and their names."""
-    tok = train_tokenizer(MINICPMV_SPECIAL, vocab_size, MINICPMV_CHAT_TEMPLATE, "<|im_end|>")
+def minicpmv_tokenizer(vocab_size: int = 600, kind: str = "bytes"):
+    """A tokenizer (`kind` of testing.tiny.train_tokenizer) with ChatML, the structure tokens
+    and their names."""
+    tok = train_tokenizer(MINICPMV_SPECIAL, vocab_size, MINICPMV_CHAT_TEMPLATE, "<|im_end|>",
+                          kind)
     tok._set_model_specific_special_tokens(special_tokens=dict(STRUCTURE))
     return tok
 
@@ -49,6 +51,7 @@ def build_minicpmv_model(
     vision_depth: int = 3,
     insert_layer_id: int = 1,
     scale: int = SCALE,
+    patch: int = PATCH,
     max_slice_nums: int = 4,
     max_num_frames: int = 8,
     downsample_mode: str = "16x",
@@ -56,21 +59,26 @@ def build_minicpmv_model(
     seed: int = 0,
     std: float = 0.25,
     tie_word_embeddings: bool | None = None,
+    text_overrides: dict | None = None,
+    vision_overrides: dict | None = None,
+    tokenizer_kind: str = "bytes",
 ) -> Path:
-    """A tiny MiniCPMV4_6ForConditionalGeneration at `path`, with its processor."""
+    """A tiny MiniCPMV4_6ForConditionalGeneration at `path`, with its processor; the
+    overrides go to the text and vision configs as they are (the benchmark's real widths)."""
     import transformers
     from transformers.models.minicpmv4_6.video_processing_minicpmv4_6 import (
         MiniCPMV4_6VideoProcessor,
     )
 
-    tokenizer = minicpmv_tokenizer()
+    tokenizer = minicpmv_tokenizer(kind=tokenizer_kind)
     special = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL}
-    vision = dict(hidden_size=vision_width, intermediate_size=2 * vision_width,
-                  num_hidden_layers=vision_depth, num_attention_heads=4, image_size=scale,
-                  patch_size=PATCH)
+    vision = {**dict(hidden_size=vision_width, intermediate_size=2 * vision_width,
+                     num_hidden_layers=vision_depth, num_attention_heads=4, image_size=scale,
+                     patch_size=patch), **(vision_overrides or {})}
     config = transformers.MiniCPMV4_6Config(
         text_config={"model_type": "qwen3_5_text",
-                     **text_config(tokenizer, special, hidden_size, layer_types)},
+                     **text_config(tokenizer, special, hidden_size, layer_types),
+                     **(text_overrides or {})},
         vision_config=vision, insert_layer_id=insert_layer_id, downsample_mode=downsample_mode,
         image_token_id=tokenizer.convert_tokens_to_ids(STRUCTURE["image_token"]),
         video_token_id=tokenizer.convert_tokens_to_ids(STRUCTURE["video_token"]),
@@ -81,7 +89,7 @@ def build_minicpmv_model(
     model = transformers.MiniCPMV4_6ForConditionalGeneration(config)
     randomize(model, std=std, seed=seed)
     path = save_checkpoint(model, tokenizer, Path(path), [tokenizer.eos_token_id])
-    settings = dict(scale_resolution=scale, patch_size=PATCH, max_slice_nums=max_slice_nums,
+    settings = dict(scale_resolution=scale, patch_size=patch, max_slice_nums=max_slice_nums,
                     downsample_mode=downsample_mode, use_image_id=use_image_id)
     hf_processor(
         transformers.MiniCPMV4_6ImageProcessorPil(**settings),

@@ -52,9 +52,13 @@ DEMO_LINEUP = (
     # per 2 s in the placeholder strip).
     DemoModel("demo-qwen2.5-omni", "testing.qwen_omni:build_qwen_omni_model",
               {"tokenizer_kind": "words"}),
+    # MiniCPM-V 4.6: a large image is cut into slices beside its overview (the placeholder
+    # panel shows both parts of its span), a video is one picture per second.
+    DemoModel("demo-minicpm-v-4.6", "testing.minicpmv:build_minicpmv_model",
+              {"tokenizer_kind": "words"}),
 )
 # Bumped when the lineup's checkpoints change, so that cached older ones are not reused.
-DEMO_VERSION = 4
+DEMO_VERSION = 5
 
 
 @dataclass(frozen=True)
