@@ -310,3 +310,23 @@ def test_checkpoint_settings_the_model_cannot_honour_are_refused(path, tmp_path,
     (copy / name).write_text(json.dumps(data))
     with pytest.raises(CheckpointError, match=message):
         LLM(copy, max_model_len=256)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_matches_the_cpu_and_the_tower_does_not_synchronize(path, llm):
+    cases = [CASES["one_image"], CASES["video_then_image"], CASES["text_only"]]
+    gpu = LLM(path, device="cuda", dtype="float32", max_model_len=2048, max_num_seqs=8)
+    expected = [o.outputs[0].token_ids for o in llm.chat(cases, GREEDY)]
+    assert [o.outputs[0].token_ids for o in gpu.chat(cases, GREEDY)] == expected
+    proc, _ = process_chat(gpu, CASES["video_then_image"])
+    items = [(f.modality, f.data) for f in proc.mm_features]
+    items.append(("image", {**items[-1][1], "merged": False}))
+    model = gpu.engine.runner.model
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.inference_mode():
+            model.encode(items)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -5,6 +5,14 @@ An encoder item is one picture: an image, or one frame of a video, with its over
 slices (models/minicpmv/preprocess.py). All slices of a step's pictures, images and frames
 alike, go through the tower in one forward; a picture's embeddings are its overview's, then its
 slices' row by row, the order of the pad runs inside its span (models/minicpmv/processor.py).
+
+Settings of config.json, as transformers 5.24's class reads them: the vision config's widths,
+patch_size, image_size (the position table's side in patches), layer_norm_eps, hidden_act (the
+blocks' MLP; the window merger's MLP is tanh GELU whatever it says) and window_kernel_size (2 x 2
+only: the merger MLPs are built four times wide); insert_layer_id, merge_kernel_size (2 x 2
+only), merger_times and downsample_mode at the top level (the processor's must agree); the text
+config through models/layers/decoder.py; tie_word_embeddings at the top level. The top-level
+image_size and drop_vision_last_layer are read by nothing in transformers' class, nor here.
 """
 
 from __future__ import annotations
