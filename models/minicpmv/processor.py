@@ -18,7 +18,10 @@ reuse a slice without its picture: items per slice would only multiply the sched
 the prefix hashes and a hybrid decoder's state snapshots (one per item end) for no cache hit.
 Videos are sampled a frame per second from the start (`max_num_frames` at most, spread over
 0.1 s marks beyond that), as MiniCPMV4_6VideoProcessor.sample_frames picks them
-(engine.media.sampling's "whole_seconds").
+(engine.media.sampling's "whole_seconds"), and each frame is processed as an image with the
+video processor's settings; transformers' video processor resizes frames with torchvision
+(absent here), ours with PIL as its image processor does, which rounds a little differently.
+Sub-second frames stacked into composite pictures (stack_frames > 1) are not implemented.
 """
 
 from __future__ import annotations
@@ -103,7 +106,9 @@ class MiniCPMVProcessor(ProcessorDefaults):
             "max_slice_nums": OptionRange(
                 1, max(1, ctx.max_item_embeds // largest - 1), integer=True,
                 why="slices per image or video frame: a picture and its slices must fit "
-                    "min(encoder_cache_size, max_num_encoder_input_tokens) embeddings"),
+                    "min(encoder_cache_size, max_num_encoder_input_tokens) embeddings in the "
+                    "checkpoint's downsample_mode; a larger 4x picture is refused with the "
+                    "budget named when its prompt is planned"),
             "max_num_frames": OptionRange(
                 1, integer=True, why="frames per video, at most MediaLimits.max_video_frames"),
             "use_image_id": Flag("write <image_id>k</image_id> before each image and video"),
