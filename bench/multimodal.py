@@ -19,6 +19,8 @@ Without --model it builds (once, cached) a random-weight checkpoint with Qwen2-V
   extractor and generate(): its time leaves out decoding and pixel preprocessing;
 - TTFT of a new InternVL image (7 tiles) and of a new question about it (encoder-cache hit)
   against transformers (bench/internvl.py; `--internvl-model` for another checkpoint).
+- TTFT of a new sliced image and of a new question about it (encoder-cache hit) for MiniCPM-V
+  4.6 against transformers (bench/minicpmv.py; `--minicpmv-model` for another checkpoint).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from PIL import Image
 
 from bench.common import cache_dir, machine, matmul_flops, median, print_table, timeit
 from bench.internvl import internvl_rows
+from bench.minicpmv import minicpmv_rows
 
 QWEN2_VL_2B_WIDTHS = dict(vision_width=1280, vision_depth=8, vision_heads=16, hidden=1536,
                           intermediate=8960, layers=8, heads=12, kv_heads=2, vocab=151936)
@@ -101,6 +104,7 @@ def main() -> None:
     parser.add_argument("--omni-model", type=Path, default=None)
     parser.add_argument("--heard-seconds", type=int, default=8)
     parser.add_argument("--internvl-model", type=Path, default=None)
+    parser.add_argument("--minicpmv-model", type=Path, default=None)
     args = parser.parse_args()
     path = args.model or build_checkpoint()
     print(f"machine: {machine()}; checkpoint {path.name}; dtype {args.dtype}")
@@ -111,6 +115,7 @@ def main() -> None:
     rows += itl_rows(path, args)
     rows += heard_video_rows(args)
     rows += internvl_rows(args, _llm)
+    rows += minicpmv_rows(args)
     print()
     print_table([r[:4] for r in rows], ("metric", "value", "reference", "ratio"))
     print("\nsummary: " + "; ".join(f"{r[0]}: {r[3]:.2f} (target {r[4]})" for r in rows

@@ -63,7 +63,10 @@ class VideoSampling:
     on source frame indices spaced evenly from the first frame to the last inclusive, a second
     skipped at both ends when the video is longer than max_frames at target_fps plus two
     seconds, repeated indices dropped (transformers' SmolVLM video sampling); "segment_centers"
-    on the middle source frame of each of `count` equal segments (transformers' InternVL).
+    on the middle source frame of each of `count` equal segments (transformers' InternVL);
+    "whole_seconds" on the frame starting each whole second, or for a video longer than
+    max_frames seconds on max_frames of its 0.1 s marks spread evenly (transformers' MiniCPM-V
+    4.6 video sampling; target_fps 1 sets the rate of frames given in memory).
     """
 
     target_fps: float

@@ -14,6 +14,8 @@ from models.internvl.processor import InternVLProcessor
 from models.layers.decoder import CausalLM
 from models.llava.model import LlavaForConditionalGeneration
 from models.llava.processor import LlavaProcessor
+from models.minicpmv.model import MiniCPMVForConditionalGeneration
+from models.minicpmv.processor import MiniCPMVProcessor
 from models.mistral3.model import PixtralVLM
 from models.mistral3.processor import PixtralProcessor
 from models.mllama.model import MllamaForConditionalGeneration
@@ -76,6 +78,9 @@ _REGISTRY: dict[str, ModelSpec] = {
     # Llama 3.2 Vision: images through cross-attention layers.
     "MllamaForConditionalGeneration": ModelSpec(
         MllamaForConditionalGeneration, MllamaProcessor
+    ),
+    "MiniCPMV4_6ForConditionalGeneration": ModelSpec(
+        MiniCPMVForConditionalGeneration, MiniCPMVProcessor
     ),
     "Qwen2AudioForConditionalGeneration": ModelSpec(
         QwenAudioForConditionalGeneration, QwenAudioProcessor

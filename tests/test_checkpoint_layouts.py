@@ -115,6 +115,14 @@ def _internvl(path, text, media, tokenizer):
                                           add_special_tokens=False))
 
 
+def _minicpmv(path, text, media, tokenizer):
+    """MiniCPMV4_6Processor as from_pretrained builds it (testing.minicpmv: its video
+    processor's class needs torchvision only to resize frames)."""
+    from testing.minicpmv import load_hf_processor
+
+    return dict(load_hf_processor(path)(text=[text], images=media, return_tensors="pt"))
+
+
 def _qwen_vl(path, text, media, tokenizer):
     """Qwen-VL processors need torchvision (their video processors); the image processor is
     loaded from the checkpoint as AutoImageProcessor finds it, and each image's pad token
@@ -207,6 +215,7 @@ TINY_EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_si
 def _families() -> dict[str, Family]:
     from testing.gemma3 import build_gemma3_model
     from testing.internvl import build_internvl_model, rename_to_transformers5_keys
+    from testing.minicpmv import build_minicpmv_model
     from testing.mistral3 import build_mistral3_model
     from testing.mllama import build_mllama_model, zero_text_rows
     from testing.phi4mm import build_phi4mm_model
@@ -238,6 +247,8 @@ def _families() -> dict[str, Family]:
         # processor; transformers' class never ties the head.
         "mllama": Family(lambda p, tie: build_mllama_model(p, tie_word_embeddings=tie), _image,
                          _auto_processor, ties=False, patch_reference=zero_text_rows),
+        "minicpmv": Family(lambda p, tie: build_minicpmv_model(p, tie_word_embeddings=tie),
+                           _image, _minicpmv),
         "qwen2_vl": Family(lambda p, tie: build_qwen2_vl_model(p, tie_word_embeddings=tie),
                            _image, _qwen_vl),
         "qwen2_5_vl": Family(lambda p, tie: build_qwen2_vl_model(

@@ -174,13 +174,14 @@ def _same(ours, theirs) -> bool:
 def _image_schemas():
     from models.idefics3.preprocess import IMAGE_PROCESSORS as IDEFICS3
     from models.internvl.preprocess import IMAGE_PROCESSORS as INTERNVL
+    from models.minicpmv.preprocess import IMAGE_PROCESSORS as MINICPMV
     from models.mistral3.preprocess import IMAGE_PROCESSORS as PIXTRAL
     from models.mllama.preprocess import IMAGE_PROCESSORS as MLLAMA
     from models.processing.clip_image import IMAGE_PROCESSORS as CLIP
     from models.processing.log_mel import FEATURE_EXTRACTOR
     from models.processing.qwen_vision import IMAGE_PROCESSORS as QWEN
 
-    schemas = {**CLIP, **IDEFICS3, **INTERNVL, **PIXTRAL, **QWEN, **MLLAMA}
+    schemas = {**CLIP, **IDEFICS3, **INTERNVL, **MINICPMV, **PIXTRAL, **QWEN, **MLLAMA}
     pil = {name: f"{name}Pil" for name in schemas}
     return [(schemas[n], pil[n]) for n in sorted(schemas)] + [
         (FEATURE_EXTRACTOR, "WhisperFeatureExtractor")]
@@ -203,13 +204,15 @@ def test_image_schema_defaults_are_the_classes(schema, cls):
     ("transformers.models.qwen3_vl.video_processing_qwen3_vl", "Qwen3VLVideoProcessor"),
     ("transformers.models.smolvlm.video_processing_smolvlm", "SmolVLMVideoProcessor"),
     ("transformers.models.internvl.video_processing_internvl", "InternVLVideoProcessor"),
+    ("transformers.models.minicpmv4_6.video_processing_minicpmv4_6", "MiniCPMV4_6VideoProcessor"),
 ])
 def test_video_schema_defaults_are_the_classes(module, cls):
     from models.idefics3.preprocess import VIDEO_PROCESSORS as SMOLVLM
     from models.internvl.preprocess import VIDEO_PROCESSORS as INTERNVL
+    from models.minicpmv.preprocess import VIDEO_PROCESSORS as MINICPMV
     from models.processing.qwen_vision import VIDEO_PROCESSORS as QWEN
 
-    schema = {**QWEN, **SMOLVLM, **INTERNVL}[cls]
+    schema = {**QWEN, **SMOLVLM, **INTERNVL, **MINICPMV}[cls]
     theirs = _class_attributes(module, cls)
     for key, ours in schema.defaults.items():
         if key in theirs:

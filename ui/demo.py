@@ -64,9 +64,13 @@ DEMO_LINEUP = (
     # adapter per modality (vision, speech) chosen for each request in the same batch.
     DemoModel("demo-phi4-multimodal", "testing.phi4mm:build_phi4mm_model",
               {"tokenizer_kind": "words", "dynamic_hd": 2}),
+    # MiniCPM-V 4.6: a large image is cut into slices beside its overview (the placeholder
+    # panel shows both parts of its span), a video is one picture per second.
+    DemoModel("demo-minicpm-v-4.6", "testing.minicpmv:build_minicpmv_model",
+              {"tokenizer_kind": "words"}),
 )
 # Bumped when the lineup's checkpoints change, so that cached older ones are not reused.
-DEMO_VERSION = 7
+DEMO_VERSION = 8
 
 
 @dataclass(frozen=True)

@@ -73,11 +73,29 @@ class Flag:
         return value
 
 
+@dataclass(frozen=True)
+class Choice:
+    """An option that is one of a few strings."""
+
+    values: tuple[str, ...]
+    why: str = ""
+
+    def describe(self) -> str:
+        return "one of " + ", ".join(map(repr, self.values))
+
+    def check(self, name: str, value: Any) -> str:
+        """``value`` itself; ValueError naming the option, the value and the choices."""
+        if not isinstance(value, str) or value not in self.values:
+            why = f" ({self.why})" if self.why else ""
+            raise ValueError(f"mm_processor_kwargs {name}={value!r} is not {self.describe()}{why}")
+        return value
+
+
 def check_mm_kwargs(
     mm_kwargs: Mapping[str, Any],
-    accepted: Mapping[str, OptionRange | Flag] | tuple[str, ...],
+    accepted: Mapping[str, OptionRange | Flag | Choice] | tuple[str, ...],
     family: str,
-) -> dict[str, int | float | bool | Any]:
+) -> dict[str, int | float | bool | str | Any]:
     """Refuse options a model's processor does not know (naming those it does) and, where
     ``accepted`` maps names to ranges, values outside them. Returns the checked options."""
     if not isinstance(mm_kwargs, Mapping):
