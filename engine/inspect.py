@@ -2,8 +2,9 @@
 without loading its weights. It prints the architecture and the model class, the dtype, whether
 the LM head is tied, the chat template's source, the EOS ids and default sampling, every
 processor setting with the file (or class default) it came from, the weights' and the KV cache's
-estimated bytes, and what is not supported. Run it first on a new download; it exits with 1
-when the engine would refuse the checkpoint.
+estimated bytes (a per-layer embedding table, read a few rows per step, apart; layers that read
+another layer's keys and values add no KV cache), and what is not supported. Run it first on a
+new download; it exits with 1 when the engine would refuse the checkpoint.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ class Report:
     model: str
     rows: list[tuple[str, str, Any, str]] = field(default_factory=list)
     weight_bytes: int | None = None
+    per_layer_table_bytes: int = 0  # of weight_bytes: a table read a few rows per step
     kv_bytes_per_token: int | None = None
+    kv_layers: str = ""
     max_model_len: int | None = None
     unsupported: list[str] = field(default_factory=list)
 
@@ -86,9 +89,15 @@ def _sizes(report: Report, setup: CheckpointSetup, dtype: torch.dtype) -> None:
             names.add(mapping(name)[0])
             total += DTYPE_BYTES[dtype] * _numel(info["shape"])
     report.weight_bytes = total
-    shape = model.cfg
-    report.kv_bytes_per_token = (2 * shape.num_layers * shape.num_kv_heads * shape.head_dim
-                                 * DTYPE_BYTES[dtype])
+    report.per_layer_table_bytes = model.per_layer_table_bytes() // DTYPE_BYTES[
+        model.embed_tokens.weight.dtype] * DTYPE_BYTES[dtype]
+    layers = model.attention_layers()
+    own = [a for a in layers if a.kv_source is None]
+    report.kv_bytes_per_token = sum(2 * a.num_kv_heads * a.head_dim for a in own) * DTYPE_BYTES[
+        dtype]
+    if len(own) < len(layers):
+        report.kv_layers = f"{len(own)} of {len(layers)} layers hold it, {len(layers) - len(own)}" \
+            " read another layer's"
     if not setup.tie_word_embeddings and "lm_head.weight" not in names:
         report.unsupported.append(
             "the checkpoint has no lm_head.weight and the config does not tie the head to the "
@@ -109,11 +118,14 @@ def render(report: Report) -> str:
     for component, key, value, source in report.rows:
         lines.append(f"  {f'{component}.{key}':<{width}}  {_short(value)!s:<40}  <- {source}")
     if report.weight_bytes is not None:
-        lines.append(f"weights: {_size(report.weight_bytes)} at the engine dtype")
+        table = (f", of which the per-layer embedding table {_size(report.per_layer_table_bytes)}"
+                 " (a step reads a few rows of it)" if report.per_layer_table_bytes else "")
+        lines.append(f"weights: {_size(report.weight_bytes)} at the engine dtype{table}")
     if report.kv_bytes_per_token is not None:
         full = (f", {_size(report.kv_bytes_per_token * report.max_model_len)} for one "
                 f"{report.max_model_len}-token sequence" if report.max_model_len else "")
-        lines.append(f"KV cache: {_size(report.kv_bytes_per_token)} per token{full}")
+        layers = f" ({report.kv_layers})" if report.kv_layers else ""
+        lines.append(f"KV cache: {_size(report.kv_bytes_per_token)} per token{full}{layers}")
     if report.unsupported:
         lines.append("NOT SUPPORTED (the engine would refuse this checkpoint):")
         lines += [f"  - {problem}" for problem in report.unsupported]

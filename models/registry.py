@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 from models.gemma3.model import Gemma3ForConditionalGeneration
 from models.gemma3.processor import Gemma3Processor
+from models.gemma4.model import Gemma4ForConditionalGeneration
+from models.gemma4.processor import Gemma4Processor
+from models.gemma4.text import Gemma4ForCausalLM
 from models.idefics3.model import Idefics3ForConditionalGeneration
 from models.idefics3.processor import Idefics3Processor
 from models.interfaces import LanguageModel, ProcessorFactory
@@ -53,6 +56,9 @@ _REGISTRY: dict[str, ModelSpec] = {
     ),
     "Qwen3_5MoeForCausalLM": ModelSpec(CausalLM),
     "Gemma3ForConditionalGeneration": ModelSpec(Gemma3ForConditionalGeneration, Gemma3Processor),
+    "Gemma4ForCausalLM": ModelSpec(Gemma4ForCausalLM),
+    "Gemma4ForConditionalGeneration": ModelSpec(Gemma4ForConditionalGeneration,
+                                                 Gemma4Processor),
     "LlavaForConditionalGeneration": ModelSpec(LlavaForConditionalGeneration, LlavaProcessor),
     "LlavaNextForConditionalGeneration": ModelSpec(
         LlavaForConditionalGeneration, LlavaProcessor

@@ -16,7 +16,9 @@ def rope_inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
     """Inverse frequencies [head_dim / 2] for the config's `rope_parameters` (float32, CPU).
 
     Supports rope_type default, linear (positions divided by `factor`, folded into the
-    frequencies) and llama3 (long wavelengths slowed by `factor`, a smooth blend in between).
+    frequencies), llama3 (long wavelengths slowed by `factor`, a smooth blend in between) and
+    proportional (the first `partial_rotary_factor` of the pairs rotate at the frequencies of
+    the whole head size, the rest not at all: zero frequency).
     """
     kind = rope.get("rope_type", rope.get("type", "default"))
     base = float(rope.get("rope_theta", 10000.0))
@@ -26,6 +28,10 @@ def rope_inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
         return inv
     if kind == "linear":
         return inv / float(rope["factor"])
+    if kind == "proportional":
+        angles = int(float(rope.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+        inv = torch.cat([inv[:angles], torch.zeros(head_dim // 2 - angles, device="cpu")])
+        return inv / float(rope.get("factor", 1.0))
     if kind == "llama3":
         factor, lo, hi = float(rope["factor"]), rope["low_freq_factor"], rope["high_freq_factor"]
         old_len = rope["original_max_position_embeddings"]
@@ -36,7 +42,8 @@ def rope_inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
         medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
         return torch.where(medium, blended, scaled)
     raise NotImplementedError(
-        f"rope_type {kind!r} is not supported yet (supported: default, linear, llama3)"
+        f"rope_type {kind!r} is not supported yet (supported: default, linear, llama3, "
+        "proportional)"
     )
 
 

@@ -13,13 +13,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from models.checkpoint import Settings
+from models.checkpoint import Found, Schema, Settings
 from models.interfaces import MultiModalFeature, PlaceholderRange, PromptPlan
 from models.processing.options import check_mm_kwargs
 
 __all__ = [
     "Expansion", "ProcessedCache", "ProcessorDefaults", "check_mm_kwargs",
-    "check_placeholder_count", "expand_placeholders", "hashed_and_processed",
+    "check_placeholder_count", "expand_placeholders", "hashed_and_processed", "own_keys",
 ]
 
 
@@ -43,6 +43,16 @@ class ProcessorDefaults:
         self, token_ids: list[int], media: dict[str, list], mm_kwargs: Mapping[str, Any]
     ) -> PromptPlan | None:
         return None
+
+
+def own_keys(found: Found | None, other: Found | None, *schemas: Schema) -> Found | None:
+    """`found` less the keys of `schemas` (another component's) when both components were read
+    from the same file (the Hub keeps an image processor and a feature extractor in one
+    preprocessor_config.json, each reading its own keys of it, as transformers' classes do)."""
+    if found is None or other is None or found.source != other.source:
+        return found
+    foreign = set().union(*(set(s.defaults) | set(s.fixed) | s.inert for s in schemas))
+    return Found({k: v for k, v in found.data.items() if k not in foreign}, found.source)
 
 
 class ProcessedCache:

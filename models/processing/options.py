@@ -57,6 +57,26 @@ class OptionRange:
 
 
 @dataclass(frozen=True)
+class Choice:
+    """An option that takes one of a few integers (e.g. a model's soft-token budgets)."""
+
+    values: tuple[int, ...]
+    why: str = ""
+
+    def describe(self) -> str:
+        return "one of " + ", ".join(map(str, self.values)) if self.values else "not settable"
+
+    def check(self, name: str, value: Any) -> int:
+        """``value`` itself; ValueError naming the option, the value and the choices."""
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or (
+                value not in self.values):
+            why = f" ({self.why})" if self.why else ""
+            raise ValueError(f"mm_processor_kwargs {name}={value!r} is not {self.describe()}"
+                             f"{why}")
+        return int(value)
+
+
+@dataclass(frozen=True)
 class Flag:
     """An option that is true or false (a JSON boolean; 0 and 1 are refused, not guessed)."""
 
@@ -75,7 +95,7 @@ class Flag:
 
 def check_mm_kwargs(
     mm_kwargs: Mapping[str, Any],
-    accepted: Mapping[str, OptionRange | Flag] | tuple[str, ...],
+    accepted: Mapping[str, OptionRange | Choice | Flag] | tuple[str, ...],
     family: str,
 ) -> dict[str, int | float | bool | Any]:
     """Refuse options a model's processor does not know (naming those it does) and, where
