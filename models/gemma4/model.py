@@ -20,21 +20,19 @@ from models.encoders.gemma4_vision import (
     Gemma4VisionTower,
     MultimodalEmbedder,
 )
-from models.gemma4.text import decoder_config
+from models.gemma4.text import Gemma4Decoder
 from models.interfaces import EncoderItem
-from models.layers.decoder import Decoder
 from models.layers.transfer import to_device
 
 VISION = ("image", "video")
 
 
-class Gemma4ForConditionalGeneration(Decoder):
+class Gemma4ForConditionalGeneration(Gemma4Decoder):
     """Gemma 4 decoder + vision tower + audio encoder."""
 
     def __init__(self, hf_config, max_positions: int, device: torch.device) -> None:
         text = hf_config.text_config
-        super().__init__(decoder_config(text, self.tied_head(hf_config)[0]), max_positions,
-                         device)
+        super().__init__(text, self.tied_head(hf_config)[0], max_positions, device)
         media = [getattr(hf_config, name, None)
                  for name in ("image_token_id", "video_token_id", "audio_token_id")]
         # Explicitly on the CPU first: the model is built on the meta device.

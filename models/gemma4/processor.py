@@ -75,6 +75,9 @@ def timestamp(seconds: float) -> str:
 
 
 class Gemma4Processor(ProcessorDefaults):
+    # The modalities of a checkpoint with both towers; one without a tower takes fewer.
+    modalities: tuple[str, ...] = ("image", "video", "audio")
+
     def __init__(self, ctx: ProcessorContext) -> None:
         cfg, tok = ctx.hf_config, ctx.tokenizer
         self.model_id, self.tokenizer = ctx.model_id, tok

@@ -14,19 +14,22 @@ wide. With `use_bidirectional_attention="vision"` the sliding-window layers atte
 in float32, values are RMS-normed without a scale, attention
 is unscaled (q and k are normed), every layer's output is scaled by its `layer_scalar`, and with
 `hidden_size_per_layer_input` every layer takes a per-layer input
-(models/layers/per_layer_inputs.py).
+(models/layers/per_layer_inputs.py). With `enable_moe_block` (26B-A4B) every layer has routed
+experts beside its dense MLP (models/gemma4/experts.py).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
+from models.gemma4.experts import ExpertsLayer, moe_shape
 from models.layers.attention import LayerAttention
 from models.layers.decoder import Decoder
 from models.layers.decoder_layer import DecoderConfig, LayerShape
+from models.layers.moe import unfuse_experts
 from models.layers.per_layer_inputs import PerLayerInputShape
 
 SLIDING = "sliding_attention"
@@ -52,8 +55,6 @@ def decoder_config(text, tie_word_embeddings: bool) -> DecoderConfig:
         raise NotImplementedError(
             "use_bidirectional_attention='all' (every token attending both ways: an encoder, "
             "not a generator) is not supported")
-    if text.enable_moe_block:
-        raise NotImplementedError("Gemma 4's mixture-of-experts blocks are not built yet")
     types = list(text.layer_types)
     layers = [text.per_layer_config[i] for i in range(text.num_hidden_layers)]
     sources = kv_sources(text)
@@ -87,13 +88,52 @@ def decoder_config(text, tie_word_embeddings: bool) -> DecoderConfig:
     )
 
 
-class Gemma4ForCausalLM(Decoder):
+class Gemma4Decoder(Decoder):
+    """The Gemma 4 decoder: with `enable_moe_block`, every layer's feed-forward block is the
+    dense MLP beside routed experts (models/gemma4/experts.py)."""
+
+    def __init__(self, text, tie_word_embeddings: bool, max_positions: int,
+                 device: torch.device) -> None:
+        self.expert_shape = moe_shape(text) if text.enable_moe_block else None
+        super().__init__(decoder_config(text, tie_word_embeddings), max_positions, device)
+
+    def make_layer(self, cfg: DecoderConfig, layout, rope_index: int, index: int):
+        if self.expert_shape is None:
+            return super().make_layer(cfg, layout, rope_index, index)
+        return ExpertsLayer(cfg, layout, rope_index, index, self.expert_shape)
+
+    def checkpoint_tensors(
+        self, tensors: Iterator[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The fused experts tensors ([E, 2I, H], [E, H, I]) as one view per expert."""
+        if self.expert_shape is None:
+            return tensors
+        return unfuse_experts(tensors, self.expert_shape, self.cfg.hidden_size)
+
+    def weight_map(self, prefix: str = "model.", lm_head: str = "lm_head.") -> Callable:
+        """The shared map, with each layer's experts under its `experts` block."""
+        base = super().weight_map(prefix, lm_head)
+
+        def mapping(name: str):
+            target = base(name)
+            if target is not None and self.expert_shape is not None and ".experts." in target[0]:
+                ours, shard = target
+                head, _, tail = ours.partition(".experts.")
+                return f"{head}.experts.experts.{tail}", shard
+            return target
+
+        return mapping
+
+
+class Gemma4ForCausalLM(Gemma4Decoder):
     """Gemma 4's decoder alone (a `gemma4_text` checkpoint)."""
+
+    def __init__(self, hf_config, max_positions: int, device: torch.device) -> None:
+        super().__init__(hf_config, self.tied_head(hf_config)[0], max_positions, device)
 
     @classmethod
     def from_hf_config(cls, hf_config, max_positions: int, device: torch.device):
-        return cls(decoder_config(hf_config, cls.tied_head(hf_config)[0]), max_positions,
-                   device)
+        return cls(hf_config, max_positions, device)
 
     def checkpoint_map(self) -> Callable:
         return self.weight_map()

@@ -147,7 +147,8 @@ class Decoder(nn.Module):
         whole-decoder call will."""
         self.native_decode = NativeDecode.build(self)
         sparse = [m for m in self.modules() if isinstance(m, RoutedExperts)]
-        taken = sum(block.prepare_decode() for block in sparse)
+        dtype = self.embed_tokens.weight.dtype
+        taken = sum(block.prepare_decode(dtype) for block in sparse)
         if taken:
             log.info("decode steps run the routed experts of %d of %d sparse blocks in one "
                      "native call each", taken, len(sparse))

@@ -105,11 +105,13 @@ class RoutedExperts(nn.Module):
             for _ in range(shape.num_experts))
         self.native: NativeExperts | None = None  # set by prepare_decode
 
-    def prepare_decode(self) -> bool:
+    def prepare_decode(self, dtype: torch.dtype | None = None) -> bool:
         """Once the linears are placed and planned, on the CPU: run the routed experts of the
-        decode steps it can take in one native call (models.kernels.native_experts)."""
+        decode steps it can take in one native call (models.kernels.native_experts), in
+        `dtype` (the model's; SparseMoE's router has it)."""
+        dtype = dtype or self.gate.weight.dtype
         self.native = NativeExperts.build(
-            [(e.gate_up_proj, e.down_proj) for e in self.experts], self.gate.weight.dtype,
+            [(e.gate_up_proj, e.down_proj) for e in self.experts], dtype,
             all(e.fused_silu for e in self.experts))
         return self.native is not None
 
