@@ -82,12 +82,22 @@ def _sizes(report: Report, setup: CheckpointSetup, dtype: torch.dtype) -> None:
         model = setup.spec.model.from_hf_config(setup.hf_config, 1, torch.device("meta"))
     mapping = model.checkpoint_map()
     total, names = 0, set()
+    skipped: dict[str, int] = {}  # tensors the model does not read, by their name's first part
     for file in weight_files(setup.path):
         for name, info in safetensors_header(file).items():
-            if name == "__metadata__" or mapping(name) is None:
+            if name == "__metadata__":
+                continue
+            if mapping(name) is None:
+                parts = name.split(".")
+                group = ".".join(parts[:2] if parts[0] == "model" else parts[:1]) + ".*"
+                skipped[group] = skipped.get(group, 0) + 1
                 continue
             names.add(mapping(name)[0])
             total += DTYPE_BYTES[dtype] * _numel(info["shape"])
+    if skipped:
+        report.rows.append(("model", "tensors read past", ", ".join(
+            f"{group} ({n})" for group, n in sorted(skipped.items())),
+            "the weights files (e.g. a drafter's or speech output's: not built)"))
     report.weight_bytes = total
     report.per_layer_table_bytes = model.per_layer_table_bytes() // DTYPE_BYTES[
         model.embed_tokens.weight.dtype] * DTYPE_BYTES[dtype]

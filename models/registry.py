@@ -88,6 +88,12 @@ _VISION_VARIANTS: dict[tuple[str, str], ModelSpec] = {
 }
 
 
+# Drafters for speculative decoding: models that cannot run alone (their attention reads their
+# target's keys and values). Speculative decoding is not built: such a checkpoint is refused,
+# naming its target family; a target checkpoint that carries drafter tensors reads past them.
+_DRAFTERS = {"Gemma4AssistantForCausalLM": "Gemma 4"}
+
+
 def register(architecture: str, spec: ModelSpec) -> None:
     _REGISTRY[architecture] = spec
 
@@ -97,6 +103,11 @@ def resolve(hf_config) -> ModelSpec:
     archs = getattr(hf_config, "architectures", None) or []
     vision = getattr(getattr(hf_config, "vision_config", None), "model_type", None)
     for arch in archs:
+        if arch in _DRAFTERS:
+            raise ValueError(
+                f"{arch} is a speculative-decoding drafter for {_DRAFTERS[arch]}: it reads its "
+                "target's keys and values and cannot run alone; serve the target model "
+                "(speculative decoding is not built yet)")
         if (arch, vision) in _VISION_VARIANTS:
             return _VISION_VARIANTS[arch, vision]
         if arch in _REGISTRY:

@@ -118,11 +118,52 @@ def test_config_layouts_kv_sharing_and_memory(path, llm, tmp_path):
     stats = llm.stats()
     assert stats["kv_layers"] == "4 of 6 layers (2 read another layer's)"
     assert stats["per_layer_table_bytes"] == model.per_layer_inputs.table_bytes() > 0
+    # The native decode call declines these layers (it implements none of their features).
+    from models.kernels.native_decode import unsupported
+
     assert llm.engine.runner.native_decode is False
+    assert "value norms are not implemented" in unsupported(model)
     assert llm.engine.runner.span_windows == (12,)  # global layers stay causal on spans
     quantized = LLM(path, max_model_len=256, quantization="int8").engine.runner.model
     assert isinstance(quantized.per_layer_inputs.embed_tokens_per_layer, torch.nn.Embedding)
     assert quantized.layers[0].per_layer_input.per_layer_input_gate.is_quantized
+
+
+def test_inspect_reads_past_drafter_tensors_and_refuses_a_drafter(path, tmp_path):
+    """A checkpoint carrying a drafter's tensors (for speculative decoding, not built) loads
+    without them and the inspector says so; a drafter alone is refused, naming its target."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from engine.inspect import inspect, render
+    from models.registry import resolve
+
+    copy = shutil.copytree(path, tmp_path / "with-drafter")
+    tensors = load_file(copy / "model.safetensors")
+    tensors["assistant.pre_projection.weight"] = torch.zeros(4, 4)
+    save_file(tensors, copy / "model.safetensors", metadata={"format": "pt"})
+    report = inspect(copy)
+    assert not report.unsupported
+    rows = {key: value for _, key, value, _ in report.rows}
+    assert rows["tensors read past"] == "assistant.* (1)"
+    text = render(report)
+    assert "per-layer embedding table" in text and "4 of 6 layers hold it" in text
+    config = json.loads((copy / "config.json").read_text())
+    drafter = SimpleNamespace(architectures=["Gemma4AssistantForCausalLM"], **{
+        k: v for k, v in config.items() if k == "model_type"})
+    with pytest.raises(ValueError, match="speculative-decoding drafter for Gemma 4"):
+        resolve(drafter)
+
+
+def test_token_id_prompts_expand_like_text(llm, refs):
+    messages = CASES["image"]
+    _, media = process_chat(llm, messages)
+    ids = llm.engine.tokenizer.encode(llm.engine.processor.render_chat(messages).text,
+                                      add_special_tokens=False)
+    out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": media}, GREEDY)[0]
+    assert out.outputs[0].token_ids == refs["image"][0]
 
 
 def test_processing_matches_transformers(path, llm):
