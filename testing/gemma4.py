@@ -47,13 +47,16 @@ PATCH_SIZE = 4
 MEL_BINS = 32
 
 
-def gemma4_tokenizer(vocab_size: int = 600):
+def gemma4_tokenizer(vocab_size: int = 600, kind: str = "bytes"):
+    """A tokenizer (`train_tokenizer`'s `kind`) with Gemma 4's special tokens, named as its
+    processor reads them (`tokenizer.boi_token`, ...)."""
     from transformers import PreTrainedTokenizerFast
 
-    trained = train_tokenizer(GEMMA4_SPECIAL, vocab_size, GEMMA4_CHAT_TEMPLATE, "<turn|>")
+    trained = train_tokenizer(GEMMA4_SPECIAL, vocab_size, GEMMA4_CHAT_TEMPLATE, "<turn|>", kind)
+    extra = {"unk_token": trained.unk_token} if trained.unk_token else {}
     tok = PreTrainedTokenizerFast(
         tokenizer_object=trained.backend_tokenizer, eos_token="<turn|>", pad_token="<pad>",
-        bos_token="<bos>", extra_special_tokens=GEMMA4_TOKEN_NAMES)
+        bos_token="<bos>", extra_special_tokens=GEMMA4_TOKEN_NAMES, **extra)
     tok.chat_template = GEMMA4_CHAT_TEMPLATE
     return tok
 
@@ -99,13 +102,14 @@ def build_gemma4_model(
     image_soft_tokens: int = 70,
     video_soft_tokens: int = 70,
     num_frames: int = 4,
+    tokenizer_kind: str = "bytes",
     **text_overrides,
 ) -> Path:
     """A tiny Gemma 4 at `path` (see the module docstring); `text_only` saves
-    Gemma4ForCausalLM (no towers, no processor)."""
+    Gemma4ForCausalLM (no towers, no processor); `tokenizer_kind` as `train_tokenizer`'s."""
     import transformers
 
-    tokenizer = gemma4_tokenizer()
+    tokenizer = gemma4_tokenizer(kind=tokenizer_kind)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in GEMMA4_SPECIAL}
     text = text_config(tokenizer, experts=experts, **text_overrides)
     if text_only:

@@ -52,9 +52,13 @@ DEMO_LINEUP = (
     # per 2 s in the placeholder strip).
     DemoModel("demo-qwen2.5-omni", "testing.qwen_omni:build_qwen_omni_model",
               {"tokenizer_kind": "words"}),
+    # Gemma 4 (E-size): images, videos and audio; each image's and frame's soft-token budget
+    # shows in the placeholder strip (mm_processor_kwargs max_soft_tokens changes it).
+    DemoModel("demo-gemma4", "testing.gemma4:build_gemma4_model",
+              {"tokenizer_kind": "words"}),
 )
 # Bumped when the lineup's checkpoints change, so that cached older ones are not reused.
-DEMO_VERSION = 4
+DEMO_VERSION = 5
 
 
 @dataclass(frozen=True)
