@@ -187,12 +187,16 @@ def save_gemma4_processor(path: Path, tokenizer, *, image_soft_tokens: int = 70,
                                                  max_soft_tokens=image_soft_tokens)
     features = transformers.Gemma4AudioFeatureExtractor(feature_size=MEL_BINS)
     feature_dict = json.loads(features.to_json_string())
+    # Every setting the class's to_dict() writes (its own and the base class's).
     video = {"video_processor_type": "Gemma4VideoProcessor", "patch_size": PATCH_SIZE,
              "max_soft_tokens": video_soft_tokens, "pooling_kernel_size": 3,
              "num_frames": num_frames, "do_sample_frames": True, "do_resize": True,
              "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
              "image_mean": [0.0, 0.0, 0.0], "image_std": [1.0, 1.0, 1.0], "resample": 3,
-             "do_convert_rgb": True}
+             "do_convert_rgb": True, "size": None, "default_to_square": True, "fps": None,
+             "crop_size": None, "do_center_crop": None, "do_pad": None,
+             "video_metadata": None, "return_metadata": False, "data_format": "channels_first",
+             "input_data_format": None, "device": None}
     return save_processor(path, "Gemma4Processor", tokenizer, image_processor=image,
                           video_settings=video, components={"feature_extractor": feature_dict},
                           fields={"image_seq_length": image_soft_tokens,

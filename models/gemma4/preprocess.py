@@ -29,12 +29,13 @@ _PIXELS = {"do_convert_rgb": True, "do_resize": True, "resample": Image.Resampli
            "image_std": [1.0, 1.0, 1.0], "patch_size": 16, "pooling_kernel_size": 3}
 IMAGE_PROCESSOR = Schema("Gemma4ImageProcessor", {
     **_PIXELS, "do_normalize": False, "max_soft_tokens": 280})
-# `size` and `default_to_square` are the base class's resize settings, which Gemma 4's
-# aspect-preserving resize does not read.
+# `size`, `default_to_square`, cropping and padding are the base class's settings (its to_dict
+# writes them all), which Gemma 4's aspect-preserving resize does not read.
 VIDEO_PROCESSOR = Schema("Gemma4VideoProcessor", {
     **_PIXELS, "do_normalize": True, "max_soft_tokens": 70, "num_frames": 32},
     fixed={"do_sample_frames": True, "fps": None},
-    inert=frozenset({"size", "default_to_square", "video_metadata", "return_metadata"}))
+    inert=frozenset({"size", "default_to_square", "video_metadata", "return_metadata",
+                     "crop_size", "do_center_crop", "do_pad"}))
 # Gemma4Processor's own fields: image_seq_length and audio_seq_length are stored but not what
 # it expands by (each item's own count is), audio_ms_per_token is documentation.
 PROCESSOR = Schema("Gemma4Processor", {
