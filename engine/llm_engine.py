@@ -103,11 +103,13 @@ class LLMEngine:
         self.checkpoint_settings = checkpoint_settings(setup, mm_processor, self.runner.adapters)
         self.num_steps = 0
         self.num_errors = 0
+        kv = self.kv_stats()
         log.info(
-            "engine ready: %s (%s), %d KV blocks x %d tokens, max_model_len %d%s",
-            self.model_id, self.weights_description(),
-            layout.num_blocks, layout.block_size, self.max_model_len,
-            self._states_line() + self._cross_line(),
+            "engine ready: %s (%s), %d KV blocks x %d tokens (%s), max_model_len %d%s%s",
+            self.model_id, self.weights_description(), layout.num_blocks, layout.block_size,
+            kv["kv_layers"], self.max_model_len, self._states_line() + self._cross_line(),
+            f"; per-layer embedding table {kv['per_layer_table_bytes'] / 2**30:.2f} GiB, read "
+            "a few rows per step" if "per_layer_table_bytes" in kv else "",
         )
 
     # ---- requests ---------------------------------------------------------------------------
@@ -404,6 +406,7 @@ class LLMEngine:
             "weights": self.weights_description(),
             "checkpoint": self.checkpoint_settings,
             **self.block_manager.stats(),
+            **self.kv_stats(),
             **self.encoder_cache.stats(),
             **self.state_stats(),
             **self.cross_stats(),
@@ -418,6 +421,21 @@ class LLMEngine:
         return {"cross_attention_layers": cross.num_layers,
                 "cross_attention_bytes_per_key": cross.bytes_per_key,
                 "cross_attention_cache_bytes": cross.nbytes}
+
+    def kv_stats(self) -> dict[str, Any]:
+        """The KV cache's bytes per block and the layers that hold it (a layer reading another
+        layer's keys and values holds none), and the bytes of a per-layer embedding table
+        (weights a step reads a few rows of), where the model has one."""
+        layers = self.runner.model.attention_layers()
+        shared = sum(a.kv_source is not None for a in layers)
+        out: dict[str, Any] = {
+            "kv_bytes_per_block": self.runner.layout.bytes_per_block,
+            "kv_layers": f"{len(layers) - shared} of {len(layers)} layers"
+            + (f" ({shared} read another layer's)" if shared else "")}
+        table = self.runner.model.per_layer_table_bytes()
+        if table:
+            out["per_layer_table_bytes"] = table
+        return out
 
     def state_stats(self) -> dict[str, Any]:
         """The linear-attention state cache (hybrid models; empty for the others): slots and

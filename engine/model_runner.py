@@ -161,9 +161,11 @@ class ModelRunner:
             plan_linears(self.model, dtype)
         self.vocab_size = self.model.cfg.vocab_size
         self.windows = self.model.attention_windows()
+        self.span_windows = _span_windows(self.model.attention_layers())
         cfg = self.model.cfg
+        kv_heads, head_dim = _common_kv_shape(self.model.attention_layers())
         self.decode_kernel = choose_decode_kernel(
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype, device, config.block_size
+            cfg.num_heads, kv_heads, head_dim, dtype, device, config.block_size
         )
         self.attention_backend = choose_backend(device, dtype)
         # Cross-attention layers' keys and values (engine/cross_states.py), out of the KV budget.
@@ -181,10 +183,11 @@ class ModelRunner:
 
     def _plan_kv_cache(self, max_model_len: int, reserved: int = 0) -> CacheLayout:
         """`reserved`: bytes the automatic budget leaves to other states."""
-        cfg, bs = self.model.cfg, self.config.block_size
+        bs = self.config.block_size
         elem = torch.finfo(self.dtype).bits // 8
-        layers = len(self.model.attention_layers())
-        per_block = 2 * layers * bs * cfg.num_kv_heads * cfg.head_dim * elem
+        # Layers reading another layer's keys and values hold no cache of their own.
+        per_block = sum(2 * bs * a.num_kv_heads * a.head_dim * elem
+                        for a in self.model.attention_layers() if a.kv_source is None)
         useful = self.config.max_num_seqs * -(-max_model_len // bs) * per_block
         budget = self.config.kv_cache_bytes
         if budget is None:
@@ -200,15 +203,20 @@ class ModelRunner:
         return CacheLayout(num_blocks, bs, max_model_len, per_block)
 
     def _allocate_kv_cache(self) -> list[torch.Tensor]:
-        cfg, lay = self.model.cfg, self.layout
-        shape = (2, cfg.num_kv_heads, lay.num_blocks, lay.block_size, cfg.head_dim)
-        # Zeros, not empty: padded gathers read unused slots, and NaN garbage there would
-        # leak through SDPA's masked softmax (0 * NaN).
-        layers = self.model.attention_layers()
-        caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers]
-        for attn, cache in zip(layers, caches, strict=True):
-            attn.kv_cache = cache
-        return caches
+        """A cache [2, Hkv, blocks, block_size, D] per attention layer with keys and values of
+        its own; one reading another's (KV sharing) is bound to that cache."""
+        lay = self.layout
+        caches: dict[int, torch.Tensor] = {}
+        for attn in self.model.attention_layers():
+            if attn.kv_source is not None:
+                attn.kv_cache = caches[attn.kv_source]
+                continue
+            shape = (2, attn.num_kv_heads, lay.num_blocks, lay.block_size, attn.head_dim)
+            # Zeros, not empty: padded gathers read unused slots, and NaN garbage there would
+            # leak through SDPA's masked softmax (0 * NaN).
+            attn.kv_cache = caches[attn.index] = torch.zeros(shape, dtype=self.dtype,
+                                                              device=self.device)
+        return list(caches.values())
 
     def _allocate_states(self) -> StateLayout | None:
         """The linear-attention layers' state pools (None for a model without such layers):
@@ -253,6 +261,7 @@ class ModelRunner:
             [c.req.block_ids for c in chunks], self.layout.block_size, self.device, self.dtype,
             windows=self.windows, bidirectional=[_bidirectional_spans(c) for c in chunks],
             decode_kernel=self.decode_kernel, backend=self.attention_backend,
+            span_windows=self.span_windows,
         )
         if self.state_layout is not None:
             meta.states = build_state_metadata(
@@ -416,6 +425,26 @@ def _bidirectional_spans(chunk) -> list[tuple[int, int]]:
         if span.bidirectional and span.offset < chunk.end and span.end > chunk.start:
             spans.append((max(span.offset, chunk.start), span.end))
     return spans
+
+
+def _span_windows(layers) -> tuple[int | None, ...]:
+    """The windows whose layers attend bidirectional spans both ways (metadata is per window,
+    so the layers sharing one must agree)."""
+    kinds: dict[int | None, set[bool]] = {}
+    for a in layers:
+        kinds.setdefault(a.layout.sliding_window, set()).add(a.layout.bidirectional)
+    mixed = [w for w, k in kinds.items() if len(k) > 1]
+    if mixed:
+        raise NotImplementedError(f"layers with window {mixed[0]} differ in whether they "
+                                  "attend media spans both ways")
+    return tuple(w for w, k in kinds.items() if True in k)
+
+
+def _common_kv_shape(layers) -> tuple[int, int]:
+    """The (KV heads, head size) most attention layers have (the decode kernel is timed at it;
+    every kernel serves every shape)."""
+    shapes = [(a.num_kv_heads, a.head_dim) for a in layers]
+    return max(dict.fromkeys(shapes), key=shapes.count)
 
 
 def context_length(hf_config) -> tuple[int, str]:

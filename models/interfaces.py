@@ -372,7 +372,15 @@ class LanguageModel(Protocol):
         ...
 
     def attention_layers(self) -> list[Any]:
-        """Modules with a `kv_cache` attribute the runner binds, one per attention layer."""
+        """Modules with a `kv_cache` attribute the runner binds, one per attention layer, each
+        with its `index` (the layer's), `num_kv_heads`, `head_dim`, `layout`
+        (models.layers.attention.LayerAttention) and `kv_source`: the index of the layer whose
+        keys and values it reads (bound to that layer's cache, allocating none), or None."""
+        ...
+
+    def per_layer_table_bytes(self) -> int:
+        """Bytes of weights a step reads only a few rows of besides the token embeddings (a
+        per-layer embedding table; 0: none), counted apart in the memory figures."""
         ...
 
     def state_layers(self) -> list[Any]:

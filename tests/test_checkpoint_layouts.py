@@ -82,6 +82,29 @@ def _gemma(path, text, media, tokenizer):
     return inputs
 
 
+def _gemma4(path, text, media, tokenizer):
+    """Gemma4Processor needs torchvision (its video processor): its image processor is loaded
+    from the checkpoint as a user's would be, and each image's placeholder written out by the
+    processor class's own method; one image needs no patch padding."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    pixels = transformers.AutoImageProcessor.from_pretrained(path)(
+        images=media, return_tensors="pt")
+    fake = SimpleNamespace(boi_token="<|image>", eoi_token="<image|>", image_token="<|image|>")
+    parts = text.split("<|image|>")
+    text = parts[0] + "".join(transformers.Gemma4Processor.replace_image_token(fake, pixels, i)
+                              + p for i, p in enumerate(parts[1:]))
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    n = int((pixels["image_position_ids"][0] >= 0).all(-1).sum())
+    image_id = tokenizer.convert_tokens_to_ids("<|image|>")
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+            "mm_token_type_ids": (ids == image_id).long(),
+            "pixel_values": pixels["pixel_values"][:, :n],
+            "image_position_ids": pixels["image_position_ids"][:, :n]}
+
+
 def _pixtral(path, text, media, tokenizer):
     from testing.mistral3 import pixtral_processor_class
 
@@ -214,6 +237,7 @@ TINY_EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_si
 
 def _families() -> dict[str, Family]:
     from testing.gemma3 import build_gemma3_model
+    from testing.gemma4 import build_gemma4_model
     from testing.internvl import build_internvl_model, rename_to_transformers5_keys
     from testing.minicpmv import build_minicpmv_model
     from testing.mistral3 import build_mistral3_model
@@ -231,6 +255,8 @@ def _families() -> dict[str, Family]:
         "llava-next": Family(_llava(next_=True), _image, _auto_processor),
         "gemma3": Family(lambda p, tie: build_gemma3_model(p, tie_word_embeddings=tie), _image,
                          _gemma),
+        "gemma4": Family(lambda p, tie: build_gemma4_model(p, tie_word_embeddings=tie,
+                                                           audio=False), _image, _gemma4),
         "idefics3": Family(lambda p, tie: build_smolvlm_model(
             p, arch="idefics3", tie_word_embeddings=tie), _image, _auto_processor),
         "smolvlm": Family(lambda p, tie: build_smolvlm_model(p, tie_word_embeddings=tie),
@@ -371,7 +397,7 @@ def _check_layout(path: Path, layout: str) -> None:
 
 TEXT_CASES = [(f, layout, tie)
               for f in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text",
-                        "qwen3_5_text")
+                        "qwen3_5_text", "gemma4_text")
               for layout in ("transformers5", "legacy-tokenizer-template")
               for tie in (False, True)]
 
@@ -389,6 +415,11 @@ def test_text_families_in_both_layouts(tmp_path, family, layout, tie):
 
     if family == "qwen3_5_text":  # hybrid: Gated DeltaNet and attention layers
         path = build_qwen3_5_text_model(tmp_path / "m", tie_word_embeddings=tie)
+    elif family == "gemma4_text":  # per-layer inputs, KV sharing; the Hub's config.json
+        from testing.gemma4 import build_gemma4_model
+
+        path = build_gemma4_model(tmp_path / "m", text_only=True, tie_word_embeddings=tie,
+                                  config_layout="hub" if tie else "transformers5")
     else:
         overrides = {"head_dim": 16, "query_pre_attn_scalar": 16} \
             if family == "gemma3_text" else {}

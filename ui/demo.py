@@ -68,9 +68,13 @@ DEMO_LINEUP = (
     # panel shows both parts of its span), a video is one picture per second.
     DemoModel("demo-minicpm-v-4.6", "testing.minicpmv:build_minicpmv_model",
               {"tokenizer_kind": "words"}),
+    # Gemma 4 (E-size): images, videos and audio; each image's and frame's soft-token budget
+    # shows in the placeholder strip (mm_processor_kwargs max_soft_tokens changes it).
+    DemoModel("demo-gemma4", "testing.gemma4:build_gemma4_model",
+              {"tokenizer_kind": "words"}),
 )
 # Bumped when the lineup's checkpoints change, so that cached older ones are not reused.
-DEMO_VERSION = 8
+DEMO_VERSION = 9
 
 
 @dataclass(frozen=True)

@@ -272,8 +272,12 @@ def engine_html(stats: Mapping[str, Any]) -> str:
         *([f"<b>Weights</b>: {html.escape(str(stats['weights']))}"] if "weights" in stats else []),
         _meter(
             "KV blocks in use", stats.get("kv_blocks_used", 0), stats.get("kv_blocks_total", 0),
-            f"{stats.get('kv_blocks_cached', 0)} cached for prefix reuse",
+            f"{stats.get('kv_blocks_cached', 0)} cached for prefix reuse"
+            + (f"; {stats['kv_bytes_per_block'] / 1024:.0f} KiB per block over "
+               f"{stats['kv_layers']}" if "kv_layers" in stats else ""),
         ),
+        *([f"<b>Per-layer embeddings</b>: {stats['per_layer_table_bytes'] / 2**20:.0f} MiB, "
+           "a few rows read per step"] if "per_layer_table_bytes" in stats else []),
         f"<b>Prefix cache hit rate</b>: {pct(stats.get('prefix_cache_hit_rate', 0.0))} of "
         f"{stats.get('prefix_cache_queried_tokens', 0)} queried tokens",
     ]

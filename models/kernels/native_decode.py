@@ -8,8 +8,9 @@ result is theirs to the bit; it only replaces the calls. It therefore takes a st
 the modules would run exactly those kernels:
 
 - the layers have the shape the kernel implements (pre-norm residual, gated SiLU MLP, full
-  attention without soft-capping; optional q / k norms and biases), with the fused decode ops
-  on, which `unsupported` checks once when the runner prepares the model;
+  attention without soft-capping; optional q / k norms and biases; every layer of one shape,
+  with keys and values of its own, no per-layer inputs or output scalars), with the fused
+  decode ops on, which `unsupported` checks once when the runner prepares the model;
 - every linear's planned formulation (models.kernels.plan) for the step's row count is ours
   ("native"): where PyTorch's measured faster for some layer, the modules run;
 - the step decodes only (one token per request), attended by our paged kernel
@@ -93,6 +94,15 @@ def unsupported(model: DecoderStack) -> str | None:
             return f"layer {i} runs a forward of its own"
         if attn.output_gate or attn.rotary_dim != attn.head_dim:
             return "attention output gates and partial rotary embeddings are not implemented"
+        cfg = model.cfg
+        if (attn.num_kv_heads, attn.head_dim) != (cfg.num_kv_heads, cfg.head_dim) or (
+                mlp.intermediate != cfg.intermediate_size):
+            return "layers of different shapes are not implemented"
+        if attn.kv_source is not None or attn.values_are_keys or attn.v_norm:
+            return ("layers sharing keys and values, values that are the keys and value norms "
+                    "are not implemented")
+        if layer.per_layer_input is not None or layer.scaled:
+            return "per-layer inputs and layer output scalars are not implemented"
         if layer.sandwich:
             return "layers with norms after attention and MLP are not implemented"
         if not mlp.fused_silu:

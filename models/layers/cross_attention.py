@@ -81,7 +81,8 @@ class CrossAttentionLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act)
         self.cross_attn_mlp_gate = nn.Parameter(torch.zeros(1))
 
-    def forward(self, h: torch.Tensor, rotary: list, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, rotary: list, meta: AttentionMetadata,
+                per_layer: torch.Tensor | None = None) -> torch.Tensor:
         plan = meta.cross
         if plan is None:  # no row of the step attends to an item
             return h

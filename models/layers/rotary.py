@@ -18,7 +18,9 @@ def rope_inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
     Supports rope_type default, linear (positions divided by `factor`, folded into the
     frequencies), llama3 (long wavelengths slowed by `factor`, a smooth blend in between) and
     longrope with its `short_factor` per frequency (the frequencies transformers uses while a
-    sequence is within `original_max_position_embeddings`; the runner serves no longer ones).
+    sequence is within `original_max_position_embeddings`; the runner serves no longer ones),
+    proportional (the first `partial_rotary_factor` of the pairs rotate at the frequencies of
+    the whole head size, the rest not at all: zero frequency).
     """
     kind = rope.get("rope_type", rope.get("type", "default"))
     base = float(rope.get("rope_theta", 10000.0))
@@ -28,6 +30,10 @@ def rope_inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
         return inv
     if kind == "linear":
         return inv / float(rope["factor"])
+    if kind == "proportional":
+        angles = int(float(rope.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+        inv = torch.cat([inv[:angles], torch.zeros(head_dim // 2 - angles, device="cpu")])
+        return inv / float(rope.get("factor", 1.0))
     if kind == "llama3":
         factor, lo, hi = float(rope["factor"]), rope["low_freq_factor"], rope["high_freq_factor"]
         old_len = rope["original_max_position_embeddings"]
@@ -45,7 +51,7 @@ def rope_inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
         return 1.0 / (factors * base ** (steps / head_dim))
     raise NotImplementedError(
         f"rope_type {kind!r} is not supported yet (supported: default, linear, llama3, "
-        "longrope)"
+        "longrope, proportional)"
     )
 
 
