@@ -189,6 +189,8 @@ def test_forward_sources_never_read_tensors_back(path):
         source = source[source.index("def paged_attention") :]
     if path == "models/layers/moe.py":  # reads counts of CPU tensors only (tested below)
         source = _without_function(source, "_grouped_on_host")
+    if path == "models/layers/decoder.py":  # checkpoint names parsed while loading
+        source = _without_function(source, "weight_map")
     assert not HOST_READS.search(source), HOST_READS.search(source)
 
 
