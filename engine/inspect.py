@@ -2,8 +2,9 @@
 without loading its weights. It prints the architecture and the model class, the dtype, whether
 the LM head is tied, the chat template's source, the EOS ids and default sampling, every
 processor setting with the file (or class default) it came from, the weights' and the KV cache's
-estimated bytes, and what is not supported. Run it first on a new download; it exits with 1
-when the engine would refuse the checkpoint.
+estimated bytes, and what is not supported. For a GGUF file: every config setting with the
+metadata key it came from (or the config class's default), and its tensors per block type.
+Run it first on a new download; it exits with 1 when the engine would refuse the checkpoint.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from engine.checkpoint_setup import CheckpointSetup
 from engine.device import resolve_dtype
 from engine.hub import resolve_model
 from models.checkpoint import CheckpointError, safetensors_header, weight_files
+from models.gguf.load import GGUFWeights
+from models.gguf.tensors import BLOCK
 from models.interfaces import ProcessorContext
 
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
@@ -79,20 +82,34 @@ def _sizes(report: Report, setup: CheckpointSetup, dtype: torch.dtype) -> None:
         model = setup.spec.model.from_hf_config(setup.hf_config, 1, torch.device("meta"))
     mapping = model.checkpoint_map()
     total, names = 0, set()
-    for file in weight_files(setup.path):
+    if setup.gguf is not None:
+        report.weight_bytes = gguf_weight_bytes(setup, model, dtype)
+    for file in weight_files(setup.path) if setup.gguf is None else []:
         for name, info in safetensors_header(file).items():
             if name == "__metadata__" or mapping(name) is None:
                 continue
             names.add(mapping(name)[0])
             total += DTYPE_BYTES[dtype] * _numel(info["shape"])
-    report.weight_bytes = total
+    if setup.gguf is None:
+        report.weight_bytes = total
     shape = model.cfg
     report.kv_bytes_per_token = (2 * shape.num_layers * shape.num_kv_heads * shape.head_dim
                                  * DTYPE_BYTES[dtype])
-    if not setup.tie_word_embeddings and "lm_head.weight" not in names:
+    if not setup.tie_word_embeddings and "lm_head.weight" not in names and setup.gguf is None:
         report.unsupported.append(
             "the checkpoint has no lm_head.weight and the config does not tie the head to the "
             "token embeddings")
+
+
+def gguf_weight_bytes(setup: CheckpointSetup, model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """A GGUF file's weights as the engine holds them (without `quantization`): its Q4_0 / Q4_1
+    linears in our int4 pack at group 32 (K / 2 bytes per row and a bfloat16 scale and zero per
+    32 inputs), the other tensors dequantized to `dtype`. Raises GGUFError as loading would."""
+    weights = GGUFWeights(setup.path, setup.hf_config, dequantize_all=False)
+    weights.plan(model, model.checkpoint_map())
+    stored = sum(info.numel for parts in weights.stored.values() for info, _ in parts)
+    dense = sum(info.numel for _, info in weights.dense)
+    return stored // 2 + stored // BLOCK * 4 + dense * DTYPE_BYTES[dtype]
 
 
 def _numel(shape: list[int]) -> int:
