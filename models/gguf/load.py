@@ -26,6 +26,7 @@ from models.gguf.tensors import (
     Rearrange,
     hf_name,
     read_dense,
+    readable,
     read_int4,
 )
 from models.kernels.linear import Linear
@@ -58,6 +59,10 @@ class GGUFWeights:
         parts: dict[str, list[Part]] = {}
         name = self.file.path.name
         for info in self.file.tensors:
+            if not readable(info.ggml_type):
+                raise GGUFError(f"{name}: tensor {info.name} is of type {info.type_name}, "
+                                "which mmserve does not read (gguf-py has no dequantizer for "
+                                "it)")
             checkpoint = hf_name(info.name, self.family)
             target = None if checkpoint is None else mapping(checkpoint)
             if checkpoint is None or (target is None and checkpoint.startswith("model.")):

@@ -19,6 +19,7 @@ offset given that s (0 for a Q4_0 block whose d bfloat16 holds exactly). q is th
 
 from __future__ import annotations
 
+import functools
 import re
 
 import numpy as np
@@ -116,13 +117,49 @@ def read_int4(file: GGUFFile, info: TensorInfo, rearrange: Rearrange
     else:
         m, packed = -8 * d, blocks[:, 2:]
     q = np.concatenate([packed & 15, packed >> 4], axis=1)  # [B, 32]: low nibbles first
-    scale = torch.from_numpy(d).to(torch.bfloat16)  # s = d, rounded
-    s = scale.float().numpy()
-    # The least-squares z for these q and s: mean over the block of w - (q - 8) s.
-    centred = q.astype(np.float32).mean(axis=1, keepdims=True) - 8
-    zero = torch.from_numpy(m + (centred + 8) * d - centred * s).to(torch.bfloat16)
-    sz = torch.cat([scale, zero], dim=1).reshape(n, k // BLOCK, 2)
+    centred = q.astype(np.float32) - 8
+    w = centred * d + (m + 8 * d)  # the file's values: q d + m
+    best_err, scale, zero = None, None, None
+    for s in _bf16_neighbours(d):  # d rounded down and up to bfloat16
+        # The least-squares z for these q and s (mean of w - (q - 8) s), rounded.
+        z = _bf16((w - centred * s).mean(axis=1, keepdims=True))
+        err = np.square(centred * s + z - w).sum(axis=1, keepdims=True)
+        if best_err is None:
+            best_err, scale, zero = err, s, z
+        else:
+            better = err < best_err
+            best_err = np.where(better, err, best_err)
+            scale, zero = np.where(better, s, scale), np.where(better, z, zero)
+    sz = torch.from_numpy(np.concatenate([scale, zero], axis=1)).to(torch.bfloat16)
+    sz = sz.reshape(n, k // BLOCK, 2)
     return torch.from_numpy(q.reshape(n, k)), sz
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bfloat16 (nearest, ties to even), as float32."""
+    return torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(torch.bfloat16).float().numpy()
+
+
+def _bf16_neighbours(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The bfloat16 values at or below and at or above each (positive) float32 value."""
+    bits = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    down = (bits & np.uint32(0xFFFF0000)).view(np.float32)
+    up = ((bits + np.uint32(0xFFFF)) & np.uint32(0xFFFF0000)).view(np.float32)
+    return down, up
+
+
+@functools.cache
+def readable(ggml_type: GGMLQuantizationType) -> bool:
+    """Whether gguf-py dequantizes `ggml_type` (floats and block types; not the integer types
+    or blocks it has no dequantizer for)."""
+    if ggml_type.name.startswith("I") and ggml_type.name[1:].isdigit():
+        return False  # I8 ... I64: integers, not weights
+    block, nbytes = GGML_QUANT_SIZES[ggml_type]
+    try:
+        dequantize(np.zeros((1, nbytes), dtype=np.uint8), ggml_type)
+    except NotImplementedError:
+        return False
+    return True
 
 
 def bytes_per_weight(ggml_type: GGMLQuantizationType) -> float:
