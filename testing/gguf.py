@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter, MODEL_ARCH, get_tensor_name_map
+from gguf import MODEL_ARCH, GGMLQuantizationType, GGUFWriter, get_tensor_name_map
 from gguf.quants import quantize
 from safetensors.torch import load_file
 

@@ -26,8 +26,8 @@ from models.gguf.tensors import (
     Rearrange,
     hf_name,
     read_dense,
-    readable,
     read_int4,
+    readable,
 )
 from models.kernels.linear import Linear
 from models.kernels.quantization import QuantizedLinear, int4_supported, pack_int4
