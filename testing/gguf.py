@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -152,3 +153,25 @@ def dequantized(path: Path, name: str) -> torch.Tensor:
         if tensor.name == name:
             return torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy())
     raise KeyError(name)
+
+
+@contextmanager
+def one_parse_per_file() -> Iterator[None]:
+    """transformers' GGUF loader parses a file's header twice (config, then tensors) with
+    gguf-py's reader, half a minute each for a 262,144-token vocabulary: within this context
+    each file is parsed once (the reader is read-only; nothing else changes)."""
+    import gguf
+
+    original, readers = gguf.GGUFReader, {}
+
+    def reader(path, mode="r"):
+        key = (str(path), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
