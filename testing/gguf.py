@@ -32,7 +32,7 @@ Q4_0, Q4_1, Q8_0 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQua
 F16, F32 = GGMLQuantizationType.F16, GGMLQuantizationType.F32
 # A mix like a real quantized file's: the linears in 4 bits, v and the embeddings in 8.
 MIXED = {r"attn_[qko]|ffn_(gate|up)": Q4_1, r"ffn_down": Q4_0, r"attn_v|token_embd": Q8_0,
-         r"output\.": F16}
+         r"^output$": F16}
 
 
 def write_gguf(checkpoint: Path, out: Path, types: Mapping[str, GGMLQuantizationType] = MIXED,

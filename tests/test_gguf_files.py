@@ -138,6 +138,31 @@ def test_logits_match_transformers(files, references, family):
     assert (logits.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
 
 
+def test_q8_0_linears_as_our_int8(checkpoints, tmp_path):
+    """A Q8_0 file's linears become our int8 per output channel (its per-32 scales requantized),
+    or the int4 asked for; its embeddings stay dense."""
+    from transformers import AutoModelForCausalLM
+
+    from testing.gguf import write_gguf
+
+    path = write_gguf(checkpoints["qwen2"], tmp_path / "q8.gguf",
+                      types={r"attn_|ffn_|token_embd|^output$": GGMLQuantizationType.Q8_0})
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name,
+                                              dtype=torch.float32).eval()
+    ids = list(range(3, 43))
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    llm = LLM(path, dtype="float32", max_model_len=128)
+    layers = len(llm.engine.runner.model.layers)
+    assert llm.engine.runner.quantized_formats() == {"int8": 4 * layers + 1}  # and the head
+    logits = _logits(llm, ids)  # per-channel rounding, bfloat16 activations in the int kernels
+    assert (logits - ref).abs().mean() < 0.03 * ref.abs().mean()
+    assert (logits.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+    int4 = LLM(path, dtype="float32", max_model_len=128, quantization="int4",
+               quantization_group_size=32)
+    assert set(int4.engine.runner.quantized_formats()) == {"int4g32", "int8"}  # the head: int8
+
+
 def test_int4_blocks_hold_the_files_values(files):
     """Q4_0 and Q4_1 blocks as our int4: the values gguf-py dequantizes, up to the bfloat16
     rounding of scale and zero (d changes by under 2^-8 of itself, the offset by under 2^-8

@@ -5,7 +5,10 @@ handed to models.loader (which quantizes it as it fills, when the user asked for
 
 A linear runs as stored when every checkpoint tensor it is made of (q, k and v for our fused
 qkv_proj; gate and up) is Q4_0 or Q4_1 and our int4 pack takes its shape; otherwise all its parts
-are dequantized, so that one linear has one format.
+are dequantized, so that one linear has one format. A linear made of Q8_0 blocks only, when the
+user asked for no quantization, becomes our int8: Q8_0 has a scale per 32 inputs, which our int8
+kernels do not have, so its values are dequantized and quantized again per output channel (not
+as stored: the int8 values change by up to half a step of the channel's scale).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from models.gguf.config import read_config
@@ -41,14 +45,17 @@ Part = tuple[TensorInfo, Shard | None]
 class GGUFWeights:
     """A GGUF file's tensors for one model: which linears run as stored, and the rest."""
 
-    def __init__(self, path: Path, hf_config: Any, dequantize_all: bool) -> None:
+    def __init__(self, path: Path, hf_config: Any, dequantize_all: bool,
+                 requantize_q8: bool = False) -> None:
         self.file = GGUFFile(path)
         self.family = read_config(self.file).family
         text = hf_config.get_text_config()
         self.rearrange = Rearrange(self.family, text.num_attention_heads,
                                    text.num_key_value_heads)
         self.dequantize_all = dequantize_all
+        self.requantize_q8 = requantize_q8 and not dequantize_all
         self.stored: dict[str, list[Part]] = {}  # our weight name -> its parts, as stored
+        self.int8: dict[str, list[Part]] = {}  # our weight name -> its Q8_0 parts
         self.dense: list[tuple[str, TensorInfo]] = []  # (checkpoint name, tensor)
 
     def plan(self, model: nn.Module, mapping: Callable) -> None:
@@ -90,36 +97,47 @@ class GGUFWeights:
         linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, Linear)}
         for ours, found in parts.items():
             n, k = params[ours].shape if params[ours].dim() == 2 else (0, 0)
-            if (not self.dequantize_all and ours in linears and ours != "embed_tokens.weight"
-                    and all(info.ggml_type in STORED_INT4 for info, _ in found)
+            types = {info.ggml_type for info, _ in found}
+            if (not self.dequantize_all and ours in linears and types <= set(STORED_INT4)
                     and int4_supported(n, k, BLOCK)):
                 self.stored[ours] = found
+            elif self.requantize_q8 and ours in linears and types == {GGMLQuantizationType.Q8_0}:
+                self.int8[ours] = found
             else:
                 self.dense += [(hf_name(info.name, self.family), info) for info, _ in found]
         self.dense.sort(key=lambda item: item[1].offset)  # file order
 
     def defer(self, model: nn.Module) -> list[str]:
-        """build_on_meta's `defer`: the weights of the linears that run as stored."""
-        return list(self.stored)
+        """build_on_meta's `defer`: the weights of the linears placed here (not streamed)."""
+        return [*self.stored, *self.int8]
 
     @torch.no_grad()
     def place_stored(self, model: nn.Module, dtype: torch.dtype) -> None:
         """Replace each linear that runs as stored by a QuantizedLinear at group 32 made from
-        its blocks (its bias, if any, is left for the loader to fill)."""
+        its blocks, and each Q8_0 one by our int8 (its bias, if any, is left for the loader to
+        fill)."""
         for weight, found in self.stored.items():
-            owner_name, attr = weight.removesuffix(".weight").rpartition(".")[::2]
-            owner = model.get_submodule(owner_name)
-            linear = getattr(owner, attr)
+            owner, attr, linear = _linear(model, weight)
             n, k = linear.out_features, linear.in_features
             q = torch.empty(n, k, dtype=torch.uint8)
             sz = torch.empty(k // BLOCK, n, 2, dtype=torch.bfloat16)
             for info, shard in found:
-                rows = slice(0, n) if shard is None else slice(shard.start,
-                                                               shard.start + shard.size)
+                rows = _rows(shard, n)
                 q[rows], values = read_int4(self.file, info, self.rearrange)
                 sz[:, rows] = values.transpose(0, 1)
             bias = None if linear.bias is None else torch.empty(n, dtype=dtype)
             setattr(owner, attr, QuantizedLinear.from_int4(pack_int4(q), sz, bias, BLOCK))
+        for weight, found in self.int8.items():  # one linear dense at a time, in float32
+            owner, attr, linear = _linear(model, weight)
+            dense = torch.empty(linear.out_features, linear.in_features)
+            for info, shard in found:
+                dense[_rows(shard, dense.shape[0])] = read_dense(
+                    self.file, info, self.rearrange, torch.float32)
+            layer = QuantizedLinear(dense, None, "int8")
+            if linear.bias is not None:
+                layer.bias = nn.Parameter(torch.empty(dense.shape[0], dtype=dtype),
+                                          requires_grad=False)
+            setattr(owner, attr, layer)
 
     def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """(checkpoint name, tensor in `dtype`) of every tensor not placed as stored."""
@@ -129,11 +147,22 @@ class GGUFWeights:
     def summary(self) -> str:
         stored = sum(len(found) for found in self.stored.values())
         types = sorted({info.type_name for found in self.stored.values() for info, _ in found})
-        dense = f"{len(self.dense)} tensors dequantized"
-        if not stored:
-            return dense
-        return (f"{stored} {'/'.join(types)} tensors run as stored in {len(self.stored)} int4 "
-                f"linears, {dense}")
+        parts = [f"{stored} {'/'.join(types)} tensors run as stored in {len(self.stored)} int4 "
+                 "linears"] if stored else []
+        if self.int8:
+            q8 = sum(len(found) for found in self.int8.values())
+            parts.append(f"{q8} Q8_0 tensors as {len(self.int8)} int8 linears per channel")
+        return ", ".join([*parts, f"{len(self.dense)} tensors dequantized"])
+
+
+def _linear(model: nn.Module, weight: str) -> tuple[nn.Module, str, nn.Module]:
+    owner_name, _, attr = weight.removesuffix(".weight").rpartition(".")
+    owner = model.get_submodule(owner_name)
+    return owner, attr, getattr(owner, attr)
+
+
+def _rows(shard: Shard | None, n: int) -> slice:
+    return slice(0, n) if shard is None else slice(shard.start, shard.start + shard.size)
 
 
 def load_gguf(path: Path, hf_config: Any, factory: Callable[[], nn.Module], device: torch.device,
@@ -142,8 +171,10 @@ def load_gguf(path: Path, hf_config: Any, factory: Callable[[], nn.Module], devi
               ) -> tuple[nn.Module, str]:
     """Build the model with `factory` and fill it from the GGUF file at `path` (see the module
     docstring); `observer` and `defer` as for models.loader (weights quantized as they load).
-    Blocks run as stored only on the CPU (our int4 kernels). -> (model, what ran as stored)."""
-    weights = GGUFWeights(path, hf_config, dequantize_all or device.type != "cpu")
+    Blocks run as stored only on the CPU (our int4 kernels); Q8_0 linears become our int8 when
+    nothing else is asked (no `observer`). -> (model, what ran as stored)."""
+    weights = GGUFWeights(path, hf_config, dequantize_all or device.type != "cpu",
+                          requantize_q8=observer is None)
     with torch.device("meta"):
         probe = factory()
     mapping = probe.checkpoint_map()
@@ -154,7 +185,7 @@ def load_gguf(path: Path, hf_config: Any, factory: Callable[[], nn.Module], devi
         return sorted({*weights.defer(model), *(defer(model) if defer else [])})
 
     model = build_on_meta(factory, device, dtype,
-                          defer=defer_all if (weights.stored or defer) else None)
+                          defer=defer_all if (weights.stored or weights.int8 or defer) else None)
     weights.place_stored(model, dtype)
     load_weights(model, weights.tensors(dtype), model.checkpoint_map(), observer)
     log.info("%s: %s", path.name, weights.summary())
