@@ -234,16 +234,16 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192, help="of the GPL text, at most")
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--rows", default="all", help="comma-separated row names to run "
-                        "(ours, transformers, llama.cpp, stored), default all")
+    parser.add_argument("--rows", default="all", help="comma-separated names of the rows to "
+                        "run, a trailing * for a prefix (\"ours bfloat16,llama.cpp*\"); default "
+                        "all")
     parser.add_argument("--decode", action="store_true", help="our rows and transformers' "
                         "one decode step per token through the KV cache (as generation runs) "
                         "instead of one prefill per window; llama.cpp's stay batched")
     parser.add_argument("--json", type=Path, default=None, help="write the rows here too")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    wanted = set(args.rows.split(",")) if args.rows != "all" else {
-        "ours", "transformers", "llama.cpp", "stored"}
+    wanted = None if args.rows == "all" else args.rows.split(",")
 
     source = model_file(args.model)
     f32 = requantize(source, "f32")
@@ -266,19 +266,20 @@ def main() -> None:
         close()
         print(f"reference: ours float32 ({bits:.2f} bits/weight), perplexity "
               f"{np.exp(reference.nll / reference.rows):.3f}")
-        plans: list[tuple[str, Callable[[], tuple[Logits, float, Callable[[], None]]]]] = []
-        if "ours" in wanted:
-            plans += [(name, lambda o=options: ours(f32, args.window, args.decode, **o))
-                      for name, options in OURS.items()]
-        if "stored" in wanted:
-            plans.append(("ours, the file as stored, float32",
-                          lambda: ours(source, args.window, args.decode, dtype="float32")))
-        if "transformers" in wanted:
-            plans.append(("transformers bfloat16", lambda: transformers_bf16(f32, args.decode)))
-        if "llama.cpp" in wanted:
-            plans += [(f"llama.cpp {kind}", lambda k=kind: llama_cpp(
-                requantize(f32, k), args.window, args.threads)) for kind in LLAMA_TYPES]
+        plans: list[tuple[str, Callable[[], tuple[Logits, float, Callable[[], None]]]]] = [
+            *[(name, lambda o=options: ours(f32, args.window, args.decode, **o))
+              for name, options in OURS.items()],
+            ("ours, the file as stored, float32",
+             lambda: ours(source, args.window, args.decode, dtype="float32")),
+            ("transformers bfloat16", lambda: transformers_bf16(f32, args.decode)),
+            *[(f"llama.cpp {kind}", lambda k=kind: llama_cpp(
+                requantize(f32, k), args.window, args.threads)) for kind in LLAMA_TYPES],
+        ]
         for name, make in plans:
+            if wanted is not None and not any(
+                    name == part or (part.endswith("*") and name.startswith(part[:-1]))
+                    for part in wanted):
+                continue
             run, bits, close = make()
             rows.append(reference.compare(run, Row(name, bits)))
             close()

