@@ -39,6 +39,9 @@ _ENGINE_OPTIONS = {  # flag -> (engine option, type, help)
     "--max-num-encoder-input-tokens": (
         "max_num_encoder_input_tokens", int, "encoder budget of one step, in embeddings"),
     "--processed-cache-items": ("processed_cache_items", int, "processed-input cache, in items"),
+    "--cross-attention-cache-bytes": (
+        "cross_attention_cache_bytes", int,
+        "bytes for cross-attention models' image keys and values (Llama 3.2 Vision)"),
     "--quantization": (
         "quantization", str, "int8 or int4 weights for the language model's linears (CPU)"),
     "--quantization-group-size": (
@@ -121,7 +124,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--dequantize-gguf", action="store_true", help="engine option: dequantize a GGUF's "
         "Q4_0 / Q4_1 blocks as they load (as transformers does) instead of running them as "
         "stored (int4, group 32)")
+    parser.add_argument(
+        "--lora", action="append", default=[], metavar="NAME=PATH",
+        help="engine option: a LoRA adapter (a PEFT folder) that requests may choose by NAME "
+        "(SamplingParams.lora, or `lora` in an API request); repeat for several",
+    )
     args = parser.parse_args(argv)
+    for spec in args.lora:
+        name, _, folder = spec.partition("=")
+        if not name or not folder:
+            parser.error(f"--lora {spec!r}: expected NAME=PATH")
     if args.backend:
         misplaced = local_only_options(args)
         if misplaced:
@@ -137,7 +149,7 @@ def local_only_options(args: argparse.Namespace) -> list[str]:
         ("--no-prefix-caching", args.no_prefix_caching), ("--api-only", args.api_only),
         ("--dequantize-gguf", args.dequantize_gguf),
         ("--api-key", args.api_key), ("--device", args.device != "auto"),
-        ("--dtype", args.dtype != "auto"),
+        ("--dtype", args.dtype != "auto"), ("--lora", bool(args.lora)),
     ) if on]
     return given
 
@@ -153,6 +165,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         options["enable_prefix_caching"] = False
     if args.dequantize_gguf:
         options["dequantize_gguf"] = True
+    if args.lora:
+        options["lora_adapters"] = tuple(tuple(spec.split("=", 1)) for spec in args.lora)
     return options
 
 
