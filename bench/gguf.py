@@ -30,6 +30,10 @@ from bench.common import build_checkpoint, cache_dir
 
 CONVERTED = ("f32", "bf16", "q8_0")
 QUANTIZED = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
+# llama.cpp's quantizer's target types, for a GGUF made from another GGUF (requantize).
+FTYPES = {"f32": "LLAMA_FTYPE_ALL_F32", "bf16": "LLAMA_FTYPE_MOSTLY_BF16",
+          "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
+          "q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1", "q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
 _MEMBERS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
 
 # Runs the vendored converter with a declared pre-tokenizer (argv: source dir, then the
@@ -108,6 +112,31 @@ def ensure_gguf(model: Path, kind: str) -> Path:
             raise RuntimeError(f"llama.cpp could not quantize {source} to {kind}")
     else:
         raise ValueError(f"unknown GGUF type {kind!r}: {', '.join([*CONVERTED, *QUANTIZED])}")
+    return out
+
+
+def requantize(source: Path, kind: str) -> Path:
+    """`source` (a GGUF) at `kind` (FTYPES), written once by llama.cpp's own quantizer into the
+    cache: blocks of the source are dequantized first (its requantize option), so an f32 file
+    holds exactly the values the source's blocks stand for. llama.cpp's default rules apply
+    (a q4 file's embeddings and head may get a wider type, as its users get them)."""
+    import llama_cpp
+
+    if kind not in FTYPES:
+        raise ValueError(f"unknown GGUF type {kind!r}: {', '.join(FTYPES)}")
+    folder = cache_dir("gguf")
+    folder.mkdir(exist_ok=True)
+    out = folder / f"{source.stem}-{kind}.gguf"
+    if out.exists():
+        return out
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, FTYPES[kind])
+    params.allow_requantize = True
+    print(f"llama.cpp: {source.name} -> {kind} (once)")
+    failed = llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), params)
+    if failed:
+        out.unlink(missing_ok=True)
+        raise RuntimeError(f"llama.cpp could not write {source} as {kind}")
     return out
 
 

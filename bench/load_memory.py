@@ -3,6 +3,7 @@ weights are quantized as they stream in (models.kernels.quantization.QuantizeOnL
 checkpoint larger than memory in its own dtype loads.
 
     python -m bench.load_memory --model PATH [--quantization int4] [--layers-of N]
+    python -m bench.load_memory --model FILE.gguf --quantization none [--dtype float32]
 
 Run it in a fresh process (it is its own): the peak resident set (`ru_maxrss`) covers
 everything this process ever held. Reports the checkpoint's bytes on disk, the loaded model's
@@ -35,7 +36,9 @@ def _model_bytes(module) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True)
-    parser.add_argument("--quantization", default="int4", choices=("int8", "int4"))
+    parser.add_argument("--quantization", default="int4", choices=("int8", "int4", "none"),
+                        help="none: a GGUF at its own precision (its Q4_0 / Q4_1 as stored)")
+    parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--layers-of", type=int, default=None)
     parser.add_argument("--new-tokens", type=int, default=16)
@@ -44,10 +47,12 @@ def main() -> None:
 
     from engine import LLM, SamplingParams
 
-    disk = sum(f.stat().st_size for f in args.model.glob("*.safetensors"))
+    disk = (args.model.stat().st_size if args.model.is_file() else
+            sum(f.stat().st_size for f in args.model.glob("*.safetensors")))
+    quantization = None if args.quantization == "none" else args.quantization
     t0 = time.perf_counter()
-    llm = LLM(args.model, device="cpu", dtype="bfloat16", max_model_len=512, max_num_seqs=1,
-              quantization=args.quantization, quantization_group_size=args.group_size,
+    llm = LLM(args.model, device="cpu", dtype=args.dtype, max_model_len=512, max_num_seqs=1,
+              quantization=quantization, quantization_group_size=args.group_size,
               enable_prefix_caching=False)
     load_s = time.perf_counter() - t0
     model = llm.engine.runner.model
@@ -60,7 +65,8 @@ def main() -> None:
     decode = (args.new_tokens - 1) / out.metrics.decode_time
     gib = 2**30
     print(f"\nmachine: {machine()}; checkpoint {args.model.name}, {len(model.layers)} layers, "
-          f"{disk / gib:.2f} GiB on disk; {args.quantization}, group {args.group_size}")
+          f"{disk / gib:.2f} GiB on disk; {args.dtype}, {args.quantization}, group "
+          f"{args.group_size}; {llm.engine.weights_description()}")
     print(f"loaded in {load_s:.0f} s; model {loaded / gib:.2f} GiB (layers {layers / gib:.2f}); "
           f"peak RSS while loading {peak / gib:.2f} GiB = model + {(peak - loaded) / gib:.2f} "
           f"GiB; decode {decode:.1f} tok/s over {args.new_tokens} tokens")

@@ -2,7 +2,8 @@
 transformers reads it (models/checkpoint.py), each with the file it came from: the config and
 the architecture's spec, the tokenizer and its chat template, the EOS ids and the default
 sampling of generation_config.json, the dtype the weights are meant for and whether the LM head
-is tied. `python -m engine.inspect` prints it; /v1/models and the engine panel show it."""
+is tied. `python -m engine.inspect` prints it; /v1/models and the engine panel show it. A GGUF
+file holds all of these in its metadata (engine/gguf_setup.py)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ from typing import Any
 
 from transformers import AutoConfig, AutoTokenizer
 
+from engine.gguf_setup import GGUFSetup
 from models.checkpoint import (
     CheckpointFiles,
     checkpoint_dtype,
 )
+from models.gguf.reader import is_gguf
 from models.registry import ModelSpec, resolve
 
 
@@ -34,12 +37,16 @@ class CheckpointSetup:
     dtype: str | None  # the weights' intended dtype, e.g. "bfloat16"
     tie_word_embeddings: bool
     sources: Mapping[str, str]  # setting -> the file (and field) it came from
+    gguf: GGUFSetup | None = None  # for a GGUF file: its metadata's settings and tensors
 
     @classmethod
     def load(cls, path: Path) -> CheckpointSetup:
-        """Read the checkpoint at `path`. An unsupported architecture is a ValueError naming
-        the supported ones; a settings file we cannot read is a CheckpointError."""
+        """Read the checkpoint at `path` (a directory, or a GGUF file). An unsupported
+        architecture is a ValueError naming the supported ones; a settings file we cannot read
+        is a CheckpointError."""
         path = Path(path)
+        if is_gguf(path):
+            return cls.from_gguf(path)
         hf_config = AutoConfig.from_pretrained(path)
         spec = resolve(hf_config)
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -68,14 +75,34 @@ class CheckpointSetup:
                      "dtype": dtype_source, "tie_word_embeddings": tie_source},
         )
 
+    @classmethod
+    def from_gguf(cls, path: Path) -> CheckpointSetup:
+        gguf = GGUFSetup.load(path)
+        spec = resolve(gguf.hf_config)
+        tie, tie_source = spec.model.tied_head(gguf.hf_config)
+        template = gguf.tokenizer.chat_template
+        return cls(
+            path=path, files=CheckpointFiles(path.parent), hf_config=gguf.hf_config,
+            tokenizer=gguf.tokenizer, spec=spec, eos_token_ids=gguf.eos_token_ids,
+            sampling_defaults={}, dtype=gguf.dtype, tie_word_embeddings=tie,
+            sources={"chat_template": "tokenizer.chat_template" if template else "none",
+                     "eos_token_ids": gguf.eos_source, "sampling_defaults": "none",
+                     "dtype": gguf.dtype_source,
+                     "tie_word_embeddings": f"{gguf.config.sources['tie_word_embeddings']}; "
+                                            f"{tie_source}",
+                     "architecture": f"general.architecture={gguf.file.architecture!r}"},
+            gguf=gguf,
+        )
+
     @property
     def architecture(self) -> str:
         return (getattr(self.hf_config, "architectures", None) or ["?"])[0]
 
     def rows(self) -> list[tuple[str, Any, str]]:
         """(setting, value, where it came from) for display."""
-        return [
-            ("architecture", self.architecture, "config.json: architectures"),
+        rows = [
+            ("architecture", self.architecture,
+             self.sources.get("architecture", "config.json: architectures")),
             ("model class", self.spec.model.__name__, "models/registry.py"),
             ("dtype", self.dtype, self.sources["dtype"]),
             ("tie_word_embeddings", self.tie_word_embeddings, self.sources["tie_word_embeddings"]),
@@ -85,6 +112,7 @@ class CheckpointSetup:
             ("default sampling", dict(self.sampling_defaults) or "none",
              self.sources["sampling_defaults"]),
         ]
+        return rows + (self.gguf.rows() if self.gguf is not None else [])
 
 
 def checkpoint_settings(setup: CheckpointSetup, mm_processor,

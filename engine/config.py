@@ -47,6 +47,9 @@ class EngineConfig:
             (the LM head included; embeddings, norms and vision / audio towers stay in the
             model dtype): None, "int8" (per output channel) or "int4" (group-wise). CPU only.
         quantization_group_size: inputs per int4 scale and zero: 32, 64 or 128.
+        dequantize_gguf: a GGUF checkpoint's Q4_0 / Q4_1 blocks are dequantized as they load
+            like every other block type (what transformers does), instead of running as stored
+            as int4 at group 32 (CPU); the weights then run at the dtype and `quantization`.
         state_snapshot_bytes: hybrid models (linear-attention layers) only: bytes for prefix
             snapshots of the layers' recurrent state (what a prefix-cache hit restores); None =
             automatic (64 snapshots, at most 1 GiB); 0 = no snapshots (no prefix hits).
@@ -71,6 +74,7 @@ class EngineConfig:
     processed_cache_items: int = 64
     quantization: str | None = None
     quantization_group_size: int = 128
+    dequantize_gguf: bool = False
     state_snapshot_bytes: int | None = None
     cross_attention_cache_bytes: int | None = None
     lora_adapters: tuple[tuple[str, str], ...] = ()
@@ -90,10 +94,9 @@ class EngineConfig:
         _check_range("processed_cache_items", self.processed_cache_items, 0)
         _check_range("state_snapshot_bytes", self.state_snapshot_bytes, 0)
         _check_range("cross_attention_cache_bytes", self.cross_attention_cache_bytes, 1)
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(
-                f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}"
-            )
+        for flag in ("enable_prefix_caching", "dequantize_gguf"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be one of {', '.join(map(str, QUANTIZATIONS))}, "

@@ -4,8 +4,9 @@ the LM head is tied, the chat template's source, the EOS ids and default samplin
 processor setting with the file (or class default) it came from, the weights' and the KV cache's
 estimated bytes (a per-layer embedding table, read a few rows per step, apart; layers that read
 another layer's keys and values add no KV cache), the LoRA adapters it ships, and what is not
-supported. Run it first on a new download; it exits with 1 when the engine would refuse the
-checkpoint.
+supported. For a GGUF file: every config setting with the metadata key it came from (or the
+config class's default), and its tensors per block type. Run it first on a new download; it
+exits with 1 when the engine would refuse the checkpoint.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from engine.hub import resolve_model
 from engine.model_runner import context_length
 from models.adapters import CONFIG, read_lora_config
 from models.checkpoint import CheckpointError, safetensors_header, weight_files
+from models.gguf.load import GGUFWeights
+from models.gguf.tensors import BLOCK
 from models.interfaces import ProcessorContext
 
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
@@ -108,7 +111,9 @@ def _sizes(report: Report, setup: CheckpointSetup, dtype: torch.dtype, processor
     mapping = model.checkpoint_map()
     total, names = 0, set()
     skipped: dict[str, int] = {}  # tensors the model does not read, by their name's first part
-    for file in weight_files(setup.path):
+    if setup.gguf is not None:
+        report.weight_bytes = gguf_weight_bytes(setup, model, dtype)
+    for file in weight_files(setup.path) if setup.gguf is None else []:
         for name, info in safetensors_header(file).items():
             if name == "__metadata__":
                 continue
@@ -123,7 +128,8 @@ def _sizes(report: Report, setup: CheckpointSetup, dtype: torch.dtype, processor
         report.rows.append(("model", "tensors read past", ", ".join(
             f"{group} ({n})" for group, n in sorted(skipped.items())),
             "the weights files (e.g. a drafter's or speech output's: not built)"))
-    report.weight_bytes = total
+    if setup.gguf is None:
+        report.weight_bytes = total
     report.per_layer_table_bytes = model.per_layer_table_bytes() // DTYPE_BYTES[
         model.embed_tokens.weight.dtype] * DTYPE_BYTES[dtype]
     layers = model.attention_layers()
@@ -140,10 +146,23 @@ def _sizes(report: Report, setup: CheckpointSetup, dtype: torch.dtype, processor
             * DTYPE_BYTES[dtype]
         if processor is not None:
             report.cross_largest_item = processor.max_embeds_per_item()
-    if not setup.tie_word_embeddings and "lm_head.weight" not in names:
+    if not setup.tie_word_embeddings and "lm_head.weight" not in names and setup.gguf is None:
         report.unsupported.append(
             "the checkpoint has no lm_head.weight and the config does not tie the head to the "
             "token embeddings")
+
+
+def gguf_weight_bytes(setup: CheckpointSetup, model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """A GGUF file's weights as the engine holds them (without `quantization`): its Q4_0 / Q4_1
+    linears in our int4 pack at group 32 (K / 2 bytes per row and a bfloat16 scale and zero per
+    32 inputs), its Q8_0 linears as our int8 (a byte per weight), the other tensors dequantized
+    to `dtype`. Raises GGUFError as loading would."""
+    weights = GGUFWeights(setup.path, setup.hf_config, dequantize_all=False, requantize_q8=True)
+    weights.plan(model, model.checkpoint_map())
+    stored = sum(info.numel for parts in weights.stored.values() for info, _ in parts)
+    int8 = sum(info.numel for parts in weights.int8.values() for info, _ in parts)
+    dense = sum(info.numel for _, info in weights.dense)
+    return stored // 2 + stored // BLOCK * 4 + int8 + dense * DTYPE_BYTES[dtype]
 
 
 def _numel(shape: list[int]) -> int:

@@ -467,17 +467,17 @@ class LLMEngine:
                 f"{cross.nbytes / (1 << 20):.0f} MiB for {cross.num_keys} positions")
 
     def weights_description(self) -> str:
-        """The weights' precision and device, e.g. "bfloat16, int4 linears (group 128), cpu,
+        """The weights' precision and device, e.g. "bfloat16, 169 int4 (group 128) linears, cpu,
         own kernels (avx512-bf16), decode in one native call" (on the CPU: the variant of
         models.kernels.native built, else PyTorch's kernels only; whether bfloat16 is widened
         to float32 for lack of bfloat16 arithmetic; whether decode steps run
         models.kernels.native_decode's call)."""
         text = str(self.dtype).removeprefix("torch.")
-        mode = self.config.quantization
-        if mode == "int8":
-            text += ", int8 linears"
-        elif mode == "int4":
-            text += f", int4 linears (group {self.config.quantization_group_size})"
+        for fmt, count in self.runner.quantized_formats().items():
+            kind = "int8" if fmt == "int8" else f"int4 (group {fmt.removeprefix('int4g')})"
+            text += f", {count} {kind} linears"
+        if self.setup.gguf is not None:
+            text += f", from GGUF ({self.runner.gguf_summary})"
         if self.device.type != "cpu":
             return f"{text}, {self.device}"
         kernels = native.load()

@@ -29,12 +29,18 @@ from engine.request import Request
 from engine.sampler import SamplingBatch, sample
 from engine.scheduler import SchedulerOutput
 from models.checkpoint import CheckpointError, describe_tie
+from models.gguf.load import load_gguf
+from models.gguf.reader import is_gguf
 from models.interfaces import LanguageModel, MultiModalFeature
 from models.kernels.decode_attention import choose_decode_kernel
 from models.kernels.delta_rule_choice import choose_recurrence
 from models.kernels.huge_pages import place_weights
 from models.kernels.plan import plan_linears
-from models.kernels.quantization import QuantizeOnLoad, quantize_language_model
+from models.kernels.quantization import (
+    QuantizedLinear,
+    QuantizeOnLoad,
+    quantize_language_model,
+)
 from models.layers.attention import build_metadata
 from models.layers.attention_varlen import choose_backend
 from models.layers.cross_metadata import build_cross_metadata
@@ -120,6 +126,7 @@ class ModelRunner:
         dtype: torch.dtype,
     ) -> None:
         self.config = config
+        self.gguf_summary = ""  # for a GGUF file: which of its tensors run as stored
         self.device = device
         self.dtype = dtype
         if config.quantization is not None and device.type != "cpu":  # before loading weights
@@ -131,13 +138,19 @@ class ModelRunner:
         # Quantized weights are quantized as they stream in: the dense model need not fit.
         quantizer = None if config.quantization is None else QuantizeOnLoad(
             config.quantization, config.quantization_group_size)
-        self.model = build_on_meta(
-            lambda: model_cls.from_hf_config(hf_config, max_len, device), device, dtype,
-            defer=None if quantizer is None else quantizer.defer,
-        )
+        def factory() -> LanguageModel:
+            return model_cls.from_hf_config(hf_config, max_len, device)
+
+        defer = None if quantizer is None else quantizer.defer
         try:
-            load_weights(self.model, self.model.checkpoint_tensors(iter_checkpoint(path)),
-                         self.model.checkpoint_map(), quantizer)
+            if is_gguf(path):
+                self.model, self.gguf_summary = load_gguf(
+                    path, hf_config, factory, device, dtype, quantizer, defer,
+                    config.dequantize_gguf)
+            else:
+                self.model = build_on_meta(factory, device, dtype, defer=defer)
+                load_weights(self.model, self.model.checkpoint_tensors(iter_checkpoint(path)),
+                             self.model.checkpoint_map(), quantizer)
         except MissingWeights as e:
             if "lm_head.weight" not in e.missing:
                 raise
@@ -178,6 +191,14 @@ class ModelRunner:
         self.native_decode = device.type == "cpu" and self.model.prepare_decode()
         # Encoder outputs by content hash; which ones exist is decided by EncoderCacheManager.
         self.encoder_outputs: dict[str, torch.Tensor] = {}
+
+    def quantized_formats(self) -> dict[str, int]:
+        """How many of the model's linears hold each quantized format ("int8", "int4g32")."""
+        formats: dict[str, int] = {}
+        for module in self.model.modules():
+            if isinstance(module, QuantizedLinear):
+                formats[module.format] = formats.get(module.format, 0) + 1
+        return dict(sorted(formats.items()))
 
     # ---- start-up ---------------------------------------------------------------------------
 

