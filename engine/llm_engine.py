@@ -14,28 +14,32 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from engine.block_manager import BlockManager
+from engine.budgets import check_bidirectional_budget, encoder_budget
 from engine.checkpoint_setup import CheckpointSetup, checkpoint_settings
 from engine.config import EngineConfig
-from engine.cross_states import CrossLayout
 from engine.detokenizer import IncrementalDetokenizer
-from engine.device import cpu_has_native_bf16, resolve_device, resolve_dtype
+from engine.device import resolve_device, resolve_dtype
 from engine.encoder_cache import EncoderCacheManager
+from engine.engine_report import (
+    cross_stats,
+    kv_stats,
+    ready_line,
+    state_stats,
+    weights_description,
+)
 from engine.fanout import FanOut
 from engine.grammar import GrammarCompiler
 from engine.hub import resolve_model
 from engine.model_runner import EncoderItemsFailed, ItemFailure, ModelRunner, StepResult
 from engine.outputs import CompletionOutput, PlaceholderInfo, RequestOutput
-from engine.processing import EncoderBudget, InputProcessor, ProcessedPrompt
+from engine.processing import InputProcessor, ProcessedPrompt
 from engine.reasoning import ReasoningSplitter
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.state_cache import StateCacheManager
 from models.interfaces import ProcessorContext
-from models.kernels import native
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +81,8 @@ class LLMEngine:
         if mm_processor is not None:
             if vectors_per_embed > 1:  # DeepStack items take more cache per embedding
                 mm_processor = processor(vectors_per_embed)
-            budget = _encoder_budget(self.config, mm_processor, vectors_per_embed, cross)
-            _check_bidirectional_budget(self.config, mm_processor.max_bidirectional_span())
+            budget = encoder_budget(self.config, mm_processor, vectors_per_embed, cross)
+            check_bidirectional_budget(self.config, mm_processor.max_bidirectional_span())
         # Prompt ids may reach past the LM head's vocabulary where the embeddings do (an image
         # token).
         self.processor = InputProcessor(
@@ -103,14 +107,7 @@ class LLMEngine:
         self.checkpoint_settings = checkpoint_settings(setup, mm_processor, self.runner.adapters)
         self.num_steps = 0
         self.num_errors = 0
-        kv = self.kv_stats()
-        log.info(
-            "engine ready: %s (%s), %d KV blocks x %d tokens (%s), max_model_len %d%s%s",
-            self.model_id, self.weights_description(), layout.num_blocks, layout.block_size,
-            kv["kv_layers"], self.max_model_len, self._states_line() + self._cross_line(),
-            f"; per-layer embedding table {kv['per_layer_table_bytes'] / 2**30:.2f} GiB, read "
-            "a few rows per step" if "per_layer_table_bytes" in kv else "",
-        )
+        log.info(ready_line(self.model_id, self.runner))
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -406,85 +403,15 @@ class LLMEngine:
             "weights": self.weights_description(),
             "checkpoint": self.checkpoint_settings,
             **self.block_manager.stats(),
-            **self.kv_stats(),
+            **kv_stats(self.runner),
             **self.encoder_cache.stats(),
-            **self.state_stats(),
-            **self.cross_stats(),
+            **state_stats(self.runner, self.state_cache),
+            **cross_stats(self.runner),
         }
 
-    def cross_stats(self) -> dict[str, int]:
-        """A cross-attention model's keys-and-values budget (the encoder cache's entries, in
-        key positions, are those states; empty for other models)."""
-        cross = self.runner.cross_layout
-        if cross is None:
-            return {}
-        return {"cross_attention_layers": cross.num_layers,
-                "cross_attention_bytes_per_key": cross.bytes_per_key,
-                "cross_attention_cache_bytes": cross.nbytes}
-
-    def kv_stats(self) -> dict[str, Any]:
-        """The KV cache's bytes per block and the layers that hold it (a layer reading another
-        layer's keys and values holds none), and the bytes of a per-layer embedding table
-        (weights a step reads a few rows of), where the model has one."""
-        layers = self.runner.model.attention_layers()
-        shared = sum(a.kv_source is not None for a in layers)
-        out: dict[str, Any] = {
-            "kv_bytes_per_block": self.runner.layout.bytes_per_block,
-            "kv_layers": f"{len(layers) - shared} of {len(layers)} layers"
-            + (f" ({shared} read another layer's)" if shared else "")}
-        table = self.runner.model.per_layer_table_bytes()
-        if table:
-            out["per_layer_table_bytes"] = table
-        return out
-
-    def state_stats(self) -> dict[str, Any]:
-        """The linear-attention state cache (hybrid models; empty for the others): slots and
-        snapshots in use, their bytes, and how many prefix hits restored a snapshot."""
-        states = self.runner.state_layout
-        if states is None:
-            return {}
-        return {**self.state_cache.snapshot_stats(),
-                "state_bytes_per_request": states.bytes_per_sequence,
-                "state_slot_bytes": states.slot_bytes,
-                "state_snapshot_bytes": states.snapshot_bytes}
-
-    def _states_line(self) -> str:
-        states = self.runner.state_layout
-        if states is None:
-            return ""
-        mib = 1 << 20
-        return (f"; recurrent state of {states.num_layers} linear-attention layers: "
-                f"{states.bytes_per_sequence / mib:.1f} MiB per request, {states.num_slots} "
-                f"slots ({states.slot_bytes / mib:.0f} MiB) and {states.num_snapshots} prefix "
-                f"snapshots ({states.snapshot_bytes / mib:.0f} MiB)")
-
-    def _cross_line(self) -> str:
-        cross = self.runner.cross_layout
-        if cross is None:
-            return ""
-        return (f"; keys and values of {cross.num_layers} cross-attention layers: "
-                f"{cross.bytes_per_key / 1024:.1f} KiB per media key position, "
-                f"{cross.nbytes / (1 << 20):.0f} MiB for {cross.num_keys} positions")
-
     def weights_description(self) -> str:
-        """The weights' precision and device, e.g. "bfloat16, 169 int4 (group 128) linears, cpu,
-        own kernels (avx512-bf16), decode in one native call" (on the CPU: the variant of
-        models.kernels.native built, else PyTorch's kernels only; whether bfloat16 is widened
-        to float32 for lack of bfloat16 arithmetic; whether decode steps run
-        models.kernels.native_decode's call)."""
-        text = str(self.dtype).removeprefix("torch.")
-        for fmt, count in self.runner.quantized_formats().items():
-            kind = "int8" if fmt == "int8" else f"int4 (group {fmt.removeprefix('int4g')})"
-            text += f", {count} {kind} linears"
-        if self.setup.gguf is not None:
-            text += f", from GGUF ({self.runner.gguf_summary})"
-        if self.device.type != "cpu":
-            return f"{text}, {self.device}"
-        kernels = native.load()
-        text += f", cpu, own kernels ({kernels.variant})" if kernels else ", cpu, PyTorch kernels"
-        if self.dtype == torch.bfloat16 and not cpu_has_native_bf16():
-            text += ", bfloat16 kept in memory, multiplied in float32 (no bfloat16 arithmetic)"
-        return text + (", decode in one native call" if self.runner.native_decode else "")
+        """The weights' precision, device and kernels (engine.engine_report)."""
+        return weights_description(self.runner)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
@@ -493,38 +420,3 @@ class LLMEngine:
 def _item_error(req: Request, index: int, message: str) -> str:
     modality = req.mm_features[index].modality
     return f"{modality} item {index} of the request could not be encoded: {message}"
-
-
-def _encoder_budget(config: EngineConfig, mm_processor, vectors_per_embed: int,
-                    cross: CrossLayout | None = None) -> EncoderBudget:
-    """Refuse a configuration in which the largest media item could never be encoded (an item
-    occupies `vectors_per_embed` vectors per embedding in the cache: DeepStack residuals; a
-    cross-attention model's cache holds key positions within `cross_attention_cache_bytes`)."""
-    cache, setting = config.encoder_cache_size // vectors_per_embed, "encoder_cache_size"
-    unit, scale = "embeddings", vectors_per_embed  # the setting's units per unit of an item
-    if cross is not None:
-        cache, setting = cross.num_keys, "cross_attention_cache_bytes"
-        unit, scale = "key positions", cross.bytes_per_key
-    step = config.max_num_encoder_input_tokens
-    budget = EncoderBudget(cache, setting) if cache <= step else EncoderBudget(
-        step, "max_num_encoder_input_tokens")
-    largest = mm_processor.max_embeds_per_item()
-    if largest > budget.max_embeds:
-        raise ValueError(
-            f"the largest media item this model accepts needs {largest} {unit}, but "
-            f"{budget.setting} allows {budget.max_embeds}; raise {budget.setting} to at least "
-            f"{largest * (scale if budget.setting == setting else 1)} "
-            "(or, for images and videos, lower max_pixels in the checkpoint's preprocessor "
-            "config)"
-        )
-    return budget
-
-
-def _check_bidirectional_budget(config: EngineConfig, largest_span: int) -> None:
-    """A bidirectional span is prefilled in one chunk: the step's token budget must hold it."""
-    if largest_span > config.max_num_batched_tokens:
-        raise ValueError(
-            f"this model attends media spans of up to {largest_span} tokens both ways, and each "
-            f"must be prefilled in one chunk, but max_num_batched_tokens is "
-            f"{config.max_num_batched_tokens}; raise it to at least {largest_span}"
-        )

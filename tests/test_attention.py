@@ -217,11 +217,11 @@ def test_scheduler_never_cuts_a_bidirectional_span():
 
 
 def test_startup_refuses_a_budget_smaller_than_the_largest_span():
-    from engine.llm_engine import _check_bidirectional_budget
+    from engine.budgets import check_bidirectional_budget
 
     with pytest.raises(ValueError, match="up to 300 tokens.*max_num_batched_tokens is 256"):
-        _check_bidirectional_budget(EngineConfig(max_num_batched_tokens=256), 300)
-    _check_bidirectional_budget(EngineConfig(max_num_batched_tokens=256), 256)
+        check_bidirectional_budget(EngineConfig(max_num_batched_tokens=256), 300)
+    check_bidirectional_budget(EngineConfig(max_num_batched_tokens=256), 256)
 
 
 def test_decodes_are_bucketed_by_context_and_masks_stay_small():

@@ -1,0 +1,99 @@
+"""What the engine says about itself, read off its model runner: the memory its caches hold (KV
+blocks, recurrent states, cross-attention keys and values, a per-layer embedding table), the
+start-up line, and the weights' precision and kernels. The panels and the API show these."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.device import cpu_has_native_bf16
+from engine.model_runner import ModelRunner
+from engine.state_cache import StateCacheManager
+from models.kernels import native
+
+
+def kv_stats(runner: ModelRunner) -> dict[str, Any]:
+    """The KV cache's bytes per block and the layers that hold it (a layer reading another
+    layer's keys and values holds none), and the bytes of a per-layer embedding table
+    (weights a step reads a few rows of), where the model has one."""
+    layers = runner.model.attention_layers()
+    shared = sum(a.kv_source is not None for a in layers)
+    out: dict[str, Any] = {
+        "kv_bytes_per_block": runner.layout.bytes_per_block,
+        "kv_layers": f"{len(layers) - shared} of {len(layers)} layers"
+        + (f" ({shared} read another layer's)" if shared else "")}
+    table = runner.model.per_layer_table_bytes()
+    if table:
+        out["per_layer_table_bytes"] = table
+    return out
+
+
+def state_stats(runner: ModelRunner, state_cache: StateCacheManager | None) -> dict[str, Any]:
+    """The linear-attention state cache (hybrid models; empty for the others): slots and
+    snapshots in use, their bytes, and how many prefix hits restored a snapshot."""
+    states = runner.state_layout
+    if states is None or state_cache is None:
+        return {}
+    return {**state_cache.snapshot_stats(),
+            "state_bytes_per_request": states.bytes_per_sequence,
+            "state_slot_bytes": states.slot_bytes,
+            "state_snapshot_bytes": states.snapshot_bytes}
+
+
+def cross_stats(runner: ModelRunner) -> dict[str, int]:
+    """A cross-attention model's keys-and-values budget (the encoder cache's entries, in key
+    positions, are those states; empty for other models)."""
+    cross = runner.cross_layout
+    if cross is None:
+        return {}
+    return {"cross_attention_layers": cross.num_layers,
+            "cross_attention_bytes_per_key": cross.bytes_per_key,
+            "cross_attention_cache_bytes": cross.nbytes}
+
+
+def weights_description(runner: ModelRunner) -> str:
+    """The weights' precision and device, e.g. "bfloat16, 169 int4 (group 128) linears, cpu,
+    own kernels (avx512-bf16), decode in one native call" (which linears are quantized, at
+    which format; for a GGUF file, which of its tensors run as stored; on the CPU: the variant
+    of models.kernels.native built, else PyTorch's kernels only; whether bfloat16 is widened to
+    float32 for lack of bfloat16 arithmetic; whether decode steps run
+    models.kernels.native_decode's call)."""
+    text = str(runner.dtype).removeprefix("torch.")
+    for fmt, count in runner.quantized_formats().items():
+        kind = "int8" if fmt == "int8" else f"int4 (group {fmt.removeprefix('int4g')})"
+        text += f", {count} {kind} linears"
+    if runner.gguf_summary:
+        text += f", from GGUF ({runner.gguf_summary})"
+    if runner.device.type != "cpu":
+        return f"{text}, {runner.device}"
+    kernels = native.load()
+    text += f", cpu, own kernels ({kernels.variant})" if kernels else ", cpu, PyTorch kernels"
+    if runner.dtype == torch.bfloat16 and not cpu_has_native_bf16():
+        text += ", bfloat16 kept in memory, multiplied in float32 (no bfloat16 arithmetic)"
+    return text + (", decode in one native call" if runner.native_decode else "")
+
+
+def ready_line(model_id: str, runner: ModelRunner) -> str:
+    """The one line logged when the engine is ready: the model, its weights, the caches."""
+    layout, mib = runner.layout, 1 << 20
+    kv = kv_stats(runner)
+    line = (f"engine ready: {model_id} ({weights_description(runner)}), {layout.num_blocks} KV "
+            f"blocks x {layout.block_size} tokens ({kv['kv_layers']}), max_model_len "
+            f"{layout.max_model_len}")
+    states = runner.state_layout
+    if states is not None:
+        line += (f"; recurrent state of {states.num_layers} linear-attention layers: "
+                 f"{states.bytes_per_sequence / mib:.1f} MiB per request, {states.num_slots} "
+                 f"slots ({states.slot_bytes / mib:.0f} MiB) and {states.num_snapshots} prefix "
+                 f"snapshots ({states.snapshot_bytes / mib:.0f} MiB)")
+    cross = runner.cross_layout
+    if cross is not None:
+        line += (f"; keys and values of {cross.num_layers} cross-attention layers: "
+                 f"{cross.bytes_per_key / 1024:.1f} KiB per media key position, "
+                 f"{cross.nbytes / mib:.0f} MiB for {cross.num_keys} positions")
+    if "per_layer_table_bytes" in kv:
+        line += (f"; per-layer embedding table {kv['per_layer_table_bytes'] / 2**30:.2f} GiB, "
+                 "read a few rows per step")
+    return line
