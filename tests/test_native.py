@@ -42,7 +42,7 @@ def kernels():
 
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows, k", [(1, 77), (3, 256), (8, 96)])
+@pytest.mark.parametrize("rows, k", [(1, 77), (3, 256), (8, 96), (64, 160)])
 def test_linear_matches_float64(kernels, weight_dtype, x_dtype, rows, k):
     gen = torch.Generator().manual_seed(rows * k)
     w = torch.randn(37, k, generator=gen).to(weight_dtype)

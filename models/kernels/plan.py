@@ -47,8 +47,13 @@ TIMED_BYTES = 32 << 20  # weight bytes one timed call streams through, at most (
 TIMED_FLOPS = 1e9  # and FLOPs
 SLICE_ROWS = 16384  # a lone matrix with more output rows is timed on its first rows
 PLAN_SECONDS = 8.0  # past this, buckets left unmeasured keep F.linear (and are not cached)
-NATIVE_ROWS = PROBE_ROWS[1]  # our matrix-vector kernel is a candidate up to this many rows
-QUANTIZED_NATIVE_ROWS = PROBE_ROWS[2]  # and for a quantized weight up to this many
+# Our matrix-vector kernel is a candidate up to this many rows: it streams each weight row once
+# and reuses it from cache for every row of the input, where a GEMM (a bfloat16 one on a CPU
+# without bfloat16 arithmetic above all, which widens the whole weight first) or a dequantized
+# GEMM reads or writes the weight several times: short prefill chunks (a second turn's new
+# text) and many concurrent decodes.
+NATIVE_ROWS = PROBE_ROWS[2]
+DECODE_ROWS = PROBE_ROWS[1]  # a decode step of a few requests; more rows may be a prefill
 # At a decode's rows, how much faster than ours another kernel must be to be chosen: one layer
 # group planned to PyTorch's costs every decode step the one native call through all layers
 # (models.kernels.native_decode), whose saving no single linear's timing shows (a group 9%
@@ -68,11 +73,7 @@ def candidates(layer: nn.Module, rows: int, dtype: torch.dtype,
     """The formulations worth timing for this layer at `rows` rows, the baseline first (what
     runs when nothing beats it, or when the plan's time budget is spent). `torch_int4=False`:
     PyTorch's int4 kernel is not one (its pack of the weight would not fit the budget)."""
-    # Ours streams each weight row once and reuses it per input row: a decode's few rows, and
-    # for a quantized weight up to QUANTIZED_NATIVE_ROWS (its rows come from cache again
-    # cheaper than a dequantized GEMM or PyTorch's int kernels run at those counts).
-    limit = QUANTIZED_NATIVE_ROWS if layer.is_quantized else NATIVE_ROWS
-    ours = rows <= limit and native.load() is not None
+    ours = rows <= NATIVE_ROWS and native.load() is not None
     if layer.is_quantized:
         names = ["int_kernel"] if layer.mode == "int8" or torch_int4 else []
         if ours:
@@ -93,7 +94,7 @@ def candidates(layer: nn.Module, rows: int, dtype: torch.dtype,
                                             gemm_dtype)) == 1:
                     names.append("dequantized" + suffix)
                 names.append("dequantized_t" + suffix)
-        if rows > NATIVE_ROWS and panel_gemm_takes(layer):
+        if rows > DECODE_ROWS and panel_gemm_takes(layer):
             names.append("panel_gemm")
         return names or ["dequantized_t"]  # the weight dequantized per call, where nothing else
     names = [BASELINE]
@@ -184,7 +185,7 @@ def plan_linears(model: nn.Module, dtype: torch.dtype, cache: KernelCache | None
                     tally.skipped += 1
                     continue
                 made = _choose(bucket_key, rows, names, group, dtype, cache, timer)
-                if made.timed and made.settled and "native" in names and rows <= NATIVE_ROWS:
+                if made.timed and made.settled and "native" in names and rows <= DECODE_ROWS:
                     made = _check_bandwidth(bucket_key, made, group, rows, dtype, cache,
                                             ruler)
                 if made.timed and made.settled and busy:
@@ -325,10 +326,11 @@ def _saved(cache: KernelCache, key: str) -> dict[str, float]:
 
 def _choose(key: str, rows: int, names: list[str], group: list[nn.Module],
             dtype: torch.dtype, cache: KernelCache, timer: Timer) -> Choice:
-    """One bucket's choice for a group: cached, or timed on the group's layers. Where ours is
-    a candidate (a decode's rows) it is kept unless another is faster by DECODE_MARGIN: a
+    """One bucket's choice for a group: cached, or timed on the group's layers. At a decode's
+    rows (up to DECODE_ROWS) ours is kept unless another is faster by DECODE_MARGIN: a
     decoder whose linears all run ours takes its decode steps in one native call
-    (models.kernels.native_decode), which saves more than one linear's timing shows. Our
+    (models.kernels.native_decode), which saves more than one linear's timing shows; at more
+    rows (also a short prefill chunk's) it is kept on a tie (MARGIN). Our
     quantized GEMM is kept on a tie (MARGIN) at a prefill's rows: its result is contiguous,
     where the dequantized `_t` formulations' is a transposed view whose cost falls on the
     operations after the linear, which timing it alone does not see (bench.prefill_ab at 512
@@ -338,7 +340,7 @@ def _choose(key: str, rows: int, names: list[str], group: list[nn.Module],
     for ours in ("native", "panel_gemm"):
         if ours in names:
             names = [ours] + [n for n in names if n != ours]
-            margin = DECODE_MARGIN if ours == "native" else MARGIN
+            margin = DECODE_MARGIN if ours == "native" and rows <= DECODE_ROWS else MARGIN
             break
     if cache.get(key, set(names)) is not None or len(names) == 1:
         return choose(key, {n: _noop for n in names}, cache, timer)
