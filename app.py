@@ -39,6 +39,9 @@ _ENGINE_OPTIONS = {  # flag -> (engine option, type, help)
     "--max-num-encoder-input-tokens": (
         "max_num_encoder_input_tokens", int, "encoder budget of one step, in embeddings"),
     "--processed-cache-items": ("processed_cache_items", int, "processed-input cache, in items"),
+    "--cross-attention-cache-bytes": (
+        "cross_attention_cache_bytes", int,
+        "bytes for cross-attention models' image keys and values (Llama 3.2 Vision)"),
     "--quantization": (
         "quantization", str, "int8 or int4 weights for the language model's linears (CPU)"),
     "--quantization-group-size": (
@@ -114,7 +117,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--no-prefix-caching", action="store_true", help="engine option: disable prefix caching"
     )
+    parser.add_argument(
+        "--lora", action="append", default=[], metavar="NAME=PATH",
+        help="engine option: a LoRA adapter (a PEFT folder) that requests may choose by NAME "
+        "(SamplingParams.lora, or `lora` in an API request); repeat for several",
+    )
     args = parser.parse_args(argv)
+    for spec in args.lora:
+        name, _, folder = spec.partition("=")
+        if not name or not folder:
+            parser.error(f"--lora {spec!r}: expected NAME=PATH")
     if args.backend:
         misplaced = local_only_options(args)
         if misplaced:
@@ -129,7 +141,7 @@ def local_only_options(args: argparse.Namespace) -> list[str]:
     given += [flag for flag, on in (
         ("--no-prefix-caching", args.no_prefix_caching), ("--api-only", args.api_only),
         ("--api-key", args.api_key), ("--device", args.device != "auto"),
-        ("--dtype", args.dtype != "auto"),
+        ("--dtype", args.dtype != "auto"), ("--lora", bool(args.lora)),
     ) if on]
     return given
 
@@ -143,6 +155,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     options = {k: v for k, v in options.items() if v is not None}
     if args.no_prefix_caching:
         options["enable_prefix_caching"] = False
+    if args.lora:
+        options["lora_adapters"] = tuple(tuple(spec.split("=", 1)) for spec in args.lora)
     return options
 
 

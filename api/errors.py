@@ -75,3 +75,14 @@ def internal_error() -> APIError:
     return APIError(
         500, "internal server error; see the server log", type="server_error", code="internal_error"
     )
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """A body that does not fit its schema: 400 naming the first offending field's path."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid body", "type": ""}
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {first.get('msg')}")
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    where = ".".join(loc)
+    return APIError(400, f"invalid request: {where or 'body'}: {first.get('msg')}",
+                    param=loc[0] if loc else None)

@@ -1,4 +1,5 @@
-"""OpenAI response bodies and server-sent-event chunks, built from the engine's RequestOutputs.
+"""OpenAI response bodies, built from the engine's RequestOutputs (api/streams.py builds the
+server-sent-event chunks).
 
 Token strings in logprobs are single tokens decoded with the tokenizer (special tokens kept);
 a token that holds part of a multi-byte character decodes to U+FFFD, as in vLLM.
@@ -22,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from api.tool_calls import ToolPlan
 from engine import AsyncLLM, RequestOutput
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -45,6 +47,8 @@ class ResponseContext:
     num_logprobs: int | None  # top alternatives per token; None: no logprobs
     include_usage: bool = False
     return_token_ids: bool = False
+    tools: ToolPlan = field(default_factory=ToolPlan)
+    echo: str | None = None  # completions with echo: the prompt's text
     created: int = field(default_factory=lambda: int(time.time()))
 
     def envelope(self, object_name: str) -> dict:
@@ -79,7 +83,7 @@ def model_list(engines: Mapping[str, AsyncLLM], created: int) -> dict:
 
 
 def usage(out: RequestOutput) -> dict:
-    prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    prompt, completion = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -106,135 +110,50 @@ def extension(out: RequestOutput) -> dict:
 
 
 def chat_completion(ctx: ResponseContext, final: RequestOutput) -> dict:
-    """The non-streaming chat.completion body."""
-    c = final.outputs[0]
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": c.text},
-        "logprobs": _chat_logprobs(ctx, c.token_ids, c.logprobs),
-        "finish_reason": c.finish_reason,
-    }
-    return _body(ctx, "chat.completion", choice, final)
+    """The non-streaming chat.completion body: a choice per completion, with the reply's
+    tool calls (when the request has tools) and its reasoning (thinking models)."""
+    choices = []
+    for c in final.outputs:
+        content, calls = ctx.tools.message(c.text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if c.reasoning_content:
+            message["reasoning_content"] = c.reasoning_content
+        if calls:
+            message["tool_calls"] = calls
+        choices.append({
+            "index": c.index,
+            "message": message,
+            "logprobs": chat_logprobs(ctx, c.token_ids, c.logprobs),
+            "finish_reason": "tool_calls" if calls and c.finish_reason == "stop"
+            else c.finish_reason,
+        })
+    return _body(ctx, "chat.completion", choices, final)
 
 
 def text_completion(ctx: ResponseContext, final: RequestOutput) -> dict:
-    """The non-streaming text_completion body."""
-    c = final.outputs[0]
-    choice = {
-        "index": 0,
-        "text": c.text,
-        "logprobs": _completion_logprobs(ctx, c.token_ids, c.logprobs, 0),
+    """The non-streaming text_completion body (with `echo`, each text starts with the
+    prompt)."""
+    choices = [{
+        "index": c.index,
+        "text": (ctx.echo or "") + c.text,
+        "logprobs": completion_logprobs(ctx, c.token_ids, c.logprobs, 0),
         "finish_reason": c.finish_reason,
-    }
-    return _body(ctx, "text_completion", choice, final)
+    } for c in final.outputs]
+    return _body(ctx, "text_completion", choices, final)
 
 
-def _body(ctx: ResponseContext, object_name: str, choice: dict, final: RequestOutput) -> dict:
-    body = {**ctx.envelope(object_name), "choices": [choice], "usage": usage(final)}
+def _body(ctx: ResponseContext, object_name: str, choices: list[dict],
+          final: RequestOutput) -> dict:
+    body = {**ctx.envelope(object_name), "choices": choices, "usage": usage(final)}
     if ctx.return_token_ids:
-        choice["token_ids"] = final.outputs[0].token_ids
+        for choice, c in zip(choices, final.outputs, strict=True):
+            choice["token_ids"] = c.token_ids
         body["prompt_token_ids"] = final.prompt_token_ids
     body[EXTENSION] = extension(final)
     return body
 
 
-class _Stream:
-    """Turns one request's successive outputs into stream chunks: a chunk per output that
-    carries new text (or new logprobs), then one with the finish_reason, then the usage."""
-
-    object_name: str
-
-    def __init__(self, ctx: ResponseContext) -> None:
-        self.ctx = ctx
-        self._sent = 0  # output tokens already covered by a chunk
-
-    def chunks(self, out: RequestOutput) -> list[dict]:
-        c = out.outputs[0]
-        ids = c.token_ids[self._sent:]
-        entries = None if c.logprobs is None else c.logprobs[self._sent:len(c.token_ids)]
-        chunks = []
-        if c.delta_text or entries or (ids and self.ctx.return_token_ids):
-            self._sent = len(c.token_ids)
-            chunks.append(self._chunk(self._choice(c.delta_text, ids, entries, None)))
-        if out.finished:
-            # Ids held back with text (a partial character, a possible stop string) go here.
-            last = self._choice("", c.token_ids[self._sent:], None, c.finish_reason)
-            self._sent = len(c.token_ids)
-            chunks.append({**self._chunk(last), EXTENSION: extension(out)})
-            if self.ctx.include_usage:
-                chunks.append({**self.ctx.envelope(self.object_name), "choices": [],
-                               "usage": usage(out)})
-        return chunks
-
-    def _chunk(self, choice: dict) -> dict:
-        chunk = {**self.ctx.envelope(self.object_name), "choices": [choice]}
-        if self.ctx.include_usage:
-            chunk["usage"] = None
-        return chunk
-
-    def _choice(
-        self, text: str, ids: list[int], entries: list[dict] | None, finish_reason: str | None
-    ) -> dict:
-        choice = self._fields(text, ids, entries, finish_reason)
-        if self.ctx.return_token_ids:
-            choice["token_ids"] = ids
-        return choice
-
-    def _fields(
-        self, text: str, ids: list[int], entries: list[dict] | None, finish_reason: str | None
-    ) -> dict:
-        raise NotImplementedError
-
-
-class ChatStream(_Stream):
-    """chat.completion.chunk events; the first one announces the assistant role."""
-
-    object_name = "chat.completion.chunk"
-
-    def __init__(self, ctx: ResponseContext) -> None:
-        super().__init__(ctx)
-        self._started = False
-
-    def chunks(self, out: RequestOutput) -> list[dict]:
-        chunks = super().chunks(out)
-        if not self._started:
-            self._started = True
-            role = self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
-                                "logprobs": None, "finish_reason": None})
-            if self.ctx.return_token_ids:
-                role["prompt_token_ids"] = out.prompt_token_ids
-            # The placeholders and their cache outcome are known by the first output: a
-            # front end can show them while the reply streams.
-            role[EXTENSION] = extension(out)
-            chunks.insert(0, role)
-        return chunks
-
-    def _fields(self, text, ids, entries, finish_reason):
-        return {
-            "index": 0,
-            "delta": {"content": text} if finish_reason is None else {},
-            "logprobs": _chat_logprobs(self.ctx, ids, entries),
-            "finish_reason": finish_reason,
-        }
-
-
-class CompletionStream(_Stream):
-    """text_completion events."""
-
-    object_name = "text_completion"
-
-    def __init__(self, ctx: ResponseContext) -> None:
-        super().__init__(ctx)
-        self._offset = 0  # text_offset of the next token
-
-    def _fields(self, text, ids, entries, finish_reason):
-        logprobs = _completion_logprobs(self.ctx, ids, entries, self._offset)
-        if logprobs is not None:
-            self._offset += sum(len(t) for t in logprobs["tokens"])
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-def _chat_logprobs(ctx: ResponseContext, ids: list[int], entries: list[dict] | None):
+def chat_logprobs(ctx: ResponseContext, ids: list[int], entries: list[dict] | None):
     if entries is None:
         return None
     tok = ctx.tokenizer
@@ -249,7 +168,7 @@ def _chat_logprobs(ctx: ResponseContext, ids: list[int], entries: list[dict] | N
     }
 
 
-def _completion_logprobs(
+def completion_logprobs(
     ctx: ResponseContext, ids: list[int], entries: list[dict] | None, offset: int
 ):
     if entries is None:

@@ -1,5 +1,9 @@
-"""The /v1 routes: thin handlers over request parsing (protocol), the engines and response
-building (responses).
+"""The /v1 routes: thin handlers over the typed request bodies (protocol: the published
+schema), the engines and response building (responses, streams).
+
+Before FastAPI parses a body, every POST is checked for `Content-Type: application/json` (415)
+and read within the size limit (413); a body that does not fit its schema is a 400 naming the
+first field's path.
 
 A generation request is admitted only while its model's queue has room (else 503). It is tied
 to its HTTP connection: when the client disconnects, a watcher aborts the engine request at
@@ -14,18 +18,25 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import replace
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException
 from starlette.types import Receive
 
 from api import responses
-from api.errors import APIError, from_exception, internal_error
+from api.errors import APIError, from_exception, internal_error, validation_error
 from api.guards import host_checker, key_checker, require_json
-from api.protocol import ChatCompletionRequest, CompletionRequest, parse_request
-from api.responses import ChatStream, CompletionStream, ResponseContext
+from api.protocol import ChatCompletionRequest, CompletionRequest
+from api.responses import ResponseContext
+from api.schema import DOCUMENTED, ChatCompletion, Completion, ModelList
+from api.streams import ChatStream, CompletionStream
+from api.tool_calls import ToolPlan
 from engine import AsyncLLM, RequestOutput
+from engine.fim import fim_prompt
 
 log = logging.getLogger(__name__)
 
@@ -62,32 +73,43 @@ def build_router(
     guards = [Depends(key_checker(api_key))] if api_key is not None else []
     if allowed_hosts is not None:
         guards.append(Depends(host_checker(allowed_hosts)))
-    router = APIRouter(prefix="/v1", route_class=_OpenAIRoute, dependencies=guards)
-    json_body = [Depends(require_json)]
+    router = APIRouter(prefix="/v1", route_class=_route_class(max_body_bytes),
+                       dependencies=guards)
 
-    @router.get("/models")
+    @router.get("/models", response_model=ModelList, responses=DOCUMENTED)
     async def list_models() -> Response:
         return JSONResponse(responses.model_list(gate.engines, created))
 
-    @router.post("/chat/completions", dependencies=json_body)
-    async def chat_completions(request: Request) -> Response:
-        body = parse_request(ChatCompletionRequest, await _read_body(request, max_body_bytes))
+    @router.post("/chat/completions", response_model=ChatCompletion, responses=DOCUMENTED)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        """A chat reply; with `stream`, server-sent `chat.completion.chunk` events."""
         llm = gate.engine(body.model)
-        params = body.sampling_params(llm.engine.setup.sampling_defaults)
-        ctx = _context("chatcmpl", body, llm)
+        tools = ToolPlan.of(body, llm.processor.tool_parser, llm.tokenizer)
+        params = body.sampling_params(llm.engine.setup.sampling_defaults, tools.constraint)
+        if tools.parser is not None and params.skip_special_tokens:
+            # a call's marker may be a special token ([TOOL_CALLS]): the parser must see it
+            params = replace(params, skip_special_tokens=False)
+        ctx = _context("chatcmpl", body, llm, tools=tools)
         outputs = llm.chat(body.engine_messages(), params, ctx.id, **body.template_kwargs())
         first, rest = await gate.start(request, body.model, outputs, ctx.id)
         if body.stream:
             return _event_stream(first, rest, ChatStream(ctx))
         return JSONResponse(responses.chat_completion(ctx, await _last(first, rest)))
 
-    @router.post("/completions", dependencies=json_body)
-    async def completions(request: Request) -> Response:
-        body = parse_request(CompletionRequest, await _read_body(request, max_body_bytes))
+    @router.post("/completions", response_model=Completion, responses=DOCUMENTED)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        """A text completion; with `stream`, server-sent `text_completion` events."""
         llm = gate.engine(body.model)
         params = body.sampling_params(llm.engine.setup.sampling_defaults)
-        ctx = _context("cmpl", body, llm)
-        outputs = llm.generate(body.engine_prompt(), params, ctx.id)
+        prompt = body.engine_prompt()
+        echo = None
+        if body.echo:
+            echo = prompt if isinstance(prompt, str) else llm.tokenizer.decode(prompt)
+        if body.suffix:
+            prompt = {"prompt": fim_prompt(llm.tokenizer, prompt, body.suffix),
+                      "add_special_tokens": False}
+        ctx = _context("cmpl", body, llm, echo=echo)
+        outputs = llm.generate(prompt, params, ctx.id)
         first, rest = await gate.start(request, body.model, outputs, ctx.id)
         if body.stream:
             return _event_stream(first, rest, CompletionStream(ctx))
@@ -96,15 +118,34 @@ def build_router(
     return router
 
 
+def _route_class(max_body_bytes: int) -> type[APIRoute]:
+    class Route(_OpenAIRoute):
+        limit = max_body_bytes
+
+    return Route
+
+
 class _OpenAIRoute(APIRoute):
-    """Renders every failure of a route (its dependencies included) in the OpenAI shape."""
+    """Checks a POST body's type and size before FastAPI reads it, and renders every failure
+    of a route (its dependencies and body validation included) in the OpenAI shape."""
+
+    limit: int = DEFAULT_MAX_BODY_BYTES
 
     def get_route_handler(self) -> Callable:
         handler = super().get_route_handler()
 
         async def handle(request: Request) -> Response:
             try:
+                if request.method == "POST":
+                    await require_json(request)
+                    # FastAPI reads the body it parses from here (Starlette caches it).
+                    request._body = await _read_body(request, self.limit)
                 return await handler(request)
+            except RequestValidationError as e:
+                return validation_error(e.errors()).response()
+            except HTTPException as e:  # FastAPI could not parse the body (not UTF-8 ...)
+                return APIError(e.status_code, f"the request body is not valid JSON: "
+                                f"{e.detail}").response()
             except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI error body
                 return from_exception(e).response()
 
@@ -211,7 +252,7 @@ async def _last(first: RequestOutput, rest: Outputs) -> RequestOutput:
 
 
 def _context(
-    prefix: str, body: ChatCompletionRequest | CompletionRequest, llm: AsyncLLM
+    prefix: str, body: ChatCompletionRequest | CompletionRequest, llm: AsyncLLM, **extra
 ) -> ResponseContext:
     return ResponseContext(
         id=f"{prefix}-{uuid.uuid4().hex}",
@@ -220,6 +261,7 @@ def _context(
         num_logprobs=body.num_logprobs,
         include_usage=body.include_usage,
         return_token_ids=body.return_token_ids,
+        **extra,
     )
 
 

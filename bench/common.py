@@ -146,12 +146,29 @@ QWEN3_5_08B = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
                      "mrope_section": [11, 11, 10], "mrope_interleaved": True},
 )
-SHAPES = ("qwen2-0.5b", "qwen3.5-0.8b")
+# Gemma 4 E4B's language model at 12 of its 42 layers (two of its seven 5:1 groups of sliding
+# and global layers), every layer at E4B's shapes, the whole vocabulary and the per-layer table
+# of those 12 layers. E4B's last 18 layers read the KV of the last layer of their type before
+# them; here the last 6 do (the layer before them global, the one before that sliding, as in
+# E4B and as llama.cpp's loader requires).
+GEMMA4_E4B = dict(
+    hidden_size=2560, intermediate_size=10240, num_hidden_layers=12, num_attention_heads=8,
+    num_key_value_heads=2, head_dim=256, global_head_dim=512, vocab_size=262144,
+    vocab_size_per_layer_input=262144, hidden_size_per_layer_input=256,
+    num_kv_shared_layers=6, sliding_window=512, final_logit_softcapping=30.0,
+    use_double_wide_mlp=False, attention_k_eq_v=False, max_position_embeddings=131072,
+    layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 2, rms_norm_eps=1e-6,
+    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                     "full_attention": {"rope_type": "proportional", "rope_theta": 1e6,
+                                        "partial_rotary_factor": 0.25}},
+)
+SHAPES = ("qwen2-0.5b", "qwen3.5-0.8b", "gemma4-e4b")
 
 
 def build_checkpoint(shapes: str = "qwen2-0.5b") -> Path:
-    """The text benches' checkpoint (random weights), built once: Qwen2-0.5B's shapes, or
-    Qwen3.5-0.8B's language model (a text-only Qwen3_5ForCausalLM, saved in bfloat16)."""
+    """The text benches' checkpoint (random weights), built once: Qwen2-0.5B's shapes,
+    Qwen3.5-0.8B's language model (a text-only Qwen3_5ForCausalLM, saved in bfloat16), or
+    Gemma 4 E4B's (`GEMMA4_E4B`: a Gemma4ForCausalLM, saved in bfloat16)."""
     from testing.tiny import build_text_model
 
     if shapes not in SHAPES:
@@ -163,6 +180,8 @@ def build_checkpoint(shapes: str = "qwen2-0.5b") -> Path:
     if shapes == "qwen2-0.5b":
         build_text_model(path, "qwen2", **QWEN2_05B)
         return path
+    if shapes == "gemma4-e4b":
+        return _build_gemma4(path)
     import transformers
 
     from testing.tiny import qwen_tokenizer, save_checkpoint
@@ -173,3 +192,20 @@ def build_checkpoint(shapes: str = "qwen2-0.5b") -> Path:
     torch.manual_seed(0)
     model = transformers.Qwen3_5ForCausalLM(config).to(torch.bfloat16)
     return save_checkpoint(model, tok, path, [tok.eos_token_id])
+
+
+def _build_gemma4(path: Path) -> Path:
+    """GEMMA4_E4B as a Gemma4ForCausalLM with random weights, saved in bfloat16."""
+    import transformers
+
+    from testing.gemma4 import gemma4_tokenizer
+    from testing.tiny import save_checkpoint
+
+    tok = gemma4_tokenizer()
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<pad>", "<eos>", "<bos>", "<turn|>")}
+    config = transformers.Gemma4TextConfig(
+        **GEMMA4_E4B, tie_word_embeddings=True, pad_token_id=ids["<pad>"],
+        eos_token_id=ids["<eos>"], bos_token_id=ids["<bos>"])
+    torch.manual_seed(0)
+    model = transformers.Gemma4ForCausalLM(config).to(torch.bfloat16)
+    return save_checkpoint(model, tok, path, [ids["<turn|>"], ids["<eos>"]])

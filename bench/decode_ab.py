@@ -75,10 +75,10 @@ def main() -> None:
 
         sides = {"native call": toggled(call), "modules": toggled(None)}
     elif args.feature == "native_experts":
-        from models.layers.moe import SparseMoE
+        from models.layers.moe import RoutedExperts
 
         shared = engine()
-        blocks = [m for m in shared.runner.model.modules() if isinstance(m, SparseMoE)]
+        blocks = [m for m in shared.runner.model.modules() if isinstance(m, RoutedExperts)]
         calls = [block.native for block in blocks]
         if not blocks or None in calls:
             raise SystemExit("this model has no sparse blocks whose experts take the native "

@@ -1,14 +1,18 @@
 """Text generation, this engine (per dtype x weight quantization) vs transformers generate(),
 side by side in one run, with an optional llama.cpp column.
 
-    python -m bench.generate [--model PATH | --shapes qwen2-0.5b|qwen3.5-0.8b]
+    python -m bench.generate [--model PATH | --shapes qwen2-0.5b|qwen3.5-0.8b|gemma4-e4b]
         [--dtype float32,bfloat16] [--quantization none,int8,int4] [--group-size 128]
         [--runs 3] [--no-llama-cpp] [--no-transformers]
 
 Without --model it builds (once, cached) a checkpoint with random weights and Qwen2-0.5B's
 shapes, or with `--shapes qwen3.5-0.8b` Qwen3.5-0.8B's language model (hybrid: Gated DeltaNet
 and attention; its rows also give the recurrent state's bytes per request, which each decode
-step reads and writes, counted in its roofline). For each dtype it measures, run after run
+step reads and writes, counted in its roofline), or with `--shapes gemma4-e4b` Gemma 4 E4B's
+language model at 12 of its 42 layers (bench.common.GEMMA4_E4B: per-layer embeddings, KV shared
+by its last 6 layers, global layers with their own head size; in bfloat16 it and transformers'
+copy take about 5 GB each: pass `--dtype bfloat16` on a machine that cannot hold both in
+float32). For each dtype it measures, run after run
 alternating with transformers: single-stream TTFT and decode tokens/s, and total output
 tokens/s for 8 concurrent requests (transformers runs them one after another, as a local app
 would), then the decode rate as a fraction of the memory-bandwidth roofline on the bytes one
@@ -50,15 +54,21 @@ from bench.common import (
 def decode_bytes_per_token(model, state_bytes: int = 0) -> int:
     """Bytes one decode step of one request reads: every parameter and buffer (quantized
     weights and their scales; a oneDNN-prepacked copy replaces the weight it packs), except
-    that of the embedding table only one row is gathered, while the LM head is read whole even
-    when it shares the table; of a mixture-of-experts block only the routed experts (top k of
-    them; the router and any shared expert whole); and a hybrid model's recurrent state
-    (`state_bytes` per request), read and written back."""
-    from models.layers.moe import SparseMoE
+    that of the embedding tables (the token embeddings, a per-layer table) only one row is
+    gathered, while the LM head is read whole even when it shares the table; of a
+    mixture-of-experts block only the routed experts (top k of them; the router and any shared
+    expert whole); and a hybrid model's recurrent state (`state_bytes` per request), read and
+    written back."""
+    from models.layers.moe import RoutedExperts
 
     table = model.embed_tokens.weight
     seen, total = {table.data_ptr()}, 2 * state_bytes
-    experts = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    per_layer = getattr(model, "per_layer_inputs", None)
+    if per_layer is not None:  # one row of the per-layer table
+        rows = per_layer.embed_tokens_per_layer.weight
+        seen.add(rows.data_ptr())
+        total += rows[0].numel() * rows.element_size()
+    experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
     for block in experts:  # all experts of a block have one size: k of them are read
         sizes = [_nbytes(e, seen) for e in block.experts]
         total += sizes[0] * block.shape.top_k

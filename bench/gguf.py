@@ -12,7 +12,8 @@ checkpoint, which it holds exactly).
 
 Test checkpoints carry locally trained tokenizers, whose pre-tokenizer the converter does not
 recognise by hash; the speed measured does not depend on it (prompts are token ids), so the
-conversion declares Qwen2's.
+conversion declares Qwen2's. For the same reason Gemma 4's converter, which reads a
+SentencePiece-style vocabulary (the Hub's tokenizer), is given the byte-level BPE path instead.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ src = sys.argv[1]
 sys.path[:0] = [src, src + "/gguf-py"]
 import conversion.base as base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+import conversion.gemma as gemma
+gemma.Gemma4Model.set_vocab = base.TextModel._set_vocab_gpt2
 import convert_hf_to_gguf as convert
 sys.argv = ["convert_hf_to_gguf.py", *sys.argv[2:]]
 convert.main()

@@ -16,7 +16,11 @@ Without --model it builds (once, cached) a random-weight checkpoint with Qwen2-V
   tower and decoder (`--omni-model` for another). Ours starts from the mp4's bytes (decoding,
   preprocessing, both encoders, prefill, one token); transformers' from our decoded frames,
   sound and pixel values (its video processor needs torchvision), with its own feature
-  extractor and generate(): its time leaves out decoding and pixel preprocessing.
+  extractor and generate(): its time leaves out decoding and pixel preprocessing;
+- TTFT of a new InternVL image (7 tiles) and of a new question about it (encoder-cache hit)
+  against transformers (bench/internvl.py; `--internvl-model` for another checkpoint).
+- TTFT of a new sliced image and of a new question about it (encoder-cache hit) for MiniCPM-V
+  4.6 against transformers (bench/minicpmv.py; `--minicpmv-model` for another checkpoint).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ import torch
 from PIL import Image
 
 from bench.common import cache_dir, machine, matmul_flops, median, print_table, timeit
+from bench.internvl import internvl_rows
+from bench.minicpmv import minicpmv_rows
 
 QWEN2_VL_2B_WIDTHS = dict(vision_width=1280, vision_depth=8, vision_heads=16, hidden=1536,
                           intermediate=8960, layers=8, heads=12, kv_heads=2, vocab=151936)
@@ -97,6 +103,8 @@ def main() -> None:
     parser.add_argument("--video-frames", type=int, default=32)
     parser.add_argument("--omni-model", type=Path, default=None)
     parser.add_argument("--heard-seconds", type=int, default=8)
+    parser.add_argument("--internvl-model", type=Path, default=None)
+    parser.add_argument("--minicpmv-model", type=Path, default=None)
     args = parser.parse_args()
     path = args.model or build_checkpoint()
     print(f"machine: {machine()}; checkpoint {path.name}; dtype {args.dtype}")
@@ -106,6 +114,8 @@ def main() -> None:
     rows += concurrency_rows(path, args)
     rows += itl_rows(path, args)
     rows += heard_video_rows(args)
+    rows += internvl_rows(args, _llm)
+    rows += minicpmv_rows(args)
     print()
     print_table([r[:4] for r in rows], ("metric", "value", "reference", "ratio"))
     print("\nsummary: " + "; ".join(f"{r[0]}: {r[3]:.2f} (target {r[4]})" for r in rows
@@ -282,10 +292,6 @@ async def _itl(path: Path, args, budget: int) -> tuple[float, float, float, int]
             during[min(len(during) - 1, int(0.99 * len(during)))], count)
 
 
-if __name__ == "__main__":
-    main()
-
-
 # Qwen2.5-Omni-3B's widths (decoder 2048, vision 1280, audio 1280), 4 layers each.
 OMNI_3B_WIDTHS = dict(hidden_size=2048, num_layers=4, heads=16, kv_heads=2,
                       intermediate_size=11008, vision_width=1280, vision_depth=3,
@@ -386,3 +392,7 @@ def heard_video_rows(args) -> list[tuple]:
     return [("TTFT, video heard with its sound, ours / transformers (s)", o, t, o / t, "<= 1"),
             ("TTFT, new question on a heard video, ours / transformers (s)", oa, ta, oa / ta,
              "<= 0.5")]
+
+
+if __name__ == "__main__":
+    main()

@@ -94,8 +94,9 @@ class Stepper:
 
 
 def kv_bytes_per_token(model, dtype: torch.dtype) -> int:
-    cfg = model.cfg
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+    """Over the layers that hold keys and values (a layer reading another's holds none)."""
+    own = [a for a in model.attention_layers() if a.kv_source is None]
+    return sum(2 * a.num_kv_heads * a.head_dim for a in own) * torch.finfo(dtype).bits // 8
 
 
 def main() -> None:

@@ -155,7 +155,7 @@ class AsyncLLM:
                 processed = await asyncio.to_thread(self.processor.process, parsed, media)
                 req = self.engine.make_request(
                     processed, params or self.engine.default_sampling_params(), request_id,
-                    arrival_time=arrival,
+                    arrival_time=arrival, thinking=parsed.thinking,
                 )
                 self._submit(("add", req))
             finally:

@@ -4,7 +4,9 @@ Every request owns a list of block ids (`Request.block_ids`); block i holds the 
 [i * block_size, (i + 1) * block_size). A full, computed block gets a hash chained from its
 parent's: blake3(parent hash, token ids, extra keys), where the extra keys name the media items
 overlapping the block as (content hash, item offset relative to the block start). Identical
-placeholder token ids with different pixels therefore never share KV.
+placeholder token ids with different pixels therefore never share KV. The first block's chain
+starts from the request's LoRA adapter (none: empty): requests computing with different
+adapters never share KV either.
 
 Blocks are reference counted. A block whose count drops to zero goes to the free queue but keeps
 its hash, so a later request with the same prefix can adopt it (a prefix-cache hit); it is evicted
@@ -101,7 +103,7 @@ class BlockManager:
     def _extend_hashes(self, req: Request, num_blocks: int) -> None:
         bs = self.block_size
         for i in range(len(req.block_hashes), num_blocks):
-            parent = req.block_hashes[i - 1] if i else b""
+            parent = req.block_hashes[i - 1] if i else _chain_root(req)
             tokens = array("q", req.all_token_ids[i * bs : (i + 1) * bs])
             h = blake3(parent)
             h.update(tokens.tobytes())
@@ -190,3 +192,8 @@ class BlockManager:
             "prefix_cache_hit_tokens": self.prefix_hit_tokens,
             "prefix_cache_hit_rate": self.prefix_hit_tokens / q if q else 0.0,
         }
+
+
+def _chain_root(req: Request) -> bytes:
+    """What the first block's hash chains from: the request's adapter, if any."""
+    return b"" if req.adapter is None else b"lora:" + req.adapter.encode()

@@ -3,11 +3,14 @@
 Content parts understood: `text`, `image_url`, `video_url`, `input_audio` (base64 + format),
 `audio_url`, and the Hugging Face style `{"type": "image" | "video" | "audio", <modality>: src}`.
 Media parts become `{"type": <modality>}` for the template (which inserts the model's
-placeholder) and their sources are collected in prompt order.
+placeholder) and their sources are collected in prompt order. An assistant message's tool
+calls reach the template with their arguments as a mapping (OpenAI sends them as JSON text;
+templates render them with `tojson` or iterate over them), as vLLM does.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 MODALITIES = ("image", "video", "audio")
@@ -23,6 +26,8 @@ def parse_messages(messages: list[dict]) -> tuple[list[dict], dict[str, list[Any
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message:
             raise ValueError(f"message {i} must be a dict with a 'role'")
+        if message.get("tool_calls"):
+            message = {**message, "tool_calls": _tool_calls(message["tool_calls"], i)}
         content = message.get("content")
         if content is None or isinstance(content, str):
             rendered.append({**message, "content": content or ""})
@@ -37,11 +42,30 @@ def parse_messages(messages: list[dict]) -> tuple[list[dict], dict[str, list[Any
     return rendered, {k: v for k, v in media.items() if v}
 
 
+def _tool_calls(calls: Any, i: int) -> list[dict]:
+    if not isinstance(calls, list):
+        raise ValueError(f"message {i}: tool_calls must be a list")
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError(f"message {i}: each tool call needs a function with a name")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                raise ValueError(f"message {i}: tool call {function['name']!r} has arguments "
+                                 "that are not JSON") from None
+        out.append({**call, "function": {**function, "arguments": arguments}})
+    return out
+
+
 def _parse_part(part: Any, i: int, media: dict[str, list[Any]]) -> dict:
     if isinstance(part, str):
         return {"type": "text", "text": part}
-    if not isinstance(part, dict) or "type" not in part:
-        raise ValueError(f"message {i}: each content part must be a dict with a 'type'")
+    if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+        raise ValueError(f"message {i}: each content part must be a dict with a string 'type'")
     kind = part["type"]
     if kind == "text":
         return {"type": "text", "text": str(part.get("text", ""))}

@@ -85,3 +85,23 @@ class CheckpointSetup:
             ("default sampling", dict(self.sampling_defaults) or "none",
              self.sources["sampling_defaults"]),
         ]
+
+
+def checkpoint_settings(setup: CheckpointSetup, mm_processor,
+                        adapters=None) -> tuple[tuple[str, ...], ...]:
+    """(component, setting, value, where it came from) for every setting the engine read from
+    the checkpoint: its own (dtype, template, EOS, ...), its processor's, and the LoRA adapters
+    loaded (models.layers.lora.AdapterSet)."""
+    rows = [("model", name, _shown(value), source) for name, value, source in setup.rows()]
+    if mm_processor is not None:
+        for component, settings in mm_processor.settings().items():
+            rows += [(component, key, _shown(settings.values[key]), settings.sources[key])
+                     for key in settings.values]
+    for adapter in () if adapters is None else adapters.adapters:
+        rows.append(("lora", adapter.name, adapter.describe(), str(adapter.path)))
+    return tuple(rows)
+
+
+def _shown(value: Any) -> str:
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."

@@ -6,11 +6,14 @@ Values derived at start-up from the model and the device (number of KV blocks, t
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 GiB = 1 << 30
 QUANTIZATIONS = (None, "int8", "int4")
 QUANTIZATION_GROUP_SIZES = (32, 64, 128)
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 def _check_range(name: str, value: int | float | None, lo: float, hi: float | None = None) -> None:
@@ -36,7 +39,8 @@ class EngineConfig:
         max_num_seqs: most requests running at once.
         max_model_len: longest sequence (prompt + output); None = the model's context length.
         enable_prefix_caching: reuse KV blocks of identical prefixes across requests.
-        encoder_cache_size: encoder-output cache capacity, in embeddings (multimodal models).
+        encoder_cache_size: encoder-output cache capacity, in embeddings (multimodal models
+            whose media embeddings are spliced into the prompt).
         max_num_encoder_input_tokens: encoder compute budget of one step, in embeddings.
         processed_cache_items: processed-input cache size, in items (0 disables it).
         quantization: weight-only quantization of the language model's linears at load time
@@ -46,6 +50,14 @@ class EngineConfig:
         state_snapshot_bytes: hybrid models (linear-attention layers) only: bytes for prefix
             snapshots of the layers' recurrent state (what a prefix-cache hit restores); None =
             automatic (64 snapshots, at most 1 GiB); 0 = no snapshots (no prefix hits).
+        cross_attention_cache_bytes: models with cross-attention layers (Llama 3.2 Vision)
+            only: bytes for those layers' keys and values of media items, held by the requests
+            that attend to them and cached by content (this replaces `encoder_cache_size` for
+            such models); None = automatic (half of the automatic KV-cache budget, taken out
+            of it).
+        lora_adapters: LoRA adapters requests may choose by name (`SamplingParams.lora`):
+            (name, PEFT adapter folder) pairs, or a {name: folder} mapping. Names are letters,
+            digits, ".", "_" and "-", at most 64 characters.
     """
 
     block_size: int = 16
@@ -60,8 +72,11 @@ class EngineConfig:
     quantization: str | None = None
     quantization_group_size: int = 128
     state_snapshot_bytes: int | None = None
+    cross_attention_cache_bytes: int | None = None
+    lora_adapters: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
+        self._check_adapters()
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(
                 f"block_size must be a power of two in [1, 256], got {self.block_size}"
@@ -74,6 +89,7 @@ class EngineConfig:
         _check_range("max_num_encoder_input_tokens", self.max_num_encoder_input_tokens, 1)
         _check_range("processed_cache_items", self.processed_cache_items, 0)
         _check_range("state_snapshot_bytes", self.state_snapshot_bytes, 0)
+        _check_range("cross_attention_cache_bytes", self.cross_attention_cache_bytes, 1)
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(
                 f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}"
@@ -93,6 +109,24 @@ class EngineConfig:
             value = getattr(self, f.name)
             if isinstance(value, float):
                 raise ValueError(f"{f.name} must be an integer, got {value!r}")
+
+    def _check_adapters(self) -> None:
+        pairs = self.lora_adapters
+        if isinstance(pairs, Mapping):
+            pairs = tuple(pairs.items())
+        try:
+            pairs = tuple((name, str(folder)) for name, folder in pairs)
+        except (TypeError, ValueError):
+            raise ValueError(f"lora_adapters must be (name, folder) pairs or a mapping, got "
+                             f"{self.lora_adapters!r}") from None
+        for name, _ in pairs:
+            if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name):
+                raise ValueError(f"lora_adapters: name {name!r} must be letters, digits, '.', "
+                                 "'_' or '-' (at most 64 characters)")
+        names = [name for name, _ in pairs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_adapters: a name repeats in {names}")
+        object.__setattr__(self, "lora_adapters", pairs)
 
     @classmethod
     def from_options(cls, **options: object) -> EngineConfig:

@@ -1,9 +1,11 @@
 """EncoderCacheManager: which media items' encoder outputs are kept, for whom. Bookkeeping only.
 
 The runner holds the tensors (hash -> embeddings); this class decides what they may occupy.
-Capacity is counted in embeddings, not bytes: an item costs `PlaceholderRange.num_embeds` times
-`vectors_per_embed` (1, or 1 + K for a DeepStack model, whose items also hold K per-layer
-residuals of the same shape).
+Capacity is counted in embeddings, not bytes: an item costs `MultiModalFeature.encoder_size`
+times `vectors_per_embed` (1, or 1 + K for a DeepStack model, whose items also hold K per-layer
+residuals of the same shape). For a model with cross-attention layers the entries are those
+layers' keys and values per item, counted in key positions (the engine sizes the capacity from
+`cross_attention_cache_bytes`).
 
 State:
 - `free`: capacity not held by any entry; `reclaimable`: `free` plus the unreferenced entries.
@@ -13,8 +15,10 @@ State:
 - `freed`: hashes evicted since the runner last asked; the runner drops those tensors.
 
 A request holds one reference per distinct item hash. It gives the reference back as soon as its
-computed tokens pass the item's span (the KV holds the item from then on), when it finishes, is
-aborted, or is preempted.
+computed tokens pass the last token that needs the item (`MultiModalFeature.needed_until`: the
+end of its span, or of the rows that cross-attend to it; the KV holds what the item gave from
+then on; an item attended to the end of the sequence is held while the request runs), when it
+finishes, is aborted, or is preempted.
 """
 
 from __future__ import annotations
@@ -108,12 +112,12 @@ class EncoderCacheManager:
             del self.freeable[identifier]
 
     def release_consumed(self, req: Request) -> None:
-        """Release the items whose spans lie wholly before `req.num_computed_tokens`."""
+        """Release the items no token from `req.num_computed_tokens` on needs."""
         if not req.mm_features:
             return
-        still_needed = {
-            f.identifier for f in req.mm_features if f.placeholder.end > req.num_computed_tokens
-        }
+        done = req.num_computed_tokens
+        still_needed = {f.identifier for f in req.mm_features
+                        if f.needed_until is None or f.needed_until > done}
         for f in req.mm_features:
             if f.identifier not in still_needed:
                 self.release(req, f.identifier)

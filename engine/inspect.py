@@ -2,8 +2,10 @@
 without loading its weights. It prints the architecture and the model class, the dtype, whether
 the LM head is tied, the chat template's source, the EOS ids and default sampling, every
 processor setting with the file (or class default) it came from, the weights' and the KV cache's
-estimated bytes, and what is not supported. Run it first on a new download; it exits with 1
-when the engine would refuse the checkpoint.
+estimated bytes (a per-layer embedding table, read a few rows per step, apart; layers that read
+another layer's keys and values add no KV cache), the LoRA adapters it ships, and what is not
+supported. Run it first on a new download; it exits with 1 when the engine would refuse the
+checkpoint.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import torch
 from engine.checkpoint_setup import CheckpointSetup
 from engine.device import resolve_dtype
 from engine.hub import resolve_model
+from engine.model_runner import context_length
+from models.adapters import CONFIG, read_lora_config
 from models.checkpoint import CheckpointError, safetensors_header, weight_files
 from models.interfaces import ProcessorContext
 
@@ -32,7 +36,12 @@ class Report:
     model: str
     rows: list[tuple[str, str, Any, str]] = field(default_factory=list)
     weight_bytes: int | None = None
+    per_layer_table_bytes: int = 0  # of weight_bytes: a table read a few rows per step
     kv_bytes_per_token: int | None = None
+    # Cross-attention models: keys and values of one media key position, and of the largest item.
+    cross_bytes_per_key: int | None = None
+    cross_largest_item: int | None = None  # key positions
+    kv_layers: str = ""
     max_model_len: int | None = None
     unsupported: list[str] = field(default_factory=list)
 
@@ -51,6 +60,7 @@ def inspect(model: str | Path, dtype: str = "auto") -> Report:
     engine_dtype = resolve_dtype(dtype, torch.device("cpu"), setup.dtype)
     report.rows.append(("model", "engine dtype on this CPU", str(engine_dtype).removeprefix(
         "torch."), f"--dtype {dtype}"))
+    processor = None
     if setup.spec.processor is not None:
         try:
             processor = setup.spec.processor(ProcessorContext(
@@ -63,32 +73,73 @@ def inspect(model: str | Path, dtype: str = "auto") -> Report:
             for component, settings in processor.settings().items():
                 report.rows += [(component, key, settings.values[key], settings.sources[key])
                                 for key in settings.values]
+    _adapters(report, setup, path)
     try:
-        _sizes(report, setup, engine_dtype)
+        _sizes(report, setup, engine_dtype, processor)
     except (CheckpointError, NotImplementedError, ValueError, KeyError) as e:
         report.unsupported.append(f"model: {e}")
     return report
 
 
-def _sizes(report: Report, setup: CheckpointSetup, dtype: torch.dtype) -> None:
+def _adapters(report: Report, setup: CheckpointSetup, path: Path) -> None:
+    """The LoRA adapters the checkpoint ships for its modalities (their configs only)."""
+    for name, modality, folder in setup.spec.model.modality_adapters():
+        if not (path / folder).is_dir():
+            report.rows.append(("lora", name, f"absent: {modality} requests use the base model",
+                                f"{folder}/"))
+            continue
+        try:
+            settings = read_lora_config(path / folder)
+        except CheckpointError as e:
+            report.unsupported.append(f"lora {name}: {e}")
+            continue
+        report.rows.append(("lora", name, f"for {modality} requests: r={settings['r']}, "
+                            f"lora_alpha={settings['lora_alpha']}", f"{folder}/{CONFIG}"))
+
+
+def _sizes(report: Report, setup: CheckpointSetup, dtype: torch.dtype, processor) -> None:
     """Weight bytes (the checkpoint tensors the model maps, at the engine's dtype), KV bytes per
-    token, and whether the LM head is provided; the model is built on the meta device."""
-    text = setup.hf_config.get_text_config()
-    report.max_model_len = getattr(text, "max_position_embeddings", None)
+    token (its attention layers'), a cross-attention model's keys and values per media key
+    position and for the largest item, and whether the LM head is provided; the model is built
+    on the meta device."""
+    report.max_model_len = context_length(setup.hf_config)[0]
     with torch.device("meta"):
         model = setup.spec.model.from_hf_config(setup.hf_config, 1, torch.device("meta"))
     mapping = model.checkpoint_map()
     total, names = 0, set()
+    skipped: dict[str, int] = {}  # tensors the model does not read, by their name's first part
     for file in weight_files(setup.path):
         for name, info in safetensors_header(file).items():
-            if name == "__metadata__" or mapping(name) is None:
+            if name == "__metadata__":
+                continue
+            if mapping(name) is None:
+                parts = name.split(".")
+                group = ".".join(parts[:2] if parts[0] == "model" else parts[:1]) + ".*"
+                skipped[group] = skipped.get(group, 0) + 1
                 continue
             names.add(mapping(name)[0])
             total += DTYPE_BYTES[dtype] * _numel(info["shape"])
+    if skipped:
+        report.rows.append(("model", "tensors read past", ", ".join(
+            f"{group} ({n})" for group, n in sorted(skipped.items())),
+            "the weights files (e.g. a drafter's or speech output's: not built)"))
     report.weight_bytes = total
-    shape = model.cfg
-    report.kv_bytes_per_token = (2 * shape.num_layers * shape.num_kv_heads * shape.head_dim
-                                 * DTYPE_BYTES[dtype])
+    report.per_layer_table_bytes = model.per_layer_table_bytes() // DTYPE_BYTES[
+        model.embed_tokens.weight.dtype] * DTYPE_BYTES[dtype]
+    layers = model.attention_layers()
+    own = [a for a in layers if a.kv_source is None]
+    report.kv_bytes_per_token = sum(2 * a.num_kv_heads * a.head_dim for a in own) * DTYPE_BYTES[
+        dtype]
+    if len(own) < len(layers):
+        report.kv_layers = f"{len(own)} of {len(layers)} layers hold it, {len(layers) - len(own)}" \
+            " read another layer's"
+    cross = model.cross_attention_layers()
+    if cross:
+        shape = model.cfg
+        report.cross_bytes_per_key = len(cross) * 2 * shape.num_kv_heads * shape.head_dim \
+            * DTYPE_BYTES[dtype]
+        if processor is not None:
+            report.cross_largest_item = processor.max_embeds_per_item()
     if not setup.tie_word_embeddings and "lm_head.weight" not in names:
         report.unsupported.append(
             "the checkpoint has no lm_head.weight and the config does not tie the head to the "
@@ -109,11 +160,20 @@ def render(report: Report) -> str:
     for component, key, value, source in report.rows:
         lines.append(f"  {f'{component}.{key}':<{width}}  {_short(value)!s:<40}  <- {source}")
     if report.weight_bytes is not None:
-        lines.append(f"weights: {_size(report.weight_bytes)} at the engine dtype")
+        table = (f", of which the per-layer embedding table {_size(report.per_layer_table_bytes)}"
+                 " (a step reads a few rows of it)" if report.per_layer_table_bytes else "")
+        lines.append(f"weights: {_size(report.weight_bytes)} at the engine dtype{table}")
     if report.kv_bytes_per_token is not None:
         full = (f", {_size(report.kv_bytes_per_token * report.max_model_len)} for one "
                 f"{report.max_model_len}-token sequence" if report.max_model_len else "")
-        lines.append(f"KV cache: {_size(report.kv_bytes_per_token)} per token{full}")
+        layers = f" ({report.kv_layers})" if report.kv_layers else ""
+        lines.append(f"KV cache: {_size(report.kv_bytes_per_token)} per token{full}{layers}")
+    if report.cross_bytes_per_key is not None:
+        largest = report.cross_largest_item
+        item = (f", {_size(report.cross_bytes_per_key * largest)} for the largest image "
+                f"({largest} key positions)" if largest else "")
+        lines.append(f"cross-attention keys and values: {_size(report.cross_bytes_per_key)} per "
+                     f"media key position{item}")
     if report.unsupported:
         lines.append("NOT SUPPORTED (the engine would refuse this checkpoint):")
         lines += [f"  - {problem}" for problem in report.unsupported]

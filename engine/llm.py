@@ -61,7 +61,7 @@ class LLM:
             arrival = time.monotonic()
             media = processor.load_media_sync(p)
             reqs.append(self.engine.make_request(processor.process(p, media), sp,
-                                                 arrival_time=arrival))
+                                                 arrival_time=arrival, thinking=p.thinking))
         for req in reqs:
             self.engine.add_request(req)
         done: dict[str, RequestOutput] = {}

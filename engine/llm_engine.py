@@ -10,23 +10,28 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from engine.block_manager import BlockManager
-from engine.checkpoint_setup import CheckpointSetup
+from engine.checkpoint_setup import CheckpointSetup, checkpoint_settings
 from engine.config import EngineConfig
+from engine.cross_states import CrossLayout
 from engine.detokenizer import IncrementalDetokenizer
 from engine.device import cpu_has_native_bf16, resolve_device, resolve_dtype
 from engine.encoder_cache import EncoderCacheManager
+from engine.fanout import FanOut
+from engine.grammar import GrammarCompiler
 from engine.hub import resolve_model
 from engine.model_runner import EncoderItemsFailed, ItemFailure, ModelRunner, StepResult
 from engine.outputs import CompletionOutput, PlaceholderInfo, RequestOutput
 from engine.processing import EncoderBudget, InputProcessor, ProcessedPrompt
+from engine.reasoning import ReasoningSplitter
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.state_cache import StateCacheManager
 from models.interfaces import ProcessorContext
@@ -68,32 +73,43 @@ class LLMEngine:
         self.max_model_len = layout.max_model_len
         budget = None
         vectors_per_embed = 1 + self.runner.model.deepstack_layers
+        cross = self.runner.cross_layout  # cross-attention models cache keys and values
         if mm_processor is not None:
             if vectors_per_embed > 1:  # DeepStack items take more cache per embedding
                 mm_processor = processor(vectors_per_embed)
-            budget = _encoder_budget(self.config, mm_processor, vectors_per_embed)
+            budget = _encoder_budget(self.config, mm_processor, vectors_per_embed, cross)
             _check_bidirectional_budget(self.config, mm_processor.max_bidirectional_span())
+        # Prompt ids may reach past the LM head's vocabulary where the embeddings do (an image
+        # token).
         self.processor = InputProcessor(
-            self.tokenizer, self.runner.vocab_size, self.max_model_len, mm_processor,
+            self.tokenizer, self.runner.model.cfg.embedding_rows or self.runner.vocab_size,
+            self.max_model_len, mm_processor,
             encoder_budget=budget, message_starts=self.runner.state_layout is not None,
         )
         self.block_manager = BlockManager(
             layout.num_blocks, layout.block_size, self.config.enable_prefix_caching
         )
-        self.encoder_cache = EncoderCacheManager(self.config.encoder_cache_size, vectors_per_embed)
+        self.encoder_cache = EncoderCacheManager(
+            self.config.encoder_cache_size if cross is None else cross.num_keys, vectors_per_embed)
         states = self.runner.state_layout
         self.state_cache = None if states is None else StateCacheManager(
             states.num_slots, states.num_snapshots, layout.block_size)
         self.scheduler = Scheduler(self.config, self.block_manager, self.encoder_cache,
                                    self.state_cache)
         self.eos_token_ids = setup.eos_token_ids
-        self.checkpoint_settings = checkpoint_settings(setup, mm_processor)
+        self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size,
+                                        sorted(self.eos_token_ids))
+        self.fanout = FanOut()
+        self.checkpoint_settings = checkpoint_settings(setup, mm_processor, self.runner.adapters)
         self.num_steps = 0
         self.num_errors = 0
+        kv = self.kv_stats()
         log.info(
-            "engine ready: %s (%s), %d KV blocks x %d tokens, max_model_len %d%s",
-            self.model_id, self.weights_description(),
-            layout.num_blocks, layout.block_size, self.max_model_len, self._states_line(),
+            "engine ready: %s (%s), %d KV blocks x %d tokens (%s), max_model_len %d%s%s",
+            self.model_id, self.weights_description(), layout.num_blocks, layout.block_size,
+            kv["kv_layers"], self.max_model_len, self._states_line() + self._cross_line(),
+            f"; per-layer embedding table {kv['per_layer_table_bytes'] / 2**30:.2f} GiB, read "
+            "a few rows per step" if "per_layer_table_bytes" in kv else "",
         )
 
     # ---- requests ---------------------------------------------------------------------------
@@ -104,9 +120,16 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        thinking: bool | None = None,
     ) -> Request:
-        """Build a Request from a processed prompt (safe to call from any thread)."""
+        """Build a Request from a processed prompt (safe to call from any thread): its
+        structured-output grammar compiled (ValueError if refused), its text split into
+        reasoning and answer when `thinking` is not None (a thinking model's chat; True: the
+        prompt opened the thinking block)."""
         n = len(processed.token_ids)
+        params.check_token_ids(self.runner.vocab_size)
+        closes = self.processor.thinking.end if thinking and self.processor.thinking else None
+        adapter = self.adapter_for(params, processed)
         req = Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=processed.token_ids,
@@ -117,6 +140,8 @@ class LLMEngine:
             mm_features=processed.mm_features,
             position_info=processed.position_info,
             message_starts=processed.message_starts,
+            grammar=self.grammars.state(params.structured_outputs, closes),
+            adapter=adapter,
         )
         if arrival_time is not None:
             req.metrics.arrival_time = arrival_time
@@ -124,7 +149,39 @@ class LLMEngine:
         req.detokenizer = IncrementalDetokenizer(
             self.tokenizer, params.stop, params.skip_special_tokens
         )
+        if thinking is not None and self.processor.thinking is not None:
+            req.reasoning = ReasoningSplitter(self.processor.thinking, thinking)
         return req
+
+    def _child(self, req: Request, index: int) -> Request:
+        """Completion `index` of `req` (n > 1): the same prompt and media, its own state."""
+        child = self.make_request(
+            ProcessedPrompt(req.prompt, req.prompt_token_ids, [
+                replace(f, cache_hit=None) for f in req.mm_features], req.position_info,
+                dict(req.metrics.stages), req.message_starts),
+            req.sampling_params, req.request_id if index == 0 else f"{req.request_id}#{index}",
+            req.metrics.arrival_time, None if req.reasoning is None else req.reasoning.in_reasoning)
+        child.index, child.parent_id = index, req.request_id
+        return child
+
+    def adapter_for(self, params: SamplingParams, processed: ProcessedPrompt) -> str | None:
+        """The LoRA adapter a request computes with: the one it names, else the checkpoint's
+        adapter for the first of its media's modalities that has one (Phi-4-MM), else none.
+        A name the engine did not load is a ValueError naming the loaded ones."""
+        adapters = self.runner.adapters
+        if params.lora is not None:
+            names = () if adapters is None else adapters.names
+            if params.lora not in names:
+                raise SamplingParamsError("lora", (
+                    f"unknown LoRA adapter {params.lora!r} (loaded: "
+                    f"{', '.join(names) if names else 'none'})"))
+            return params.lora
+        defaults = self.runner.modality_adapters
+        for name, modality, _ in self.runner.model.modality_adapters():
+            if defaults.get(modality) == name and any(
+                    f.modality == modality for f in processed.mm_features):
+                return name
+        return None
 
     def default_sampling_params(self) -> SamplingParams:
         """What a request that passes no SamplingParams gets: the checkpoint's
@@ -133,18 +190,33 @@ class LLMEngine:
         return SamplingParams(**self.setup.sampling_defaults)
 
     def add_request(self, req: Request) -> None:
-        if self.scheduler.find(req.request_id) is not None:
+        if self.scheduler.find(req.request_id) is not None or self.fanout.family(
+                req.request_id) is not None:
             raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.sampling_params.n > 1 and req.parent_id is None:
+            req = self.fanout.split(req, self._child)
         req.metrics.queued_time = time.monotonic()
         self.scheduler.add(req)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Finish a request now, freeing its KV blocks and cache references."""
-        req = self.scheduler.find(request_id)
-        if req is None:
-            return None
-        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-        return self._output(req)
+        """Finish a request now (all its completions), freeing its KV blocks and cache
+        references."""
+        family = self.fanout.family(request_id)
+        reqs = [self.scheduler.find(request_id)] if family is None else [
+            c for c in family.children if not c.finished]
+        reqs = [r for r in reqs if r is not None]
+        for req in reqs:
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return self._output(reqs[-1]) if reqs else None
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        """Finish `req` (and, for a first completion that never sampled, its siblings that
+        are still waiting for it)."""
+        self.scheduler.finish(req, status)
+        if not req.output_token_ids:
+            for sibling in self.fanout.unstarted(req):
+                sibling.error = req.error
+                sibling.status = status
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -182,6 +254,8 @@ class LLMEngine:
             if token is None:
                 continue
             req.append_token(token)
+            for sibling in self.fanout.ready(req):
+                self.scheduler.add(sibling)
             if logprobs is not None:
                 req.logprobs.append(logprobs)
             if req.metrics.first_token_time is None:
@@ -189,17 +263,26 @@ class LLMEngine:
             req.metrics.last_token_time = now
             status = self._check_stop(req, token)
             if status is not None:
-                self.scheduler.finish(req, status)
+                self._finish(req, status)
             outputs.append(self._output(req))
         return outputs
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        complete = False
+        if req.grammar is not None and token not in req.eos_token_ids:
+            complete = req.grammar.accept(token, req.output_token_ids)
+            if req.grammar.error is not None:
+                req.error = req.grammar.error
+                return RequestStatus.FINISHED_ERROR
+        if token in req.eos_token_ids or token in req.sampling_params.stop_token_ids:
+            # (not detokenized: its text, kept with skip_special_tokens false, is no output)
+            req.stop_reason = None if token in req.eos_token_ids else token
+            return RequestStatus.FINISHED_STOPPED
         stop_string = req.detokenizer.add(token)
         if stop_string is not None:
             req.stop_reason = stop_string
             return RequestStatus.FINISHED_STOPPED
-        if token in req.eos_token_ids or token in req.sampling_params.stop_token_ids:
-            req.stop_reason = None if token in req.eos_token_ids else token
+        if complete:  # the grammar allows nothing more: the output is whole
             return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= req.max_tokens:
             return RequestStatus.FINISHED_LENGTH
@@ -215,7 +298,7 @@ class LLMEngine:
             f"request needs more than the idle engine can give ({req.num_tokens} tokens, "
             f"{len(req.mm_features)} media items); raise kv_cache_bytes or encoder_cache_size"
         )
-        self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+        self._finish(req, RequestStatus.FINISHED_ERROR)
         return [self._output(req)]
 
     def _fail(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
@@ -226,7 +309,7 @@ class LLMEngine:
         outputs = []
         for chunk in out.chunks:
             chunk.req.error = f"{type(error).__name__}: {error}"
-            self.scheduler.finish(chunk.req, RequestStatus.FINISHED_ERROR)
+            self._finish(chunk.req, RequestStatus.FINISHED_ERROR)
             outputs.append(self._output(chunk.req))
         self._forget_unencoded(out)
         return outputs
@@ -256,7 +339,7 @@ class LLMEngine:
         for req, error in errors.values():
             log.warning("request %s failed: %s", req.request_id, error)
             req.error = error
-            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+            self._finish(req, RequestStatus.FINISHED_ERROR)
             outputs.append(self._output(req))
         self._forget_unencoded(out)
         return outputs
@@ -274,18 +357,24 @@ class LLMEngine:
         if finished and req.metrics.finished_time is None:
             req.metrics.finished_time = time.monotonic()
         delta_text = req.detokenizer.delta(finished)
+        text, reasoning, delta_reasoning = req.detokenizer.streamed_text, None, ""
+        if req.reasoning is not None:
+            delta_reasoning, delta_text = req.reasoning.feed(delta_text, finished)
+            text, reasoning = req.reasoning.content, req.reasoning.reasoning
         sent, req.num_streamed_tokens = req.num_streamed_tokens, req.num_output_tokens
         completion = CompletionOutput(
-            index=0,
-            text=req.detokenizer.streamed_text,
+            index=req.index,
+            text=text,
             token_ids=list(req.output_token_ids),
             finish_reason=req.status.value if finished else None,
             stop_reason=req.stop_reason,
             logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None else None,
             delta_text=delta_text,
             delta_token_ids=req.output_token_ids[sent:],
+            reasoning_content=reasoning,
+            delta_reasoning_content=delta_reasoning,
         )
-        return RequestOutput(
+        single = RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,
             prompt_token_ids=req.prompt_token_ids,
@@ -303,6 +392,7 @@ class LLMEngine:
             ],
             error=req.error,
         )
+        return single if req.parent_id is None else self.fanout.merge(req, single)
 
     # ---- introspection ----------------------------------------------------------------------
 
@@ -316,9 +406,36 @@ class LLMEngine:
             "weights": self.weights_description(),
             "checkpoint": self.checkpoint_settings,
             **self.block_manager.stats(),
+            **self.kv_stats(),
             **self.encoder_cache.stats(),
             **self.state_stats(),
+            **self.cross_stats(),
         }
+
+    def cross_stats(self) -> dict[str, int]:
+        """A cross-attention model's keys-and-values budget (the encoder cache's entries, in
+        key positions, are those states; empty for other models)."""
+        cross = self.runner.cross_layout
+        if cross is None:
+            return {}
+        return {"cross_attention_layers": cross.num_layers,
+                "cross_attention_bytes_per_key": cross.bytes_per_key,
+                "cross_attention_cache_bytes": cross.nbytes}
+
+    def kv_stats(self) -> dict[str, Any]:
+        """The KV cache's bytes per block and the layers that hold it (a layer reading another
+        layer's keys and values holds none), and the bytes of a per-layer embedding table
+        (weights a step reads a few rows of), where the model has one."""
+        layers = self.runner.model.attention_layers()
+        shared = sum(a.kv_source is not None for a in layers)
+        out: dict[str, Any] = {
+            "kv_bytes_per_block": self.runner.layout.bytes_per_block,
+            "kv_layers": f"{len(layers) - shared} of {len(layers)} layers"
+            + (f" ({shared} read another layer's)" if shared else "")}
+        table = self.runner.model.per_layer_table_bytes()
+        if table:
+            out["per_layer_table_bytes"] = table
+        return out
 
     def state_stats(self) -> dict[str, Any]:
         """The linear-attention state cache (hybrid models; empty for the others): slots and
@@ -340,6 +457,14 @@ class LLMEngine:
                 f"{states.bytes_per_sequence / mib:.1f} MiB per request, {states.num_slots} "
                 f"slots ({states.slot_bytes / mib:.0f} MiB) and {states.num_snapshots} prefix "
                 f"snapshots ({states.snapshot_bytes / mib:.0f} MiB)")
+
+    def _cross_line(self) -> str:
+        cross = self.runner.cross_layout
+        if cross is None:
+            return ""
+        return (f"; keys and values of {cross.num_layers} cross-attention layers: "
+                f"{cross.bytes_per_key / 1024:.1f} KiB per media key position, "
+                f"{cross.nbytes / (1 << 20):.0f} MiB for {cross.num_keys} positions")
 
     def weights_description(self) -> str:
         """The weights' precision and device, e.g. "bfloat16, int4 linears (group 128), cpu,
@@ -370,35 +495,25 @@ def _item_error(req: Request, index: int, message: str) -> str:
     return f"{modality} item {index} of the request could not be encoded: {message}"
 
 
-def checkpoint_settings(setup: CheckpointSetup, mm_processor) -> tuple[tuple[str, ...], ...]:
-    """(component, setting, value, where it came from) for every setting the engine read from
-    the checkpoint: its own (dtype, template, EOS, ...) and its processor's."""
-    rows = [("model", name, _shown(value), source) for name, value, source in setup.rows()]
-    if mm_processor is not None:
-        for component, settings in mm_processor.settings().items():
-            rows += [(component, key, _shown(settings.values[key]), settings.sources[key])
-                     for key in settings.values]
-    return tuple(rows)
-
-
-def _shown(value: Any) -> str:
-    text = value if isinstance(value, str) else repr(value)
-    return text if len(text) <= 120 else text[:117] + "..."
-
-
-def _encoder_budget(config: EngineConfig, mm_processor, vectors_per_embed: int) -> EncoderBudget:
+def _encoder_budget(config: EngineConfig, mm_processor, vectors_per_embed: int,
+                    cross: CrossLayout | None = None) -> EncoderBudget:
     """Refuse a configuration in which the largest media item could never be encoded (an item
-    occupies `vectors_per_embed` vectors per embedding in the cache: DeepStack residuals)."""
-    cache = config.encoder_cache_size // vectors_per_embed
+    occupies `vectors_per_embed` vectors per embedding in the cache: DeepStack residuals; a
+    cross-attention model's cache holds key positions within `cross_attention_cache_bytes`)."""
+    cache, setting = config.encoder_cache_size // vectors_per_embed, "encoder_cache_size"
+    unit, scale = "embeddings", vectors_per_embed  # the setting's units per unit of an item
+    if cross is not None:
+        cache, setting = cross.num_keys, "cross_attention_cache_bytes"
+        unit, scale = "key positions", cross.bytes_per_key
     step = config.max_num_encoder_input_tokens
-    budget = EncoderBudget(cache, "encoder_cache_size") if cache <= step else EncoderBudget(
+    budget = EncoderBudget(cache, setting) if cache <= step else EncoderBudget(
         step, "max_num_encoder_input_tokens")
     largest = mm_processor.max_embeds_per_item()
     if largest > budget.max_embeds:
         raise ValueError(
-            f"the largest media item this model accepts needs {largest} embeddings, but "
+            f"the largest media item this model accepts needs {largest} {unit}, but "
             f"{budget.setting} allows {budget.max_embeds}; raise {budget.setting} to at least "
-            f"{largest * (vectors_per_embed if budget.setting == 'encoder_cache_size' else 1)} "
+            f"{largest * (scale if budget.setting == setting else 1)} "
             "(or, for images and videos, lower max_pixels in the checkpoint's preprocessor "
             "config)"
         )

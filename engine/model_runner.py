@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig, GiB
+from engine.cross_states import cross_items, plan_cross_states
 from engine.device import DeviceTimer, to_device, wait_for_device
 from engine.request import Request
 from engine.sampler import SamplingBatch, sample
@@ -36,6 +37,8 @@ from models.kernels.plan import plan_linears
 from models.kernels.quantization import QuantizeOnLoad, quantize_language_model
 from models.layers.attention import build_metadata
 from models.layers.attention_varlen import choose_backend
+from models.layers.cross_metadata import build_cross_metadata
+from models.layers.lora import attach_adapters, build_adapter_batch
 from models.layers.state_metadata import build_state_metadata
 from models.loader import MissingWeights, build_on_meta, iter_checkpoint, load_weights
 
@@ -144,6 +147,9 @@ class ModelRunner:
                 f"{model_cls.tied_head(hf_config)[1]} decides, as in transformers)"
             ) from e
         self.model.eval()
+        # LoRA adapters requests may choose: the checkpoint's, per modality, and the configured.
+        self.adapters, self.modality_adapters = attach_adapters(
+            self.model, path, config.lora_adapters, device, dtype)
         if quantizer is not None:
             quantize_language_model(self.model, config.quantization,
                                     config.quantization_group_size)  # the LM head
@@ -155,12 +161,17 @@ class ModelRunner:
             plan_linears(self.model, dtype)
         self.vocab_size = self.model.cfg.vocab_size
         self.windows = self.model.attention_windows()
+        self.span_windows = _span_windows(self.model.attention_layers())
         cfg = self.model.cfg
+        kv_heads, head_dim = _common_kv_shape(self.model.attention_layers())
         self.decode_kernel = choose_decode_kernel(
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype, device, config.block_size
+            cfg.num_heads, kv_heads, head_dim, dtype, device, config.block_size
         )
         self.attention_backend = choose_backend(device, dtype)
-        self.layout = self._plan_kv_cache(max_len)
+        # Cross-attention layers' keys and values (engine/cross_states.py), out of the KV budget.
+        self.cross_layout = plan_cross_states(self.model, config, dtype, _default_kv_bytes(device))
+        self.layout = self._plan_kv_cache(
+            max_len, 0 if self.cross_layout is None else self.cross_layout.nbytes)
         self.kv_caches = self._allocate_kv_cache()
         self.state_layout = self._allocate_states()
         # Whether decode steps run the layers in one native call (CPU; at some row counts).
@@ -170,15 +181,17 @@ class ModelRunner:
 
     # ---- start-up ---------------------------------------------------------------------------
 
-    def _plan_kv_cache(self, max_model_len: int) -> CacheLayout:
-        cfg, bs = self.model.cfg, self.config.block_size
+    def _plan_kv_cache(self, max_model_len: int, reserved: int = 0) -> CacheLayout:
+        """`reserved`: bytes the automatic budget leaves to other states."""
+        bs = self.config.block_size
         elem = torch.finfo(self.dtype).bits // 8
-        layers = len(self.model.attention_layers())
-        per_block = 2 * layers * bs * cfg.num_kv_heads * cfg.head_dim * elem
+        # Layers reading another layer's keys and values hold no cache of their own.
+        per_block = sum(2 * bs * a.num_kv_heads * a.head_dim * elem
+                        for a in self.model.attention_layers() if a.kv_source is None)
         useful = self.config.max_num_seqs * -(-max_model_len // bs) * per_block
         budget = self.config.kv_cache_bytes
         if budget is None:
-            budget = min(_default_kv_bytes(self.device), useful)
+            budget = min(_default_kv_bytes(self.device) - reserved, useful)
         num_blocks = budget // per_block
         if num_blocks * bs < max_model_len:
             raise ValueError(
@@ -190,15 +203,20 @@ class ModelRunner:
         return CacheLayout(num_blocks, bs, max_model_len, per_block)
 
     def _allocate_kv_cache(self) -> list[torch.Tensor]:
-        cfg, lay = self.model.cfg, self.layout
-        shape = (2, cfg.num_kv_heads, lay.num_blocks, lay.block_size, cfg.head_dim)
-        # Zeros, not empty: padded gathers read unused slots, and NaN garbage there would
-        # leak through SDPA's masked softmax (0 * NaN).
-        layers = self.model.attention_layers()
-        caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers]
-        for attn, cache in zip(layers, caches, strict=True):
-            attn.kv_cache = cache
-        return caches
+        """A cache [2, Hkv, blocks, block_size, D] per attention layer with keys and values of
+        its own; one reading another's (KV sharing) is bound to that cache."""
+        lay = self.layout
+        caches: dict[int, torch.Tensor] = {}
+        for attn in self.model.attention_layers():
+            if attn.kv_source is not None:
+                attn.kv_cache = caches[attn.kv_source]
+                continue
+            shape = (2, attn.num_kv_heads, lay.num_blocks, lay.block_size, attn.head_dim)
+            # Zeros, not empty: padded gathers read unused slots, and NaN garbage there would
+            # leak through SDPA's masked softmax (0 * NaN).
+            attn.kv_cache = caches[attn.index] = torch.zeros(shape, dtype=self.dtype,
+                                                              device=self.device)
+        return list(caches.values())
 
     def _allocate_states(self) -> StateLayout | None:
         """The linear-attention layers' state pools (None for a model without such layers):
@@ -243,11 +261,20 @@ class ModelRunner:
             [c.req.block_ids for c in chunks], self.layout.block_size, self.device, self.dtype,
             windows=self.windows, bidirectional=[_bidirectional_spans(c) for c in chunks],
             decode_kernel=self.decode_kernel, backend=self.attention_backend,
+            span_windows=self.span_windows,
         )
         if self.state_layout is not None:
             meta.states = build_state_metadata(
                 [c.start for c in chunks], [c.num_tokens for c in chunks],
                 [c.state for c in chunks], self.device)
+        if self.cross_layout is not None:
+            meta.cross = build_cross_metadata(
+                [c.start for c in chunks], [c.num_tokens for c in chunks],
+                cross_items(chunks, self.encoder_outputs), self.device)
+        if self.adapters is not None:
+            meta.adapters = build_adapter_batch(
+                [self.adapters.slot(c.req.adapter) for c in chunks],
+                [c.num_tokens for c in chunks], self.device)
         embeds, residuals = self._splice_embeddings(input_ids, chunks)
         hidden = self.model(input_ids, positions, meta, embeds, residuals)
 
@@ -303,7 +330,11 @@ class ModelRunner:
         for (req, idx), f, emb in zip(out.encoder_inputs, features, embeds, strict=True):
             if isinstance(emb, Exception):
                 failures.append(ItemFailure(req, idx, f"{type(emb).__name__}: {emb}"))
-            elif emb.shape[-2] != f.placeholder.num_embeds:  # [n, H] or [1 + K, n, H]
+            elif f.cross is not None and emb.shape[-2] != f.cross.num_keys:  # [L, 2, Hkv, n, D]
+                failures.append(ItemFailure(req, idx, (
+                    f"the encoder returned {emb.shape[-2]} key positions but the item has "
+                    f"{f.cross.num_keys}")))
+            elif emb.shape[-2] != f.encoder_size:  # [n, H] or [1 + K, n, H]
                 failures.append(ItemFailure(req, idx, (
                     f"the encoder returned {emb.shape[-2]} embeddings but its placeholder "
                     f"has {f.placeholder.num_embeds} embed positions")))
@@ -336,7 +367,7 @@ class ModelRunner:
             for f in c.req.mm_features:
                 span = f.placeholder
                 lo, hi = max(c.start, span.offset), min(c.end, span.end)
-                if lo >= hi:
+                if lo >= hi or f.cross is not None:  # cross-attended items are not spliced
                     continue
                 emb = self.encoder_outputs.get(f.identifier)
                 if emb is None:
@@ -396,15 +427,47 @@ def _bidirectional_spans(chunk) -> list[tuple[int, int]]:
     return spans
 
 
-def _max_model_len(hf_config, config: EngineConfig) -> int:
+def _span_windows(layers) -> tuple[int | None, ...]:
+    """The windows whose layers attend bidirectional spans both ways (metadata is per window,
+    so the layers sharing one must agree)."""
+    kinds: dict[int | None, set[bool]] = {}
+    for a in layers:
+        kinds.setdefault(a.layout.sliding_window, set()).add(a.layout.bidirectional)
+    mixed = [w for w, k in kinds.items() if len(k) > 1]
+    if mixed:
+        raise NotImplementedError(f"layers with window {mixed[0]} differ in whether they "
+                                  "attend media spans both ways")
+    return tuple(w for w, k in kinds.items() if True in k)
+
+
+def _common_kv_shape(layers) -> tuple[int, int]:
+    """The (KV heads, head size) most attention layers have (the decode kernel is timed at it;
+    every kernel serves every shape)."""
+    shapes = [(a.num_kv_heads, a.head_dim) for a in layers]
+    return max(dict.fromkeys(shapes), key=shapes.count)
+
+
+def context_length(hf_config) -> tuple[int, str]:
+    """The longest sequence the model serves, and what sets it: max_position_embeddings, or for
+    longrope its original_max_position_embeddings (its long factors are not implemented)."""
     text_cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     model_max = getattr(text_cfg, "max_position_embeddings", None) or 2048
+    rope = getattr(text_cfg, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "longrope":
+        model_max = min(model_max, rope["original_max_position_embeddings"])
+        return model_max, (f"longrope's original_max_position_embeddings={model_max}; longer "
+                           "sequences would need its long factors, which are not implemented")
+    return model_max, f"max_position_embeddings={model_max}"
+
+
+def _max_model_len(hf_config, config: EngineConfig) -> int:
+    model_max, limit = context_length(hf_config)
     if config.max_model_len is None:
         return model_max
     if config.max_model_len > model_max:
         raise ValueError(
             f"max_model_len={config.max_model_len} exceeds the model's context length "
-            f"(max_position_embeddings={model_max})"
+            f"({limit})"
         )
     return config.max_model_len
 

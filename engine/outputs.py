@@ -40,7 +40,10 @@ class CompletionOutput:
     """The generated sequence so far. `text`/`token_ids` are cumulative; `delta_*` are new
     since the previous output of the same request (what a stream should print).
     `num_tokens` counts the tokens generated: `len(token_ids)` unless a remote server
-    reported the count without the ids (None: not known yet)."""
+    reported the count without the ids (None: not known yet).
+
+    For a thinking model's chat (engine/reasoning.py) `text` is the answer and
+    `reasoning_content` the thinking (None: a model or request without it)."""
 
     index: int
     text: str
@@ -51,6 +54,8 @@ class CompletionOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     num_tokens: int | None = -1  # -1: len(token_ids), filled in on construction
+    reasoning_content: str | None = None
+    delta_reasoning_content: str = ""
 
     def __post_init__(self) -> None:
         if self.num_tokens == -1:

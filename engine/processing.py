@@ -15,7 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.chat import MODALITIES, parse_messages
+from engine.chat_template import TemplateVariables
 from engine.media import MediaLimits, load_request_media, load_request_media_sync
+from engine.reasoning import ThinkingFormat
+from engine.tools import detect as detect_tool_format
 from models.interfaces import MultimodalProcessor, ProcessedPrompt, PromptPlan
 
 PromptType = str | list[int] | dict
@@ -34,6 +37,9 @@ class ParsedPrompt:
     # Chat prompts: the rendered text of the conversation up to each later message (those
     # that are prefixes of `text`), to find where messages start.
     message_prefixes: list[str] = field(default_factory=list)
+    # Thinking models' chats: whether the prompt leaves the reply inside its thinking block
+    # (None: not a chat, or a model that does not think).
+    thinking: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,11 @@ class InputProcessor:
         self.mm_processor = mm_processor
         self.media_limits = media_limits or MediaLimits()
         self.encoder_budget = encoder_budget
+        template = getattr(tokenizer, "chat_template", None)
+        template = template if isinstance(template, str) else None
+        self.template_variables = TemplateVariables.of(template)
+        self.thinking = ThinkingFormat.of_template(template)
+        self.tool_parser = detect_tool_format(template)  # how the model writes tool calls
 
     @property
     def modalities(self) -> tuple[str, ...]:
@@ -97,16 +108,33 @@ class InputProcessor:
             add_special_tokens=bool(prompt.get("add_special_tokens", True)),
         )
 
-    def render_chat(self, messages: list[dict], **template_kwargs: Any) -> ParsedPrompt:
-        """Apply the model's chat template (with the generation prompt) to OpenAI messages."""
+    def render_chat(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        **template_kwargs: Any,
+    ) -> ParsedPrompt:
+        """Apply the model's chat template (with the generation prompt) to OpenAI messages.
+
+        tools: OpenAI tool definitions, rendered by the template (ValueError if it renders
+            none). chat_template_kwargs (and any other keyword but `mm_processor_kwargs`):
+            variables the template reads, such as Qwen3's `enable_thinking`; a key it does
+            not read is a ValueError naming the keys it does."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; use generate() with a prompt")
         mm_kwargs = self._check_mm_kwargs(template_kwargs.pop("mm_processor_kwargs", None))
+        template_kwargs.update(chat_template_kwargs or {})
+        self.template_variables.check(template_kwargs, tools)
+        if tools:
+            template_kwargs["tools"] = tools
         rendered, media = parse_messages(messages)
         text = self.tokenizer.apply_chat_template(
             rendered, tokenize=False, add_generation_prompt=True, **template_kwargs
         )
         parsed = ParsedPrompt(text, None, self._check_mm_data(media), mm_kwargs, False)
+        if self.thinking is not None:
+            parsed.thinking = self.thinking.opened_by(text)
         if self.message_starts:
             for i in range(1, len(rendered)):
                 head = self.tokenizer.apply_chat_template(
@@ -162,7 +190,7 @@ class InputProcessor:
         out.stages.update(parsed.stages)
         self._check_plan(PromptPlan(
             len(out.token_ids),
-            [(f.modality, f.placeholder.num_embeds) for f in out.mm_features],
+            [(f.modality, f.encoder_size) for f in out.mm_features],
         ))
         return out
 

@@ -12,6 +12,8 @@ from models.interfaces import MultiModalFeature, PlaceholderRange, PositionInfo
 
 if TYPE_CHECKING:
     from engine.detokenizer import IncrementalDetokenizer
+    from engine.grammar import GrammarState
+    from engine.reasoning import ReasoningSplitter
 
 __all__ = ["MultiModalFeature", "PlaceholderRange", "Request", "RequestStatus"]
 
@@ -49,7 +51,15 @@ class Request:
     position_info: PositionInfo | None = None
     # Token offsets where chat messages start (prefixes likely to be reused; may be empty).
     message_starts: tuple[int, ...] = ()
+    # The LoRA adapter its tokens compute with (None: the base model); part of its KV blocks'
+    # prefix-cache identity.
+    adapter: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    # Completion `index` of a request fanned out for n > 1 (engine/fanout.py), and its parent.
+    index: int = 0
+    parent_id: str | None = None
+    # Structured output: the request's place in its grammar (None: unconstrained).
+    grammar: GrammarState | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -63,6 +73,7 @@ class Request:
     error: str | None = None
     # Output-side state, owned by the engine's postprocessing.
     detokenizer: IncrementalDetokenizer | None = None
+    reasoning: ReasoningSplitter | None = None  # thinking models' chats: splits the text
     num_streamed_tokens: int = 0
 
     def __post_init__(self) -> None:
@@ -92,3 +103,9 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def release_grammar(self) -> None:
+        """Drop the grammar's live matcher (finished, aborted, failed or preempted: it is
+        rebuilt from the output tokens if the request runs again)."""
+        if self.grammar is not None:
+            self.grammar.release()

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from engine.structured_outputs import StructuredOutputs
+
 MAX_LOGPROBS = 20
+MAX_N = 16  # completions per request
 
 
 class SamplingParamsError(ValueError):
@@ -23,6 +27,14 @@ class SamplingParams:
     those filters. `seed` makes one request reproducible whatever else shares its batch.
     `stop` strings end generation and are not included in the text; `stop_token_ids` end it too.
     `logprobs=k` returns, for every sampled token, its log-probability and the k most likely.
+    `n` completions share one prompt (and one prefill; see engine/fanout.py); with a seed,
+    completion i draws from its own stream derived from (seed, i).
+    `presence_penalty` / `frequency_penalty` (OpenAI's, in [-2, 2]) subtract from the logit of
+    every token already generated, once / per occurrence; `logit_bias` adds to given token ids'
+    logits (a mapping, stored as sorted (id, bias) pairs). `structured_outputs` constrains the
+    output (engine/structured_outputs.py).
+    `lora` names a LoRA adapter the engine loaded (EngineConfig.lora_adapters, or one the
+    checkpoint ships); None: the model's default for the request's media (most: none).
     """
 
     max_tokens: int = 16
@@ -37,8 +49,17 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default=())
+    structured_outputs: StructuredOutputs | None = None
+    lora: str | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.logit_bias, Mapping):
+            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
+        object.__setattr__(self, "logit_bias", tuple(tuple(p) for p in self.logit_bias))
         # Accept a single string / lists for convenience; store tuples (frozen, hashable).
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
@@ -71,14 +92,41 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            raise bad("lora", "must be None or an adapter's name")
         if self.logprobs is not None and (
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"must be an integer in [1, {MAX_N}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_num(value) or not -2.0 <= value <= 2.0:
+                raise bad(name, "must be in [-2, 2]")
+        if not all(len(p) == 2 and _is_int(p[0]) and p[0] >= 0 and _is_num(p[1])
+                   and -100.0 <= p[1] <= 100.0 for p in self.logit_bias):
+            raise bad("logit_bias", "must map token ids (integers >= 0) to biases in [-100, 100]")
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputs):
+            raise bad("structured_outputs", "must be a StructuredOutputs")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """ValueError for a token id (logit_bias, stop_token_ids) outside the vocabulary."""
+        for name, ids in (("logit_bias", [t for t, _ in self.logit_bias]),
+                          ("stop_token_ids", self.stop_token_ids)):
+            if any(t >= vocab_size for t in ids):
+                raise SamplingParamsError(name, f"{name}: token id {max(ids)} is outside the "
+                                          f"vocabulary (ids 0 to {vocab_size - 1})")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether presence or frequency penalties apply."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 def _is_int(v: object) -> bool:

@@ -68,7 +68,7 @@ class SchedulerOutput:
 
     @property
     def num_encoder_embeds(self) -> int:
-        return sum(r.mm_features[i].placeholder.num_embeds for r, i in self.encoder_inputs)
+        return sum(r.mm_features[i].encoder_size for r, i in self.encoder_inputs)
 
 
 class Scheduler:
@@ -152,7 +152,8 @@ class Scheduler:
     def _plan_encoder(
         self, req: Request, start: int, n: int, out: SchedulerOutput
     ) -> tuple[int, list[int]]:
-        """Cut the window [start, start + n) so that every media span it reaches can be encoded.
+        """Cut the window [start, start + n) so that every media item it needs can be encoded
+        (an item is needed by its span's tokens, or by the rows that cross-attend to it).
 
         Returns the (possibly shorter) token count and the indices of the items whose encoder
         must run this step. Items already computed, already planned or in the cache cost nothing.
@@ -163,18 +164,18 @@ class Scheduler:
         items: list[int] = []
         planned = 0
         for idx, feature in enumerate(req.mm_features):  # sorted by offset
-            span = feature.placeholder
-            if span.offset >= start + n:
-                break
-            if span.end <= start or any(req.mm_features[i].identifier == feature.identifier
-                                        for i in items):
+            first, until = feature.needed_from, feature.needed_until
+            if first >= start + n:
+                break  # spans, and the rows that cross-attend, start at the items' offsets
+            if (until is not None and until <= start) or any(
+                    req.mm_features[i].identifier == feature.identifier for i in items):
                 continue
             if self.encoder_cache.lookup(req, feature.identifier):
                 _note_cache_result(req, idx, hit=True)
                 continue
-            size = span.num_embeds
+            size = feature.encoder_size
             if not self.encoder_cache.can_allocate(size, budget - planned, planned):
-                return max(span.offset - start, 0), items
+                return max(first - start, 0), items
             items.append(idx)
             planned += size
         return n, items
@@ -206,7 +207,7 @@ class Scheduler:
         out.chunks.append(ScheduledChunk(req, start, n, state))
         for idx in items:
             feature = req.mm_features[idx]
-            self.encoder_cache.allocate(req, feature.identifier, feature.placeholder.num_embeds)
+            self.encoder_cache.allocate(req, feature.identifier, feature.encoder_size)
             _note_cache_result(req, idx, hit=False)
             out.encoder_inputs.append((req, idx))
 
@@ -222,6 +223,7 @@ class Scheduler:
         self.encoder_cache.release_request(req)
         if self.states is not None:
             self.states.release_request(req.request_id)
+        req.release_grammar()
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.metrics.num_preemptions += 1
@@ -277,6 +279,7 @@ class Scheduler:
         self.encoder_cache.release_request(req)
         if self.states is not None:
             self.states.release_request(req.request_id)
+        req.release_grammar()
 
     def find(self, request_id: str) -> Request | None:
         for req in self.running:
@@ -290,6 +293,8 @@ class Scheduler:
     def check_integrity(self) -> None:
         live = self.running + list(self.waiting)
         assert not any(r.block_ids for r in self.waiting), "a waiting request holds KV blocks"
+        assert not any(r.grammar is not None and r.grammar.held for r in self.waiting), (
+            "a waiting request holds a grammar matcher")
         self.blocks.check_integrity(live)
         self.encoder_cache.check_integrity(live)
         if self.states is not None:

@@ -234,6 +234,16 @@ def read_settings(found: Found | None, schema: Schema) -> Settings:
     return Settings(schema, values, sources)
 
 
+def own_keys(found: Found | None, other: Found | None, *schemas: Schema) -> Found | None:
+    """`found` less the keys of `schemas` (another component's) when both components were read
+    from the same file (the Hub's merged preprocessor_config.json holds an image processor's
+    and a feature extractor's settings side by side: each class reads its own keys)."""
+    if found is None or other is None or found.source != other.source:
+        return found
+    foreign = set().union(*(set(s.defaults) | set(s.fixed) | s.inert for s in schemas))
+    return Found({k: v for k, v in found.data.items() if k not in foreign}, found.source)
+
+
 def choose_schema(found: Found | None, schemas: Mapping[str, Schema], default: str,
                   type_key: str = "image_processor_type") -> Schema:
     """The schema of the class the settings name (`image_processor_type`, its Fast / Pil

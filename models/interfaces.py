@@ -62,7 +62,11 @@ class VideoSampling:
     ``spread`` places them: "uniform" at k * duration / count from the start; "frame_linspace"
     on source frame indices spaced evenly from the first frame to the last inclusive, a second
     skipped at both ends when the video is longer than max_frames at target_fps plus two
-    seconds, repeated indices dropped (transformers' SmolVLM video sampling).
+    seconds, repeated indices dropped (transformers' SmolVLM video sampling); "segment_centers"
+    on the middle source frame of each of `count` equal segments (transformers' InternVL);
+    "whole_seconds" on the frame starting each whole second, or for a video longer than
+    max_frames seconds on max_frames of its 0.1 s marks spread evenly (transformers' MiniCPM-V
+    4.6 video sampling; target_fps 1 sets the rate of frames given in memory).
     """
 
     target_fps: float
@@ -139,6 +143,22 @@ class PlaceholderRange:
         return k if self.is_embed is None else sum(self.is_embed[:k])
 
 
+@dataclass(frozen=True)
+class CrossRows:
+    """How a cross-attention item is used: token rows [start, end) of the sequence attend to
+    its encoder output, `num_keys` key positions, through the model's cross-attention layers
+    (`end` None: through the end of the sequence, generated tokens included)."""
+
+    start: int
+    end: int | None
+    num_keys: int
+
+    def __post_init__(self) -> None:
+        if self.num_keys < 1 or self.start < 0 or (self.end is not None and self.end <= self.start):
+            raise ValueError(f"invalid cross-attention rows [{self.start}, {self.end}) or "
+                             f"key count {self.num_keys}")
+
+
 @dataclass
 class MultiModalFeature:
     """One encoder item of a request: its span, its content hash and its encoder inputs.
@@ -147,6 +167,11 @@ class MultiModalFeature:
     as they are. They stay until the request ends, as in vLLM: a request preempted after its
     prompt was computed recomputes it, and its embeddings may have been evicted from the
     encoder cache meanwhile.
+
+    An item's encoder output is either spliced into the prompt (its span's embed positions) or,
+    for a model with cross-attention layers, attended by the rows `cross` names: then the
+    output is those layers' keys and values, and the span is the item's placeholder token,
+    which keeps its text embedding.
     """
 
     modality: str
@@ -160,6 +185,31 @@ class MultiModalFeature:
     # None: the identifier's part before ":") and this part's label ("sound 0-2 s"; "": none).
     item: str | None = None
     part: str = ""
+    # Cross-attention items: the rows that attend to the item (from its placeholder on), and
+    # its key count.
+    cross: CrossRows | None = None
+
+    def __post_init__(self) -> None:
+        if self.cross is not None and self.cross.start != self.placeholder.offset:
+            raise ValueError(f"cross-attention rows start at {self.cross.start}, not at the "
+                             f"item's placeholder {self.placeholder.offset}")
+
+    @property
+    def encoder_size(self) -> int:
+        """What the item's encoder output holds: its embeddings (spliced items) or its key
+        positions (cross-attention items); the unit of the encoder cache and budget."""
+        return self.placeholder.num_embeds if self.cross is None else self.cross.num_keys
+
+    @property
+    def needed_from(self) -> int:
+        """The first token whose computation needs the encoder output."""
+        return self.placeholder.offset if self.cross is None else self.cross.start
+
+    @property
+    def needed_until(self) -> int | None:
+        """The token before which the encoder output is last needed (None: while the request
+        runs); once its computed tokens pass it, the KV cache holds what the item gave."""
+        return self.placeholder.end if self.cross is None else self.cross.end
 
 
 @runtime_checkable
@@ -288,6 +338,7 @@ class TextShape(Protocol):
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    embedding_rows: int | None  # token ids with embeddings, when more than vocab_size
 
 
 @runtime_checkable
@@ -321,7 +372,15 @@ class LanguageModel(Protocol):
         ...
 
     def attention_layers(self) -> list[Any]:
-        """Modules with a `kv_cache` attribute the runner binds, one per attention layer."""
+        """Modules with a `kv_cache` attribute the runner binds, one per attention layer, each
+        with its `index` (the layer's), `num_kv_heads`, `head_dim`, `layout`
+        (models.layers.attention.LayerAttention) and `kv_source`: the index of the layer whose
+        keys and values it reads (bound to that layer's cache, allocating none), or None."""
+        ...
+
+    def per_layer_table_bytes(self) -> int:
+        """Bytes of weights a step reads only a few rows of besides the token embeddings (a
+        per-layer embedding table; 0: none), counted apart in the memory figures."""
         ...
 
     def state_layers(self) -> list[Any]:
@@ -330,6 +389,12 @@ class LanguageModel(Protocol):
         (models.layers.gated_deltanet.LinearAttentionShape) and `bind_state(conv_states,
         recurrent_states, conv_snapshots, recurrent_snapshots)`, and reads
         `meta.states` (models.layers.state_metadata) in its forward."""
+        ...
+
+    def cross_attention_layers(self) -> list[Any]:
+        """The layers that attend to media items' encoder outputs (empty for the others): then
+        `encode` returns, per item, their keys and values [L, 2, Hkv, n, D], which the runner
+        hands to the forward as `meta.cross` (models/layers/cross_attention.py)."""
         ...
 
     def attention_windows(self) -> tuple[int | None, ...]:
@@ -361,7 +426,16 @@ class LanguageModel(Protocol):
 
     def encode(self, items: Sequence[EncoderItem]) -> list[torch.Tensor]:
         """Processed items -> embeddings [n_i, H] each ([1 + K, n_i, H] with K DeepStack
-        layers), all in one batched forward per modality; text-only models raise."""
+        layers; the cross-attention layers' keys and values [L, 2, Hkv, n_i, D] for a model
+        with such layers), all in one batched forward per modality; text-only models raise."""
+        ...
+
+    @classmethod
+    def modality_adapters(cls) -> tuple[tuple[str, str, str], ...]:
+        """LoRA adapters the checkpoint ships for its modalities, in order of precedence:
+        (adapter name, modality, folder inside the checkpoint); a request without an adapter
+        of its own that has media of a listed modality uses the first such adapter (Phi-4-MM:
+        images the vision adapter, audio the speech adapter). Empty for most families."""
         ...
 
 

@@ -6,14 +6,25 @@ from dataclasses import dataclass
 
 from models.gemma3.model import Gemma3ForConditionalGeneration
 from models.gemma3.processor import Gemma3Processor
+from models.gemma4.model import Gemma4ForConditionalGeneration
+from models.gemma4.processor import Gemma4Processor
+from models.gemma4.text import Gemma4ForCausalLM
 from models.idefics3.model import Idefics3ForConditionalGeneration
 from models.idefics3.processor import Idefics3Processor
 from models.interfaces import LanguageModel, ProcessorFactory
+from models.internvl.model import InternVLForConditionalGeneration
+from models.internvl.processor import InternVLProcessor
 from models.layers.decoder import CausalLM
 from models.llava.model import LlavaForConditionalGeneration
 from models.llava.processor import LlavaProcessor
+from models.minicpmv.model import MiniCPMVForConditionalGeneration
+from models.minicpmv.processor import MiniCPMVProcessor
 from models.mistral3.model import PixtralVLM
 from models.mistral3.processor import PixtralProcessor
+from models.mllama.model import MllamaForConditionalGeneration
+from models.mllama.processor import MllamaProcessor
+from models.phi4mm.model import Phi4MMForCausalLM
+from models.phi4mm.processor import Phi4MMProcessor
 from models.qwen2_audio.model import QwenAudioForConditionalGeneration
 from models.qwen2_audio.processor import QwenAudioProcessor
 from models.qwen_omni.model import QwenOmniThinker
@@ -53,6 +64,9 @@ _REGISTRY: dict[str, ModelSpec] = {
     ),
     "Qwen3_5MoeForCausalLM": ModelSpec(CausalLM),
     "Gemma3ForConditionalGeneration": ModelSpec(Gemma3ForConditionalGeneration, Gemma3Processor),
+    "Gemma4ForCausalLM": ModelSpec(Gemma4ForCausalLM),
+    "Gemma4ForConditionalGeneration": ModelSpec(Gemma4ForConditionalGeneration,
+                                                 Gemma4Processor),
     "LlavaForConditionalGeneration": ModelSpec(LlavaForConditionalGeneration, LlavaProcessor),
     "LlavaNextForConditionalGeneration": ModelSpec(
         LlavaForConditionalGeneration, LlavaProcessor
@@ -64,6 +78,16 @@ _REGISTRY: dict[str, ModelSpec] = {
         Idefics3ForConditionalGeneration, Idefics3Processor
     ),
     "Mistral3ForConditionalGeneration": ModelSpec(PixtralVLM, PixtralProcessor),
+    "InternVLForConditionalGeneration": ModelSpec(
+        InternVLForConditionalGeneration, InternVLProcessor
+    ),
+    # Llama 3.2 Vision: images through cross-attention layers.
+    "MllamaForConditionalGeneration": ModelSpec(
+        MllamaForConditionalGeneration, MllamaProcessor
+    ),
+    "MiniCPMV4_6ForConditionalGeneration": ModelSpec(
+        MiniCPMVForConditionalGeneration, MiniCPMVProcessor
+    ),
     "Qwen2AudioForConditionalGeneration": ModelSpec(
         QwenAudioForConditionalGeneration, QwenAudioProcessor
     ),
@@ -71,6 +95,8 @@ _REGISTRY: dict[str, ModelSpec] = {
     "Qwen2_5OmniThinkerForConditionalGeneration": ModelSpec(QwenOmniThinker, QwenOmniProcessor),
     "Qwen2_5OmniForConditionalGeneration": ModelSpec(QwenOmniThinker, QwenOmniProcessor),
     "Qwen2_5OmniModel": ModelSpec(QwenOmniThinker, QwenOmniProcessor),
+    # Phi-4-multimodal; its vision-lora / speech-lora adapter folders load with it.
+    "Phi4MultimodalForCausalLM": ModelSpec(Phi4MMForCausalLM, Phi4MMProcessor),
 }
 
 
@@ -82,6 +108,12 @@ _VISION_VARIANTS: dict[tuple[str, str], ModelSpec] = {
 }
 
 
+# Drafters for speculative decoding: models that cannot run alone (their attention reads their
+# target's keys and values). Speculative decoding is not built: such a checkpoint is refused,
+# naming its target family; a target checkpoint that carries drafter tensors reads past them.
+_DRAFTERS = {"Gemma4AssistantForCausalLM": "Gemma 4"}
+
+
 def register(architecture: str, spec: ModelSpec) -> None:
     _REGISTRY[architecture] = spec
 
@@ -91,6 +123,11 @@ def resolve(hf_config) -> ModelSpec:
     archs = getattr(hf_config, "architectures", None) or []
     vision = getattr(getattr(hf_config, "vision_config", None), "model_type", None)
     for arch in archs:
+        if arch in _DRAFTERS:
+            raise ValueError(
+                f"{arch} is a speculative-decoding drafter for {_DRAFTERS[arch]}: it reads its "
+                "target's keys and values and cannot run alone; serve the target model "
+                "(speculative decoding is not built yet)")
         if (arch, vision) in _VISION_VARIANTS:
             return _VISION_VARIANTS[arch, vision]
         if arch in _REGISTRY:

@@ -24,6 +24,7 @@ def to_legacy_layout(path: Path, template_home: str = "tokenizer_config.json") -
         files: dict[str, dict] = {}
         for key, name in (("image_processor", "preprocessor_config.json"),
                           ("feature_extractor", "preprocessor_config.json"),
+                          ("audio_processor", "preprocessor_config.json"),
                           ("video_processor", "video_preprocessor_config.json")):
             if key in processor:
                 component = processor.pop(key)

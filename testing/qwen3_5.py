@@ -49,15 +49,17 @@ def build_qwen3_5_model(
     std: float = 0.25,
     tie_word_embeddings: bool | None = None,
     experts: dict | None = None,
+    tokenizer=None,
     **save_kwargs,
 ) -> Path:
     """A tiny Qwen3_5ForConditionalGeneration at `path` (with `experts`, text config fields
     such as num_experts, num_experts_per_tok, moe_intermediate_size,
-    shared_expert_intermediate_size: a Qwen3_5MoeForConditionalGeneration); `save_kwargs` go
-    to save_pretrained."""
+    shared_expert_intermediate_size: a Qwen3_5MoeForConditionalGeneration); `tokenizer`
+    (default: the tiny Qwen one) carries the chat template; `save_kwargs` go to
+    save_pretrained."""
     import transformers
 
-    tokenizer = qwen_tokenizer()
+    tokenizer = tokenizer or qwen_tokenizer()
     special = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL}
     vision = dict(depth=vision_depth, hidden_size=vision_width, intermediate_size=2 * vision_width,
                   num_heads=4, out_hidden_size=hidden_size, patch_size=16, spatial_merge_size=2,

@@ -32,13 +32,14 @@ class FailingEngine:
     def __init__(self, error: BaseException) -> None:
         self.error = error
         self.tokenizer = None
+        self.processor = SimpleNamespace(tool_parser=None)
         self.engine = SimpleNamespace(model_id="failing", max_model_len=64,
                                       setup=SimpleNamespace(sampling_defaults={}))
 
     def stats(self) -> dict:
         return {"requests_waiting": 0}
 
-    async def chat(self, messages, params, request_id):
+    async def chat(self, messages, params, request_id, **template_kwargs):
         raise self.error
         yield  # makes this an async generator, like AsyncLLM.chat
 

@@ -42,6 +42,9 @@ class Family:
     reference: Callable[[Path, str, list, object], dict]  # HF inputs (path, text, media, tok)
     features: str = "pixel_values"  # the processed input compared with transformers'
     ties: bool = True  # whether transformers' class ties the head when the flag says so
+    # Hooks that make the reference compute what we serve, where the two differ on purpose
+    # (Mllama's rows before the first image: testing.mllama.zero_text_rows).
+    patch_reference: Callable[[object], object] | None = None
 
 
 def _image() -> dict:
@@ -79,6 +82,29 @@ def _gemma(path, text, media, tokenizer):
     return inputs
 
 
+def _gemma4(path, text, media, tokenizer):
+    """Gemma4Processor needs torchvision (its video processor): its image processor is loaded
+    from the checkpoint as a user's would be, and each image's placeholder written out by the
+    processor class's own method; one image needs no patch padding."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    pixels = transformers.AutoImageProcessor.from_pretrained(path)(
+        images=media, return_tensors="pt")
+    fake = SimpleNamespace(boi_token="<|image>", eoi_token="<image|>", image_token="<|image|>")
+    parts = text.split("<|image|>")
+    text = parts[0] + "".join(transformers.Gemma4Processor.replace_image_token(fake, pixels, i)
+                              + p for i, p in enumerate(parts[1:]))
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    n = int((pixels["image_position_ids"][0] >= 0).all(-1).sum())
+    image_id = tokenizer.convert_tokens_to_ids("<|image|>")
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+            "mm_token_type_ids": (ids == image_id).long(),
+            "pixel_values": pixels["pixel_values"][:, :n],
+            "image_position_ids": pixels["image_position_ids"][:, :n]}
+
+
 def _pixtral(path, text, media, tokenizer):
     from testing.mistral3 import pixtral_processor_class
 
@@ -101,6 +127,23 @@ def _smolvlm(path, text, media, tokenizer):
         image_seq_len=fields["image_seq_len"])
     return dict(processor(text=[text], images=[media], return_tensors="pt",
                           add_special_tokens=False))
+
+
+def _internvl(path, text, media, tokenizer):
+    """InternVLProcessor needs torchvision (its video processor): it is assembled over the
+    checkpoint's image processor, tokenizer and fields (testing.internvl.reference_processor)."""
+    from testing.internvl import reference_processor
+
+    return dict(reference_processor(path)(text=[text], images=media, return_tensors="pt",
+                                          add_special_tokens=False))
+
+
+def _minicpmv(path, text, media, tokenizer):
+    """MiniCPMV4_6Processor as from_pretrained builds it (testing.minicpmv: its video
+    processor's class needs torchvision only to resize frames)."""
+    from testing.minicpmv import load_hf_processor
+
+    return dict(load_hf_processor(path)(text=[text], images=media, return_tensors="pt"))
 
 
 def _qwen_vl(path, text, media, tokenizer):
@@ -157,6 +200,31 @@ def _omni(path, text, media, tokenizer):
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **inputs}
 
 
+def _phi4mm(path, text, media, tokenizer):
+    """Phi4MultimodalProcessor needs torchvision (its image processor): its feature extractor
+    is loaded from the checkpoint as a user's would be, and each `<|audio|>` expanded to the
+    clip's embed size as the processor does."""
+    import transformers
+
+    extractor = transformers.Phi4MultimodalFeatureExtractor.from_pretrained(path)
+    features = extractor([c.samples for c in media], sampling_rate=16000, return_tensors="pt")
+    counts = iter(features["audio_embed_sizes"].tolist())
+    parts = text.split("<|audio|>")
+    text = parts[0] + "".join("<|audio|>" * next(counts) + p for p in parts[1:])
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **features}
+
+
+def _phi4mm_reference(path):
+    """transformers' model with the checkpoint's speech adapter (what an audio request uses),
+    loaded by PEFT."""
+    import transformers
+    from peft import PeftModel
+
+    hf = transformers.Phi4MultimodalForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return PeftModel.from_pretrained(hf, path / "speech-lora").eval()
+
+
 def _llava(next_: bool = False, tower: str = "clip"):
     from testing.llava import build_llava_model
 
@@ -169,7 +237,12 @@ TINY_EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_si
 
 def _families() -> dict[str, Family]:
     from testing.gemma3 import build_gemma3_model
+    from testing.gemma4 import build_gemma4_model
+    from testing.internvl import build_internvl_model, rename_to_transformers5_keys
+    from testing.minicpmv import build_minicpmv_model
     from testing.mistral3 import build_mistral3_model
+    from testing.mllama import build_mllama_model, zero_text_rows
+    from testing.phi4mm import build_phi4mm_model
     from testing.qwen3_5 import build_qwen3_5_model
     from testing.qwen3_vl import build_qwen3_vl_model
     from testing.qwen_omni import build_qwen_omni_model
@@ -182,12 +255,26 @@ def _families() -> dict[str, Family]:
         "llava-next": Family(_llava(next_=True), _image, _auto_processor),
         "gemma3": Family(lambda p, tie: build_gemma3_model(p, tie_word_embeddings=tie), _image,
                          _gemma),
+        "gemma4": Family(lambda p, tie: build_gemma4_model(p, tie_word_embeddings=tie,
+                                                           audio=False), _image, _gemma4),
         "idefics3": Family(lambda p, tie: build_smolvlm_model(
             p, arch="idefics3", tie_word_embeddings=tie), _image, _auto_processor),
         "smolvlm": Family(lambda p, tie: build_smolvlm_model(p, tie_word_embeddings=tie),
                           _image, _smolvlm),
+        # Weights under the Hub's names (what save_pretrained writes), and under the names
+        # transformers 5's class holds them by.
+        "internvl": Family(lambda p, tie: build_internvl_model(
+            p, min_patches=2, max_patches=4, tie_word_embeddings=tie), _image, _internvl),
+        "internvl-model-keys": Family(lambda p, tie: rename_to_transformers5_keys(
+            build_internvl_model(p, text="qwen3", tie_word_embeddings=tie)), _image, _internvl),
         "mistral3": Family(lambda p, tie: build_mistral3_model(p, tie_word_embeddings=tie),
                            _image, _pixtral),
+        # Llama 3.2 Vision: tiles, aspect ratio ids and the cross-attention mask from its
+        # processor; transformers' class never ties the head.
+        "mllama": Family(lambda p, tie: build_mllama_model(p, tie_word_embeddings=tie), _image,
+                         _auto_processor, ties=False, patch_reference=zero_text_rows),
+        "minicpmv": Family(lambda p, tie: build_minicpmv_model(p, tie_word_embeddings=tie),
+                           _image, _minicpmv),
         "qwen2_vl": Family(lambda p, tie: build_qwen2_vl_model(p, tie_word_embeddings=tie),
                            _image, _qwen_vl),
         "qwen2_5_vl": Family(lambda p, tie: build_qwen2_vl_model(
@@ -208,6 +295,9 @@ def _families() -> dict[str, Family]:
             p, tie_word_embeddings=tie), _audio, _omni, "input_features"),
         "qwen_omni": Family(lambda p, tie: build_qwen_omni_model(
             p, layout="omni", tie_word_embeddings=tie), _image, _omni),
+        # Heard: transformers' image processor needs torchvision, its feature extractor not.
+        "phi4mm": Family(lambda p, tie: build_phi4mm_model(p, tie_word_embeddings=tie), _audio,
+                         _phi4mm, "audio_input_features"),
     }
 
 
@@ -273,8 +363,12 @@ def test_ours_equals_transformers(checkpoints, family, layout, tie):
             path, dtype=torch.float32) if family == "qwen_omni-thinker" else
             transformers.Qwen2_5OmniForConditionalGeneration.from_pretrained(
                 path, dtype=torch.float32, enable_audio_output=False).thinker).eval()
+    elif family == "phi4mm":
+        hf = _phi4mm_reference(path)
     else:
         hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    if spec.patch_reference is not None:
+        spec.patch_reference(hf)
     hf_tied = hf.get_output_embeddings().weight is hf.get_input_embeddings().weight
     assert hf_tied == (tie and spec.ties)  # the checkpoint is what the case says
     assert llm.engine.runner.model.cfg.tie_word_embeddings == hf_tied
@@ -303,7 +397,7 @@ def _check_layout(path: Path, layout: str) -> None:
 
 TEXT_CASES = [(f, layout, tie)
               for f in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text",
-                        "qwen3_5_text")
+                        "qwen3_5_text", "gemma4_text")
               for layout in ("transformers5", "legacy-tokenizer-template")
               for tie in (False, True)]
 
@@ -321,6 +415,11 @@ def test_text_families_in_both_layouts(tmp_path, family, layout, tie):
 
     if family == "qwen3_5_text":  # hybrid: Gated DeltaNet and attention layers
         path = build_qwen3_5_text_model(tmp_path / "m", tie_word_embeddings=tie)
+    elif family == "gemma4_text":  # per-layer inputs, KV sharing; the Hub's config.json
+        from testing.gemma4 import build_gemma4_model
+
+        path = build_gemma4_model(tmp_path / "m", text_only=True, tie_word_embeddings=tie,
+                                  config_layout="hub" if tie else "transformers5")
     else:
         overrides = {"head_dim": 16, "query_pre_attn_scalar": 16} \
             if family == "gemma3_text" else {}

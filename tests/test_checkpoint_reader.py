@@ -172,13 +172,18 @@ def _same(ours, theirs) -> bool:
 
 
 def _image_schemas():
+    from models.gemma4.preprocess import IMAGE_PROCESSOR as GEMMA4
     from models.idefics3.preprocess import IMAGE_PROCESSORS as IDEFICS3
+    from models.internvl.preprocess import IMAGE_PROCESSORS as INTERNVL
+    from models.minicpmv.preprocess import IMAGE_PROCESSORS as MINICPMV
     from models.mistral3.preprocess import IMAGE_PROCESSORS as PIXTRAL
+    from models.mllama.preprocess import IMAGE_PROCESSORS as MLLAMA
     from models.processing.clip_image import IMAGE_PROCESSORS as CLIP
     from models.processing.log_mel import FEATURE_EXTRACTOR
     from models.processing.qwen_vision import IMAGE_PROCESSORS as QWEN
 
-    schemas = {**CLIP, **IDEFICS3, **PIXTRAL, **QWEN}
+    schemas = {**CLIP, **IDEFICS3, **INTERNVL, **MINICPMV, **PIXTRAL, **QWEN, **MLLAMA,
+               GEMMA4.cls: GEMMA4}
     pil = {name: f"{name}Pil" for name in schemas}
     return [(schemas[n], pil[n]) for n in sorted(schemas)] + [
         (FEATURE_EXTRACTOR, "WhisperFeatureExtractor")]
@@ -200,12 +205,18 @@ def test_image_schema_defaults_are_the_classes(schema, cls):
     ("transformers.models.qwen2_vl.video_processing_qwen2_vl", "Qwen2VLVideoProcessor"),
     ("transformers.models.qwen3_vl.video_processing_qwen3_vl", "Qwen3VLVideoProcessor"),
     ("transformers.models.smolvlm.video_processing_smolvlm", "SmolVLMVideoProcessor"),
+    ("transformers.models.internvl.video_processing_internvl", "InternVLVideoProcessor"),
+    ("transformers.models.minicpmv4_6.video_processing_minicpmv4_6", "MiniCPMV4_6VideoProcessor"),
+    ("transformers.models.gemma4.video_processing_gemma4", "Gemma4VideoProcessor"),
 ])
 def test_video_schema_defaults_are_the_classes(module, cls):
+    from models.gemma4.preprocess import VIDEO_PROCESSOR as GEMMA4
     from models.idefics3.preprocess import VIDEO_PROCESSORS as SMOLVLM
+    from models.internvl.preprocess import VIDEO_PROCESSORS as INTERNVL
+    from models.minicpmv.preprocess import VIDEO_PROCESSORS as MINICPMV
     from models.processing.qwen_vision import VIDEO_PROCESSORS as QWEN
 
-    schema = {**QWEN, **SMOLVLM}[cls]
+    schema = {**QWEN, **SMOLVLM, **INTERNVL, **MINICPMV, GEMMA4.cls: GEMMA4}[cls]
     theirs = _class_attributes(module, cls)
     for key, ours in schema.defaults.items():
         if key in theirs:
@@ -218,7 +229,11 @@ def test_video_schema_defaults_are_the_classes(module, cls):
     ("LlavaProcessor", "models.llava.processor", "PROCESSORS"),
     ("Gemma3Processor", "models.gemma3.processor", "PROCESSOR_SCHEMA"),
     ("Idefics3Processor", "models.idefics3.processor", "PROCESSORS"),
+    ("InternVLProcessor", "models.internvl.processor", "PROCESSORS"),
     ("Qwen2AudioProcessor", "models.qwen2_audio.processor", "PROCESSOR_SCHEMA"),
+    ("Gemma4Processor", "models.gemma4.preprocess", "PROCESSOR"),
+    # Settings of its __init__, which its to_dict() writes in samples instead.
+    ("Gemma4AudioFeatureExtractor", "models.gemma4.audio_features", "FEATURE_EXTRACTOR"),
 ])
 def test_processor_field_defaults_are_the_classes(cls, schema_module, name):
     import importlib

@@ -132,3 +132,59 @@ def test_windowed_mixed_forward_does_not_synchronize(gemma_text_path):
             model.compute_logits(model(ids, pos, meta))
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.fixture(scope="module")
+def gemma4_paths(tmp_path_factory):
+    """Gemma 4: the E-size model (per-layer inputs, shared KV, vision and audio towers, image
+    spans attended both ways on its sliding layers) and the mixture-of-experts one."""
+    from testing.gemma4 import build_gemma4_model
+
+    root = tmp_path_factory.mktemp("gemma4")
+    return {"e": build_gemma4_model(root / "e"),
+            "moe": build_gemma4_model(root / "moe", experts=True, audio=False)}
+
+
+def test_gemma4_matches_cpu(gemma4_paths):
+    """Every modality of the E-size model in one chunked batch, and the experts' model (every
+    expert run on every token on an accelerator, weighted by its routing)."""
+    rng = np.random.default_rng(0)
+    image = Image.fromarray(rng.integers(0, 256, (64, 70, 3), dtype=np.uint8))
+    video = rng.integers(0, 256, (4, 40, 48, 3), dtype=np.uint8)
+    tone = (0.3 * np.sin(np.arange(24000) / 16000 * 2 * np.pi * 440)).astype(np.float32)
+    chats = [
+        [{"role": "user", "content": [{"type": "image", "image": image},
+                                      {"type": "text", "text": "Describe."}]}],
+        [{"role": "user", "content": [{"type": "video", "video": video},
+                                      {"type": "audio", "audio": (tone, 16000)},
+                                      {"type": "text", "text": "What happens?"}]}],
+        [{"role": "user", "content": "Hello there, how are you?"}],
+    ]
+    for name, path in gemma4_paths.items():
+        msgs = chats if name == "e" else [chats[0], chats[2]]
+        cpu = LLM(path, device="cpu", dtype="float32", max_model_len=1024)
+        gpu = LLM(path, device="cuda", dtype="float32", max_model_len=1024,
+                  max_num_batched_tokens=80, max_num_encoder_input_tokens=70, block_size=8)
+        expected = [o.outputs[0].token_ids for o in cpu.chat(msgs, GREEDY)]
+        assert [o.outputs[0].token_ids for o in gpu.chat(msgs, GREEDY)] == expected, name
+
+
+def test_gemma4_forward_does_not_synchronize(gemma4_paths):
+    """Per-layer inputs, KV read from another layer's cache, experts: no host sync."""
+    for path in gemma4_paths.values():
+        model = LLM(path, device="cuda", max_model_len=256).engine.runner.model
+        device = torch.device("cuda")
+        starts, lens = [40, 0, 100], [1, 9, 1]
+        tables = [[0, 1, 2], [4], [5, 6, 7, 8, 9, 10, 11]]
+        ids = torch.arange(11, device=device)
+        pos = torch.tensor([40, *range(9), 100], device=device)
+        meta = build_metadata(starts, lens, tables, 16, device, model.embed_tokens.weight.dtype,
+                              windows=model.attention_windows(),
+                              bidirectional=[[], [(2, 6)], []])
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.inference_mode():
+                model.compute_logits(model(ids, pos, meta))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")

@@ -16,7 +16,7 @@ import pytest
 from api import create_app
 from tests.api_fixtures import running_server
 from tests.helpers import wait_idle
-from tests.ui_fixtures import AUDIO, NO_AUDIO, OMNI, VL, demo_engines, demo_root
+from tests.ui_fixtures import AUDIO, MLLAMA, NO_AUDIO, OMNI, VL, demo_engines, demo_root
 from ui import build_demo, panels, show_result, timing
 from ui.chat import EMPTY_DRAFT, Chat, ChatSettings, engine_messages, modality_of
 from ui.demo import ensure_demo_models, ensure_samples, sample_examples
@@ -130,6 +130,20 @@ async def test_an_anyres_image_shows_its_base_and_tiles(chat, engines, samples):
     assert base == "base" and tiles.startswith("tiles ") and base_n + tiles_n == ph.length
     strip = panels.placeholder_html(final, engines["demo-llava-next"].tokenizer)
     assert f"base {base_n} + {tiles} {tiles_n}" in strip
+
+
+async def test_a_cross_attended_image_and_the_states_it_holds(chat, engines, samples):
+    """The Llama 3.2 Vision demo: the image is its one token, labelled with its tiles; the
+    engine panel shows the cross-attention keys and values the image left in the cache."""
+    updates = await run(chat.respond(image_turn(samples), [], MLLAMA, GREEDY, "s-mllama"))
+    final = [u.output for u in updates if u.output is not None][-1]
+    (ph,) = final.multi_modal_placeholders
+    assert ph.length == 1 and ph.num_embeds == 0 and ph.part == "4 tiles, cross-attended"
+    strip = panels.placeholder_html(final, engines[MLLAMA].tokenizer)
+    assert "image 1 · 4 tiles, cross-attended" in strip
+    engine = panels.engine_html(wait_idle(engines[MLLAMA]))
+    assert "Cross-attention states (MiB)</b>: 0.03 / " in engine and "1 items, 0 in use" in engine
+    assert "Encoder cache</b>" not in engine
 
 
 async def test_second_turn_keeps_the_image_and_reuses_its_prefix(chat, samples):

@@ -15,6 +15,7 @@ from tests.helpers import serve_in_thread
 from ui.demo import ensure_demo_models, ensure_samples
 
 VL, AUDIO, OMNI = "demo-qwen2-vl", "demo-qwen2-audio", "demo-qwen2.5-omni"
+MLLAMA = "demo-llama3.2-vision"
 NO_AUDIO = "no audio demo model: testing.tiny has no build_qwen2_audio_model yet"
 # Small KV caches and batches: the tests need a few sequences, not the defaults' memory.
 ENGINE_OPTIONS = dict(kv_cache_bytes=16 << 20, max_num_seqs=8)

@@ -28,18 +28,21 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 EMPTY_DRAFT: dict[str, Any] = {"text": "", "files": []}
+THINKING = "Thinking"  # the title of a reply's folded reasoning message
 _ITEM = re.compile(r"^(image|video|audio) (\d+):")
 
 
 @dataclass(frozen=True)
 class ChatSettings:
-    """The accordion's generation settings; a negative or missing seed means a random one."""
+    """The accordion's generation settings; a negative or missing seed means a random one.
+    `show_thinking`: a thinking model's reasoning is shown, folded, above its answer."""
 
     system_prompt: str | None = None
     temperature: float = 0.7
     top_p: float = 1.0
     max_tokens: int = 256
     seed: int | None = None
+    show_thinking: bool = True
 
     def sampling_params(self) -> SamplingParams:
         """SamplingParams for these settings; gr.Error naming the bad value if one is out of
@@ -111,6 +114,8 @@ def engine_messages(
     names: dict[str, list[str]] = {}
     for message in history:
         role = message["role"]
+        if (message.get("metadata") or {}).get("title") == THINKING:
+            continue  # shown, not sent back: templates keep only the answers of past turns
         parts = []
         for kind, value in _contents(message["content"]):
             if kind == "text":
@@ -185,6 +190,22 @@ def _plain(error: ValueError, names: Mapping[str, list[str]]) -> str:
 
 def _sentence(text: str) -> str:
     return text[:1].upper() + text[1:]
+
+
+def reply_messages(out: RequestOutput, settings: ChatSettings) -> list[dict]:
+    """The chatbot messages of a reply: a thinking model's reasoning as a folded message
+    (Gradio renders a message with a metadata title collapsible; "pending" while the model
+    is still thinking), then the answer."""
+    completion = out.outputs[0]
+    messages = []
+    if completion.reasoning_content and settings.show_thinking:
+        thinking = not completion.text and not out.finished
+        messages.append({"role": "assistant", "content": completion.reasoning_content,
+                         "metadata": {"title": THINKING,
+                                      "status": "pending" if thinking else "done"}})
+    if completion.text or not messages:
+        messages.append({"role": "assistant", "content": completion.text})
+    return messages
 
 
 class Chat:
@@ -274,8 +295,7 @@ class Chat:
                     now = time.monotonic()
                     if out.finished or now - last >= self.update_interval:
                         last = now
-                        reply = {"role": "assistant", "content": out.outputs[0].text}
-                        yield ChatUpdate([*turn, reply], out)
+                        yield ChatUpdate([*turn, *reply_messages(out, settings)], out)
         except ValueError as e:
             yield restore
             raise gr.Error(_plain(e, names)) from e

@@ -52,9 +52,29 @@ DEMO_LINEUP = (
     # per 2 s in the placeholder strip).
     DemoModel("demo-qwen2.5-omni", "testing.qwen_omni:build_qwen_omni_model",
               {"tokenizer_kind": "words"}),
+    # InternVL: an image is cut into tiles by its aspect ratio plus a thumbnail, each tile its
+    # own encoder item; a video's 8 frames (sampled as its video processor says) each too.
+    DemoModel("demo-internvl", "testing.internvl:build_internvl_model",
+              {"tokenizer_kind": "words", "num_frames": 8}),
+    # Llama 3.2 Vision: an image stays one token and is attended through cross-attention
+    # layers (the engine panel shows the keys and values it holds).
+    DemoModel("demo-llama3.2-vision", "testing.mllama:build_mllama_model",
+              {"tokenizer_kind": "words"}),
+    # Phi-4-multimodal: images in dynamic-HD crops, audio through its conformer, and a LoRA
+    # adapter per modality (vision, speech) chosen for each request in the same batch.
+    DemoModel("demo-phi4-multimodal", "testing.phi4mm:build_phi4mm_model",
+              {"tokenizer_kind": "words", "dynamic_hd": 2}),
+    # MiniCPM-V 4.6: a large image is cut into slices beside its overview (the placeholder
+    # panel shows both parts of its span), a video is one picture per second.
+    DemoModel("demo-minicpm-v-4.6", "testing.minicpmv:build_minicpmv_model",
+              {"tokenizer_kind": "words"}),
+    # Gemma 4 (E-size): images, videos and audio; each image's and frame's soft-token budget
+    # shows in the placeholder strip (mm_processor_kwargs max_soft_tokens changes it).
+    DemoModel("demo-gemma4", "testing.gemma4:build_gemma4_model",
+              {"tokenizer_kind": "words"}),
 )
 # Bumped when the lineup's checkpoints change, so that cached older ones are not reused.
-DEMO_VERSION = 4
+DEMO_VERSION = 9
 
 
 @dataclass(frozen=True)

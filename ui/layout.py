@@ -73,6 +73,8 @@ def build_demo(
                     max_tokens = gr.Slider(1, longest, value=min(256, longest), step=1,
                                            label="Max new tokens", elem_id="max-tokens")
                     seed = gr.Number(-1, precision=0, minimum=-1, label="Seed (-1: random)")
+                    thinking = gr.Checkbox(True, label="Show the model's thinking (folded)",
+                                           elem_id="show-thinking")
                 with gr.Accordion("Webcam snapshot", open=False):
                     webcam = gr.Image(sources=["webcam"], type="filepath", elem_id="webcam",
                                       label="Captured frames are attached to your message")
@@ -92,7 +94,7 @@ def build_demo(
                 timing = gr.HTML(_NO_REQUEST, elem_id="timing")
         timer = gr.Timer(1.0)
 
-        settings_inputs = [system, temperature, top_p, max_tokens, seed]
+        settings_inputs = [system, temperature, top_p, max_tokens, seed, thinking]
         turn_outputs = [composer, chatbot, placeholders, items, cache, engine_panel, timing]
 
         # Turns against a remote server need no GPU here: spaces.GPU would only reserve one.
@@ -102,9 +104,10 @@ def build_demo(
         async def send(
             message: dict | None, history: list, name: str, system_prompt: str,
             temperature: float, top_p: float, max_new_tokens: int, seed_value: float | None,
-            request: gr.Request,
+            show_thinking: bool, request: gr.Request,
         ) -> AsyncIterator[tuple]:
-            settings = ChatSettings(system_prompt, temperature, top_p, max_new_tokens, seed_value)
+            settings = ChatSettings(system_prompt, temperature, top_p, max_new_tokens, seed_value,
+                                    show_thinking)
             view = _TurnView(engines[name])
             async for update in chat.respond(message, history, name, settings, _session(request)):
                 yield view(update)
@@ -112,9 +115,11 @@ def build_demo(
         @on_gpu
         async def again(
             history: list, name: str, system_prompt: str, temperature: float, top_p: float,
-            max_new_tokens: int, seed_value: float | None, request: gr.Request,
+            max_new_tokens: int, seed_value: float | None, show_thinking: bool,
+            request: gr.Request,
         ) -> AsyncIterator[tuple]:
-            settings = ChatSettings(system_prompt, temperature, top_p, max_new_tokens, seed_value)
+            settings = ChatSettings(system_prompt, temperature, top_p, max_new_tokens, seed_value,
+                                    show_thinking)
             view = _TurnView(engines[name])
             async for update in chat.regenerate(history, name, settings, _session(request)):
                 yield view(update)

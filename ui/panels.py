@@ -260,8 +260,9 @@ def cache_html(output: RequestOutput) -> str:
 
 
 def engine_html(stats: Mapping[str, Any]) -> str:
-    """Engine-wide counters: requests, KV blocks, prefix cache, encoder cache, a hybrid model's
-    state slots and snapshots; for a remote engine (stats with a "backend"), this app's
+    """Engine-wide counters: requests, KV blocks, prefix cache, encoder cache (a cross-attention
+    model's: its layers' keys and values), a hybrid model's state slots and snapshots; for a
+    remote engine (stats with a "backend"), this app's
     requests to its server."""
     if "backend" in stats:
         return _remote_engine_html(stats)
@@ -271,18 +272,31 @@ def engine_html(stats: Mapping[str, Any]) -> str:
         *([f"<b>Weights</b>: {html.escape(str(stats['weights']))}"] if "weights" in stats else []),
         _meter(
             "KV blocks in use", stats.get("kv_blocks_used", 0), stats.get("kv_blocks_total", 0),
-            f"{stats.get('kv_blocks_cached', 0)} cached for prefix reuse",
+            f"{stats.get('kv_blocks_cached', 0)} cached for prefix reuse"
+            + (f"; {stats['kv_bytes_per_block'] / 1024:.0f} KiB per block over "
+               f"{stats['kv_layers']}" if "kv_layers" in stats else ""),
         ),
+        *([f"<b>Per-layer embeddings</b>: {stats['per_layer_table_bytes'] / 2**20:.0f} MiB, "
+           "a few rows read per step"] if "per_layer_table_bytes" in stats else []),
         f"<b>Prefix cache hit rate</b>: {pct(stats.get('prefix_cache_hit_rate', 0.0))} of "
         f"{stats.get('prefix_cache_queried_tokens', 0)} queried tokens",
     ]
+    per_key = stats.get("cross_attention_bytes_per_key")
+    if per_key:  # a cross-attention model: the encoder cache holds those layers' keys and values
+        mib = 1 << 20
+        lines.append(_meter(
+            "Cross-attention states (MiB)", round(stats["encoder_cache_used"] * per_key / mib, 2),
+            round(stats["cross_attention_cache_bytes"] / mib, 2),
+            f"{stats['encoder_cache_entries']} items, {stats['encoder_cache_referenced']} in "
+            f"use; {stats['cross_attention_layers']} layers' keys and values, "
+            f"{per_key / 1024:.1f} KiB per image position"))
     if "encoder_cache_capacity" in stats:
         lines += [
-            _meter(
+            *([] if per_key else [_meter(
                 "Encoder cache", stats["encoder_cache_used"], stats["encoder_cache_capacity"],
                 f"{stats['encoder_cache_entries']} items, "
                 f"{stats['encoder_cache_referenced']} in use",
-            ),
+            )]),
             f"<b>Encoder cache hit rate</b>: {pct(stats['encoder_cache_hit_rate'])} "
             f"({stats['encoder_cache_hits']} hits, {stats['encoder_cache_misses']} misses)",
         ]

@@ -12,7 +12,7 @@ from engine.media.limits import MediaError, MediaLimits
 from models.interfaces import MAX_FPS, VideoSampling
 
 DEFAULT_FPS = 2.0
-SPREADS = ("uniform", "frame_linspace")
+SPREADS = ("uniform", "frame_linspace", "segment_centers", "whole_seconds")
 
 
 def video_sampling(
@@ -71,9 +71,18 @@ def sample_offsets(
     duration: float, fps: float, frame_count: int, sampling: VideoSampling
 ) -> list[float]:
     """Seconds from the start of each frame to sample (see VideoSampling.spread)."""
-    if sampling.spread == "uniform" or not frame_count or fps <= 0:
+    if sampling.spread == "whole_seconds" and frame_count and fps > 0:
+        return _whole_seconds(duration, fps, frame_count, sampling.max_frames)
+    if sampling.spread in ("uniform", "whole_seconds") or not frame_count or fps <= 0:
         count = sample_count(duration, frame_count, sampling)
         return [k * duration / count for k in range(count)]
+    if sampling.spread == "segment_centers":
+        count = sample_count(duration, frame_count, sampling)
+        step = frame_count / count  # the source frames split into `count` equal segments
+        # Each segment's middle frame, as transformers' InternVL video processor indexes
+        # them: float32 positions, truncated.
+        centers = (step / 2 + step * np.arange(count)).astype(np.float32).astype(np.int64)
+        return [float(i) / fps for i in centers]
     wanted = max(1, min(round(sampling.target_fps * duration), sampling.max_frames))
     first, last = 0, frame_count - 1
     if duration - 2 > sampling.max_frames * sampling.target_fps:  # skip a second at both ends
@@ -82,3 +91,16 @@ def sample_offsets(
         first, last = 0, frame_count - 1
     indices = np.unique(np.linspace(first, last, wanted).astype(int))
     return [float(i) / fps for i in indices]
+
+
+def _whole_seconds(duration: float, fps: float, frame_count: int, max_frames: int) -> list[float]:
+    """The frame at the start of each whole second (frame int(s * fps)); a video longer than
+    max_frames seconds: its 0.1 s marks, max_frames of them spread evenly (repeats kept)."""
+    last = frame_count - 1
+    if duration > max_frames:
+        marks = [min(int(round(i * 0.1, 1) * fps), last) for i in range(int(duration / 0.1))]
+        if len(marks) > max_frames:
+            marks = [marks[i] for i in np.linspace(0, len(marks) - 1, max_frames).astype(int)]
+    else:
+        marks = [min(int(s * fps), last) for s in range(math.ceil(duration))]
+    return [m / fps for m in marks]

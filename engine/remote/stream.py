@@ -77,7 +77,9 @@ class StreamState:
     placeholders_note: str | None = None  # why they are missing or approximate
     first_token_time: float | None = None
     last_token_time: float | None = None
+    reasoning: str | None = None  # `reasoning_content` deltas (vLLM's, ours)
     _delta_text: str = ""
+    _delta_reasoning: str = ""
     _delta_ids: list[int] = field(default_factory=list)
 
     def add(self, chunk: dict[str, Any], now: float) -> bool:
@@ -94,11 +96,15 @@ class StreamState:
         choice = choices[0]
         delta = choice.get("delta") or {}
         text = delta.get("content") or ""
+        thought = delta.get("reasoning_content") or delta.get("reasoning") or ""
         ids = [int(t) for t in choice.get("token_ids") or []]
         if choice.get("finish_reason"):
             self.finish_reason = str(choice["finish_reason"])
             self.stop_reason = choice.get("stop_reason")
-        if not text and not ids:
+        if isinstance(thought, str) and thought:
+            self.reasoning = (self.reasoning or "") + thought
+            self._delta_reasoning += thought
+        if not text and not ids and not thought:
             return False
         if self.first_token_time is None:
             self.first_token_time = now
@@ -119,8 +125,9 @@ class StreamState:
             index=0, text=self.text, token_ids=list(self.token_ids), finish_reason=reason,
             stop_reason=self.stop_reason if finished else None, delta_text=self._delta_text,
             delta_token_ids=self._delta_ids, num_tokens=self._num_output_tokens(usage),
+            reasoning_content=self.reasoning, delta_reasoning_content=self._delta_reasoning,
         )
-        self._delta_text, self._delta_ids = "", []
+        self._delta_text, self._delta_ids, self._delta_reasoning = "", [], ""
         prompt_ids = self.prompt_token_ids
         unreported = self._unreported(finished)
         return RequestOutput(

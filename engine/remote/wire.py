@@ -63,6 +63,8 @@ def request_body(
 def _sampling(p: SamplingParams) -> dict[str, Any]:
     if p.logprobs is not None:
         raise NotImplementedError("logprobs are not built for remote engines yet")
+    if p.lora is not None:
+        raise NotImplementedError("LoRA adapters are chosen on the server for remote engines")
     fields: dict[str, Any] = {"max_tokens": p.max_tokens, "temperature": p.temperature,
                               "top_p": p.top_p}
     if p.seed is not None:

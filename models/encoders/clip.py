@@ -45,7 +45,8 @@ class ClipVisionConfig:
     def from_hf(cls, vc) -> ClipVisionConfig:
         clip = vc.model_type in ("clip_vision_model", "clip")
         # Idefics3's and SmolVLM's towers are SigLIP's (on tiles of the tower's own size).
-        siglip = ("siglip_vision_model", "siglip", "idefics3_vision", "smolvlm_vision")
+        siglip = ("siglip_vision_model", "siglip", "idefics3_vision", "smolvlm_vision",
+                  "phi4_multimodal_vision")
         if not clip and vc.model_type not in siglip:
             raise NotImplementedError(
                 f"vision tower {vc.model_type!r} is not supported (CLIP, SigLIP)"

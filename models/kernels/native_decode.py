@@ -8,13 +8,15 @@ result is theirs to the bit; it only replaces the calls. It therefore takes a st
 the modules would run exactly those kernels:
 
 - the layers have the shape the kernel implements (pre-norm residual, gated SiLU MLP, full
-  attention without soft-capping; optional q / k norms and biases), with the fused decode ops
-  on, which `unsupported` checks once when the runner prepares the model;
+  attention without soft-capping; optional q / k norms and biases; every layer of one shape,
+  with keys and values of its own, no per-layer inputs or output scalars), with the fused
+  decode ops on, which `unsupported` checks once when the runner prepares the model;
 - every linear's planned formulation (models.kernels.plan) for the step's row count is ours
   ("native"): where PyTorch's measured faster for some layer, the modules run;
 - the step decodes only (one token per request), attended by our paged kernel
   (models.kernels.decode_attention chose it), at most models.kernels.native.FUSED_ROWS
-  tokens, with no per-layer media residuals.
+  tokens, with no per-layer media residuals and no request using a LoRA adapter (the
+  adapters' updates are added by the modules' linears: models/layers/lora.py).
 
 `MMSERVE_NATIVE_DECODE=0` keeps the modules (for A/B runs: bench/decode_ab.py).
 """
@@ -80,6 +82,8 @@ def unsupported(model: DecoderStack) -> str | None:
     for i, layer in enumerate(model.layers):
         if layer.is_linear:
             return "linear-attention (Gated DeltaNet) layers are not implemented"
+        if layer.mixer != "attention":
+            return f"{layer.mixer} layers are not implemented"
         if model.cfg.is_sparse(i):
             return "mixture-of-experts layers are not implemented"
         attn, mlp = layer.self_attn, layer.mlp
@@ -90,6 +94,15 @@ def unsupported(model: DecoderStack) -> str | None:
             return f"layer {i} runs a forward of its own"
         if attn.output_gate or attn.rotary_dim != attn.head_dim:
             return "attention output gates and partial rotary embeddings are not implemented"
+        cfg = model.cfg
+        if (attn.num_kv_heads, attn.head_dim) != (cfg.num_kv_heads, cfg.head_dim) or (
+                mlp.intermediate != cfg.intermediate_size):
+            return "layers of different shapes are not implemented"
+        if attn.kv_source is not None or attn.values_are_keys or attn.v_norm:
+            return ("layers sharing keys and values, values that are the keys and value norms "
+                    "are not implemented")
+        if layer.per_layer_input is not None or layer.scaled:
+            return "per-layer inputs and layer output scalars are not implemented"
         if layer.sandwich:
             return "layers with norms after attention and MLP are not implemented"
         if not mlp.fused_silu:
@@ -175,7 +188,8 @@ class NativeDecode:
         """h [m, H] entering the first layer -> the states leaving the last, or None when this
         step is not one the call takes. rotary: (cos, sin) [m, 1, D / 2] per rope table."""
         m = h.shape[0]
-        if (h.dim() != 2 or m > native.FUSED_ROWS or h.dtype != self.dtype
+        if (meta.adapters is not None or h.dim() != 2 or m > native.FUSED_ROWS
+                or h.dtype != self.dtype
                 or h.device.type != "cpu" or not self.buckets[bucket_index(m)]):
             return None
         tables = _decode_tables(meta, m)

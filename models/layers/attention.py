@@ -38,6 +38,8 @@ import torch.nn.functional as F
 
 from models.kernels import native
 from models.layers.attention_varlen import BACKENDS, VarlenBatch, build_varlen, varlen_attention
+from models.layers.cross_metadata import CrossAttentionMetadata
+from models.layers.lora import AdapterBatch
 from models.layers.state_metadata import StateMetadata
 from models.layers.transfer import to_device
 
@@ -55,6 +57,9 @@ class LayerAttention:
 
     sliding_window: int | None = None
     softcap: float | None = None
+    # Whether the layer attends spans marked bidirectional both ways (Gemma 3: every layer;
+    # Gemma 4: its sliding-window layers only, the global ones stay causal).
+    bidirectional: bool = True
 
     def __post_init__(self) -> None:
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -82,8 +87,10 @@ class KeyView:
     key0: torch.Tensor | None = None
     context: torch.Tensor | None = None
     # Gathered keys and values [2, Hkv, B * nb, block_size, D], allocated by the first layer
-    # and reused by the others (layers run one after another).
+    # and reused by the others (layers run one after another); `gathered_from` is the cache
+    # whose blocks it holds (a layer reading another's cache after it finds them gathered).
     workspace: torch.Tensor | None = None
+    gathered_from: int | None = None
 
 
 @dataclass
@@ -107,6 +114,13 @@ class AttentionMetadata:
     varlen: VarlenBatch | None = None  # requests attended by flash-attn's varlen kernel
     # The linear-attention layers' state work (hybrid models; None for the others).
     states: StateMetadata | None = None
+    # Which rows the cross-attention layers attend with, to which items (None: no row does).
+    cross: CrossAttentionMetadata | None = None
+    # Which tokens' linears add which LoRA adapter (models/layers/lora.py; None: none does).
+    adapters: AdapterBatch | None = None
+    # This step's keys and values of the layers whose cache later layers read (KV sharing), by
+    # layer index: filled by those layers during the forward (the decoder sets it to {}).
+    shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def mask_bytes(self) -> int:
         """Bytes held by the step's masks (distinct tensors counted once)."""
@@ -142,12 +156,14 @@ def build_metadata(
     bidirectional: Sequence[Sequence[tuple[int, int]]] | None = None,
     decode_kernel: str = "sdpa",
     backend: str = "sdpa",
+    span_windows: Sequence[int | None] | None = None,
 ) -> AttentionMetadata:
     """Host-side construction of the step's attention indices (see the module docstring).
 
     `windows`: the distinct sliding windows of the model's layers (None for full attention).
     `bidirectional`: per chunk, the absolute [lo, hi) spans inside it whose tokens see each
-    other both ways (each lies wholly inside its chunk). `decode_kernel`: see
+    other both ways (each lies wholly inside its chunk); only the layers of `span_windows`
+    (None: every window) attend them so, the others stay causal. `decode_kernel`: see
     `choose_decode_kernel`. `backend` "flash_attn": every request without a bidirectional span
     goes through one varlen call (models/layers/attention_varlen.py), the rest through SDPA groups.
     """
@@ -181,7 +197,9 @@ def build_metadata(
         else:
             group = AttentionGroup(slice(row, row + n), 1, n)
             for w in windows:
-                group.views[w] = _chunk_view(shape, start, n, blocks, w, own_spans)
+                opened = span_windows is None or w in span_windows
+                group.views[w] = _chunk_view(shape, start, n, blocks, w,
+                                             own_spans if opened else ())
             groups.append(group)
         row += n
     for bucket in _bucket_decodes([d[1] for d in decodes]):
@@ -292,13 +310,16 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     layer: LayerAttention = LayerAttention(),
+    store: bool = True,
 ) -> torch.Tensor:
-    """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D], storing k/v in the cache first."""
+    """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D], storing k/v in the cache first (unless
+    `store` is False: a layer reading the keys and values another layer stored)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    slots = kv_cache.view(2, num_kv_heads, -1, head_dim)  # [2, Hkv, num_slots, D]
-    slots[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-    slots[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    if store:
+        slots = kv_cache.view(2, num_kv_heads, -1, head_dim)  # [2, Hkv, num_slots, D]
+        slots[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        slots[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
 
     one = len(meta.groups) == 1 and meta.groups[0].num_seqs == 1 and meta.varlen is None
     if one:  # one request: no scatter
@@ -347,15 +368,20 @@ def gather_blocks(kv_cache: torch.Tensor, view: KeyView, b: int):
 
     `index_select` along the block dimension copies whole blocks (several times faster than
     advanced indexing on the CPU), one head at a time, into a workspace the step's layers share.
+    A layer reading a cache whose blocks are already there (KV sharing: the cache's own layer
+    stored its keys, then gathered them, earlier in this step) gathers nothing.
     """
     blocks = view.block_table.view(-1)
     _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
-    if view.workspace is None:
-        shape = (2, num_kv_heads, blocks.numel(), block_size, head_dim)
+    shape = (2, num_kv_heads, blocks.numel(), block_size, head_dim)
+    if view.workspace is None or view.workspace.shape != shape:
         view.workspace = kv_cache.new_empty(shape)
-    for i in range(2):
-        for h in range(num_kv_heads):
-            torch.index_select(kv_cache[i, h], 0, blocks, out=view.workspace[i, h])
+        view.gathered_from = None
+    if view.gathered_from != kv_cache.data_ptr():
+        for i in range(2):
+            for h in range(num_kv_heads):
+                torch.index_select(kv_cache[i, h], 0, blocks, out=view.workspace[i, h])
+        view.gathered_from = kv_cache.data_ptr()
     keys, values = view.workspace.view(2, num_kv_heads, b, -1, head_dim).transpose(1, 2)
     if view.length is not None:
         keys, values = keys[:, :, : view.length], values[:, :, : view.length]

@@ -3,10 +3,15 @@ embeddings (optionally scaled, `embed_scale`), the layers of models/layers/decod
 tables precomputed once per distinct rope setting (Gemma 3's local and global layers use different
 bases), the final norm, a tied or untied LM head and a final logit soft-cap. `weight_map` says
 which checkpoint tensor fills which rows. Text-only checkpoints are `CausalLM`; `text_features`
-holds the options each family's text config does not spell out.
+holds the options each family's text config does not spell out. With `per_layer_inputs` the
+decoder computes every layer's per-layer input from the step's tokens
+(models/layers/per_layer_inputs.py); with KV sharing (`LayerShape.kv_source`) the layers that
+store keys and values for later ones hand them over through the step's metadata.
 
 On the CPU, decode steps the native call can take run all layers in one call of ours
-(models.kernels.native_decode, set up by `prepare_decode`), with the same result.
+(models.kernels.native_decode, set up by `prepare_decode`), with the same result. LoRA adapters
+chosen per request (models/layers/lora.py) add their updates beside the layers' linears; the
+step's metadata says which tokens use which (`meta.adapters`).
 """
 
 from __future__ import annotations
@@ -24,10 +29,13 @@ from models.interfaces import EncoderItem
 from models.kernels.linear import Linear
 from models.kernels.native_decode import NativeDecode
 from models.layers.attention import AttentionMetadata
+from models.layers.cross_attention import CrossAttentionLayer
 from models.layers.decoder_layer import Attention, DecoderConfig, DecoderLayer
 from models.layers.gated_deltanet import GatedDeltaNet
-from models.layers.moe import MoEShape, SparseMoE, sparse_layers, unfuse_experts
+from models.layers.lora import AdapterSet
+from models.layers.moe import MoEShape, RoutedExperts, sparse_layers, unfuse_experts
 from models.layers.norm import RMSNorm
+from models.layers.per_layer_inputs import PerLayerInputs
 from models.layers.rotary import RotaryTable
 from models.loader import Shard
 
@@ -43,22 +51,41 @@ class Decoder(nn.Module):
     position_rows = 1
     deepstack_layers = 0  # per-layer media residuals each encoder item carries (DeepStack)
     native_decode: NativeDecode | None = None  # set by prepare_decode
+    adapters: AdapterSet | None = None  # LoRA adapters requests may choose (set by the runner)
 
     def __init__(self, cfg: DecoderConfig, max_positions: int, device: torch.device) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        ropes = list({repr(sorted(r.items())): r for r in cfg.layer_rope}.values())
-        index = [ropes.index(r) for r in cfg.layer_rope]
+        self.embed_tokens = nn.Embedding(cfg.embedding_rows or cfg.vocab_size, cfg.hidden_size)
+        # One table per distinct (rope setting, head size): layers of different head sizes
+        # rotate different widths even with one setting.
+        keys = [(repr(sorted(r.items())), cfg.shape(i).head_dim)
+                for i, r in enumerate(cfg.layer_rope)]
+        distinct = list(dict.fromkeys(keys))
+        cross = [i for i in range(cfg.num_layers) if cfg.mixer(i) == "cross_attention"]
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, layout, rope, i)
-            for i, (layout, rope) in enumerate(zip(cfg.layer_attention, index, strict=True))
+            CrossAttentionLayer(cfg, cross.index(i)) if i in cross
+            else self.make_layer(cfg, layout, distinct.index(key), i)
+            for i, (layout, key) in enumerate(zip(cfg.layer_attention, keys, strict=True))
         )
+        self.per_layer_inputs: PerLayerInputs | None = None
+        if cfg.per_layer_inputs is not None:
+            self.per_layer_inputs = PerLayerInputs(cfg.hidden_size, cfg.num_layers,
+                                                   cfg.per_layer_inputs, cfg.rms_norm_eps,
+                                                   cfg.norm_float32_scale)
+        self.shares_kv = any(cfg.shape(i).kv_source is not None for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset,
-                            fused_decode=True)
+                            fused_decode=True, float32_scale=cfg.norm_float32_scale)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
-        self.rotaries = [self.make_rotary(max_positions, rope, device) for rope in ropes]
+        first = [keys.index(key) for key in distinct]  # a layer of each table
+        self.rotaries = [
+            self.make_rotary(max_positions, cfg.layer_rope[i], device, cfg.shape(i).head_dim)
+            for i in first]
+
+    def make_layer(self, cfg: DecoderConfig, layout, rope_index: int, index: int) -> nn.Module:
+        """Layer `index` (families whose layers add a block of their own override this)."""
+        return DecoderLayer(cfg, layout, rope_index, index)
 
     @classmethod
     def tied_head(cls, hf_config: Any) -> tuple[bool, str]:
@@ -68,12 +95,22 @@ class Decoder(nn.Module):
         decides otherwise override this."""
         return tie_word_embeddings(hf_config)
 
+    @classmethod
+    def modality_adapters(cls) -> tuple[tuple[str, str, str], ...]:
+        """LoRA adapters the checkpoint ships for its modalities, in order of precedence:
+        (adapter name, modality, folder inside the checkpoint). A request without an adapter of
+        its own that has media of a listed modality uses the first such adapter. None for most
+        families."""
+        return ()
+
     def tie_weights(self) -> None:
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def make_rotary(self, max_positions: int, rope: dict, device: torch.device) -> RotaryTable:
-        return RotaryTable(self.cfg.rotary_dim or self.cfg.head_dim, max_positions, rope, device)
+    def make_rotary(self, max_positions: int, rope: dict, device: torch.device,
+                    head_dim: int | None = None) -> RotaryTable:
+        head_dim = head_dim or self.cfg.head_dim
+        return RotaryTable(self.cfg.rotary_dim or head_dim, max_positions, rope, device)
 
     def rotary_cos_sin(self, rotary: RotaryTable, positions: torch.Tensor, dtype: torch.dtype):
         return rotary.lookup(positions, dtype)
@@ -91,17 +128,34 @@ class Decoder(nn.Module):
         `residuals` (rows [R] int64, values [K, R, H]): added to the rows' hidden states after
         each of the first K layers (DeepStack's per-layer media features)."""
         h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        if self.adapters is not None:
+            self.adapters.step = meta.adapters  # which tokens' linears add which adapter
         rotary = [self.rotary_cos_sin(r, positions, h.dtype) for r in self.rotaries]
         layers_out = None
         if self.native_decode is not None and residuals is None:
             layers_out = self.native_decode.run(h, rotary, meta)  # None: not a step it takes
         if layers_out is not None:
             return self.norm(layers_out)
+        extra = None
+        if self.per_layer_inputs is not None:  # [T, L, P]
+            extra = self.per_layer_inputs(self.per_layer_token_ids(input_ids), h)
+        if self.shares_kv:
+            meta.shared_kv = {}
         for i, layer in enumerate(self.layers):
-            h = layer(h, rotary, meta)
+            h = layer(h, rotary, meta, None if extra is None else extra[:, i])
             if residuals is not None and i < residuals[1].shape[0]:
                 h = h.index_add(0, residuals[0], residuals[1][i].to(h.dtype))
+        meta.shared_kv = None  # the step's keys and values go with it
         return self.norm(h)
+
+    def per_layer_table_bytes(self) -> int:
+        """Bytes of the per-layer embedding table (0: none), which a step reads a few rows of."""
+        return 0 if self.per_layer_inputs is None else self.per_layer_inputs.table_bytes()
+
+    def per_layer_token_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The ids whose rows of the per-layer table the tokens read (families whose media
+        placeholders read another row override this)."""
+        return input_ids
 
     def prepare_decode(self) -> bool:
         """Once the KV caches are bound and the linears planned, on the CPU: run the decode
@@ -109,8 +163,9 @@ class Decoder(nn.Module):
         block's routed experts in one call (models.kernels.native_experts). Whether the
         whole-decoder call will."""
         self.native_decode = NativeDecode.build(self)
-        sparse = [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
-        taken = sum(block.prepare_decode() for block in sparse)
+        sparse = [m for m in self.modules() if isinstance(m, RoutedExperts)]
+        dtype = self.embed_tokens.weight.dtype
+        taken = sum(block.prepare_decode(dtype) for block in sparse)
         if taken:
             log.info("decode steps run the routed experts of %d of %d sparse blocks in one "
                      "native call each", taken, len(sparse))
@@ -135,11 +190,15 @@ class Decoder(nn.Module):
     def attention_layers(self) -> list[Attention]:
         """The layers' attention modules, whose KV caches the runner binds (a hybrid stack's
         linear-attention layers have none)."""
-        return [layer.self_attn for layer in self.layers if not layer.is_linear]
+        return [layer.self_attn for layer in self.layers if layer.mixer == "attention"]
 
     def state_layers(self) -> list[GatedDeltaNet]:
         """The linear-attention modules, whose state pools the runner binds."""
         return [layer.linear_attn for layer in self.layers if layer.is_linear]
+
+    def cross_attention_layers(self) -> list[CrossAttentionLayer]:
+        """The layers that attend to media items' keys and values, in order (their `index`)."""
+        return [layer for layer in self.layers if layer.mixer == "cross_attention"]
 
     def attention_windows(self) -> tuple[int | None, ...]:
         """The distinct sliding windows of the layers (None: full attention)."""
@@ -156,11 +215,9 @@ class Decoder(nn.Module):
     def weight_map(self, prefix: str = "model.", lm_head: str = "lm_head.") -> Callable:
         """Maps a checkpoint tensor name to (our parameter name, row shard) or None (skip)."""
         fused: dict[str, tuple[str, Shard | None]] = {}
-        for attn in self.attention_layers()[:1]:  # every attention layer has the same shape
-            q, kv = attn.q_rows, attn.kv_size
-            fused |= {"q_proj": ("qkv_proj", Shard(0, q)),
-                      "k_proj": ("qkv_proj", Shard(q, kv)),
-                      "v_proj": ("qkv_proj", Shard(q + kv, kv))}
+        attention = {a.index: a for a in self.attention_layers()}
+        for attn in self.attention_layers()[:1]:  # the default: the first layer's shape
+            fused |= _qkv_shards(attn)
         linear = self.cfg.linear_attention
         if linear is not None:  # Gated DeltaNet's four input projections, in one
             offset = 0
@@ -178,6 +235,8 @@ class Decoder(nn.Module):
                 return moe.intermediate_size
             if moe is not None and "shared_expert" in parts:
                 return moe.shared_expert_size or 0
+            if parts[0] == "layers" and parts[1].isdigit():
+                return self.cfg.mlp_size(int(parts[1]))
             return self.cfg.intermediate_size
 
         def mapping(name: str) -> tuple[str, Shard | None] | None:
@@ -189,18 +248,49 @@ class Decoder(nn.Module):
             parts = ours.split(".")
             if len(parts) < 2:
                 return ours, None
+            if parts[0] in PER_LAYER_INPUTS:
+                return "per_layer_inputs." + ours, None
+            if len(parts) > 3 and parts[-2] in PER_LAYER_GATE:
+                return ".".join(parts[:-2] + ["per_layer_input"] + parts[-2:]), None
+            if parts[-2] in ("k_norm", "v_norm") and parts[1].isdigit():
+                layer = attention.get(int(parts[1]))
+                if layer is not None and layer.kv_source is not None:
+                    return None  # KV sharing: this layer has no keys of its own
             if parts[-2] in ("gate_proj", "up_proj"):  # gate and up, in one
                 inter = mlp_rows(parts)
                 shard = Shard(0 if parts[-2] == "gate_proj" else inter, inter)
                 return ".".join(parts[:-2] + ["gate_up_proj", parts[-1]]), shard
             if parts[-2] in fused:
                 target, shard = fused[parts[-2]]
+                if parts[-2] in QKV and parts[0] == "layers" and parts[1].isdigit():
+                    layer = attention.get(int(parts[1]))
+                    if layer is None or parts[-2] not in _qkv_shards(layer):
+                        return None  # a projection this layer does not have (KV sharing)
+                    target, shard = _qkv_shards(layer)[parts[-2]]
                 if shard is None:  # a renamed parameter
                     return ".".join(parts[:-2] + [target]), None
                 return ".".join(parts[:-2] + [target, parts[-1]]), shard
             return ours, None
 
         return mapping
+
+
+QKV = ("q_proj", "k_proj", "v_proj")
+PER_LAYER_INPUTS = ("embed_tokens_per_layer", "per_layer_model_projection",
+                    "per_layer_projection_norm")
+PER_LAYER_GATE = ("per_layer_input_gate", "per_layer_projection", "post_per_layer_input_norm")
+
+
+def _qkv_shards(attn: Attention) -> dict[str, tuple[str, Shard]]:
+    """Where one attention layer's q / k / v projections sit in its fused qkv_proj (a layer
+    reading another's keys and values has only q; one whose values are its keys, no v)."""
+    q, kv = attn.q_rows, attn.kv_size
+    shards = {"q_proj": ("qkv_proj", Shard(0, q))}
+    if attn.kv_source is None:
+        shards["k_proj"] = ("qkv_proj", Shard(q, kv))
+        if not attn.values_are_keys:
+            shards["v_proj"] = ("qkv_proj", Shard(q + kv, kv))
+    return shards
 
 
 class CausalLM(Decoder):

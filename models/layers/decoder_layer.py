@@ -9,8 +9,13 @@ scale, per-layer sliding windows and soft-caps, RoPE on the first `rotary_dim` d
 head only, an output gate (`attn_output_gate`: q_proj also emits a per-head gate, and the
 attention output is multiplied by its sigmoid), hybrid stacks whose layers mix tokens by Gated
 DeltaNet linear attention instead (`layer_mixers`, models/layers/gated_deltanet.py), and
-mixture-of-experts feed-forward blocks in some or all layers (`moe`, models/layers/moe.py). The
-stack of layers is models/layers/decoder.py.
+mixture-of-experts feed-forward blocks in some or all layers (`moe`, models/layers/moe.py).
+
+Layers may differ in shape (`layer_shapes`: KV heads and head size per layer, values that are
+the keys' projection, a layer that reads another layer's keys and values instead of computing
+its own, and `layer_mlp_sizes`), normalize their values (`v_norm`), scale their output by a
+learned scalar (`layer_scalar`) and take a per-layer input (`per_layer_inputs`,
+models/layers/per_layer_inputs.py). The stack of layers is models/layers/decoder.py.
 """
 
 from __future__ import annotations
@@ -27,8 +32,23 @@ from models.layers.attention import AttentionMetadata, LayerAttention, paged_att
 from models.layers.gated_deltanet import GatedDeltaNet, LinearAttentionShape
 from models.layers.mlp import GatedMLP
 from models.layers.moe import MoEShape, SparseMoE
-from models.layers.norm import RMSNorm
+from models.layers.norm import RMSNorm, rms_norm_unscaled
+from models.layers.per_layer_inputs import PerLayerInputGate, PerLayerInputShape
 from models.layers.rotary import apply_rotary
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One attention layer's shape where the layers of a decoder differ (`layer_shapes`).
+
+    `values_are_keys`: the layer has no value projection, its values are the key projection
+    (before the key norm); `kv_source`: the index of an earlier layer whose keys and values
+    (its KV cache) this layer reads instead of computing and storing its own."""
+
+    num_kv_heads: int
+    head_dim: int
+    values_are_keys: bool = False
+    kv_source: int | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +89,17 @@ class DecoderConfig:
     # others have the dense MLP of `intermediate_size`).
     moe: MoEShape | None = None
     moe_layers: tuple[int, ...] = ()
+    # Token embedding rows when ids past the LM head's vocabulary have embeddings (an image
+    # token); None: vocab_size.
+    embedding_rows: int | None = None
+    # Per-layer shapes (empty: num_kv_heads x head_dim everywhere) and MLP sizes (empty:
+    # intermediate_size everywhere).
+    layer_shapes: tuple[LayerShape, ...] = ()
+    layer_mlp_sizes: tuple[int, ...] = ()
+    v_norm: bool = False  # values RMS-normed per head, without a learned scale
+    norm_float32_scale: bool = False  # norms multiply their weight in float32, then round
+    layer_scalar: bool = False  # each layer's output scaled by a learned scalar (a buffer)
+    per_layer_inputs: PerLayerInputShape | None = None
     extra: dict = field(default_factory=dict, compare=False)  # family data, e.g. mrope_section
 
     def __post_init__(self) -> None:
@@ -99,13 +130,55 @@ class DecoderConfig:
             raise ValueError(f"moe_layers {self.moe_layers} outside [0, {self.num_layers})")
         if len(self.moe_layers) < self.num_layers and self.intermediate_size <= 0:
             raise ValueError("layers with a dense MLP need intermediate_size > 0")
+        if self.embedding_rows is not None and (
+                self.embedding_rows < self.vocab_size or self.tie_word_embeddings
+                and self.embedding_rows != self.vocab_size):
+            raise ValueError(f"embedding_rows={self.embedding_rows} must be >= vocab_size="
+                             f"{self.vocab_size}, and equal to it with a tied LM head")
+        for name in ("layer_shapes", "layer_mlp_sizes"):
+            n = len(getattr(self, name))
+            if n not in (0, self.num_layers):
+                raise ValueError(f"{name} has {n} entries for {self.num_layers} layers")
+        for i in range(self.num_layers):
+            self._check_shape(i)
+
+    def _check_shape(self, i: int) -> None:
+        shape = self.shape(i)
+        if self.num_heads % shape.num_kv_heads:
+            raise ValueError(f"layer {i}: num_heads={self.num_heads} is not a multiple of "
+                             f"its {shape.num_kv_heads} KV heads")
+        src = shape.kv_source
+        if src is None:
+            return
+        if not 0 <= src < i or self.shape(src).kv_source is not None:
+            raise ValueError(f"layer {i} reads the keys and values of layer {src}, which is not "
+                             "an earlier layer with keys and values of its own")
+        source = self.shape(src)
+        if (source.num_kv_heads, source.head_dim) != (shape.num_kv_heads, shape.head_dim) or (
+                self.layer_attention[src] != self.layer_attention[i]):
+            raise ValueError(f"layer {i} reads layer {src}'s keys and values but differs from "
+                             "it in KV heads, head size or attention window")
+
+    def shape(self, layer: int) -> LayerShape:
+        """Layer `layer`'s attention shape."""
+        if self.layer_shapes:
+            return self.layer_shapes[layer]
+        return LayerShape(self.num_kv_heads, self.head_dim)
+
+    def is_kv_source(self, layer: int) -> bool:
+        """Whether a later layer reads layer `layer`'s keys and values."""
+        return any(s.kv_source == layer for s in self.layer_shapes)
+
+    def mlp_size(self, layer: int) -> int:
+        """Layer `layer`'s dense MLP intermediate size."""
+        return self.layer_mlp_sizes[layer] if self.layer_mlp_sizes else self.intermediate_size
 
     def is_sparse(self, layer: int) -> bool:
         """Whether layer `layer`'s feed-forward block is a mixture of experts."""
         return layer in self.moe_layers
 
     def mixer(self, layer: int) -> str:
-        """How layer `layer` mixes tokens: "attention" or "linear_attention"."""
+        """How layer `layer` mixes tokens: one of MIXERS."""
         return "attention" if self.layer_mixers is None else self.layer_mixers[layer]
 
     @property
@@ -156,7 +229,9 @@ class DecoderConfig:
         return cls(**options)
 
 
-MIXERS = ("attention", "linear_attention")
+# "cross_attention": the layer attends to media items' keys and values instead
+# (models/layers/cross_attention.py).
+MIXERS = ("attention", "linear_attention", "cross_attention")
 
 
 def _rotary_dim(cfg, head_dim: int) -> int | None:
@@ -203,29 +278,49 @@ def layer_rope_from_hf(cfg) -> tuple[dict, ...]:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig, layout: LayerAttention) -> None:
+    """GQA attention of one layer over the paged cache. A layer with a `kv_source` has only its
+    query projection: it reads the keys and values that layer stored (in the cache, and for this
+    step's own tokens in `meta.shared_kv`) and stores none."""
+
+    def __init__(self, cfg: DecoderConfig, layout: LayerAttention, index: int = 0) -> None:
         super().__init__()
+        shape = cfg.shape(index)
+        self.index = index
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            cfg.num_heads, shape.num_kv_heads, shape.head_dim,
         )
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.scale = cfg.attn_scale or cfg.head_dim**-0.5
+        self.q_size = cfg.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = cfg.attn_scale or self.head_dim**-0.5
         self.layout = layout
-        self.rotary_dim = cfg.rotary_dim or cfg.head_dim
+        self.rotary_dim = cfg.rotary_dim or self.head_dim
         self.output_gate = cfg.attn_output_gate
+        self.kv_source = shape.kv_source  # None: keys and values of its own
+        self.values_are_keys = shape.values_are_keys
         # q_proj's rows: per head, its query then (with the output gate) its gate.
         self.q_rows = 2 * self.q_size if self.output_gate else self.q_size
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_rows + 2 * self.kv_size, cfg.qkv_bias)
+        self.kv_rows = (0 if self.kv_source is not None
+                        else self.kv_size * (1 if self.values_are_keys else 2))
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_rows + self.kv_rows, cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
-            head_norm = functools.partial(RMSNorm, cfg.head_dim, cfg.rms_norm_eps,
-                                          cfg.norm_unit_offset, fused_decode=True)
-            self.q_norm, self.k_norm = head_norm(), head_norm()
+            head_norm = functools.partial(RMSNorm, self.head_dim, cfg.rms_norm_eps,
+                                          cfg.norm_unit_offset, fused_decode=True,
+                                          float32_scale=cfg.norm_float32_scale)
+            self.q_norm = head_norm()
+            if self.kv_source is None:
+                self.k_norm = head_norm()
         self.qk_norm = cfg.qk_norm
-        self.kv_cache = torch.empty(0)  # bound by the model runner
+        self.v_norm = cfg.v_norm
+        self.eps = cfg.rms_norm_eps
+        # Whether a later layer reads this layer's keys and values (kept for the step).
+        self.shares_kv = cfg.is_kv_source(index)
+        # Bound by the model runner (a layer with a kv_source gets its source's cache).
+        self.kv_cache = torch.empty(0)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
+        if self.kv_source is not None or self.values_are_keys:
+            return self._forward_shaped(x, cos, sin, meta)
         t = x.shape[0]
         gate = None
         if self.output_gate:
@@ -239,36 +334,67 @@ class Attention(nn.Module):
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         # q and k are adjacent in the fused projection: rotate both heads at once.
-        if self.rotary_dim == self.head_dim:
-            qk = apply_rotary(qk, cos, sin)
-        else:
-            r = self.rotary_dim
-            qk = torch.cat([apply_rotary(qk[..., :r], cos, sin), qk[..., r:]], dim=-1)
+        qk = self._rotate(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, self.kv_cache, meta, self.scale, self.layout)
+        if self.v_norm:
+            v = rms_norm_unscaled(v, self.eps)
+        out = self._attend(q, k, v, meta)
         if gate is not None:
             out = out * torch.sigmoid(gate.reshape(t, self.q_size))
         return self.o_proj(out)
 
+    def _rotate(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
+        if self.rotary_dim == self.head_dim:
+            return apply_rotary(x, cos, sin)
+        r = self.rotary_dim
+        return torch.cat([apply_rotary(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+
+    def _forward_shaped(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
+        """A layer that reads another's keys and values, or whose values are its keys (no
+        output gate in either)."""
+        t = x.shape[0]
+        proj = self.qkv_proj(x)
+        q = proj[:, : self.q_size].view(t, self.num_heads, self.head_dim)
+        if self.qk_norm:
+            q = self.q_norm(q)
+        q = self._rotate(q, cos, sin)
+        if self.kv_source is not None:
+            k, v = meta.shared_kv[self.kv_source]
+            return self.o_proj(paged_attention(q, k, v, self.kv_cache, meta, self.scale,
+                                               self.layout, store=False))
+        raw = proj[:, self.q_size :].view(t, self.num_kv_heads, self.head_dim)
+        k = self._rotate(self.k_norm(raw) if self.qk_norm else raw, cos, sin)
+        v = rms_norm_unscaled(raw, self.eps) if self.v_norm else raw
+        return self.o_proj(self._attend(q, k, v, meta))
+
+    def _attend(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+        if self.shares_kv:  # a later layer reads this step's keys and values
+            meta.shared_kv[self.index] = (k, v)
+        return paged_attention(q, k, v, self.kv_cache, meta, self.scale, self.layout)
+
 
 class DecoderLayer(nn.Module):
-    """Pre-norm token mixer (attention, or linear attention in hybrid stacks) and MLP."""
+    """Pre-norm token mixer (attention, or linear attention in hybrid stacks) and MLP; with
+    `per_layer_inputs`, a gated per-layer input added after them; with `layer_scalar`, the
+    output scaled by the layer's learned scalar."""
 
     def __init__(self, cfg: DecoderConfig, layout: LayerAttention, rope_index: int,
                  index: int = 0) -> None:
         super().__init__()
         norm = functools.partial(RMSNorm, cfg.hidden_size, cfg.rms_norm_eps,
-                                 cfg.norm_unit_offset, fused_decode=True)
+                                 cfg.norm_unit_offset, fused_decode=True,
+                                 float32_scale=cfg.norm_float32_scale)
         self.rope_index = rope_index
         self.sandwich = cfg.sandwich_norms
         self.input_layernorm = norm()
-        self.is_linear = cfg.mixer(index) == "linear_attention"
+        self.mixer = cfg.mixer(index)
+        self.is_linear = self.mixer == "linear_attention"
         if self.is_linear:
             self.linear_attn = GatedDeltaNet(cfg.hidden_size, cfg.linear_attention,
                                              cfg.rms_norm_eps)
         else:
-            self.self_attn = Attention(cfg, layout)
+            self.self_attn = Attention(cfg, layout, index)
         # Without sandwich norms this is the norm before the MLP (the checkpoints' naming).
         self.post_attention_layernorm = norm()
         if cfg.sandwich_norms:
@@ -278,10 +404,19 @@ class DecoderLayer(nn.Module):
         if cfg.is_sparse(index):
             self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, cfg.hidden_act)
         else:
-            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias,
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.mlp_size(index), cfg.mlp_bias,
                                 cfg.hidden_act, fused_decode=True)
+        self.per_layer_input: PerLayerInputGate | None = None
+        if cfg.per_layer_inputs is not None:
+            self.per_layer_input = PerLayerInputGate(cfg.hidden_size, cfg.per_layer_inputs,
+                                                     cfg.hidden_act, norm())
+        if cfg.layer_scalar:
+            self.layer_scalar = nn.Parameter(torch.ones(1))
+        self.scaled = cfg.layer_scalar
 
-    def forward(self, h, rotary: list, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, h, rotary: list, meta: AttentionMetadata,
+                per_layer_input: torch.Tensor | None = None) -> torch.Tensor:
+        """h [T, H] -> [T, H]; `per_layer_input` [T, P] with `per_layer_inputs`."""
         if self.is_linear:
             attn = self.linear_attn(self.input_layernorm(h), meta.states)
         else:
@@ -289,6 +424,15 @@ class DecoderLayer(nn.Module):
             attn = self.self_attn(self.input_layernorm(h), cos, sin, meta)
         if not self.sandwich:
             h, normed = self.post_attention_layernorm.add_and_norm(h, attn)
-            return h + self.mlp(normed)
-        h = h + self.post_attention_layernorm(attn)
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+            h = h + self.mlp(normed)
+        else:
+            h = h + self.post_attention_layernorm(attn)
+            h = h + self.post_feedforward_layernorm(self.feed_forward(h))
+        if self.per_layer_input is not None:
+            h = h + self.per_layer_input(h, per_layer_input)
+        return h * self.layer_scalar if self.scaled else h
+
+    def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+        """The sandwiched feed-forward block before its post-norm (families with a block of
+        another shape override this)."""
+        return self.mlp(self.pre_feedforward_layernorm(h))

@@ -93,38 +93,27 @@ class Router(Linear):
         return top.to(logits.dtype), experts
 
 
-class SparseMoE(nn.Module):
-    """Router, experts and the optional gated shared expert; x [T, H] -> [T, H]."""
+class RoutedExperts(nn.Module):
+    """The experts' gated MLPs and their weighted sum over each token's routed experts
+    (`routed`), for a router of the caller's (SparseMoE's, or a family's own)."""
 
     def __init__(self, hidden: int, shape: MoEShape, act: str) -> None:
         super().__init__()
         self.shape = shape
-        self.gate = Router(hidden, shape)
         self.experts = nn.ModuleList(
             GatedMLP(hidden, shape.intermediate_size, act=act, fused_decode=True)
             for _ in range(shape.num_experts))
-        self.shared_expert: GatedMLP | None = None
-        if shape.shared_expert_size is not None:
-            self.shared_expert = GatedMLP(hidden, shape.shared_expert_size, act=act,
-                                          fused_decode=True)
-            self.shared_expert_gate = Linear(hidden, 1, bias=False, quantizable=False)
         self.native: NativeExperts | None = None  # set by prepare_decode
 
-    def prepare_decode(self) -> bool:
+    def prepare_decode(self, dtype: torch.dtype | None = None) -> bool:
         """Once the linears are placed and planned, on the CPU: run the routed experts of the
-        decode steps it can take in one native call (models.kernels.native_experts)."""
+        decode steps it can take in one native call (models.kernels.native_experts), in
+        `dtype` (the model's; SparseMoE's router has it)."""
+        dtype = dtype or self.gate.weight.dtype
         self.native = NativeExperts.build(
-            [(e.gate_up_proj, e.down_proj) for e in self.experts], self.gate.weight.dtype,
+            [(e.gate_up_proj, e.down_proj) for e in self.experts], dtype,
             all(e.fused_silu for e in self.experts))
         return self.native is not None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = self.gate(x)
-        out = self.routed(x, weights, experts)
-        if self.shared_expert is not None:
-            shared = self.shared_expert(x)
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
-        return out
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor,
                experts: torch.Tensor) -> torch.Tensor:
@@ -172,6 +161,27 @@ class SparseMoE(nn.Module):
         out = torch.zeros_like(x)
         for expert, mlp in enumerate(self.experts):
             out = out + mlp(x) * dense[:, expert, None]
+        return out
+
+
+class SparseMoE(RoutedExperts):
+    """Router, experts and the optional gated shared expert; x [T, H] -> [T, H]."""
+
+    def __init__(self, hidden: int, shape: MoEShape, act: str) -> None:
+        super().__init__(hidden, shape, act)
+        self.gate = Router(hidden, shape)
+        self.shared_expert: GatedMLP | None = None
+        if shape.shared_expert_size is not None:
+            self.shared_expert = GatedMLP(hidden, shape.shared_expert_size, act=act,
+                                          fused_decode=True)
+            self.shared_expert_gate = Linear(hidden, 1, bias=False, quantizable=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.gate(x)
+        out = self.routed(x, weights, experts)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
         return out
 
 

@@ -16,7 +16,11 @@ def rope_inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
     """Inverse frequencies [head_dim / 2] for the config's `rope_parameters` (float32, CPU).
 
     Supports rope_type default, linear (positions divided by `factor`, folded into the
-    frequencies) and llama3 (long wavelengths slowed by `factor`, a smooth blend in between).
+    frequencies), llama3 (long wavelengths slowed by `factor`, a smooth blend in between) and
+    longrope with its `short_factor` per frequency (the frequencies transformers uses while a
+    sequence is within `original_max_position_embeddings`; the runner serves no longer ones),
+    proportional (the first `partial_rotary_factor` of the pairs rotate at the frequencies of
+    the whole head size, the rest not at all: zero frequency).
     """
     kind = rope.get("rope_type", rope.get("type", "default"))
     base = float(rope.get("rope_theta", 10000.0))
@@ -26,6 +30,10 @@ def rope_inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
         return inv
     if kind == "linear":
         return inv / float(rope["factor"])
+    if kind == "proportional":
+        angles = int(float(rope.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+        inv = torch.cat([inv[:angles], torch.zeros(head_dim // 2 - angles, device="cpu")])
+        return inv / float(rope.get("factor", 1.0))
     if kind == "llama3":
         factor, lo, hi = float(rope["factor"]), rope["low_freq_factor"], rope["high_freq_factor"]
         old_len = rope["original_max_position_embeddings"]
@@ -35,9 +43,28 @@ def rope_inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
         return torch.where(medium, blended, scaled)
+    if kind == "longrope":
+        factors = torch.tensor(rope["short_factor"], dtype=torch.float32, device="cpu")
+        if factors.shape != inv.shape:
+            raise ValueError(f"longrope short_factor has {len(factors)} entries for "
+                             f"{len(inv)} rotary frequencies")
+        return 1.0 / (factors * base ** (steps / head_dim))
     raise NotImplementedError(
-        f"rope_type {kind!r} is not supported yet (supported: default, linear, llama3)"
+        f"rope_type {kind!r} is not supported yet (supported: default, linear, llama3, "
+        "longrope, proportional)"
     )
+
+
+def longrope_attention_factor(cfg, rope: dict) -> float:
+    """longrope's scale of cos and sin: `attention_factor`, else sqrt(1 + ln(factor) /
+    ln(original_max_position_embeddings)) with `factor` (default: the config's
+    max_position_embeddings over the original), 1 for a factor of at most 1 (transformers'
+    rule)."""
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    original = rope["original_max_position_embeddings"]
+    factor = rope.get("factor") or cfg.max_position_embeddings / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 class RotaryTable:
@@ -54,8 +81,12 @@ class RotaryTable:
         inv = rope_inv_freq(head_dim, rope)
         t = torch.arange(max_positions, dtype=torch.int64, device="cpu").float()
         freqs = torch.outer(t, inv)  # [P, D/2]
-        self.cos = freqs.cos().to(device)
-        self.sin = freqs.sin().to(device)
+        scale = rope.get("attention_factor", 1.0) if rope.get("rope_type") == "longrope" else 1.0
+        cos, sin = freqs.cos(), freqs.sin()
+        if scale != 1.0:  # longrope scales both, in float32, before any rounding
+            cos, sin = cos * scale, sin * scale
+        self.cos = cos.to(device)
+        self.sin = sin.to(device)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """positions [T] -> (cos, sin) [T, 1, D/2] in `dtype`, broadcastable over heads."""

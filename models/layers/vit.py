@@ -35,7 +35,9 @@ class Segments:
     lengths: list[int]
     gather: torch.Tensor | None = None  # [S * L] int64: padded slot -> row (padding -> row 0)
     scatter: torch.Tensor | None = None  # [N] int64: row -> padded slot
-    mask: torch.Tensor | None = None  # [S, 1, 1, L] bool key mask
+    # [S, 1, 1, L] bool key mask: the padding of `build`'s batch, or, for equal segments, the
+    # keys each segment attends to (a crop's real patches).
+    mask: torch.Tensor | None = None
 
     @classmethod
     def build(cls, lengths: list[int], device: torch.device, pad: bool = True) -> Segments:
@@ -62,7 +64,7 @@ def segment_attention(
     if len(set(seg.lengths)) == 1:  # equal segments: a view, no copies
         shape = (len(seg.lengths), seg.lengths[0], heads, dim)
         q, k, v = (t.reshape(shape).transpose(1, 2) for t in (q, k, v))  # [S, H, L, D]
-        out = F.scaled_dot_product_attention(q, k, v, scale=scale)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=seg.mask, scale=scale)
         return out.transpose(1, 2).reshape(n, heads, dim)
     if seg.gather is None:  # one call per segment; 4-D: the CPU's fused kernel needs a batch
         return torch.cat([

@@ -73,11 +73,44 @@ class Flag:
         return value
 
 
+@dataclass(frozen=True)
+class Choice:
+    """An option that takes one of a few values, all integers (e.g. a model's soft-token
+    budgets) or all strings (e.g. a downsampling mode)."""
+
+    values: tuple[int, ...] | tuple[str, ...]
+    why: str = ""
+
+    def __post_init__(self) -> None:
+        kinds = {isinstance(v, str) for v in self.values}
+        if len(kinds) > 1 or any(isinstance(v, bool) for v in self.values):
+            raise ValueError(f"Choice values {self.values!r} mix kinds (all integers or all "
+                             "strings)")
+
+    def describe(self) -> str:
+        if not self.values:
+            return "not settable"
+        return "one of " + ", ".join(repr(v) if isinstance(v, str) else str(v)
+                                     for v in self.values)
+
+    def check(self, name: str, value: Any) -> int | str:
+        """``value`` itself; ValueError naming the option, the value and the choices (a value
+        of the other kind, or a bool for an integer, is refused, not converted)."""
+        strings = bool(self.values) and isinstance(self.values[0], str)
+        kind_ok = isinstance(value, str) if strings else (
+            isinstance(value, numbers.Integral) and not isinstance(value, bool))
+        if not kind_ok or value not in self.values:
+            why = f" ({self.why})" if self.why else ""
+            raise ValueError(f"mm_processor_kwargs {name}={value!r} is not {self.describe()}"
+                             f"{why}")
+        return value if strings else int(value)
+
+
 def check_mm_kwargs(
     mm_kwargs: Mapping[str, Any],
-    accepted: Mapping[str, OptionRange | Flag] | tuple[str, ...],
+    accepted: Mapping[str, OptionRange | Flag | Choice] | tuple[str, ...],
     family: str,
-) -> dict[str, int | float | bool | Any]:
+) -> dict[str, int | float | bool | str | Any]:
     """Refuse options a model's processor does not know (naming those it does) and, where
     ``accepted`` maps names to ranges, values outside them. Returns the checked options."""
     if not isinstance(mm_kwargs, Mapping):

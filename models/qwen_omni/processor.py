@@ -29,10 +29,10 @@ import torch
 
 from models.checkpoint import (
     CheckpointError,
-    Found,
     Schema,
     Settings,
     choose_schema,
+    own_keys,
     read_settings,
 )
 from models.interfaces import (
@@ -88,9 +88,9 @@ class QwenOmniProcessor(ProcessorDefaults):
         # The Hub's checkpoints keep the image processor and the feature extractor (and, read
         # from there too, the video processor) in one preprocessor_config.json: each reads its
         # own keys of it, as transformers' classes do.
-        image_settings = read_settings(_own_keys(image, found, mel_schema), image_schema)
-        video_settings = read_settings(_own_keys(video, found, mel_schema), video_schema)
-        mel = read_settings(_own_keys(found, image, image_schema, video_schema), mel_schema)
+        image_settings = read_settings(own_keys(image, found, mel_schema), image_schema)
+        video_settings = read_settings(own_keys(video, found, mel_schema), video_schema)
+        mel = read_settings(own_keys(found, image, image_schema, video_schema), mel_schema)
         own = read_settings(files.processor_fields(), PROCESSOR_SCHEMA)
         for key in ("seconds_per_chunk", "position_id_per_seconds"):
             if float(own[key]) != float(getattr(thinker, key)):
@@ -237,12 +237,3 @@ class QwenOmniProcessor(ProcessorDefaults):
 def _heard(video: VideoFrames, options: dict[str, Any]) -> bool:
     """Whether a video's sound is heard: asked for, and the video has a sound track."""
     return bool(options["use_audio_in_video"]) and video.audio is not None
-
-
-def _own_keys(found: Found | None, other: Found | None, *schemas: Schema) -> Found | None:
-    """`found` less the keys of `schemas` (another component's) when both components were read
-    from the same file."""
-    if found is None or other is None or found.source != other.source:
-        return found
-    foreign = set().union(*(set(s.defaults) | set(s.fixed) | s.inert for s in schemas))
-    return Found({k: v for k, v in found.data.items() if k not in foreign}, found.source)

@@ -1,0 +1,1 @@
+"""Llama 3.2 Vision (Mllama): images attended through cross-attention layers."""
