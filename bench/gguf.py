@@ -140,6 +140,27 @@ def requantize(source: Path, kind: str) -> Path:
     return out
 
 
+def ensure_mmproj(model: Path, kind: str = "bf16") -> Path:
+    """The vision (or audio) projector of a multimodal `model` as llama.cpp's converter writes it
+    (`--mmproj`: the tower and its projector, for libmtmd) at `kind`, converted once and
+    cached."""
+    folder = cache_dir("gguf")
+    folder.mkdir(exist_ok=True)
+    out = folder / f"{model.name}-mmproj-{kind}.gguf"
+    if out.exists():
+        return out
+    print(f"converting {model.name}'s projector to {kind} GGUF (once)")
+    subprocess.run(
+        [sys.executable, "-c", _CONVERT, str(converter_source()), str(model), "--mmproj",
+         "--outtype", kind, "--outfile", str(out)],
+        check=True, stdout=subprocess.DEVNULL,
+    )
+    prefixed = out.with_name("mmproj-" + out.name)  # where some converter versions write it
+    if not out.exists() and prefixed.exists():
+        prefixed.rename(out)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=None)

@@ -42,7 +42,7 @@ def kernels():
 
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows, k", [(1, 77), (3, 256), (8, 96)])
+@pytest.mark.parametrize("rows, k", [(1, 77), (3, 256), (8, 96), (64, 160)])
 def test_linear_matches_float64(kernels, weight_dtype, x_dtype, rows, k):
     gen = torch.Generator().manual_seed(rows * k)
     w = torch.randn(37, k, generator=gen).to(weight_dtype)
@@ -388,7 +388,7 @@ def native_everywhere(kernels, monkeypatch):
                 rest = "F.linear"
             else:
                 continue
-            module.kernels = ("native", "native", rest, rest, rest)
+            module.kernels = ("native", "native") + (rest,) * (len(BUCKETS) - 2)
         return {}
 
     monkeypatch.setattr(runner, "choose_decode_kernel", lambda *args, **kwargs: "native")

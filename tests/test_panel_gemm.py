@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from models.kernels import native
+from models.kernels.choice import BUCKETS
 from models.kernels.linear import QUANTIZED_KERNELS
 from models.kernels.plan import candidates, panel_gemm_takes
 from models.kernels.quantization import QuantizedLinear, pack_int4, quantize_int4, quantize_int8
@@ -138,7 +139,7 @@ def _force_prefill(runner, monkeypatch, name: str) -> None:
     def plan(model, dtype, *args, **kwargs):
         for module in model.modules():
             if isinstance(module, QuantizedLinear):
-                module.kernels = ("int_kernel", "int_kernel", name, name, name)
+                module.kernels = ("int_kernel", "int_kernel") + (name,) * (len(BUCKETS) - 2)
         return {}
 
     monkeypatch.setattr(runner, "plan_linears", plan)

@@ -3,7 +3,10 @@
 
 The bookkeeping here is plain Python: `choose` takes the timer as an argument, so tests drive it
 with fake timings. The timer used in production, `measure`, runs the candidates round-robin and
-keeps each one's minimum (interference on a shared machine only ever adds time).
+keeps every repeat: a candidate's time is its best repeat (interference on a shared machine only
+ever adds time), and the repeats must agree (their median within `SETTLED_SPREAD` of the best)
+for the choice to be *settled*. A choice that is not (the machine or the process was busy while
+it was timed) is used, and saved marked unsettled, so the next start times it again.
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ import logging
 import os
 import platform
 import re
+import statistics
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,24 +27,57 @@ import torch
 log = logging.getLogger(__name__)
 
 # Row-count buckets of a linear's input and the row count each is timed at. Decode steps carry
-# one row per running request (1, 2-8, 9-64); more rows is a prefill chunk, short or long (a
-# per-call dequantization of quantized weights pays only over enough rows).
-BUCKETS = ("1", "2-8", "9-64", "65-256", "257+")
-PROBE_ROWS = (1, 4, 32, 128, 512)
+# one row per running request (1, 2-8, 9-64); more rows is a prefill chunk, short, long (a text
+# turn) or very long (a media turn's chunks run up to max_num_batched_tokens rows; a GEMM's best
+# formulation at 512 rows is not always the best at 2048).
+BUCKETS = ("1", "2-8", "9-64", "65-256", "257-1024", "1025+")
+PROBE_ROWS = (1, 4, 32, 128, 512, 2048)
+_LIMITS = (1, 8, 64, 256, 1024)  # the largest row count of each bucket but the last
 BASELINE = "F.linear"
 MARGIN = 0.05  # another candidate must beat the baseline by this fraction to be preferred
+# A candidate's repeats agree when their median is within this factor of their best; otherwise
+# the machine (or another thread pool of the same process) was busy while it was timed.
+SETTLED_SPREAD = 1.25
+ROUNDS = 5  # timed repeats per candidate, after one warm-up call
 
 CACHE_ENV = "MMSERVE_KERNEL_CACHE"  # a directory for the cache file; overrides the default
 
-Timer = Callable[[Mapping[str, Callable[[], object]]], dict[str, float]]
+
+@dataclass(frozen=True)
+class Timing:
+    """One candidate's timed repeats, seconds per call."""
+
+    samples: tuple[float, ...]
+
+    @property
+    def best(self) -> float:
+        return min(self.samples)
+
+    @property
+    def settled(self) -> bool:
+        """Whether the repeats agree (their median within SETTLED_SPREAD of the best)."""
+        return statistics.median(self.samples) <= self.best * SETTLED_SPREAD
+
+
+Timer = Callable[[Mapping[str, Callable[[], object]]], dict[str, Timing]]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What `choose` decided for one key: the formulation, whether it was timed now (else it
+    came from the cache) and whether its timing was settled."""
+
+    name: str
+    timed: bool = False
+    settled: bool = True
 
 
 def bucket_index(rows: int) -> int:
     """The index into BUCKETS of an input with `rows` rows."""
-    for i, limit in enumerate((1, 8, 64, 256)):
+    for i, limit in enumerate(_LIMITS):
         if rows <= limit:
             return i
-    return 4
+    return len(_LIMITS)
 
 
 def cpu_model() -> str:
@@ -83,8 +121,9 @@ def pick(timings: Mapping[str, float], baseline: str = BASELINE, margin: float =
 
 class KernelCache:
     """Choices by key, loaded from and saved to one JSON file ({"choices": {key: entry}}, an
-    entry being {"choice": name, "seconds": {candidate: time}}). A missing or unreadable file is
-    an empty cache; saving replaces the file atomically."""
+    entry being {"choice": name, "seconds": {candidate: time}, "settled": bool}). A missing or
+    unreadable file is an empty cache; saving replaces the file atomically. An unsettled entry
+    serves the process that timed it and is timed again by the next one."""
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
@@ -95,22 +134,43 @@ class KernelCache:
             except (OSError, ValueError, KeyError, TypeError):
                 log.warning("ignoring unreadable kernel cache %s", path)
         self.dirty = False
+        self.loaded = set(self.entries)  # keys read from the file (not timed by this process)
 
     def get(self, key: str, allowed: set[str]) -> str | None:
         """The cached choice, if it is allowed and every allowed candidate was timed (a
-        candidate new to this machine, say a kernel that now builds, is timed again)."""
+        candidate new to this machine, say a kernel that now builds, is timed again), and it
+        was settled or timed by this process."""
         entry = self.entries.get(key)
         if not isinstance(entry, dict):
             return None
         choice, timed = entry.get("choice"), entry.get("seconds")
         if choice not in allowed or not isinstance(timed, dict) or not allowed <= set(timed):
             return None
+        if key in self.loaded and entry.get("settled", True) is not True:
+            return None
         return choice
 
-    def put(self, key: str, choice: str, seconds: Mapping[str, float]) -> None:
+    def seconds(self, key: str, name: str) -> float | None:
+        """The time saved for candidate `name` under `key`, if any."""
+        entry = self.entries.get(key)
+        timed = entry.get("seconds") if isinstance(entry, dict) else None
+        value = timed.get(name) if isinstance(timed, dict) else None
+        return float(value) if isinstance(value, (int, float)) else None
+
+    def put(self, key: str, choice: str, seconds: Mapping[str, float],
+            settled: bool = True) -> None:
         self.entries[key] = {"choice": choice, "seconds": {k: float(v) for k, v in
-                                                           seconds.items()}}
+                                                           seconds.items()},
+                             "settled": bool(settled)}
+        self.loaded.discard(key)
         self.dirty = True
+
+    def forget(self, keys: set[str]) -> None:
+        """Drop these entries (a saved plan found wrong): they are timed again."""
+        for key in keys & set(self.entries):
+            del self.entries[key]
+            self.loaded.discard(key)
+            self.dirty = True
 
     def save(self) -> None:
         if self.path is None or not self.dirty:
@@ -128,41 +188,46 @@ class KernelCache:
 def choose(
     key: str, candidates: Mapping[str, Callable[[], object]], cache: KernelCache, timer: Timer,
     margin: float = MARGIN,
-) -> str:
-    """The cached choice for `key` if it names a candidate, else time them, cache and log.
-    The first candidate is the baseline (kept unless another wins by `margin`); a winner
-    other than the baseline is timed against it once more and must win both times (each keeps
-    its slower time)."""
+) -> Choice:
+    """The cached choice for `key` if it names a candidate, else time them, cache and log (at
+    DEBUG). The first candidate is the baseline (kept unless another wins by `margin`); a
+    winner other than the baseline is timed against it once more and must win both times (each
+    keeps its slower best). Unsettled when the baseline's or the winner's repeats disagree."""
     cached = cache.get(key, set(candidates))
     if cached is not None:
-        return cached
+        return Choice(cached)
     baseline = next(iter(candidates))
     if len(candidates) == 1:
-        return baseline
-    seconds = timer(candidates)
+        return Choice(baseline)
+    timings = timer(candidates)
+    seconds = {n: t.best for n, t in timings.items()}
     choice = pick(seconds, baseline, margin)
+    settled = timings[baseline].settled and timings[choice].settled
     if choice != baseline:
         # Confirm against the baseline: a burst of load on a shared machine during the first
         # timing must not leave a slower choice in the cache for good.
         again = timer({n: candidates[n] for n in (baseline, choice)})
-        seconds = {**seconds, **{n: max(seconds[n], t) for n, t in again.items()}}
+        seconds = {**seconds, **{n: max(seconds[n], t.best) for n, t in again.items()}}
+        settled = settled and all(t.settled for t in again.values())
         choice = pick(seconds, baseline, margin)
-    cache.put(key, choice, seconds)
+    cache.put(key, choice, seconds, settled)
     shown = ", ".join(f"{k} {v * 1e6:.0f}us" for k, v in sorted(seconds.items()))
-    log.info("linear kernel %s: %s (%s)", key, choice, shown)
-    return choice
+    log.debug("linear kernel %s: %s (%s)%s", key, choice, shown,
+              "" if settled else "; repeats disagree: not final")
+    return Choice(choice, timed=True, settled=settled)
 
 
-def measure(candidates: Mapping[str, Callable[[], object]], rounds: int = 2) -> dict[str, float]:
-    """Seconds per call of each candidate: one warm-up call each, then `rounds` calls each,
-    interleaved; the minimum of each."""
-    best = {}
+def measure(candidates: Mapping[str, Callable[[], object]],
+            rounds: int = ROUNDS) -> dict[str, Timing]:
+    """Each candidate's repeats: one warm-up call each, then `rounds` calls each, interleaved
+    (a burst of load then falls on every candidate alike)."""
+    samples: dict[str, list[float]] = {}
     for name, fn in candidates.items():
         fn()
-        best[name] = float("inf")
+        samples[name] = []
     for _ in range(rounds):
         for name, fn in candidates.items():
             t0 = time.perf_counter()
             fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return best
+            samples[name].append(time.perf_counter() - t0)
+    return {name: Timing(tuple(s)) for name, s in samples.items()}

@@ -46,9 +46,9 @@ def choose_decode_kernel(
         times = _time_decode_kernels(names, num_heads, num_kv_heads, head_dim, dtype,
                                      block_size)
         _CHOICES[key] = min(times, key=times.get)
-        log.info("decode attention kernel for %s heads %d/%d x %d: %s (%s)", dtype, num_heads,
-                 num_kv_heads, head_dim, _CHOICES[key],
-                 ", ".join(f"{k} {t * 1e3:.2f} ms" for k, t in times.items()))
+        log.debug("decode attention kernel for %s heads %d/%d x %d: %s (%s)", dtype,
+                  num_heads, num_kv_heads, head_dim, _CHOICES[key],
+                  ", ".join(f"{k} {t * 1e3:.2f} ms" for k, t in times.items()))
     return _CHOICES[key]
 
 

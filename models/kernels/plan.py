@@ -12,6 +12,7 @@ fit `TORCH_INT4_PACK_SHARE` of the model's int4 bytes.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from models.kernels.choice import (
     BUCKETS,
     MARGIN,
     PROBE_ROWS,
+    Choice,
     KernelCache,
     Timer,
     cache_path,
@@ -42,11 +44,16 @@ from models.kernels.quantization import INT4_BLOCK_N, QuantizedLinear
 log = logging.getLogger(__name__)
 
 TIMED_BYTES = 32 << 20  # weight bytes one timed call streams through, at most (more than L2)
-TIMED_FLOPS = 5e8  # and FLOPs
+TIMED_FLOPS = 1e9  # and FLOPs
 SLICE_ROWS = 16384  # a lone matrix with more output rows is timed on its first rows
-PLAN_SECONDS = 3.0  # past this, buckets left unmeasured keep F.linear (and are not cached)
-NATIVE_ROWS = PROBE_ROWS[1]  # our matrix-vector kernel is a candidate up to this many rows
-QUANTIZED_NATIVE_ROWS = PROBE_ROWS[2]  # and for a quantized weight up to this many
+PLAN_SECONDS = 8.0  # past this, buckets left unmeasured keep F.linear (and are not cached)
+# Our matrix-vector kernel is a candidate up to this many rows: it streams each weight row once
+# and reuses it from cache for every row of the input, where a GEMM (a bfloat16 one on a CPU
+# without bfloat16 arithmetic above all, which widens the whole weight first) or a dequantized
+# GEMM reads or writes the weight several times: short prefill chunks (a second turn's new
+# text) and many concurrent decodes.
+NATIVE_ROWS = PROBE_ROWS[2]
+DECODE_ROWS = PROBE_ROWS[1]  # a decode step of a few requests; more rows may be a prefill
 # At a decode's rows, how much faster than ours another kernel must be to be chosen: one layer
 # group planned to PyTorch's costs every decode step the one native call through all layers
 # (models.kernels.native_decode), whose saving no single linear's timing shows (a group 9%
@@ -58,7 +65,7 @@ DECODE_MARGIN = 0.25
 TORCH_INT4_PACK_SHARE = 0.1
 # The version of the candidates and choosing rules below, part of the cache file's name: bump
 # it when they change, so that choices made under the old ones are timed afresh.
-PLAN_RULES = 5
+PLAN_RULES = 6
 
 
 def candidates(layer: nn.Module, rows: int, dtype: torch.dtype,
@@ -66,11 +73,7 @@ def candidates(layer: nn.Module, rows: int, dtype: torch.dtype,
     """The formulations worth timing for this layer at `rows` rows, the baseline first (what
     runs when nothing beats it, or when the plan's time budget is spent). `torch_int4=False`:
     PyTorch's int4 kernel is not one (its pack of the weight would not fit the budget)."""
-    # Ours streams each weight row once and reuses it per input row: a decode's few rows, and
-    # for a quantized weight up to QUANTIZED_NATIVE_ROWS (its rows come from cache again
-    # cheaper than a dequantized GEMM or PyTorch's int kernels run at those counts).
-    limit = QUANTIZED_NATIVE_ROWS if layer.is_quantized else NATIVE_ROWS
-    ours = rows <= limit and native.load() is not None
+    ours = rows <= NATIVE_ROWS and native.load() is not None
     if layer.is_quantized:
         names = ["int_kernel"] if layer.mode == "int8" or torch_int4 else []
         if ours:
@@ -91,7 +94,7 @@ def candidates(layer: nn.Module, rows: int, dtype: torch.dtype,
                                             gemm_dtype)) == 1:
                     names.append("dequantized" + suffix)
                 names.append("dequantized_t" + suffix)
-        if rows > NATIVE_ROWS and panel_gemm_takes(layer):
+        if rows > DECODE_ROWS and panel_gemm_takes(layer):
             names.append("panel_gemm")
         return names or ["dequantized_t"]  # the weight dequantized per call, where nothing else
     names = [BASELINE]
@@ -141,9 +144,16 @@ def linear_groups(model: nn.Module, dtype: torch.dtype) -> dict[str, list[nn.Mod
 
 
 def plan_linears(model: nn.Module, dtype: torch.dtype, cache: KernelCache | None = None,
-                 timer: Timer = measure, budget_s: float = PLAN_SECONDS) -> dict[str, tuple]:
+                 timer: Timer = measure, budget_s: float = PLAN_SECONDS,
+                 ruler: Callable[[], float] | None = None) -> dict[str, tuple]:
     """Set every CPU linear's `kernels` (one formulation per bucket): cached choices are
-    reused, new ones timed and saved. Returns {group key: choices per bucket}."""
+    reused, new ones timed and saved. Returns {group key: choices per bucket}.
+
+    A saved plan is first re-checked on one group (`_recheck`): timed on a busy machine, it is
+    timed afresh; found on a busy machine now, it is kept and what is timed now is saved
+    unsettled. `ruler` (bytes/s a plain read streams; measured when None) is what our
+    matrix-vector kernel's timing is checked against. Logs one line for the model at INFO,
+    each group's timings at DEBUG."""
     built = native.load()  # built (once) before the clock starts: it is not the plan's time
     if cache is None:
         cache = KernelCache(cache_path(native_build=built.build_id if built else None,
@@ -156,7 +166,10 @@ def plan_linears(model: nn.Module, dtype: torch.dtype, cache: KernelCache | None
     int4 = [layer for group in groups.values() for layer in group
             if layer.is_quantized and layer.mode == "int4"]
     pack_budget = TORCH_INT4_PACK_SHARE * sum(layer.qweight.nbytes for layer in int4)
+    tally = _Tally()
     with torch.inference_mode():
+        tally.recheck = _recheck(groups, dtype, cache, timer)
+        busy = tally.recheck.startswith("busy now")
         for key, group in groups.items():
             # the bytes PyTorch's int4 pack of this group would add (0 for other formats)
             pack = sum(layer.qweight.nbytes for layer in group
@@ -169,8 +182,17 @@ def plan_linears(model: nn.Module, dtype: torch.dtype, cache: KernelCache | None
                 if cache.get(bucket_key, set(names)) is None and (
                         time.perf_counter() - start > budget_s):
                     plan.append(names[0])
+                    tally.skipped += 1
                     continue
-                plan.append(_choose(bucket_key, rows, names, group, dtype, cache, timer))
+                made = _choose(bucket_key, rows, names, group, dtype, cache, timer)
+                if made.timed and made.settled and "native" in names and rows <= DECODE_ROWS:
+                    made = _check_bandwidth(bucket_key, made, group, rows, dtype, cache,
+                                            ruler)
+                if made.timed and made.settled and busy:
+                    cache.put(bucket_key, made.name, _saved(cache, bucket_key), settled=False)
+                    made = Choice(made.name, timed=True, settled=False)
+                tally.add(made)
+                plan.append(made.name)
             plans[key] = tuple(plan)
             if "int_kernel" in plan:
                 pack_budget -= pack
@@ -183,17 +205,132 @@ def plan_linears(model: nn.Module, dtype: torch.dtype, cache: KernelCache | None
                     layer.torch_packed = None  # PyTorch's int4 pack: made only for timing
                 layer.kernels = plans[key]
     cache.save()
-    log.info("linear kernels for %d groups planned in %.2f s", len(groups),
-             time.perf_counter() - start)
+    log.info("linear kernels (%s): %d groups planned in %.2f s, %s",
+             f"our {built.variant}" if built else "PyTorch's only", len(groups),
+             time.perf_counter() - start, tally.summary(plans))
     return plans
 
 
+class _Tally:
+    """What one plan did, for its log line."""
+
+    def __init__(self) -> None:
+        self.cached = self.timed = self.unsettled = self.skipped = 0
+        self.recheck = ""
+
+    def add(self, made: Choice) -> None:
+        if not made.timed:
+            self.cached += 1
+        else:
+            self.timed += 1
+            self.unsettled += not made.settled
+
+    def summary(self, plans: dict[str, tuple]) -> str:
+        counts: dict[str, int] = {}
+        for plan in plans.values():
+            for name in plan:
+                counts[name] = counts.get(name, 0) + 1
+        parts = [f"{self.cached} buckets cached, {self.timed} timed"]
+        if self.unsettled:
+            parts.append(f"{self.unsettled} unsettled (timed again at the next start)")
+        if self.skipped:
+            parts.append(f"{self.skipped} past the time budget (baseline, not saved)")
+        if self.recheck:
+            parts.append(f"saved plan re-checked: {self.recheck}")
+        chosen = ", ".join(f"{name} {n}" for name, n in
+                           sorted(counts.items(), key=lambda item: -item[1]))
+        return "; ".join(parts) + f"; choices: {chosen}"
+
+
+# A saved plan's re-check: one group's decode-row choice timed again. Past this factor slower
+# than saved, the machine is busy now; past it faster, it was busy when the plan was saved.
+RECHECK_FACTOR = 2.0
+
+
+def _recheck(groups: dict[str, list[nn.Module]], dtype: torch.dtype, cache: KernelCache,
+             timer: Timer) -> str:
+    """Time the saved choice of the largest group at one row again and compare it with its
+    saved time. "" when nothing was saved for this model; "busy then: timed afresh" (every
+    saved entry of this model forgotten); "busy now" (the saved plan kept); "agrees"."""
+    if not groups:
+        return ""
+    key, group = next(iter(groups.items()))
+    bucket_key = f"{key}/{BUCKETS[0]}"
+    names = candidates(group[0], PROBE_ROWS[0], dtype)
+    saved_choice = cache.get(bucket_key, set(names))
+    if saved_choice is None or bucket_key not in cache.loaded:
+        return ""
+    saved = cache.seconds(bucket_key, saved_choice)
+    if saved is None or saved <= 0:
+        return ""
+    calls = _timed_calls([saved_choice], group, PROBE_ROWS[0], dtype)
+    if saved_choice not in calls:
+        return ""
+    now = timer(calls)[saved_choice].best
+    if now * RECHECK_FACTOR < saved:
+        cache.forget({f"{k}/{b}" for k in groups for b in BUCKETS})
+        log.debug("saved kernel plan: %s at 1 row took %.0f us, saved %.0f us", key, now * 1e6,
+                  saved * 1e6)
+        return f"busy then ({saved / now:.1f}x slower than now): timed afresh"
+    if now > saved * RECHECK_FACTOR:
+        return f"busy now ({now / saved:.1f}x slower than saved): kept"
+    return "agrees"
+
+
+# Our matrix-vector kernel streams the weights as fast as a plain read does (docs/cpu-kernels.md);
+# a timing of it below this share of the read ruler was taken on a busy machine.
+EXPECTED_BANDWIDTH_SHARE = 0.25
+
+
+def _check_bandwidth(key: str, made: Choice, group: list[nn.Module], rows: int,
+                     dtype: torch.dtype, cache: KernelCache,
+                     ruler: Callable[[], float] | None) -> Choice:
+    """Mark a decode-row choice unsettled when our kernel's timed bandwidth falls far below a
+    plain read's: its timing, and so the choice, was made on a busy machine."""
+    ours = cache.seconds(key, "native")
+    layers = _timing_layers(group, rows, dtype)
+    streamed = sum(_nbytes(layer) for layer in layers)
+    if ours is None or ours <= 0 or streamed < _RULER_BYTES // 4:
+        return made  # weights that fit in cache say nothing about memory bandwidth
+    expected = (ruler or read_bandwidth)()
+    if streamed / ours >= EXPECTED_BANDWIDTH_SHARE * expected:
+        return made
+    log.debug("linear kernel %s: ours streamed %.1f GB/s against a plain read's %.1f GB/s: "
+              "not final", key, streamed / ours / 1e9, expected / 1e9)
+    cache.put(key, made.name, _saved(cache, key), settled=False)
+    return Choice(made.name, timed=True, settled=False)
+
+
+_RULER_BYTES = 64 << 20  # twice TIMED_BYTES: read from memory, not from a cache
+
+
+@functools.cache
+def read_bandwidth() -> float:
+    """Bytes/s a plain read of a buffer larger than the caches streams (the best of a few
+    reads), with our read loop where it builds, else torch's sum; measured once per process."""
+    x = torch.ones(_RULER_BYTES // 4)
+    kernels = native.load()
+    read = (lambda: kernels.read_sum(x)) if kernels is not None else x.sum
+    read()
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        read()
+        best = min(best, time.perf_counter() - t0)
+    return _RULER_BYTES / best
+
+
+def _saved(cache: KernelCache, key: str) -> dict[str, float]:
+    return dict(cache.entries[key]["seconds"])
+
+
 def _choose(key: str, rows: int, names: list[str], group: list[nn.Module],
-            dtype: torch.dtype, cache: KernelCache, timer: Timer) -> str:
-    """One bucket's choice for a group: cached, or timed on the group's layers. Where ours is
-    a candidate (a decode's rows) it is kept unless another is faster by DECODE_MARGIN: a
+            dtype: torch.dtype, cache: KernelCache, timer: Timer) -> Choice:
+    """One bucket's choice for a group: cached, or timed on the group's layers. At a decode's
+    rows (up to DECODE_ROWS) ours is kept unless another is faster by DECODE_MARGIN: a
     decoder whose linears all run ours takes its decode steps in one native call
-    (models.kernels.native_decode), which saves more than one linear's timing shows. Our
+    (models.kernels.native_decode), which saves more than one linear's timing shows; at more
+    rows (also a short prefill chunk's) it is kept on a tie (MARGIN). Our
     quantized GEMM is kept on a tie (MARGIN) at a prefill's rows: its result is contiguous,
     where the dequantized `_t` formulations' is a transposed view whose cost falls on the
     operations after the linear, which timing it alone does not see (bench.prefill_ab at 512
@@ -203,10 +340,17 @@ def _choose(key: str, rows: int, names: list[str], group: list[nn.Module],
     for ours in ("native", "panel_gemm"):
         if ours in names:
             names = [ours] + [n for n in names if n != ours]
-            margin = DECODE_MARGIN if ours == "native" else MARGIN
+            margin = DECODE_MARGIN if ours == "native" and rows <= DECODE_ROWS else MARGIN
             break
     if cache.get(key, set(names)) is not None or len(names) == 1:
         return choose(key, {n: _noop for n in names}, cache, timer)
+    return choose(key, _timed_calls(names, group, rows, dtype), cache, timer, margin)
+
+
+def _timed_calls(names: list[str], group: list[nn.Module], rows: int,
+                 dtype: torch.dtype) -> dict[str, Callable[[], object]]:
+    """The call timed for each candidate of this group at `rows` rows: the same input through
+    the same layers (oneDNN left out where it cannot prepack them)."""
     layers = _timing_layers(group, rows, dtype)
     x = torch.randn(rows, group[0].in_features, dtype=dtype)
     if "onednn" in names:
@@ -221,7 +365,7 @@ def _choose(key: str, rows: int, names: list[str], group: list[nn.Module],
         kernel = table[name]
         return lambda: [kernel(layer, x) for layer in layers]
 
-    return choose(key, {n: run(n) for n in names}, cache, timer, margin)
+    return {n: run(n) for n in names}
 
 
 def _timing_layers(group: list[nn.Module], rows: int, dtype: torch.dtype) -> list[nn.Module]:
