@@ -161,14 +161,15 @@ def test_int4_dequantizer_rounds_once_and_reads_any_block_range(kernels, dtype, 
 
 
 def test_native_linear_is_a_planned_candidate_for_few_rows_only(kernels):
-    """Dense weights up to a decode's 8 rows; quantized ones up to 64 (their rows come from
-    cache again cheaper than the dequantizing GEMMs run there)."""
+    """Dense and quantized weights up to the 9-64 bucket (a second turn's short prefill chunk:
+    the rows come from cache again cheaper than a GEMM that widens or dequantizes the whole
+    weight first), never past it."""
     from models.kernels.plan import candidates
     from models.kernels.quantization import QuantizedLinear
 
     layer = Linear(64, 32)
     assert [("native" in candidates(layer, r, torch.bfloat16)) for r in (1, 4, 32, 128)] == [
-        True, True, False, False]
+        True, True, True, False]  # the probe rows of the buckets 1, 2-8, 9-64 and 65-256
     for mode in ("int8", "int4"):
         q = QuantizedLinear(torch.randn(64, 64), None, mode, 32)
         assert candidates(q, 1, torch.bfloat16) == ["int_kernel", "native"]
@@ -458,10 +459,10 @@ def test_the_engine_panel_says_which_kernels_run(qwen2_path, monkeypatch):
     monkeypatch.setattr(engine.runner, "native_decode", False)
     monkeypatch.setattr(native, "load", lambda: None)
     assert engine.stats()["weights"] == "float32, cpu, PyTorch kernels"
-    import engine.llm_engine as llm_engine
+    import engine.engine_report as engine_report
 
-    monkeypatch.setattr(engine, "dtype", torch.bfloat16)
-    monkeypatch.setattr(llm_engine, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(engine.runner, "dtype", torch.bfloat16)
+    monkeypatch.setattr(engine_report, "cpu_has_native_bf16", lambda: False)
     assert engine.stats()["weights"] == (
         "bfloat16, cpu, PyTorch kernels, bfloat16 kept in memory, multiplied in float32 "
         "(no bfloat16 arithmetic)")

