@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.kernels.linear import EncoderLinear
 from models.layers.mlp import ACTIVATIONS
 
 MAX_POSITIONS = 500  # positions attended together (transformers' `max_seq_len`)
@@ -123,7 +124,7 @@ class Subsampling(nn.Module):
         for _ in range(int(math.log2(cfg.time_reduction)) - 1):
             layers += [nn.Conv2d(c, c, 3, 2, 1, groups=c), nn.Conv2d(c, c, 1), act]
         self.conv = nn.Sequential(*layers)
-        self.out = nn.Linear(c * cfg.freq_out, cfg.width)
+        self.out = EncoderLinear(c * cfg.freq_out, cfg.width)
 
     def forward(self, frames: torch.Tensor) -> torch.Tensor:
         """frames [T, n_mels] (one clip) -> [ceil(T / reduction), width]."""
@@ -146,8 +147,8 @@ class FeedForward(nn.Module):
     def __init__(self, cfg: ConformerConfig) -> None:
         super().__init__()
         self.layer_norm = nn.LayerNorm(cfg.width)
-        self.gate_up_proj = nn.Linear(cfg.width, 2 * cfg.intermediate)
-        self.down_proj = nn.Linear(cfg.intermediate, cfg.width)
+        self.gate_up_proj = EncoderLinear(cfg.width, 2 * cfg.intermediate)
+        self.down_proj = EncoderLinear(cfg.intermediate, cfg.width)
         self.act = _ACTIVATIONS[cfg.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -160,8 +161,8 @@ class Attention(nn.Module):
         super().__init__()
         w = cfg.width
         self.num_heads, self.head_dim = cfg.num_heads, w // cfg.num_heads
-        self.q_proj, self.k_proj = nn.Linear(w, w), nn.Linear(w, w)
-        self.v_proj, self.o_proj = nn.Linear(w, w), nn.Linear(w, w)
+        self.q_proj, self.k_proj = EncoderLinear(w, w), EncoderLinear(w, w)
+        self.v_proj, self.o_proj = EncoderLinear(w, w), EncoderLinear(w, w)
 
     def forward(self, x: torch.Tensor, windows: list[int], bias: dict[int, torch.Tensor]):
         """x [N, width] packed windows -> [N, width]; bias[L]: [1, H, L, L] per length."""

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.encoders.gemma4_vision import ClippedLinear
+from models.kernels.linear import EncoderLinear
 from models.layers.mlp import ACTIVATIONS
 from models.layers.norm import RMSNorm
 
@@ -120,7 +121,7 @@ class SubsampleProjection(nn.Module):
         c0, c1 = cfg.conv_channels
         self.layer0 = SubsampleLayer(1, c0, cfg.eps)
         self.layer1 = SubsampleLayer(c0, c1, cfg.eps)
-        self.input_proj_linear = nn.Linear(c0 // 4 * c1, cfg.width, bias=False)
+        self.input_proj_linear = EncoderLinear(c0 // 4 * c1, cfg.width, bias=False)
 
     def forward(self, features: torch.Tensor, mask: torch.Tensor):
         x, mask = self.layer0(features[:, None], mask)
@@ -154,7 +155,7 @@ class LocalAttention(nn.Module):
         w, d = cfg.width, cfg.head_dim
         self.q_proj, self.k_proj, self.v_proj, self.post = (
             ClippedLinear(w, w, cfg.clipped) for _ in range(4))
-        self.relative_k_proj = nn.Linear(w, w, bias=False)
+        self.relative_k_proj = EncoderLinear(w, w, bias=False)
         self.per_dim_scale = nn.Parameter(torch.zeros(d))
         self.q_scale = d**-0.5 / math.log(2)
         self.k_scale = math.log(1 + math.e) / math.log(2)
@@ -233,7 +234,7 @@ class ConformerEncoder(nn.Module):
         self.cfg = cfg
         self.subsample_conv_projection = SubsampleProjection(cfg)
         self.layers = nn.ModuleList(ConformerLayer(cfg) for _ in range(cfg.depth))
-        self.output_proj = nn.Linear(cfg.width, cfg.out_dim, bias=True)
+        self.output_proj = EncoderLinear(cfg.width, cfg.out_dim, bias=True)
         # Sinusoidal embeddings of the distances the band covers, [sin | cos], built on the CPU
         # (the encoder is built on the meta device).
         half = cfg.width // 2

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.kernels.linear import EncoderLinear
 from models.layers.mlp import ACTIVATIONS
 from models.layers.norm import RMSNorm, rms_norm_unscaled
 from models.layers.rotary import apply_rotary
@@ -67,7 +68,7 @@ class ClippedLinear(nn.Module):
 
     def __init__(self, n_in: int, n_out: int, clipped: bool) -> None:
         super().__init__()
-        self.linear = nn.Linear(n_in, n_out, bias=False)
+        self.linear = EncoderLinear(n_in, n_out, bias=False)
         self.clipped = clipped
         if clipped:
             for name in ("input_min", "input_max", "output_min", "output_max"):
@@ -143,7 +144,7 @@ class VisionLayer(nn.Module):
 class PatchEmbedder(nn.Module):
     def __init__(self, cfg: Gemma4VisionConfig) -> None:
         super().__init__()
-        self.input_proj = nn.Linear(3 * cfg.patch_size**2, cfg.width, bias=False)
+        self.input_proj = EncoderLinear(3 * cfg.patch_size**2, cfg.width, bias=False)
         self.position_embedding_table = nn.Parameter(torch.empty(2, cfg.positions, cfg.width))
 
     def forward(self, pixels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -229,7 +230,7 @@ class MultimodalEmbedder(nn.Module):
 
     def __init__(self, dim: int, hidden: int, eps: float) -> None:
         super().__init__()
-        self.embedding_projection = nn.Linear(dim, hidden, bias=False)
+        self.embedding_projection = EncoderLinear(dim, hidden, bias=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from models.kernels.linear import EncoderLinear
 from models.layers.mlp import ACTIVATIONS
 from models.layers.norm import RMSNorm
 from models.layers.vit import PlainMLP, Segments, segment_attention
@@ -104,8 +105,8 @@ class InternAttention(nn.Module):
     def __init__(self, cfg: InternViTConfig) -> None:
         super().__init__()
         self.width, self.num_heads = cfg.width, cfg.num_heads
-        self.qkv = nn.Linear(cfg.width, 3 * cfg.width, bias=cfg.qkv_bias)
-        self.proj = nn.Linear(cfg.width, cfg.width)
+        self.qkv = EncoderLinear(cfg.width, 3 * cfg.width, bias=cfg.qkv_bias)
+        self.proj = EncoderLinear(cfg.width, cfg.width)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.width, QK_NORM_EPS)

@@ -23,6 +23,7 @@ from itertools import accumulate
 import torch
 from torch import nn
 
+from models.kernels.linear import EncoderLinear
 from models.layers.mlp import ACTIVATIONS
 from models.layers.projectors import PatchMerger
 from models.layers.transfer import to_device
@@ -119,8 +120,8 @@ class WindowMerger(nn.Module):
         self.layer_norm1 = nn.LayerNorm(w, eps=cfg.norm_eps)
         self.attn = ViTAttention(cfg)
         self.pre_norm = nn.LayerNorm(wide, eps=cfg.norm_eps)
-        self.linear_1 = nn.Linear(wide, 4 * cfg.mlp_hidden)
-        self.linear_2 = nn.Linear(4 * cfg.mlp_hidden, w)
+        self.linear_1 = EncoderLinear(wide, 4 * cfg.mlp_hidden)
+        self.linear_2 = EncoderLinear(4 * cfg.mlp_hidden, w)
         self.act = ACTIVATIONS["gelu_pytorch_tanh"]  # the reference's, whatever hidden_act says
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

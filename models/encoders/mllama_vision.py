@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.kernels.linear import EncoderLinear
 from models.layers.mlp import ACTIVATIONS
 from models.layers.transfer import to_device
 
@@ -91,8 +92,8 @@ class _Attention(nn.Module):
         super().__init__()
         self.num_heads = cfg.num_heads
         w = cfg.width
-        self.q_proj, self.k_proj = nn.Linear(w, w, bias=False), nn.Linear(w, w, bias=False)
-        self.v_proj, self.o_proj = nn.Linear(w, w, bias=False), nn.Linear(w, w, bias=False)
+        self.q_proj, self.k_proj = EncoderLinear(w, w, bias=False), EncoderLinear(w, w, bias=False)
+        self.v_proj, self.o_proj = EncoderLinear(w, w, bias=False), EncoderLinear(w, w, bias=False)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         b, n, w = x.shape
@@ -105,8 +106,8 @@ class _Attention(nn.Module):
 class _MLP(nn.Module):
     def __init__(self, cfg: MllamaVisionConfig) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(cfg.width, cfg.mlp_hidden)
-        self.fc2 = nn.Linear(cfg.mlp_hidden, cfg.width)
+        self.fc1 = EncoderLinear(cfg.width, cfg.mlp_hidden)
+        self.fc2 = EncoderLinear(cfg.mlp_hidden, cfg.width)
         self.act = ACTIVATIONS[cfg.act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

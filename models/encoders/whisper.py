@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.kernels.linear import EncoderLinear
 from models.layers.transfer import to_device
 from models.layers.vit import Segments, ViTConfig, vit_blocks
 
@@ -142,7 +143,7 @@ class AudioEncoder(nn.Module):
             act=cfg.activation, norm="layer", norm_eps=1e-5, fused_qkv=False, k_bias=False,
         ))
         self.layer_norm = nn.LayerNorm(cfg.width)
-        self.proj = None if cfg.output_dim is None else nn.Linear(cfg.width, cfg.output_dim)
+        self.proj = None if cfg.output_dim is None else EncoderLinear(cfg.width, cfg.output_dim)
 
     def forward(self, batch: AudioBatch) -> torch.Tensor:
         """-> [sum(sizes), output_dim or width], clips in batch order."""

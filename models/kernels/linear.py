@@ -201,20 +201,31 @@ class Linear(nn.Linear):
     bucket (`kernels`: one name of KERNELS per models.kernels.choice.BUCKETS; None: F.linear).
     A (W @ x^T)^T result is a transposed view, which the following ops accept.
     `quantizable=False` keeps the weight in the model dtype when the model is quantized (a
-    mixture-of-experts router: rounding it would change which experts a token reaches)."""
+    mixture-of-experts router: rounding it would change which experts a token reaches).
+    `contiguous_output=True` (the encoders' linears, whose callers view their output) leaves
+    out the formulations that return a transposed view; such layers are planned as a group of
+    their own ("dense-rows")."""
 
     is_quantized = False
     kernels: tuple[str, ...] | None = None
     packed: torch.Tensor | None = None  # the oneDNN-prepacked weight, when planned
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 quantizable: bool = True, **factory) -> None:
+                 quantizable: bool = True, contiguous_output: bool = False, **factory) -> None:
         super().__init__(in_features, out_features, bias, **factory)
         self.quantizable = quantizable
+        self.contiguous_output = contiguous_output
 
     @property
     def format(self) -> str:
-        return "dense"
+        return "dense-rows" if self.contiguous_output else "dense"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return run_kernel(self, x)
+
+
+def EncoderLinear(in_features: int, out_features: int, bias: bool = True) -> Linear:
+    """A media encoder's (tower, projector) linear: planned like the decoder's, so that a
+    bfloat16 tower on a CPU without bfloat16 arithmetic runs the widened GEMM instead of
+    PyTorch's far slower bfloat16 one, and never quantized; its output has contiguous rows."""
+    return Linear(in_features, out_features, bias, quantizable=False, contiguous_output=True)

@@ -99,7 +99,8 @@ def candidates(layer: nn.Module, rows: int, dtype: torch.dtype,
         return names or ["dequantized_t"]  # the weight dequantized per call, where nothing else
     names = [BASELINE]
     if dtype in (torch.float32, torch.bfloat16):
-        names.append("mv" if rows == 1 else "matmul_t")
+        if rows == 1 or not layer.contiguous_output:
+            names.append("mv" if rows == 1 else "matmul_t")
         if onednn_prepacks(dtype):
             names.append("onednn")
         if ours:

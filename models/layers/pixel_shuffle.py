@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from models.kernels.linear import EncoderLinear
+
 
 def pixel_shuffle(x: torch.Tensor, scale: int) -> torch.Tensor:
     """[B, side^2, D] patches in row-major order -> [B, (side / s)^2, s^2 * D]: token (i, j)
@@ -25,7 +27,7 @@ class PixelShuffleProjector(nn.Module):
     def __init__(self, width: int, scale: int, out_dim: int) -> None:
         super().__init__()
         self.scale = scale
-        self.proj = nn.Linear(width * scale * scale, out_dim, bias=False)
+        self.proj = EncoderLinear(width * scale * scale, out_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(pixel_shuffle(x, self.scale))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from models.kernels.linear import EncoderLinear
 from models.layers.mlp import ACTIVATIONS
 from models.layers.norm import RMSNorm
 
@@ -16,8 +17,8 @@ class MLPProjector(nn.Module):
 
     def __init__(self, in_dim: int, out_dim: int, act: str, bias: bool = True) -> None:
         super().__init__()
-        self.linear_1 = nn.Linear(in_dim, out_dim, bias=bias)
-        self.linear_2 = nn.Linear(out_dim, out_dim, bias=bias)
+        self.linear_1 = EncoderLinear(in_dim, out_dim, bias=bias)
+        self.linear_2 = EncoderLinear(out_dim, out_dim, bias=bias)
         self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -37,7 +38,7 @@ class PatchMerger(nn.Module):
         normed = self.merged if postshuffle_norm else width
         self.ln_q = RMSNorm(normed, 1e-6) if rms_norm else nn.LayerNorm(normed, 1e-6)
         self.mlp = nn.Sequential(
-            nn.Linear(self.merged, self.merged), nn.GELU(), nn.Linear(self.merged, out_dim)
+            EncoderLinear(self.merged, self.merged), nn.GELU(), EncoderLinear(self.merged, out_dim)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

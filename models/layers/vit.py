@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.kernels.linear import EncoderLinear
 from models.layers.mlp import ACTIVATIONS, GatedMLP
 from models.layers.norm import RMSNorm
 from models.layers.transfer import to_device
@@ -119,12 +120,12 @@ class ViTAttention(nn.Module):
         self.num_heads, self.head_dim = cfg.num_heads, cfg.width // cfg.num_heads
         w = cfg.width
         if cfg.fused_qkv:
-            self.qkv = nn.Linear(w, 3 * w, bias=cfg.bias)
-            self.proj = nn.Linear(w, w, bias=cfg.bias)
+            self.qkv = EncoderLinear(w, 3 * w, bias=cfg.bias)
+            self.proj = EncoderLinear(w, w, bias=cfg.bias)
         else:
-            self.q_proj, self.v_proj = nn.Linear(w, w, cfg.bias), nn.Linear(w, w, cfg.bias)
-            self.k_proj = nn.Linear(w, w, bias=cfg.k_bias and cfg.bias)
-            self.out_proj = nn.Linear(w, w, bias=cfg.bias)
+            self.q_proj, self.v_proj = EncoderLinear(w, w, cfg.bias), EncoderLinear(w, w, cfg.bias)
+            self.k_proj = EncoderLinear(w, w, bias=cfg.k_bias and cfg.bias)
+            self.out_proj = EncoderLinear(w, w, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor, seg: Segments, rotary=None) -> torch.Tensor:
         n, shape = x.shape[0], (x.shape[0], self.num_heads, self.head_dim)
@@ -147,7 +148,7 @@ def rotate_half_float(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
 class PlainMLP(nn.Module):
     def __init__(self, width: int, hidden: int, act: str, bias: bool = True) -> None:
         super().__init__()
-        self.fc1, self.fc2 = nn.Linear(width, hidden, bias), nn.Linear(hidden, width, bias)
+        self.fc1, self.fc2 = EncoderLinear(width, hidden, bias), EncoderLinear(hidden, width, bias)
         self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from torch import nn
 from models.encoders.clip import vlm_checkpoint_map
 from models.encoders.pixtral import PixtralVisionConfig, PixtralVisionTower, build_pixtral_batch
 from models.interfaces import EncoderItem
+from models.kernels.linear import EncoderLinear
 from models.layers.decoder import Decoder, DecoderConfig, text_features
 from models.layers.norm import RMSNorm
 from models.layers.projectors import MLPProjector
@@ -36,7 +37,7 @@ class MergingProjector(MLPProjector):
         self.merge = merge
         self.norm = RMSNorm(width, eps)
         self.patch_merger = nn.Module()
-        self.patch_merger.merging_layer = nn.Linear(width * merge**2, width, bias=False)
+        self.patch_merger.merging_layer = EncoderLinear(width * merge**2, width, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         width, unit = x.shape[-1], self.merge**2

@@ -15,10 +15,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-from torch import nn
 
 from models.encoders.mllama_vision import MllamaVisionConfig, MllamaVisionTower
 from models.interfaces import EncoderItem
+from models.kernels.linear import EncoderLinear
 from models.layers.decoder import Decoder, DecoderConfig
 from models.layers.transfer import to_device
 
@@ -44,7 +44,7 @@ class MllamaForConditionalGeneration(Decoder):
         super().__init__(cfg, max_positions, device)
         vision = MllamaVisionConfig.from_hf(hf_config.vision_config)
         self.vision_model = MllamaVisionTower(vision)
-        self.multi_modal_projector = nn.Linear(vision.output_dim, cfg.hidden_size)
+        self.multi_modal_projector = EncoderLinear(vision.output_dim, cfg.hidden_size)
 
     @classmethod
     def from_hf_config(cls, hf_config, max_positions: int, device: torch.device):

@@ -22,6 +22,7 @@ from torch import nn
 
 from models.encoders.conformer import ConformerConfig, ConformerEncoder
 from models.interfaces import EncoderItem
+from models.kernels.linear import EncoderLinear
 from models.layers.attention import LayerAttention
 from models.layers.decoder import Decoder, DecoderConfig
 from models.layers.decoder_layer import layer_attention_from_hf, layer_rope_from_hf
@@ -41,8 +42,8 @@ class AudioEmbedding(nn.Module):
         self.encoder = ConformerEncoder(ConformerConfig.from_hf(audio_config))
         width = self.encoder.cfg.width
         for mode in PROJECTIONS:
-            setattr(self, f"up_proj_for_{_suffix(mode)}", nn.Linear(width, hidden_size))
-            setattr(self, f"down_proj_for_{_suffix(mode)}", nn.Linear(hidden_size, hidden_size))
+            setattr(self, f"up_proj_for_{_suffix(mode)}", EncoderLinear(width, hidden_size))
+            setattr(self, f"down_proj_for_{_suffix(mode)}", EncoderLinear(hidden_size, hidden_size))
 
     def forward(self, items: list[dict]) -> list[torch.Tensor]:
         """Clips' processed inputs (audio_input_features [T, n_mels], projection) -> embeddings

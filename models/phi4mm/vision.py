@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.encoders.clip import ClipVisionConfig, ClipVisionTower
+from models.kernels.linear import EncoderLinear
 from models.layers.transfer import to_device
 from models.layers.vit import Segments
 
@@ -44,8 +45,8 @@ class ImageEmbedding(nn.Module):
         width = cfg.vit.width
         self.global_img_feature_extensor = nn.Parameter(torch.zeros(1, 1, width))
         self.sub_img_feature_extensor = nn.Parameter(torch.zeros(1, 1, 1, width))
-        self.img_projection_up = nn.Linear(width, hidden_size)
-        self.img_projection_down = nn.Linear(hidden_size, hidden_size)
+        self.img_projection_up = EncoderLinear(width, hidden_size)
+        self.img_projection_down = EncoderLinear(hidden_size, hidden_size)
 
     def forward(self, items: list[dict]) -> list[torch.Tensor]:
         """Images' processed inputs (pixel_values, patch_mask, position_ids, grid, useful) ->

@@ -14,6 +14,7 @@ from models.encoders.whisper import (
     build_audio_batch,
     whisper_block_name,
 )
+from models.kernels.linear import EncoderLinear
 from models.layers.decoder import QWEN2_FEATURES, Decoder, DecoderConfig
 
 
@@ -26,7 +27,7 @@ class QwenAudioForConditionalGeneration(Decoder):
                          max_positions, device)
         self.audio_tower = AudioEncoder(AudioEncoderConfig.from_hf(hf_config.audio_config))
         self.multi_modal_projector = nn.Module()
-        self.multi_modal_projector.linear = nn.Linear(self.audio_tower.cfg.width,
+        self.multi_modal_projector.linear = EncoderLinear(self.audio_tower.cfg.width,
                                                       self.cfg.hidden_size)
 
     @classmethod
