@@ -254,15 +254,24 @@ def quantize_linear(linear: nn.Module, mode: str, group_size: int) -> QuantizedL
     return QuantizedLinear(linear.weight, linear.bias, layer_mode, group_size)
 
 
+# The LM head's format per quantization asked: its rounding reaches every logit directly, so
+# with 4-bit linears it stays at 8 bits (as llama.cpp keeps its output tensor at 6 bits or more
+# in its 4-bit types). bench.quality measures what each costs.
+HEAD_MODE = {"int8": "int8", "int4": "int8"}
+
+
 @torch.no_grad()
 def quantize_language_model(model: nn.Module, mode: str, group_size: int = 128) -> int:
-    """Replace the decoder's linears and the LM head by QuantizedLinear (those still dense: a
-    model loaded through QuantizeOnLoad has only its head left); returns how many."""
+    """Replace the decoder's linears by QuantizedLinear in `mode` and the LM head in
+    HEAD_MODE[mode] (those still dense: a model loaded through QuantizeOnLoad has only its head
+    left); returns how many."""
     count = 0
     for parent, name in quantized_linears(model):
         linear = getattr(parent, name)
         if isinstance(linear, Linear):
-            setattr(parent, name, quantize_linear(linear, mode, group_size))
+            head = parent is model and name == "lm_head"
+            setattr(parent, name,
+                    quantize_linear(linear, HEAD_MODE[mode] if head else mode, group_size))
             count += 1
     return count
 
