@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -235,15 +236,16 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--rows", default="all", help="comma-separated names of the rows to "
-                        "run, a trailing * for a prefix (\"ours bfloat16,llama.cpp*\"); default "
-                        "all")
+                        "run, a trailing * for a prefix (\"ours bfloat16,llama.cpp*\"; a comma "
+                        "followed by a space belongs to a name); default all")
     parser.add_argument("--decode", action="store_true", help="our rows and transformers' "
                         "one decode step per token through the KV cache (as generation runs) "
                         "instead of one prefill per window; llama.cpp's stay batched")
     parser.add_argument("--json", type=Path, default=None, help="write the rows here too")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    wanted = None if args.rows == "all" else args.rows.split(",")
+    # Row names hold ", " themselves: a comma followed by a space is part of a name.
+    wanted = None if args.rows == "all" else re.split(r",(?! )", args.rows)
 
     source = model_file(args.model)
     f32 = requantize(source, "f32")
