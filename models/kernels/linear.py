@@ -224,8 +224,12 @@ class Linear(nn.Linear):
         return run_kernel(self, x)
 
 
-def EncoderLinear(in_features: int, out_features: int, bias: bool = True) -> Linear:
+class EncoderLinear(Linear):
     """A media encoder's (tower, projector) linear: planned like the decoder's, so that a
     bfloat16 tower on a CPU without bfloat16 arithmetic runs the widened GEMM instead of
-    PyTorch's far slower bfloat16 one, and never quantized; its output has contiguous rows."""
-    return Linear(in_features, out_features, bias, quantizable=False, contiguous_output=True)
+    PyTorch's far slower bfloat16 one; never quantized; its output has contiguous rows."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 **factory) -> None:
+        super().__init__(in_features, out_features, bias, quantizable=False,
+                         contiguous_output=True, **factory)
