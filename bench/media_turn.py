@@ -2,8 +2,9 @@
 multimodal path, side by side in one process, alternating, on the same random weights.
 
     OMP_WAIT_POLICY=PASSIVE python -m bench.media_turn
-        [--shape qwen2.5-vl-3b|qwen3-vl-2b|gemma3-4b] [--layers N] [--vision-layers N] [--sizes 448,896,1344] [--precisions bf16,int4]
-        [--runs 3] [--new-tokens 16] [--threads 2]
+        [--shape qwen2.5-vl-3b|qwen3-vl-2b|gemma3-4b] [--layers N] [--vision-layers N]
+        [--sizes 448,896,1344] [--precisions bf16,int4] [--runs 3] [--new-tokens 16]
+        [--threads 2]
 
 OMP_WAIT_POLICY=PASSIVE: both libraries' OpenMP threads otherwise spin after their work, and in
 one process with as many threads as cores each side then runs beside the other's spinning
