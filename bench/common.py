@@ -22,6 +22,16 @@ def cache_dir(name: str) -> Path:
     return path
 
 
+def cached_checkpoint(name: str, what: str, build: Callable[[Path], object]) -> Path:
+    """The checkpoint `build(path)` writes into the bench cache's `name`, built once (`what`
+    says which, for the one line printed while building)."""
+    path = cache_dir(name)
+    if not (path / "config.json").exists():
+        print(f"building a random {what} checkpoint in {path} (once)")
+        build(path)
+    return path
+
+
 def timeit(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()

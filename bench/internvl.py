@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from bench.common import cache_dir, median
+from bench.common import cached_checkpoint, median
 
 INTERNVL3_1B_WIDTHS = dict(
     hidden_size=896, num_layers=4, heads=14, kv_heads=2, intermediate_size=4864,
@@ -30,11 +30,9 @@ INTERNVL3_1B_WIDTHS = dict(
 def build_internvl_checkpoint() -> Path:
     from testing.internvl import build_internvl_model
 
-    path = cache_dir("internvl3-1b-widths")
-    if not (path / "config.json").exists():
-        print(f"building a random InternVL checkpoint with InternVL3-1B widths in {path} (once)")
-        build_internvl_model(path, std=0.02, **INTERNVL3_1B_WIDTHS)
-    return path
+    return cached_checkpoint("internvl3-1b-widths", "InternVL with InternVL3-1B widths",
+                             lambda path: build_internvl_model(path, std=0.02,
+                                                               **INTERNVL3_1B_WIDTHS))
 
 
 def _picture(seed: int) -> Image.Image:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from bench.common import cache_dir, median
+from bench.common import cached_checkpoint, median
 
 WIDTHS = {
     "hidden_size": 1024, "vision_width": 1152, "vision_depth": 4,
@@ -39,12 +39,10 @@ WIDTHS = {
 def build_checkpoint() -> Path:
     from testing.minicpmv import build_minicpmv_model
 
-    path = cache_dir("minicpm-v-4.6-widths")
-    if not (path / "config.json").exists():
-        print(f"building a random MiniCPM-V 4.6 checkpoint with its widths in {path} (once)")
-        build_minicpmv_model(path, scale=448, patch=14, max_slice_nums=9, std=0.02,
-                             tie_word_embeddings=True, **WIDTHS)
-    return path
+    return cached_checkpoint(
+        "minicpm-v-4.6-widths", "MiniCPM-V 4.6 with its widths",
+        lambda path: build_minicpmv_model(path, scale=448, patch=14, max_slice_nums=9, std=0.02,
+                                          tie_word_embeddings=True, **WIDTHS))
 
 
 def photo(seed: int) -> Image.Image:

@@ -35,7 +35,15 @@ import numpy as np
 import torch
 from PIL import Image
 
-from bench.common import cache_dir, machine, matmul_flops, median, print_table, timeit
+from bench.common import (
+    cache_dir,
+    cached_checkpoint,
+    machine,
+    matmul_flops,
+    median,
+    print_table,
+    timeit,
+)
 from bench.internvl import internvl_rows
 from bench.minicpmv import minicpmv_rows
 
@@ -302,11 +310,8 @@ OMNI_3B_WIDTHS = dict(hidden_size=2048, num_layers=4, heads=16, kv_heads=2,
 def build_omni_checkpoint() -> Path:
     from testing.qwen_omni import build_qwen_omni_model
 
-    path = cache_dir("qwen2.5-omni-3b-widths")
-    if not (path / "config.json").exists():
-        print(f"building a random Qwen2.5-Omni checkpoint with 3B widths in {path} (once)")
-        build_qwen_omni_model(path, std=0.02, **OMNI_3B_WIDTHS)
-    return path
+    return cached_checkpoint("qwen2.5-omni-3b-widths", "Qwen2.5-Omni with 3B widths",
+                             lambda path: build_qwen_omni_model(path, std=0.02, **OMNI_3B_WIDTHS))
 
 
 def heard_movie(seconds: int, seed: int) -> bytes:
