@@ -2,7 +2,7 @@
 side by side in one run, with an optional llama.cpp column.
 
     python -m bench.generate [--model PATH | --shapes qwen2-0.5b|qwen3.5-0.8b|gemma4-e4b]
-        [--dtype float32,bfloat16] [--quantization none,int8,int4] [--group-size 128]
+        [--dtype float32,bfloat16] [--quantization none,int8,int4] [--group-size 64]
         [--runs 3] [--no-llama-cpp] [--no-transformers]
 
 Without --model it builds (once, cached) a checkpoint with random weights and Qwen2-0.5B's
@@ -49,6 +49,7 @@ from bench.common import (
     print_table,
     timeit,
 )
+from engine.config import EngineConfig
 
 
 def decode_bytes_per_token(model, state_bytes: int = 0) -> int:
@@ -180,7 +181,8 @@ def main() -> None:
                         help="the checkpoint built when --model is not given")
     parser.add_argument("--dtype", default="float32,bfloat16", help="comma-separated")
     parser.add_argument("--quantization", default="none,int8,int4", help="comma-separated")
-    parser.add_argument("--group-size", type=int, default=128)
+    parser.add_argument("--group-size", type=int,
+                        default=EngineConfig.quantization_group_size)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)

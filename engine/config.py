@@ -73,7 +73,7 @@ class EngineConfig:
     max_num_encoder_input_tokens: int = 16384
     processed_cache_items: int = 64
     quantization: str | None = None
-    quantization_group_size: int = 128
+    quantization_group_size: int = 64
     dequantize_gguf: bool = False
     state_snapshot_bytes: int | None = None
     cross_attention_cache_bytes: int | None = None

@@ -24,7 +24,13 @@ from models.kernels.choice import (
     pick,
 )
 from models.kernels.linear import MIN_TILE_ROWS, TILE_BYTES, Linear, dequantization_tiles
-from models.kernels.plan import DECODE_ROWS, candidates, panel_gemm_takes, plan_linears
+from models.kernels.plan import (
+    DECODE_ROWS,
+    _inherited,
+    candidates,
+    panel_gemm_takes,
+    plan_linears,
+)
 from models.kernels.quantization import QuantizedLinear
 
 
@@ -156,6 +162,30 @@ def test_plan_keeps_f_linear_when_nothing_wins_by_the_margin(tmp_path):
     assert model.q.kernels[2] != "native" and model.q.kernels[3:] == (prefill,) * (len(BUCKETS) - 3)
 
 
+def test_a_bucket_past_the_time_budget_takes_the_timed_groups_choice():
+    """What most groups planned before chose at that bucket, among this group's candidates;
+    the baseline where none did."""
+    plans = {"a": ("native", "widened"), "b": ("native", "onednn"), "c": ("mv", "onednn")}
+    assert _inherited([BASELINE, "native", "widened"], 0, plans) == "native"
+    assert _inherited([BASELINE, "widened", "onednn"], 1, plans) == "onednn"
+    assert _inherited([BASELINE, "widened"], 1, plans) == "widened"
+    assert _inherited([BASELINE, "matmul_t"], 1, plans) == BASELINE
+    assert _inherited([BASELINE], 0, {}) == BASELINE
+
+
+def test_the_time_budget_is_read_from_the_environment(monkeypatch):
+    from models.kernels.plan import PLAN_SECONDS, PLAN_SECONDS_ENV, plan_seconds
+
+    monkeypatch.delenv(PLAN_SECONDS_ENV, raising=False)
+    assert plan_seconds() == PLAN_SECONDS
+    monkeypatch.setenv(PLAN_SECONDS_ENV, "60")
+    assert plan_seconds() == 60.0
+    for bad in ("soon", "-1", "nan"):
+        monkeypatch.setenv(PLAN_SECONDS_ENV, bad)
+        with pytest.raises(ValueError, match=PLAN_SECONDS_ENV):
+            plan_seconds()
+
+
 def test_plan_past_its_time_budget_keeps_baselines_uncached(tmp_path):
     model = Tiny(torch.float32)
     cache = KernelCache(tmp_path / "k.json")
@@ -172,11 +202,13 @@ def test_quantized_layers_time_dequantizing_only_for_many_rows(tmp_path):
     assert "dequantized" in candidates(model.q, 4, torch.float32)
     # and our panel-dequantizing GEMM where it builds (AVX-512 BF16)
     ours = ["panel_gemm"] if panel_gemm_takes(model.q) else []
+    tiled = ["native_rows"] if model.q.mode == "int8" and "native" in candidates(
+        model.q, 1, torch.float32) else []
     assert candidates(model.q, 128, torch.float32) == [
-        "int_kernel", "dequantized", "dequantized_t", "dequantized_bf16",
+        "int_kernel"] + tiled + ["dequantized", "dequantized_t", "dequantized_bf16",
         "dequantized_t_bf16"] + ours
-    assert candidates(model.q, 128, torch.bfloat16) == ["int_kernel", "dequantized",
-                                                        "dequantized_t"] + ours
+    assert candidates(model.q, 128, torch.bfloat16) == ["int_kernel"] + tiled + [
+        "dequantized", "dequantized_t", "dequantized_f32", "dequantized_t_f32"] + ours
     plan_linears(model, torch.float32, KernelCache(tmp_path / "k.json"),
                  FakeTimer({"int_kernel": 1.0, "dequantized": 0.5, "dequantized_bf16": 0.6}))
     decode = "native" if "native" in candidates(model.q, 1, torch.float32) else "int_kernel"

@@ -54,6 +54,38 @@ def test_linear_matches_float64(kernels, weight_dtype, x_dtype, rows, k):
     torch.testing.assert_close(out.double(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+# rows: whole register tiles and every remainder; n: whole blocks of 12 and a remainder of
+# each tile width; k: whole chunks of 256 and a part, whole vectors and a padded tail
+@pytest.mark.parametrize("rows, n, k", [(4, 12, 256), (9, 37, 77), (66, 26, 520), (2, 25, 16)])
+def test_tiled_linear_matches_float64(kernels, weight_dtype, x_dtype, rows, n, k):
+    gen = torch.Generator().manual_seed(rows * n + k)
+    w = torch.randn(n, k, generator=gen)
+    scales = None
+    if weight_dtype == torch.int8:
+        w, scales = quantize_int8(w)
+        dense = dequantize_int8(w, scales, torch.float64)
+    else:
+        w = w.to(weight_dtype)
+        dense = w.double()
+    x = torch.randn(rows, k, generator=gen).to(x_dtype)
+    out = kernels.linear_rows(x, w, scales)
+    assert out.dtype == x_dtype and out.shape == (rows, n)
+    ref = x.double() @ dense.t()
+    tol = 1e-5 if x_dtype == torch.float32 else 2 ** -8  # bfloat16 output: one rounding
+    torch.testing.assert_close(out.double(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
+def test_tiled_linear_puts_each_channel_and_row_in_its_place(kernels):
+    """One-hot rows through a weight whose channels are distinct: a slip in the tiles' or the
+    blocks' offsets would move a value to another row or column."""
+    n, k = 29, 40
+    w = torch.arange(n * k, dtype=torch.float32).reshape(n, k)
+    x = torch.eye(k)[:13]
+    torch.testing.assert_close(kernels.linear_rows(x, w), w[:, :13].t())
+
+
 def test_bfloat16_output_rounds_as_pytorch(kernels):
     """A bfloat16 result is the float32 one rounded to nearest even, bit for bit."""
     gen = torch.Generator().manual_seed(0)
@@ -163,21 +195,27 @@ def test_int4_dequantizer_rounds_once_and_reads_any_block_range(kernels, dtype, 
 def test_native_linear_is_a_planned_candidate_for_few_rows_only(kernels):
     """Dense and quantized weights up to the 9-64 bucket (a second turn's short prefill chunk:
     the rows come from cache again cheaper than a GEMM that widens or dequantizes the whole
-    weight first), never past it."""
+    weight first), never past it; the tiled kernel past a decode's rows up to the 65-256
+    bucket, for dense and int8 weights."""
     from models.kernels.plan import candidates
     from models.kernels.quantization import QuantizedLinear
 
     layer = Linear(64, 32)
-    assert [("native" in candidates(layer, r, torch.bfloat16)) for r in (1, 4, 32, 128)] == [
-        True, True, True, False]  # the probe rows of the buckets 1, 2-8, 9-64 and 65-256
+    probes = (1, 4, 32, 128, 512)  # the probe rows of the buckets 1, 2-8, 9-64, 65-256, 257+
+    assert [("native" in candidates(layer, r, torch.bfloat16)) for r in probes] == [
+        True, True, True, False, False]
+    assert [("native_rows" in candidates(layer, r, torch.bfloat16)) for r in probes] == [
+        False, False, True, True, False]
     for mode in ("int8", "int4"):
         q = QuantizedLinear(torch.randn(64, 64), None, mode, 32)
         assert candidates(q, 1, torch.bfloat16) == ["int_kernel", "native"]
         assert "native" in candidates(q, 32, torch.bfloat16)
         assert "native" not in candidates(q, 128, torch.bfloat16)
-    layer.kernels = ("native",) * len(BUCKETS)
+        assert ("native_rows" in candidates(q, 32, torch.bfloat16)) == (mode == "int8")
     x = torch.randn(3, 64)
-    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+    for name in ("native", "native_rows"):
+        layer.kernels = (name,) * len(BUCKETS)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -168,8 +168,10 @@ def test_real_shaped_linear_accuracy(real_linear, mode, group):
 def _formulations(mode: str) -> tuple[str, ...]:
     """Every formulation a quantized layer may be planned to run (ours where it builds)."""
     ours = ("native",) if native.load() is not None else ()
+    if ours and mode == "int8":
+        ours += ("native_rows",)
     return ("dequantized", "dequantized_t", "dequantized_bf16", "dequantized_t_bf16",
-            "int_kernel", *ours)
+            "dequantized_f32", "dequantized_t_f32", "int_kernel", *ours)
 
 
 @pytest.mark.parametrize("mode, group", [("int8", 128), ("int4", 128)])

@@ -4,12 +4,13 @@ bookkeeping).
 
 Dense weights: F.linear; (W @ x^T)^T; torch.mv for one row; oneDNN with the weight prepacked
 once (kept beside the dense weight, so choosing it costs that memory again); our own
-matrix-vector kernel (models.kernels.native) for a few rows; for bfloat16 weights, a float32
+matrix-vector kernel (models.kernels.native) for a few rows, and our register-tiled one for
+tens to hundreds (also for int8 weights); for bfloat16 weights, a float32
 GEMM on tiles of the weight widened in cache (CPUs without bfloat16 arithmetic). Quantized weights
 (models.kernels.quantization): PyTorch's int kernel, ours, a dense GEMM on the weight dequantized
 per call (many rows are compute-bound, where the int kernels are slower; our dequantizer where it
-builds), for a float32 model also in bfloat16, or our GEMM that dequantizes a panel at a time in
-cache (no dequantized copy written out and read back)."""
+builds), also in the other of float32 and bfloat16, or our GEMM that dequantizes a panel at a
+time in cache (no dequantized copy written out and read back)."""
 
 from __future__ import annotations
 
@@ -79,10 +80,12 @@ def dequantization_tiles(n: int, k: int, dtype: torch.dtype) -> list[tuple[int, 
     return [(first, min(n, first + rows)) for first in range(0, n, rows)]
 
 
-def _in_bf16(kernel: Kernel) -> Kernel:
-    """A float32 model's quantized linear as a bfloat16 GEMM (what the int kernels compute in
-    anyway): faster where the CPU multiplies bfloat16 natively, slower where it does not."""
-    return lambda layer, x: kernel(layer, x.to(torch.bfloat16)).to(x.dtype)
+def _in_dtype(kernel: Kernel, dtype: torch.dtype) -> Kernel:
+    """A quantized linear's GEMM computed in `dtype` whatever the model's: a float32 model's in
+    bfloat16 (what the int kernels compute in anyway: faster where the CPU multiplies bfloat16
+    natively), a bfloat16 model's in float32 (faster where it does not: PyTorch's bfloat16 GEMM
+    widens as it goes, far below the float32 one)."""
+    return lambda layer, x: kernel(layer, x.to(dtype)).to(x.dtype)
 
 
 _SCRATCH = threading.local()
@@ -103,6 +106,12 @@ def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 def _native(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return native.load().linear(x, layer.weight)
+
+
+def _native_rows(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if layer.is_quantized:  # int8: one scale per output channel
+        return native.load().linear_rows(x, layer.qweight, layer.scales)
+    return native.load().linear_rows(x, layer.weight)
 
 
 def _widened(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -162,6 +171,7 @@ KERNELS: dict[str, Kernel] = {
                             torch.addmv(layer.bias, layer.weight, x[0])).unsqueeze(0),
     "onednn": _with_bias(_onednn),
     "native": _with_bias(_native),
+    "native_rows": _with_bias(_native_rows),
     "widened": _with_bias(_widened),
 }
 QUANTIZED_KERNELS: dict[str, Kernel] = {
@@ -169,10 +179,13 @@ QUANTIZED_KERNELS: dict[str, Kernel] = {
     "dequantized": lambda layer, x: _dequantized(layer, x, weight_first=False),
     "dequantized_t": lambda layer, x: _dequantized(layer, x, weight_first=True),
 }
-QUANTIZED_KERNELS |= {  # for a float32 model, the same GEMMs in bfloat16
-    "dequantized_bf16": _in_bf16(QUANTIZED_KERNELS["dequantized"]),
-    "dequantized_t_bf16": _in_bf16(QUANTIZED_KERNELS["dequantized_t"]),
+QUANTIZED_KERNELS |= {  # the same GEMMs in the other dtype (see _in_dtype)
+    "dequantized_bf16": _in_dtype(QUANTIZED_KERNELS["dequantized"], torch.bfloat16),
+    "dequantized_t_bf16": _in_dtype(QUANTIZED_KERNELS["dequantized_t"], torch.bfloat16),
+    "dequantized_f32": _in_dtype(QUANTIZED_KERNELS["dequantized"], torch.float32),
+    "dequantized_t_f32": _in_dtype(QUANTIZED_KERNELS["dequantized_t"], torch.float32),
     "native": _native_quantized,
+    "native_rows": _native_rows,  # int8 only
     "panel_gemm": _panel_gemm,
 }
 

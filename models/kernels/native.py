@@ -42,12 +42,13 @@ HERE = Path(__file__).parent / "cpu"
 # Compiled into one library; the header (shared helpers and declarations) is part of the digest.
 SOURCES = tuple(HERE / name for name in (
     "small_ops.c", "linear_dense.c", "linear_int8.c", "linear_int4.c", "attention.c",
-    "decode_layers.c", "gemm_quantized.c", "delta_rule.c", "moe_experts.c"))
+    "decode_layers.c", "gemm_quantized.c", "delta_rule.c", "moe_experts.c", "linear_rows.c"))
 HEADER = HERE / "kernels.h"
 DISABLE_ENV = "MMSERVE_NATIVE"  # "0" keeps PyTorch's kernels only
 BUILD_TIMEOUT_S = 120
 FLAGS = ("-O3", "-fPIC", "-std=gnu11", "-Wno-unknown-pragmas")  # + the variant's target
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+DTYPE_I8 = 2  # kernels.h's DTYPE_I8: an int8 weight
 FUSED_ROWS = 64  # fused small ops serve inputs up to this many tokens: a decode step's
 NORM_MODES = {"float32": 0, "reduced": 1, "unit_offset": 2}
 WEIGHT_KERNELS = {torch.float32: "mm_linear_f32", torch.bfloat16: "mm_linear_bf16",
@@ -55,6 +56,7 @@ WEIGHT_KERNELS = {torch.float32: "mm_linear_f32", torch.bfloat16: "mm_linear_bf1
 
 _i64, _int, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
 _LINEAR_ARGS = [_ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]
+_ROWS_ARGS = [_ptr, _int, _ptr, _int, _ptr, _ptr, _i64, _i64, _i64, _int]
 _INT4_ARGS = [_ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int, _int]
 _DEQUANT_I8_ARGS = [_ptr, _ptr, _ptr, _int, _i64, _i64, _int]
 _DEQUANT_I4_ARGS = [_ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64, _i64, _int]
@@ -88,6 +90,8 @@ class NativeKernels:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = _LINEAR_ARGS, _int
             self._linear[dtype] = fn
+        self._rows = lib.mm_linear_rows
+        self._rows.argtypes, self._rows.restype = _ROWS_ARGS, _int
         self._int4 = lib.mm_linear_i4
         self._int4.argtypes, self._int4.restype = _INT4_ARGS, _int
         self._dequant_i8, self._dequant_i4 = lib.mm_dequantize_i8, lib.mm_dequantize_i4
@@ -134,6 +138,26 @@ class NativeKernels:
             torch.get_num_threads())
         if status:
             raise MemoryError("native linear: out of memory for the input's float32 copy")
+        return y
+
+    def linear_rows(self, x: torch.Tensor, weight: torch.Tensor,
+                    scales: torch.Tensor | None = None) -> torch.Tensor:
+        """As `linear`, through register tiles that share their loads among rows of x
+        (models/kernels/cpu/linear_rows.c): for tens to hundreds of rows, where `linear`'s
+        matrix-vector loop is bound by its loads."""
+        m, k = x.shape
+        n = weight.shape[0]
+        if weight.dtype == torch.int8:
+            assert scales is not None and scales.dtype == torch.bfloat16, "int8 takes scales"
+        assert weight.is_contiguous() and weight.shape[1] == k, "weight [N, K], contiguous"
+        x = x.contiguous()
+        y = torch.empty(m, n, dtype=x.dtype)
+        w_dtype = DTYPES.get(weight.dtype, DTYPE_I8)
+        status = self._rows(x.data_ptr(), DTYPES[x.dtype], weight.data_ptr(), w_dtype,
+                            None if scales is None else scales.data_ptr(), y.data_ptr(), m, n,
+                            k, torch.get_num_threads())
+        if status:
+            raise MemoryError("native linear_rows: out of memory for its buffers")
         return y
 
     def linear_int4(self, x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,

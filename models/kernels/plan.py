@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -46,7 +48,10 @@ log = logging.getLogger(__name__)
 TIMED_BYTES = 32 << 20  # weight bytes one timed call streams through, at most (more than L2)
 TIMED_FLOPS = 1e9  # and FLOPs
 SLICE_ROWS = 16384  # a lone matrix with more output rows is timed on its first rows
-PLAN_SECONDS = 8.0  # past this, buckets left unmeasured keep F.linear (and are not cached)
+# Past this, buckets left unmeasured take the timed groups' choice, unsaved (timed at the next
+# start); $MMSERVE_PLAN_SECONDS sets another (a first start that plans a large model whole).
+PLAN_SECONDS = 8.0
+PLAN_SECONDS_ENV = "MMSERVE_PLAN_SECONDS"
 # Our matrix-vector kernel is a candidate up to this many rows: it streams each weight row once
 # and reuses it from cache for every row of the input, where a GEMM (a bfloat16 one on a CPU
 # without bfloat16 arithmetic above all, which widens the whole weight first) or a dequantized
@@ -54,6 +59,9 @@ PLAN_SECONDS = 8.0  # past this, buckets left unmeasured keep F.linear (and are 
 # text) and many concurrent decodes.
 NATIVE_ROWS = PROBE_ROWS[2]
 DECODE_ROWS = PROBE_ROWS[1]  # a decode step of a few requests; more rows may be a prefill
+# Our register-tiled kernel (models/kernels/cpu/linear_rows.c) is a candidate past a decode's rows
+# up to this many: a short prefill chunk, many requests' decodes; longer prefills are a GEMM's.
+TILED_ROWS = PROBE_ROWS[3]
 # At a decode's rows, how much faster than ours another kernel must be to be chosen: one layer
 # group planned to PyTorch's costs every decode step the one native call through all layers
 # (models.kernels.native_decode), whose saving no single linear's timing shows (a group 9%
@@ -65,7 +73,7 @@ DECODE_MARGIN = 0.25
 TORCH_INT4_PACK_SHARE = 0.1
 # The version of the candidates and choosing rules below, part of the cache file's name: bump
 # it when they change, so that choices made under the old ones are timed afresh.
-PLAN_RULES = 6
+PLAN_RULES = 7
 
 
 def candidates(layer: nn.Module, rows: int, dtype: torch.dtype,
@@ -78,18 +86,20 @@ def candidates(layer: nn.Module, rows: int, dtype: torch.dtype,
         names = ["int_kernel"] if layer.mode == "int8" or torch_int4 else []
         if ours:
             names.append("native")
+        if layer.mode == "int8" and tiled_rows(rows):
+            names.append("native_rows")
         # Dequantizing per call pays only when rows share the weight (the int kernels' dot
         # products grow with the rows: at a few rows already they can lose), and at a decode's
         # rows only through ours, tile by tile into a reused buffer: PyTorch's whole copy of a
         # large weight (an LM head) would take fresh pages every step, which timing a slice of
         # it does not see. x W^T is timed only for a weight of one tile: over several, each
         # tile's product is copied into a column slice of the output, which the one-tile slice
-        # that timing a large layer sees would hide. A float32 model's GEMMs are timed in
-        # bfloat16 too, as the int kernels compute.
+        # that timing a large layer sees would hide. The GEMMs are timed in the other of
+        # float32 and bfloat16 too: a float32 model's in bfloat16 (as the int kernels
+        # compute), a bfloat16 model's in float32 (CPUs without bfloat16 arithmetic).
         tiled = native.load() is not None
         if rows > 1 and (tiled or rows > PROBE_ROWS[2]):
-            for gemm_dtype, suffix in [(dtype, "")] + (
-                    [(torch.bfloat16, "_bf16")] if dtype == torch.float32 else []):
+            for gemm_dtype, suffix in [(dtype, "")] + OTHER_GEMM_DTYPE.get(dtype, []):
                 if len(dequantization_tiles(layer.out_features, layer.in_features,
                                             gemm_dtype)) == 1:
                     names.append("dequantized" + suffix)
@@ -105,9 +115,20 @@ def candidates(layer: nn.Module, rows: int, dtype: torch.dtype,
             names.append("onednn")
         if ours:
             names.append("native")
+        if tiled_rows(rows):
+            names.append("native_rows")
         if dtype == torch.bfloat16 and rows > 1:
             names.append("widened")
     return names
+
+
+OTHER_GEMM_DTYPE = {torch.float32: [(torch.bfloat16, "_bf16")],
+                    torch.bfloat16: [(torch.float32, "_f32")]}
+
+
+def tiled_rows(rows: int) -> bool:
+    """Whether our register-tiled kernel is a candidate at `rows` rows."""
+    return DECODE_ROWS < rows <= TILED_ROWS and native.load() is not None
 
 
 def panel_gemm_takes(layer: QuantizedLinear) -> bool:
@@ -145,7 +166,7 @@ def linear_groups(model: nn.Module, dtype: torch.dtype) -> dict[str, list[nn.Mod
 
 
 def plan_linears(model: nn.Module, dtype: torch.dtype, cache: KernelCache | None = None,
-                 timer: Timer = measure, budget_s: float = PLAN_SECONDS,
+                 timer: Timer = measure, budget_s: float | None = None,
                  ruler: Callable[[], float] | None = None) -> dict[str, tuple]:
     """Set every CPU linear's `kernels` (one formulation per bucket): cached choices are
     reused, new ones timed and saved. Returns {group key: choices per bucket}.
@@ -155,6 +176,8 @@ def plan_linears(model: nn.Module, dtype: torch.dtype, cache: KernelCache | None
     unsettled. `ruler` (bytes/s a plain read streams; measured when None) is what our
     matrix-vector kernel's timing is checked against. Logs one line for the model at INFO,
     each group's timings at DEBUG."""
+    if budget_s is None:
+        budget_s = plan_seconds()
     built = native.load()  # built (once) before the clock starts: it is not the plan's time
     if cache is None:
         cache = KernelCache(cache_path(native_build=built.build_id if built else None,
@@ -182,7 +205,7 @@ def plan_linears(model: nn.Module, dtype: torch.dtype, cache: KernelCache | None
                 bucket_key = f"{key}/{bucket}"
                 if cache.get(bucket_key, set(names)) is None and (
                         time.perf_counter() - start > budget_s):
-                    plan.append(names[0])
+                    plan.append(_inherited(names, len(plan), plans))
                     tally.skipped += 1
                     continue
                 made = _choose(bucket_key, rows, names, group, dtype, cache, timer)
@@ -212,6 +235,30 @@ def plan_linears(model: nn.Module, dtype: torch.dtype, cache: KernelCache | None
     return plans
 
 
+def plan_seconds() -> float:
+    """The plan's time budget: $MMSERVE_PLAN_SECONDS, else PLAN_SECONDS."""
+    value = os.environ.get(PLAN_SECONDS_ENV)
+    if value is None:
+        return PLAN_SECONDS
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"{PLAN_SECONDS_ENV} must be a number of seconds, got {value!r}") from None
+    if not seconds >= 0:
+        raise ValueError(f"{PLAN_SECONDS_ENV} must be at least 0, got {value!r}")
+    return seconds
+
+
+def _inherited(names: list[str], bucket: int, plans: dict[str, tuple]) -> str:
+    """A bucket left untimed (the time budget spent) runs what most of the groups planned
+    before it (the larger ones) chose at that bucket, among this group's candidates; the
+    baseline where none did. On a CPU without bfloat16 arithmetic the baseline of a bfloat16
+    linear is several times slower than what the timed groups chose, for every start until
+    the plan is complete."""
+    counts = Counter(plan[bucket] for plan in plans.values() if plan[bucket] in names)
+    return counts.most_common(1)[0][0] if counts else names[0]
+
+
 class _Tally:
     """What one plan did, for its log line."""
 
@@ -235,7 +282,8 @@ class _Tally:
         if self.unsettled:
             parts.append(f"{self.unsettled} unsettled (timed again at the next start)")
         if self.skipped:
-            parts.append(f"{self.skipped} past the time budget (baseline, not saved)")
+            parts.append(f"{self.skipped} past the time budget (as the groups timed before "
+                         "them chose, not saved)")
         if self.recheck:
             parts.append(f"saved plan re-checked: {self.recheck}")
         chosen = ", ".join(f"{name} {n}" for name, n in
