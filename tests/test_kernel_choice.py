@@ -134,6 +134,27 @@ def test_plan_follows_fake_timings_and_outputs_stay_f_linear(tmp_path, dtype):
     assert again.calls == 1
 
 
+def test_an_encoders_batch_runs_its_planned_kernel_row_by_row(monkeypatch):
+    """A 3-D input [B, T, W] (an audio encoder's batch) runs the formulation planned for its
+    B * T rows, not F.linear; the result is F.linear's."""
+    from models.kernels import linear as linear_module
+    from models.kernels.linear import EncoderLinear
+
+    layer = EncoderLinear(32, 24)
+    layer.kernels = ("mv",) + ("widened",) * (len(BUCKETS) - 1)
+    seen = []
+    widened = linear_module.KERNELS["widened"]
+    monkeypatch.setitem(linear_module.KERNELS, "widened",
+                        lambda lin, x: seen.append(tuple(x.shape)) or widened(lin, x))
+    x = torch.randn(3, 5, 32)
+    out = layer(x)
+    assert seen == [(15, 32)] and out.shape == (3, 5, 24)
+    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias))
+    layer.kernels = None  # unplanned: F.linear
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert seen == [(15, 32)]
+
+
 def test_plan_keeps_f_linear_when_nothing_wins_by_the_margin(tmp_path):
     """...except at a decode's rows, where ours is kept on a tie (models.kernels.native_decode), and
     at a prefill's for quantized layers, where our GEMM is (its result is contiguous)."""

@@ -192,10 +192,11 @@ QUANTIZED_KERNELS |= {  # the same GEMMs in the other dtype (see _in_dtype)
 
 def run_kernel(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """y = x W^T + b through the layer's planned formulation for x's row count (a host-side
-    shape: choosing costs no sync). Dense inputs other than 2-D CPU tensors use F.linear."""
+    shape: choosing costs no sync), an input of other than 2 dimensions (an encoder's batch
+    [B, T, W]) as its rows. Dense inputs off the CPU or of an unplanned layer use F.linear."""
     quantized = layer.is_quantized
     if x.dim() != 2:
-        if quantized:
+        if quantized or (x.device.type == "cpu" and layer.kernels is not None):
             lead = x.shape[:-1]
             return run_kernel(layer, x.reshape(-1, x.shape[-1])).reshape(*lead, -1)
         return F.linear(x, layer.weight, layer.bias)
