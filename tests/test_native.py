@@ -77,6 +77,11 @@ def test_tiled_linear_matches_float64(kernels, weight_dtype, x_dtype, rows, n, k
     torch.testing.assert_close(out.double(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
 
 
+def test_tiled_linear_takes_no_rows(kernels):
+    out = kernels.linear_rows(torch.empty(0, 16), torch.randn(5, 16))
+    assert out.shape == (0, 5)
+
+
 def test_tiled_linear_puts_each_channel_and_row_in_its_place(kernels):
     """One-hot rows through a weight whose channels are distinct: a slip in the tiles' or the
     blocks' offsets would move a value to another row or column."""

@@ -109,7 +109,8 @@ def _native(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _native_rows(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    if layer.is_quantized:  # int8: one scale per output channel
+    if layer.is_quantized:
+        assert layer.mode == "int8", "the tiled kernel takes int8 (one scale per channel)"
         return native.load().linear_rows(x, layer.qweight, layer.scales)
     return native.load().linear_rows(x, layer.weight)
 

@@ -147,6 +147,7 @@ class NativeKernels:
         matrix-vector loop is bound by its loads."""
         m, k = x.shape
         n = weight.shape[0]
+        assert weight.dtype in WEIGHT_KERNELS, f"weights float32, bfloat16 or int8: {weight.dtype}"
         if weight.dtype == torch.int8:
             assert scales is not None and scales.dtype == torch.bfloat16, "int8 takes scales"
         assert weight.is_contiguous() and weight.shape[1] == k, "weight [N, K], contiguous"

@@ -62,6 +62,9 @@ DECODE_ROWS = PROBE_ROWS[1]  # a decode step of a few requests; more rows may be
 # Our register-tiled kernel (models/kernels/cpu/linear_rows.c) is a candidate past a decode's rows
 # up to this many: a short prefill chunk, many requests' decodes; longer prefills are a GEMM's.
 TILED_ROWS = PROBE_ROWS[3]
+# A quantized weight's dequantized GEMM is timed in the other of float32 and bfloat16 too.
+OTHER_GEMM_DTYPE = {torch.float32: [(torch.bfloat16, "_bf16")],
+                    torch.bfloat16: [(torch.float32, "_f32")]}
 # At a decode's rows, how much faster than ours another kernel must be to be chosen: one layer
 # group planned to PyTorch's costs every decode step the one native call through all layers
 # (models.kernels.native_decode), whose saving no single linear's timing shows (a group 9%
@@ -120,10 +123,6 @@ def candidates(layer: nn.Module, rows: int, dtype: torch.dtype,
         if dtype == torch.bfloat16 and rows > 1:
             names.append("widened")
     return names
-
-
-OTHER_GEMM_DTYPE = {torch.float32: [(torch.bfloat16, "_bf16")],
-                    torch.bfloat16: [(torch.float32, "_f32")]}
 
 
 def tiled_rows(rows: int) -> bool:

@@ -183,5 +183,10 @@ int mm_linear_rows(const void* x, int x_dtype, const void* w, int w_dtype,
                    const uint16_t* scales, void* y, int64_t m, int64_t n, int64_t k,
                    int threads) {
     const int w_type = w_dtype == DTYPE_F32 ? W_F32 : w_dtype == DTYPE_BF16 ? W_BF16 : W_I8;
+    if (m == 0 || n == 0) return 0;
+    if (k == 0) {  /* empty sums */
+        for (int64_t i = 0; i < m * n; i++) store(y, x_dtype, i, 0.0f);
+        return 0;
+    }
     return linear_rows(x, x_dtype, w, w_type, scales, y, m, n, k, threads);
 }
