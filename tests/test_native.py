@@ -200,8 +200,8 @@ def test_int4_dequantizer_rounds_once_and_reads_any_block_range(kernels, dtype, 
 def test_native_linear_is_a_planned_candidate_for_few_rows_only(kernels):
     """Dense and quantized weights up to the 9-64 bucket (a second turn's short prefill chunk:
     the rows come from cache again cheaper than a GEMM that widens or dequantizes the whole
-    weight first), never past it; the tiled kernel past a decode's rows up to the 65-256
-    bucket, for dense and int8 weights."""
+    weight first), never past it (int4's: up to the 65-256 bucket); the tiled kernel past a
+    decode's rows up to the 65-256 bucket, for dense and int8 weights."""
     from models.kernels.plan import candidates
     from models.kernels.quantization import QuantizedLinear
 
@@ -215,7 +215,9 @@ def test_native_linear_is_a_planned_candidate_for_few_rows_only(kernels):
         q = QuantizedLinear(torch.randn(64, 64), None, mode, 32)
         assert candidates(q, 1, torch.bfloat16) == ["int_kernel", "native"]
         assert "native" in candidates(q, 32, torch.bfloat16)
-        assert "native" not in candidates(q, 128, torch.bfloat16)
+        # int4's integer kernel as far as the tiled one; int8's matrix-vector one not
+        assert ("native" in candidates(q, 128, torch.bfloat16)) == (mode == "int4")
+        assert "native" not in candidates(q, 512, torch.bfloat16)
         assert ("native_rows" in candidates(q, 32, torch.bfloat16)) == (mode == "int8")
     x = torch.randn(3, 64)
     for name in ("native", "native_rows"):
