@@ -28,6 +28,9 @@ int mm_moe_experts(const mm_linear_desc* gate_up, const mm_linear_desc* down,
                    int64_t num_experts, const void* x, int dt, int64_t m,
                    const int64_t* experts, const void* weights, int64_t k, void* out,
                    int threads);
+int mm_linear_rows(const void* x, int x_dtype, const void* w, int w_dtype,
+                   const uint16_t* scales, void* y, int64_t m, int64_t n, int64_t k,
+                   int threads);
 int mm_delta_rule_step(const float* q, const float* k, const float* v, const float* g,
                        const float* beta, float* states, const int64_t* slots, float* out,
                        int64_t batch, int64_t heads, int64_t dk, int64_t dv, int threads);
@@ -109,6 +112,48 @@ static void test_dense(int w_bf16, int dt, int64_t m, int64_t n, int64_t k) {
     /* float32 sums of k products: within k * 2^-24 of each term's size; bf16 output rounding */
     check(name, y, dt, want, m * n, 1e-5 * (double)k, dt == DTYPE_F32 ? 1e-5 : 8e-3);
     free(x), free(xr), free(w), free(wr), free(want), free(y);
+}
+
+/* The register-tiled linear (linear_rows.c), weights float32, bfloat16 or int8 (w_dt): shapes
+ * with partial row tiles, channel tiles and blocks, a partial chunk and a padded vector tail. */
+static void test_rows(int w_dt, int dt, int64_t m, int64_t n, int64_t k) {
+    void* x = alloc(4 * (size_t)(m * k));
+    double* xr = alloc(8 * (size_t)(m * k));
+    fill(x, dt, xr, m * k, 1.0);
+    void* w = alloc(4 * (size_t)(n * k));
+    double* wr = alloc(8 * (size_t)(n * k));
+    uint16_t* scales = NULL;
+    if (w_dt == DTYPE_I8) {
+        scales = alloc(2 * (size_t)n);
+        for (int64_t r = 0; r < n; r++) scales[r] = f32_to_bf16((float)(0.01 + 0.01 * fabs(uniform())));
+        for (int64_t i = 0; i < n * k; i++) {
+            ((int8_t*)w)[i] = (int8_t)(uniform() * 127.0);
+            wr[i] = ((int8_t*)w)[i] * (double)bf16_to_f32(scales[i / k]);
+        }
+    } else {
+        fill(w, w_dt, wr, n * k, 0.5);
+    }
+    double* want = alloc(8 * (size_t)(m * n));
+    double top = 0.0;  /* the largest term: float32 sums are within k * 2^-24 of it per term */
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t r = 0; r < n; r++) {
+            double s = 0;
+            for (int64_t j = 0; j < k; j++) {
+                s += xr[i * k + j] * wr[r * k + j];
+                top = fabs(xr[i * k + j] * wr[r * k + j]) > top ? fabs(xr[i * k + j] * wr[r * k + j])
+                                                                : top;
+            }
+            want[i * n + r] = s;
+        }
+    void* y = alloc(4 * (size_t)(m * n));
+    char name[96];
+    snprintf(name, sizeof name, "tiled linear %s weights, %s x, m=%lld n=%lld k=%lld",
+             w_dt == DTYPE_I8 ? "int8" : dname(w_dt), dname(dt), (long long)m, (long long)n,
+             (long long)k);
+    if (mm_linear_rows(x, dt, w, w_dt, scales, y, m, n, k, 2))
+        printf("FAIL %s: status\n", name), failures++;
+    check(name, y, dt, want, m * n, 1e-6 * top * (double)k, dt == DTYPE_F32 ? 1e-5 : 8e-3);
+    free(x), free(xr), free(w), free(wr), free(scales), free(want), free(y);
 }
 
 static void test_int8(int dt, int64_t m, int64_t n, int64_t k) {
@@ -492,6 +537,10 @@ int main(void) {
         for (int w = 0; w < 2; w++) {
             test_dense(w, dt, 1, 70, 200);
             test_dense(w, dt, 5, 33, 512);
+        }
+        for (int w = 0; w < 3; w++) {  /* DTYPE_F32, DTYPE_BF16, DTYPE_I8 */
+            test_rows(w, dt, 9, 37, 77);
+            test_rows(w, dt, 66, 26, 520);
         }
         test_int8(dt, 1, 64, 256);
         test_int8(dt, 3, 40, 192);
