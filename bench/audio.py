@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.common import cache_dir, machine, matmul_flops, median, print_table, timeit
+from bench.common import cached_checkpoint, machine, matmul_flops, median, print_table, timeit
 
 RATE = 16000
 SHAPES = dict(
@@ -39,11 +39,8 @@ SHAPES = dict(
 def build_checkpoint() -> Path:
     from testing.tiny import build_qwen2_audio_model
 
-    path = cache_dir("qwen2-audio-small-shapes")
-    if not (path / "config.json").exists():
-        print(f"building a random Qwen2-Audio checkpoint with small shapes in {path} (once)")
-        build_qwen2_audio_model(path, **SHAPES)
-    return path
+    return cached_checkpoint("qwen2-audio-small-shapes", "Qwen2-Audio with small shapes",
+                             lambda path: build_qwen2_audio_model(path, **SHAPES))
 
 
 def clip(seconds: float, seed: int) -> np.ndarray:

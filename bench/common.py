@@ -179,19 +179,21 @@ def build_checkpoint(shapes: str = "qwen2-0.5b") -> Path:
     """The text benches' checkpoint (random weights), built once: Qwen2-0.5B's shapes,
     Qwen3.5-0.8B's language model (a text-only Qwen3_5ForCausalLM, saved in bfloat16), or
     Gemma 4 E4B's (`GEMMA4_E4B`: a Gemma4ForCausalLM, saved in bfloat16)."""
-    from testing.tiny import build_text_model
-
     if shapes not in SHAPES:
         raise ValueError(f"shapes must be one of {SHAPES}, got {shapes!r}")
-    path = cache_dir(f"{shapes}-shapes")
-    if (path / "config.json").exists():
-        return path
-    print(f"building a random checkpoint with {shapes} shapes in {path} (once)")
+    return cached_checkpoint(f"{shapes}-shapes", f"{shapes}-shaped",
+                             lambda path: _build_text(shapes, path))
+
+
+def _build_text(shapes: str, path: Path) -> None:
+    from testing.tiny import build_text_model
+
     if shapes == "qwen2-0.5b":
         build_text_model(path, "qwen2", **QWEN2_05B)
-        return path
+        return
     if shapes == "gemma4-e4b":
-        return _build_gemma4(path)
+        _build_gemma4(path)
+        return
     import transformers
 
     from testing.tiny import qwen_tokenizer, save_checkpoint
@@ -201,7 +203,7 @@ def build_checkpoint(shapes: str = "qwen2-0.5b") -> Path:
                                             eos_token_id=tok.eos_token_id, bos_token_id=None)
     torch.manual_seed(0)
     model = transformers.Qwen3_5ForCausalLM(config).to(torch.bfloat16)
-    return save_checkpoint(model, tok, path, [tok.eos_token_id])
+    save_checkpoint(model, tok, path, [tok.eos_token_id])
 
 
 def _build_gemma4(path: Path) -> Path:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from bench.common import QWEN3_5_08B, cache_dir, machine, median, print_table
+from bench.common import QWEN3_5_08B, cached_checkpoint, machine, median, print_table
 
 VLLM_HYBRID_ALIGNMENT = 528  # tokens: vLLM's prefix-cache unit for Qwen3.5 (vllm#40696)
 
@@ -36,16 +36,18 @@ QWEN3_5_08B_VISION = dict(depth=12, hidden_size=768, intermediate_size=3072, num
 
 
 def build_checkpoint() -> Path:
-    """Qwen3.5-0.8B shapes, random weights (transformers' initialisation), saved in bfloat16."""
+    """Qwen3.5-0.8B shapes with its vision tower, random weights (transformers' initialisation),
+    saved in bfloat16: its own cache folder, apart from bench.common's text-only Qwen3.5."""
+    return cached_checkpoint("qwen3.5-0.8b-vl-shapes", "Qwen3.5-0.8B-shaped (with vision)",
+                             _build)
+
+
+def _build(path: Path) -> None:
     import transformers
 
     from testing.layouts import save_processor
     from testing.tiny import QWEN_SPECIAL, qwen_tokenizer, save_checkpoint
 
-    path = cache_dir("qwen3.5-0.8b-shapes")
-    if (path / "config.json").exists():
-        return path
-    print(f"building a random checkpoint with Qwen3.5-0.8B shapes in {path} (once)")
     tok = qwen_tokenizer()
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL}
     config = transformers.Qwen3_5Config(
@@ -65,7 +67,6 @@ def build_checkpoint() -> Path:
         "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
         "image_std": [0.5, 0.5, 0.5]})
     (path / "bench.json").write_text(json.dumps({"shapes": "Qwen3.5-0.8B"}))
-    return path
 
 
 SYSTEM = ("You are the assistant of a small bakery. Answer in one or two short sentences, "
