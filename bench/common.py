@@ -42,18 +42,33 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-    """Read bandwidth in bytes/s: the median time to sum a `gib` GiB float32 buffer, in huge
-    pages as the engine's weights are (models.kernels.huge_pages), with our plain C read loop
-    (models.kernels.native) where it builds, else torch's sum (which reads slower). The buffer is
-    made
-    once per process: a bench reading it between measurements then only reads memory (making it
-    anew would fault in and free a GiB of pages each time, which the next measurement feels)."""
+def memory_bandwidth(gib: float = 1.0, repeats: int = 5, device: str = "cpu") -> float:
+    """Read bandwidth in bytes/s of `device`'s memory (on CUDA: the median time of summing a
+    `gib` GiB float32 tensor there, synchronized). On the CPU: the median time to sum a `gib`
+    GiB float32 buffer, in huge pages as the engine's weights are (models.kernels.huge_pages),
+    with our plain C read loop (models.kernels.native) where it builds, else torch's sum (which
+    reads slower). The buffer is made once per process: a bench reading it between
+    measurements then only reads memory (making it anew would fault in and free a GiB of pages
+    each time, which the next measurement feels)."""
+    if device != "cpu":
+        return _device_bandwidth(torch.device(device), gib, repeats)
     from models.kernels import native
 
     x = _ruler_buffer(gib)
     kernels = native.load()
     read = (lambda: kernels.read_sum(x)) if kernels is not None else x.sum
+    read()
+    seconds = median([timeit(read) for _ in range(repeats)])
+    return x.numel() * 4 / seconds
+
+
+def _device_bandwidth(device: torch.device, gib: float, repeats: int) -> float:
+    x = torch.ones(int(gib * (1 << 30)) // 4, device=device)
+
+    def read() -> None:
+        x.sum()
+        torch.cuda.synchronize(device)
+
     read()
     seconds = median([timeit(read) for _ in range(repeats)])
     return x.numel() * 4 / seconds
@@ -76,7 +91,11 @@ def matmul_flops(dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int
     return 2 * n**3 / median([timeit(lambda: a @ b) for _ in range(repeats)])
 
 
-def machine() -> str:
+def machine(device: str = "cpu") -> str:
+    """The CPU model, our kernels' variant, threads and torch; with a CUDA `device`, its name."""
+    if device != "cpu":
+        return (f"{torch.cuda.get_device_name(device)}, torch {torch.__version__} "
+                f"(CUDA {torch.version.cuda})")
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

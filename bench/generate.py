@@ -3,7 +3,7 @@ side by side in one run, with an optional llama.cpp column.
 
     python -m bench.generate [--model PATH | --shapes qwen2-0.5b|qwen3.5-0.8b|gemma4-e4b]
         [--dtype float32,bfloat16] [--quantization none,int8,int4] [--group-size 64]
-        [--runs 3] [--no-llama-cpp] [--no-transformers]
+        [--runs 3] [--no-llama-cpp] [--no-transformers] [--device cuda]
 
 Without --model it builds (once, cached) a checkpoint with random weights and Qwen2-0.5B's
 shapes, or with `--shapes qwen3.5-0.8b` Qwen3.5-0.8B's language model (hybrid: Gated DeltaNet
@@ -26,7 +26,9 @@ matching precision (f32, bf16, q8_0 for int8, q4_0 for int4; bench.gguf converts
 otherwise that column is skipped. The machine line names the CPU and the variant of our
 kernels that ran. A mixture-of-experts model's roofline counts the routed experts only (top k
 per sparse layer, bench.moe_checkpoint writes one with Qwen3-30B-A3B's shapes);
-`--no-transformers` skips the reference where it cannot hold the model in memory.
+`--no-transformers` skips the reference where it cannot hold the model in memory. `--device
+cuda` runs both on the GPU (no llama.cpp column; the roofline against the GPU's memory
+bandwidth, read the same way).
 """
 
 from __future__ import annotations
@@ -93,18 +95,21 @@ def _nbytes(module, seen: set[int]) -> int:
 class Transformers:
     """transformers' generate() on the same checkpoint and prompts."""
 
-    def __init__(self, path: Path, dtype: torch.dtype) -> None:
+    def __init__(self, path: Path, dtype: torch.dtype, device: str = "cpu") -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().to(device)
         self.never = self.model.config.vocab_size  # an EOS id no argmax produces
 
     def generate(self, prompt: list[int], tokens: int) -> None:
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=self.device)
         with torch.inference_mode():
-            self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
-                                min_new_tokens=tokens, do_sample=False, eos_token_id=self.never,
-                                pad_token_id=self.never)
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids),
+                                      max_new_tokens=tokens, min_new_tokens=tokens,
+                                      do_sample=False, eos_token_id=self.never,
+                                      pad_token_id=self.never)
+        out.tolist()  # on a GPU: wait for the last token, as the engine's caller does
 
     def measure(self, prompts: list[list[int]], n: int) -> dict[str, float]:
         ttft = timeit(lambda: self.generate(prompts[0], 1))
@@ -114,14 +119,15 @@ class Transformers:
                 "conc": len(prompts) * n / conc}
 
 
-def measure_engine(llm, prompts: list[list[int]], n: int) -> dict[str, float]:
+def measure_engine(llm, prompts: list[list[int]], n: int,
+                   device: str = "cpu") -> dict[str, float]:
     """TTFT and decode of one request, the memory bandwidth right after it (the VM's moves with
     its neighbours' load; read before, it would disturb the TTFT), then the concurrent rate."""
     from engine import SamplingParams
 
     params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
     out = llm.generate([prompts[0]], params)[0]
-    bandwidth = memory_bandwidth()
+    bandwidth = memory_bandwidth(device=device)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     conc = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
@@ -192,6 +198,7 @@ def main() -> None:
     parser.add_argument("--no-transformers", action="store_true",
                         help="skip transformers (a checkpoint it cannot hold in memory); the "
                              "speed-up columns are then empty")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (then no llama.cpp)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(0)
@@ -204,15 +211,17 @@ def main() -> None:
     context = max(1024, args.prompt_len + n)
     bandwidths = []  # read within each row's run: on a shared VM it moves with the neighbours
     rows, summary, llama_rows = [], [], []
+    if args.device != "cpu":
+        args.no_llama_cpp = True
     if args.no_llama_cpp or importlib.util.find_spec("llama_cpp") is None:
         print("llama.cpp column skipped: llama-cpp-python is not installed (or --no-llama-cpp)")
     for dtype_name in args.dtype.split(","):
-        engines = {q: LLM(path, device="cpu", dtype=dtype_name, max_model_len=context,
+        engines = {q: LLM(path, device=args.device, dtype=dtype_name, max_model_len=context,
                           max_num_seqs=args.concurrent, enable_prefix_caching=False,
                           quantization=q, quantization_group_size=args.group_size)
                    for q in modes}
         dtype = next(iter(engines.values())).engine.dtype
-        hf = None if args.no_transformers else Transformers(path, dtype)
+        hf = None if args.no_transformers else Transformers(path, dtype, args.device)
         llama = {} if args.no_llama_cpp else llama_cpp_engines(path, dtype_name, modes, context)
         vocab = next(iter(engines.values())).engine.runner.vocab_size
         prompts = [torch.randint(0, min(vocab, 100_000), (args.prompt_len,)).tolist()
@@ -230,7 +239,7 @@ def main() -> None:
             if hf is not None:
                 theirs.append(hf.measure(prompts, n))
             for q, llm in engines.items():
-                ours[q].append(measure_engine(llm, prompts, n))
+                ours[q].append(measure_engine(llm, prompts, n, args.device))
                 bandwidths.append(ours[q][-1]["bandwidth"])
                 if q in llama:
                     cpp[q].append(llama[q].measure(prompts, n))
@@ -274,8 +283,9 @@ def main() -> None:
         del engines, hf, llama
         gc.collect()
 
-    print(f"\nmachine: {machine()}; checkpoint {path.name}; prompt {args.prompt_len} tokens, "
-          f"{n} new tokens; median of {args.runs} runs; memory bandwidth "
+    print(f"\nmachine: {machine(args.device)}; checkpoint {path.name}; "
+          f"prompt {args.prompt_len} tokens, {n} new tokens; median of {args.runs} runs; "
+          f"memory bandwidth "
           f"{median(bandwidths) / 1e9:.1f} GB/s (median of the readings in each row's run, "
           f"{min(bandwidths) / 1e9:.1f}-{max(bandwidths) / 1e9:.1f}); "
           f"int4 group {args.group_size}\n")

@@ -237,8 +237,10 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tenso
     vocab = logits.shape[-1]
     table = _BIT_BIAS.get(logits.device)
     if table is None:  # [256, 8]: bit k of byte value v -> +inf if set, else -inf
-        bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
-        table = (bits.to(torch.float32) - 0.5).mul(float("inf")).to(logits.device)
+        # Made on the device itself: a host-to-device copy would synchronize.
+        byte = torch.arange(256, device=logits.device)
+        bits = (byte[:, None] >> torch.arange(8, device=logits.device)) & 1
+        table = (bits.to(torch.float32) - 0.5).mul(float("inf"))
         _BIT_BIAS[logits.device] = table
     # int32 words are little-endian on every device torch runs on: byte k of word w holds
     # tokens 32 * w + 8 * k ... + 7.

@@ -12,12 +12,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-import uvicorn
 
 
 @contextmanager
 def serve_in_thread(app, *, lifespan: str = "auto", startup_timeout: float = 30) -> Iterator[str]:
     """Yields the base URL while `app` is served; stops the server on exit."""
+    import uvicorn  # only the tests that serve need it (the GPU machine lacks it)
+
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     config = uvicorn.Config(app, log_level="warning", lifespan=lifespan,

@@ -279,7 +279,8 @@ def test_adapters_on_cuda_match_the_cpu_without_a_host_sync(setup):
 
     cases = [(p, a) for p in PROMPTS for a in ADAPTERS]
     prompts, sampling = [p for p, _ in cases], [params(a) for _, a in cases]
-    cpu = [o.outputs[0].token_ids for o in engine(setup).generate(prompts, sampling)]
+    cpu = [o.outputs[0].token_ids
+           for o in engine(setup, device="cpu", dtype="float32").generate(prompts, sampling)]
     gpu = engine(setup, device="cuda", dtype="float32", max_num_batched_tokens=16)
     assert [o.outputs[0].token_ids for o in gpu.generate(prompts, sampling)] == cpu
     model, device = gpu.engine.runner.model, torch.device("cuda")

@@ -314,10 +314,12 @@ def test_checkpoint_settings_the_model_cannot_honour_are_refused(path, tmp_path,
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_matches_the_cpu_and_the_tower_does_not_synchronize(path, llm):
+def test_cuda_matches_the_cpu_and_the_tower_does_not_synchronize(path):
     cases = [CASES["one_image"], CASES["video_then_image"], CASES["text_only"]]
-    gpu = LLM(path, device="cuda", dtype="float32", max_model_len=2048, max_num_seqs=8)
-    expected = [o.outputs[0].token_ids for o in llm.chat(cases, GREEDY)]
+    options = dict(dtype="float32", max_model_len=2048, max_num_seqs=8)
+    cpu = LLM(path, device="cpu", **options)
+    gpu = LLM(path, device="cuda", **options)
+    expected = [o.outputs[0].token_ids for o in cpu.chat(cases, GREEDY)]
     assert [o.outputs[0].token_ids for o in gpu.chat(cases, GREEDY)] == expected
     proc, _ = process_chat(gpu, CASES["video_then_image"])
     items = [(f.modality, f.data) for f in proc.mm_features]

@@ -300,7 +300,9 @@ def test_cuda_matches_the_cpu_and_encodes_without_a_host_sync(phi_path):
     both encoders under CUDA's sync debug mode."""
     cases = ["image", "audio", "image_audio", "text"]
     msgs = [CASES[c][0] for c in cases]
-    cpu = [o.outputs[0].token_ids for o in LLM(phi_path, max_model_len=2048).chat(msgs, GREEDY)]
+    cpu = [o.outputs[0].token_ids
+           for o in LLM(phi_path, device="cpu", dtype="float32",
+                        max_model_len=2048).chat(msgs, GREEDY)]
     gpu = LLM(phi_path, device="cuda", dtype="float32", max_model_len=2048,
               max_num_batched_tokens=96)
     assert [o.outputs[0].token_ids for o in gpu.chat(msgs, GREEDY)] == cpu
