@@ -91,7 +91,9 @@ class LLMEngine:
             encoder_budget=budget, message_starts=self.runner.state_layout is not None,
         )
         self.block_manager = BlockManager(
-            layout.num_blocks, layout.block_size, self.config.enable_prefix_caching
+            layout.num_blocks, layout.block_size, self.config.enable_prefix_caching,
+            # Token-granular tails copy KV; a hybrid model's recurrent state cannot follow.
+            copy_kv=self.runner.copy_kv if self.runner.state_layout is None else None,
         )
         self.encoder_cache = EncoderCacheManager(
             self.config.encoder_cache_size if cross is None else cross.num_keys, vectors_per_embed)

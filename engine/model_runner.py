@@ -239,6 +239,14 @@ class ModelRunner:
                                                               device=self.device)
         return list(caches.values())
 
+    @torch.inference_mode()
+    def copy_kv(self, src: int, dst: int, tokens: int) -> None:
+        """Copy the keys and values of the first `tokens` slots of block `src` into block `dst`
+        in every layer's cache (a prefix-cache tail, engine/block_manager.py). Enqueued on the
+        device's stream: it runs before the next step's forward, which reads it."""
+        for cache in self.kv_caches:
+            cache[:, :, dst, :tokens] = cache[:, :, src, :tokens]
+
     def _allocate_states(self) -> StateLayout | None:
         """The linear-attention layers' state pools (None for a model without such layers):
         a slot per running request and the prefix snapshots within `state_snapshot_bytes`."""

@@ -3,7 +3,8 @@
 There are no separate prefill and decode phases. Each step walks three groups in order:
 1. running requests that need one token (decode),
 2. running requests part-way through their prompt (chunked prefill),
-3. waiting requests, oldest first (admission, with prefix-cache hits),
+3. waiting requests, oldest first (admission, with prefix-cache hits: whole blocks, then a
+   tail of the next block copied token by token, engine/block_manager.py),
 each taking `min(remaining tokens, budget left)` tokens. When a running request cannot get the
 KV blocks it needs, the newest running request is preempted (its blocks freed, its progress
 reset; it is recomputed later) until the allocation fits. A waiting request never preempts.
@@ -129,8 +130,12 @@ class Scheduler:
                 cut, snapshot = self.states.longest_hit(req.block_hashes, kv_hits)
                 hits = hits[:cut]
             start = len(hits) * self.blocks.block_size
+            # A recurrent state exists only where it was saved: no tail for hybrid models.
+            tail = None if self.states is not None else self.blocks.find_tail(req, len(hits))
+            if tail is not None:
+                start += tail[1]
             n, items = self._plan_encoder(req, start, _chunk_len(req, start, budget), out)
-            if n == 0 or not self.blocks.allocate(req, start + n, hits):
+            if n == 0 or not self.blocks.allocate(req, start + n, hits, tail):
                 self.encoder_cache.release_request(req)  # undo this step's cache lookups
                 break
             if self.states is not None:

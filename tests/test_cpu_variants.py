@@ -112,7 +112,8 @@ def _build_harness(variant, tmp_path: Path) -> Path:
     sources = [HARNESS, *KERNELS]
     static = ["-static"] if variant.arch != HERE else []
     done = subprocess.run(
-        [compiler, "-O2", "-std=gnu11", "-fopenmp-simd", "-Wno-unknown-pragmas", *static,
+        [compiler, "-O2", "-std=gnu11", "-fopenmp-simd", "-Wno-unknown-pragmas",
+         "-fno-trapping-math", *static,
          *variant.flags, f'-DMM_VARIANT="{variant.name}"', "-I", str(SOURCES),
          *map(str, sources), "-lm", "-o", str(exe)],
         capture_output=True, text=True, timeout=300)

@@ -61,11 +61,36 @@ def test_prefix_cache_hits_match(qwen2_path, reference):
     prompts, expected = reference
     llm = LLM(qwen2_path, max_model_len=256)
     _check(llm, prompts, expected)
-    outs = llm.generate(prompts, GREEDY)  # the same prompts again: full blocks are cached
+    # The same prompts again: full blocks are shared, the rest of the last one is copied from
+    # the first run's block (a tail); only the last token is computed.
+    outs = llm.generate(prompts, GREEDY)
     for prompt, out, want in zip(prompts, outs, expected, strict=True):
         assert out.outputs[0].token_ids == want
-        assert out.num_cached_tokens == (len(prompt) - 1) // 16 * 16
-    assert llm.stats()["prefix_cache_hit_tokens"] > 0
+        assert out.num_cached_tokens == len(prompt) - 1
+    stats = llm.stats()
+    assert stats["prefix_cache_tail_tokens"] == sum((len(p) - 1) % 16 for p in prompts) > 0
+
+
+def test_a_second_turn_reuses_the_first_turns_tail(qwen2_path, hf_models, reference):
+    """A second turn (the first prompt, its reply, new tokens) computes only what follows the
+    first turn's KV: the partly filled blocks of its prompt and reply are copied, token by token,
+    and its tokens are transformers' on the whole conversation."""
+    hf = hf_models(qwen2_path)
+    llm = LLM(qwen2_path, max_model_len=256)
+    prompts, _ = reference
+    firsts = llm.generate(prompts[:4], GREEDY)
+    new = _prompts(hf.config.vocab_size, [5, 12, 1, 20], seed=1)
+    seconds = [p + list(o.outputs[0].token_ids) + extra
+               for p, o, extra in zip(prompts, firsts, new, strict=False)]
+    before = llm.stats()["prefix_cache_tail_tokens"]
+    outs = llm.generate(seconds, GREEDY)
+    for prompt, out in zip(prompts, outs, strict=False):
+        # The first turn's KV holds its prompt and all of its reply but the last token.
+        assert out.num_cached_tokens == len(prompt) + GREEDY.max_tokens - 1
+        assert out.outputs[0].token_ids == _hf_greedy(hf, out.prompt_token_ids,
+                                                      GREEDY.max_tokens)
+    assert llm.stats()["prefix_cache_tail_tokens"] > before
+    assert_released(llm)
 
 
 def test_shared_prefix_across_requests(qwen2_path, hf_models):

@@ -180,9 +180,27 @@ def test_prefix_cache_hits_on_image_prompts(vl_path, refs):
     msgs = CASES["two_images"]
     assert llm.chat(msgs, GREEDY)[0].outputs[0].token_ids == refs["two_images"]
     again = llm.chat(msgs, GREEDY)[0]
-    assert again.num_cached_tokens >= 16 * ((len(again.prompt_token_ids) - 1) // 16)
+    # Whole blocks and then the last block's tail: everything but the last token.
+    assert again.num_cached_tokens == len(again.prompt_token_ids) - 1
     assert again.outputs[0].token_ids == refs["two_images"]
     assert again.metrics.encoder_calls == 0  # all spans came from the KV cache
+    assert_released(llm)
+
+
+def test_a_second_turn_about_the_image_computes_only_the_new_text(vl_path, hf_models):
+    """The conversation so far (the image, a question, the reply) comes from the first turn's
+    KV, its last partly filled block copied token by token; tokens are transformers' on the
+    whole conversation (mRoPE positions after the image included)."""
+    llm = LLM(vl_path, max_model_len=1024)
+    hf = hf_models(vl_path)
+    first_turn = user(random_image(64, 48, 21), "Describe.")
+    first = llm.chat(first_turn, GREEDY)[0]
+    history = first_turn + [{"role": "assistant", "content": first.outputs[0].text},
+                            {"role": "user", "content": "And the colours?"}]
+    second = llm.chat(history, GREEDY)[0]
+    assert second.num_cached_tokens >= len(first.prompt_token_ids)
+    assert second.num_cached_tokens % 16 and second.metrics.encoder_calls == 0
+    assert second.outputs[0].token_ids == hf_greedy(hf, processed(llm, history))
     assert_released(llm)
 
 

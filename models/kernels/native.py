@@ -46,7 +46,10 @@ SOURCES = tuple(HERE / name for name in (
 HEADER = HERE / "kernels.h"
 DISABLE_ENV = "MMSERVE_NATIVE"  # "0" keeps PyTorch's kernels only
 BUILD_TIMEOUT_S = 120
-FLAGS = ("-O3", "-fPIC", "-std=gnu11", "-Wno-unknown-pragmas")  # + the variant's target
+# + the variant's target. -fno-trapping-math: no kernel reads floating-point exception flags,
+# and without it GCC keeps a branch around any operation one side of a condition computes (as in
+# exp_nonpositive's clamp and silu's sign), which leaves that loop scalar. Values do not change.
+FLAGS = ("-O3", "-fPIC", "-std=gnu11", "-Wno-unknown-pragmas", "-fno-trapping-math")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 DTYPE_I8 = 2  # kernels.h's DTYPE_I8: an int8 weight
 FUSED_ROWS = 64  # fused small ops serve inputs up to this many tokens: a decode step's
