@@ -223,7 +223,7 @@ def test_quantized_layers_time_dequantizing_only_for_many_rows(tmp_path):
     assert "dequantized" in candidates(model.q, 4, torch.float32)
     # and our panel-dequantizing GEMM where it builds (AVX-512 BF16)
     ours = ["panel_gemm"] if panel_gemm_takes(model.q) else []
-    tiled = ["native_rows"] if model.q.mode == "int8" and "native" in candidates(
+    tiled = ["native_rows", "native_gemm"] if model.q.mode == "int8" and "native" in candidates(
         model.q, 1, torch.float32) else []
     assert candidates(model.q, 128, torch.float32) == [
         "int_kernel"] + tiled + ["dequantized", "dequantized_t", "dequantized_bf16",

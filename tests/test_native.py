@@ -54,12 +54,18 @@ def test_linear_matches_float64(kernels, weight_dtype, x_dtype, rows, k):
     torch.testing.assert_close(out.double(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
 
 
+TILED = ("linear_rows", "gemm")  # the register-tiled linear and the packed-panel GEMM
+
+
+@pytest.mark.parametrize("tiled", TILED)
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-# rows: whole register tiles and every remainder; n: whole blocks of 12 and a remainder of
-# each tile width; k: whole chunks of 256 and a part, whole vectors and a padded tail
-@pytest.mark.parametrize("rows, n, k", [(4, 12, 256), (9, 37, 77), (66, 26, 520), (2, 25, 16)])
-def test_tiled_linear_matches_float64(kernels, weight_dtype, x_dtype, rows, n, k):
+# rows: whole register tiles (4 rows; 6) and every remainder; n: whole blocks of 12 (strips of
+# 16) and remainders; k: whole chunks of 256 and a part, whole vectors and a tail; the last
+# case several blocks of rows (240) and of channels per thread (sums of 4 MiB)
+@pytest.mark.parametrize("rows, n, k", [(4, 12, 256), (9, 37, 77), (66, 26, 520), (2, 25, 16),
+                                        (1000, 2500, 24)])
+def test_tiled_linear_matches_float64(kernels, tiled, weight_dtype, x_dtype, rows, n, k):
     gen = torch.Generator().manual_seed(rows * n + k)
     w = torch.randn(n, k, generator=gen)
     scales = None
@@ -70,25 +76,29 @@ def test_tiled_linear_matches_float64(kernels, weight_dtype, x_dtype, rows, n, k
         w = w.to(weight_dtype)
         dense = w.double()
     x = torch.randn(rows, k, generator=gen).to(x_dtype)
-    out = kernels.linear_rows(x, w, scales)
+    out = getattr(kernels, tiled)(x, w, scales)
     assert out.dtype == x_dtype and out.shape == (rows, n)
     ref = x.double() @ dense.t()
     tol = 1e-5 if x_dtype == torch.float32 else 2 ** -8  # bfloat16 output: one rounding
     torch.testing.assert_close(out.double(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
 
 
-def test_tiled_linear_takes_no_rows(kernels):
-    out = kernels.linear_rows(torch.empty(0, 16), torch.randn(5, 16))
-    assert out.shape == (0, 5)
+@pytest.mark.parametrize("tiled", TILED)
+def test_tiled_linear_takes_empty_shapes(kernels, tiled):
+    fn = getattr(kernels, tiled)
+    assert fn(torch.empty(0, 16), torch.randn(5, 16)).shape == (0, 5)
+    assert torch.equal(fn(torch.randn(3, 0), torch.randn(5, 0)), torch.zeros(3, 5))
 
 
-def test_tiled_linear_puts_each_channel_and_row_in_its_place(kernels):
+@pytest.mark.parametrize("tiled", TILED)
+def test_tiled_linear_puts_each_channel_and_row_in_its_place(kernels, tiled):
     """One-hot rows through a weight whose channels are distinct: a slip in the tiles' or the
-    blocks' offsets would move a value to another row or column."""
+    blocks' offsets (or the packing's transposes) would move a value to another row or
+    column."""
     n, k = 29, 40
     w = torch.arange(n * k, dtype=torch.float32).reshape(n, k)
     x = torch.eye(k)[:13]
-    torch.testing.assert_close(kernels.linear_rows(x, w), w[:, :13].t())
+    torch.testing.assert_close(getattr(kernels, tiled)(x, w), w[:, :13].t())
 
 
 def test_bfloat16_output_rounds_as_pytorch(kernels):
@@ -211,6 +221,8 @@ def test_native_linear_is_a_planned_candidate_for_few_rows_only(kernels):
         True, True, True, False, False]
     assert [("native_rows" in candidates(layer, r, torch.bfloat16)) for r in probes] == [
         False, False, True, True, False]
+    assert [("native_gemm" in candidates(layer, r, torch.bfloat16)) for r in probes] == [
+        False, False, False, True, True]
     for mode in ("int8", "int4"):
         q = QuantizedLinear(torch.randn(64, 64), None, mode, 32)
         assert candidates(q, 1, torch.bfloat16) == ["int_kernel", "native"]
@@ -219,8 +231,13 @@ def test_native_linear_is_a_planned_candidate_for_few_rows_only(kernels):
         assert ("native" in candidates(q, 128, torch.bfloat16)) == (mode == "int4")
         assert "native" not in candidates(q, 512, torch.bfloat16)
         assert ("native_rows" in candidates(q, 32, torch.bfloat16)) == (mode == "int8")
+        assert ("native_gemm" in candidates(q, 512, torch.bfloat16)) == (mode == "int8")
+        if mode == "int8":  # the scales applied to the sums
+            q.kernels = ("native_gemm",) * len(BUCKETS)
+            xq = torch.randn(3, 64)
+            torch.testing.assert_close(q(xq), F.linear(xq, q.dequantize(torch.float32)))
     x = torch.randn(3, 64)
-    for name in ("native", "native_rows"):
+    for name in ("native", "native_rows", "native_gemm"):
         layer.kernels = (name,) * len(BUCKETS)
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
 

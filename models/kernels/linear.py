@@ -4,8 +4,9 @@ bookkeeping).
 
 Dense weights: F.linear; (W @ x^T)^T; torch.mv for one row; oneDNN with the weight prepacked
 once (kept beside the dense weight, so choosing it costs that memory again); our own
-matrix-vector kernel (models.kernels.native) for a few rows, and our register-tiled one for
-tens to hundreds (also for int8 weights); for bfloat16 weights, a float32
+matrix-vector kernel (models.kernels.native) for a few rows, our register-tiled one for
+tens to hundreds and our packed-panel GEMM for more (both also for int8 weights); for bfloat16
+weights, a float32
 GEMM on tiles of the weight widened in cache (CPUs without bfloat16 arithmetic). Quantized weights
 (models.kernels.quantization): PyTorch's int kernel, ours, a dense GEMM on the weight dequantized
 per call (many rows are compute-bound, where the int kernels are slower; our dequantizer where it
@@ -115,6 +116,13 @@ def _native_rows(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return native.load().linear_rows(x, layer.weight)
 
 
+def _native_gemm(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if layer.is_quantized:
+        assert layer.mode == "int8", "the packed-panel GEMM takes int8 (one scale per channel)"
+        return native.load().gemm(x, layer.qweight, layer.scales)
+    return native.load().gemm(x, layer.weight)
+
+
 def _widened(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """bfloat16 weights through a float32 GEMM: each tile of output channels widened into a
     reused float32 buffer (a shift per element, in cache), x widened once, the result rounded
@@ -173,6 +181,7 @@ KERNELS: dict[str, Kernel] = {
     "onednn": _with_bias(_onednn),
     "native": _with_bias(_native),
     "native_rows": _with_bias(_native_rows),
+    "native_gemm": _with_bias(_native_gemm),
     "widened": _with_bias(_widened),
 }
 QUANTIZED_KERNELS: dict[str, Kernel] = {
@@ -187,6 +196,7 @@ QUANTIZED_KERNELS |= {  # the same GEMMs in the other dtype (see _in_dtype)
     "dequantized_t_f32": _in_dtype(QUANTIZED_KERNELS["dequantized_t"], torch.float32),
     "native": _native_quantized,
     "native_rows": _native_rows,  # int8 only
+    "native_gemm": _native_gemm,  # int8 only
     "panel_gemm": _panel_gemm,
 }
 

@@ -42,7 +42,8 @@ HERE = Path(__file__).parent / "cpu"
 # Compiled into one library; the header (shared helpers and declarations) is part of the digest.
 SOURCES = tuple(HERE / name for name in (
     "small_ops.c", "linear_dense.c", "linear_int8.c", "linear_int4.c", "attention.c",
-    "decode_layers.c", "gemm_quantized.c", "delta_rule.c", "moe_experts.c", "linear_rows.c"))
+    "decode_layers.c", "gemm_quantized.c", "delta_rule.c", "moe_experts.c", "linear_rows.c",
+    "gemm_dense.c"))
 HEADER = HERE / "kernels.h"
 DISABLE_ENV = "MMSERVE_NATIVE"  # "0" keeps PyTorch's kernels only
 BUILD_TIMEOUT_S = 120
@@ -95,6 +96,8 @@ class NativeKernels:
             self._linear[dtype] = fn
         self._rows = lib.mm_linear_rows
         self._rows.argtypes, self._rows.restype = _ROWS_ARGS, _int
+        self._gemm = lib.mm_gemm_dense
+        self._gemm.argtypes, self._gemm.restype = _ROWS_ARGS, _int
         self._int4 = lib.mm_linear_i4
         self._int4.argtypes, self._int4.restype = _INT4_ARGS, _int
         self._dequant_i8, self._dequant_i4 = lib.mm_dequantize_i8, lib.mm_dequantize_i4
@@ -148,6 +151,16 @@ class NativeKernels:
         """As `linear`, through register tiles that share their loads among rows of x
         (models/kernels/cpu/linear_rows.c): for tens to hundreds of rows, where `linear`'s
         matrix-vector loop is bound by its loads."""
+        return self._tiled(self._rows, "linear_rows", x, weight, scales)
+
+    def gemm(self, x: torch.Tensor, weight: torch.Tensor,
+             scales: torch.Tensor | None = None) -> torch.Tensor:
+        """As `linear`, through packed panels and register tiles of 6 rows x 2 vectors of
+        channels (models/kernels/cpu/gemm_dense.c): for hundreds to thousands of rows."""
+        return self._tiled(self._gemm, "gemm", x, weight, scales)
+
+    def _tiled(self, fn, name: str, x: torch.Tensor, weight: torch.Tensor,
+               scales: torch.Tensor | None) -> torch.Tensor:
         m, k = x.shape
         n = weight.shape[0]
         assert weight.dtype in WEIGHT_KERNELS, f"weights float32, bfloat16 or int8: {weight.dtype}"
@@ -157,11 +170,11 @@ class NativeKernels:
         x = x.contiguous()
         y = torch.empty(m, n, dtype=x.dtype)
         w_dtype = DTYPES.get(weight.dtype, DTYPE_I8)
-        status = self._rows(x.data_ptr(), DTYPES[x.dtype], weight.data_ptr(), w_dtype,
-                            None if scales is None else scales.data_ptr(), y.data_ptr(), m, n,
-                            k, torch.get_num_threads())
+        status = fn(x.data_ptr(), DTYPES[x.dtype], weight.data_ptr(), w_dtype,
+                    None if scales is None else scales.data_ptr(), y.data_ptr(), m, n, k,
+                    torch.get_num_threads())
         if status:
-            raise MemoryError("native linear_rows: out of memory for its buffers")
+            raise MemoryError(f"native {name}: out of memory for its buffers")
         return y
 
     def linear_int4(self, x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,

@@ -62,6 +62,9 @@ DECODE_ROWS = PROBE_ROWS[1]  # a decode step of a few requests; more rows may be
 # Our register-tiled kernel (models/kernels/cpu/linear_rows.c) is a candidate past a decode's rows
 # up to this many: a short prefill chunk, many requests' decodes; longer prefills are a GEMM's.
 TILED_ROWS = PROBE_ROWS[3]
+# Our packed-panel GEMM (models/kernels/cpu/gemm_dense.c) is a candidate past this many rows: a
+# prefill's, a vision tower's.
+GEMM_ROWS = PROBE_ROWS[2]
 # A quantized weight's dequantized GEMM is timed in the other of float32 and bfloat16 too.
 OTHER_GEMM_DTYPE = {torch.float32: [(torch.bfloat16, "_bf16")],
                     torch.bfloat16: [(torch.float32, "_f32")]}
@@ -76,7 +79,7 @@ DECODE_MARGIN = 0.25
 TORCH_INT4_PACK_SHARE = 0.1
 # The version of the candidates and choosing rules below, part of the cache file's name: bump
 # it when they change, so that choices made under the old ones are timed afresh.
-PLAN_RULES = 7
+PLAN_RULES = 8
 
 
 def candidates(layer: nn.Module, rows: int, dtype: torch.dtype,
@@ -94,6 +97,8 @@ def candidates(layer: nn.Module, rows: int, dtype: torch.dtype,
             names.append("native")
         if layer.mode == "int8" and tiled_rows(rows):
             names.append("native_rows")
+        if layer.mode == "int8" and gemm_rows(rows):
+            names.append("native_gemm")
         # Dequantizing per call pays only when rows share the weight (the int kernels' dot
         # products grow with the rows: at a few rows already they can lose), and at a decode's
         # rows only through ours, tile by tile into a reused buffer: PyTorch's whole copy of a
@@ -123,6 +128,8 @@ def candidates(layer: nn.Module, rows: int, dtype: torch.dtype,
             names.append("native")
         if tiled_rows(rows):
             names.append("native_rows")
+        if gemm_rows(rows):
+            names.append("native_gemm")
         if dtype == torch.bfloat16 and rows > 1:
             names.append("widened")
     return names
@@ -131,6 +138,11 @@ def candidates(layer: nn.Module, rows: int, dtype: torch.dtype,
 def tiled_rows(rows: int) -> bool:
     """Whether our register-tiled kernel is a candidate at `rows` rows."""
     return DECODE_ROWS < rows <= TILED_ROWS and native.load() is not None
+
+
+def gemm_rows(rows: int) -> bool:
+    """Whether our packed-panel GEMM is a candidate at `rows` rows."""
+    return rows > GEMM_ROWS and native.load() is not None
 
 
 def panel_gemm_takes(layer: QuantizedLinear) -> bool:

@@ -31,6 +31,11 @@ int mm_moe_experts(const mm_linear_desc* gate_up, const mm_linear_desc* down,
 int mm_linear_rows(const void* x, int x_dtype, const void* w, int w_dtype,
                    const uint16_t* scales, void* y, int64_t m, int64_t n, int64_t k,
                    int threads);
+int mm_gemm_dense(const void* x, int x_dtype, const void* w, int w_dtype,
+                  const uint16_t* scales, void* y, int64_t m, int64_t n, int64_t k,
+                  int threads);
+typedef int (*tiled_fn)(const void*, int, const void*, int, const uint16_t*, void*, int64_t,
+                        int64_t, int64_t, int);
 int mm_delta_rule_step(const float* q, const float* k, const float* v, const float* g,
                        const float* beta, float* states, const int64_t* slots, float* out,
                        int64_t batch, int64_t heads, int64_t dk, int64_t dv, int threads);
@@ -114,9 +119,11 @@ static void test_dense(int w_bf16, int dt, int64_t m, int64_t n, int64_t k) {
     free(x), free(xr), free(w), free(wr), free(want), free(y);
 }
 
-/* The register-tiled linear (linear_rows.c), weights float32, bfloat16 or int8 (w_dt): shapes
- * with partial row tiles, channel tiles and blocks, a partial chunk and a padded vector tail. */
-static void test_rows(int w_dt, int dt, int64_t m, int64_t n, int64_t k) {
+/* The register-tiled linear (linear_rows.c) and the packed-panel GEMM (gemm_dense.c), weights
+ * float32, bfloat16 or int8 (w_dt): shapes with partial row tiles, channel tiles and blocks, a
+ * partial chunk and a padded vector tail. */
+static void test_rows(const char* kernel, tiled_fn fn, int w_dt, int dt, int64_t m, int64_t n,
+                      int64_t k) {
     void* x = alloc(4 * (size_t)(m * k));
     double* xr = alloc(8 * (size_t)(m * k));
     fill(x, dt, xr, m * k, 1.0);
@@ -147,10 +154,10 @@ static void test_rows(int w_dt, int dt, int64_t m, int64_t n, int64_t k) {
         }
     void* y = alloc(4 * (size_t)(m * n));
     char name[96];
-    snprintf(name, sizeof name, "tiled linear %s weights, %s x, m=%lld n=%lld k=%lld",
+    snprintf(name, sizeof name, "%s %s weights, %s x, m=%lld n=%lld k=%lld", kernel,
              w_dt == DTYPE_I8 ? "int8" : dname(w_dt), dname(dt), (long long)m, (long long)n,
              (long long)k);
-    if (mm_linear_rows(x, dt, w, w_dt, scales, y, m, n, k, 2))
+    if (fn(x, dt, w, w_dt, scales, y, m, n, k, 2))
         printf("FAIL %s: status\n", name), failures++;
     check(name, y, dt, want, m * n, 1e-6 * top * (double)k, dt == DTYPE_F32 ? 1e-5 : 8e-3);
     free(x), free(xr), free(w), free(wr), free(scales), free(want), free(y);
@@ -539,8 +546,10 @@ int main(void) {
             test_dense(w, dt, 5, 33, 512);
         }
         for (int w = 0; w < 3; w++) {  /* DTYPE_F32, DTYPE_BF16, DTYPE_I8 */
-            test_rows(w, dt, 9, 37, 77);
-            test_rows(w, dt, 66, 26, 520);
+            test_rows("tiled linear", mm_linear_rows, w, dt, 9, 37, 77);
+            test_rows("tiled linear", mm_linear_rows, w, dt, 66, 26, 520);
+            test_rows("packed GEMM", mm_gemm_dense, w, dt, 9, 37, 77);
+            test_rows("packed GEMM", mm_gemm_dense, w, dt, 250, 70, 520);
         }
         test_int8(dt, 1, 64, 256);
         test_int8(dt, 3, 40, 192);

@@ -1,0 +1,248 @@
+/* A linear for hundreds to thousands of rows (a prefill, a vision tower's patches), y[M, N] =
+ * x[M, K] . W[N, K]^T, W float32, bfloat16 or int8 (one bfloat16 scale per output channel), x
+ * and y float32 or bfloat16 (y in x's dtype), float32 products and sums.
+ *
+ * Packed panels, in the order of the BLIS papers (Van Zee and van de Geijn): a register tile of
+ * MR rows x NR channels holds its sums for a whole chunk of KC inputs; per input it loads NR
+ * weights (two vectors) and broadcasts MR values of x, for 2 * MR multiply-adds, so the loop is
+ * bound by the multiply-adds, not the loads. Both operands are copied into the order the tile
+ * reads them, float32:
+ *   x: rows [i0, i0 + MC) x inputs [p0, p0 + KC) as [MC / MR][KC][MR], about 240 KiB: in L2,
+ *      read once per NR channels;
+ *   W: channels [j0, j0 + NC) x the same inputs as [NC / NR][KC][NR] (widened from bfloat16,
+ *      int8 as q, its scale applied to the sums): one NR-wide strip (16 KiB with AVX2) stays in
+ *      L1 while every tile of rows passes over it.
+ * Each thread takes a contiguous share of the output channels (the weight is read from memory
+ * once per MC rows), and keeps the float32 sums of its MC x NC block of y across the chunks of
+ * K in a buffer of its own.
+ *
+ * Written with GCC's vector extensions, so that one source builds for every variant (vectors of
+ * 16 floats with AVX-512, 8 with AVX2, 4 on NEON / SSE2). Rows past M and channels past N are
+ * zero in the packed copies; edge tiles are computed whole and only their valid part stored. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+#endif
+
+#if defined(__AVX512F__)
+#define VL 16
+#elif defined(__AVX__) || defined(__AVX2__)
+#define VL 8
+#else
+#define VL 4
+#endif
+typedef float vf __attribute__((vector_size(VL * 4)));
+
+#define MR 6                /* rows per register tile: 12 sums, 2 weights, 1 broadcast of x */
+#define NR (2 * VL)         /* channels per register tile */
+#define KC 256              /* inputs per chunk */
+#define MC (40 * MR)        /* rows per packed block of x */
+#define SUMS_BYTES (4 << 20) /* a thread's float32 sums of a block of y, at most */
+
+#define W_F32 0
+#define W_BF16 1
+#define W_I8 2
+
+static inline vf vload(const float* p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void vstore(float* p, vf v) { memcpy(p, &v, sizeof v); }
+
+/* *p in every lane, as one broadcast load: GCC writes (vf){0} + *p as an add and a shuffle, and
+ * a vector filled lane by lane as inserts */
+static inline vf vbroadcast(const float* p) {
+#if VL == 16
+    return (vf)_mm512_set1_ps(*p);
+#elif VL == 8
+    return (vf)_mm256_broadcast_ss(p);
+#elif defined(__aarch64__)
+    return (vf)vld1q_dup_f32(p);
+#elif defined(__SSE2__)
+    return (vf)_mm_load1_ps(p);
+#else
+    vf v;
+    for (int l = 0; l < VL; l++) v[l] = *p;
+    return v;
+#endif
+}
+
+/* x rows [i0, i0 + mc), inputs [p0, p0 + kc) -> ap [ceil(mc / MR)][kc][MR], zero past m. */
+static void pack_x(const void* x, int dt, int64_t k, int64_t m, int64_t i0, int64_t mc,
+                   int64_t p0, int64_t kc, float* ap) {
+    float row[KC];
+    for (int64_t t = 0; t < mc; t += MR) {
+        float* tile = ap + t * kc;
+        for (int r = 0; r < MR; r++) {
+            const int64_t i = i0 + t + r;
+            if (i < m) load_row(row, x, dt, i * k + p0, kc);
+            else memset(row, 0, sizeof(float) * (size_t)kc);
+            for (int64_t p = 0; p < kc; p++) tile[p * MR + r] = row[p];
+        }
+    }
+}
+
+/* rows [8][ld] (inputs 0 .. kc - 1) -> out [kc][stride]: each input's 8 values contiguous. */
+static void transpose8(const float* rows, int64_t ld, int64_t kc, float* out, int64_t stride) {
+    int64_t p = 0;
+#if defined(__AVX__)
+    for (; p + 8 <= kc; p += 8) {  /* an 8 x 8 block in registers */
+        __m256 r[8], t[8];
+        for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(rows + i * ld + p);
+        for (int i = 0; i < 8; i += 2) {
+            t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+            t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+        }
+        for (int i = 0; i < 8; i += 4)
+            for (int h = 0; h < 2; h++) {
+                r[i + h] = _mm256_shuffle_ps(t[i + h], t[i + h + 2], 0x44);
+                r[i + h + 2] = _mm256_shuffle_ps(t[i + h], t[i + h + 2], 0xee);
+            }
+        /* r[0..3] hold rows 0-3 of columns {0,4}, {2,6}, {1,5}, {3,7} per 128-bit half; r[4..7]
+         * rows 4-7 alike */
+        static const int column[4] = {0, 2, 1, 3};
+        for (int q = 0; q < 4; q++) {
+            _mm256_storeu_ps(out + (p + column[q]) * stride,
+                             _mm256_permute2f128_ps(r[q], r[q + 4], 0x20));
+            _mm256_storeu_ps(out + (p + column[q] + 4) * stride,
+                             _mm256_permute2f128_ps(r[q], r[q + 4], 0x31));
+        }
+    }
+#endif
+    for (; p < kc; p++)
+        for (int i = 0; i < 8; i++) out[p * stride + i] = rows[i * ld + p];
+}
+
+/* W channels [j0, j0 + nc), inputs [p0, p0 + kc) -> bp [ceil(nc / NR)][kc][NR], zero past n:
+ * each strip's rows widened to float32, then transposed 8 channels at a time. */
+static void pack_w(const void* w, int w_type, int64_t k, int64_t n, int64_t j0, int64_t nc,
+                   int64_t p0, int64_t kc, float* bp) {
+    float rows[NR * KC];
+    for (int64_t s = 0; s < nc; s += NR) {
+        for (int c = 0; c < NR; c++) {
+            float* row = rows + c * KC;
+            const int64_t j = j0 + s + c;
+            if (j >= n) {
+                memset(row, 0, sizeof(float) * (size_t)kc);
+            } else if (w_type == W_F32) {
+                memcpy(row, (const float*)w + j * k + p0, sizeof(float) * (size_t)kc);
+            } else if (w_type == W_BF16) {
+                load_row(row, w, DTYPE_BF16, j * k + p0, kc);
+            } else {
+                const int8_t* q = (const int8_t*)w + j * k + p0;
+                _Pragma("omp simd")
+                for (int64_t p = 0; p < kc; p++) row[p] = (float)q[p];
+            }
+        }
+        for (int c = 0; c < NR; c += 8) transpose8(rows + c * KC, KC, kc, bp + s * kc + c, NR);
+    }
+}
+
+/* The register tile: c[MR][NR] (ldc apart; `first`: = instead of +=) over kc inputs of one
+ * packed tile of x (ap [kc][MR]) and one strip of W (bp [kc][NR]). */
+static inline __attribute__((always_inline)) void tile(const float* ap, const float* bp,
+                                                       int64_t kc, float* c, int64_t ldc,
+                                                       int first) {
+    vf acc[MR][2];
+    for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = (vf){0};
+    for (int64_t p = 0; p < kc; p++) {
+        const vf b0 = vload(bp + p * NR), b1 = vload(bp + p * NR + VL);
+        for (int r = 0; r < MR; r++) {
+            const vf a = vbroadcast(ap + p * MR + r);
+            acc[r][0] += a * b0;
+            acc[r][1] += a * b1;
+        }
+    }
+    for (int r = 0; r < MR; r++) {
+        float* row = c + r * ldc;
+        if (first) {
+            vstore(row, acc[r][0]), vstore(row + VL, acc[r][1]);
+        } else {
+            vstore(row, vload(row) + acc[r][0]), vstore(row + VL, vload(row + VL) + acc[r][1]);
+        }
+    }
+}
+
+/* Channels per block of y a thread keeps the sums of (every row): as wide as SUMS_BYTES lets,
+ * so that x is packed again as few times as possible (once per block and chunk of K). */
+static int64_t block_channels(int64_t m, int64_t share) {
+    int64_t nc = SUMS_BYTES / 4 / m / NR * NR;
+    nc = nc < NR ? NR : nc;
+    return nc < share ? nc : (share + NR - 1) / NR * NR;
+}
+
+/* One thread's channels [n0, n1): every row of y. `sums` [m][nc] float32, `ap` / `bp` its
+ * packed blocks. */
+static void gemm_part(const void* x, int x_dtype, const void* w, int w_type,
+                      const uint16_t* scales, void* y, int64_t m, int64_t n, int64_t k,
+                      int64_t n0, int64_t n1, int64_t nc_max, float* sums, float* ap,
+                      float* bp) {
+    for (int64_t j0 = n0; j0 < n1; j0 += nc_max) {
+        const int64_t nc = n1 - j0 < nc_max ? n1 - j0 : nc_max;
+        const int64_t ncp = (nc + NR - 1) / NR * NR;
+        for (int64_t p0 = 0; p0 < k; p0 += KC) {
+            const int64_t kc = k - p0 < KC ? k - p0 : KC;
+            pack_w(w, w_type, k, n1, j0, nc, p0, kc, bp);  /* once per call */
+            for (int64_t i0 = 0; i0 < m; i0 += MC) {
+                const int64_t mc = m - i0 < MC ? m - i0 : MC;
+                const int64_t mcp = (mc + MR - 1) / MR * MR;
+                pack_x(x, x_dtype, k, m, i0, mc, p0, kc, ap);
+                for (int64_t s = 0; s < ncp; s += NR)
+                    for (int64_t t = 0; t < mcp; t += MR)
+                        tile(ap + t * kc, bp + s * kc, kc, sums + (i0 + t) * ncp + s, ncp,
+                             p0 == 0);
+            }
+        }
+        for (int64_t i = 0; i < m; i++) {
+            float* row = sums + i * ncp;
+            if (scales != NULL)
+                for (int64_t j = 0; j < nc; j++) row[j] *= bf16_to_f32(scales[j0 + j]);
+            store_row(y, row, x_dtype, i * n + j0, nc);
+        }
+    }
+}
+
+/* w_dtype: DTYPE_F32, DTYPE_BF16 or DTYPE_I8 (then `scales`: one bfloat16 per channel).
+ * 0: done; 1: out of memory. */
+int mm_gemm_dense(const void* x, int x_dtype, const void* w, int w_dtype,
+                  const uint16_t* scales, void* y, int64_t m, int64_t n, int64_t k,
+                  int threads) {
+    const int w_type = w_dtype == DTYPE_F32 ? W_F32 : w_dtype == DTYPE_BF16 ? W_BF16 : W_I8;
+    if (m == 0 || n == 0) return 0;
+    if (k == 0) {  /* empty sums */
+        for (int64_t i = 0; i < m * n; i++) store(y, x_dtype, i, 0.0f);
+        return 0;
+    }
+    /* each thread a contiguous share of whole strips of channels */
+    const int64_t strips = (n + NR - 1) / NR;
+    if (threads > strips) threads = (int)strips;
+    int failed = 0;
+    /* one part per thread (a worksharing loop: without OpenMP the parts run one by one) */
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")
+    for (int64_t part = 0; part < threads; part++) {
+        const int64_t n0 = strips * part / threads * NR;
+        int64_t n1 = strips * (part + 1) / threads * NR;
+        n1 = n1 < n ? n1 : n;
+        const int64_t nc = block_channels(m, n1 - n0), mp = (m + MR - 1) / MR * MR;
+        float* sums = aligned_alloc(64, sizeof(float) * (size_t)(mp * nc));
+        float* ap = aligned_alloc(64, sizeof(float) * MC * KC);
+        float* bp = aligned_alloc(64, sizeof(float) * (size_t)(nc * KC));
+        if (sums == NULL || ap == NULL || bp == NULL) {
+            _Pragma("omp atomic write")
+            failed = 1;
+        } else if (n0 < n1) {
+            gemm_part(x, x_dtype, w, w_type, scales, y, m, n, k, n0, n1, nc, sums, ap, bp);
+        }
+        free(sums), free(ap), free(bp);
+    }
+    return failed;
+}
