@@ -83,6 +83,29 @@ def test_tiled_linear_matches_float64(kernels, tiled, weight_dtype, x_dtype, row
     torch.testing.assert_close(out.double(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
 
 
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("rows, n, k", [(7, 64, 128), (250, 192, 640), (13, 128, 384)])
+def test_int4_gemm_matches_its_dequantized_weight(kernels, x_dtype, group, rows, n, k):
+    """The packed GEMM's int4 panels hold the dequantizer's float32 values: the product is x
+    times that weight, within float32 summation order (chunks of 256 crossing groups)."""
+    if k % group:
+        pytest.skip("k not a multiple of the group")
+    gen = torch.Generator().manual_seed(rows + group)
+    q4, scales_and_zeros = quantize_int4(torch.randn(n, k, generator=gen), group)
+    packed = pack_int4(q4)
+    x = torch.randn(rows, k, generator=gen).to(x_dtype)
+    out = kernels.gemm_int4(x, packed, scales_and_zeros, group)
+    weight = kernels.dequantize_int4(packed, scales_and_zeros, group,
+                                     torch.empty(n, k, dtype=torch.float32))
+    ref = x.double() @ weight.double().t()
+    tol = 1e-5 if x_dtype == torch.float32 else 2 ** -8
+    assert out.dtype == x_dtype
+    torch.testing.assert_close(out.double(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
+    with pytest.raises(ValueError, match="does not take"):
+        kernels.gemm_int4(x[:, :k - 4], packed[:, :(k - 4) // 2], scales_and_zeros, group)
+
+
 @pytest.mark.parametrize("tiled", TILED)
 def test_tiled_linear_takes_empty_shapes(kernels, tiled):
     fn = getattr(kernels, tiled)
@@ -231,11 +254,11 @@ def test_native_linear_is_a_planned_candidate_for_few_rows_only(kernels):
         assert ("native" in candidates(q, 128, torch.bfloat16)) == (mode == "int4")
         assert "native" not in candidates(q, 512, torch.bfloat16)
         assert ("native_rows" in candidates(q, 32, torch.bfloat16)) == (mode == "int8")
-        assert ("native_gemm" in candidates(q, 512, torch.bfloat16)) == (mode == "int8")
-        if mode == "int8":  # the scales applied to the sums
-            q.kernels = ("native_gemm",) * len(BUCKETS)
-            xq = torch.randn(3, 64)
-            torch.testing.assert_close(q(xq), F.linear(xq, q.dequantize(torch.float32)))
+        assert "native_gemm" in candidates(q, 512, torch.bfloat16)
+        assert "native_gemm" not in candidates(q, 32, torch.bfloat16)
+        q.kernels = ("native_gemm",) * len(BUCKETS)  # int8's scales, int4's panels
+        xq = torch.randn(3, 64)
+        torch.testing.assert_close(q(xq), F.linear(xq, q.dequantize(torch.float32)))
     x = torch.randn(3, 64)
     for name in ("native", "native_rows", "native_gemm"):
         layer.kernels = (name,) * len(BUCKETS)

@@ -5,8 +5,8 @@ bookkeeping).
 Dense weights: F.linear; (W @ x^T)^T; torch.mv for one row; oneDNN with the weight prepacked
 once (kept beside the dense weight, so choosing it costs that memory again); our own
 matrix-vector kernel (models.kernels.native) for a few rows, our register-tiled one for
-tens to hundreds and our packed-panel GEMM for more (both also for int8 weights); for bfloat16
-weights, a float32
+tens to hundreds (also for int8 weights) and our packed-panel GEMM for more (also for int8 and
+int4 weights, dequantized panel by panel); for bfloat16 weights, a float32
 GEMM on tiles of the weight widened in cache (CPUs without bfloat16 arithmetic). Quantized weights
 (models.kernels.quantization): PyTorch's int kernel, ours, a dense GEMM on the weight dequantized
 per call (many rows are compute-bound, where the int kernels are slower; our dequantizer where it
@@ -117,10 +117,11 @@ def _native_rows(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _native_gemm(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    if layer.is_quantized:
-        assert layer.mode == "int8", "the packed-panel GEMM takes int8 (one scale per channel)"
+    if not layer.is_quantized:
+        return native.load().gemm(x, layer.weight)
+    if layer.mode == "int8":
         return native.load().gemm(x, layer.qweight, layer.scales)
-    return native.load().gemm(x, layer.weight)
+    return native.load().gemm_int4(x, layer.qweight, layer.scales, layer.group_size)
 
 
 def _widened(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -196,7 +197,7 @@ QUANTIZED_KERNELS |= {  # the same GEMMs in the other dtype (see _in_dtype)
     "dequantized_t_f32": _in_dtype(QUANTIZED_KERNELS["dequantized_t"], torch.float32),
     "native": _native_quantized,
     "native_rows": _native_rows,  # int8 only
-    "native_gemm": _native_gemm,  # int8 only
+    "native_gemm": _native_gemm,
     "panel_gemm": _panel_gemm,
 }
 

@@ -98,6 +98,9 @@ class NativeKernels:
         self._rows.argtypes, self._rows.restype = _ROWS_ARGS, _int
         self._gemm = lib.mm_gemm_dense
         self._gemm.argtypes, self._gemm.restype = _ROWS_ARGS, _int
+        self._gemm_i4 = lib.mm_gemm_int4
+        self._gemm_i4.argtypes = [_ptr, _int, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _int]
+        self._gemm_i4.restype = _int
         self._int4 = lib.mm_linear_i4
         self._int4.argtypes, self._int4.restype = _INT4_ARGS, _int
         self._dequant_i8, self._dequant_i4 = lib.mm_dequantize_i8, lib.mm_dequantize_i4
@@ -158,6 +161,25 @@ class NativeKernels:
         """As `linear`, through packed panels and register tiles of 6 rows x 2 vectors of
         channels (models/kernels/cpu/gemm_dense.c): for hundreds to thousands of rows."""
         return self._tiled(self._gemm, "gemm", x, weight, scales)
+
+    def gemm_int4(self, x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
+                  group_size: int) -> torch.Tensor:
+        """As `gemm`, for int4 weights in our pack (models.kernels.quantization.pack_int4),
+        each panel dequantized to float32 as it is packed: x [M, K] -> [M, N] in x's dtype."""
+        m, k = x.shape
+        n = packed.shape[0]
+        assert packed.dtype == torch.uint8 and packed.shape[1] * 2 == k
+        assert scales_and_zeros.dtype == torch.bfloat16 and scales_and_zeros.is_contiguous()
+        x = x.contiguous()
+        y = torch.empty(m, n, dtype=x.dtype)
+        status = self._gemm_i4(x.data_ptr(), DTYPES[x.dtype], packed.data_ptr(),
+                               scales_and_zeros.data_ptr(), group_size, y.data_ptr(), m, n, k,
+                               torch.get_num_threads())
+        if status == 2:
+            raise ValueError(f"native gemm_int4 does not take [{n}, {k}] at group {group_size}")
+        if status:
+            raise MemoryError("native gemm_int4: out of memory for its buffers")
+        return y
 
     def _tiled(self, fn, name: str, x: torch.Tensor, weight: torch.Tensor,
                scales: torch.Tensor | None) -> torch.Tensor:

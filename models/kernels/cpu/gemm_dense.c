@@ -49,6 +49,17 @@ typedef float vf __attribute__((vector_size(VL * 4)));
 #define W_F32 0
 #define W_BF16 1
 #define W_I8 2
+#define W_I4 3
+
+/* The weight as stored: float32, bfloat16, int8 with a bfloat16 scale per channel, or int4 in
+ * our pack with a bfloat16 (scale, zero) per `group` inputs of each channel
+ * (models/kernels/quantization.py; sz [K / group, N, 2]). */
+typedef struct {
+    const void* w;
+    int type;
+    const uint16_t* scales;
+    int64_t group;
+} Weight;
 
 static inline vf vload(const float* p) {
     vf v;
@@ -124,21 +135,39 @@ static void transpose8(const float* rows, int64_t ld, int64_t kc, float* out, in
 
 /* W channels [j0, j0 + nc), inputs [p0, p0 + kc) -> bp [ceil(nc / NR)][kc][NR], zero past n:
  * each strip's rows widened to float32, then transposed 8 channels at a time. */
-static void pack_w(const void* w, int w_type, int64_t k, int64_t n, int64_t j0, int64_t nc,
+/* Channel j's int4 values for inputs [p0, p0 + kc) (p0 and kc multiples of 4) as float32,
+ * (q - 8) * scale + zero written as fma(q, scale, zero - 8 * scale), as our dequantizer. */
+static void int4_row(const Weight* W, int64_t k, int64_t n, int64_t j, int64_t p0, int64_t kc,
+                     float* row) {
+    const uint8_t* block = (const uint8_t*)W->w + j / I4_BLOCK_N * k * (I4_BLOCK_N / 2);
+    const int64_t d = j % I4_BLOCK_N, lane = d % (I4_BLOCK_N / 2), shift = d < 32 ? 0 : 4;
+    for (int64_t p = p0; p < p0 + kc; p += 4) {
+        const int64_t g = p / W->group;
+        const uint16_t* s = W->scales + (g * n + j) * 2;
+        const float scale = bf16_to_f32(s[0]), offset = bf16_to_f32(s[1]) - 8.0f * scale;
+        const uint8_t* q = block + p / 4 * 128 + lane * 4;
+        for (int i = 0; i < 4; i++)
+            row[p - p0 + i] = __builtin_fmaf((float)((q[i] >> shift) & 15), scale, offset);
+    }
+}
+
+static void pack_w(const Weight* W, int64_t k, int64_t n, int64_t n_end, int64_t j0, int64_t nc,
                    int64_t p0, int64_t kc, float* bp) {
     float rows[NR * KC];
     for (int64_t s = 0; s < nc; s += NR) {
         for (int c = 0; c < NR; c++) {
             float* row = rows + c * KC;
             const int64_t j = j0 + s + c;
-            if (j >= n) {
+            if (j >= n_end) {
                 memset(row, 0, sizeof(float) * (size_t)kc);
-            } else if (w_type == W_F32) {
-                memcpy(row, (const float*)w + j * k + p0, sizeof(float) * (size_t)kc);
-            } else if (w_type == W_BF16) {
-                load_row(row, w, DTYPE_BF16, j * k + p0, kc);
+            } else if (W->type == W_F32) {
+                memcpy(row, (const float*)W->w + j * k + p0, sizeof(float) * (size_t)kc);
+            } else if (W->type == W_BF16) {
+                load_row(row, W->w, DTYPE_BF16, j * k + p0, kc);
+            } else if (W->type == W_I4) {
+                int4_row(W, k, n, j, p0, kc, row);
             } else {
-                const int8_t* q = (const int8_t*)w + j * k + p0;
+                const int8_t* q = (const int8_t*)W->w + j * k + p0;
                 _Pragma("omp simd")
                 for (int64_t p = 0; p < kc; p++) row[p] = (float)q[p];
             }
@@ -182,8 +211,8 @@ static int64_t block_channels(int64_t m, int64_t share) {
 
 /* One thread's channels [n0, n1): every row of y. `sums` [m][nc] float32, `ap` / `bp` its
  * packed blocks. */
-static void gemm_part(const void* x, int x_dtype, const void* w, int w_type,
-                      const uint16_t* scales, void* y, int64_t m, int64_t n, int64_t k,
+static void gemm_part(const void* x, int x_dtype, const Weight* W, void* y, int64_t m,
+                      int64_t n, int64_t k,
                       int64_t n0, int64_t n1, int64_t nc_max, float* sums, float* ap,
                       float* bp) {
     for (int64_t j0 = n0; j0 < n1; j0 += nc_max) {
@@ -191,7 +220,7 @@ static void gemm_part(const void* x, int x_dtype, const void* w, int w_type,
         const int64_t ncp = (nc + NR - 1) / NR * NR;
         for (int64_t p0 = 0; p0 < k; p0 += KC) {
             const int64_t kc = k - p0 < KC ? k - p0 : KC;
-            pack_w(w, w_type, k, n1, j0, nc, p0, kc, bp);  /* once per call */
+            pack_w(W, k, n, n1, j0, nc, p0, kc, bp);  /* once per call */
             for (int64_t i0 = 0; i0 < m; i0 += MC) {
                 const int64_t mc = m - i0 < MC ? m - i0 : MC;
                 const int64_t mcp = (mc + MR - 1) / MR * MR;
@@ -204,19 +233,16 @@ static void gemm_part(const void* x, int x_dtype, const void* w, int w_type,
         }
         for (int64_t i = 0; i < m; i++) {
             float* row = sums + i * ncp;
-            if (scales != NULL)
-                for (int64_t j = 0; j < nc; j++) row[j] *= bf16_to_f32(scales[j0 + j]);
+            if (W->type == W_I8)
+                for (int64_t j = 0; j < nc; j++) row[j] *= bf16_to_f32(W->scales[j0 + j]);
             store_row(y, row, x_dtype, i * n + j0, nc);
         }
     }
 }
 
-/* w_dtype: DTYPE_F32, DTYPE_BF16 or DTYPE_I8 (then `scales`: one bfloat16 per channel).
- * 0: done; 1: out of memory. */
-int mm_gemm_dense(const void* x, int x_dtype, const void* w, int w_dtype,
-                  const uint16_t* scales, void* y, int64_t m, int64_t n, int64_t k,
-                  int threads) {
-    const int w_type = w_dtype == DTYPE_F32 ? W_F32 : w_dtype == DTYPE_BF16 ? W_BF16 : W_I8;
+/* 0: done; 1: out of memory. */
+static int gemm(const void* x, int x_dtype, const Weight* W, void* y, int64_t m, int64_t n,
+                int64_t k, int threads) {
     if (m == 0 || n == 0) return 0;
     if (k == 0) {  /* empty sums */
         for (int64_t i = 0; i < m * n; i++) store(y, x_dtype, i, 0.0f);
@@ -240,9 +266,29 @@ int mm_gemm_dense(const void* x, int x_dtype, const void* w, int w_dtype,
             _Pragma("omp atomic write")
             failed = 1;
         } else if (n0 < n1) {
-            gemm_part(x, x_dtype, w, w_type, scales, y, m, n, k, n0, n1, nc, sums, ap, bp);
+            gemm_part(x, x_dtype, W, y, m, n, k, n0, n1, nc, sums, ap, bp);
         }
         free(sums), free(ap), free(bp);
     }
     return failed;
+}
+
+/* w_dtype: DTYPE_F32, DTYPE_BF16 or DTYPE_I8 (then `scales`: one bfloat16 per channel).
+ * 0: done; 1: out of memory. */
+int mm_gemm_dense(const void* x, int x_dtype, const void* w, int w_dtype,
+                  const uint16_t* scales, void* y, int64_t m, int64_t n, int64_t k,
+                  int threads) {
+    const Weight W = {w, w_dtype == DTYPE_F32 ? W_F32 : w_dtype == DTYPE_BF16 ? W_BF16 : W_I8,
+                      scales, 0};
+    return gemm(x, x_dtype, &W, y, m, n, k, threads);
+}
+
+/* int4 weights in our pack [N / 64, K / 4, 32, 4] bytes with sz [K / group, N, 2]: each
+ * chunk of a strip dequantized to float32 as it is packed. Requires n % 64 == 0, k % group ==
+ * 0, group % 4 == 0 (else 2). 0: done; 1: out of memory. */
+int mm_gemm_int4(const void* x, int x_dtype, const uint8_t* w, const uint16_t* sz,
+                 int64_t group, void* y, int64_t m, int64_t n, int64_t k, int threads) {
+    if (n % I4_BLOCK_N || group <= 0 || k % group || group % 4) return 2;
+    const Weight W = {w, W_I4, sz, group};
+    return gemm(x, x_dtype, &W, y, m, n, k, threads);
 }

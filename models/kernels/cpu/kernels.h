@@ -342,6 +342,8 @@ int mm_gemm_quantized_takes(int64_t n, int64_t k, int w_format, int64_t group);
 int mm_gemm_dense(const void* x, int x_dtype, const void* w, int w_dtype,
                   const uint16_t* scales, void* y, int64_t m, int64_t n, int64_t k,
                   int threads);
+int mm_gemm_int4(const void* x, int x_dtype, const uint8_t* w, const uint16_t* sz,
+                 int64_t group, void* y, int64_t m, int64_t n, int64_t k, int threads);
 void mm_dequantize_i4_block(const uint8_t* w, const uint16_t* sz, void* out, int out_dtype,
                             int64_t ldo, int64_t n, int64_t k, int64_t group, int64_t b,
                             int64_t g0, int64_t g1);
