@@ -61,6 +61,7 @@ def gemm_peak(dtype: torch.dtype, rows: int = 2048, size: int = 4096, repeats: i
     """FLOP/s of a [rows x size] x [size x size] product through the fastest dense formulation
     the engine has for `dtype` on this machine (models.kernels.linear.KERNELS, those that take
     any row count)."""
+    from models.kernels import native
     from models.kernels.linear import KERNELS, Linear
     from models.kernels.plan import onednn_prepacks
 
@@ -69,6 +70,8 @@ def gemm_peak(dtype: torch.dtype, rows: int = 2048, size: int = 4096, repeats: i
     names = ["F.linear", "matmul_t"]
     if dtype == torch.bfloat16:
         names.append("widened")
+    if native.load() is not None:
+        names.append("native_gemm")
     if onednn_prepacks(dtype):
         layer.packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 1)
         names.append("onednn")
