@@ -1,24 +1,25 @@
 /* A linear for hundreds to thousands of rows (a prefill, a vision tower's patches), y[M, N] =
- * x[M, K] . W[N, K]^T, W float32, bfloat16 or int8 (one bfloat16 scale per output channel), x
- * and y float32 or bfloat16 (y in x's dtype), float32 products and sums.
+ * x[M, K] . W[N, K]^T, W float32, bfloat16, int8 (one bfloat16 scale per output channel) or
+ * int4 in our pack, x and y float32 or bfloat16 (y in x's dtype), float32 products and sums.
  *
  * Packed panels, in the order of the BLIS papers (Van Zee and van de Geijn): a register tile of
  * MR rows x NR channels holds its sums for a whole chunk of KC inputs; per input it loads NR
  * weights (two vectors) and broadcasts MR values of x, for 2 * MR multiply-adds, so the loop is
  * bound by the multiply-adds, not the loads. Both operands are copied into the order the tile
  * reads them, float32:
- *   x: rows [i0, i0 + MC) x inputs [p0, p0 + KC) as [MC / MR][KC][MR], about 240 KiB: in L2,
- *      read once per NR channels;
- *   W: channels [j0, j0 + NC) x the same inputs as [NC / NR][KC][NR] (widened from bfloat16,
- *      int8 as q, its scale applied to the sums): one NR-wide strip (16 KiB with AVX2) stays in
- *      L1 while every tile of rows passes over it.
- * Each thread takes a contiguous share of the output channels (the weight is read from memory
- * once per MC rows), and keeps the float32 sums of its MC x NC block of y across the chunks of
- * K in a buffer of its own.
+ *   W: a block of NC channels x KC inputs as [NC / NR][KC][NR] (widened from bfloat16, int8 as
+ *      q with its scale applied to the sums, int4 dequantized), once per call: one NR-wide strip
+ *      (16 KiB with AVX2) stays in L1 while every tile of rows passes over it;
+ *   x: rows [i0, i0 + MC) x the same inputs as [MC / MR][KC][MR], about 240 KiB: in L2, read
+ *      once per strip, packed again for each block of channels.
+ * Each thread takes a contiguous share of the output channels in blocks of NC, as wide as a
+ * buffer of float32 sums for every row of the block (SUMS_BYTES) allows, which keeps the sums
+ * across the chunks of K.
  *
  * Written with GCC's vector extensions, so that one source builds for every variant (vectors of
  * 16 floats with AVX-512, 8 with AVX2, 4 on NEON / SSE2). Rows past M and channels past N are
- * zero in the packed copies; edge tiles are computed whole and only their valid part stored. */
+ * zero in the packed copies; tiles are computed whole and only the valid part of the sums is
+ * stored. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
