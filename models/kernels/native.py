@@ -166,35 +166,34 @@ class NativeKernels:
                   group_size: int) -> torch.Tensor:
         """As `gemm`, for int4 weights in our pack (models.kernels.quantization.pack_int4),
         each panel dequantized to float32 as it is packed: x [M, K] -> [M, N] in x's dtype."""
-        m, k = x.shape
-        n = packed.shape[0]
-        assert packed.dtype == torch.uint8 and packed.shape[1] * 2 == k
+        assert packed.dtype == torch.uint8 and packed.shape[1] * 2 == x.shape[1]
         assert scales_and_zeros.dtype == torch.bfloat16 and scales_and_zeros.is_contiguous()
-        x = x.contiguous()
-        y = torch.empty(m, n, dtype=x.dtype)
-        status = self._gemm_i4(x.data_ptr(), DTYPES[x.dtype], packed.data_ptr(),
-                               scales_and_zeros.data_ptr(), group_size, y.data_ptr(), m, n, k,
-                               torch.get_num_threads())
-        if status == 2:
-            raise ValueError(f"native gemm_int4 does not take [{n}, {k}] at group {group_size}")
-        if status:
-            raise MemoryError("native gemm_int4: out of memory for its buffers")
-        return y
+        return self._product(self._gemm_i4, f"gemm_int4 (group {group_size})", x,
+                             packed.shape[0], (packed.data_ptr(), scales_and_zeros.data_ptr(),
+                                               group_size))
 
     def _tiled(self, fn, name: str, x: torch.Tensor, weight: torch.Tensor,
                scales: torch.Tensor | None) -> torch.Tensor:
-        m, k = x.shape
-        n = weight.shape[0]
         assert weight.dtype in WEIGHT_KERNELS, f"weights float32, bfloat16 or int8: {weight.dtype}"
         if weight.dtype == torch.int8:
             assert scales is not None and scales.dtype == torch.bfloat16, "int8 takes scales"
-        assert weight.is_contiguous() and weight.shape[1] == k, "weight [N, K], contiguous"
+        assert weight.is_contiguous() and weight.shape[1] == x.shape[1], "weight [N, K]"
+        return self._product(fn, name, x, weight.shape[0], (
+            weight.data_ptr(), DTYPES.get(weight.dtype, DTYPE_I8),
+            None if scales is None else scales.data_ptr()))
+
+    @staticmethod
+    def _product(fn, name: str, x: torch.Tensor, n: int, weight_args: tuple) -> torch.Tensor:
+        """y [M, N] = x [M, K] . W^T through `fn(x, x dtype, *weight_args, y, m, n, k, threads)`
+        (our GEMM-like kernels' common signature): 0 done, 1 out of memory, 2 a shape it does
+        not take."""
+        m, k = x.shape
         x = x.contiguous()
         y = torch.empty(m, n, dtype=x.dtype)
-        w_dtype = DTYPES.get(weight.dtype, DTYPE_I8)
-        status = fn(x.data_ptr(), DTYPES[x.dtype], weight.data_ptr(), w_dtype,
-                    None if scales is None else scales.data_ptr(), y.data_ptr(), m, n, k,
+        status = fn(x.data_ptr(), DTYPES[x.dtype], *weight_args, y.data_ptr(), m, n, k,
                     torch.get_num_threads())
+        if status == 2:
+            raise ValueError(f"native {name} does not take a weight [{n}, {k}]")
         if status:
             raise MemoryError(f"native {name}: out of memory for its buffers")
         return y

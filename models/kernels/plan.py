@@ -97,7 +97,7 @@ def candidates(layer: nn.Module, rows: int, dtype: torch.dtype,
             names.append("native")
         if layer.mode == "int8" and tiled_rows(rows):
             names.append("native_rows")
-        if gemm_rows(rows):  # an int4 layer is always of a shape its pack takes
+        if gemm_rows(rows):  # an int4 layer's shape and group (32-128) it always takes
             names.append("native_gemm")
         # Dequantizing per call pays only when rows share the weight (the int kernels' dot
         # products grow with the rows: at a few rows already they can lose), and at a decode's

@@ -34,6 +34,8 @@ int mm_linear_rows(const void* x, int x_dtype, const void* w, int w_dtype,
 int mm_gemm_dense(const void* x, int x_dtype, const void* w, int w_dtype,
                   const uint16_t* scales, void* y, int64_t m, int64_t n, int64_t k,
                   int threads);
+int mm_gemm_int4(const void* x, int x_dtype, const uint8_t* w, const uint16_t* sz,
+                 int64_t group, void* y, int64_t m, int64_t n, int64_t k, int threads);
 typedef int (*tiled_fn)(const void*, int, const void*, int, const uint16_t*, void*, int64_t,
                         int64_t, int64_t, int);
 int mm_delta_rule_step(const float* q, const float* k, const float* v, const float* g,
@@ -229,6 +231,8 @@ static Int4 make_int4(int64_t n, int64_t k, int64_t group) {
 
 static void free_int4(Int4 t) { free(t.q), free(t.packed), free(t.sz), free(t.w); }
 
+/* generic: 0 the integer path, 1 its plain-C path, 2 the packed GEMM (float32 activations:
+ * only summation order apart) */
 static void test_int4(int dt, int64_t m, int64_t n, int64_t k, int64_t group, int generic) {
     Int4 t = make_int4(n, k, group);
     void* x = alloc(4 * (size_t)(m * k));
@@ -246,10 +250,14 @@ static void test_int4(int dt, int64_t m, int64_t n, int64_t k, int64_t group, in
         }
     void* y = alloc(4 * (size_t)(m * n));
     char name[112];
-    snprintf(name, sizeof name, "linear int4 g%lld%s, %s x, m=%lld k=%lld", (long long)group,
-             generic ? " (plain path)" : "", dname(dt), (long long)m, (long long)k);
-    if (mm_linear_i4(x, dt, t.packed, t.sz, y, m, n, k, group, generic, 1))
-        printf("FAIL %s: status\n", name), failures++;
+    snprintf(name, sizeof name, "%s int4 g%lld%s, %s x, m=%lld k=%lld",
+             generic == 2 ? "packed GEMM" : "linear", (long long)group,
+             generic == 1 ? " (plain path)" : "", dname(dt), (long long)m, (long long)k);
+    const int status = generic == 2 ? mm_gemm_int4(x, dt, t.packed, t.sz, group, y, m, n, k, 2)
+                                    : mm_linear_i4(x, dt, t.packed, t.sz, y, m, n, k, group,
+                                                   generic, 1);
+    if (status) printf("FAIL %s: status\n", name), failures++;
+    if (generic == 2) bound = 0.0;
     check(name, y, dt, want, m * n, bound + 1e-5 * (double)k, dt == DTYPE_F32 ? 1e-5 : 8e-3);
     free_int4(t), free(x), free(xr), free(want), free(y);
 }
@@ -557,6 +565,8 @@ int main(void) {
         for (int g = 32; g <= 128; g *= 2) test_int4(dt, 1, 128, 256, g, 0);
         test_int4(dt, 3, 64, 384, 64, 0);
         test_int4(dt, 2, 64, 256, 32, 1);
+        test_int4(dt, 7, 128, 640, 128, 2);
+        test_int4(dt, 70, 192, 384, 32, 2);
         test_dequantize(dt);
         test_gemm_quantized(0, dt);
         test_gemm_quantized(1, dt);

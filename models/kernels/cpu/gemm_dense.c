@@ -46,6 +46,8 @@ typedef float vf __attribute__((vector_size(VL * 4)));
 #define KC 256              /* inputs per chunk */
 #define MC (40 * MR)        /* rows per packed block of x */
 #define SUMS_BYTES (4 << 20) /* a thread's float32 sums of a block of y, at most */
+/* rows of the weight widened at once: a strip's, or an int4 block's */
+#define ROWS_BUFFER (NR > I4_BLOCK_N ? NR : I4_BLOCK_N)
 
 #define W_F32 0
 #define W_BF16 1
@@ -134,46 +136,39 @@ static void transpose8(const float* rows, int64_t ld, int64_t kc, float* out, in
         for (int i = 0; i < 8; i++) out[p * stride + i] = rows[i * ld + p];
 }
 
-/* W channels [j0, j0 + nc), inputs [p0, p0 + kc) -> bp [ceil(nc / NR)][kc][NR], zero past n:
- * each strip's rows widened to float32, then transposed 8 channels at a time. */
-/* Channel j's int4 values for inputs [p0, p0 + kc) (p0 and kc multiples of 4) as float32,
- * (q - 8) * scale + zero written as fma(q, scale, zero - 8 * scale), as our dequantizer. */
-static void int4_row(const Weight* W, int64_t k, int64_t n, int64_t j, int64_t p0, int64_t kc,
-                     float* row) {
-    const uint8_t* block = (const uint8_t*)W->w + j / I4_BLOCK_N * k * (I4_BLOCK_N / 2);
-    const int64_t d = j % I4_BLOCK_N, lane = d % (I4_BLOCK_N / 2), shift = d < 32 ? 0 : 4;
-    for (int64_t p = p0; p < p0 + kc; p += 4) {
-        const int64_t g = p / W->group;
-        const uint16_t* s = W->scales + (g * n + j) * 2;
-        const float scale = bf16_to_f32(s[0]), offset = bf16_to_f32(s[1]) - 8.0f * scale;
-        const uint8_t* q = block + p / 4 * 128 + lane * 4;
-        for (int i = 0; i < 4; i++)
-            row[p - p0 + i] = __builtin_fmaf((float)((q[i] >> shift) & 15), scale, offset);
-    }
-}
-
+/* W channels [j0, j0 + nc), inputs [p0, p0 + kc) -> bp [ceil(nc / NR)][kc][NR], zero past
+ * n_end: each strip's rows widened to float32 into `rows` ([ROWS_BUFFER][KC]), then transposed 8
+ * channels at a time. int4: a block of 64 channels of the pack is dequantized at once, by the
+ * dequantizer of the `dequantized` formulations (mm_dequantize_i4_block); a strip lies within one
+ * block (64 is a multiple of NR), and p0, kc are whole groups (the groups divide KC and K). */
 static void pack_w(const Weight* W, int64_t k, int64_t n, int64_t n_end, int64_t j0, int64_t nc,
-                   int64_t p0, int64_t kc, float* bp) {
-    float rows[NR * KC];
+                   int64_t p0, int64_t kc, float* bp, float* rows) {
     for (int64_t s = 0; s < nc; s += NR) {
-        for (int c = 0; c < NR; c++) {
-            float* row = rows + c * KC;
-            const int64_t j = j0 + s + c;
-            if (j >= n_end) {
-                memset(row, 0, sizeof(float) * (size_t)kc);
-            } else if (W->type == W_F32) {
-                memcpy(row, (const float*)W->w + j * k + p0, sizeof(float) * (size_t)kc);
-            } else if (W->type == W_BF16) {
-                load_row(row, W->w, DTYPE_BF16, j * k + p0, kc);
-            } else if (W->type == W_I4) {
-                int4_row(W, k, n, j, p0, kc, row);
-            } else {
-                const int8_t* q = (const int8_t*)W->w + j * k + p0;
-                _Pragma("omp simd")
-                for (int64_t p = 0; p < kc; p++) row[p] = (float)q[p];
+        const float* strip = rows;
+        if (W->type == W_I4) {
+            const int64_t j = j0 + s;
+            if (s == 0 || j % I4_BLOCK_N == 0)
+                mm_dequantize_i4_block(W->w, W->scales, rows, DTYPE_F32, KC, n, k, W->group,
+                                       j / I4_BLOCK_N, p0 / W->group, (p0 + kc) / W->group);
+            strip = rows + j % I4_BLOCK_N * KC;
+        } else {
+            for (int c = 0; c < NR; c++) {
+                float* row = rows + c * KC;
+                const int64_t j = j0 + s + c;
+                if (j >= n_end) {
+                    memset(row, 0, sizeof(float) * (size_t)kc);
+                } else if (W->type == W_F32) {
+                    memcpy(row, (const float*)W->w + j * k + p0, sizeof(float) * (size_t)kc);
+                } else if (W->type == W_BF16) {
+                    load_row(row, W->w, DTYPE_BF16, j * k + p0, kc);
+                } else {
+                    const int8_t* q = (const int8_t*)W->w + j * k + p0;
+                    _Pragma("omp simd")
+                    for (int64_t p = 0; p < kc; p++) row[p] = (float)q[p];
+                }
             }
         }
-        for (int c = 0; c < NR; c += 8) transpose8(rows + c * KC, KC, kc, bp + s * kc + c, NR);
+        for (int c = 0; c < NR; c += 8) transpose8(strip + c * KC, KC, kc, bp + s * kc + c, NR);
     }
 }
 
@@ -215,13 +210,13 @@ static int64_t block_channels(int64_t m, int64_t share) {
 static void gemm_part(const void* x, int x_dtype, const Weight* W, void* y, int64_t m,
                       int64_t n, int64_t k,
                       int64_t n0, int64_t n1, int64_t nc_max, float* sums, float* ap,
-                      float* bp) {
+                      float* bp, float* rows) {
     for (int64_t j0 = n0; j0 < n1; j0 += nc_max) {
         const int64_t nc = n1 - j0 < nc_max ? n1 - j0 : nc_max;
         const int64_t ncp = (nc + NR - 1) / NR * NR;
         for (int64_t p0 = 0; p0 < k; p0 += KC) {
             const int64_t kc = k - p0 < KC ? k - p0 : KC;
-            pack_w(W, k, n, n1, j0, nc, p0, kc, bp);  /* once per call */
+            pack_w(W, k, n, n1, j0, nc, p0, kc, bp, rows);  /* once per call */
             for (int64_t i0 = 0; i0 < m; i0 += MC) {
                 const int64_t mc = m - i0 < MC ? m - i0 : MC;
                 const int64_t mcp = (mc + MR - 1) / MR * MR;
@@ -263,13 +258,14 @@ static int gemm(const void* x, int x_dtype, const Weight* W, void* y, int64_t m,
         float* sums = aligned_alloc(64, sizeof(float) * (size_t)(mp * nc));
         float* ap = aligned_alloc(64, sizeof(float) * MC * KC);
         float* bp = aligned_alloc(64, sizeof(float) * (size_t)(nc * KC));
-        if (sums == NULL || ap == NULL || bp == NULL) {
+        float* rows = aligned_alloc(64, sizeof(float) * ROWS_BUFFER * KC);
+        if (sums == NULL || ap == NULL || bp == NULL || rows == NULL) {
             _Pragma("omp atomic write")
             failed = 1;
         } else if (n0 < n1) {
-            gemm_part(x, x_dtype, W, y, m, n, k, n0, n1, nc, sums, ap, bp);
+            gemm_part(x, x_dtype, W, y, m, n, k, n0, n1, nc, sums, ap, bp, rows);
         }
-        free(sums), free(ap), free(bp);
+        free(sums), free(ap), free(bp), free(rows);
     }
     return failed;
 }
@@ -285,11 +281,12 @@ int mm_gemm_dense(const void* x, int x_dtype, const void* w, int w_dtype,
 }
 
 /* int4 weights in our pack [N / 64, K / 4, 32, 4] bytes with sz [K / group, N, 2]: each
- * chunk of a strip dequantized to float32 as it is packed. Requires n % 64 == 0, k % group ==
- * 0, group % 4 == 0 (else 2). 0: done; 1: out of memory. */
+ * chunk of a block of the pack dequantized to float32 as it is packed. Requires n % 64 == 0 (so
+ * that no strip straddles the end of a thread's share) and a group dividing k and KC (so that a
+ * chunk holds whole groups), else 2. 0: done; 1: out of memory. */
 int mm_gemm_int4(const void* x, int x_dtype, const uint8_t* w, const uint16_t* sz,
                  int64_t group, void* y, int64_t m, int64_t n, int64_t k, int threads) {
-    if (n % I4_BLOCK_N || group <= 0 || k % group || group % 4) return 2;
+    if (n % I4_BLOCK_N || group <= 0 || k % group || KC % group) return 2;
     const Weight W = {w, W_I4, sz, group};
     return gemm(x, x_dtype, &W, y, m, n, k, threads);
 }
