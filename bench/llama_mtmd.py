@@ -21,6 +21,17 @@ from pathlib import Path
 import numpy as np
 
 
+def build_features() -> str:
+    """The instruction sets the imported llama.cpp was built for ("SSE3 AVX AVX2 FMA ..."), from
+    its system info ("CPU : SSE3 = 1 | AVX = 1 | ... | OPENMP = 1 |")."""
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info().decode().replace("CPU :", "|")
+    on = [part.split("=")[0].strip() for part in info.split("|") if part.strip().endswith("= 1")]
+    isa = [name for name in on if name not in ("LLAMAFILE", "OPENMP", "REPACK")]
+    return " ".join(isa) or "none (its portable x86-64 build)"
+
+
 @dataclass
 class LlamaTurn:
     """Seconds per stage of one turn, and the prompt it saw."""

@@ -4,7 +4,7 @@ multimodal path, side by side in one process, alternating, on the same random we
     OMP_WAIT_POLICY=PASSIVE python -m bench.media_turn
         [--shape qwen2.5-vl-3b|qwen3-vl-2b|gemma3-4b] [--layers N] [--vision-layers N]
         [--sizes 448,896,1344] [--precisions bf16,int4] [--runs 3] [--new-tokens 16]
-        [--threads 2]
+        [--threads 2] [--no-recompute]
 
 OMP_WAIT_POLICY=PASSIVE: both libraries' OpenMP threads otherwise spin after their work, and in
 one process with as many threads as cores each side then runs beside the other's spinning
@@ -42,7 +42,7 @@ from PIL import Image
 from bench import flops as count
 from bench.common import machine, median, memory_bandwidth, print_table
 from bench.gguf import ensure_gguf, ensure_mmproj
-from bench.llama_mtmd import LlamaMtmd, LlamaTurn
+from bench.llama_mtmd import LlamaMtmd, LlamaTurn, build_features
 from bench.vl_shapes import SHAPES, build
 
 LLAMA_TYPES = {"bf16": "bf16", "int4": "q4_0"}
@@ -133,6 +133,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-llama-cpp", action="store_true")
+    parser.add_argument("--no-recompute", action="store_true",
+                        help="skip llama.cpp's recomputed second turn (a whole first turn again)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
@@ -145,6 +147,8 @@ def main() -> None:
     print(f"machine: {machine()}; {args.shape} widths, {path.name}; rulers: "
           + ", ".join(f"{k} {v / 1e9:.0f} G{'B' if k == 'bandwidth' else 'FLOP'}/s"
                       for k, v in ruler.items()))
+    if not args.no_llama_cpp:
+        print(f"llama.cpp built for: {build_features()}")
     peak = ruler["gemm bfloat16"]
     table, summary = [], []
     for precision in args.precisions.split(","):
@@ -181,7 +185,8 @@ def main() -> None:
                     full = rendered_prompt(llm, shape.image_text, theirs.marker, history)
                     tail = full[len(text):]  # the new text after the first turn's prompt
                     row["llama2_keep"] = theirs.turn(b"", tail, args.new_tokens, keep=True)
-                    row["llama2_recompute"] = theirs.turn(image, full, args.new_tokens)
+                    if not args.no_recompute:
+                        row["llama2_recompute"] = theirs.turn(image, full, args.new_tokens)
                 runs.append(row)
                 print(f"{precision} {size}px run {run + 1}: TTFT ours {ours.ttft:.2f} s"
                       + (f", llama.cpp {row['llama'].ttft:.2f} s" if theirs else ""))
@@ -228,8 +233,10 @@ def _rows(precision: str, size: int, runs: list[dict], flops: dict[str, float],
         row("time to first token (s)", "ttft", "llama"),
         row("decode (tok/s)", "decode_rate", "llama", rate=True),
         row("second turn, llama.cpp keeping its cache (s)", "ttft", "llama2_keep", "ours2"),
-        row("second turn, llama.cpp recomputing (s)", "ttft", "llama2_recompute", "ours2"),
     ]
+    if "llama2_recompute" in runs[0]:
+        rows.append(row("second turn, llama.cpp recomputing (s)", "ttft", "llama2_recompute",
+                        "ours2"))
     return rows
 
 

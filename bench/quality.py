@@ -13,7 +13,9 @@ as f32 (each block dequantized: exactly the values the file stands for), from wh
 loads each of its precisions, transformers loads its bfloat16, and llama.cpp's quantizer writes
 its own types with its default rules (bench/gguf.py). A row for the shipped file run as stored
 (SmolLM2's Q4_1 as our int4 at group 32 with bfloat16 scales, float32 activations) measures what
-that rounding costs.
+that rounding costs. The rows "ours float32, int8 rounding only, per channel / g64 / g32" round
+the linears' weights to int8 with a scale per output channel or per 64 / 32 inputs and run them
+dense in float32: what the weights' rounding alone costs, whichever kernels could run it.
 
 The text is cut into windows of `--window` tokens (each starting afresh, the first token of
 each unscored; a model whose tokenizer adds BOS gets it at every window's start), the same token
@@ -89,17 +91,21 @@ def windows(ids: list[int], size: int, bos: int | None) -> Iterator[list[int]]:
             yield ([bos] if bos is not None else []) + piece
 
 
-def ours(path: Path, window: int, decode: bool = False,
+def ours(path: Path, window: int, decode: bool = False, int8_rounding: int | None = None,
          **options) -> tuple[Logits, float, Callable[[], None]]:
     """Our engine's teacher-forced logits for a window (one prefill, or with `decode` one decode
     step per token through the KV cache, as generation runs), its layers' bits per weight, and a
-    closer."""
+    closer. `int8_rounding` (a group size, 0 for one scale per output channel): the decoder's
+    linears and the head rounded to int8 values times bfloat16 scales and run dense, so that
+    the row measures that rounding alone (round_to_int8)."""
     from engine import LLM
     from models.layers.attention import build_metadata
 
     llm = LLM(path, max_model_len=window, max_num_seqs=1, **options)
     runner = llm.engine.runner
     model, size = runner.model, runner.layout.block_size
+    if int8_rounding is not None:
+        round_to_int8(model, int8_rounding)
 
     def step(ids: list[int], start: int, blocks: list[int]) -> torch.Tensor:
         meta = build_metadata([start], [len(ids)], [blocks], size, torch.device("cpu"),
@@ -120,6 +126,28 @@ def ours(path: Path, window: int, decode: bool = False,
         del llm, model
 
     return run, layer_bits(model), close
+
+
+@torch.no_grad()
+def round_to_int8(model: torch.nn.Module, group: int) -> None:
+    """Each dense linear of the decoder and the head, in place, as q * s: q int8 in [-127, 127],
+    s = max|w| / 127 in bfloat16 per `group` inputs of each output channel (0: per channel). In
+    place, so that the native decode step's pointers stay right; a oneDNN copy the plan made is
+    made again. A tied head rounds the embedding too (as a q8_0 GGUF's shared tensor is). A
+    linear whose inputs `group` does not divide is left as it is."""
+    from models.kernels.quantization import quantized_linears
+
+    for parent, name in quantized_linears(model):
+        linear = getattr(parent, name)
+        n, k = linear.weight.shape
+        width = group or k
+        if k % width:
+            continue
+        w = linear.weight.float().reshape(n, k // width, width)
+        s = (w.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-10).to(torch.bfloat16).float()
+        linear.weight.copy_((torch.round(w / s).clamp(-127, 127) * s).reshape(n, k))
+        if linear.packed is not None:
+            linear.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
 
 
 def layer_bits(model: torch.nn.Module) -> float:
@@ -273,6 +301,9 @@ def main() -> None:
               for name, options in OURS.items()],
             ("ours, the file as stored, float32",
              lambda: ours(source, args.window, args.decode, dtype="float32")),
+            *[(f"ours float32, int8 rounding only, {'per channel' if g == 0 else f'g{g}'}",
+               lambda g=g: ours(f32, args.window, args.decode, int8_rounding=g, dtype="float32"))
+              for g in (0, 64, 32)],
             ("transformers bfloat16", lambda: transformers_bf16(f32, args.decode)),
             *[(f"llama.cpp {kind}", lambda k=kind: llama_cpp(
                 requantize(f32, k), args.window, args.threads)) for kind in LLAMA_TYPES],
