@@ -145,10 +145,10 @@ static inline __m256 i4_finish8(__m256 acc, __m256i both, const uint16_t* s, __m
  * accumulators of a half, 256 h + l per channel (at most 4 * 15 * 32639 per step of 4 inputs:
  * int32 holds a group of over 4000 inputs), stay in registers; the second half reads the group's
  * bytes from L1, so memory is streamed once and in order (a half per pass over the whole block
- * read every other cache line: 1.16x slower on Qwen2.5-VL-3B's shapes on an AVX2 Zen 3). The
- * float accumulators live in memory, touched once per group. (Summing PMADDUBSW's pairs in
- * int16 over 8 steps before PMADDWD, fewer instructions, measured 6-9% slower: the extra
- * accumulators spill.) */
+ * reads every other cache line, which the hardware prefetchers follow poorly). The float
+ * accumulators live in memory, touched once per group. (Summing PMADDUBSW's pairs in int16
+ * over several steps before PMADDWD saves instructions but needs more accumulators than there
+ * are registers: it measured slower, docs/performance.md.) */
 static inline void i4_block_avx2(const int8_t* hd, const int8_t* ld, const float* gscale,
                                  const float* xsum, const uint8_t* wb, const uint16_t* sz,
                                  float* out, int64_t n, int64_t k, int64_t group, int64_t b) {
