@@ -135,7 +135,7 @@ def round_to_int8(model: torch.nn.Module, group: int) -> None:
     place, so that the native decode step's pointers stay right; a oneDNN copy the plan made is
     made again. A tied head rounds the embedding too (as a q8_0 GGUF's shared tensor is). A
     linear whose inputs `group` does not divide is left as it is."""
-    from models.kernels.quantization import quantized_linears
+    from models.kernels.quantization import dequantize_int8, quantize_int8, quantized_linears
 
     for parent, name in quantized_linears(model):
         linear = getattr(parent, name)
@@ -143,9 +143,9 @@ def round_to_int8(model: torch.nn.Module, group: int) -> None:
         width = group or k
         if k % width:
             continue
-        w = linear.weight.float().reshape(n, k // width, width)
-        s = (w.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-10).to(torch.bfloat16).float()
-        linear.weight.copy_((torch.round(w / s).clamp(-127, 127) * s).reshape(n, k))
+        # our int8 quantizer, each group of `width` inputs taken as a channel of its own
+        q, scales = quantize_int8(linear.weight.reshape(n * k // width, width))
+        linear.weight.copy_(dequantize_int8(q, scales, torch.float32).reshape(n, k))
         if linear.packed is not None:
             linear.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
 

@@ -23,7 +23,8 @@ class Tiny(nn.Module):
             self.layers[0].proj.weight[3, 70] = 40.0  # one outlier in one group of channel 3
 
 
-def _error(group: int) -> tuple[float, Tiny, torch.Tensor]:
+def _error(group: int) -> tuple[torch.Tensor, Tiny, torch.Tensor]:
+    """|rounded - original| of the layer's weight [64, 128], the model, the original."""
     model = Tiny()
     before = model.layers[0].proj.weight.detach().clone()
     storage = model.layers[0].proj.weight.data_ptr()
