@@ -45,7 +45,7 @@ _ENGINE_OPTIONS = {  # flag -> (engine option, type, help)
     "--quantization": (
         "quantization", str, "int8 or int4 weights for the language model's linears (CPU)"),
     "--quantization-group-size": (
-        "quantization_group_size", int, "inputs per int4 scale: 32, 64 or 128 (default 64)"),
+        "quantization_group_size", int, "inputs per int8 / int4 scale: 32, 64 or 128 (default 64)"),
 }
 
 

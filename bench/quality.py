@@ -47,7 +47,10 @@ GPL = Path("/usr/share/common-licenses/GPL-3")
 LLAMA_TYPES = ("f32", "bf16", "q8_0", "q4_0", "q4_1", "q4_K_M")
 OURS = {  # row -> engine options (on the f32 GGUF)
     "ours bfloat16": dict(dtype="bfloat16"),
-    "ours bfloat16, int8": dict(dtype="bfloat16", quantization="int8"),
+    "ours bfloat16, int8 g32": dict(dtype="bfloat16", quantization="int8",
+                                    quantization_group_size=32),
+    "ours bfloat16, int8 g64": dict(dtype="bfloat16", quantization="int8",
+                                    quantization_group_size=64),
     "ours bfloat16, int4 g32": dict(dtype="bfloat16", quantization="int4",
                                     quantization_group_size=32),
     "ours bfloat16, int4 g64": dict(dtype="bfloat16", quantization="int4",
@@ -143,9 +146,8 @@ def round_to_int8(model: torch.nn.Module, group: int) -> None:
         width = group or k
         if k % width:
             continue
-        # our int8 quantizer, each group of `width` inputs taken as a channel of its own
-        q, scales = quantize_int8(linear.weight.reshape(n * k // width, width))
-        linear.weight.copy_(dequantize_int8(q, scales, torch.float32).reshape(n, k))
+        q, scales = quantize_int8(linear.weight, width)
+        linear.weight.copy_(dequantize_int8(q, scales, torch.float32))
         if linear.packed is not None:
             linear.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
 

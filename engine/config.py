@@ -45,8 +45,10 @@ class EngineConfig:
         processed_cache_items: processed-input cache size, in items (0 disables it).
         quantization: weight-only quantization of the language model's linears at load time
             (the LM head included; embeddings, norms and vision / audio towers stay in the
-            model dtype): None, "int8" (per output channel) or "int4" (group-wise). CPU only.
-        quantization_group_size: inputs per int4 scale and zero: 32, 64 or 128.
+            model dtype): None, "int8" or "int4", both group-wise. CPU only.
+        quantization_group_size: inputs per scale (int8) and per scale and zero (int4): 32, 64
+            or 128 (an int8 weight whose inputs the group does not divide: one scale per output
+            channel).
         dequantize_gguf: a GGUF checkpoint's Q4_0 / Q4_1 blocks are dequantized as they load
             like every other block type (what transformers does), instead of running as stored
             as int4 at group 32 (CPU); the weights then run at the dtype and `quantization`.

@@ -62,7 +62,8 @@ def weights_description(runner: ModelRunner) -> str:
     models.kernels.native_decode's call)."""
     text = str(runner.dtype).removeprefix("torch.")
     for fmt, count in runner.quantized_formats().items():
-        kind = "int8" if fmt == "int8" else f"int4 (group {fmt.removeprefix('int4g')})"
+        mode, _, group = fmt.partition("g")
+        kind = f"{mode} (group {group})" if group else f"{mode} (per channel)"
         text += f", {count} {kind} linears"
     if runner.gguf_summary:
         text += f", from GGUF ({runner.gguf_summary})"

@@ -155,14 +155,15 @@ def _sizes(report: Report, setup: CheckpointSetup, dtype: torch.dtype, processor
 def gguf_weight_bytes(setup: CheckpointSetup, model: torch.nn.Module, dtype: torch.dtype) -> int:
     """A GGUF file's weights as the engine holds them (without `quantization`): its Q4_0 / Q4_1
     linears in our int4 pack at group 32 (K / 2 bytes per row and a bfloat16 scale and zero per
-    32 inputs), its Q8_0 linears as our int8 (a byte per weight), the other tensors dequantized
-    to `dtype`. Raises GGUFError as loading would."""
-    weights = GGUFWeights(setup.path, setup.hf_config, dequantize_all=False, requantize_q8=True)
+    32 inputs), its Q8_0 linears as our int8 (a byte per weight and a bfloat16 scale per 32), the
+    other tensors dequantized to `dtype`. Raises GGUFError as loading would."""
+    weights = GGUFWeights(setup.path, setup.hf_config, dequantize_all=False, stored_q8=True)
     weights.plan(model, model.checkpoint_map())
     stored = sum(info.numel for parts in weights.stored.values() for info, _ in parts)
     int8 = sum(info.numel for parts in weights.int8.values() for info, _ in parts)
     dense = sum(info.numel for _, info in weights.dense)
-    return stored // 2 + stored // BLOCK * 4 + int8 + dense * DTYPE_BYTES[dtype]
+    scales = stored // BLOCK * 4 + int8 // BLOCK * 2
+    return stored // 2 + int8 + scales + dense * DTYPE_BYTES[dtype]
 
 
 def _numel(shape: list[int]) -> int:

@@ -193,7 +193,8 @@ class ModelRunner:
         self.encoder_outputs: dict[str, torch.Tensor] = {}
 
     def quantized_formats(self) -> dict[str, int]:
-        """How many of the model's linears hold each quantized format ("int8", "int4g32")."""
+        """How many of the model's linears hold each quantized format ("int8g64", "int4g32"; "int8":
+        a scale per channel)."""
         formats: dict[str, int] = {}
         for module in self.model.modules():
             if isinstance(module, QuantizedLinear):

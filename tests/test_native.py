@@ -246,9 +246,11 @@ def test_native_linear_is_a_planned_candidate_for_few_rows_only(kernels):
         False, False, True, True, False]
     assert [("native_gemm" in candidates(layer, r, torch.bfloat16)) for r in probes] == [
         False, False, False, True, True]
-    for mode in ("int8", "int4"):
-        q = QuantizedLinear(torch.randn(64, 64), None, mode, 32)
-        assert candidates(q, 1, torch.bfloat16) == ["int_kernel", "native"]
+    for mode, group in (("int8", 32), ("int8", 64), ("int4", 32)):
+        q = QuantizedLinear(torch.randn(64, 64), None, mode, group)
+        # PyTorch's int8 kernel takes a scale per channel (int8 at group 64 = K) only
+        torch_kernel = ["int_kernel"] if mode == "int4" or group == 64 else []
+        assert candidates(q, 1, torch.bfloat16) == [*torch_kernel, "native"]
         assert "native" in candidates(q, 32, torch.bfloat16)
         # int4's integer kernel as far as the tiled one; int8's matrix-vector one not
         assert ("native" in candidates(q, 128, torch.bfloat16)) == (mode == "int4")
@@ -469,7 +471,7 @@ def native_everywhere(kernels, monkeypatch):
     def plan(model, dtype, *args, **kwargs):
         for module in model.modules():
             if isinstance(module, QuantizedLinear):
-                rest = "int_kernel"
+                rest = "int_kernel" if module.has_torch_kernel else "dequantized"
             elif isinstance(module, Linear):
                 rest = "F.linear"
             else:
@@ -516,8 +518,10 @@ def test_decode_logits_and_greedy_tokens_match_transformers(text_model, hf_model
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_model_through_native_kernels_tracks_pytorchs(text_model, native_everywhere,
                                                                  mode):
-    """The same int8 / int4 weights through our kernels and through PyTorch's: the same greedy
-    tokens (our activations carry 15 bits per block, PyTorch's are rounded to bfloat16)."""
+    """The same int8 / int4 weights through our kernels and through PyTorch's (its int kernel,
+    or a GEMM on the dequantized weight for int8 with a scale per group, which it has no kernel
+    for): the same greedy tokens (our activations carry 15 bits per block, PyTorch's int
+    kernels' are rounded to bfloat16)."""
     from engine import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -527,8 +531,10 @@ def test_quantized_model_through_native_kernels_tracks_pytorchs(text_model, nati
     tokens = ours.generate(prompt, params)[0].outputs[0].token_ids
     layers = [m for m in ours.engine.runner.model.modules() if getattr(m, "is_quantized", False)]
     assert layers and all(m.kernels[0] == "native" for m in layers)
+    assert any(not m.has_torch_kernel for m in layers)  # int8 at group 32 (int4's head too)
     for layer in layers:
-        layer.kernels = ("int_kernel",) * len(BUCKETS)
+        theirs = "int_kernel" if layer.has_torch_kernel else "dequantized"
+        layer.kernels = (theirs,) * len(BUCKETS)
     assert ours.generate(prompt, params)[0].outputs[0].token_ids == tokens
 
 

@@ -120,7 +120,9 @@ def test_shapes_it_does_not_take_are_refused(kernels):
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_a_planned_candidate_for_a_prefills_rows_only(kernels, mode):
-    layer = QuantizedLinear(torch.randn(128, 256), None, mode, group_size=64)
+    # int8: a scale per channel (group 256 = K); with a scale per group it is no candidate
+    layer = QuantizedLinear(torch.randn(128, 256), None, mode,
+                            group_size=64 if mode == "int4" else 256)
     assert panel_gemm_takes(layer)
     assert "panel_gemm" not in candidates(layer, 4, torch.bfloat16)
     for rows in (32, 128, 512):
@@ -133,24 +135,42 @@ def test_a_planned_candidate_for_a_prefills_rows_only(kernels, mode):
            else layer.dequantize(torch.float32).to(torch.bfloat16))
 
 
+def test_int8_with_a_scale_per_group_in_the_plain_build_only(kernels):
+    """The plain build's float32 panels hold q times its group's scale (exact); the AVX-512
+    BF16 build's bfloat16 panels could not, so there it is no candidate."""
+    layer = QuantizedLinear(torch.randn(128, 256), None, "int8", group_size=64)
+    assert not layer.per_channel
+    plain = kernels.variant != "avx512-bf16"
+    assert panel_gemm_takes(layer) == plain
+    assert ("panel_gemm" in candidates(layer, 512, torch.bfloat16)) == plain
+    if plain:
+        x = torch.randn(100, 256, dtype=torch.bfloat16)
+        _check(QUANTIZED_KERNELS["panel_gemm"](layer, x), x, layer.dequantize(torch.float64))
+
+
 def _force_prefill(runner, monkeypatch, name: str) -> None:
     """Engines built from here run `name` for every quantized linear's prefill buckets."""
 
     def plan(model, dtype, *args, **kwargs):
         for module in model.modules():
             if isinstance(module, QuantizedLinear):
-                module.kernels = ("int_kernel", "int_kernel") + (name,) * (len(BUCKETS) - 2)
+                # int8 at a scale per group (int4's head): PyTorch has no int kernel, our
+                # panel GEMM takes none
+                decode = "int_kernel" if module.has_torch_kernel else "dequantized_t"
+                prefill = name if panel_gemm_takes(module) else "dequantized_t"
+                module.kernels = (decode, decode) + (prefill,) * (len(BUCKETS) - 2)
         return {}
 
     monkeypatch.setattr(runner, "plan_linears", plan)
 
 
 def _prefill_logits(path, mode: str | None, prompts, params) -> tuple[torch.Tensor, list]:
-    """The prefill step's logits (both prompts) and the greedy tokens of an engine."""
+    """The prefill step's logits (both prompts) and the greedy tokens of an engine (int8 at
+    group 128, which the tiny model's 64 and 128 inputs make one scale per channel)."""
     from engine import LLM
 
     llm = LLM(path, dtype="bfloat16", max_model_len=128, quantization=mode,
-              quantization_group_size=32)
+              quantization_group_size=128 if mode == "int8" else 32)
     model = llm.engine.runner.model
     seen: list[torch.Tensor] = []
     original = model.compute_logits

@@ -1,14 +1,14 @@
 """Loads a GGUF file's weights into one of our modules: every tensor checked against the model
-before anything is allocated, Q4_0 / Q4_1 linears placed as our int4 at group 32 from their
-blocks (no float copy), every other tensor dequantized into the model dtype one at a time and
-handed to models.loader (which quantizes it as it fills, when the user asked for int8 / int4).
+before anything is allocated, Q4_0 / Q4_1 linears placed as our int4 at group 32 and Q8_0 ones
+as our int8 at group 32 from their blocks (no float copy), every other tensor dequantized into
+the model dtype one at a time and handed to models.loader (which quantizes it as it fills, when
+the user asked for int8 / int4).
 
 A linear runs as stored when every checkpoint tensor it is made of (q, k and v for our fused
-qkv_proj; gate and up) is Q4_0 or Q4_1 and our int4 pack takes its shape; otherwise all its parts
-are dequantized, so that one linear has one format. A linear made of Q8_0 blocks only, when the
-user asked for no quantization, becomes our int8: Q8_0 has a scale per 32 inputs, which our int8
-kernels do not have, so its values are dequantized and quantized again per output channel (not
-as stored: the int8 values change by up to half a step of the channel's scale).
+qkv_proj; gate and up) is Q4_0 or Q4_1 and our int4 pack takes its shape, or is Q8_0 and the
+user asked for no quantization or for int8; otherwise all its parts are dequantized, so that
+one linear has one format. As stored, the values are the file's up to the rounding of each
+block's float16 scale to bfloat16 (under 2^-8 of it).
 """
 
 from __future__ import annotations
@@ -31,10 +31,16 @@ from models.gguf.tensors import (
     hf_name,
     read_dense,
     read_int4,
+    read_int8,
     readable,
 )
 from models.kernels.linear import Linear
-from models.kernels.quantization import QuantizedLinear, int4_supported, pack_int4
+from models.kernels.quantization import (
+    QuantizedLinear,
+    QuantizeOnLoad,
+    int4_supported,
+    pack_int4,
+)
 from models.loader import LoadObserver, Shard, build_on_meta, load_weights
 
 log = logging.getLogger(__name__)
@@ -46,14 +52,14 @@ class GGUFWeights:
     """A GGUF file's tensors for one model: which linears run as stored, and the rest."""
 
     def __init__(self, path: Path, hf_config: Any, dequantize_all: bool,
-                 requantize_q8: bool = False) -> None:
+                 stored_q8: bool = False) -> None:
         self.file = GGUFFile(path)
         self.family = read_config(self.file).family
         text = hf_config.get_text_config()
         self.rearrange = Rearrange(self.family, text.num_attention_heads,
                                    text.num_key_value_heads)
         self.dequantize_all = dequantize_all
-        self.requantize_q8 = requantize_q8 and not dequantize_all
+        self.stored_q8 = stored_q8 and not dequantize_all
         self.stored: dict[str, list[Part]] = {}  # our weight name -> its parts, as stored
         self.int8: dict[str, list[Part]] = {}  # our weight name -> its Q8_0 parts
         self.dense: list[tuple[str, TensorInfo]] = []  # (checkpoint name, tensor)
@@ -101,7 +107,8 @@ class GGUFWeights:
             if (not self.dequantize_all and ours in linears and types <= set(STORED_INT4)
                     and int4_supported(n, k, BLOCK)):
                 self.stored[ours] = found
-            elif self.requantize_q8 and ours in linears and types == {GGMLQuantizationType.Q8_0}:
+            elif (self.stored_q8 and ours in linears and k % BLOCK == 0
+                  and types == {GGMLQuantizationType.Q8_0}):
                 self.int8[ours] = found
             else:
                 self.dense += [(hf_name(info.name, self.family), info) for info, _ in found]
@@ -114,8 +121,7 @@ class GGUFWeights:
     @torch.no_grad()
     def place_stored(self, model: nn.Module, dtype: torch.dtype) -> None:
         """Replace each linear that runs as stored by a QuantizedLinear at group 32 made from
-        its blocks, and each Q8_0 one by our int8 (its bias, if any, is left for the loader to
-        fill)."""
+        its blocks, int4 or int8 (its bias, if any, is left for the loader to fill)."""
         for weight, found in self.stored.items():
             owner, attr, linear = _linear(model, weight)
             n, k = linear.out_features, linear.in_features
@@ -127,17 +133,16 @@ class GGUFWeights:
                 sz[:, rows] = values.transpose(0, 1)
             bias = None if linear.bias is None else torch.empty(n, dtype=dtype)
             setattr(owner, attr, QuantizedLinear.from_int4(pack_int4(q), sz, bias, BLOCK))
-        for weight, found in self.int8.items():  # one linear dense at a time, in float32
+        for weight, found in self.int8.items():
             owner, attr, linear = _linear(model, weight)
-            dense = torch.empty(linear.out_features, linear.in_features)
+            n, k = linear.out_features, linear.in_features
+            q = torch.empty(n, k, dtype=torch.int8)
+            scales = torch.empty(n, k // BLOCK, dtype=torch.bfloat16)
             for info, shard in found:
-                dense[_rows(shard, dense.shape[0])] = read_dense(
-                    self.file, info, self.rearrange, torch.float32)
-            layer = QuantizedLinear(dense, None, "int8")
-            if linear.bias is not None:
-                layer.bias = nn.Parameter(torch.empty(dense.shape[0], dtype=dtype),
-                                          requires_grad=False)
-            setattr(owner, attr, layer)
+                rows = _rows(shard, n)
+                q[rows], scales[rows] = read_int8(self.file, info, self.rearrange)
+            bias = None if linear.bias is None else torch.empty(n, dtype=dtype)
+            setattr(owner, attr, QuantizedLinear.from_int8(q, scales, bias, BLOCK))
 
     def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """(checkpoint name, tensor in `dtype`) of every tensor not placed as stored."""
@@ -151,7 +156,7 @@ class GGUFWeights:
                  "linears"] if stored else []
         if self.int8:
             q8 = sum(len(found) for found in self.int8.values())
-            parts.append(f"{q8} Q8_0 tensors as {len(self.int8)} int8 linears per channel")
+            parts.append(f"{q8} Q8_0 tensors run as stored in {len(self.int8)} int8 linears")
         return ", ".join([*parts, f"{len(self.dense)} tensors dequantized"])
 
 
@@ -171,10 +176,11 @@ def load_gguf(path: Path, hf_config: Any, factory: Callable[[], nn.Module], devi
               ) -> tuple[nn.Module, str]:
     """Build the model with `factory` and fill it from the GGUF file at `path` (see the module
     docstring); `observer` and `defer` as for models.loader (weights quantized as they load).
-    Blocks run as stored only on the CPU (our int4 kernels); Q8_0 linears become our int8 when
-    nothing else is asked (no `observer`). -> (model, what ran as stored)."""
+    Blocks run as stored only on the CPU (our int kernels); Q8_0 ones when no quantization or
+    int8 is asked. -> (model, what ran as stored)."""
+    int8_asked = isinstance(observer, QuantizeOnLoad) and observer.mode == "int8"
     weights = GGUFWeights(path, hf_config, dequantize_all or device.type != "cpu",
-                          requantize_q8=observer is None)
+                          stored_q8=observer is None or int8_asked)
     with torch.device("meta"):
         probe = factory()
     mapping = probe.checkpoint_map()

@@ -29,7 +29,7 @@ from gguf.quants import dequantize
 
 from models.gguf.reader import GGUFFile, TensorInfo
 
-BLOCK = 32  # values per Q4_0 / Q4_1 block: our int4 group size for them
+BLOCK = 32  # values per Q4_0 / Q4_1 / Q8_0 block: our group size for them
 STORED_INT4 = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
 DENSE_CHUNK_BYTES = 64 << 20  # float32 bytes of one tensor dequantized at once
 
@@ -133,6 +133,19 @@ def read_int4(file: GGUFFile, info: TensorInfo, rearrange: Rearrange
     sz = torch.from_numpy(np.concatenate([scale, zero], axis=1)).to(torch.bfloat16)
     sz = sz.reshape(n, k // BLOCK, 2)
     return torch.from_numpy(q.reshape(n, k)), sz
+
+
+def read_int8(file: GGUFFile, info: TensorInfo, rearrange: Rearrange
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 tensor [N, K] as our int8 at group 32: (q int8 [N, K] as stored, scales bfloat16
+    [N, K / 32]: each block's float16 d rounded to the nearest bfloat16, which for these q is
+    also the scale of least squared error)."""
+    raw = rearrange.rows(info.name, file.read(info))
+    n, k = info.shape
+    blocks = raw.reshape(n * k // BLOCK, GGML_QUANT_SIZES[info.ggml_type][1])
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [B, 1]
+    q = torch.from_numpy(blocks[:, 2:].copy().view(np.int8).reshape(n, k))
+    return q, torch.from_numpy(d.reshape(n, k // BLOCK)).to(torch.bfloat16)
 
 
 def _bf16(x: np.ndarray) -> np.ndarray:

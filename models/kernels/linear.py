@@ -111,7 +111,7 @@ def _native(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _native_rows(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if layer.is_quantized:
-        assert layer.mode == "int8", "the tiled kernel takes int8 (one scale per channel)"
+        assert layer.mode == "int8", "the tiled kernel takes int8, not our int4 pack"
         return native.load().linear_rows(x, layer.qweight, layer.scales)
     return native.load().linear_rows(x, layer.weight)
 
@@ -217,7 +217,10 @@ def run_kernel(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     plan = layer.kernels
     if not quantized:
         return KERNELS[BASELINE if plan is None else plan[bucket_index(x.shape[0])]](layer, x)
-    name = "int_kernel" if plan is None else plan[bucket_index(x.shape[0])]
+    if plan is not None:
+        name = plan[bucket_index(x.shape[0])]
+    else:  # unplanned: PyTorch's int kernel where it has one
+        name = "int_kernel" if layer.has_torch_kernel else "dequantized_t"
     out = QUANTIZED_KERNELS[name](layer, x)
     return out if layer.bias is None else out + layer.bias
 

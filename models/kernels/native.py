@@ -56,13 +56,14 @@ DTYPE_I8 = 2  # kernels.h's DTYPE_I8: an int8 weight
 FUSED_ROWS = 64  # fused small ops serve inputs up to this many tokens: a decode step's
 NORM_MODES = {"float32": 0, "reduced": 1, "unit_offset": 2}
 WEIGHT_KERNELS = {torch.float32: "mm_linear_f32", torch.bfloat16: "mm_linear_bf16",
-                  torch.int8: "mm_linear_i8"}
+                  torch.int8: "mm_linear_i8"}  # the int8 one takes a group after the scales
 
 _i64, _int, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
 _LINEAR_ARGS = [_ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]
-_ROWS_ARGS = [_ptr, _int, _ptr, _int, _ptr, _ptr, _i64, _i64, _i64, _int]
+_LINEAR_I8_ARGS = [_ptr, _int, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _int]
+_ROWS_ARGS = [_ptr, _int, _ptr, _int, _ptr, _i64, _ptr, _i64, _i64, _i64, _int]
 _INT4_ARGS = [_ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int, _int]
-_DEQUANT_I8_ARGS = [_ptr, _ptr, _ptr, _int, _i64, _i64, _int]
+_DEQUANT_I8_ARGS = [_ptr, _ptr, _i64, _ptr, _int, _i64, _i64, _int]
 _DEQUANT_I4_ARGS = [_ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64, _i64, _int]
 _GEMM_Q_ARGS = [_ptr, _int, _ptr, _int, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _int]
 _NORM_ARGS = [_ptr, _ptr, _ptr, _ptr, _ptr, _int, _i64, _i64, _f32, _int]  # -> int status
@@ -71,6 +72,17 @@ _SILU_MUL_ARGS = [_ptr, _ptr, _int, _i64, _i64]
 _ATTENTION_ARGS = [_ptr, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
                    _i64, _i64, _f32, _f32, _int]
 _DELTA_STEP_ARGS = [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int]
+
+
+def int8_group(weight: torch.Tensor, scales: torch.Tensor | None) -> int:
+    """The inputs per scale of an int8 weight [N, K] with bfloat16 scales [N] or [N, K / g]."""
+    assert scales is not None and scales.dtype == torch.bfloat16, "int8 takes bfloat16 scales"
+    assert scales.is_contiguous(), "int8 scales contiguous"
+    n, k = weight.shape
+    groups = scales.numel() // max(n, 1)
+    assert scales.shape[0] == n and groups * n == scales.numel() and groups and k % groups == 0, \
+        f"int8 scales {tuple(scales.shape)} for a weight [{n}, {k}]"
+    return k // groups
 
 
 @dataclass(frozen=True)
@@ -92,7 +104,8 @@ class NativeKernels:
         self._linear = {}
         for dtype, name in WEIGHT_KERNELS.items():
             fn = getattr(lib, name)
-            fn.argtypes, fn.restype = _LINEAR_ARGS, _int
+            fn.argtypes = _LINEAR_I8_ARGS if dtype == torch.int8 else _LINEAR_ARGS
+            fn.restype = _int
             self._linear[dtype] = fn
         self._rows = lib.mm_linear_rows
         self._rows.argtypes, self._rows.restype = _ROWS_ARGS, _int
@@ -133,18 +146,21 @@ class NativeKernels:
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
                scales: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] (float32 / bfloat16) . weight [N, K]^T -> [M, N] in x's dtype. An int8
-        weight takes bfloat16 `scales` [N], one per output channel."""
+        weight takes bfloat16 `scales`, [N] (one per output channel) or [N, K / group] (one per
+        group of inputs, a multiple of 32)."""
         m, k = x.shape
         n = weight.shape[0]
-        if weight.dtype == torch.int8:
-            assert scales is not None and scales.dtype == torch.bfloat16, "int8 takes scales"
         assert weight.is_contiguous() and weight.shape[1] == k, "weight [N, K], contiguous"
         x = x.contiguous()
         y = torch.empty(m, n, dtype=x.dtype)
-        status = self._linear[weight.dtype](
-            x.data_ptr(), DTYPES[x.dtype], weight.data_ptr(),
-            None if scales is None else scales.data_ptr(), y.data_ptr(), m, n, k,
-            torch.get_num_threads())
+        weight_args: tuple = (weight.data_ptr(), None if scales is None else scales.data_ptr())
+        if weight.dtype == torch.int8:
+            weight_args += (int8_group(weight, scales),)
+        status = self._linear[weight.dtype](x.data_ptr(), DTYPES[x.dtype], *weight_args,
+                                            y.data_ptr(), m, n, k, torch.get_num_threads())
+        if status == 2:
+            raise ValueError(f"native linear does not take int8 scales {tuple(scales.shape)} "
+                             f"for a weight [{n}, {k}]")
         if status:
             raise MemoryError("native linear: out of memory for the input's float32 copy")
         return y
@@ -175,12 +191,12 @@ class NativeKernels:
     def _tiled(self, fn, name: str, x: torch.Tensor, weight: torch.Tensor,
                scales: torch.Tensor | None) -> torch.Tensor:
         assert weight.dtype in WEIGHT_KERNELS, f"weights float32, bfloat16 or int8: {weight.dtype}"
-        if weight.dtype == torch.int8:
-            assert scales is not None and scales.dtype == torch.bfloat16, "int8 takes scales"
         assert weight.is_contiguous() and weight.shape[1] == x.shape[1], "weight [N, K]"
+        int8 = weight.dtype == torch.int8
         return self._product(fn, name, x, weight.shape[0], (
             weight.data_ptr(), DTYPES.get(weight.dtype, DTYPE_I8),
-            None if scales is None else scales.data_ptr()))
+            None if scales is None else scales.data_ptr(),
+            int8_group(weight, scales) if int8 else 0))
 
     @staticmethod
     def _product(fn, name: str, x: torch.Tensor, n: int, weight_args: tuple) -> torch.Tensor:
@@ -222,12 +238,14 @@ class NativeKernels:
     def gemm_quantized(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                        group_size: int = 0) -> torch.Tensor:
         """x [M, K] (float32 / bfloat16) . W^T for many rows, W int8 [N, K] with bfloat16
-        scales [N], or int4 in our pack (see linear_int4) with group_size, dequantized
-        a cached panel at a time (cpu/gemm_quantized.c). -> [M, N] in x's dtype. Raises
-        ValueError for a shape it does not take (`gemm_quantized_takes`)."""
+        scales [N] or [N, K / group], or int4 in our pack (see linear_int4) with group_size,
+        dequantized a cached panel at a time (cpu/gemm_quantized.c). -> [M, N] in x's dtype.
+        Raises ValueError for a shape it does not take (`gemm_quantized_takes`)."""
         m, k = x.shape
         assert qweight.dtype in (torch.int8, torch.uint8), "int8, or the uint8 int4 pack"
         int8 = qweight.dtype == torch.int8
+        if int8:
+            group_size = int8_group(qweight, scales)
         n = qweight.shape[0]
         assert qweight.is_contiguous() and scales.is_contiguous()
         assert scales.dtype == torch.bfloat16 and qweight.shape[1] * (1 if int8 else 2) == k
@@ -245,22 +263,22 @@ class NativeKernels:
                              f"group {group_size}")
         return y
 
-    def gemm_quantized_takes(self, n: int, k: int, int4_group: int | None = None) -> bool:
-        """Whether gemm_quantized takes a weight [N, K] (int8, or int4 of this group size) on
-        this build."""
+    def gemm_quantized_takes(self, n: int, k: int, int4_group: int | None = None,
+                             int8_group: int | None = None) -> bool:
+        """Whether gemm_quantized takes a weight [N, K] on this build: int4 of `int4_group`
+        inputs per scale, else int8 of `int8_group` (None: one scale per channel)."""
         if int4_group is None:
-            return bool(self._gemm_q_takes(n, k, 0, 0))
+            return bool(self._gemm_q_takes(n, k, 0, k if int8_group is None else int8_group))
         return bool(self._gemm_q_takes(n, k, 1, int4_group))
 
     def dequantize_int8(self, q: torch.Tensor, scales: torch.Tensor,
                         out: torch.Tensor) -> torch.Tensor:
-        """q [N, K] int8 * scales [N] (bfloat16) into `out` [N, K] (float32 / bfloat16),
-        computed in float32 and rounded once."""
+        """q [N, K] int8 * scales [N] or [N, K / group] (bfloat16) into `out` [N, K]
+        (float32 / bfloat16), computed in float32 and rounded once."""
         n, k = q.shape
         assert q.is_contiguous() and out.is_contiguous() and out.shape == (n, k)
-        assert scales.dtype == torch.bfloat16 and scales.is_contiguous()
-        self._dequant_i8(q.data_ptr(), scales.data_ptr(), out.data_ptr(), DTYPES[out.dtype],
-                         n, k, torch.get_num_threads())
+        self._dequant_i8(q.data_ptr(), scales.data_ptr(), int8_group(q, scales),
+                         out.data_ptr(), DTYPES[out.dtype], n, k, torch.get_num_threads())
         return out
 
     def dequantize_int4(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor,

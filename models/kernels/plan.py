@@ -79,7 +79,7 @@ DECODE_MARGIN = 0.25
 TORCH_INT4_PACK_SHARE = 0.1
 # The version of the candidates and choosing rules below, part of the cache file's name: bump
 # it when they change, so that choices made under the old ones are timed afresh.
-PLAN_RULES = 8
+PLAN_RULES = 9
 
 
 def candidates(layer: nn.Module, rows: int, dtype: torch.dtype,
@@ -89,7 +89,9 @@ def candidates(layer: nn.Module, rows: int, dtype: torch.dtype,
     PyTorch's int4 kernel is not one (its pack of the weight would not fit the budget)."""
     ours = rows <= NATIVE_ROWS and native.load() is not None
     if layer.is_quantized:
-        names = ["int_kernel"] if layer.mode == "int8" or torch_int4 else []
+        # PyTorch's int kernels: int8 with a scale per channel, int4 (if its pack fits)
+        torch_kernel = layer.per_channel or (layer.mode == "int4" and torch_int4)
+        names = ["int_kernel"] if torch_kernel else []
         # int4: our integer kernel's tiles of weight stay in cache across rows, and it is a
         # candidate as far as the tiled dense kernel (at 128 rows it measured ahead of the
         # dequantizing GEMMs on Qwen2.5-VL-3B's shapes on an AVX2 CPU)
@@ -152,7 +154,8 @@ def panel_gemm_takes(layer: QuantizedLinear) -> bool:
     if kernels is None:
         return False
     if layer.mode == "int8":
-        return kernels.gemm_quantized_takes(layer.out_features, layer.in_features)
+        return kernels.gemm_quantized_takes(layer.out_features, layer.in_features,
+                                            int8_group=layer.group_size)
     return kernels.gemm_quantized_takes(layer.out_features, layer.in_features,
                                         layer.group_size)
 

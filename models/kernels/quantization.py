@@ -1,9 +1,15 @@
 """Weight-only int8 / int4 quantization of the language model's linears, at load time.
 
-int8: symmetric, one scale per output channel, w ~= q * scale with q in [-127, 127]
-(`aten._weight_int8pack_mm`). int4: asymmetric, one scale and zero per `group_size` inputs of
-each output channel, w ~= (q - 8) * scale + zero with q in [0, 15], in our own pack (below), the
-one layout every build of our kernels reads. Scales and zeros are stored in bfloat16 and q is
+int8: symmetric, one scale per `group_size` inputs of each output channel, w ~= q * scale with
+q in [-127, 127], scales [N, K / group_size]; where the group does not divide K, one scale per
+output channel (scales [N]), the layout PyTorch's int8 kernel (`aten._weight_int8pack_mm`)
+takes, which only such a layer offers the plan. With a scale per channel one large weight sets
+the step of its whole row: on real weights that rounding alone cost about llama.cpp's q8_0 (a
+scale per 32) in KL divergence, a scale per 64 inputs about half of q8_0's (bench.quality).
+
+int4: asymmetric, one scale and zero per `group_size` inputs of each output channel,
+w ~= (q - 8) * scale + zero with q in [0, 15], in our own pack (below), the one layout every
+build of our kernels reads. Scales and zeros are stored in bfloat16 and q is
 computed against the rounded values, so dequantizing reproduces exactly what the kernels compute
 with.
 
@@ -40,16 +46,29 @@ GROUP_SIZES = (32, 64, 128)
 INT4_BLOCK_N = 64  # our int4 pack interleaves output channels in blocks of 64
 
 
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> (q int8 [N, K], scales bfloat16 [N])."""
-    w = w.float()
-    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-10).to(torch.bfloat16)
-    q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
-    return q, scales
+def int8_group(in_features: int, group_size: int) -> int:
+    """The inputs per int8 scale for a weight of `in_features` inputs: `group_size` where it
+    divides them, else the whole row (one scale per output channel)."""
+    return group_size if in_features % group_size == 0 else in_features
+
+
+def quantize_int8(w: torch.Tensor, group_size: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q int8 [N, K], scales bfloat16 [N, K / group_size]); group_size None or K:
+    one scale per channel, scales [N]."""
+    n, k = w.shape
+    g = k if group_size is None else group_size
+    groups = w.float().reshape(n, k // g, g)
+    scales = (groups.abs().amax(dim=-1) / 127).clamp(min=1e-10).to(torch.bfloat16)  # [N, G]
+    q = torch.round(groups / scales.float()[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.reshape(n, k), (scales[:, 0].contiguous() if g == k else scales)
 
 
 def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return q.to(dtype) * scales.to(dtype)[:, None]
+    """q [N, K] times scales [N] or [N, K / g] -> [N, K] in `dtype`."""
+    n, k = q.shape
+    s = scales.to(dtype).reshape(n, -1, 1)
+    return (q.to(dtype).reshape(n, s.shape[1], -1) * s).reshape(n, k)
 
 
 def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,7 +153,8 @@ def int4_supported(out_features: int, in_features: int, group_size: int) -> bool
 
 
 class QuantizedLinear(nn.Module):
-    """A Linear whose weight is int8 per channel or int4 group-wise; bias in the model dtype.
+    """A Linear whose weight is int8 or int4, group-wise; bias in the model dtype.
+    `group_size`: the inputs per scale (int8 per channel: all of them, `in_features`).
 
     PyTorch's int kernels take bfloat16 activations (a float32 input goes through a path tens
     of times slower), so for them the input is cast to bfloat16 and the output back to the
@@ -152,15 +172,19 @@ class QuantizedLinear(nn.Module):
         if mode not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {mode!r}")
         self.out_features, self.in_features = weight.shape
-        self.mode, self.group_size = mode, group_size
         n, k = weight.shape
+        if mode == "int8":
+            group_size = int8_group(k, group_size)
+        self.mode, self.group_size = mode, group_size
         # Quantized a block of rows at a time: the float32 temporaries of a whole LM head would
         # be several times its size.
         if mode == "int8":
             q = torch.empty(n, k, dtype=torch.int8)
-            scales = torch.empty(n, dtype=torch.bfloat16)
+            scales = torch.empty((n,) if group_size == k else (n, k // group_size),
+                                 dtype=torch.bfloat16)
             for first, last in _row_blocks(n, k):
-                q[first:last], scales[first:last] = quantize_int8(weight[first:last])
+                q[first:last], scales[first:last] = quantize_int8(weight[first:last],
+                                                                  group_size)
         else:
             q = torch.empty(n, k // 2, dtype=torch.uint8)
             scales = torch.empty(k // group_size, n, 2, dtype=torch.bfloat16)
@@ -189,9 +213,36 @@ class QuantizedLinear(nn.Module):
         layer.kernels, layer.torch_packed = None, None
         return layer
 
+    @classmethod
+    def from_int8(cls, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                  group_size: int) -> QuantizedLinear:
+        """An int8 layer from values already quantized (a GGUF file's Q8_0 blocks): q [N, K]
+        and bfloat16 scales [N, K / group_size]."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.out_features, layer.in_features = q.shape
+        layer.mode, layer.group_size = "int8", group_size
+        layer.register_buffer("qweight", q.contiguous())
+        layer.register_buffer("scales", scales.to(torch.bfloat16).contiguous())
+        layer.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        layer.kernels, layer.torch_packed = None, None
+        return layer
+
+    @property
+    def per_channel(self) -> bool:
+        """int8 with one scale per output channel (the layout PyTorch's int8 kernel takes)."""
+        return self.mode == "int8" and self.group_size == self.in_features
+
+    @property
+    def has_torch_kernel(self) -> bool:
+        """Whether PyTorch has an int kernel for this layout (int4, int8 per channel)."""
+        return self.mode == "int4" or self.per_channel
+
     @property
     def format(self) -> str:
-        return "int8" if self.mode == "int8" else f"int4g{self.group_size}"
+        if self.mode == "int8":
+            return "int8" if self.per_channel else f"int8g{self.group_size}"
+        return f"int4g{self.group_size}"
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight the kernels compute with, [N, K] in `dtype`."""
@@ -218,7 +269,9 @@ class QuantizedLinear(nn.Module):
 
     def int_mm(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> [M, N] through PyTorch's int kernel, in x's dtype (x may be strided: the
-        output of a (W x^T)^T formulation is a transposed view; the kernels take rows)."""
+        output of a (W x^T)^T formulation is a transposed view; the kernels take rows). Only
+        where `has_torch_kernel`."""
+        assert self.has_torch_kernel, f"PyTorch has no int kernel for {self.format}"
         xb = x.to(torch.bfloat16).contiguous()
         if self.mode == "int8":
             out = torch.ops.aten._weight_int8pack_mm(xb, self.qweight, self.scales)

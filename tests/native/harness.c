@@ -15,8 +15,8 @@
 #include "kernels.h"
 
 const char* mm_variant(void);
-void mm_dequantize_i8(const int8_t* w, const uint16_t* scales, void* out, int out_dtype,
-                      int64_t n, int64_t k, int threads);
+void mm_dequantize_i8(const int8_t* w, const uint16_t* scales, int64_t group, void* out,
+                      int out_dtype, int64_t n, int64_t k, int threads);
 void mm_dequantize_i4(const uint8_t* w, const uint16_t* sz, void* out, int out_dtype, int64_t n,
                       int64_t k, int64_t group, int64_t first, int64_t count, int threads);
 void mm_argmax(const float* x, int64_t rows, int64_t n, int64_t* out);
@@ -29,15 +29,15 @@ int mm_moe_experts(const mm_linear_desc* gate_up, const mm_linear_desc* down,
                    const int64_t* experts, const void* weights, int64_t k, void* out,
                    int threads);
 int mm_linear_rows(const void* x, int x_dtype, const void* w, int w_dtype,
-                   const uint16_t* scales, void* y, int64_t m, int64_t n, int64_t k,
-                   int threads);
+                   const uint16_t* scales, int64_t group, void* y, int64_t m, int64_t n,
+                   int64_t k, int threads);
 int mm_gemm_dense(const void* x, int x_dtype, const void* w, int w_dtype,
-                  const uint16_t* scales, void* y, int64_t m, int64_t n, int64_t k,
-                  int threads);
+                  const uint16_t* scales, int64_t group, void* y, int64_t m, int64_t n,
+                  int64_t k, int threads);
 int mm_gemm_int4(const void* x, int x_dtype, const uint8_t* w, const uint16_t* sz,
                  int64_t group, void* y, int64_t m, int64_t n, int64_t k, int threads);
-typedef int (*tiled_fn)(const void*, int, const void*, int, const uint16_t*, void*, int64_t,
-                        int64_t, int64_t, int);
+typedef int (*tiled_fn)(const void*, int, const void*, int, const uint16_t*, int64_t, void*,
+                        int64_t, int64_t, int64_t, int);
 int mm_delta_rule_step(const float* q, const float* k, const float* v, const float* g,
                        const float* beta, float* states, const int64_t* slots, float* out,
                        int64_t batch, int64_t heads, int64_t dk, int64_t dv, int threads);
@@ -124,8 +124,22 @@ static void test_dense(int w_bf16, int dt, int64_t m, int64_t n, int64_t k) {
 /* The register-tiled linear (linear_rows.c) and the packed-panel GEMM (gemm_dense.c), weights
  * float32, bfloat16 or int8 (w_dt): shapes with partial row tiles, channel tiles and blocks, a
  * partial chunk and a padded vector tail. */
+/* int8 [n, k] (uniform q) with bfloat16 scales [n, k / group] -> w, scales, and the values the
+ * kernels compute with into wr (float64) */
+static uint16_t* make_int8(int8_t* w, double* wr, int64_t n, int64_t k, int64_t group) {
+    uint16_t* scales = alloc(2 * (size_t)(n * (k / group)));
+    for (int64_t i = 0; i < n * (k / group); i++)
+        scales[i] = f32_to_bf16((float)(0.01 + 0.01 * fabs(uniform())));
+    for (int64_t i = 0; i < n * k; i++) {
+        w[i] = (int8_t)(uniform() * 127.0);
+        wr[i] = w[i] * (double)bf16_to_f32(scales[i / k * (k / group) + i % k / group]);
+    }
+    return scales;
+}
+
+/* group: int8's inputs per scale (k: one per channel); unused for the dense types */
 static void test_rows(const char* kernel, tiled_fn fn, int w_dt, int dt, int64_t m, int64_t n,
-                      int64_t k) {
+                      int64_t k, int64_t group) {
     void* x = alloc(4 * (size_t)(m * k));
     double* xr = alloc(8 * (size_t)(m * k));
     fill(x, dt, xr, m * k, 1.0);
@@ -133,12 +147,7 @@ static void test_rows(const char* kernel, tiled_fn fn, int w_dt, int dt, int64_t
     double* wr = alloc(8 * (size_t)(n * k));
     uint16_t* scales = NULL;
     if (w_dt == DTYPE_I8) {
-        scales = alloc(2 * (size_t)n);
-        for (int64_t r = 0; r < n; r++) scales[r] = f32_to_bf16((float)(0.01 + 0.01 * fabs(uniform())));
-        for (int64_t i = 0; i < n * k; i++) {
-            ((int8_t*)w)[i] = (int8_t)(uniform() * 127.0);
-            wr[i] = ((int8_t*)w)[i] * (double)bf16_to_f32(scales[i / k]);
-        }
+        scales = make_int8(w, wr, n, k, group);
     } else {
         fill(w, w_dt, wr, n * k, 0.5);
     }
@@ -156,42 +165,41 @@ static void test_rows(const char* kernel, tiled_fn fn, int w_dt, int dt, int64_t
         }
     void* y = alloc(4 * (size_t)(m * n));
     char name[96];
-    snprintf(name, sizeof name, "%s %s weights, %s x, m=%lld n=%lld k=%lld", kernel,
+    snprintf(name, sizeof name, "%s %s weights, %s x, m=%lld n=%lld k=%lld g=%lld", kernel,
              w_dt == DTYPE_I8 ? "int8" : dname(w_dt), dname(dt), (long long)m, (long long)n,
-             (long long)k);
-    if (fn(x, dt, w, w_dt, scales, y, m, n, k, 2))
+             (long long)k, (long long)group);
+    if (fn(x, dt, w, w_dt, scales, group, y, m, n, k, 2))
         printf("FAIL %s: status\n", name), failures++;
     check(name, y, dt, want, m * n, 1e-6 * top * (double)k, dt == DTYPE_F32 ? 1e-5 : 8e-3);
     free(x), free(xr), free(w), free(wr), free(scales), free(want), free(y);
 }
 
-static void test_int8(int dt, int64_t m, int64_t n, int64_t k) {
+/* group: inputs per scale (k: one per channel) */
+static void test_int8(int dt, int64_t m, int64_t n, int64_t k, int64_t group) {
     void* x = alloc(4 * (size_t)(m * k));
     double* xr = alloc(8 * (size_t)(m * k));
     fill(x, dt, xr, m * k, 1.0);
     int8_t* w = alloc((size_t)(n * k));
-    uint16_t* scales = alloc(2 * (size_t)n);
+    double* wr = alloc(8 * (size_t)(n * k));
+    uint16_t* scales = make_int8(w, wr, n, k, group);
     double* want = alloc(8 * (size_t)(m * n));
-    for (int64_t i = 0; i < n * k; i++) w[i] = (int8_t)(uniform() * 127.0);
-    for (int64_t r = 0; r < n; r++) scales[r] = f32_to_bf16((float)(0.01 + 0.01 * fabs(uniform())));
     double bound = 0.0;  /* the activation digits: within max|x| / 32512 of x per element */
     for (int64_t i = 0; i < m; i++)
         for (int64_t r = 0; r < n; r++) {
             double s = 0, mag = 0;
-            for (int64_t j = 0; j < k; j++) s += xr[i * k + j] * w[r * k + j],
-                                             mag += fabs((double)w[r * k + j]);
-            want[i * n + r] = s * bf16_to_f32(scales[r]);
-            const double b = mag * bf16_to_f32(scales[r]) / 32512.0;
-            bound = b > bound ? b : bound;
+            for (int64_t j = 0; j < k; j++) s += xr[i * k + j] * wr[r * k + j],
+                                             mag += fabs(wr[r * k + j]);
+            want[i * n + r] = s;
+            bound = mag / 32512.0 > bound ? mag / 32512.0 : bound;
         }
     void* y = alloc(4 * (size_t)(m * n));
     char name[96];
-    snprintf(name, sizeof name, "linear int8, %s x, m=%lld k=%lld", dname(dt), (long long)m,
-             (long long)k);
-    if (mm_linear_i8(x, dt, w, scales, y, m, n, k, 1)) printf("FAIL %s: status\n", name),
-                                                       failures++;
+    snprintf(name, sizeof name, "linear int8 g%lld, %s x, m=%lld k=%lld", (long long)group,
+             dname(dt), (long long)m, (long long)k);
+    if (mm_linear_i8(x, dt, w, scales, group, y, m, n, k, 1))
+        printf("FAIL %s: status\n", name), failures++;
     check(name, y, dt, want, m * n, bound + 1e-5 * (double)k, dt == DTYPE_F32 ? 1e-5 : 8e-3);
-    free(x), free(xr), free(w), free(scales), free(want), free(y);
+    free(x), free(xr), free(w), free(wr), free(scales), free(want), free(y);
 }
 
 /* our int4 pack: byte (b, s, d, j) = q[64b + d][4s + j] | q[64b + 32 + d][4s + j] << 4 */
@@ -265,29 +273,31 @@ static void test_int4(int dt, int64_t m, int64_t n, int64_t k, int64_t group, in
 static void test_dequantize(int dt) {
     const int64_t n = 128, k = 256, group = 64;
     int8_t* w8 = alloc((size_t)(n * k));
-    uint16_t* scales = alloc(2 * (size_t)n);
     double* want = alloc(8 * (size_t)(n * k));
-    for (int64_t i = 0; i < n * k; i++) w8[i] = (int8_t)(uniform() * 127.0);
-    for (int64_t r = 0; r < n; r++) scales[r] = f32_to_bf16((float)(0.001 + fabs(uniform())));
-    for (int64_t i = 0; i < n * k; i++) want[i] = (float)w8[i] * bf16_to_f32(scales[i / k]);
     void* out = alloc(4 * (size_t)(n * k));
-    mm_dequantize_i8(w8, scales, out, dt, n, k, 1);
     char name[64];
-    snprintf(name, sizeof name, "dequantize int8 -> %s", dname(dt));
-    check(name, out, dt, want, n * k, 0.0, dt == DTYPE_F32 ? 0.0 : 4e-3);
+    for (int64_t g8 = 32; g8 <= k; g8 = g8 == 128 ? k : 2 * g8) {  /* 32, 64, 128, per channel */
+        uint16_t* scales = make_int8(w8, want, n, k, g8);
+        mm_dequantize_i8(w8, scales, g8, out, dt, n, k, 1);
+        snprintf(name, sizeof name, "dequantize int8 g%lld -> %s", (long long)g8, dname(dt));
+        check(name, out, dt, want, n * k, 0.0, dt == DTYPE_F32 ? 0.0 : 4e-3);
+        free(scales);
+    }
     Int4 t = make_int4(n, k, group);
     mm_dequantize_i4(t.packed, t.sz, out, dt, n, k, group, 0, n / 64, 1);
     snprintf(name, sizeof name, "dequantize int4 -> %s", dname(dt));
     check(name, out, dt, t.w, n * k, 0.0, dt == DTYPE_F32 ? 0.0 : 4e-3);
-    free_int4(t), free(w8), free(scales), free(want), free(out);
+    free_int4(t), free(w8), free(want), free(out);
 }
 
 /* ---- the quantized prefill GEMM ------------------------------------------------------------ */
 
-static void test_gemm_quantized(int format, int dt) {
-    const int64_t m = 37, n = 192, k = 256, group = 64;
+/* format 0: int8 with `group` inputs per scale (k: per channel); 1: int4 at group 64 */
+static void test_gemm_quantized(int format, int dt, int64_t group) {
+    const int64_t m = 37, n = 192, k = 256;
     if (!mm_gemm_quantized_takes(n, k, format, group)) {
-        printf("ok   gemm quantized %s: not built in this variant\n", format ? "int4" : "int8");
+        printf("ok   gemm quantized %s g%lld: not built in this variant\n",
+               format ? "int4" : "int8", (long long)group);
         return;
     }
     void* x = alloc(4 * (size_t)(m * k));
@@ -295,15 +305,10 @@ static void test_gemm_quantized(int format, int dt) {
     fill(x, dt, xr, m * k, 1.0);
     double* wd = alloc(8 * (size_t)(n * k));
     int8_t* w8 = alloc((size_t)(n * k));
-    uint16_t* scales = alloc(2 * (size_t)n);
-    Int4 t = make_int4(n, k, group);
-    if (format == 0) {
-        for (int64_t i = 0; i < n * k; i++) w8[i] = (int8_t)(uniform() * 127.0);
-        for (int64_t r = 0; r < n; r++) scales[r] = f32_to_bf16((float)(0.01 + fabs(uniform())));
-        for (int64_t i = 0; i < n * k; i++) wd[i] = (double)w8[i] * bf16_to_f32(scales[i / k]);
-    } else {
-        memcpy(wd, t.w, 8 * (size_t)(n * k));
-    }
+    uint16_t* scales = NULL;
+    Int4 t = make_int4(n, k, 64);
+    if (format == 0) scales = make_int8(w8, wd, n, k, group);
+    else memcpy(wd, t.w, 8 * (size_t)(n * k));
     double* want = alloc(8 * (size_t)(m * n));
     double worst_term = 0.0;
     for (int64_t i = 0; i < m; i++)
@@ -316,7 +321,8 @@ static void test_gemm_quantized(int format, int dt) {
         }
     void* y = alloc(4 * (size_t)(m * n));
     char name[64];
-    snprintf(name, sizeof name, "gemm quantized %s, %s x", format ? "int4" : "int8", dname(dt));
+    snprintf(name, sizeof name, "gemm quantized %s g%lld, %s x", format ? "int4" : "int8",
+             (long long)group, dname(dt));
     if (mm_gemm_quantized(x, dt, format ? (const void*)t.packed : (const void*)w8, format,
                           format ? t.sz : scales, group, y, n, m, n, k, 1))
         printf("FAIL %s: status\n", name), failures++;
@@ -553,23 +559,34 @@ int main(void) {
             test_dense(w, dt, 1, 70, 200);
             test_dense(w, dt, 5, 33, 512);
         }
-        for (int w = 0; w < 3; w++) {  /* DTYPE_F32, DTYPE_BF16, DTYPE_I8 */
-            test_rows("tiled linear", mm_linear_rows, w, dt, 9, 37, 77);
-            test_rows("tiled linear", mm_linear_rows, w, dt, 66, 26, 520);
-            test_rows("packed GEMM", mm_gemm_dense, w, dt, 9, 37, 77);
-            test_rows("packed GEMM", mm_gemm_dense, w, dt, 250, 70, 520);
+        for (int w = 0; w < 3; w++) {  /* DTYPE_F32, DTYPE_BF16, DTYPE_I8 (per channel) */
+            test_rows("tiled linear", mm_linear_rows, w, dt, 9, 37, 77, 77);
+            test_rows("tiled linear", mm_linear_rows, w, dt, 66, 26, 520, 520);
+            test_rows("packed GEMM", mm_gemm_dense, w, dt, 9, 37, 77, 77);
+            test_rows("packed GEMM", mm_gemm_dense, w, dt, 250, 70, 520, 520);
         }
-        test_int8(dt, 1, 64, 256);
-        test_int8(dt, 3, 40, 192);
-        test_int8(dt, 2, 16, 100);
+        /* int8 a scale per group (a chunk of 256 inputs spans several, a group of 128 two
+         * chunks' worth at k = 384) */
+        test_rows("tiled linear", mm_linear_rows, DTYPE_I8, dt, 9, 37, 256, 32);
+        test_rows("tiled linear", mm_linear_rows, DTYPE_I8, dt, 66, 26, 384, 128);
+        test_rows("packed GEMM", mm_gemm_dense, DTYPE_I8, dt, 9, 37, 320, 64);
+        test_rows("packed GEMM", mm_gemm_dense, DTYPE_I8, dt, 250, 70, 384, 128);
+        test_int8(dt, 1, 64, 256, 256);
+        test_int8(dt, 3, 40, 192, 192);
+        test_int8(dt, 2, 16, 100, 100);
+        test_int8(dt, 1, 64, 256, 32);
+        test_int8(dt, 3, 40, 384, 128);
+        test_int8(dt, 2, 16, 192, 64);
         for (int g = 32; g <= 128; g *= 2) test_int4(dt, 1, 128, 256, g, 0);
         test_int4(dt, 3, 64, 384, 64, 0);
         test_int4(dt, 2, 64, 256, 32, 1);
         test_int4(dt, 7, 128, 640, 128, 2);
         test_int4(dt, 70, 192, 384, 32, 2);
         test_dequantize(dt);
-        test_gemm_quantized(0, dt);
-        test_gemm_quantized(1, dt);
+        test_gemm_quantized(0, dt, 256);  /* int8 per channel */
+        test_gemm_quantized(0, dt, 32);
+        test_gemm_quantized(0, dt, 128);
+        test_gemm_quantized(1, dt, 64);
         for (int mode = 0; mode < 3; mode++) {
             test_rms_norm(dt, mode, 0);
             test_rms_norm(dt, mode, 1);

@@ -1,14 +1,14 @@
 /* A linear for hundreds to thousands of rows (a prefill, a vision tower's patches), y[M, N] =
- * x[M, K] . W[N, K]^T, W float32, bfloat16, int8 (one bfloat16 scale per output channel) or
- * int4 in our pack, x and y float32 or bfloat16 (y in x's dtype), float32 products and sums.
+ * x[M, K] . W[N, K]^T, W float32, bfloat16, int8 (bfloat16 scales [N, K / group]) or int4
+ * in our pack, x and y float32 or bfloat16 (y in x's dtype), float32 products and sums.
  *
  * Packed panels, in the order of the BLIS papers (Van Zee and van de Geijn): a register tile of
  * MR rows x NR channels holds its sums for a whole chunk of KC inputs; per input it loads NR
  * weights (two vectors) and broadcasts MR values of x, for 2 * MR multiply-adds, so the loop is
  * bound by the multiply-adds, not the loads. Both operands are copied into the order the tile
  * reads them, float32:
- *   W: a block of NC channels x KC inputs as [NC / NR][KC][NR] (widened from bfloat16, int8 as
- *      q with its scale applied to the sums, int4 dequantized), once per call: one NR-wide strip
+ *   W: a block of NC channels x KC inputs as [NC / NR][KC][NR] (widened from bfloat16, int8
+ *      times its group's scale, exact in float32, int4 dequantized), once per call: one NR-wide strip
  *      (16 KiB with AVX2) stays in L1 while every tile of rows passes over it;
  *   x: rows [i0, i0 + MC) x the same inputs as [MC / MR][KC][MR], about 240 KiB: in L2, read
  *      once per strip, packed again for each block of channels.
@@ -54,9 +54,9 @@ typedef float vf __attribute__((vector_size(VL * 4)));
 #define W_I8 2
 #define W_I4 3
 
-/* The weight as stored: float32, bfloat16, int8 with a bfloat16 scale per channel, or int4 in
- * our pack with a bfloat16 (scale, zero) per `group` inputs of each channel
- * (models/kernels/quantization.py; sz [K / group, N, 2]). */
+/* The weight as stored: float32, bfloat16, int8 with a bfloat16 scale per `group` inputs of
+ * each channel ([N, K / group]), or int4 in our pack with a bfloat16 (scale, zero) per `group`
+ * inputs of each channel (models/kernels/quantization.py; sz [K / group, N, 2]). */
 typedef struct {
     const void* w;
     int type;
@@ -161,10 +161,17 @@ static void pack_w(const Weight* W, int64_t k, int64_t n, int64_t n_end, int64_t
                     memcpy(row, (const float*)W->w + j * k + p0, sizeof(float) * (size_t)kc);
                 } else if (W->type == W_BF16) {
                     load_row(row, W->w, DTYPE_BF16, j * k + p0, kc);
-                } else {
+                } else {  /* int8: runs of inputs within one group */
                     const int8_t* q = (const int8_t*)W->w + j * k + p0;
-                    _Pragma("omp simd")
-                    for (int64_t p = 0; p < kc; p++) row[p] = (float)q[p];
+                    const uint16_t* sc = W->scales + j * (k / W->group);
+                    for (int64_t p = 0; p < kc;) {
+                        const int64_t end = (p0 + p) / W->group * W->group + W->group - p0;
+                        const int64_t stop = end < kc ? end : kc;
+                        const float scale = bf16_to_f32(sc[(p0 + p) / W->group]);
+                        _Pragma("omp simd")
+                        for (int64_t t = p; t < stop; t++) row[t] = (float)q[t] * scale;
+                        p = stop;
+                    }
                 }
             }
         }
@@ -228,10 +235,7 @@ static void gemm_part(const void* x, int x_dtype, const Weight* W, void* y, int6
             }
         }
         for (int64_t i = 0; i < m; i++) {
-            float* row = sums + i * ncp;
-            if (W->type == W_I8)
-                for (int64_t j = 0; j < nc; j++) row[j] *= bf16_to_f32(W->scales[j0 + j]);
-            store_row(y, row, x_dtype, i * n + j0, nc);
+            store_row(y, sums + i * ncp, x_dtype, i * n + j0, nc);
         }
     }
 }
@@ -270,13 +274,14 @@ static int gemm(const void* x, int x_dtype, const Weight* W, void* y, int64_t m,
     return failed;
 }
 
-/* w_dtype: DTYPE_F32, DTYPE_BF16 or DTYPE_I8 (then `scales`: one bfloat16 per channel).
- * 0: done; 1: out of memory. */
+/* w_dtype: DTYPE_F32, DTYPE_BF16 or DTYPE_I8 (then bfloat16 `scales` [N, K / group], group
+ * as mm_linear_i8 takes it). 0: done; 1: out of memory; 2: a group it does not take. */
 int mm_gemm_dense(const void* x, int x_dtype, const void* w, int w_dtype,
-                  const uint16_t* scales, void* y, int64_t m, int64_t n, int64_t k,
-                  int threads) {
-    const Weight W = {w, w_dtype == DTYPE_F32 ? W_F32 : w_dtype == DTYPE_BF16 ? W_BF16 : W_I8,
-                      scales, 0};
+                  const uint16_t* scales, int64_t group, void* y, int64_t m, int64_t n,
+                  int64_t k, int threads) {
+    const int type = w_dtype == DTYPE_F32 ? W_F32 : w_dtype == DTYPE_BF16 ? W_BF16 : W_I8;
+    if (type == W_I8 && !mm_int8_group_ok(k, group)) return 2;
+    const Weight W = {w, type, scales, group};
     return gemm(x, x_dtype, &W, y, m, n, k, threads);
 }
 

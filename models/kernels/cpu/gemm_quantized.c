@@ -1,5 +1,6 @@
-/* A quantized weight's GEMM for a prefill's many rows, y = x . W^T, with W int8 (one bfloat16
- * scale per output channel) or int4 (our pack, a scale and zero per group), never
+/* A quantized weight's GEMM for a prefill's many rows, y = x . W^T, with W int8 (a bfloat16
+ * scale per output channel; the plain version also per group of inputs) or int4 (our pack, a
+ * scale and zero per group), never
  * dequantized whole: each thread dequantizes a panel of its output channels (64 channels x up to
  * PANEL_K inputs) into its own cache and multiplies every row of x by it: in bfloat16 through
  * VDPBF16PS with AVX-512 BF16 (described here), else in float32 (the plain version at the end,
@@ -226,8 +227,10 @@ static int64_t chunk_rows(int64_t m, int64_t blocks, int threads) {
 /* The plain version, for every variant without AVX-512 BF16: float32 panels [PANEL_K][64]
  * (transposed: a row holds the 64 channels of one input) and a register tile of TILE_R rows x
  * TILE_C channels that the compiler vectorizes for the variant (AVX2, NEON, SSE2). Its operands
- * are rounded as the VDPBF16PS version's are (x and int4 values to bfloat16; int8 q is exact),
- * so that every variant computes the same products; sums in float32. */
+ * are rounded as the VDPBF16PS version's are (x and int4 values to bfloat16; int8 q times its
+ * scale is exact in float32), so that every variant computes the same products up to the order
+ * of the sums. It also takes int8 with a scale per group of inputs (the panel holds q times its
+ * group's scale), which bfloat16 panels could not hold exactly. */
 #define PANEL_N I4_BLOCK_N
 #define PANEL_K 512        /* inputs per panel: 128 KiB of float32, in L2 */
 #define ROW_CHUNK 256      /* rows per work item, at most */
@@ -235,8 +238,8 @@ static int64_t chunk_rows(int64_t m, int64_t blocks, int threads) {
 #define TILE_C 16          /* channels per register tile */
 
 /* Inputs k0 .. k0 + kk - 1 of channels c0 .. c0 + 63 -> pt [PANEL_N / TILE_C][kk][TILE_C] (a
- * register tile's channels of one input contiguous): int4 dequantized, int8 as q (the scale
- * multiplies the sums); channels past n are zero. */
+ * register tile's channels of one input contiguous): int4 dequantized, int8 as q times its
+ * group's scale (`group` inputs per scale, k: per channel); channels past n are zero. */
 #define PT(pt, j, c, kk) (pt)[((c) / TILE_C * (kk) + (j)) * TILE_C + (c) % TILE_C]
 static void panel_t(const void* w, int format, const uint16_t* sz, int64_t group, int64_t n,
                     int64_t k, int64_t c0, int64_t k0, int64_t kk, float* pt) {
@@ -265,7 +268,9 @@ static void panel_t(const void* w, int format, const uint16_t* sz, int64_t group
     const int64_t nc = n - c0 < PANEL_N ? n - c0 : PANEL_N;
     for (int64_t c = 0; c < PANEL_N; c++) {
         const int8_t* q = (const int8_t*)w + (c0 + c) * k + k0;
-        for (int64_t j = 0; j < kk; j++) PT(pt, j, c, kk) = c < nc ? (float)q[j] : 0.0f;
+        const uint16_t* s = sz + (c0 + c) * (k / group);
+        for (int64_t j = 0; j < kk; j++)
+            PT(pt, j, c, kk) = c < nc ? (float)q[j] * bf16_to_f32(s[(k0 + j) / group]) : 0.0f;
     }
 }
 
@@ -331,12 +336,8 @@ static int gemm_plain(const void* x, int x_dtype, const void* w, int w_format,
                             acc, k0 == 0);
             }
             const int64_t nc = n - c0 < PANEL_N ? n - c0 : PANEL_N;
-            for (int64_t r = 0; r < rows; r++) {
-                float* row = acc + r * PANEL_N;
-                if (w_format == W_INT8)
-                    for (int64_t c = 0; c < nc; c++) row[c] *= bf16_to_f32(scales[c0 + c]);
-                store_row(y, row, x_dtype, (r0 + r) * ldy + c0, nc);
-            }
+            for (int64_t r = 0; r < rows; r++)
+                store_row(y, acc + r * PANEL_N, x_dtype, (r0 + r) * ldy + c0, nc);
         }
         free(pt);
         free(acc);
@@ -346,16 +347,21 @@ static int gemm_plain(const void* x, int x_dtype, const void* w, int w_format,
 }
 #endif
 
-/* Whether it takes a weight [N, K] of this format (and int4 group): K % 32 == 0; an int4 N a
+/* Whether it takes a weight [N, K] of this format and group: K % 32 == 0; int8 with one scale
+ * per channel (group K), or in the plain version a group mm_linear_i8 takes; int4 with N a
  * multiple of 64 and a group of a multiple of 32 dividing the panel's inputs. */
 int mm_gemm_quantized_takes(int64_t n, int64_t k, int w_format, int64_t group) {
     if (k % 32) return 0;
-    return w_format == W_INT8 || (n % I4_BLOCK_N == 0 && group > 0 && group % 32 == 0
-                                  && PANEL_K % group == 0);
+#ifdef GEMM_Q_BF16
+    if (w_format == W_INT8) return group == k;
+#else
+    if (w_format == W_INT8) return mm_int8_group_ok(k, group);
+#endif
+    return n % I4_BLOCK_N == 0 && group > 0 && group % 32 == 0 && PANEL_K % group == 0;
 }
 
 /* y [M, ldy] (columns 0 .. N - 1 written, in x's dtype) = x [M, K] . W^T. w: int8 [N, K]
- * with scales [N] (format 0), or our int4 pack [N, K / 2] with scales_and_zeros
+ * with scales [N, K / group] (format 0; group K: per channel), or our int4 pack [N, K / 2] with scales_and_zeros
  * [K / group, N, 2] (format 1). Returns 0; 1 out of memory; 2 a shape or build it does not
  * take (mm_gemm_quantized_takes). */
 int mm_gemm_quantized(const void* x, int x_dtype, const void* w, int w_format,

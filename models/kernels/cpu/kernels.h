@@ -324,8 +324,9 @@ int mm_linear_f32(const void* x, int x_dtype, const float* w, const uint16_t* sc
                   int64_t m, int64_t n, int64_t k, int threads);
 int mm_linear_bf16(const void* x, int x_dtype, const uint16_t* w, const uint16_t* scales,
                    void* y, int64_t m, int64_t n, int64_t k, int threads);
-int mm_linear_i8(const void* x, int x_dtype, const int8_t* w, const uint16_t* scales, void* y,
-                 int64_t m, int64_t n, int64_t k, int threads);
+int mm_linear_i8(const void* x, int x_dtype, const int8_t* w, const uint16_t* scales,
+                 int64_t group, void* y, int64_t m, int64_t n, int64_t k, int threads);
+int mm_int8_group_ok(int64_t k, int64_t group);
 int mm_linear_i4(const void* x, int x_dtype, const uint8_t* w, const uint16_t* sz, void* y,
                  int64_t m, int64_t n, int64_t k, int64_t group, int generic, int threads);
 int mm_rms_norm(const void* x, const void* delta, void* sum, const void* w, void* out, int dt,
@@ -340,8 +341,8 @@ int mm_decode_attention(const void* q, const void* cache, void* out, int dtype,
                         float scale, float softcap, int threads);
 int mm_gemm_quantized_takes(int64_t n, int64_t k, int w_format, int64_t group);
 int mm_gemm_dense(const void* x, int x_dtype, const void* w, int w_dtype,
-                  const uint16_t* scales, void* y, int64_t m, int64_t n, int64_t k,
-                  int threads);
+                  const uint16_t* scales, int64_t group, void* y, int64_t m, int64_t n,
+                  int64_t k, int threads);
 int mm_gemm_int4(const void* x, int x_dtype, const uint8_t* w, const uint16_t* sz,
                  int64_t group, void* y, int64_t m, int64_t n, int64_t k, int threads);
 void mm_dequantize_i4_block(const uint8_t* w, const uint16_t* sz, void* out, int out_dtype,
@@ -351,7 +352,7 @@ void mm_dequantize_i4_block(const uint8_t* w, const uint16_t* sz, void* out, int
 /* ---- a linear layer as the calls that run several take it ---- */
 
 #define FORMAT_DENSE 0 /* the weight in the model dtype */
-#define FORMAT_INT8 1  /* int8 per output channel, bfloat16 scales [n] */
+#define FORMAT_INT8 1  /* int8, bfloat16 scales [n, k / group] (group k: per channel) */
 #define FORMAT_INT4 2  /* our int4 pack, bfloat16 scales and zeros [k / group, n, 2] */
 
 typedef struct {
@@ -376,7 +377,8 @@ static inline int run_linear(const mm_linear_desc* l, const void* x, void* y, in
         status = mm_linear_i4(x, dt, l->weight, l->scales, y, m, l->n, l->k, l->group, 0,
                               threads);
     else if (l->format == FORMAT_INT8)
-        status = mm_linear_i8(x, dt, l->weight, l->scales, y, m, l->n, l->k, threads);
+        status = mm_linear_i8(x, dt, l->weight, l->scales, l->group, y, m, l->n, l->k,
+                              threads);
     else if (dt == DTYPE_F32)
         status = mm_linear_f32(x, dt, l->weight, NULL, y, m, l->n, l->k, threads);
     else

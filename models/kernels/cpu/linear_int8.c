@@ -1,6 +1,7 @@
-/* int8 weights (one bfloat16 scale per output channel): the matrix-vector linear of a decode's
- * few rows, and the dequantizer of a prefill's (where a dense GEMM on the dequantized weight
- * beats the int kernels). */
+/* int8 weights [N, K] with bfloat16 scales [N, K / group] (a scale per `group` inputs of each
+ * output channel; group == K: one per channel): the matrix-vector linear of a decode's few rows,
+ * and the dequantizer of a prefill's (where a dense GEMM on the dequantized weight beats the int
+ * kernels). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -162,8 +163,106 @@ static int linear_i8_bf16_rows(const void* x, int x_dtype, const int8_t* w,
 }
 #endif
 
-int mm_linear_i8(const void* x, int x_dtype, const int8_t* w, const uint16_t* scales, void* y,
-                 int64_t m, int64_t n, int64_t k, int threads) {
+/* A scale per group (group < K, a multiple of 32): each widened weight is multiplied by its
+ * group's scale, exact in float32 (an 8-bit q times a bfloat16 scale), so that the sums need no
+ * fold per group and every row of x shares the product. Written with GCC's vector extensions, so
+ * that one source builds for every variant (vectors of 16 floats with AVX-512, else of 8); two
+ * rows of x per pass over a weight row, as LINEAR_VEC. */
+#if defined(__AVX512F__)
+#define GV 16
+#else
+#define GV 8
+#endif
+#define G_STEP 32 /* inputs per step: a group holds whole steps */
+typedef float gvf __attribute__((vector_size(GV * 4)));
+
+static inline gvf gload_f32(const float* p) {
+    gvf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* GV int8 at p as floats, through each instruction set's widening (GCC's
+ * __builtin_convertvector from int8 vectors is element by element) */
+static inline gvf gload_i8(const int8_t* p) {
+#if defined(__AVX512F__)
+    return (gvf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#elif defined(MM_AVX2)
+    return (gvf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+#elif defined(MM_NEON)
+    const int16x8_t h = vmovl_s8(vld1_s8(p));
+    const float32x4_t lo = vcvtq_f32_s32(vmovl_s16(vget_low_s16(h)));
+    const float32x4_t hi = vcvtq_f32_s32(vmovl_high_s16(h));
+    gvf v;
+    memcpy(&v, &lo, sizeof lo);
+    memcpy((char*)&v + sizeof lo, &hi, sizeof hi);
+    return v;
+#else
+    gvf v;
+    for (int l = 0; l < GV; l++) v[l] = (float)p[l];
+    return v;
+#endif
+}
+
+static inline __attribute__((always_inline)) void grouped_row(
+    const float* x0, const float* x1, const int8_t* wr, const uint16_t* sr, int64_t groups,
+    int64_t group, int two, float* s0, float* s1) {
+    gvf a[G_STEP / GV] = {0}, b[G_STEP / GV] = {0};
+    for (int64_t g = 0; g < groups; g++) {
+        const float scale = bf16_to_f32(sr[g]);
+        for (int64_t j = g * group; j < (g + 1) * group; j += G_STEP) {
+            prefetch_ahead(wr + j, G_STEP);
+            for (int q = 0; q < G_STEP / GV; q++) {
+                const gvf wv = gload_i8(wr + j + GV * q) * scale;
+                a[q] += wv * gload_f32(x0 + j + GV * q);
+                if (two) b[q] += wv * gload_f32(x1 + j + GV * q);
+            }
+        }
+    }
+    float t0 = 0.0f, t1 = 0.0f;
+    for (int q = 0; q < G_STEP / GV; q++)
+        for (int l = 0; l < GV; l++) t0 += a[q][l], t1 += b[q][l];
+    *s0 = t0, *s1 = t1;
+}
+
+static int linear_i8_grouped(const void* x, int x_dtype, const int8_t* w,
+                             const uint16_t* scales, int64_t group, void* y, int64_t m,
+                             int64_t n, int64_t k, int threads) {
+    int owned;
+    const float* xf = as_f32(x, x_dtype, m * k, &owned);
+    if (xf == NULL) return 1;
+    const int64_t groups = k / group;
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")
+    for (int64_t r = 0; r < n; r++) {
+        const int8_t* wr = w + r * k;
+        const uint16_t* sr = scales + r * groups;
+        for (int64_t i0 = 0; i0 < m; i0 += 2) {
+            const float* x0 = xf + i0 * k;
+            float s0, s1;
+            if (i0 + 1 < m) {
+                grouped_row(x0, x0 + k, wr, sr, groups, group, 1, &s0, &s1);
+                store(y, x_dtype, (i0 + 1) * n + r, s1);
+            } else {
+                grouped_row(x0, x0, wr, sr, groups, group, 0, &s0, &s1);
+            }
+            store(y, x_dtype, i0 * n + r, s0);
+        }
+    }
+    if (owned) free((void*)xf);
+    return 0;
+}
+
+/* Whether mm_linear_i8 takes a group of `group` inputs for K = k: the whole row, or a multiple
+ * of 32 dividing it. */
+int mm_int8_group_ok(int64_t k, int64_t group) {
+    return group == k || (group > 0 && group % G_STEP == 0 && k % group == 0);
+}
+
+/* 0: done; 1: out of memory; 2: a group it does not take (mm_int8_group_ok). */
+int mm_linear_i8(const void* x, int x_dtype, const int8_t* w, const uint16_t* scales,
+                 int64_t group, void* y, int64_t m, int64_t n, int64_t k, int threads) {
+    if (!mm_int8_group_ok(k, group)) return 2;
+    if (group < k) return linear_i8_grouped(x, x_dtype, w, scales, group, y, m, n, k, threads);
 #ifdef MM_AVX512_BF16
     if (m > 1 && k % 32 == 0)
         return linear_i8_bf16_rows(x, x_dtype, w, scales, y, m, n, k, threads);
@@ -178,24 +277,26 @@ int mm_linear_i8(const void* x, int x_dtype, const int8_t* w, const uint16_t* sc
  * the int kernels (compute-bound there). Each value is computed in float32 and rounded once to
  * the output dtype (float32 or bfloat16). */
 
-
-
-/* int8 [N, K] with one bfloat16 scale per row -> out [N, K]. */
-void mm_dequantize_i8(const int8_t* w, const uint16_t* scales, void* out, int out_dtype,
-                      int64_t n, int64_t k, int threads) {
+/* int8 [N, K] with bfloat16 scales [N, K / group] -> out [N, K] (group: as mm_linear_i8). */
+void mm_dequantize_i8(const int8_t* w, const uint16_t* scales, int64_t group, void* out,
+                      int out_dtype, int64_t n, int64_t k, int threads) {
+    const int64_t groups = k / group;
     _Pragma("omp parallel for num_threads(threads) schedule(static)")
     for (int64_t r = 0; r < n; r++) {
-        const float scale = bf16_to_f32(scales[r]);
+        const uint16_t* sr = scales + r * groups;
         const int8_t* wr = w + r * k;
         int64_t j = 0;
 #ifdef MM_AVX512_BF16
-        const __m512 sv = _mm512_set1_ps(scale);
-        for (; j + 32 <= k; j += 32) {
-            __m512 a, b;
-            i8x32_to_f32(wr + j, &a, &b);
-            store_f32x32(out, out_dtype, r * k + j, _mm512_mul_ps(a, sv), _mm512_mul_ps(b, sv));
-        }
+        if (group == k || group % 32 == 0)  /* a step of 32 within one group */
+            for (; j + 32 <= k; j += 32) {
+                const __m512 sv = _mm512_set1_ps(bf16_to_f32(sr[j / group]));
+                __m512 a, b;
+                i8x32_to_f32(wr + j, &a, &b);
+                store_f32x32(out, out_dtype, r * k + j, _mm512_mul_ps(a, sv),
+                             _mm512_mul_ps(b, sv));
+            }
 #endif
-        for (; j < k; j++) store(out, out_dtype, r * k + j, (float)wr[j] * scale);
+        for (; j < k; j++)
+            store(out, out_dtype, r * k + j, (float)wr[j] * bf16_to_f32(sr[j / group]));
     }
 }

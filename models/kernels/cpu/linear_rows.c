@@ -1,6 +1,6 @@
 /* Linears for tens to a few hundred rows (a short prefill chunk: a second turn's new text; many
- * requests' decodes): y[M, N] = x[M, K] . W[N, K]^T, W float32, bfloat16 or int8 (one bfloat16
- * scale per output channel), x and y float32 or bfloat16 (y in x's dtype), float32 sums.
+ * requests' decodes): y[M, N] = x[M, K] . W[N, K]^T, W float32, bfloat16 or int8 (bfloat16
+ * scales [N, K / group]), x and y float32 or bfloat16 (y in x's dtype), float32 sums.
  *
  * The matrix-vector kernel (linear_dense.c) streams each weight row past two rows of x: per
  * vector of inputs it loads as many vectors as it multiplies, and a long row of x leaves L1, so
@@ -48,9 +48,9 @@ static inline vf vload(const float* p) {
 }
 
 /* Channels [c0, c0 + nb) of W, inputs [j0, j0 + len), as float32 rows of `ld` floats (the
- * columns past len, up to a whole vector, zero). */
-static void widen(const void* w, int w_type, int64_t k, int64_t c0, int nb, int64_t j0,
-                  int64_t len, float* out, int64_t ld) {
+ * columns past len, up to a whole vector, zero); int8 times its group's scale (exact). */
+static void widen(const void* w, int w_type, const uint16_t* scales, int64_t group, int64_t k,
+                  int64_t c0, int nb, int64_t j0, int64_t len, float* out, int64_t ld) {
     const int size = w_type == W_F32 ? 4 : w_type == W_BF16 ? 2 : 1;
     for (int c = 0; c < nb; c++) {
         float* o = out + c * ld;
@@ -68,8 +68,15 @@ static void widen(const void* w, int w_type, int64_t k, int64_t c0, int nb, int6
             for (int64_t j = 0; j < len; j++) o[j] = bf16_to_f32(h[j]);
         } else {
             const int8_t* q = (const int8_t*)w + at;
-            _Pragma("omp simd")
-            for (int64_t j = 0; j < len; j++) o[j] = (float)q[j];
+            const uint16_t* sc = scales + (c0 + c) * (k / group);
+            for (int64_t j = 0; j < len;) {  /* a run of inputs within one group */
+                const int64_t end = (j0 + j) / group * group + group - j0;
+                const int64_t stop = end < len ? end : len;
+                const float s = bf16_to_f32(sc[(j0 + j) / group]);
+                _Pragma("omp simd")
+                for (int64_t p = j; p < stop; p++) o[p] = (float)q[p] * s;
+                j = stop;
+            }
         }
         for (int64_t j = len; j < ld; j++) o[j] = 0.0f;
     }
@@ -125,8 +132,8 @@ static inline float lanes_sum(vf v) {
 
 /* 0: done; 1: out of memory. */
 static int linear_rows(const void* x, int x_dtype, const void* w, int w_type,
-                       const uint16_t* scales, void* y, int64_t m, int64_t n, int64_t k,
-                       int threads) {
+                       const uint16_t* scales, int64_t group, void* y, int64_t m, int64_t n,
+                       int64_t k, int threads) {
     const int64_t kp = (k + VL - 1) / VL * VL;  /* padded row length */
     const int copy = x_dtype != DTYPE_F32 || kp != k;
     float* xf = (float*)x;
@@ -156,7 +163,8 @@ static int linear_rows(const void* x, int x_dtype, const void* w, int w_type,
             const int nb = (int)(n - c0 < BLOCK_N ? n - c0 : BLOCK_N);
             for (int64_t j0 = 0; j0 < kp; j0 += KC) {
                 const int64_t len = kp - j0 < KC ? kp - j0 : KC;
-                widen(w, w_type, k, c0, nb, j0, j0 + len > k ? k - j0 : len, wb, KC);
+                widen(w, w_type, scales, group, k, c0, nb, j0, j0 + len > k ? k - j0 : len,
+                      wb, KC);
                 for (int64_t i = 0; i < m; i += TILE_M) {
                     const int mr = (int)(m - i < TILE_M ? m - i : TILE_M);
                     for (int c = 0; c < nb; c += TILE_N)
@@ -166,10 +174,8 @@ static int linear_rows(const void* x, int x_dtype, const void* w, int w_type,
                 }
             }
             for (int64_t i = 0; i < m; i++)
-                for (int c = 0; c < nb; c++) {
-                    const float scale = scales ? bf16_to_f32(scales[c0 + c]) : 1.0f;
-                    store(y, x_dtype, i * n + c0 + c, lanes_sum(sums[i * BLOCK_N + c]) * scale);
-                }
+                for (int c = 0; c < nb; c++)
+                    store(y, x_dtype, i * n + c0 + c, lanes_sum(sums[i * BLOCK_N + c]));
         }
         free(wb);
         free(sums);
@@ -178,15 +184,17 @@ static int linear_rows(const void* x, int x_dtype, const void* w, int w_type,
     return failed;
 }
 
-/* w_dtype: DTYPE_F32, DTYPE_BF16 or DTYPE_I8 (then `scales`: one bfloat16 per channel). */
+/* w_dtype: DTYPE_F32, DTYPE_BF16 or DTYPE_I8 (then bfloat16 `scales` [N, K / group], group
+ * as mm_linear_i8 takes it). 0: done; 1: out of memory; 2: a group it does not take. */
 int mm_linear_rows(const void* x, int x_dtype, const void* w, int w_dtype,
-                   const uint16_t* scales, void* y, int64_t m, int64_t n, int64_t k,
-                   int threads) {
+                   const uint16_t* scales, int64_t group, void* y, int64_t m, int64_t n,
+                   int64_t k, int threads) {
     const int w_type = w_dtype == DTYPE_F32 ? W_F32 : w_dtype == DTYPE_BF16 ? W_BF16 : W_I8;
+    if (w_type == W_I8 && !mm_int8_group_ok(k, group)) return 2;
     if (m == 0 || n == 0) return 0;
     if (k == 0) {  /* empty sums */
         for (int64_t i = 0; i < m * n; i++) store(y, x_dtype, i, 0.0f);
         return 0;
     }
-    return linear_rows(x, x_dtype, w, w_type, scales, y, m, n, k, threads);
+    return linear_rows(x, x_dtype, w, w_type, scales, group, y, m, n, k, threads);
 }
