@@ -156,6 +156,7 @@ def test_q8_0_linears_as_our_int8(checkpoints, tmp_path):
     layers = len(llm.engine.runner.model.layers)
     assert llm.engine.runner.quantized_formats() == {"int8g32": 4 * layers + 1}  # and the head
     assert "Q8_0 tensors run as stored" in llm.engine.runner.gguf_summary
+    assert f"{4 * layers + 1} int8 (group 32) linears" in llm.engine.stats()["weights"]
     # the file's values up to the bfloat16 rounding of each scale (measured 1.0% of the mean
     # logit; per-channel requantized, as before, it was bounded at 3%)
     logits = _logits(llm, ids)
@@ -164,6 +165,12 @@ def test_q8_0_linears_as_our_int8(checkpoints, tmp_path):
     asked = LLM(path, dtype="float32", max_model_len=128, quantization="int8")
     assert asked.engine.runner.quantized_formats() == {"int8g32": 4 * layers + 1}
     torch.testing.assert_close(_logits(asked, ids), logits)
+    # the inspector counts the weights as the engine holds them: q, the scales, the rest dense
+    model = llm.engine.runner.model
+    held = sum(p.nbytes for p in model.parameters()) + sum(
+        m.qweight.nbytes + m.scales.nbytes for m in model.modules()
+        if isinstance(m, QuantizedLinear))
+    assert inspect(path, dtype="float32").weight_bytes == held
     int4 = LLM(path, dtype="float32", max_model_len=128, quantization="int4",
                quantization_group_size=32)
     assert set(int4.engine.runner.quantized_formats()) == {"int4g32", "int8g32"}  # the head
