@@ -58,6 +58,8 @@ def quantize_int8(w: torch.Tensor, group_size: int | None = None
     one scale per channel, scales [N]."""
     n, k = w.shape
     g = k if group_size is None else group_size
+    if k % g:
+        raise ValueError(f"int8 groups of {g} inputs do not divide a row of {k}")
     groups = w.float().reshape(n, k // g, g)
     scales = (groups.abs().amax(dim=-1) / 127).clamp(min=1e-10).to(torch.bfloat16)  # [N, G]
     q = torch.round(groups / scales.float()[..., None]).clamp(-127, 127).to(torch.int8)
@@ -203,25 +205,23 @@ class QuantizedLinear(nn.Module):
                   bias: torch.Tensor | None, group_size: int) -> QuantizedLinear:
         """An int4 layer from values already quantized (a GGUF file's Q4_0 / Q4_1 blocks): our
         pack [N, K / 2] and bfloat16 scales and zeros [K / group_size, N, 2]."""
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        layer.out_features, layer.in_features = packed.shape[0], packed.shape[1] * 2
-        layer.mode, layer.group_size = "int4", group_size
-        layer.register_buffer("qweight", packed)
-        layer.register_buffer("scales", scales_and_zeros.to(torch.bfloat16).contiguous())
-        layer.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        layer.kernels, layer.torch_packed = None, None
-        return layer
+        return cls._from_values("int4", packed, packed.shape[1] * 2, scales_and_zeros, bias,
+                                group_size)
 
     @classmethod
     def from_int8(cls, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                   group_size: int) -> QuantizedLinear:
         """An int8 layer from values already quantized (a GGUF file's Q8_0 blocks): q [N, K]
         and bfloat16 scales [N, K / group_size]."""
+        return cls._from_values("int8", q, q.shape[1], scales, bias, group_size)
+
+    @classmethod
+    def _from_values(cls, mode: str, q: torch.Tensor, in_features: int, scales: torch.Tensor,
+                     bias: torch.Tensor | None, group_size: int) -> QuantizedLinear:
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        layer.out_features, layer.in_features = q.shape
-        layer.mode, layer.group_size = "int8", group_size
+        layer.out_features, layer.in_features = q.shape[0], in_features
+        layer.mode, layer.group_size = mode, group_size
         layer.register_buffer("qweight", q.contiguous())
         layer.register_buffer("scales", scales.to(torch.bfloat16).contiguous())
         layer.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)

@@ -8,8 +8,8 @@
  * bound by the multiply-adds, not the loads. Both operands are copied into the order the tile
  * reads them, float32:
  *   W: a block of NC channels x KC inputs as [NC / NR][KC][NR] (widened from bfloat16, int8
- *      times its group's scale, exact in float32, int4 dequantized), once per call: one NR-wide strip
- *      (16 KiB with AVX2) stays in L1 while every tile of rows passes over it;
+ *      times its group's scale, exact in float32, int4 dequantized), once per call: one
+ *      NR-wide strip (16 KiB with AVX2) stays in L1 while every tile of rows passes over it;
  *   x: rows [i0, i0 + MC) x the same inputs as [MC / MR][KC][MR], about 240 KiB: in L2, read
  *      once per strip, packed again for each block of channels.
  * Each thread takes a contiguous share of the output channels in blocks of NC, as wide as a

@@ -1,11 +1,11 @@
 /* A quantized weight's GEMM for a prefill's many rows, y = x . W^T, with W int8 (a bfloat16
  * scale per output channel; the plain version also per group of inputs) or int4 (our pack, a
- * scale and zero per group), never
- * dequantized whole: each thread dequantizes a panel of its output channels (64 channels x up to
- * PANEL_K inputs) into its own cache and multiplies every row of x by it: in bfloat16 through
- * VDPBF16PS with AVX-512 BF16 (described here), else in float32 (the plain version at the end,
- * vectorized by the compiler for the variant). The weight is read from memory once per call and the product runs from cache, as a
- * dense GEMM on a prepacked weight does; a dequantized copy written out and read back (what
+ * scale and zero per group), never dequantized whole: each thread dequantizes a panel of its
+ * output channels (64 channels x up to PANEL_K inputs) into its own cache and multiplies every
+ * row of x by it: in bfloat16 through VDPBF16PS with AVX-512 BF16 (described here), else in
+ * float32 (the plain version at the end, vectorized by the compiler for the variant). The weight
+ * is read from memory once per call and the product runs from cache, as a dense GEMM on a
+ * prepacked weight does; a dequantized copy written out and read back (what
  * dequantize-then-GEMM does) costs that GEMM a pass over the copy.
  *
  * Orientation: a vector lane is a row of x, so the weight panel stays row-major (a pair of
@@ -361,9 +361,9 @@ int mm_gemm_quantized_takes(int64_t n, int64_t k, int w_format, int64_t group) {
 }
 
 /* y [M, ldy] (columns 0 .. N - 1 written, in x's dtype) = x [M, K] . W^T. w: int8 [N, K]
- * with scales [N, K / group] (format 0; group K: per channel), or our int4 pack [N, K / 2] with scales_and_zeros
- * [K / group, N, 2] (format 1). Returns 0; 1 out of memory; 2 a shape or build it does not
- * take (mm_gemm_quantized_takes). */
+ * with scales [N, K / group] (format 0; group K: per channel), or our int4 pack [N, K / 2]
+ * with scales_and_zeros [K / group, N, 2] (format 1). Returns 0; 1 out of memory; 2 a shape
+ * or build it does not take (mm_gemm_quantized_takes). */
 int mm_gemm_quantized(const void* x, int x_dtype, const void* w, int w_format,
                       const uint16_t* scales, int64_t group, void* y, int64_t ldy, int64_t m,
                       int64_t n, int64_t k, int threads) {
