@@ -303,6 +303,9 @@ def main() -> None:
               for name, options in OURS.items()],
             ("ours, the file as stored, float32",
              lambda: ours(source, args.window, args.decode, dtype="float32")),
+            # llama.cpp's own q8_0 file, its blocks run as stored (our int8 at group 32)
+            ("ours bfloat16, llama.cpp's q8_0 file as stored",
+             lambda: ours(requantize(f32, "q8_0"), args.window, args.decode, dtype="bfloat16")),
             *[(f"ours float32, int8 rounding only, {'per channel' if g == 0 else f'g{g}'}",
                lambda g=g: ours(f32, args.window, args.decode, int8_rounding=g, dtype="float32"))
               for g in (0, 64, 32)],
