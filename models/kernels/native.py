@@ -74,7 +74,7 @@ _ATTENTION_ARGS = [_ptr, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _
 _DELTA_STEP_ARGS = [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int]
 
 
-def int8_group(weight: torch.Tensor, scales: torch.Tensor | None) -> int:
+def _scales_group(weight: torch.Tensor, scales: torch.Tensor | None) -> int:
     """The inputs per scale of an int8 weight [N, K] with bfloat16 scales [N] or [N, K / g]."""
     assert scales is not None and scales.dtype == torch.bfloat16, "int8 takes bfloat16 scales"
     assert scales.is_contiguous(), "int8 scales contiguous"
@@ -155,7 +155,7 @@ class NativeKernels:
         y = torch.empty(m, n, dtype=x.dtype)
         weight_args: tuple = (weight.data_ptr(), None if scales is None else scales.data_ptr())
         if weight.dtype == torch.int8:
-            weight_args += (int8_group(weight, scales),)
+            weight_args += (_scales_group(weight, scales),)
         status = self._linear[weight.dtype](x.data_ptr(), DTYPES[x.dtype], *weight_args,
                                             y.data_ptr(), m, n, k, torch.get_num_threads())
         if status == 2:
@@ -196,7 +196,7 @@ class NativeKernels:
         return self._product(fn, name, x, weight.shape[0], (
             weight.data_ptr(), DTYPES.get(weight.dtype, DTYPE_I8),
             None if scales is None else scales.data_ptr(),
-            int8_group(weight, scales) if int8 else 0))
+            _scales_group(weight, scales) if int8 else 0))
 
     @staticmethod
     def _product(fn, name: str, x: torch.Tensor, n: int, weight_args: tuple) -> torch.Tensor:
@@ -245,7 +245,7 @@ class NativeKernels:
         assert qweight.dtype in (torch.int8, torch.uint8), "int8, or the uint8 int4 pack"
         int8 = qweight.dtype == torch.int8
         if int8:
-            group_size = int8_group(qweight, scales)
+            group_size = _scales_group(qweight, scales)
         n = qweight.shape[0]
         assert qweight.is_contiguous() and scales.is_contiguous()
         assert scales.dtype == torch.bfloat16 and qweight.shape[1] * (1 if int8 else 2) == k
@@ -277,7 +277,7 @@ class NativeKernels:
         (float32 / bfloat16), computed in float32 and rounded once."""
         n, k = q.shape
         assert q.is_contiguous() and out.is_contiguous() and out.shape == (n, k)
-        self._dequant_i8(q.data_ptr(), scales.data_ptr(), int8_group(q, scales),
+        self._dequant_i8(q.data_ptr(), scales.data_ptr(), _scales_group(q, scales),
                          out.data_ptr(), DTYPES[out.dtype], n, k, torch.get_num_threads())
         return out
 

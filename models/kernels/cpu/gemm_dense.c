@@ -161,17 +161,9 @@ static void pack_w(const Weight* W, int64_t k, int64_t n, int64_t n_end, int64_t
                     memcpy(row, (const float*)W->w + j * k + p0, sizeof(float) * (size_t)kc);
                 } else if (W->type == W_BF16) {
                     load_row(row, W->w, DTYPE_BF16, j * k + p0, kc);
-                } else {  /* int8: runs of inputs within one group */
-                    const int8_t* q = (const int8_t*)W->w + j * k + p0;
-                    const uint16_t* sc = W->scales + j * (k / W->group);
-                    for (int64_t p = 0; p < kc;) {
-                        const int64_t end = (p0 + p) / W->group * W->group + W->group - p0;
-                        const int64_t stop = end < kc ? end : kc;
-                        const float scale = bf16_to_f32(sc[(p0 + p) / W->group]);
-                        _Pragma("omp simd")
-                        for (int64_t t = p; t < stop; t++) row[t] = (float)q[t] * scale;
-                        p = stop;
-                    }
+                } else {
+                    widen_i8_grouped((const int8_t*)W->w + j * k + p0,
+                                     W->scales + j * (k / W->group), W->group, p0, kc, row);
                 }
             }
         }

@@ -265,6 +265,21 @@ static inline float hsum8(__m256 v) {
 /* One weight as float, whatever its type (the tails of LINEAR_VEC). */
 #define LOAD_SCALAR(w, j) _Generic((w)[0], uint16_t: bf16_to_f32((w)[j]), default: (w)[j])
 
+/* Inputs [first, first + len) of an int8 row q (q points at input `first`) whose bfloat16
+ * scales, one per `group` inputs, start at sc: each widened to float32 times its group's scale
+ * (exact: an 8-bit q times a bfloat16 scale), run by run within a group. */
+static inline void widen_i8_grouped(const int8_t* q, const uint16_t* sc, int64_t group,
+                                    int64_t first, int64_t len, float* out) {
+    for (int64_t j = 0; j < len;) {
+        const int64_t end = (first + j) / group * group + group - first;
+        const int64_t stop = end < len ? end : len;
+        const float s = bf16_to_f32(sc[(first + j) / group]);
+        _Pragma("omp simd")
+        for (int64_t p = j; p < stop; p++) out[p] = (float)q[p] * s;
+        j = stop;
+    }
+}
+
 /* ---- AVX-512 helpers shared by the sources ---- */
 
 #if defined(__AVX512F__)

@@ -68,15 +68,7 @@ static void widen(const void* w, int w_type, const uint16_t* scales, int64_t gro
             for (int64_t j = 0; j < len; j++) o[j] = bf16_to_f32(h[j]);
         } else {
             const int8_t* q = (const int8_t*)w + at;
-            const uint16_t* sc = scales + (c0 + c) * (k / group);
-            for (int64_t j = 0; j < len;) {  /* a run of inputs within one group */
-                const int64_t end = (j0 + j) / group * group + group - j0;
-                const int64_t stop = end < len ? end : len;
-                const float s = bf16_to_f32(sc[(j0 + j) / group]);
-                _Pragma("omp simd")
-                for (int64_t p = j; p < stop; p++) o[p] = (float)q[p] * s;
-                j = stop;
-            }
+            widen_i8_grouped(q, scales + (c0 + c) * (k / group), group, j0, len, o);
         }
         for (int64_t j = len; j < ld; j++) o[j] = 0.0f;
     }
