@@ -250,7 +250,9 @@ def test_tower_and_splice_with_breaks_have_no_host_sync(m3_path):
     assert rec.seen == [] and len(set(batch.sizes)) == 2
     with torch.inference_mode():
         alone = model.encode([("image", f.data) for f in proc.mm_features[1:]])[0]
-    torch.testing.assert_close(merged[-alone.shape[0]:], alone, atol=1e-5, rtol=0)
+    # Batched and alone, the tower's linears run at other row counts, whose planned GEMMs may
+    # sum in another order: float32 rounding relative to the values (up to about 5 here).
+    torch.testing.assert_close(merged[-alone.shape[0]:], alone, atol=1e-5, rtol=1e-5)
 
     feature = proc.mm_features[0]
     span = feature.placeholder

@@ -16,12 +16,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.kernels import native
+from models.kernels import native, quantization
 from models.kernels.choice import BUCKETS
-from models.kernels.linear import Linear
+from models.kernels.linear import Linear, float32_logits
 from models.kernels.quantization import (
     dequantize_int4,
     dequantize_int8,
+    fit_int4_torch,
     pack_int4,
     quantize_int4,
     quantize_int8,
@@ -228,6 +229,83 @@ def test_int4_dequantizer_rounds_once_and_reads_any_block_range(kernels, dtype, 
     part = kernels.dequantize_int4(packed, scales_and_zeros, group,
                                    torch.empty(128, 384, dtype=dtype), first=128)
     assert torch.equal(part, out[128:256])
+
+
+def _grid_error(x: torch.Tensor, step: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """Each group's squared error on the grid low + q * step, in float64."""
+    x, step, low = x.double(), step.double()[..., None], low.double()[..., None]
+    return ((torch.round((x - low) / step).clamp(0, 15) * step + low - x) ** 2).sum(-1)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_fit_is_pytorchs_and_beats_the_min_max_grid(kernels, group):
+    """Our kernel fits the grids PyTorch's steps fit (the same least squares; sums may round
+    differently, so a rare rounding tie may go the other way), no group's error above its
+    min-max grid's and the whole's clearly below; a group of one value keeps it, a group of two
+    values fits both exactly."""
+    gen = torch.Generator().manual_seed(group)
+    x = torch.randn(300, 17, group, generator=gen) * torch.rand(300, 17, 1, generator=gen)
+    x[0, 0] = 0.25  # one value
+    x[0, 1, 3] = 40.0  # an outlier
+    x[0, 2] = torch.arange(group) % 2  # two values
+    step, low = kernels.fit_int4(x)
+    step_t, low_t = fit_int4_torch(x)
+    assert step.shape == low.shape == (300, 17)
+    assert step[0, 0] == 0 and low[0, 0] == 0.25
+    close = torch.isclose(step, step_t, rtol=1e-5, atol=0) & torch.isclose(low, low_t,
+                                                                            rtol=1e-5, atol=1e-7)
+    assert close.float().mean() > 0.999, (~close).sum()
+    fitted, fitted_t = _grid_error(x[1:], step[1:], low[1:]), _grid_error(x[1:], step_t[1:],
+                                                                          low_t[1:])
+    torch.testing.assert_close(fitted.sum(), fitted_t.sum(), rtol=1e-5, atol=0)
+    lo, hi = x[1:].amin(-1), x[1:].amax(-1)
+    min_max = _grid_error(x[1:], (hi - lo) / 15, lo)
+    assert (fitted <= min_max * (1 + 1e-5)).all() and (fitted_t <= min_max * (1 + 1e-5)).all()
+    assert fitted.sum() < 0.9 * min_max.sum()  # about 0.86 on these
+    outlier = x[0, 1]
+    assert _grid_error(outlier, step[0, 1], low[0, 1]) <= _grid_error(
+        outlier, (outlier.max() - outlier.min()) / 15, outlier.min())
+    assert _grid_error(x[0, 2], step[0, 2], low[0, 2]) < 1e-9  # two values: exactly
+
+
+def test_int4_quantizes_alike_without_our_kernels(kernels, monkeypatch):
+    """MMSERVE_NATIVE=0 (no library) quantizes with PyTorch's steps: the same q but where a
+    rounding tie went the other way."""
+    w = torch.randn(128, 256, generator=torch.Generator().manual_seed(3))
+    q, scales_and_zeros = quantize_int4(w, 64)
+    monkeypatch.setattr(quantization.native, "load", lambda: None)
+    q_t, scales_and_zeros_t = quantize_int4(w, 64)
+    assert (q == q_t).float().mean() > 0.999
+    assert (scales_and_zeros == scales_and_zeros_t).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("rows", [1, 40])
+@pytest.mark.parametrize("plan", [None, "matmul_t", "native", "native_gemm"])
+@pytest.mark.parametrize("mode", [None, "int8"])  # an int4 model keeps its head at int8
+def test_head_logits_are_float32_sums_not_rounded(kernels, monkeypatch, rows, plan, mode):
+    """A bfloat16 model's logits: x W^T summed in float32 and kept so, whichever formulation the
+    plan gave the head (ours where it is not one of ours), dense or int8; PyTorch's rounded
+    bfloat16 product without our library."""
+    from models.kernels.quantization import QuantizedLinear
+
+    gen = torch.Generator().manual_seed(rows)
+    head = Linear(192, 320, bias=False)
+    head.weight.data = torch.randn(320, 192, generator=gen).bfloat16()
+    layer = QuantizedLinear(head.weight.data, None, mode, 64) if mode else head
+    if mode and plan == "matmul_t":  # PyTorch's formulation of quantized layers
+        plan = "dequantized"
+    layer.kernels = None if plan is None else (plan,) * len(BUCKETS)
+    x = torch.randn(rows, 192, generator=gen).bfloat16()
+    weight = layer.dequantize(torch.float64) if mode else head.weight.double()
+    exact = x.double() @ weight.t()
+    logits = float32_logits(layer, x)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits.double(), exact, rtol=1e-5, atol=1e-4)
+    rounded = layer(x).float().double()
+    assert (rounded - exact).abs().max() > 10 * (logits.double() - exact).abs().max()
+    if plan not in ("native", "native_gemm"):  # a plan names ours only with the library
+        monkeypatch.setattr(native, "load", lambda: None)
+        assert torch.equal(float32_logits(layer, x), rounded.float())
 
 
 def test_native_linear_is_a_planned_candidate_for_few_rows_only(kernels):

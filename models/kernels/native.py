@@ -43,7 +43,7 @@ HERE = Path(__file__).parent / "cpu"
 SOURCES = tuple(HERE / name for name in (
     "small_ops.c", "linear_dense.c", "linear_int8.c", "linear_int4.c", "attention.c",
     "decode_layers.c", "gemm_quantized.c", "delta_rule.c", "moe_experts.c", "linear_rows.c",
-    "gemm_dense.c"))
+    "gemm_dense.c", "fit_int4.c"))
 HEADER = HERE / "kernels.h"
 DISABLE_ENV = "MMSERVE_NATIVE"  # "0" keeps PyTorch's kernels only
 BUILD_TIMEOUT_S = 120
@@ -126,6 +126,9 @@ class NativeKernels:
         self._norm.argtypes, self._norm.restype = _NORM_ARGS, _int
         self._rotary.argtypes, self._rotary.restype = _ROTARY_ARGS, None
         self._silu_mul.argtypes, self._silu_mul.restype = _SILU_MUL_ARGS, None
+        self._fit_int4 = lib.mm_fit_int4
+        self._fit_int4.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _int]
+        self._fit_int4.restype = None
         self._argmax = lib.mm_argmax
         self._argmax.argtypes, self._argmax.restype = [_ptr, _i64, _i64, _ptr], None
         self._read_sum = lib.mm_read_sum
@@ -297,6 +300,15 @@ class NativeKernels:
                          DTYPES[out.dtype], n, k, group_size, first // 64, rows // 64,
                          torch.get_num_threads())
         return out
+
+    def fit_int4(self, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """groups [..., g] float32 -> (scale, low) [...] float32: the int4 grid
+        low + q * scale fitted to each group (models/kernels/cpu/fit_int4.c)."""
+        x = groups.float().contiguous()
+        scale, low = torch.empty(x.shape[:-1]), torch.empty(x.shape[:-1])
+        self._fit_int4(x.data_ptr(), scale.numel(), x.shape[-1], scale.data_ptr(),
+                       low.data_ptr(), torch.get_num_threads())
+        return scale, low
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, mode: str,
                  delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

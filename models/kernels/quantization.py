@@ -9,9 +9,11 @@ scale per 32) in KL divergence, a scale per 64 inputs about half of q8_0's (benc
 
 int4: asymmetric, one scale and zero per `group_size` inputs of each output channel,
 w ~= (q - 8) * scale + zero with q in [0, 15], in our own pack (below), the one layout every
-build of our kernels reads. Scales and zeros are stored in bfloat16 and q is
-computed against the rounded values, so dequantizing reproduces exactly what the kernels compute
-with.
+build of our kernels reads. Each group's grid is fitted to its weights (fit_int4: least squares
+from the min-max grid and a narrower one), not just spread from its minimum to its maximum: on
+real weights at group 64 that cut the KL divergence by a quarter (bench.quality). Scales and
+zeros are stored in bfloat16 and q is computed against the rounded values, so dequantizing
+reproduces exactly what the kernels compute with.
 
 Our int4 pack: output channels in blocks of 64, each block's inputs in steps of 4,
 [N / 64, K / 4, 32, 4] bytes (stored as [N, K / 2]): byte (b, s, d, j) holds q of channel 64b + d
@@ -37,6 +39,7 @@ import logging
 import torch
 from torch import nn
 
+from models.kernels import native
 from models.kernels.linear import Linear, run_kernel
 
 log = logging.getLogger(__name__)
@@ -74,16 +77,68 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
 
 
 def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> (q int32 [N, K] in [0, 15], scales_and_zeros bfloat16 [K / g, N, 2])."""
+    """w [N, K] -> (q int32 [N, K] in [0, 15], scales_and_zeros bfloat16 [K / g, N, 2]) on the
+    grid fit_int4 fits to each group."""
     n, k = w.shape
     groups = w.float().reshape(n, k // group_size, group_size)
-    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)  # [N, G]
-    scales = ((hi - lo) / 15).clamp(min=1e-10).to(torch.bfloat16)
-    zeros = (lo + 8 * scales.float()).to(torch.bfloat16)
+    step, low = fit_int4(groups)  # [N, G]
+    scales = step.clamp(min=1e-10).to(torch.bfloat16)
+    zeros = (low + 8 * scales.float()).to(torch.bfloat16)
     s, z = scales.float()[..., None], zeros.float()[..., None]
     q = torch.round((groups - z) / s + 8).clamp(0, 15).to(torch.int32).reshape(n, k)
     scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
     return q, scales_and_zeros
+
+
+def fit_int4(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """groups [..., g] float32 -> (step, low) [...]: the grid low + q * step (q in [0, 15]) fitted
+    to each group by alternating rounding and least squares (models/kernels/cpu/fit_int4.c says
+    how), its squared error at most the min-max grid's. By our kernel where it is loaded, else by
+    fit_int4_torch."""
+    kernels = native.load()
+    return kernels.fit_int4(groups) if kernels is not None else fit_int4_torch(groups)
+
+
+FIT_ROUNDS = 3  # as fit_int4.c's
+FIT_STARTS = (15.0, 16.0)  # steps range / 15 (the min-max grid) and range / 16
+FIT_CHUNK = 1 << 19  # weights fitted at once by fit_int4_torch: its temporaries stay in cache
+
+
+def fit_int4_torch(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fit_int4 in PyTorch: fit_int4.c's steps, vectorized over groups."""
+    g = groups.shape[-1]
+    flat = groups.float().reshape(-1, g)
+    step, low = torch.empty(flat.shape[0]), torch.empty(flat.shape[0])
+    rows = max(1, FIT_CHUNK // g)
+    for first in range(0, flat.shape[0], rows):
+        x = flat[first:first + rows]
+        lo, hi, sx = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True), x.sum(-1, keepdim=True)
+        extent = hi - lo
+        best_s, best_m = extent / FIT_STARTS[0], lo
+        best_e = _grid_error(x, best_s, best_m)  # NaN where the extent is 0: nothing beats it
+        for start in FIT_STARTS:
+            s, m = extent / start, lo
+            for _ in range(FIT_ROUNDS):
+                q = _grid_q(x, s, m)
+                sq, sqq, sqx = q.sum(-1, True), (q * q).sum(-1, True), (q * x).sum(-1, True)
+                det = g * sqq - sq * sq  # 0 when every q is equal
+                s1 = (g * sqx - sq * sx) / det
+                refit = (det > 0) & (s1 > 0)
+                s, m = torch.where(refit, s1, s), torch.where(refit, (sx - s1 * sq) / g, m)
+            e = _grid_error(x, s, m)
+            better = e < best_e
+            best_s, best_m = torch.where(better, s, best_s), torch.where(better, m, best_m)
+            best_e = torch.where(better, e, best_e)
+        step[first:first + rows], low[first:first + rows] = best_s[:, 0], best_m[:, 0]
+    return step.reshape(groups.shape[:-1]), low.reshape(groups.shape[:-1])
+
+
+def _grid_q(x: torch.Tensor, step: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    return torch.round((x - low) / step).clamp_(0, 15)
+
+
+def _grid_error(x: torch.Tensor, step: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    return (_grid_q(x, step, low) * step + low - x).square().sum(-1, True)
 
 
 def dequantize_int4_values(

@@ -26,7 +26,7 @@ from torch import nn
 
 from models.checkpoint import tie_word_embeddings
 from models.interfaces import EncoderItem
-from models.kernels.linear import Linear
+from models.kernels.linear import Linear, float32_logits
 from models.kernels.native_decode import NativeDecode
 from models.layers.attention import AttentionMetadata
 from models.layers.cross_attention import CrossAttentionLayer
@@ -183,7 +183,7 @@ class Decoder(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] in float32."""
-        logits = self.lm_head(hidden).float()
+        logits = float32_logits(self.lm_head, hidden)
         cap = self.cfg.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
