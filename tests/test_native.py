@@ -599,21 +599,36 @@ def test_quantized_model_through_native_kernels_tracks_pytorchs(text_model, nati
     """The same int8 / int4 weights through our kernels and through PyTorch's (its int kernel,
     or a GEMM on the dequantized weight for int8 with a scale per group, which it has no kernel
     for): the same greedy tokens (our activations carry 15 bits per block, PyTorch's int
-    kernels' are rounded to bfloat16)."""
+    kernels' are rounded to bfloat16), but where our run's two likeliest tokens were within
+    NEAR_TIE (the two roundings may break a near-tie either way; the run ends there). The head
+    returns float32 logits through ours either way (float32_logits)."""
     from engine import LLM, SamplingParams
 
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
     prompt = [{"prompt_token_ids": list(range(4, 30))}]
     ours = LLM(text_model, dtype="bfloat16", max_model_len=256, quantization=mode,
                quantization_group_size=32)
-    tokens = ours.generate(prompt, params)[0].outputs[0].token_ids
+    first = ours.generate(prompt, params)[0].outputs[0]
     layers = [m for m in ours.engine.runner.model.modules() if getattr(m, "is_quantized", False)]
     assert layers and all(m.kernels[0] == "native" for m in layers)
     assert any(not m.has_torch_kernel for m in layers)  # int8 at group 32 (int4's head too)
     for layer in layers:
         theirs = "int_kernel" if layer.has_torch_kernel else "dequantized"
         layer.kernels = (theirs,) * len(BUCKETS)
-    assert ours.generate(prompt, params)[0].outputs[0].token_ids == tokens
+    second = ours.generate(prompt, params)[0].outputs[0]
+    for step, (a, b) in enumerate(zip(first.token_ids, second.token_ids, strict=True)):
+        ours_top, theirs_top = first.logprobs[step], second.logprobs[step]
+        assert all(abs(ours_top[t] - theirs_top[t]) < DRIFT for t in ours_top if t in theirs_top)
+        if a != b:
+            best, runner_up = sorted(ours_top.values(), reverse=True)[:2]
+            assert b in ours_top and best - runner_up < NEAR_TIE, (step, best, runner_up)
+            break
+
+
+# Log-probabilities of the same tokens through the two formulations drift apart by up to about
+# 0.2 nats over the 12 steps (measured; PyTorch's int kernels round activations to bfloat16),
+# so a step whose two likeliest tokens are nearer than NEAR_TIE may go either way.
+DRIFT, NEAR_TIE = 0.5, 0.1
 
 
 def test_the_engine_panel_says_which_kernels_run(qwen2_path, monkeypatch):
