@@ -1,6 +1,7 @@
 """A/B of one engine feature on single-stream decode, side by side in one process.
 
-    python -m bench.decode_ab --feature huge_pages|fused_ops|native_decode|native_experts
+    python -m bench.decode_ab --feature huge_pages|fused_ops|native_decode|native_experts|
+        float32_logits
         [--model PATH] [--dtype bfloat16]
         [--quantization none|int8|int4] [--rounds 8] [--steps 16]
 
@@ -12,7 +13,9 @@ step's norm / rotary / SiLU-and-multiply as our fused kernels
 `native_decode`: one engine, its decode steps through the layers in one native call
 (models.kernels.native_decode) or module by module; `native_experts`: one engine of a
 mixture-of-experts model, its routed experts at decode steps in one native call per block
-(models.kernels.native_experts) or through the modules.
+(models.kernels.native_experts) or through the modules; `float32_logits`: one engine, its LM
+head's float32 sums kept (models.kernels.linear.float32_logits) or its product in the model
+dtype, widened.
 Each engine decodes one request; rounds of `--steps` decode steps alternate between the two
 sides, and the median milliseconds per step of each side and the median per-round ratio are
 printed.
@@ -38,7 +41,8 @@ from bench.common import (
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--feature", required=True,
-                        choices=["huge_pages", "fused_ops", "native_decode", "native_experts"])
+                        choices=["huge_pages", "fused_ops", "native_decode", "native_experts",
+                                 "float32_logits"])
     add_decoding_arguments(parser)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=16)
@@ -92,6 +96,19 @@ def main() -> None:
             return run
 
         sides = {"native call": experts(True), "modules": experts(False)}
+    elif args.feature == "float32_logits":
+        import models.layers.decoder as decoder
+
+        shared, kept = engine(), decoder.float32_logits
+
+        def head(logits: Callable) -> Callable[[], None]:
+            def run() -> None:
+                decoder.float32_logits = logits
+                shared.step()
+            return run
+
+        sides = {"float32 logits": head(kept),
+                 "model-dtype logits": head(lambda layer, x: layer(x).float())}
     else:
         shared, fused = engine(), native.for_small_ops
 
