@@ -38,6 +38,16 @@ from bench.common import (
 )
 
 
+def one_engine(shared, setups: dict[str, Callable[[], None]]) -> dict[str, Callable[[], None]]:
+    """Each side of a one-engine A/B: its setup (which switches the feature), then a step."""
+    def side(setup: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            setup()
+            shared.step()
+        return run
+    return {name: side(setup) for name, setup in setups.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--feature", required=True,
@@ -71,13 +81,11 @@ def main() -> None:
         if call is None:
             raise SystemExit("this model's decode steps do not take the native call (see log)")
 
-        def toggled(value) -> Callable[[], None]:
-            def run() -> None:
-                model.native_decode = value
-                shared.step()
-            return run
+        def native_decode(value) -> Callable[[], None]:
+            return lambda: setattr(model, "native_decode", value)
 
-        sides = {"native call": toggled(call), "modules": toggled(None)}
+        sides = one_engine(shared, {"native call": native_decode(call),
+                                    "modules": native_decode(None)})
     elif args.feature == "native_experts":
         from models.layers.moe import RoutedExperts
 
@@ -89,36 +97,31 @@ def main() -> None:
                              "call (see log)")
 
         def experts(on: bool) -> Callable[[], None]:
-            def run() -> None:
+            def setup() -> None:
                 for block, call in zip(blocks, calls, strict=True):
                     block.native = call if on else None
-                shared.step()
-            return run
+            return setup
 
-        sides = {"native call": experts(True), "modules": experts(False)}
+        sides = one_engine(shared, {"native call": experts(True), "modules": experts(False)})
     elif args.feature == "float32_logits":
         import models.layers.decoder as decoder
 
-        shared, kept = engine(), decoder.float32_logits
+        kept = decoder.float32_logits
 
         def head(logits: Callable) -> Callable[[], None]:
-            def run() -> None:
-                decoder.float32_logits = logits
-                shared.step()
-            return run
+            return lambda: setattr(decoder, "float32_logits", logits)
 
-        sides = {"float32 logits": head(kept),
-                 "model-dtype logits": head(lambda layer, x: layer(x).float())}
+        sides = one_engine(engine(), {
+            "float32 logits": head(kept),
+            "model-dtype logits": head(lambda layer, x: layer(x).float())})
     else:
-        shared, fused = engine(), native.for_small_ops
+        fused = native.for_small_ops
 
-        def step(use: Callable) -> Callable[[], None]:
-            def run() -> None:
-                native.for_small_ops = use
-                shared.step()
-            return run
+        def small_ops(use: Callable) -> Callable[[], None]:
+            return lambda: setattr(native, "for_small_ops", use)
 
-        sides = {"fused ops": step(fused), "PyTorch ops": step(lambda x: None)}
+        sides = one_engine(engine(), {"fused ops": small_ops(fused),
+                                      "PyTorch ops": small_ops(lambda x: None)})
 
     times: dict[str, list[float]] = {name: [] for name in sides}
     for _ in range(args.rounds):

@@ -215,12 +215,19 @@ def run_kernel(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if x.device.type != "cpu" and not quantized:
         return F.linear(x, layer.weight, layer.bias)
     plan = layer.kernels
-    if not quantized:
-        return KERNELS[BASELINE if plan is None else plan[bucket_index(x.shape[0])]](layer, x)
     if plan is not None:
         name = plan[bucket_index(x.shape[0])]
+    elif not quantized:
+        name = BASELINE
     else:  # unplanned: PyTorch's int kernel where it has one
         name = "int_kernel" if layer.has_torch_kernel else "dequantized_t"
+    return _formulation(layer, name, x)
+
+
+def _formulation(layer: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
+    """x W^T + b through the layer's formulation `name` (a dense one adds the bias itself)."""
+    if not layer.is_quantized:
+        return KERNELS[name](layer, x)
     out = QUANTIZED_KERNELS[name](layer, x)
     return out if layer.bias is None else out + layer.bias
 
@@ -284,6 +291,4 @@ def float32_logits(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     int4 = layer.is_quantized and layer.mode == "int4"
     if name not in TAKE_FLOAT32_X or (name == "native_rows" and int4):
         name = "native" if x.shape[0] <= FEW_ROWS else "native_gemm"
-    table = QUANTIZED_KERNELS if layer.is_quantized else KERNELS
-    out = table[name](layer, x.float())
-    return out if not layer.is_quantized or layer.bias is None else out + layer.bias
+    return _formulation(layer, name, x.float())
