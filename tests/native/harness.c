@@ -20,6 +20,8 @@ void mm_dequantize_i8(const int8_t* w, const uint16_t* scales, int64_t group, vo
 void mm_dequantize_i4(const uint8_t* w, const uint16_t* sz, void* out, int out_dtype, int64_t n,
                       int64_t k, int64_t group, int64_t first, int64_t count, int threads);
 void mm_argmax(const float* x, int64_t rows, int64_t n, int64_t* out);
+void mm_fit_int4(const float* x, int64_t groups, int64_t group, float* scale, float* low,
+                 int threads);
 int mm_gemm_quantized_takes(int64_t n, int64_t k, int w_format, int64_t group);
 int mm_gemm_quantized(const void* x, int x_dtype, const void* w, int w_format,
                       const uint16_t* scales, int64_t group, void* y, int64_t ldy, int64_t m,
@@ -552,6 +554,57 @@ static void test_argmax(void) {
     else printf("FAIL argmax: %lld %lld\n", (long long)out[0], (long long)out[1]), failures++;
 }
 
+/* ---- the int4 grid fit ------------------------------------------------------------------- */
+
+/* Squared error, in double, of a group on the grid low + q * step (q nearest, in [0, 15]). */
+static double grid_error(const float* x, int64_t g, double step, double low) {
+    double e = 0.0;
+    for (int64_t i = 0; i < g; i++) {
+        double q = step > 0.0 ? nearbyint((x[i] - low) / step) : 0.0;
+        q = q < 0.0 ? 0.0 : (q > 15.0 ? 15.0 : q);
+        e += (q * step + low - x[i]) * (q * step + low - x[i]);
+    }
+    return e;
+}
+
+/* No group's fitted grid worse than its min-max grid, bell-shaped groups' clearly better in
+ * all; a group of one value kept, a group of two values fitted exactly. */
+static void test_fit_int4(int64_t g) {
+    const int64_t groups = 200;
+    float* x = alloc(sizeof(float) * groups * g);
+    float *step = alloc(sizeof(float) * groups), *low = alloc(sizeof(float) * groups);
+    for (int64_t r = 0; r < groups; r++) {
+        const double spread = 0.1 + fabs(uniform());
+        for (int64_t i = 0; i < g; i++)
+            x[r * g + i] = (float)(spread * (uniform() + uniform() + uniform()));
+    }
+    for (int64_t i = 0; i < g; i++) x[i] = 0.25f, x[g + i] = i % 2 ? 1.5f : -0.5f;
+    mm_fit_int4(x, groups, g, step, low, 2);
+    double fitted = 0.0, min_max = 0.0;
+    int worse = 0;
+    for (int64_t r = 2; r < groups; r++) {
+        const float* xr = x + r * g;
+        float lo = xr[0], hi = xr[0];
+        for (int64_t i = 0; i < g; i++) lo = xr[i] < lo ? xr[i] : lo, hi = xr[i] > hi ? xr[i] : hi;
+        const double e = grid_error(xr, g, step[r], low[r]);
+        const double e0 = grid_error(xr, g, ((double)hi - lo) / 15.0, lo);
+        worse += e > e0 * (1.0 + 1e-5);
+        fitted += e, min_max += e0;
+    }
+    const int kept = step[0] == 0.0f && low[0] == 0.25f;
+    const int exact = grid_error(x + g, g, step[1], low[1]) < 1e-10;
+    char name[96];
+    snprintf(name, sizeof name, "int4 grid fit, group %lld", (long long)g);
+    if (!worse && fitted < 0.95 * min_max && kept && exact) {
+        printf("ok   %s\n", name);
+    } else {
+        failures++;
+        printf("FAIL %s: %d groups worse than min-max, fitted / min-max %.3f, one value %d, "
+               "two values %d\n", name, worse, fitted / min_max, kept, exact);
+    }
+    free(x), free(step), free(low);
+}
+
 int main(void) {
     printf("variant %s\n", mm_variant());
     for (int dt = 0; dt < 2; dt++) {
@@ -587,6 +640,8 @@ int main(void) {
         test_gemm_quantized(0, dt, 32);
         test_gemm_quantized(0, dt, 128);
         test_gemm_quantized(1, dt, 64);
+        if (dt == DTYPE_F32)
+            for (int64_t g = 32; g <= 128; g *= 2) test_fit_int4(g);
         for (int mode = 0; mode < 3; mode++) {
             test_rms_norm(dt, mode, 0);
             test_rms_norm(dt, mode, 1);
