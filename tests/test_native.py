@@ -86,7 +86,7 @@ def test_tiled_linear_matches_float64(kernels, tiled, weight_dtype, x_dtype, row
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [32, 64, 128])
-@pytest.mark.parametrize("rows, n, k", [(7, 64, 128), (250, 192, 640), (13, 128, 384)])
+@pytest.mark.parametrize("rows, n, k", [(7, 64, 128), (250, 192, 640), (13, 192, 384)])
 def test_int4_gemm_matches_its_dequantized_weight(kernels, x_dtype, group, rows, n, k):
     """The packed GEMM's int4 panels hold the dequantizer's float32 values: the product is x
     times that weight, within float32 summation order (chunks of 256 crossing groups)."""
@@ -312,7 +312,8 @@ def test_native_linear_is_a_planned_candidate_for_few_rows_only(kernels):
     """Dense and quantized weights up to the 9-64 bucket (a second turn's short prefill chunk:
     the rows come from cache again cheaper than a GEMM that widens or dequantizes the whole
     weight first), never past it (int4's: up to the 65-256 bucket); the tiled kernel past a
-    decode's rows up to the 65-256 bucket, for dense and int8 weights."""
+    decode's rows up to the 65-256 bucket, for dense and int8 weights; the packed GEMM past a
+    decode's rows."""
     from models.kernels.plan import candidates
     from models.kernels.quantization import QuantizedLinear
 
@@ -323,7 +324,7 @@ def test_native_linear_is_a_planned_candidate_for_few_rows_only(kernels):
     assert [("native_rows" in candidates(layer, r, torch.bfloat16)) for r in probes] == [
         False, False, True, True, False]
     assert [("native_gemm" in candidates(layer, r, torch.bfloat16)) for r in probes] == [
-        False, False, False, True, True]
+        False, False, True, True, True]
     for mode, group in (("int8", 32), ("int8", 64), ("int4", 32)):
         q = QuantizedLinear(torch.randn(64, 64), None, mode, group)
         # PyTorch's int8 kernel takes a scale per channel (int8 at group 64 = K) only
@@ -335,7 +336,8 @@ def test_native_linear_is_a_planned_candidate_for_few_rows_only(kernels):
         assert "native" not in candidates(q, 512, torch.bfloat16)
         assert ("native_rows" in candidates(q, 32, torch.bfloat16)) == (mode == "int8")
         assert "native_gemm" in candidates(q, 512, torch.bfloat16)
-        assert "native_gemm" not in candidates(q, 32, torch.bfloat16)
+        assert "native_gemm" in candidates(q, 32, torch.bfloat16)
+        assert "native_gemm" not in candidates(q, 4, torch.bfloat16)
         q.kernels = ("native_gemm",) * len(BUCKETS)  # int8's scales, int4's panels
         xq = torch.randn(3, 64)
         torch.testing.assert_close(q(xq), F.linear(xq, q.dequantize(torch.float32)))
@@ -503,10 +505,13 @@ def test_build_is_cached_and_keyed_by_variant_and_source(kernels, tmp_path, monk
     assert native.build(variant, compiler, openmp) == (path, 0.0)  # the second start reuses it
     other = next(v for v in BY_NAME.values() if v.arch == variant.arch and v != variant)
     assert native.build(other, compiler, openmp)[0] != path
-    edited = tmp_path / "kernels.c"
-    edited.write_text(native.SOURCES[0].read_text() + "\n/* edited */\n")
-    monkeypatch.setattr(native, "SOURCES", (edited, *native.SOURCES[1:]))
-    assert native.build(variant, compiler, openmp)[0] != path
+    edited = tmp_path / "sources"  # another revision's sources: one file edited
+    edited.mkdir()
+    for source in (*native.SOURCES, native.HEADER):
+        (edited / source.name).write_text(source.read_text())
+    first = edited / native.SOURCES[0].name
+    first.write_text(first.read_text() + "\n/* edited */\n")
+    assert native.build(variant, compiler, openmp, source_dir=edited)[0] != path
 
 
 def test_without_a_compiler_the_engine_keeps_pytorch_kernels(monkeypatch):

@@ -452,8 +452,8 @@ def _load(variant: Variant | None) -> tuple[NativeKernels | None, str]:
     if variant is None:
         return None, (f"no kernel variant for this CPU ({cpu_variants.machine_arch()}): "
                       "PyTorch's kernels only")
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler or not shutil.which(compiler):
+    compiler = find_compiler()
+    if compiler is None:
         return None, "no C compiler found (install gcc, or set CC): PyTorch's kernels only"
     openmp = openmp_runtime()
     try:
@@ -464,6 +464,12 @@ def _load(variant: Variant | None) -> tuple[NativeKernels | None, str]:
     threads = "OpenMP shared with PyTorch" if openmp else "one thread (no OpenMP runtime found)"
     built = f"built in {seconds:.1f} s" if seconds else "cached"
     return kernels, f"{variant.name} variant, {Path(compiler).name}, {threads}, {built}"
+
+
+def find_compiler() -> str | None:
+    """$CC, else cc, else gcc: the first that is on the PATH."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    return compiler if compiler and shutil.which(compiler) else None
 
 
 def openmp_runtime() -> Path | None:
@@ -480,15 +486,19 @@ def openmp_runtime() -> Path | None:
 
 
 def build(variant: Variant, compiler: str, openmp: Path | None = None,
-          target_dir: Path | None = None) -> tuple[Path, float]:
+          target_dir: Path | None = None, source_dir: Path = HERE) -> tuple[Path, float]:
     """Compile the sources as `variant` (unless cached) -> (path of the shared object, seconds
-    spent building). `target_dir`: where to put it (default: beside the kernel choices)."""
+    spent building). `target_dir`: where to put it (default: beside the kernel choices);
+    `source_dir`: a folder holding SOURCES and HEADER by name (default: ours; bench.kernel_ab
+    builds another revision's)."""
+    sources = tuple(source_dir / p.name for p in SOURCES)
+    header = source_dir / HEADER.name
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
     flags = [*FLAGS, *variant.flags, f'-DMM_VARIANT="{variant.name}"'] + (
         ["-fopenmp"] if openmp else [])
     digest = hashlib.sha256("\0".join(
-        [*(p.read_text() for p in (*SOURCES, HEADER)), compiler, version, " ".join(flags),
+        [*(p.read_text() for p in (*sources, header)), compiler, version, " ".join(flags),
          str(openmp)]
     ).encode()).hexdigest()[:16]
     target = (target_dir or cache_path().parent) / f"native-{variant.name}-{digest}.so"
@@ -497,12 +507,12 @@ def build(variant: Variant, compiler: str, openmp: Path | None = None,
     target.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        objects = [Path(tmp) / f"{i}.o" for i in range(len(SOURCES))]
+        objects = [Path(tmp) / f"{i}.o" for i in range(len(sources))]
         lib = Path(tmp) / "kernels.so"
         # Compiled with OpenMP, linked without the compiler's own runtime but against the one
         # PyTorch loaded: two OpenMP runtimes in a process would each keep a thread pool.
-        for source, obj in zip(SOURCES, objects, strict=True):
-            _run([compiler, *flags, "-I", str(HEADER.parent), "-c", str(source), "-o",
+        for source, obj in zip(sources, objects, strict=True):
+            _run([compiler, *flags, "-I", str(header.parent), "-c", str(source), "-o",
                   str(obj)])
         link = [compiler, "-shared", *map(str, objects), "-o", str(lib), "-lm"]
         _run(link + ([str(openmp)] if openmp else []))

@@ -62,9 +62,10 @@ DECODE_ROWS = PROBE_ROWS[1]  # a decode step of a few requests; more rows may be
 # Our register-tiled kernel (models/kernels/cpu/linear_rows.c) is a candidate past a decode's rows
 # up to this many: a short prefill chunk, many requests' decodes; longer prefills are a GEMM's.
 TILED_ROWS = PROBE_ROWS[3]
-# Our packed-panel GEMM (models/kernels/cpu/gemm_dense.c) is a candidate past this many rows: a
-# prefill's, a vision tower's.
-GEMM_ROWS = PROBE_ROWS[2]
+# Our packed-panel GEMM (models/kernels/cpu/gemm_dense.c) is a candidate past a decode's rows: a
+# prefill's, a vision tower's, and a short chunk's (a second turn's new text), where it packs each
+# strip of the weight just before its tiles read it and may beat the register-tiled kernel.
+GEMM_ROWS = DECODE_ROWS
 # A quantized weight's dequantized GEMM is timed in the other of float32 and bfloat16 too.
 OTHER_GEMM_DTYPE = {torch.float32: [(torch.bfloat16, "_bf16")],
                     torch.bfloat16: [(torch.float32, "_f32")]}
