@@ -5,13 +5,13 @@ side in one process, on a model's linear shapes at chosen row counts.
         [--rows 16,33,64,128,313,1024] [--shapes qwen2.5-vl-3b|qwen2.5-vl-3b-tower]
         [--rounds 9] [--threads 2]
 
-Both libraries are compiled for this CPU's variant (models.kernels.native.build, the same flags
-and OpenMP runtime) from models/kernels/cpu as it is at `--base` and as it is now, and loaded
-together. Each round calls the kernel once on every shape of the set (bfloat16 weights and x;
-int4 weights quantized at group 64), alternating between the two builds; per row count it prints
-each side's median GFLOP/s and the median per-round ratio (> 1: the working tree is faster). A
-build compared with itself reads 0.97-1.06 on a shared 2-core machine: smaller differences are
-noise there.
+The working tree's library is the one the engine loads (models.kernels.native.load); the other is
+compiled from models/kernels/cpu as it is at `--base`, as the same variant with the same flags and
+OpenMP runtime, and loaded beside it. Each round calls the kernel once on every shape of the
+set (bfloat16 weights and x; int4 weights quantized at group 64), alternating between the two
+builds; per row count it prints each side's median GFLOP/s and the median per-round ratio (> 1:
+the working tree is faster). A build compared with itself reads 0.97-1.06 on a shared 2-core
+machine: smaller differences are noise there.
 """
 
 from __future__ import annotations
@@ -34,32 +34,21 @@ SHAPES = {  # name: [(out_features, in_features)]
 GROUP = 64
 
 
-def build_from(sources: dict[str, str], name: str, target: Path):
-    """Compile the kernel sources {file name: text} as this CPU's variant -> NativeKernels."""
+def build_at(revision: str, target: Path):
+    """Our kernel library compiled from its sources at a git revision, as the variant this
+    process loaded (the same flags and OpenMP runtime) -> NativeKernels."""
     from models.kernels import cpu_variants, native
 
-    folder = target / name
-    folder.mkdir(parents=True)
-    for file, text in sources.items():
-        (folder / file).write_text(text)
     loaded, compiler = native.load(), native.find_compiler()
     assert loaded is not None and compiler, "our kernels did not build here (see the log)"
-    variant = next(v for v in cpu_variants.VARIANTS if v.name == loaded.variant)
-    path, _ = native.build(variant, compiler, native.openmp_runtime(), folder, source_dir=folder)
-    return native.NativeKernels(ctypes.CDLL(str(path)), name)
-
-
-def sources_at(revision: str | None) -> dict[str, str]:
-    """The kernel sources at a git revision (None: the working tree)."""
-    from models.kernels import native
-
-    files = (*native.SOURCES, native.HEADER)
-    if revision is None:
-        return {p.name: p.read_text() for p in files}
     root = Path(__file__).resolve().parent.parent
-    return {p.name: subprocess.run(
-        ["git", "show", f"{revision}:{p.relative_to(root).as_posix()}"], cwd=root, check=True,
-        capture_output=True, text=True).stdout for p in files}
+    for source in (*native.SOURCES, native.HEADER):
+        (target / source.name).write_text(subprocess.run(
+            ["git", "show", f"{revision}:{source.relative_to(root).as_posix()}"], cwd=root,
+            check=True, capture_output=True, text=True).stdout)
+    variant = next(v for v in cpu_variants.VARIANTS if v.name == loaded.variant)
+    path, _ = native.build(variant, compiler, native.openmp_runtime(), target, source_dir=target)
+    return native.NativeKernels(ctypes.CDLL(str(path)), revision)
 
 
 def main() -> None:
@@ -73,11 +62,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
+    from models.kernels import native
     from models.kernels.quantization import pack_int4, quantize_int4
 
-    with tempfile.TemporaryDirectory() as tmp:
-        sides = {args.base: build_from(sources_at(args.base), "base", Path(tmp)),
-                 "working tree": build_from(sources_at(None), "new", Path(tmp))}
+    with tempfile.TemporaryDirectory() as tmp:  # the loaded library stays mapped
+        sides = {args.base: build_at(args.base, Path(tmp)),
+                 "working tree": native.load()}  # built from the working tree's sources
     shapes = SHAPES[args.shapes]
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen).to(torch.bfloat16) for n, k in shapes]
