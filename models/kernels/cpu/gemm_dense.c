@@ -41,14 +41,15 @@
 #define VL 4
 #endif
 typedef float vf __attribute__((vector_size(VL * 4)));
+typedef uint32_t vu __attribute__((vector_size(VL * 4)));
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
 
 #define MR 6                /* rows per register tile: 12 sums, 2 weights, 1 broadcast of x */
 #define NR (2 * VL)         /* channels per register tile */
 #define KC 256              /* inputs per chunk */
 #define MC (40 * MR)        /* rows per packed block of x */
 #define SUMS_BYTES (4 << 20) /* a thread's float32 sums of a block of y, at most */
-/* rows of the weight widened at once: a strip's, or an int4 block's */
-#define ROWS_BUFFER (NR > I4_BLOCK_N ? NR : I4_BLOCK_N)
+#define I4_STEP 128         /* bytes of our int4 pack per 4 inputs of a block of 64 channels */
 
 #define W_F32 0
 #define W_BF16 1
@@ -106,67 +107,129 @@ static void pack_x(const void* x, int dt, int64_t k, int64_t m, int64_t i0, int6
     }
 }
 
+#if defined(__AVX__)
+/* An 8 x 8 block in registers (r[i]: row i's 8 inputs) -> out [8][stride]: each input's 8
+ * values contiguous. */
+static inline void store_transposed8(__m256 r[8], float* out, int64_t stride) {
+    __m256 t[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4)
+        for (int h = 0; h < 2; h++) {
+            r[i + h] = _mm256_shuffle_ps(t[i + h], t[i + h + 2], 0x44);
+            r[i + h + 2] = _mm256_shuffle_ps(t[i + h], t[i + h + 2], 0xee);
+        }
+    /* r[0..3] hold rows 0-3 of columns {0,4}, {2,6}, {1,5}, {3,7} per 128-bit half; r[4..7]
+     * rows 4-7 alike */
+    static const int column[4] = {0, 2, 1, 3};
+    for (int q = 0; q < 4; q++) {
+        _mm256_storeu_ps(out + column[q] * stride, _mm256_permute2f128_ps(r[q], r[q + 4], 0x20));
+        _mm256_storeu_ps(out + (column[q] + 4) * stride,
+                         _mm256_permute2f128_ps(r[q], r[q + 4], 0x31));
+    }
+}
+#endif
+
 /* rows [8][ld] (inputs 0 .. kc - 1) -> out [kc][stride]: each input's 8 values contiguous. */
 static void transpose8(const float* rows, int64_t ld, int64_t kc, float* out, int64_t stride) {
     int64_t p = 0;
 #if defined(__AVX__)
-    for (; p + 8 <= kc; p += 8) {  /* an 8 x 8 block in registers */
-        __m256 r[8], t[8];
+    for (; p + 8 <= kc; p += 8) {
+        __m256 r[8];
         for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(rows + i * ld + p);
-        for (int i = 0; i < 8; i += 2) {
-            t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-            t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-        }
-        for (int i = 0; i < 8; i += 4)
-            for (int h = 0; h < 2; h++) {
-                r[i + h] = _mm256_shuffle_ps(t[i + h], t[i + h + 2], 0x44);
-                r[i + h + 2] = _mm256_shuffle_ps(t[i + h], t[i + h + 2], 0xee);
-            }
-        /* r[0..3] hold rows 0-3 of columns {0,4}, {2,6}, {1,5}, {3,7} per 128-bit half; r[4..7]
-         * rows 4-7 alike */
-        static const int column[4] = {0, 2, 1, 3};
-        for (int q = 0; q < 4; q++) {
-            _mm256_storeu_ps(out + (p + column[q]) * stride,
-                             _mm256_permute2f128_ps(r[q], r[q + 4], 0x20));
-            _mm256_storeu_ps(out + (p + column[q] + 4) * stride,
-                             _mm256_permute2f128_ps(r[q], r[q + 4], 0x31));
-        }
+        store_transposed8(r, out + p * stride, stride);
     }
 #endif
     for (; p < kc; p++)
         for (int i = 0; i < 8; i++) out[p * stride + i] = rows[i * ld + p];
 }
 
-/* W channels [j, j + NR), inputs [p0, p0 + kc) -> bp [kc][NR], zero past n_end: the strip's
- * rows widened to float32 into `rows` ([ROWS_BUFFER][KC]), then transposed 8 channels at a
- * time. int4: a block of 64 channels of the pack is dequantized at once, by the dequantizer of
- * the `dequantized` formulations (mm_dequantize_i4_block), at the block's first strip or at a
- * thread's first (`first`); a strip lies within one block (64 is a multiple of NR), and p0, kc
- * are whole groups (the groups divide KC and K). */
-static void pack_strip(const Weight* W, int64_t k, int64_t n, int64_t n_end, int64_t j,
-                       int first, int64_t p0, int64_t kc, float* bp, float* rows) {
-    const float* strip = rows;
-    if (W->type == W_I4) {
-        if (first || j % I4_BLOCK_N == 0)
-            mm_dequantize_i4_block(W->w, W->scales, rows, DTYPE_F32, KC, n, k, W->group,
-                                   j / I4_BLOCK_N, p0 / W->group, (p0 + kc) / W->group);
-        strip = rows + j % I4_BLOCK_N * KC;
-    } else {
-        for (int c = 0; c < NR; c++) {
-            float* row = rows + c * KC;
-            if (j + c >= n_end) {
-                memset(row, 0, sizeof(float) * (size_t)kc);
-            } else if (W->type == W_F32) {
-                memcpy(row, (const float*)W->w + (j + c) * k + p0, sizeof(float) * (size_t)kc);
-            } else if (W->type == W_BF16) {
-                load_row(row, W->w, DTYPE_BF16, (j + c) * k + p0, kc);
-            } else {
-                widen_i8_grouped((const int8_t*)W->w + (j + c) * k + p0,
-                                 W->scales + (j + c) * (k / W->group), W->group, p0, kc, row);
+/* As transpose8 from bfloat16 rows, widened on the way (no float32 copy of the rows written and
+ * read back: at a few tens of rows of x that copy was the packing's larger half). */
+static void transpose8_bf16(const uint16_t* rows, int64_t ld, int64_t kc, float* out,
+                            int64_t stride) {
+    int64_t p = 0;
+#if defined(__AVX2__)
+    for (; p + 8 <= kc; p += 8) {
+        __m256 r[8];
+        for (int i = 0; i < 8; i++) {
+            const __m128i h = _mm_loadu_si128((const __m128i*)(rows + i * ld + p));
+            r[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        }
+        store_transposed8(r, out + p * stride, stride);
+    }
+#endif
+    for (; p < kc; p++)
+        for (int i = 0; i < 8; i++) out[p * stride + i] = bf16_to_f32(rows[i * ld + p]);
+}
+
+/* int4: channels [j, j + NR) of our pack, inputs [p0, p0 + kc) -> bp [kc][NR], dequantized
+ * straight into the tile's order. Per 4 inputs the pack holds 4 consecutive bytes per channel of
+ * a block of 64 (low nibbles: channels 0-31, high: 32-63), so a 32-bit lane is one channel's 4
+ * inputs and a vector of lanes a vector of channels; a strip lies within one half of a block (32
+ * is a multiple of NR). Values as mm_dequantize_i4_block makes them (the `dequantized`
+ * formulations), q * scale + (zero - 8 * scale), one multiply-add (fused where the CPU has
+ * FMA: GCC contracts it). p0, kc are whole groups. */
+static void pack_strip_i4(const Weight* W, int64_t k, int64_t n, int64_t j, int64_t p0,
+                          int64_t kc, float* bp) {
+    const int64_t c = j % I4_BLOCK_N;
+    const int shift = c < I4_BLOCK_N / 2 ? 0 : 4;
+    const uint8_t* block = (const uint8_t*)W->w + j / I4_BLOCK_N * k * (I4_BLOCK_N / 2)
+                           + 4 * (c % (I4_BLOCK_N / 2));
+    for (int64_t g = p0 / W->group; g < (p0 + kc) / W->group; g++) {
+        const uint16_t* sz = W->scales + (g * n + j) * 2;  /* [K / group, N, 2] */
+        vf scale[2], offset[2];
+        for (int v = 0; v < 2; v++)
+            for (int l = 0; l < VL; l++) {
+                const float s = bf16_to_f32(sz[2 * (v * VL + l)]);
+                scale[v][l] = s;
+                offset[v][l] = bf16_to_f32(sz[2 * (v * VL + l) + 1]) - 8.0f * s;
+            }
+        for (int64_t p = g * W->group; p < (g + 1) * W->group; p += 4) {
+            float* out = bp + (p - p0) * NR;
+            for (int v = 0; v < 2; v++) {
+                vu q;
+                memcpy(&q, block + p / 4 * I4_STEP + 4 * v * VL, sizeof q);
+                q >>= shift;
+                for (int i = 0; i < 4; i++) {
+                    const vf value = __builtin_convertvector((vi)((q >> (8 * i)) & 15), vf);
+                    vstore(out + i * NR + v * VL, value * scale[v] + offset[v]);
+                }
             }
         }
     }
-    for (int c = 0; c < NR; c += 8) transpose8(strip + c * KC, KC, kc, bp + c, NR);
+}
+
+/* W channels [j, j + NR), inputs [p0, p0 + kc) -> bp [kc][NR], zero past n_end: the strip's
+ * rows widened to float32 into `rows` ([NR][KC]), then transposed 8 channels at a time
+ * (bfloat16 widened as it is transposed; int4 by pack_strip_i4). */
+static void pack_strip(const Weight* W, int64_t k, int64_t n, int64_t n_end, int64_t j,
+                       int64_t p0, int64_t kc, float* bp, float* rows) {
+    if (W->type == W_I4) {
+        pack_strip_i4(W, k, n, j, p0, kc, bp);
+        return;
+    }
+    if (W->type == W_BF16 && j + NR <= n_end) {
+        const uint16_t* w = (const uint16_t*)W->w + j * k + p0;
+        for (int c = 0; c < NR; c += 8) transpose8_bf16(w + c * k, k, kc, bp + c, NR);
+        return;
+    }
+    for (int c = 0; c < NR; c++) {
+        float* row = rows + c * KC;
+        if (j + c >= n_end) {
+            memset(row, 0, sizeof(float) * (size_t)kc);
+        } else if (W->type == W_F32) {
+            memcpy(row, (const float*)W->w + (j + c) * k + p0, sizeof(float) * (size_t)kc);
+        } else if (W->type == W_BF16) {
+            load_row(row, W->w, DTYPE_BF16, (j + c) * k + p0, kc);
+        } else {
+            widen_i8_grouped((const int8_t*)W->w + (j + c) * k + p0,
+                             W->scales + (j + c) * (k / W->group), W->group, p0, kc, row);
+        }
+    }
+    for (int c = 0; c < NR; c += 8) transpose8(rows + c * KC, KC, kc, bp + c, NR);
 }
 
 /* W channels [j0, j0 + nc), inputs [p0, p0 + kc) -> bp [ceil(nc / NR)][kc][NR], strip by
@@ -174,7 +237,7 @@ static void pack_strip(const Weight* W, int64_t k, int64_t n, int64_t n_end, int
 static void pack_w(const Weight* W, int64_t k, int64_t n, int64_t n_end, int64_t j0, int64_t nc,
                    int64_t p0, int64_t kc, float* bp, float* rows) {
     for (int64_t s = 0; s < nc; s += NR)
-        pack_strip(W, k, n, n_end, j0 + s, s == 0, p0, kc, bp + s * kc, rows);
+        pack_strip(W, k, n, n_end, j0 + s, p0, kc, bp + s * kc, rows);
 }
 
 /* The register tile: c[ROWS][NR] (ldc apart; `first`: = instead of +=) over kc inputs of one
@@ -268,7 +331,7 @@ static void gemm_part_short(const void* x, int x_dtype, const Weight* W, void* y
             const int64_t kc = k - p0 < KC ? k - p0 : KC;
             pack_x(x, x_dtype, k, m, 0, m, p0, kc, ap);
             for (int64_t s = 0; s < ncp; s += NR) {
-                pack_strip(W, k, n, n1, j0 + s, s == 0, p0, kc, bp, rows);
+                pack_strip(W, k, n, n1, j0 + s, p0, kc, bp, rows);
                 for (int64_t t = 0; t < m; t += MR)
                     tile_rows(ap + t * kc, bp, kc, sums + t * ncp + s, ncp, p0 == 0, m - t);
             }
@@ -299,7 +362,7 @@ static int gemm(const void* x, int x_dtype, const Weight* W, void* y, int64_t m,
         float* sums = aligned_alloc(64, sizeof(float) * (size_t)(mp * nc));
         float* ap = aligned_alloc(64, sizeof(float) * MC * KC);
         float* bp = aligned_alloc(64, sizeof(float) * (size_t)((m > MC ? nc : NR) * KC));
-        float* rows = aligned_alloc(64, sizeof(float) * ROWS_BUFFER * KC);
+        float* rows = aligned_alloc(64, sizeof(float) * NR * KC);
         if (sums == NULL || ap == NULL || bp == NULL || rows == NULL) {
             _Pragma("omp atomic write")
             failed = 1;
