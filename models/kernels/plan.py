@@ -91,7 +91,7 @@ def candidates(layer: nn.Module, rows: int, dtype: torch.dtype,
     ours = rows <= NATIVE_ROWS and native.load() is not None
     if layer.is_quantized:
         # PyTorch's int kernels: int8 with a scale per channel, int4 (if its pack fits)
-        torch_kernel = layer.per_channel or (layer.mode == "int4" and torch_int4)
+        torch_kernel = layer.has_torch_kernel and (layer.mode == "int8" or torch_int4)
         names = ["int_kernel"] if torch_kernel else []
         # int4: our integer kernel's tiles of weight stay in cache across rows, and it is a
         # candidate as far as the tiled dense kernel (at 128 rows it measured ahead of the
