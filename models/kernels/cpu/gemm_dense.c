@@ -232,6 +232,29 @@ static void pack_strip(const Weight* W, int64_t k, int64_t n, int64_t n_end, int
     for (int c = 0; c < NR; c += 8) transpose8(rows + c * KC, KC, kc, bp + c, NR);
 }
 
+/* The cache lines of a strip of W still to be read, asked for a few at a time from inside the
+ * tiles before it (`tile`'s `ahead`). A dense strip is NR separate rows, a chunk of each read
+ * between long runs of tiles: neither the hardware prefetchers nor the out-of-order window reach
+ * it ahead of time, and asked for in one burst before the tiles, its lines outnumber the
+ * line-fill buffers and stall them. int4's strip is contiguous (the prefetchers follow it). */
+#define AHEAD_MAX (NR * (KC * 4 / 64 + 1))
+typedef struct {
+    const char* line[AHEAD_MAX];
+    int64_t count;
+} Ahead;
+
+static void ahead_of(const Weight* W, int64_t k, int64_t n_end, int64_t j, int64_t p0,
+                     int64_t kc, Ahead* a) {
+    a->count = 0;
+    if (W->type == W_I4) return;
+    const int size = W->type == W_F32 ? 4 : W->type == W_BF16 ? 2 : 1;
+    for (int64_t c = j; c < j + NR && c < n_end; c++) {
+        const uintptr_t first = (uintptr_t)((const char*)W->w + (c * k + p0) * size);
+        for (uintptr_t at = first & ~(uintptr_t)63; at < first + (uintptr_t)(kc * size); at += 64)
+            a->line[a->count++] = (const char*)at;
+    }
+}
+
 /* W channels [j0, j0 + nc), inputs [p0, p0 + kc) -> bp [ceil(nc / NR)][kc][NR], strip by
  * strip. */
 static void pack_w(const Weight* W, int64_t k, int64_t n, int64_t n_end, int64_t j0, int64_t nc,
@@ -241,13 +264,18 @@ static void pack_w(const Weight* W, int64_t k, int64_t n, int64_t n_end, int64_t
 }
 
 /* The register tile: c[ROWS][NR] (ldc apart; `first`: = instead of +=) over kc inputs of one
- * packed tile of x (ap [kc][MR], its first ROWS rows) and one strip of W (bp [kc][NR]). */
+ * packed tile of x (ap [kc][MR], its first ROWS rows) and one strip of W (bp [kc][NR]); the
+ * `n_ahead` cache lines at `ahead` are asked for evenly along the way. */
 static inline __attribute__((always_inline)) void tile(const float* ap, const float* bp,
                                                        int64_t kc, float* c, int64_t ldc,
-                                                       int first, const int ROWS) {
+                                                       int first, const char* const* ahead,
+                                                       int64_t n_ahead, const int ROWS) {
     vf acc[MR][2];
     for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = (vf){0};
+    int64_t asked = 0;
     for (int64_t p = 0; p < kc; p++) {
+        if (asked < n_ahead && p * n_ahead >= asked * kc)
+            __builtin_prefetch(ahead[asked++], 0, 3);
         const vf b0 = vload(bp + p * NR), b1 = vload(bp + p * NR + VL);
         for (int r = 0; r < ROWS; r++) {
             const vf a = vbroadcast(ap + p * MR + r);
@@ -268,14 +296,14 @@ static inline __attribute__((always_inline)) void tile(const float* ap, const fl
 /* A tile of `rows` (1 .. MR) rows, each count compiled with its loops unrolled: the last tile of
  * a block computes only its real rows (33 rows: 6 tiles of 33 rows' work, not of 36). */
 static void tile_rows(const float* ap, const float* bp, int64_t kc, float* c, int64_t ldc,
-                      int first, int64_t rows) {
+                      int first, const char* const* ahead, int64_t n_ahead, int64_t rows) {
     switch (rows) {
-    case 1: tile(ap, bp, kc, c, ldc, first, 1); return;
-    case 2: tile(ap, bp, kc, c, ldc, first, 2); return;
-    case 3: tile(ap, bp, kc, c, ldc, first, 3); return;
-    case 4: tile(ap, bp, kc, c, ldc, first, 4); return;
-    case 5: tile(ap, bp, kc, c, ldc, first, 5); return;
-    default: tile(ap, bp, kc, c, ldc, first, MR); return;
+    case 1: tile(ap, bp, kc, c, ldc, first, ahead, n_ahead, 1); return;
+    case 2: tile(ap, bp, kc, c, ldc, first, ahead, n_ahead, 2); return;
+    case 3: tile(ap, bp, kc, c, ldc, first, ahead, n_ahead, 3); return;
+    case 4: tile(ap, bp, kc, c, ldc, first, ahead, n_ahead, 4); return;
+    case 5: tile(ap, bp, kc, c, ldc, first, ahead, n_ahead, 5); return;
+    default: tile(ap, bp, kc, c, ldc, first, ahead, n_ahead, MR); return;
     }
 }
 
@@ -307,7 +335,7 @@ static void gemm_part(const void* x, int x_dtype, const Weight* W, void* y, int6
                 for (int64_t s = 0; s < ncp; s += NR)
                     for (int64_t t = 0; t < mcp; t += MR)
                         tile(ap + t * kc, bp + s * kc, kc, sums + (i0 + t) * ncp + s, ncp,
-                             p0 == 0, MR);
+                             p0 == 0, NULL, 0, MR);
             }
         }
         for (int64_t i = 0; i < m; i++) {
@@ -324,6 +352,8 @@ static void gemm_part(const void* x, int x_dtype, const Weight* W, void* y, int6
 static void gemm_part_short(const void* x, int x_dtype, const Weight* W, void* y, int64_t m,
                             int64_t n, int64_t k, int64_t n0, int64_t n1, int64_t nc_max,
                             float* sums, float* ap, float* bp, float* rows) {
+    Ahead lines, *ahead = &lines;
+    const int64_t tiles = (m + MR - 1) / MR;
     for (int64_t j0 = n0; j0 < n1; j0 += nc_max) {
         const int64_t nc = n1 - j0 < nc_max ? n1 - j0 : nc_max;
         const int64_t ncp = (nc + NR - 1) / NR * NR;
@@ -332,8 +362,18 @@ static void gemm_part_short(const void* x, int x_dtype, const Weight* W, void* y
             pack_x(x, x_dtype, k, m, 0, m, p0, kc, ap);
             for (int64_t s = 0; s < ncp; s += NR) {
                 pack_strip(W, k, n, n1, j0 + s, p0, kc, bp, rows);
-                for (int64_t t = 0; t < m; t += MR)
-                    tile_rows(ap + t * kc, bp, kc, sums + t * ncp + s, ncp, p0 == 0, m - t);
+                /* the next strip (or the next chunk's first), asked for while these tiles run */
+                const int64_t next_kc = k - p0 - KC < KC ? k - p0 - KC : KC;
+                if (s + NR < ncp) ahead_of(W, k, n1, j0 + s + NR, p0, kc, ahead);
+                else if (p0 + KC < k) ahead_of(W, k, n1, j0, p0 + KC, next_kc, ahead);
+                else ahead->count = 0;
+                const int64_t share = (ahead->count + tiles - 1) / tiles;
+                for (int64_t t = 0; t < m; t += MR) {
+                    const int64_t from = t / MR * share;
+                    const int64_t count = ahead->count - from < share ? ahead->count - from : share;
+                    tile_rows(ap + t * kc, bp, kc, sums + t * ncp + s, ncp, p0 == 0,
+                              ahead->line + from, count > 0 ? count : 0, m - t);
+                }
             }
         }
         for (int64_t i = 0; i < m; i++) store_row(y, sums + i * ncp, x_dtype, i * n + j0, nc);
