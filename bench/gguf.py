@@ -46,6 +46,22 @@ import conversion.base as base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
 import conversion.gemma as gemma
 gemma.Gemma4Model.set_vocab = base.TextModel._set_vocab_gpt2
+# transformers 5 saves Gemma 3's SigLIP tower as vision_tower.*; the converter's names are the
+# Hub's (transformers 4) vision_tower.vision_model.*
+_gemma3_tensors = gemma.Gemma3VisionModel.modify_tensors
+def _gemma3_tower_names(self, data, name, bid):
+    if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
+        name = "vision_tower.vision_model." + name[len("vision_tower."):]
+    return _gemma3_tensors(self, data, name, bid)
+gemma.Gemma3VisionModel.modify_tensors = _gemma3_tower_names
+# the converter cuts Gemma 3's embedding to the tokenizer's size; the vocabulary it writes is
+# padded to the model's (our tokenizers are small), so every row is kept, as the model has them
+_gemma3_text = gemma.Gemma3Model.modify_tensors
+def _gemma3_all_rows(self, data, name, bid):
+    if "embed_tokens.weight" in name:
+        return super(gemma.Gemma3Model, self).modify_tensors(data, name, bid)
+    return _gemma3_text(self, data, name, bid)
+gemma.Gemma3Model.modify_tensors = _gemma3_all_rows
 import convert_hf_to_gguf as convert
 sys.argv = ["convert_hf_to_gguf.py", *sys.argv[2:]]
 convert.main()

@@ -153,7 +153,10 @@ def main() -> None:
     table, summary = [], []
     for precision in args.precisions.split(","):
         quant = None if precision == "bf16" else precision
-        llm = LLM(path, device="cpu", dtype="bfloat16", quantization=quant, max_model_len=16384)
+        # room for the largest image the checkpoint's preprocessor accepts (Qwen3-VL's: 16384
+        # embeddings, each cached with its deepstack features)
+        llm = LLM(path, device="cpu", dtype="bfloat16", quantization=quant, max_model_len=16384,
+                  encoder_cache_size=32768)
         theirs = None
         if not args.no_llama_cpp:
             theirs = LlamaMtmd(ensure_gguf(path, LLAMA_TYPES[precision]),
