@@ -369,10 +369,11 @@ static void gemm_part_short(const void* x, int x_dtype, const Weight* W, void* y
                 else ahead->count = 0;
                 const int64_t share = (ahead->count + tiles - 1) / tiles;
                 for (int64_t t = 0; t < m; t += MR) {
-                    const int64_t from = t / MR * share;
+                    const int64_t from = t / MR * share < ahead->count ? t / MR * share
+                                                                        : ahead->count;
                     const int64_t count = ahead->count - from < share ? ahead->count - from : share;
                     tile_rows(ap + t * kc, bp, kc, sums + t * ncp + s, ncp, p0 == 0,
-                              ahead->line + from, count > 0 ? count : 0, m - t);
+                              ahead->line + from, count, m - t);
                 }
             }
         }
