@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from models.kernels import linear as linear_kernels
 from models.kernels import native, quantization
 from models.kernels.choice import BUCKETS
+from models.kernels.plan import candidates
 from models.kernels.quantization import (
     QuantizedLinear,
     dequantize_int4,
@@ -191,6 +192,22 @@ def test_real_shaped_linear_accuracy(real_linear, mode, group):
             rel, cos, _ = _errors(layer(x.to(dtype)), ref)
             bound = LINEAR_BOUNDS[mode, group]
             assert rel < bound and cos > LINEAR_COSINE, (name, dtype, rel, cos)
+
+
+@pytest.mark.parametrize("inputs, torch_kernel", [(8, False), (40, False), (64, True)])
+def test_torch_int8_kernel_only_over_whole_vectors(inputs, torch_kernel):
+    """PyTorch's int8 kernel crashed the process for inputs not a multiple of 16 on an AVX-512
+    CPU: a per-channel int8 layer of such a width is neither planned to it nor run by it by
+    default, and still computes its product."""
+    w = torch.randn(64, inputs, generator=torch.Generator().manual_seed(inputs))
+    layer = QuantizedLinear(w, None, "int8", inputs)
+    assert layer.per_channel
+    assert layer.has_torch_kernel == torch_kernel
+    for rows in (1, 4, 32):
+        assert ("int_kernel" in candidates(layer, rows, torch.bfloat16)) == torch_kernel
+    x = torch.randn(4, inputs, generator=torch.Generator().manual_seed(1))
+    ref = x @ layer.dequantize(torch.float32).t()
+    torch.testing.assert_close(layer(x), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
 
 
 def _formulations(layer: QuantizedLinear) -> tuple[str, ...]:

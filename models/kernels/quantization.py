@@ -291,8 +291,8 @@ class QuantizedLinear(nn.Module):
     @property
     def has_torch_kernel(self) -> bool:
         """Whether PyTorch has an int kernel for this layout: int4; int8 per channel over a
-        multiple of 32 inputs (PyTorch 2.13's int8 kernel crashed on an AVX-512 Xeon for 8, 24,
-        40 and 72 inputs at 4 rows: it reads whole vectors of 16)."""
+        multiple of 32 inputs (PyTorch 2.13's int8 kernel crashed the process on an AVX-512
+        Xeon for 8, 24, 40 and 72 inputs at 4 rows; 16, 32, 48 and 64 ran)."""
         return self.mode == "int4" or (self.per_channel and self.in_features % 32 == 0)
 
     @property
