@@ -2,10 +2,10 @@
 stage's time is read against.
 
 `LinearFlops` counts, while active, 2 x rows x in x out for every call of a linear (an
-`nn.Linear`, our `Linear`, or a quantized one), split into the vision / audio towers and the
-decoder by module name; the decoder's causal attention is added from its shape. The towers'
-attention is not counted (a lower bound: small beside their linears except at full attention
-over thousands of patches).
+`nn.Linear`, our `Linear`, or a quantized one), split into the vision / audio towers (with
+their projectors) and the decoder by module name; the decoder's causal attention is added
+from its shape, the towers' (`ViTAttention`: QK^T and PV within each segment, both ways) from
+the segments each call attends over. Convolutions and element-wise work are not counted.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from bench.common import median
 
 
 class LinearFlops:
-    """Counts the FLOPs of every linear call under `model` while the context is open:
-    `counts[part]`, part being "tower" (modules whose name holds visual / vision / audio /
-    tower) or "decoder"."""
+    """Counts the FLOPs of every linear call, and of every tower attention call, under `model`
+    while the context is open: `counts[part]`, part being "tower" (modules whose name holds
+    one of TOWER_WORDS) or "decoder"."""
 
-    TOWER_WORDS = ("visual", "vision", "audio", "tower", "encoder")
+    TOWER_WORDS = ("visual", "vision", "audio", "tower", "encoder", "projector")
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -32,11 +32,15 @@ class LinearFlops:
 
     def __enter__(self) -> LinearFlops:
         from models.kernels.quantization import QuantizedLinear
+        from models.layers.vit import ViTAttention
 
         for name, module in self.model.named_modules():
             if isinstance(module, (nn.Linear, QuantizedLinear)):
                 part = "tower" if any(w in name for w in self.TOWER_WORDS) else "decoder"
                 self._hooks.append(module.register_forward_hook(self._hook(part)))
+            elif isinstance(module, ViTAttention):
+                self._hooks.append(module.register_forward_hook(self._attention,
+                                                                with_kwargs=True))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -49,6 +53,11 @@ class LinearFlops:
             rows = inputs[0].numel() // module.in_features
             self.counts[part] += 2.0 * rows * module.in_features * module.out_features
         return hook
+
+    def _attention(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+        seg = args[1] if len(args) > 1 else kwargs["seg"]
+        width = module.num_heads * module.head_dim
+        self.counts["tower"] += 4.0 * sum(n * n for n in seg.lengths) * width
 
 
 def causal_attention_flops(cfg, tokens: int) -> float:

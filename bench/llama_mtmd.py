@@ -1,14 +1,15 @@
 """Bench-only: llama.cpp's multimodal path (libmtmd, through llama-cpp-python's bindings) run one
 stage at a time, for bench.media_turn.
 
-A turn is what llama.cpp's own tools do with a picture: the image file decoded into a bitmap,
-`mtmd_tokenize` (the prompt's text tokenized, the image resized and normalized into its chunk),
-then chunk by chunk: text through `llama_decode`, the image through the vision tower
-(`mtmd_encode_chunk`) and its embeddings through the decoder (`mtmd_helper_decode_image_chunk`),
-the first token greedy from the last logits, then greedy decode steps. A second turn either
-keeps the first turn's KV cache and decodes only the new text (as llama-server does), or starts
-again from the rendered conversation (as llama-cpp-python's chat handler does: image encoded
-again).
+A turn is what llama.cpp's own tools do with a picture or a sound: the file (an image, or a
+WAV / MP3 / FLAC) decoded into a bitmap, `mtmd_tokenize` (the prompt's text tokenized, the image
+resized and normalized, or the sound's mel spectrogram, into its chunk), then chunk by chunk:
+text through `llama_decode`, the media through its tower (`mtmd_encode_chunk`) and its
+embeddings through the decoder (`mtmd_helper_decode_image_chunk`, which takes audio chunks
+too), the first token greedy from the last logits, then greedy decode steps. A second turn
+either keeps the first turn's KV cache and decodes only the new text (as llama-server does), or
+starts again from the rendered conversation (as llama-cpp-python's chat handler does: the
+media encoded again).
 """
 
 from __future__ import annotations
@@ -36,15 +37,15 @@ def build_features() -> str:
 class LlamaTurn:
     """Seconds per stage of one turn, and the prompt it saw."""
 
-    load: float = 0.0  # image file -> bitmap
-    preprocess: float = 0.0  # mtmd_tokenize: text tokens, image resized and normalized
-    encode: float = 0.0  # the vision tower
-    prefill: float = 0.0  # the decoder over text and image embeddings
-    ttft: float = 0.0  # from the image file to the first token
+    load: float = 0.0  # media file -> bitmap
+    preprocess: float = 0.0  # mtmd_tokenize: text tokens, media resized / mel features
+    encode: float = 0.0  # the vision or audio tower
+    prefill: float = 0.0  # the decoder over text and media embeddings
+    ttft: float = 0.0  # from the media file to the first token
     decode_rate: float = 0.0  # tokens/s after the first
-    # The prompt as llama.cpp laid it out: text token ids, -1 for each image position.
+    # The prompt as llama.cpp laid it out: text token ids, -1 for each media position.
     prompt: list[int] = field(default_factory=list)
-    image_tokens: int = 0
+    media_tokens: int = 0
 
 
 class LlamaMtmd:
@@ -76,19 +77,19 @@ class LlamaMtmd:
             self.mtmd.mtmd_free(self.ctx)
             self.ctx = None
 
-    def turn(self, image: bytes, text: str, new_tokens: int, keep: bool = False) -> LlamaTurn:
-        """One turn: `text` holds the media marker where the image goes (rendered with the
-        model's chat template). `keep`: decode after what the context already holds (only the
-        text past it is new: `text` is then the new text alone and `image` may be empty);
-        else the context is cleared first."""
+    def turn(self, media: bytes, text: str, new_tokens: int, keep: bool = False) -> LlamaTurn:
+        """One turn: `text` holds the media marker where the media file `media` goes (rendered
+        with the model's chat template). `keep`: decode after what the context already holds
+        (only the text past it is new: `text` is then the new text alone and `media` may be
+        empty); else the context is cleared first."""
         mtmd, out = self.mtmd, LlamaTurn()
         t0 = time.perf_counter()
         bitmaps = []
-        if image:
-            buf = (ctypes.c_uint8 * len(image)).from_buffer(bytearray(image))
-            bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(self.ctx, buf, len(image), False)
+        if media:
+            buf = (ctypes.c_uint8 * len(media)).from_buffer(bytearray(media))
+            bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(self.ctx, buf, len(media), False)
             if not bitmap:
-                raise RuntimeError("libmtmd could not decode the image")
+                raise RuntimeError("libmtmd could not decode the media file")
             bitmaps.append(bitmap)
         out.load = time.perf_counter() - t0
         chunks = mtmd.mtmd_input_chunks_init()
@@ -136,7 +137,7 @@ class LlamaMtmd:
                 continue
             n_tokens = mtmd.mtmd_input_chunk_get_n_tokens(chunk)
             out.prompt += [-1] * n_tokens
-            out.image_tokens += n_tokens
+            out.media_tokens += n_tokens
             t0 = time.perf_counter()
             if mtmd.mtmd_encode_chunk(self.ctx, chunk):
                 raise RuntimeError("mtmd_encode_chunk failed")
@@ -150,7 +151,7 @@ class LlamaMtmd:
             t2 = time.perf_counter()
             out.encode += t1 - t0
             out.prefill += t2 - t1
-            llm.n_tokens = new_past.value  # positions past the image (mRoPE: not its length)
+            llm.n_tokens = new_past.value  # positions past the media (mRoPE: not its length)
 
     def _argmax(self) -> int:
         logits = self.lib.llama_get_logits_ith(self.llm._ctx.ctx, -1)

@@ -1,25 +1,33 @@
-"""A media turn (a picture sent, the time to its first word), this engine vs llama.cpp's
-multimodal path, side by side in one process, alternating, on the same random weights.
+"""A media turn (a picture or a sound sent, the time to its first word), this engine vs
+llama.cpp's multimodal path, side by side in one process, alternating, on the same random
+weights; and a video turn against transformers (llama.cpp's libmtmd takes no video).
 
     OMP_WAIT_POLICY=PASSIVE python -m bench.media_turn
-        [--shape qwen2.5-vl-3b|qwen3-vl-2b|gemma3-4b] [--layers N] [--vision-layers N]
-        [--sizes 448,896,1344] [--precisions bf16,int4] [--runs 3] [--new-tokens 16]
-        [--threads 2] [--no-recompute]
+        [--shape qwen2.5-vl-3b|qwen3-vl-2b|gemma3-4b|qwen2-audio-7b] [--layers N]
+        [--vision-layers N] [--sizes 448,896,1344] [--seconds 30] [--video SECONDS]
+        [--precisions bf16,int4] [--runs 3] [--new-tokens 16] [--threads 2] [--no-recompute]
 
 OMP_WAIT_POLICY=PASSIVE: both libraries' OpenMP threads otherwise spin after their work, and in
 one process with as many threads as cores each side then runs beside the other's spinning
 threads (on 2 cores it changed this engine's time to first token by 1.5x).
 
 The checkpoint has the named model's widths at full depth, or cut by --layers / --vision-layers
-for quick runs (bench.vl_shapes, built once). llama.cpp runs GGUFs its own converter wrote from
-the same checkpoint: the text model at bf16 or q4_0 (ours: bfloat16, or int4 weights at the
-default group), the tower and projector (`mmproj`) at bf16 on both sides, as Ollama keeps
-them; through llama-cpp-python's libmtmd bindings (bench.llama_mtmd). Both get the same
-rendered chat prompt (the image where the template puts it); the table says how many prompt
-and image tokens each made of it. Each run sends a new image (no cache serves it), then a
-second turn about the same image: ours with its prefix cache; llama.cpp keeping its KV cache
-(as llama-server does) and starting again from the rendered conversation (as
-llama-cpp-python's chat handler does: the image encoded again).
+(tower or audio encoder blocks) for quick runs (bench.vl_shapes, built once). llama.cpp runs
+GGUFs its own converter wrote from the same checkpoint: the text model at bf16 or q4_0 (ours:
+bfloat16, or int4 weights at the default group), the tower and projector (`mmproj`) at bf16 on
+both sides, as Ollama keeps them; through llama-cpp-python's libmtmd bindings
+(bench.llama_mtmd). Both get the same rendered chat prompt (the media where the template puts
+it); the table says how many prompt and media tokens each made of it. Images are PNGs of
+--sizes pixels square, sounds WAVs (16 kHz mono) of --seconds. Each run sends a new image or
+sound (no cache serves it), then a second turn about the same one: ours with its prefix cache;
+llama.cpp keeping its KV cache (as llama-server does) and starting again from the rendered
+conversation (as llama-cpp-python's chat handler does: the media encoded again).
+
+--video SECONDS (Qwen2.5-VL): a new mp4 of that length (448 x 448, H.264 at 8 fps, sampled at
+the processor's 2 fps) sent with a question, at bf16, against transformers' generate() of one
+token on the same checkpoint in bfloat16. Ours starts from the mp4's bytes (decoding,
+sampling, preprocessing, tower, prefill); transformers from our preprocessed pixel values (its
+video processor needs torchvision), so its time leaves decoding and preprocessing out.
 
 Rulers printed with every table: the matrix-multiply peak of this machine per dtype (a large
 GEMM through the fastest formulation the engine has for it) and the memory bandwidth, and each
@@ -33,6 +41,9 @@ import argparse
 import gc
 import io
 import logging
+import time
+import wave
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,13 +51,17 @@ import torch
 from PIL import Image
 
 from bench import flops as count
+from bench.audio import RATE, clip
 from bench.common import machine, median, memory_bandwidth, print_table
 from bench.gguf import ensure_gguf, ensure_mmproj
 from bench.llama_mtmd import LlamaMtmd, LlamaTurn, build_features
 from bench.vl_shapes import SHAPES, build
 
 LLAMA_TYPES = {"bf16": "bf16", "int4": "q4_0"}
-QUESTION = "Describe this image in detail."
+# (the first turn's question, the second turn's) per media kind
+QUESTIONS = {"image": ("Describe this image in detail.", "What colour dominates?"),
+             "audio": ("What do you hear in this clip?", "Is the pitch rising?")}
+VIDEO_QUESTION = "Describe what happens in this video."
 
 
 @dataclass
@@ -58,8 +73,8 @@ class OurTurn:
     prefill: float
     ttft: float
     decode_rate: float
-    prompt: list[int]  # the prompt's token ids, -1 at each image position
-    image_tokens: int
+    prompt: list[int]  # the prompt's token ids, -1 at each media position
+    media_tokens: int
     text: str
 
 
@@ -73,8 +88,39 @@ def photo(seed: int, size: int) -> bytes:
     return buffer.getvalue()
 
 
-def messages(image: bytes, question: str) -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image", "image": image},
+def sound(seed: int, seconds: int) -> bytes:
+    """A WAV (16 kHz mono, 16-bit) of a chirp under noise (a new sound per seed)."""
+    samples = np.clip(clip(seconds, seed) * 32767, -32768, 32767).astype("<i2")
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(RATE)
+        out.writeframes(samples.tobytes())
+    return buffer.getvalue()
+
+
+def movie(seed: int, seconds: int, size: int = 448, fps: int = 8) -> bytes:
+    """An mp4 (H.264, `size` x `size` at `fps`) of smooth random colour drifting frame by
+    frame (a new video per seed)."""
+    import av
+
+    rng = np.random.default_rng(seed)
+    start, step = rng.uniform(0, 255, (8, 8, 3)), rng.uniform(-4, 4, (8, 8, 3))
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = size, size, "yuv420p"
+        for i in range(seconds * fps):
+            small = np.clip(start + i * step, 0, 255).astype(np.uint8)
+            frame = np.asarray(Image.fromarray(small).resize((size, size), Image.BICUBIC))
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    return buffer.getvalue()
+
+
+def messages(kind: str, media: bytes, question: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": kind, kind: media},
                                          {"type": "text", "text": question}]}]
 
 
@@ -85,24 +131,24 @@ def our_turn(llm, msgs: list[dict], new_tokens: int) -> OurTurn:
     out = llm.chat(msgs, params)[0]
     m = out.metrics
     prompt = list(out.prompt_token_ids)
-    image_tokens = 0
+    media_tokens = 0
     for span in out.multi_modal_placeholders:
-        image_tokens += span.length
+        media_tokens += span.length
         prompt[span.offset:span.offset + span.length] = [-1] * span.length
     return OurTurn(
         preprocess=sum(m.stages.get(k, 0.0) for k in ("media_load", "preprocess", "hashing")),
         encode=m.encoder_time, prefill=m.prefill_time - m.encoder_time, ttft=m.ttft,
         decode_rate=(new_tokens - 1) / m.decode_time if m.decode_time else 0.0,
-        prompt=prompt, image_tokens=image_tokens, text=out.outputs[0].text)
+        prompt=prompt, media_tokens=media_tokens, text=out.outputs[0].text)
 
 
-def rendered_prompt(llm, image_text: str, marker: str, msgs: list[dict]) -> str:
-    """The chat prompt as our processor renders it, the image's text replaced by llama.cpp's
-    marker (libmtmd writes the family's image delimiters itself)."""
+def rendered_prompt(llm, media_text: str, marker: str, msgs: list[dict]) -> str:
+    """The chat prompt as our processor renders it, the media's text replaced by llama.cpp's
+    marker (libmtmd writes the family's media delimiters itself)."""
     text = llm.engine.processor.render_chat(msgs).text
-    if image_text not in text:
-        raise RuntimeError(f"the rendered prompt has no {image_text!r}: {text!r}")
-    return text.replace(image_text, marker)
+    if media_text not in text:
+        raise RuntimeError(f"the rendered prompt has no {media_text!r}: {text!r}")
+    return text.replace(media_text, marker)
 
 
 def compare_prompts(ours: OurTurn, theirs: LlamaTurn) -> str:
@@ -111,7 +157,7 @@ def compare_prompts(ours: OurTurn, theirs: LlamaTurn) -> str:
     b = [t for t in theirs.prompt if t != -1]
     same = ("same prompt" if ours.prompt == theirs.prompt else "same text tokens" if a == b
             else f"text tokens differ ({len(a)} vs {len(b)})")
-    return (f"{same}; image tokens ours {ours.image_tokens}, llama.cpp {theirs.image_tokens}; "
+    return (f"{same}; media tokens ours {ours.media_tokens}, llama.cpp {theirs.media_tokens}; "
             f"prompt ours {len(ours.prompt)}, llama.cpp {len(theirs.prompt)}")
 
 
@@ -126,8 +172,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="qwen2.5-vl-3b", choices=sorted(SHAPES))
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (full: none)")
-    parser.add_argument("--vision-layers", type=int, default=None, help="tower blocks")
-    parser.add_argument("--sizes", default="448,896,1344")
+    parser.add_argument("--vision-layers", type=int, default=None,
+                        help="tower (or audio encoder) blocks (full: none)")
+    parser.add_argument("--sizes", default="448,896,1344", help="image sides in pixels")
+    parser.add_argument("--seconds", default="30", help="sound lengths (audio shapes)")
+    parser.add_argument("--video", type=int, default=0,
+                        help="seconds of a video turn against transformers (0: none)")
     parser.add_argument("--precisions", default="bf16,int4")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=16)
@@ -141,8 +191,10 @@ def main() -> None:
     from engine import LLM
 
     shape = SHAPES[args.shape]
+    if args.video and args.shape != "qwen2.5-vl-3b":
+        parser.error("--video runs Qwen2.5-VL (--shape qwen2.5-vl-3b)")
     path = build(args.shape, args.layers, args.vision_layers)
-    sizes = [int(s) for s in args.sizes.split(",")]
+    items = media_items(shape.media, args.sizes, args.seconds)
     ruler = rulers((torch.float32, torch.bfloat16))
     print(f"machine: {machine()}; {args.shape} widths, {path.name}; rulers: "
           + ", ".join(f"{k} {v / 1e9:.0f} G{'B' if k == 'bandwidth' else 'FLOP'}/s"
@@ -150,72 +202,136 @@ def main() -> None:
     if not args.no_llama_cpp:
         print(f"llama.cpp built for: {build_features()}")
     peak = ruler["gemm bfloat16"]
-    table, summary = [], []
+    first_q, second_q = QUESTIONS[shape.media]
+    table, summary, video = [], [], []
     for precision in args.precisions.split(","):
         quant = None if precision == "bf16" else precision
-        # room for the largest image the checkpoint's preprocessor accepts (Qwen3-VL's: 16384
-        # embeddings, each cached with its deepstack features)
-        llm = LLM(path, device="cpu", dtype="bfloat16", quantization=quant, max_model_len=16384,
-                  encoder_cache_size=32768)
+        # an encoder cache with room for the largest image (Qwen3-VL's 16384 embeddings, each
+        # cached with its deepstack features)
+        llm = LLM(path, device="cpu", dtype="bfloat16", quantization=quant,
+                  max_model_len=shape.context, encoder_cache_size=32768)
         theirs = None
         if not args.no_llama_cpp:
             theirs = LlamaMtmd(ensure_gguf(path, LLAMA_TYPES[precision]),
-                               ensure_mmproj(path, "bf16"), args.threads, 16384)
+                               ensure_mmproj(path, "bf16"), args.threads, shape.context)
         model = llm.engine.runner.model
-        for size in sizes:
+        for label, make in items:
             # Warm-ups: every graph, plan and buffer of this size made once on both sides; ours
-            # counts the linears' FLOPs of its stages.
-            warm = messages(photo(10_000 + size, size), QUESTION)
+            # counts the FLOPs of its stages.
+            warm = messages(shape.media, make(10_000), first_q)
             with count.LinearFlops(model) as flops:
                 warmed = our_turn(llm, warm, 1)
             flops.counts["decoder"] += count.causal_attention_flops(model.cfg,
                                                                     len(warmed.prompt))
             if theirs is not None:
-                theirs.turn(photo(10_000 + size, size),
-                            rendered_prompt(llm, shape.image_text, theirs.marker, warm), 2)
+                theirs.turn(make(10_000),
+                            rendered_prompt(llm, shape.media_text, theirs.marker, warm), 2)
             runs = []
             for run in range(args.runs):
-                image = photo(run * 7919 + size, size)
-                first = messages(image, QUESTION)
+                media = make(run * 7919 + 1)
+                first = messages(shape.media, media, first_q)
                 ours = our_turn(llm, first, args.new_tokens)
                 history = first + [{"role": "assistant", "content": ours.text},
-                                   {"role": "user", "content": "What colour dominates?"}]
+                                   {"role": "user", "content": second_q}]
                 ours2 = our_turn(llm, history, args.new_tokens)
                 row = {"ours": ours, "ours2": ours2}
                 if theirs is not None:
-                    text = rendered_prompt(llm, shape.image_text, theirs.marker, first)
-                    row["llama"] = theirs.turn(image, text, args.new_tokens)
-                    full = rendered_prompt(llm, shape.image_text, theirs.marker, history)
+                    text = rendered_prompt(llm, shape.media_text, theirs.marker, first)
+                    row["llama"] = theirs.turn(media, text, args.new_tokens)
+                    full = rendered_prompt(llm, shape.media_text, theirs.marker, history)
                     tail = full[len(text):]  # the new text after the first turn's prompt
                     row["llama2_keep"] = theirs.turn(b"", tail, args.new_tokens, keep=True)
                     if not args.no_recompute:
-                        row["llama2_recompute"] = theirs.turn(image, full, args.new_tokens)
+                        row["llama2_recompute"] = theirs.turn(media, full, args.new_tokens)
                 runs.append(row)
-                print(f"{precision} {size}px run {run + 1}: TTFT ours {ours.ttft:.2f} s"
+                print(f"{precision} {label} run {run + 1}: TTFT ours {ours.ttft:.2f} s"
                       + (f", llama.cpp {row['llama'].ttft:.2f} s" if theirs else ""))
-            table += _rows(precision, size, runs, flops.counts, peak)
+            table += _rows(precision, label, runs, flops.counts, peak)
             if theirs is not None:
-                print(f"  {size}px: {compare_prompts(runs[0]['ours'], runs[0]['llama'])}")
-                summary.append((precision, size, median([r["llama"].ttft / r["ours"].ttft
-                                                        for r in runs])))
+                print(f"  {label}: {compare_prompts(runs[0]['ours'], runs[0]['llama'])}")
+                summary.append((precision, label, median([r["llama"].ttft / r["ours"].ttft
+                                                          for r in runs])))
         if theirs is not None:
             theirs.close()
+        if args.video and precision == "bf16":
+            video = video_rows(llm, path, args.video, args.runs, peak)
         del llm, theirs
         gc.collect()
     print(f"\n{args.shape}, {path.name}: median of {args.runs} runs, {args.threads} threads, "
           f"text weights bf16 / int4 (llama.cpp q4_0), towers bf16 on both sides\n")
-    print_table(table, ("precision", "image", "stage", "llama.cpp", "this engine",
-                        "ours faster by", "ours: linears' FLOP/s of GEMM peak"))
+    print_table(table, ("precision", "media", "stage", "llama.cpp", "this engine",
+                        "ours faster by", "ours: FLOP/s of GEMM peak"))
     if summary:
-        print("\nsummary: new image TTFT, llama.cpp / ours: "
-              + "; ".join(f"{p} {s}px {r:.2f}x" for p, s, r in summary))
+        print("\nsummary: new media TTFT, llama.cpp / ours: "
+              + "; ".join(f"{p} {s} {r:.2f}x" for p, s, r in summary))
+    if video:
+        print(f"\nvideo turn ({args.video} s), bf16, against transformers (not llama.cpp):\n")
+        print_table(video, ("stage", "transformers", "this engine", "ours faster by",
+                            "ours: FLOP/s of GEMM peak"))
 
 
-def _rows(precision: str, size: int, runs: list[dict], flops: dict[str, float],
+def media_items(kind: str, sizes: str, seconds: str) -> list[tuple[str, Callable[[int], bytes]]]:
+    """(label, seed -> a new media file) per image side or sound length."""
+    if kind == "audio":
+        return [(f"{int(s)} s", lambda seed, s=int(s): sound(seed, s)) for s in seconds.split(",")]
+    return [(f"{int(s)}px", lambda seed, s=int(s): photo(seed, s)) for s in sizes.split(",")]
+
+
+def video_rows(llm, path, seconds: int, runs: int, peak: float) -> list[tuple]:
+    """A new video's stages, ours, and its time to first token against transformers' (from our
+    pixel values, bfloat16), alternating, a new video per run after a warm-up of each."""
+    import transformers
+
+    from testing.qwen_vl import qwen_vl_hf_inputs
+
+    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        path, dtype=torch.bfloat16).eval()
+    never = hf.config.get_text_config().vocab_size  # an EOS id no argmax produces
+    processor, model = llm.engine.processor, llm.engine.runner.model
+    question = VIDEO_QUESTION
+
+    def reference(msgs: list[dict]) -> float:
+        parsed = processor.render_chat(msgs)  # not timed: our decoded frames and pixel values
+        inputs = qwen_vl_hf_inputs(hf, processor.process(parsed,
+                                                         processor.load_media_sync(parsed)))
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            hf.generate(**inputs, max_new_tokens=1, do_sample=False, eos_token_id=never,
+                        pad_token_id=never)
+        return time.perf_counter() - t0
+
+    warm = messages("video", movie(10_000, seconds), question)
+    with count.LinearFlops(model) as flops:
+        warmed = our_turn(llm, warm, 1)
+    flops.counts["decoder"] += count.causal_attention_flops(model.cfg, len(warmed.prompt))
+    reference(warm)
+    ours, theirs = [], []
+    for run in range(runs):
+        msgs = messages("video", movie(run * 7919 + 1, seconds), question)
+        ours.append(our_turn(llm, msgs, 1))
+        theirs.append(reference(msgs))
+        print(f"video {seconds} s run {run + 1}: TTFT ours {ours[-1].ttft:.2f} s, "
+              f"transformers {theirs[-1]:.2f} s")
+    label = f"{seconds} s, {ours[0].media_tokens} video tokens, {len(ours[0].prompt)} in all"
+
+    def stage(name: str, key: str, work: float = 0.0) -> tuple:
+        value = median([getattr(o, key) for o in ours])
+        return (f"{name} ({label})" if key == "ttft" else name, float("nan"), value,
+                float("nan"), f"{work / value / peak:.0%}" if work else "")
+
+    ttft = median([o.ttft for o in ours])
+    ref = median(theirs)
+    return [stage("decode, sample, preprocess (s)", "preprocess"),
+            stage("vision encode (s)", "encode", flops.counts["tower"]),
+            stage("prefill (s)", "prefill", flops.counts["decoder"]),
+            (f"time to first token ({label}) (s)", ref, ttft, ref / ttft, "")]
+
+
+def _rows(precision: str, label: str, runs: list[dict], flops: dict[str, float],
           peak: float) -> list[tuple]:
-    """Table rows for one precision and image size; `flops` of the tower and the decoder on
+    """Table rows for one precision and media item; `flops` of the tower and the decoder on
     this prompt (bench.flops)."""
-    n_image = runs[0]["ours"].image_tokens
+    n_media = runs[0]["ours"].media_tokens
     n_prompt = len(runs[0]["ours"].prompt)
     have = "llama" in runs[0]
 
@@ -227,11 +343,11 @@ def _rows(precision: str, size: int, runs: list[dict], flops: dict[str, float],
         o, t = med(key, ours_side), med(key, theirs) if have else float("nan")
         faster = (o / t if rate else t / o) if have and o and t else float("nan")
         achieved = f"{flops / o / peak:.0%}" if flops and o else ""
-        return (precision, f"{size}px ({n_image} tok)", stage, t, o, faster, achieved)
+        return (precision, f"{label} ({n_media} tok)", stage, t, o, faster, achieved)
 
     rows = [
         row("preprocess (s)", "preprocess", "llama"),
-        row("vision encode (s)", "encode", "llama", flops=flops["tower"]),
+        row("tower encode (s)", "encode", "llama", flops=flops["tower"]),
         row(f"prefill, {n_prompt} tokens (s)", "prefill", "llama", flops=flops["decoder"]),
         row("time to first token (s)", "ttft", "llama"),
         row("decode (tok/s)", "decode_rate", "llama", rate=True),

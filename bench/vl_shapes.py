@@ -1,11 +1,12 @@
-"""Bench-only: random-weight vision-language checkpoints at real models' widths (Qwen2.5-VL-3B,
-Qwen3-VL-2B, Gemma 3 4B), at full depth or cut to fewer decoder layers and tower blocks, saved
-in bfloat16 with their processor settings and a locally trained tokenizer. Built once per shape
-and cached (bench.common.cache_dir).
+"""Bench-only: random-weight multimodal checkpoints at real models' widths (Qwen2.5-VL-3B,
+Qwen3-VL-2B, Gemma 3 4B; Qwen2-Audio-7B), at full depth or cut to fewer decoder layers and tower
+(or audio encoder) blocks, saved in bfloat16 with their processor settings and a locally
+trained tokenizer. Built once per shape and cached (bench.common.cache_dir).
 
 The widths are the Hub configs'; weights are transformers' own initialisation (std 0.02), so
-activations have realistic scales. Images keep the processors' real budgets (Qwen-VL: up to
-12845056 pixels; Gemma 3: 896 px, 256 tokens), which is what a media turn costs.
+activations have realistic scales. Media keep the processors' real budgets (Qwen-VL: up to
+12845056 pixels; Gemma 3: 896 px, 256 tokens; Qwen2-Audio: 30 s windows of 750 tokens), which
+is what a media turn costs.
 """
 
 from __future__ import annotations
@@ -27,9 +28,13 @@ class Shape:
     layers: int  # decoder layers at full depth
     blocks: int  # vision tower blocks at full depth
     build: Callable[[Path, int, int], None]
-    # The text that stands for one image in the rendered chat prompt (replaced by llama.cpp's
-    # media marker: libmtmd writes the family's image delimiters itself).
-    image_text: str
+    # The text that stands for one media item in the rendered chat prompt (replaced by
+    # llama.cpp's media marker: libmtmd writes the family's delimiters itself).
+    media_text: str
+    media: str = "image"  # or "audio"
+    # The context both sides get: room for the largest item the preprocessor accepts (Qwen3-VL:
+    # 16384 image embeddings), within the model's own context.
+    context: int = 16384
 
 
 def _qwen2_5_vl_3b(path: Path, layers: int, blocks: int) -> None:
@@ -139,9 +144,39 @@ def _gemma3_4b(path: Path, layers: int, blocks: int) -> None:
           image, None, fields={"image_seq_length": 256})
 
 
+def _qwen2_audio_7b(path: Path, layers: int, blocks: int) -> None:
+    import transformers
+
+    from testing.tiny import qwen_tokenizer
+
+    tok = qwen_tokenizer()
+    config = transformers.Qwen2AudioConfig(
+        audio_config=dict(d_model=1280, encoder_layers=blocks, encoder_attention_heads=20,
+                          encoder_ffn_dim=5120, num_mel_bins=128, max_source_positions=1500),
+        text_config=dict(
+            hidden_size=4096, intermediate_size=11008, num_hidden_layers=layers,
+            num_attention_heads=32, num_key_value_heads=32, vocab_size=156032,
+            max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=10000.0,
+            eos_token_id=tok.eos_token_id, bos_token_id=None,
+            pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>")),
+        audio_token_index=tok.convert_tokens_to_ids("<|AUDIO|>"))
+    _save_model(path, transformers.Qwen2AudioForConditionalGeneration, config, tok)
+    transformers.Qwen2AudioProcessor(
+        feature_extractor=transformers.WhisperFeatureExtractor(
+            feature_size=128, return_attention_mask=True),
+        tokenizer=tok, chat_template=tok.chat_template).save_pretrained(path)
+
+
 def _save(path: Path, cls, config, tok, processor: str, image, video,
           fields: dict | None = None) -> None:
     from testing.layouts import save_processor
+
+    _save_model(path, cls, config, tok)
+    save_processor(path, processor, tok, image_processor=image, video_settings=video,
+                   fields=fields)
+
+
+def _save_model(path: Path, cls, config, tok) -> None:
     from testing.tiny import save_checkpoint
 
     default = torch.get_default_dtype()
@@ -153,8 +188,6 @@ def _save(path: Path, cls, config, tok, processor: str, image, video,
         torch.set_default_dtype(default)
     model.config.dtype = torch.bfloat16
     save_checkpoint(model, tok, path, [tok.eos_token_id], max_shard_size="2GB")
-    save_processor(path, processor, tok, image_processor=image, video_settings=video,
-                   fields=fields)
 
 
 SHAPES = {
@@ -163,12 +196,14 @@ SHAPES = {
     "qwen3-vl-2b": Shape("qwen3-vl-2b", 28, 24, _qwen3_vl_2b,
                          "<|vision_start|><|image_pad|><|vision_end|>"),
     "gemma3-4b": Shape("gemma3-4b", 34, 27, _gemma3_4b, "<start_of_image>"),
+    "qwen2-audio-7b": Shape("qwen2-audio-7b", 32, 32, _qwen2_audio_7b,
+                            "<|audio_bos|><|AUDIO|><|audio_eos|>", media="audio", context=2048),
 }
 
 
 def build(name: str, layers: int | None = None, blocks: int | None = None) -> Path:
-    """The checkpoint of shape `name` cut to `layers` decoder layers and `blocks` tower blocks
-    (None: full depth), built once."""
+    """The checkpoint of shape `name` cut to `layers` decoder layers and `blocks` tower (or
+    audio encoder) blocks (None: full depth), built once."""
     shape = SHAPES[name]
     layers, blocks = layers or shape.layers, blocks or shape.blocks
     if blocks < 3:

@@ -13,6 +13,8 @@ from contextlib import contextmanager
 
 import torch
 
+from testing.qwen_vl import qwen_vl_hf_inputs
+
 
 @contextmanager
 def serve_in_thread(app, *, lifespan: str = "auto", startup_timeout: float = 30) -> Iterator[str]:
@@ -159,26 +161,6 @@ def hf_greedy(hf, kwargs: dict, prompt_len: int, n: int):
                           pad_token_id=never, output_scores=True, return_dict_in_generate=True)
     return (out.sequences[0, prompt_len:].tolist(),
             torch.stack(out.scores)[:, 0].float().log_softmax(-1))
-
-
-def qwen_vl_hf_inputs(hf, proc) -> dict:
-    """transformers' generate() inputs for a Qwen-VL family's processed prompt, with the
-    `mm_token_type_ids` its mRoPE needs (1 image, 2 video); one video's temporal groups go
-    back into one tensor."""
-    ids = torch.tensor([proc.token_ids])
-    cfg = hf.config
-    kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-              "mm_token_type_ids": (ids == cfg.image_token_id).int()
-              + 2 * (ids == cfg.video_token_id).int()}
-    images = [f.data for f in proc.mm_features if f.modality == "image"]
-    if images:
-        kwargs["pixel_values"] = torch.cat([d["pixel_values"] for d in images])
-        kwargs["image_grid_thw"] = torch.tensor([d["grid_thw"] for d in images])
-    groups = [f.data for f in proc.mm_features if f.modality == "video"]
-    if groups:
-        kwargs["pixel_values_videos"] = torch.cat([d["pixel_values"] for d in groups])
-        kwargs["video_grid_thw"] = torch.tensor([(len(groups), *groups[0]["grid_thw"][1:])])
-    return kwargs
 
 
 def qwen_vl_reference(hf, llm, messages, n: int):

@@ -64,7 +64,8 @@ GRAVITON3 = frozenset({"fp", "asimd", "asimddp", "i8mm", "bf16", "sve"})
 def test_the_best_variant_a_cpu_runs():
     assert choose("x86_64", ZEN3).name == "x86-64-v3"
     assert choose("x86_64", ZEN5).name == "avx512-bf16"
-    assert choose("x86_64", ZEN5 - {"avx512_bf16"}).name == "avx512"
+    assert choose("x86_64", ZEN5 - {"avx512_bf16"}).name == "avx512-vnni"
+    assert choose("x86_64", ZEN5 - {"avx512_bf16", "avx512_vnni"}).name == "avx512"
     assert choose("x86_64", frozenset({"sse2"})).name == "x86-64"
     assert choose("aarch64", GRAVITON3).name == "armv8.6-a+i8mm+bf16"
     assert choose("aarch64", frozenset({"asimd"})).name == "armv8-a"

@@ -92,6 +92,25 @@ def test_the_same_logits_as_the_modules(request, checkpoint, dtype, quantization
         assert torch.equal(a, b), (a - b).abs().max()
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_same_logits_on_any_team(qwen2_path, threads):
+    """The step runs on one team that meets at its own barrier after every kernel (kernels.h,
+    team_sync): one thread, and more threads than this machine's cores, give the modules'
+    logits too (int8: its digits made per thread; int4 rows stored per block)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for quantization in (None, "int8", "int4"):
+            llm = _engine(qwen2_path, "bfloat16", quantization)
+            native_logits, native_tokens, taken = _run(llm, True)
+            module_logits, module_tokens, _ = _run(llm, False)
+            assert taken and native_tokens == module_tokens, quantization
+            for a, b in zip(native_logits, module_logits, strict=True):
+                assert torch.equal(a, b), (quantization, (a - b).abs().max())
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_qk_norms_within_summation_order(qwen3_path, dtype):
     """At several rows the modules normalize q / k with PyTorch's operators (the heads are not

@@ -44,8 +44,12 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("x86-64", "x86_64", ("-march=x86-64", "-mtune=generic"), frozenset()),
     # AVX2 + FMA (Haswell and later, AMD Zen 1-3): the plain paths vectorized 8 floats wide.
     Variant("x86-64-v3", "x86_64", ("-march=x86-64-v3",), _V3),
-    # AVX-512 F/BW/CD/DQ/VL (Skylake-X, Ice Lake).
+    # AVX-512 F/BW/CD/DQ/VL (Skylake-X).
     Variant("avx512", "x86_64", ("-march=x86-64-v4",), _V4),
+    # + VNNI (Cascade Lake, Ice Lake, Sapphire Rapids with BF16 hidden by its hypervisor): the
+    # integer matrix-vector products through VPDPBUSD; bfloat16 still widened to float32.
+    Variant("avx512-vnni", "x86_64", ("-march=x86-64-v4", "-mavx512vnni"),
+            _V4 | {"avx512_vnni"}),
     # + BF16, VNNI, VBMI (Cooper Lake, Sapphire Rapids, Zen 4 / 5): VDPBF16PS and VPDPBUSD paths.
     Variant("avx512-bf16", "x86_64",
             ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mavx512vbmi"),

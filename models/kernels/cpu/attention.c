@@ -99,16 +99,15 @@ static inline __attribute__((always_inline)) void attend_head(
  * context[b] keys precede and include the query, which sits at position context[b] - 1.
  * window > 0: the query sees keys within `window` positions; softcap > 0: scores become
  * softcap * tanh(scores / softcap). Returns nonzero when out of memory. */
-int mm_decode_attention(const void* q, const void* cache, void* out, int dtype,
-                        const int64_t* table, const int64_t* key0, const int64_t* context,
-                        int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
-                        int64_t width, int64_t num_blocks, int64_t block_size, int64_t window,
-                        float scale, float softcap, int threads) {
+static int decode_attention(const void* q, const void* cache, void* out, int dtype,
+                            const int64_t* table, const int64_t* key0, const int64_t* context,
+                            int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
+                            int64_t width, int64_t num_blocks, int64_t block_size,
+                            int64_t window, float scale, float softcap) {
     const int64_t group = heads / kv_heads;
     const int64_t head_stride = num_blocks * block_size * dim;  /* one KV head's slots */
-    int failed = 0;
-    if (dim > CHUNK_FLOATS) return 2;
-    _Pragma("omp parallel for collapse(2) num_threads(threads) schedule(dynamic, 1)")
+    int failed = 0;  /* on this thread */
+    _Pragma("omp for collapse(2) schedule(dynamic, 1) nowait")
     for (int64_t b = 0; b < batch; b++) {
         for (int64_t h = 0; h < kv_heads; h++) {
             const int64_t ctx = context[b];
@@ -117,7 +116,7 @@ int mm_decode_attention(const void* q, const void* cache, void* out, int dtype,
             const int64_t len = ctx - lo;
             float* work = malloc(sizeof(float) * (size_t)(group * (len + 2 * dim) + CHUNK_FLOATS));
             if (work == NULL) {
-                _Pragma("omp atomic write") failed = 1;
+                failed = 1;
                 continue;
             }
             float* scores = work;                 /* [group, len] */
@@ -145,4 +144,16 @@ int mm_decode_attention(const void* q, const void* cache, void* out, int dtype,
         }
     }
     return failed;
+}
+
+/* decode_attention on a team (kernels.h, ON_TEAM); 2: a head dimension past CHUNK_FLOATS. */
+int mm_decode_attention(const void* q, const void* cache, void* out, int dtype,
+                        const int64_t* table, const int64_t* key0, const int64_t* context,
+                        int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
+                        int64_t width, int64_t num_blocks, int64_t block_size, int64_t window,
+                        float scale, float softcap, int threads) {
+    if (dim > CHUNK_FLOATS) return 2;
+    ON_TEAM(threads, decode_attention(q, cache, out, dtype, table, key0, context, batch, heads,
+                                      kv_heads, dim, width, num_blocks, block_size, window,
+                                      scale, softcap));
 }

@@ -56,56 +56,84 @@ int mm_decode_layers(const mm_decoder_desc* d, const mm_layer_desc* layers, int6
 
     const int64_t head_stride = d->num_blocks * d->block_size * dim; /* one KV head's slots */
     int status = 0;
-    for (int64_t l = 0; l < num_layers && status == 0; l++) {
-        const mm_layer_desc* L = &layers[l];
-        /* the residual add of the previous layer's MLP fused into this layer's input norm */
-        status = mm_rms_norm(h, l ? parts[MLP] : NULL, h, L->input_norm, parts[NORMED], dt, m,
-                             hidden, d->eps, d->norm_mode);
-        if (status == 0) status = run_linear(&L->qkv, parts[NORMED], parts[QKV], m, dt, threads);
-        if (status) break;
-        /* q and k are adjacent: one rotary call rotates both (normed per head first) */
-        const void* unrotated = parts[QKV];
-        int64_t stride = qkv_n;
-        if (L->q_norm != NULL) {
-            for (int64_t t = 0; t < m && status == 0; t++) {
-                const char* row = parts[QKV] + t * qkv_n * elem;
-                char* out = parts[QK] + t * rotated * elem;
-                status = mm_rms_norm(row, NULL, NULL, L->q_norm, out, dt, hq, dim, d->eps,
-                                     d->norm_mode);
-                if (status == 0)
-                    status = mm_rms_norm(row + hq * dim * elem, NULL, NULL, L->k_norm,
+    /* One team for the whole step: every kernel's row loop is shared by its threads (kernels.h,
+     * ON_TEAM), the small serial steps between them run on its first thread, and the threads
+     * meet at a spinning barrier after each. No thread leaves early on a failure: each reaches
+     * every barrier, and the first failure is returned at the end. */
+    mm_team team = {0, 0};
+    _Pragma("omp parallel num_threads(threads)")
+    {
+        const int lead = TEAM_RANK() == 0;
+        int mine = 0;  /* this thread's first failure */
+#define NOTE(CALL)                                                                             \
+    do {                                                                                       \
+        const int s_ = (CALL);                                                                 \
+        if (s_ && !mine) mine = s_;                                                            \
+    } while (0)
+        for (int64_t l = 0; l < num_layers; l++) {
+            const mm_layer_desc* L = &layers[l];
+            /* the residual add of the previous layer's MLP fused into this layer's input norm */
+            if (lead)
+                NOTE(mm_rms_norm(h, l ? parts[MLP] : NULL, h, L->input_norm, parts[NORMED], dt,
+                                 m, hidden, d->eps, d->norm_mode));
+            team_sync(&team);
+            NOTE(run_linear(&L->qkv, parts[NORMED], parts[QKV], m, dt, threads, &team));
+            team_sync(&team);
+            if (lead) {
+                /* q and k are adjacent: one rotary call rotates both (normed per head first) */
+                const void* unrotated = parts[QKV];
+                int64_t stride = qkv_n;
+                if (L->q_norm != NULL) {
+                    for (int64_t t = 0; t < m; t++) {
+                        const char* row = parts[QKV] + t * qkv_n * elem;
+                        char* out = parts[QK] + t * rotated * elem;
+                        NOTE(mm_rms_norm(row, NULL, NULL, L->q_norm, out, dt, hq, dim, d->eps,
+                                         d->norm_mode));
+                        NOTE(mm_rms_norm(row + hq * dim * elem, NULL, NULL, L->k_norm,
                                          out + hq * dim * elem, dt, hkv, dim, d->eps,
-                                         d->norm_mode);
+                                         d->norm_mode));
+                    }
+                    unrotated = parts[QK], stride = rotated;
+                }
+                mm_rotary(unrotated, cos[L->rope], sin[L->rope], parts[ROT], dt, m, hq + hkv,
+                          dim, stride);
+                /* keys (rotated) and values (as projected) into the cache; q contiguous */
+                for (int64_t t = 0; t < m; t++) {
+                    const char* rot = parts[ROT] + t * rotated * elem;
+                    const char* value = parts[QKV] + (t * qkv_n + rotated) * elem;
+                    for (int64_t kv = 0; kv < hkv; kv++) {
+                        char* key_slot =
+                            (char*)L->kv_cache + (kv * head_stride + slots[t] * dim) * elem;
+                        char* value_slot = key_slot + hkv * head_stride * elem;
+                        memcpy(key_slot, rot + (hq + kv) * dim * elem, dim * elem);
+                        memcpy(value_slot, value + kv * dim * elem, dim * elem);
+                    }
+                    memcpy(parts[Q] + t * hq * dim * elem, rot, hq * dim * elem);
+                }
             }
-            if (status) break;
-            unrotated = parts[QK], stride = rotated;
+            team_sync(&team);
+            NOTE(mm_decode_attention(parts[Q], L->kv_cache, parts[ATTN], dt, table, key0,
+                                     context, m, hq, hkv, dim, width, d->num_blocks,
+                                     d->block_size, 0, d->scale, 0.0f, threads));
+            team_sync(&team);
+            NOTE(run_linear(&L->o, parts[ATTN], parts[O], m, dt, threads, &team));
+            team_sync(&team);
+            if (lead)
+                NOTE(mm_rms_norm(h, parts[O], h, L->post_norm, parts[NORMED], dt, m, hidden,
+                                 d->eps, d->norm_mode));
+            team_sync(&team);
+            NOTE(run_linear(&L->gate_up, parts[NORMED], parts[GATE_UP], m, dt, threads, &team));
+            team_sync(&team);
+            if (lead) mm_silu_mul(parts[GATE_UP], parts[ACT], dt, m, d->intermediate);
+            team_sync(&team);
+            NOTE(run_linear(&L->down, parts[ACT], parts[MLP], m, dt, threads, &team));
+            team_sync(&team);
         }
-        mm_rotary(unrotated, cos[L->rope], sin[L->rope], parts[ROT], dt, m, hq + hkv, dim,
-                  stride);
-        /* keys (rotated) and values (as projected) into the cache; q contiguous per token */
-        for (int64_t t = 0; t < m; t++) {
-            const char* rot = parts[ROT] + t * rotated * elem;
-            const char* value = parts[QKV] + (t * qkv_n + rotated) * elem;
-            for (int64_t kv = 0; kv < hkv; kv++) {
-                char* key_slot = (char*)L->kv_cache + (kv * head_stride + slots[t] * dim) * elem;
-                char* value_slot = key_slot + hkv * head_stride * elem;
-                memcpy(key_slot, rot + (hq + kv) * dim * elem, dim * elem);
-                memcpy(value_slot, value + kv * dim * elem, dim * elem);
-            }
-            memcpy(parts[Q] + t * hq * dim * elem, rot, hq * dim * elem);
+#undef NOTE
+        if (mine) {
+            _Pragma("omp atomic write")
+            status = mine;
         }
-        status = mm_decode_attention(parts[Q], L->kv_cache, parts[ATTN], dt, table, key0, context,
-                                     m, hq, hkv, dim, width, d->num_blocks, d->block_size, 0,
-                                     d->scale, 0.0f, threads);
-        if (status == 0) status = run_linear(&L->o, parts[ATTN], parts[O], m, dt, threads);
-        if (status == 0)
-            status = mm_rms_norm(h, parts[O], h, L->post_norm, parts[NORMED], dt, m, hidden,
-                                 d->eps, d->norm_mode);
-        if (status == 0)
-            status = run_linear(&L->gate_up, parts[NORMED], parts[GATE_UP], m, dt, threads);
-        if (status) break;
-        mm_silu_mul(parts[GATE_UP], parts[ACT], dt, m, d->intermediate);
-        status = run_linear(&L->down, parts[ACT], parts[MLP], m, dt, threads);
     }
     if (status == 0 && num_layers > 0) add_into(h, parts[MLP], dt, m * hidden, m * hidden);
     free(work);

@@ -31,6 +31,63 @@
 #include <arm_neon.h>
 #endif
 
+#ifdef _OPENMP
+#include <omp.h>
+#define IN_TEAM() omp_in_parallel()
+#define TEAM_SIZE() omp_get_num_threads()
+#define TEAM_RANK() omp_get_thread_num()
+#else
+#define IN_TEAM() 0
+#define TEAM_SIZE() 1
+#define TEAM_RANK() 0
+#endif
+
+/* The row loop of a parallel kernel is an orphaned `omp for ... nowait`, run by whichever team
+ * calls the kernel's body: the caller's, when the call comes from inside a parallel region (a
+ * decode step runs all of its layers on one team, mm_decode_layers, which waits for the loop's
+ * end at its own barrier, team_sync), else `threads` new threads (joined at the region's end).
+ * A body keeps what it allocates per thread and reaches its loop on every thread even when an
+ * allocation failed (skipping the work), so that the threads meet at every barrier. The last
+ * statement of a kernel's entry point: -> the body's status (nonzero if it failed on any thread
+ * of a new team). */
+#define ON_TEAM(threads, CALL)                                                                 \
+    if (IN_TEAM()) return (CALL);                                                              \
+    int failed_ = 0;                                                                           \
+    _Pragma("omp parallel num_threads(threads)")                                               \
+    {                                                                                          \
+        const int status_ = (CALL);                                                            \
+        if (status_) {                                                                         \
+            _Pragma("omp atomic write")                                                        \
+            failed_ = status_;                                                                 \
+        }                                                                                      \
+    }                                                                                          \
+    return failed_
+
+/* A barrier on which the threads of a team spin. OpenMP's own barriers sleep in the kernel
+ * under OMP_WAIT_POLICY=passive (the policy two libraries in one process need), and each
+ * wake-up costs tens of microseconds, where a decode step meets a barrier after every kernel.
+ * Zeroed before the parallel region; every thread of the team calls team_sync alike. */
+typedef struct {
+    int arrived, phase; /* read and written only through __atomic builtins */
+} mm_team;
+
+static inline void team_sync(mm_team* t) {
+    const int size = TEAM_SIZE();
+    const int phase = __atomic_load_n(&t->phase, __ATOMIC_ACQUIRE);
+    if (__atomic_fetch_add(&t->arrived, 1, __ATOMIC_ACQ_REL) == size - 1) {
+        __atomic_store_n(&t->arrived, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&t->phase, phase + 1, __ATOMIC_RELEASE);  /* after the reset */
+        return;
+    }
+    while (__atomic_load_n(&t->phase, __ATOMIC_ACQUIRE) == phase) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#elif defined(__aarch64__)
+        __asm__ volatile("yield");
+#endif
+    }
+}
+
 #define DTYPE_F32 0
 #define DTYPE_BF16 1
 #define DTYPE_I8 2
@@ -120,12 +177,12 @@ static inline float exp_nonpositive(float x) {
 #define MV_LANES 64
 #define LINEAR_PLAIN(NAME, WTYPE, LOAD)                                                        \
     static int NAME(const void* x, int x_dtype, const WTYPE* w, const uint16_t* scales,       \
-                    void* y, int64_t m, int64_t n, int64_t k, int threads) {                   \
+                    void* y, int64_t m, int64_t n, int64_t k) {                                \
         int owned;                                                                             \
         const float* xf = as_f32(x, x_dtype, m * k, &owned);                                   \
-        if (xf == NULL) return 1;                                                              \
-        _Pragma("omp parallel for num_threads(threads) schedule(static)")                      \
+        _Pragma("omp for schedule(static) nowait")                                             \
         for (int64_t r = 0; r < n; r++) {                                                      \
+            if (xf == NULL) continue;                                                          \
             const WTYPE* wr = w + r * k;                                                       \
             const float scale = scales ? bf16_to_f32(scales[r]) : 1.0f;                        \
             for (int64_t i = 0; i < m; i++) {                                                  \
@@ -144,7 +201,7 @@ static inline float exp_nonpositive(float x) {
             }                                                                                  \
         }                                                                                      \
         if (owned) free((void*)xf);                                                            \
-        return 0;                                                                              \
+        return xf == NULL;                                                                     \
     }
 #define LOAD_F32(w, j) (w)[j]
 #define LOAD_BF16(w, j) bf16_to_f32((w)[j])
@@ -167,13 +224,13 @@ static inline void prefetch_ahead(const void* p, int bytes) {
  * registers by LOAD8(w, j) (8 weights from element j as __m256). */
 #define LINEAR_VEC(NAME, WTYPE, LOAD8)                                                         \
     static int NAME(const void* x, int x_dtype, const WTYPE* w, const uint16_t* scales,       \
-                    void* y, int64_t m, int64_t n, int64_t k, int threads) {                   \
+                    void* y, int64_t m, int64_t n, int64_t k) {                                \
         int owned;                                                                             \
         const float* xf = as_f32(x, x_dtype, m * k, &owned);                                   \
-        if (xf == NULL) return 1;                                                              \
         const int64_t body = k / 32 * 32;                                                      \
-        _Pragma("omp parallel for num_threads(threads) schedule(static)")                      \
+        _Pragma("omp for schedule(static) nowait")                                             \
         for (int64_t r = 0; r < n; r++) {                                                      \
+            if (xf == NULL) continue;                                                          \
             const WTYPE* wr = w + r * k;                                                       \
             const float scale = scales ? bf16_to_f32(scales[r]) : 1.0f;                        \
             for (int64_t i0 = 0; i0 < m; i0 += 2) {                                            \
@@ -203,7 +260,7 @@ static inline void prefetch_ahead(const void* p, int bytes) {
             }                                                                                  \
         }                                                                                      \
         if (owned) free((void*)xf);                                                            \
-        return 0;                                                                              \
+        return xf == NULL;                                                                     \
     }
 
 static inline float hsum8(__m256 v) {
@@ -221,13 +278,13 @@ static inline float hsum8(__m256 v) {
 /* The same for NEON: 4 lanes, four accumulators per row of x, two rows at a time. */
 #define LINEAR_VEC(NAME, WTYPE, LOAD4)                                                         \
     static int NAME(const void* x, int x_dtype, const WTYPE* w, const uint16_t* scales,       \
-                    void* y, int64_t m, int64_t n, int64_t k, int threads) {                   \
+                    void* y, int64_t m, int64_t n, int64_t k) {                                \
         int owned;                                                                             \
         const float* xf = as_f32(x, x_dtype, m * k, &owned);                                   \
-        if (xf == NULL) return 1;                                                              \
         const int64_t body = k / 16 * 16;                                                      \
-        _Pragma("omp parallel for num_threads(threads) schedule(static)")                      \
+        _Pragma("omp for schedule(static) nowait")                                             \
         for (int64_t r = 0; r < n; r++) {                                                      \
+            if (xf == NULL) continue;                                                          \
             const WTYPE* wr = w + r * k;                                                       \
             const float scale = scales ? bf16_to_f32(scales[r]) : 1.0f;                        \
             for (int64_t i0 = 0; i0 < m; i0 += 2) {                                            \
@@ -255,7 +312,7 @@ static inline float hsum8(__m256 v) {
             }                                                                                  \
         }                                                                                      \
         if (owned) free((void*)xf);                                                            \
-        return 0;                                                                              \
+        return xf == NULL;                                                                     \
     }
 #define LOAD8_F32(w, j) vld1q_f32((w) + (j))
 #define LOAD8_BF16(w, j) vreinterpretq_f32_u32(vshll_n_u16(vld1_u16((w) + (j)), 16))
@@ -384,9 +441,10 @@ static inline void add_into(void* a, const void* b, int dt, int64_t n, int64_t p
         store(a, dt, i, load_x(a, dt, i) + load_x(b, dt, i % period));
 }
 
-/* y [m, n] = x [m, k] . W^T (+ bias), through the kernel of the weight's format */
+/* y [m, n] = x [m, k] . W^T (+ bias), through the kernel of the weight's format. `team`: called
+ * by every thread of a team (mm_decode_layers), which syncs on it after the call; else NULL. */
 static inline int run_linear(const mm_linear_desc* l, const void* x, void* y, int64_t m, int dt,
-                             int threads) {
+                             int threads, mm_team* team) {
     int status;
     if (l->format == FORMAT_INT4)
         status = mm_linear_i4(x, dt, l->weight, l->scales, y, m, l->n, l->k, l->group, 0,
@@ -398,7 +456,12 @@ static inline int run_linear(const mm_linear_desc* l, const void* x, void* y, in
         status = mm_linear_f32(x, dt, l->weight, NULL, y, m, l->n, l->k, threads);
     else
         status = mm_linear_bf16(x, dt, l->weight, NULL, y, m, l->n, l->k, threads);
-    if (status == 0 && l->bias != NULL) add_into(y, l->bias, dt, m * l->n, l->n);
+    if (l->bias != NULL && team != NULL) {
+        team_sync(team);  /* every thread's rows written */
+        if (TEAM_RANK() == 0) add_into(y, l->bias, dt, m * l->n, l->n);
+    } else if (l->bias != NULL && status == 0) {
+        add_into(y, l->bias, dt, m * l->n, l->n);
+    }
     return status;
 }
 

@@ -19,7 +19,7 @@ LINEAR_PLAIN(linear_bf16, uint16_t, LOAD_BF16)
 
 int mm_linear_f32(const void* x, int x_dtype, const float* w, const uint16_t* scales, void* y,
                   int64_t m, int64_t n, int64_t k, int threads) {
-    return linear_f32(x, x_dtype, w, scales, y, m, n, k, threads);
+    ON_TEAM(threads, linear_f32(x, x_dtype, w, scales, y, m, n, k));
 }
 
 #ifdef MM_AVX512_BF16
@@ -27,8 +27,8 @@ int mm_linear_f32(const void* x, int x_dtype, const float* w, const uint16_t* sc
  * them into float32 lanes, one instruction per 32 weights, where the plain loop converts each
  * weight to float32 first. Requires k % 32 == 0. */
 static int linear_bf16_dot(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t m,
-                           int64_t n, int64_t k, int threads) {
-    _Pragma("omp parallel for num_threads(threads) schedule(static)")
+                           int64_t n, int64_t k) {
+    _Pragma("omp for schedule(static) nowait")
     for (int64_t r = 0; r < n; r++) {
         const uint16_t* wr = w + r * k;
         for (int64_t i = 0; i < m; i++) {
@@ -52,11 +52,16 @@ static int linear_bf16_dot(const uint16_t* x, const uint16_t* w, uint16_t* y, in
 }
 #endif
 
-int mm_linear_bf16(const void* x, int x_dtype, const uint16_t* w, const uint16_t* scales,
-                   void* y, int64_t m, int64_t n, int64_t k, int threads) {
+static int linear_bf16_any(const void* x, int x_dtype, const uint16_t* w, const uint16_t* scales,
+                           void* y, int64_t m, int64_t n, int64_t k) {
 #ifdef MM_AVX512_BF16
     if (x_dtype == DTYPE_BF16 && scales == NULL && k % 32 == 0)
-        return linear_bf16_dot(x, w, y, m, n, k, threads);
+        return linear_bf16_dot(x, w, y, m, n, k);
 #endif
-    return linear_bf16(x, x_dtype, w, scales, y, m, n, k, threads);
+    return linear_bf16(x, x_dtype, w, scales, y, m, n, k);
+}
+
+int mm_linear_bf16(const void* x, int x_dtype, const uint16_t* w, const uint16_t* scales,
+                   void* y, int64_t m, int64_t n, int64_t k, int threads) {
+    ON_TEAM(threads, linear_bf16_any(x, x_dtype, w, scales, y, m, n, k));
 }

@@ -257,11 +257,11 @@ static inline void i4_block_neon(const int8_t* hd, const int8_t* ld, const float
 #define I4_INT_PATH i4_block_neon
 #endif
 
-/* generic != 0: the plain path even where an integer one is built (for tests). */
-int mm_linear_i4(const void* x, int x_dtype, const uint8_t* w, const uint16_t* sz, void* y,
-                 int64_t m, int64_t n, int64_t k, int64_t group, int generic, int threads) {
+/* The team's body of mm_linear_i4: x's sums and digits per thread (a decode's few rows), the
+ * blocks of 64 channels shared; each block's outputs stored as soon as they are made. */
+static int linear_i4(const void* x, int x_dtype, const uint8_t* w, const uint16_t* sz, void* y,
+                     int64_t m, int64_t n, int64_t k, int64_t group, int generic) {
     const int64_t groups = k / group, blocks = n / I4_BLOCK_N;
-    if (n % I4_BLOCK_N || k % group || group % 4) return 2;
     int owned;
     const float* xf = as_f32(x, x_dtype, m * k, &owned);
     float* xsum = malloc(sizeof(float) * (size_t)(2 * m * groups));  /* sum of x per group */
@@ -299,28 +299,37 @@ int mm_linear_i4(const void* x, int x_dtype, const uint8_t* w, const uint16_t* s
                 gscale[i * groups + g] = s / 256.0f;
             }
         }
-        _Pragma("omp parallel for num_threads(threads) schedule(static)")
-        for (int64_t b = 0; b < blocks; b++) {
-            const uint8_t* wb = w + b * k * (I4_BLOCK_N / 2);
-#ifdef I4_INT_PATH
-            if (!generic) {
-                /* Row by row: the dot products bound the time. */
-                for (int64_t i = 0; i < m; i++)
-                    I4_INT_PATH(digits + 2 * i * k, digits + (2 * i + 1) * k,
-                                gscale + i * groups, xqsum + i * groups, wb, sz, out + i * n, n,
-                                k, group, b);
-                continue;
-            }
-#endif
-            (void)generic;
-            i4_block_float(xf, xsum, wb, sz, out, m, n, k, group, b);
-        }
-        if (out != y) store_row(y, out, x_dtype, 0, m * n);
     }
+    _Pragma("omp for schedule(static) nowait")
+    for (int64_t b = 0; b < blocks; b++) {
+        if (failed) continue;
+        const uint8_t* wb = w + b * k * (I4_BLOCK_N / 2);
+#ifdef I4_INT_PATH
+        if (!generic) {
+            /* Row by row: the dot products bound the time. */
+            for (int64_t i = 0; i < m; i++)
+                I4_INT_PATH(digits + 2 * i * k, digits + (2 * i + 1) * k, gscale + i * groups,
+                            xqsum + i * groups, wb, sz, out + i * n, n, k, group, b);
+        } else
+#endif
+            i4_block_float(xf, xsum, wb, sz, out, m, n, k, group, b);
+        if (out != y)
+            for (int64_t i = 0; i < m; i++)
+                store_row(y, out + i * n + b * I4_BLOCK_N, x_dtype, i * n + b * I4_BLOCK_N,
+                          I4_BLOCK_N);
+    }
+    (void)generic;
     if (owned) free((void*)xf);
     free(xsum), free(gscale), free(digits);
     if (out != y) free(out);
     return failed;
+}
+
+/* generic != 0: the plain path even where an integer one is built (for tests). */
+int mm_linear_i4(const void* x, int x_dtype, const uint8_t* w, const uint16_t* sz, void* y,
+                 int64_t m, int64_t n, int64_t k, int64_t group, int generic, int threads) {
+    if (n % I4_BLOCK_N || k % group || group % 4) return 2;
+    ON_TEAM(threads, linear_i4(x, x_dtype, w, sz, y, m, n, k, group, generic));
 }
 
 /* int4 in our pack -> out [count * 64, K]: output channels 64 first .. 64 (first + count) - 1 of

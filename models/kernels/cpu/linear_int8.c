@@ -31,19 +31,17 @@ LINEAR_PLAIN(linear_i8_float, int8_t, LOAD_I8)
  * every output channel alike: subtracted once per row of x at the end. Per 64 weight bytes: an
  * XOR and two dot products, no int-to-float conversion of the weights. Requires k % 64 == 0. */
 static int linear_i8_vnni(const void* x, int x_dtype, const int8_t* w, const uint16_t* scales,
-                          void* y, int64_t m, int64_t n, int64_t k, int threads) {
+                          void* y, int64_t m, int64_t n, int64_t k) {
     const int64_t blocks = k / I8_BLOCK;
+    /* per thread (x is a decode's few rows: writing its digits is cheap beside the weights) */
     int8_t* digits = malloc((size_t)(2 * m * k));  /* h, then l, per block of 64 */
     float* block_scale = malloc(sizeof(float) * (size_t)(m * blocks));  /* s / 256 */
     float* offset = malloc(sizeof(float) * (size_t)m);  /* what the weights' +128 adds */
-    if (digits == NULL || block_scale == NULL || offset == NULL) {
-        free(digits), free(block_scale), free(offset);
-        return 1;
-    }
+    const int failed = digits == NULL || block_scale == NULL || offset == NULL;
     const __m512 zero_ps = _mm512_setzero_ps();
-    for (int64_t i = 0; i < m; i++) {
+    for (int64_t i = 0; i < m && !failed; i++) {
         double added = 0.0;
-        for (int64_t b = 0; b < blocks; b++) {  /* 16 lanes at a time (this runs on one thread) */
+        for (int64_t b = 0; b < blocks; b++) {  /* 16 lanes at a time */
             const int64_t at = i * k + b * I8_BLOCK;
             __m512 v[4], top = zero_ps;
             for (int q = 0; q < 4; q++) {
@@ -77,8 +75,9 @@ static int linear_i8_vnni(const void* x, int x_dtype, const int8_t* w, const uin
         offset[i] = (float)added;
     }
     const __m512i bias = _mm512_set1_epi8((char)0x80);
-    _Pragma("omp parallel for num_threads(threads) schedule(static)")
+    _Pragma("omp for schedule(static) nowait")
     for (int64_t r = 0; r < n; r++) {
+        if (failed) continue;
         const int8_t* wr = w + r * k;
         const float scale = bf16_to_f32(scales[r]);
         for (int64_t i = 0; i < m; i++) {
@@ -107,7 +106,7 @@ static int linear_i8_vnni(const void* x, int x_dtype, const int8_t* w, const uin
         }
     }
     free(digits), free(block_scale), free(offset);
-    return 0;
+    return failed;
 }
 #endif
 
@@ -119,21 +118,20 @@ static int linear_i8_vnni(const void* x, int x_dtype, const int8_t* w, const uin
  * bfloat16 x is taken as it is; a float32 x as two bfloat16 planes, hi = bf16(x) and
  * lo = bf16(x - hi), within |x| / 2^16 of x as the digits are. Requires k % 32 == 0. */
 static int linear_i8_bf16_rows(const void* x, int x_dtype, const int8_t* w,
-                               const uint16_t* scales, void* y, int64_t m, int64_t n, int64_t k,
-                               int threads) {
+                               const uint16_t* scales, void* y, int64_t m, int64_t n, int64_t k) {
     const int split = x_dtype != DTYPE_BF16;
-    uint16_t* xb = (uint16_t*)x;  /* [m, k], then with `split` the low plane [m, k] */
+    uint16_t* xb = (uint16_t*)x;  /* [m, k], then with `split` the low plane [m, k] (per thread) */
     if (split) {
         xb = malloc(sizeof(uint16_t) * (size_t)(2 * m * k));
-        if (xb == NULL) return 1;
-        for (int64_t j = 0; j < m * k; j++) {
+        for (int64_t j = 0; xb != NULL && j < m * k; j++) {
             const float v = ((const float*)x)[j];
             xb[j] = f32_to_bf16(v);
             xb[m * k + j] = f32_to_bf16(v - bf16_to_f32(xb[j]));
         }
     }
-    _Pragma("omp parallel for num_threads(threads) schedule(static)")
+    _Pragma("omp for schedule(static) nowait")
     for (int64_t r = 0; r < n; r++) {
+        if (xb == NULL) continue;
         const int8_t* wr = w + r * k;
         const float scale = bf16_to_f32(scales[r]);
         for (int64_t i0 = 0; i0 < m; i0 += I8_ROWS) {
@@ -159,7 +157,7 @@ static int linear_i8_bf16_rows(const void* x, int x_dtype, const int8_t* w,
         }
     }
     if (split) free(xb);
-    return 0;
+    return xb == NULL;
 }
 #endif
 
@@ -227,13 +225,13 @@ static inline __attribute__((always_inline)) void grouped_row(
 
 static int linear_i8_grouped(const void* x, int x_dtype, const int8_t* w,
                              const uint16_t* scales, int64_t group, void* y, int64_t m,
-                             int64_t n, int64_t k, int threads) {
+                             int64_t n, int64_t k) {
     int owned;
     const float* xf = as_f32(x, x_dtype, m * k, &owned);
-    if (xf == NULL) return 1;
     const int64_t groups = k / group;
-    _Pragma("omp parallel for num_threads(threads) schedule(static)")
+    _Pragma("omp for schedule(static) nowait")
     for (int64_t r = 0; r < n; r++) {
+        if (xf == NULL) continue;
         const int8_t* wr = w + r * k;
         const uint16_t* sr = scales + r * groups;
         for (int64_t i0 = 0; i0 < m; i0 += 2) {
@@ -249,7 +247,7 @@ static int linear_i8_grouped(const void* x, int x_dtype, const int8_t* w,
         }
     }
     if (owned) free((void*)xf);
-    return 0;
+    return xf == NULL;
 }
 
 /* Whether mm_linear_i8 takes a group of `group` inputs for K = k: the whole row, or a multiple
@@ -258,19 +256,23 @@ int mm_int8_group_ok(int64_t k, int64_t group) {
     return group == k || (group > 0 && group % G_STEP == 0 && k % group == 0);
 }
 
+static int linear_i8_any(const void* x, int x_dtype, const int8_t* w, const uint16_t* scales,
+                         int64_t group, void* y, int64_t m, int64_t n, int64_t k) {
+    if (group < k) return linear_i8_grouped(x, x_dtype, w, scales, group, y, m, n, k);
+#ifdef MM_AVX512_BF16
+    if (m > 1 && k % 32 == 0) return linear_i8_bf16_rows(x, x_dtype, w, scales, y, m, n, k);
+#endif
+#ifdef MM_AVX512_VNNI
+    if (k % I8_BLOCK == 0) return linear_i8_vnni(x, x_dtype, w, scales, y, m, n, k);
+#endif
+    return linear_i8_float(x, x_dtype, w, scales, y, m, n, k);
+}
+
 /* 0: done; 1: out of memory; 2: a group it does not take (mm_int8_group_ok). */
 int mm_linear_i8(const void* x, int x_dtype, const int8_t* w, const uint16_t* scales,
                  int64_t group, void* y, int64_t m, int64_t n, int64_t k, int threads) {
     if (!mm_int8_group_ok(k, group)) return 2;
-    if (group < k) return linear_i8_grouped(x, x_dtype, w, scales, group, y, m, n, k, threads);
-#ifdef MM_AVX512_BF16
-    if (m > 1 && k % 32 == 0)
-        return linear_i8_bf16_rows(x, x_dtype, w, scales, y, m, n, k, threads);
-#endif
-#ifdef MM_AVX512_VNNI
-    if (k % I8_BLOCK == 0) return linear_i8_vnni(x, x_dtype, w, scales, y, m, n, k, threads);
-#endif
-    return linear_i8_float(x, x_dtype, w, scales, y, m, n, k, threads);
+    ON_TEAM(threads, linear_i8_any(x, x_dtype, w, scales, group, y, m, n, k));
 }
 
 /* Dequantizers, for a prefill's many rows, where a dense GEMM on the dequantized weight beats

@@ -46,10 +46,10 @@ int mm_moe_experts(const mm_linear_desc* gate_up, const mm_linear_desc* down,
         for (int64_t i = 0; i < r; i++)
             memcpy(xe + el * (size_t)(i * hidden),
                    (const char*)x + el * (size_t)(rows[i] * hidden), el * (size_t)hidden);
-        status = run_linear(&gate_up[e], xe, gu, r, dt, threads);
+        status = run_linear(&gate_up[e], xe, gu, r, dt, threads, NULL);
         if (status) break;
         mm_silu_mul(gu, act, dt, r, inter);
-        status = run_linear(&down[e], act, y, r, dt, threads);
+        status = run_linear(&down[e], act, y, r, dt, threads, NULL);
         if (status) break;
         for (int64_t i = 0; i < r; i++) {
             /* Scaled in place, then added: two passes through memory, so that the compiler
