@@ -314,10 +314,10 @@ def video_rows(llm, path, seconds: int, runs: int, peak: float) -> list[tuple]:
               f"transformers {theirs[-1]:.2f} s")
     label = f"{seconds} s, {ours[0].media_tokens} video tokens, {len(ours[0].prompt)} in all"
 
-    def stage(name: str, key: str, work: float = 0.0) -> tuple:
+    def stage(name: str, key: str, work: float = 0.0) -> tuple:  # ours alone
         value = median([getattr(o, key) for o in ours])
-        return (f"{name} ({label})" if key == "ttft" else name, float("nan"), value,
-                float("nan"), f"{work / value / peak:.0%}" if work else "")
+        return (name, float("nan"), value, float("nan"),
+                f"{work / value / peak:.0%}" if work else "")
 
     ttft = median([o.ttft for o in ours])
     ref = median(theirs)

@@ -32,8 +32,9 @@ class Shape:
     # llama.cpp's media marker: libmtmd writes the family's delimiters itself).
     media_text: str
     media: str = "image"  # or "audio"
-    # The context both sides get: room for the largest item the preprocessor accepts (Qwen3-VL:
-    # 16384 image embeddings), within the model's own context.
+    # The context both sides get: room for the largest image the preprocessor accepts (Qwen3-VL:
+    # 16384 embeddings); the audio model's holds two 30 s windows (its 32 full-width KV heads
+    # would not fit more in the engine's default KV budget).
     context: int = 16384
 
 
