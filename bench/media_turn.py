@@ -215,15 +215,11 @@ def main() -> None:
         if not args.no_llama_cpp:
             theirs = LlamaMtmd(ensure_gguf(path, LLAMA_TYPES[precision]),
                                ensure_mmproj(path, "bf16"), args.threads, shape.context)
-        model = llm.engine.runner.model
         for label, make in items:
             # Warm-ups: every graph, plan and buffer of this size made once on both sides; ours
             # counts the FLOPs of its stages.
             warm = messages(shape.media, make(10_000), first_q)
-            with count.LinearFlops(model) as flops:
-                warmed = our_turn(llm, warm, 1)
-            flops.counts["decoder"] += count.causal_attention_flops(model.cfg,
-                                                                    len(warmed.prompt))
+            work = counted_turn(llm, warm)
             if theirs is not None:
                 theirs.turn(make(10_000),
                             rendered_prompt(llm, shape.media_text, theirs.marker, warm), 2)
@@ -247,7 +243,7 @@ def main() -> None:
                 runs.append(row)
                 print(f"{precision} {label} run {run + 1}: TTFT ours {ours.ttft:.2f} s"
                       + (f", llama.cpp {row['llama'].ttft:.2f} s" if theirs else ""))
-            table += _rows(precision, label, runs, flops.counts, peak)
+            table += _rows(precision, label, runs, work, peak)
             if theirs is not None:
                 print(f"  {label}: {compare_prompts(runs[0]['ours'], runs[0]['llama'])}")
                 summary.append((precision, label, median([r["llama"].ttft / r["ours"].ttft
@@ -269,6 +265,16 @@ def main() -> None:
         print(f"\nvideo turn ({args.video} s), bf16, against transformers (not llama.cpp):\n")
         print_table(video, ("stage", "transformers", "this engine", "ours faster by",
                             "ours: FLOP/s of GEMM peak"))
+
+
+def counted_turn(llm, msgs: list[dict]) -> dict[str, float]:
+    """One turn of one token (a warm-up) -> the FLOPs of its tower and of its decoder
+    (bench.flops: linears and the towers' attention, with the decoder's causal attention)."""
+    model = llm.engine.runner.model
+    with count.LinearFlops(model) as flops:
+        turn = our_turn(llm, msgs, 1)
+    flops.counts["decoder"] += count.causal_attention_flops(model.cfg, len(turn.prompt))
+    return flops.counts
 
 
 def kv_bytes(path, tokens: int) -> int:
@@ -298,8 +304,7 @@ def video_rows(llm, path, seconds: int, runs: int, peak: float) -> list[tuple]:
     hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
         path, dtype=torch.bfloat16).eval()
     never = hf.config.get_text_config().vocab_size  # an EOS id no argmax produces
-    processor, model = llm.engine.processor, llm.engine.runner.model
-    question = VIDEO_QUESTION
+    processor = llm.engine.processor
 
     def reference(msgs: list[dict]) -> float:
         parsed = processor.render_chat(msgs)  # not timed: our decoded frames and pixel values
@@ -311,14 +316,12 @@ def video_rows(llm, path, seconds: int, runs: int, peak: float) -> list[tuple]:
                         pad_token_id=never)
         return time.perf_counter() - t0
 
-    warm = messages("video", movie(10_000, seconds), question)
-    with count.LinearFlops(model) as flops:
-        warmed = our_turn(llm, warm, 1)
-    flops.counts["decoder"] += count.causal_attention_flops(model.cfg, len(warmed.prompt))
+    warm = messages("video", movie(10_000, seconds), VIDEO_QUESTION)
+    work = counted_turn(llm, warm)
     reference(warm)
     ours, theirs = [], []
     for run in range(runs):
-        msgs = messages("video", movie(run * 7919 + 1, seconds), question)
+        msgs = messages("video", movie(run * 7919 + 1, seconds), VIDEO_QUESTION)
         ours.append(our_turn(llm, msgs, 1))
         theirs.append(reference(msgs))
         print(f"video {seconds} s run {run + 1}: TTFT ours {ours[-1].ttft:.2f} s, "
@@ -333,8 +336,8 @@ def video_rows(llm, path, seconds: int, runs: int, peak: float) -> list[tuple]:
     ttft = median([o.ttft for o in ours])
     ref = median(theirs)
     return [stage("decode, sample, preprocess (s)", "preprocess"),
-            stage("vision encode (s)", "encode", flops.counts["tower"]),
-            stage("prefill (s)", "prefill", flops.counts["decoder"]),
+            stage("vision encode (s)", "encode", work["tower"]),
+            stage("prefill (s)", "prefill", work["decoder"]),
             (f"time to first token ({label}) (s)", ref, ttft, ref / ttft, "")]
 
 

@@ -32,9 +32,8 @@ class Shape:
     # llama.cpp's media marker: libmtmd writes the family's delimiters itself).
     media_text: str
     media: str = "image"  # or "audio"
-    # The context both sides get: room for the largest image the preprocessor accepts (Qwen3-VL:
-    # 16384 embeddings); the audio model's holds two 30 s windows (its 32 full-width KV heads
-    # would not fit more in the engine's default KV budget).
+    # The context both sides get (the KV cache is sized for it): room for the largest image the
+    # preprocessor accepts (Qwen3-VL: 16384 embeddings); for the audio model two 30 s windows.
     context: int = 16384
 
 

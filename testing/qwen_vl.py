@@ -24,4 +24,3 @@ def qwen_vl_hf_inputs(hf, proc) -> dict:
         kwargs["pixel_values_videos"] = torch.cat([d["pixel_values"] for d in groups])
         kwargs["video_grid_thw"] = torch.tensor([(len(groups), *groups[0]["grid_thw"][1:])])
     return kwargs
-
