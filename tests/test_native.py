@@ -603,16 +603,23 @@ def test_quantized_model_through_native_kernels_tracks_pytorchs(text_model, nati
                                                                  mode):
     """The same int8 / int4 weights through our kernels and through PyTorch's (its int kernel,
     or a GEMM on the dequantized weight for int8 with a scale per group, which it has no kernel
-    for): the same greedy tokens (our activations carry 15 bits per block, PyTorch's int
-    kernels' are rounded to bfloat16), but where our run's two likeliest tokens were within
-    NEAR_TIE (the two roundings may break a near-tie either way; the run ends there). The head
-    returns float32 logits through ours either way (float32_logits)."""
+    for): the two runs may differ by what the formulations round differently (our activations
+    carry 15 bits per block; PyTorch's int kernels take bfloat16 activations, its dequantized
+    GEMM a bfloat16 weight), each a rounding no coarser than the bfloat16 rounding the model
+    applies to every activation anyway. So the allowed drift is measured, not set: the same
+    weights run once more in a float32 engine, and how far its log-probabilities move from the
+    bfloat16 run's (the model's own activation rounding, on this CPU and this model) bounds how
+    far ours may move from PyTorch's, step by step, and the margin of a near-tie that the two
+    may break differently (two tokens each moving by up to that much). A kernel error moves
+    them by far more. The head returns float32 logits through ours either way
+    (float32_logits)."""
     from engine import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
     prompt = [{"prompt_token_ids": list(range(4, 30))}]
-    ours = LLM(text_model, dtype="bfloat16", max_model_len=256, quantization=mode,
-               quantization_group_size=32)
+    options = dict(max_model_len=256, quantization=mode, quantization_group_size=32,
+                   enable_prefix_caching=False)
+    ours = LLM(text_model, dtype="bfloat16", **options)
     first = ours.generate(prompt, params)[0].outputs[0]
     layers = [m for m in ours.engine.runner.model.modules() if getattr(m, "is_quantized", False)]
     assert layers and all(m.kernels[0] == "native" for m in layers)
@@ -621,19 +628,40 @@ def test_quantized_model_through_native_kernels_tracks_pytorchs(text_model, nati
         theirs = "int_kernel" if layer.has_torch_kernel else "dequantized"
         layer.kernels = (theirs,) * len(BUCKETS)
     second = ours.generate(prompt, params)[0].outputs[0]
+
+    noise = _activation_rounding_drift(ours, LLM(text_model, dtype="float32", **options),
+                                       prompt, params, first)
+    assert 0 < noise < 2, noise  # a real measurement, not a broken reference
     for step, (a, b) in enumerate(zip(first.token_ids, second.token_ids, strict=True)):
         ours_top, theirs_top = first.logprobs[step], second.logprobs[step]
-        assert all(abs(ours_top[t] - theirs_top[t]) < DRIFT for t in ours_top if t in theirs_top)
+        drift = max((abs(ours_top[t] - theirs_top[t]) for t in ours_top if t in theirs_top),
+                    default=0.0)
+        assert drift <= noise, (step, drift, noise)
         if a != b:
             best, runner_up = sorted(ours_top.values(), reverse=True)[:2]
-            assert b in ours_top and best - runner_up < NEAR_TIE, (step, best, runner_up)
+            assert b in ours_top and best - runner_up <= 2 * noise, (step, best, runner_up)
             break
 
 
-# Log-probabilities of the same tokens through the two formulations drift apart by up to about
-# 0.2 nats over the 12 steps (measured; PyTorch's int kernels round activations to bfloat16),
-# so a step whose two likeliest tokens are nearer than NEAR_TIE may go either way.
-DRIFT, NEAR_TIE = 0.5, 0.1
+def _activation_rounding_drift(bf16, f32, prompt, params, bf16_run) -> float:
+    """The largest change of a top token's log-probability between `bf16_run` and the same
+    prompt through `f32`, an engine given `bf16`'s very weights (quantized ones included) in
+    float32, over the steps the two runs share (up to and including their first different
+    token, whose context is still the same)."""
+    source = bf16.engine.runner.model.state_dict()
+    target = f32.engine.runner.model.state_dict()
+    assert any(name.endswith("qweight") for name in source)
+    with torch.no_grad():
+        for name, tensor in target.items():
+            tensor.copy_(source[name].to(tensor.dtype))
+    run = f32.generate(prompt, params)[0].outputs[0]
+    drift = 0.0
+    for a, b, top_a, top_b in zip(bf16_run.token_ids, run.token_ids, bf16_run.logprobs,
+                                  run.logprobs, strict=True):
+        drift = max([drift, *(abs(top_a[t] - top_b[t]) for t in top_a if t in top_b)])
+        if a != b:
+            break
+    return drift
 
 
 def test_the_engine_panel_says_which_kernels_run(qwen2_path, monkeypatch):
