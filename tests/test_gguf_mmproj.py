@@ -440,3 +440,64 @@ def test_a_projector_is_not_a_model_and_a_model_not_a_projector(pairs):
     checkpoint = pairs["qwen2_vl"][0]
     with pytest.raises(ValueError, match="is not one"):
         resolve_files(checkpoint, projector)
+
+
+# ---- the app ---------------------------------------------------------------------------------
+
+
+def test_the_app_takes_a_pair_and_lists_the_stores(pairs, tmp_path, monkeypatch):
+    import app
+
+    _, text, projector = pairs["qwen2_audio"]
+    args = app.parse_args(["--model", str(text), "--mmproj", str(projector)])
+    assert args.mmproj == str(projector)
+    with pytest.raises(SystemExit):
+        app.parse_args(["--model", str(text), "--model", "x", "--mmproj", str(projector)])
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("OLLAMA_MODELS", raising=False)
+    folder = tmp_path / ".lmstudio" / "models" / "org" / "audio-GGUF"
+    folder.mkdir(parents=True)
+    for file in (text, projector):
+        shutil.copy(file, folder / file.name)
+    engines: dict = {}
+    found = app.stored_models(app.parse_args([]), engines)
+    assert list(found) == ["lmstudio:org/audio-GGUF"] and engines == {}  # nothing loaded
+    assert app.stored_models(app.parse_args(["--no-model-stores"]), engines) == {}
+    assert app.model_sources(app.parse_args(["--model", "ollama:qwen2.5vl:7b"])) == {
+        "ollama:qwen2.5vl:7b": "ollama:qwen2.5vl:7b"}
+
+
+def test_the_picker_loads_a_model_once_when_chosen():
+    """ui.lineup with stand-in engines: listed as loadable, loaded once however many choose it
+    at once, a failed load said to every chooser and tried again at the next choice."""
+    import asyncio
+    import threading
+
+    from ui.lineup import NOT_LOADED, Lineup
+
+    calls, gate = [], threading.Event()
+
+    def load():
+        calls.append(1)
+        gate.wait(5)
+        if len(calls) == 1:
+            raise RuntimeError("out of memory")
+        return "engine"
+
+    lineup = Lineup({"here": "loaded"}, {"here": load, "store:m": load})
+    assert lineup.choices() == [("here", "here"), ("store:m" + NOT_LOADED, "store:m")]
+
+    async def choose_twice():
+        first = asyncio.ensure_future(lineup.load("store:m"))
+        second = asyncio.ensure_future(lineup.load("store:m"))
+        await asyncio.sleep(0.05)
+        gate.set()
+        return await asyncio.gather(first, second, return_exceptions=True)
+
+    failed = asyncio.run(choose_twice())
+    assert [str(e) for e in failed] == ["out of memory"] * 2 and len(calls) == 1
+    assert not lineup.loaded("store:m")
+    assert asyncio.run(lineup.load("store:m")) == "engine" and len(calls) == 2
+    assert lineup.loaded("store:m") and lineup.engines["store:m"] == "engine"
+    with pytest.raises(KeyError):
+        asyncio.run(lineup.load("elsewhere"))
