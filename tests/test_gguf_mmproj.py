@@ -2,11 +2,11 @@
 converter (`convert_hf_to_gguf.py` and `--mmproj`, from llama-cpp-python's source package: no
 llama.cpp build) from tiny checkpoints, against the same checkpoints loaded from safetensors:
 with an image or a sound in the prompt, greedy tokens identical and log-probabilities within
-float32 rounding, for Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Gemma 3 and Qwen2-Audio; the config and
-processor settings each with the metadata key they came from (the inspector on a pair); the
-Ollama store and an LM Studio folder laid out in a temporary HOME; broken projectors (another
-type, another family, a key or a tensor missing or unknown, a truncated file) refused by name
-before any weight loads.
+float32 rounding, for Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Gemma 3, Qwen2-Audio and Mistral 3; the
+config and processor settings each with the metadata key they came from (the inspector on a
+pair); the Ollama store and an LM Studio folder laid out in a temporary HOME, the app's picker
+of them; broken projectors (another type, another family, a key or a tensor missing or unknown,
+a truncated file) refused by name before any weight loads.
 
 The checkpoints' weights are on float16's grid (the converter writes a few tensors as F16
 whatever it is asked: Whisper's convolutions, Gemma 3's projection), and their settings are
@@ -71,9 +71,15 @@ def _qwen2_audio(path: Path) -> Path:
     return build_qwen2_audio_model(path, audio_layers=3)
 
 
+def _mistral3(path: Path) -> Path:
+    from testing.mistral3 import build_mistral3_model
+
+    return build_mistral3_model(path, vision_depth=3)
+
+
 FAMILIES = {"qwen2_vl": (_qwen2_vl, "image"), "qwen2_5_vl": (_qwen2_5_vl, "image"),
             "qwen3_vl": (_qwen3_vl, "image"), "gemma3": (_gemma3, "image"),
-            "qwen2_audio": (_qwen2_audio, "audio")}
+            "qwen2_audio": (_qwen2_audio, "audio"), "mistral3": (_mistral3, "image")}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -173,7 +179,7 @@ def runs(pairs):
 def test_pair_computes_as_its_checkpoint(runs, family):
     reference, ours, llm = runs(family)
     assert llm.engine.processor.modalities == (
-        ("audio",) if family == "qwen2_audio" else ("image",) if family == "gemma3"
+        ("audio",) if family == "qwen2_audio" else ("image",) if family in ("gemma3", "mistral3")
         else ("image", "video"))
     assert ours.prompt_token_ids == reference.prompt_token_ids
     assert [(p.offset, p.length) for p in ours.multi_modal_placeholders] == [

@@ -36,6 +36,10 @@ from models.gguf.reader import GGUFError, GGUFFile
 _REQUIRED = object()
 # Keys of every projector read for what they say about the file, not the model.
 _DESCRIPTIVE = ("general.",)
+# Flags older converters (llama.cpp's per-family surgery scripts) wrote, accepted with the value
+# that changes nothing here: no text encoder and no projector of another kind.
+_LEGACY_FLAGS = {"clip.has_text_encoder": False, "clip.has_llava_projector": False,
+                 "clip.has_minicpmv_projector": False, "clip.has_glm_projector": False}
 
 
 class _Keys:
@@ -182,6 +186,10 @@ def read_projector(file: GGUFFile, text_file: GGUFFile, text: GGUFConfig) -> Pro
     for modality in ("vision", "audio"):
         keys.expect(f"clip.has_{modality}_encoder", modality == spec.modality,
                     f"a {kind} projector's {modality} tower")
+    for key, value in _LEGACY_FLAGS.items():
+        keys.expect(key, value, f"what a {kind} projector holds")
+    keys.expect("clip.has_qwen2vl_merger", kind in ("qwen2vl_merger", "qwen2.5vl_merger"),
+                f"what a {kind} projector holds")
     width = keys.get(f"clip.{spec.modality}.projection_dim")
     hidden = text.values.get("hidden_size")
     if width != hidden:
@@ -378,6 +386,43 @@ def _read_qwen2a(b: _Built) -> None:
     b.setting("feature_extractor", "feature_size", mels, b.keys.source("clip.audio.num_mel_bins"))
 
 
+def _read_pixtral(b: _Built) -> None:
+    keys = b.keys
+    b.key(V + "hidden_size", "clip.vision.embedding_length")
+    b.key(V + "intermediate_size", "clip.vision.feed_forward_length")
+    b.key(V + "num_hidden_layers", "clip.vision.block_count")
+    b.key(V + "num_attention_heads", "clip.vision.attention.head_count")
+    size = b.key(V + "image_size", "clip.vision.image_size")
+    patch = b.key(V + "patch_size", "clip.vision.patch_size")
+    gelu, silu = keys.get("clip.use_gelu", False), keys.get("clip.use_silu", False)
+    if gelu == silu:
+        raise GGUFError(f"{keys.name}: clip.use_gelu={gelu} and clip.use_silu={silu}: a "
+                        "pixtral tower's activation is one of them")
+    b.set(V + "hidden_act", "gelu" if gelu else "silu",
+          keys.source("clip.use_gelu" if gelu else "clip.use_silu"))
+    keys.expect("clip.vision.attention.layer_norm_epsilon", 1e-5,
+                "the norm epsilon transformers' Pixtral tower fixes")
+    merge = b.key("spatial_merge_size", "clip.vision.spatial_merge_size")
+    if "mm.patch_merger.weight" not in keys.file.tensor_by_name:
+        raise GGUFError(f"{keys.name}: no tensor mm.patch_merger.weight: a pixtral projector "
+                        "without Mistral 3's patch merger (Pixtral-12B's) is not read")
+    b.set("multimodal_projector_bias", "mm.1.bias" in keys.file.tensor_by_name,
+          f"{keys.name}: tensor mm.1.bias (present or not)")
+    b.token("image_token_index", "[IMG]", "the image placeholder")
+    b.setting("image_processor", "image_processor_type", "PixtralImageProcessor",
+              f"projector type {keys.kind}")
+    b.setting("image_processor", "size", {"longest_edge": size},
+              keys.source("clip.vision.image_size"))
+    b.setting("image_processor", "patch_size", {"height": patch, "width": patch},
+              keys.source("clip.vision.patch_size"))
+    for name in ("image_mean", "image_std"):
+        b.setting("image_processor", name, keys.get(f"clip.vision.{name}"),
+                  keys.source(f"clip.vision.{name}"))
+    b.setting("processor", "patch_size", patch, keys.source("clip.vision.patch_size"))
+    b.setting("processor", "spatial_merge_size", merge,
+              keys.source("clip.vision.spatial_merge_size"))
+
+
 SPECS = {
     "qwen2vl_merger": ProjectorSpec("Qwen2VLForConditionalGeneration", "qwen2_vl",
                                     "qwen2_vl_text", ("qwen2vl",), "vision", _read_qwen2vl),
@@ -389,6 +434,8 @@ SPECS = {
                             ("gemma3",), "vision", _read_gemma3),
     "qwen2a": ProjectorSpec("Qwen2AudioForConditionalGeneration", "qwen2_audio", "qwen2",
                             ("qwen2",), "audio", _read_qwen2a),
+    "pixtral": ProjectorSpec("Mistral3ForConditionalGeneration", "mistral3", "mistral",
+                             ("mistral3",), "vision", _read_pixtral),
 }
 
 
@@ -398,6 +445,7 @@ def multimodal_values(text: GGUFConfig, projector: ProjectorConfig
     text model and its projector make, and the source of each field (dotted paths)."""
     spec, text_file = projector.spec, projector.text_name
     text_values = {k: v for k, v in text.values.items() if k != "model_type"}
+    text_values["model_type"] = spec.text_model_type
     sources = {f"text_config.{k}": f"{text_file}: {s}" for k, s in text.sources.items()
                if k != "model_type"}
     sections = text.extra.get("rope.dimension_sections")

@@ -7,7 +7,8 @@ What llama.cpp's converter does to a tower, undone here per projector type: a fu
 projection split into three (joined again along the output rows), a Qwen patch kernel over two
 frames split into one kernel per frame (stacked again on the frame axis), a Gemma norm stored
 as 1 + w (1 subtracted), a Whisper convolution's bias stored as a column (its last axis
-dropped). Every other tensor is the checkpoint's, renamed.
+dropped), a Pixtral tower's q / k rows permuted for llama.cpp's rotary layout (put back).
+Every other tensor is the checkpoint's, renamed.
 
 Projector weights are dequantized into the model dtype as they stream in: a tower runs dense
 (never quantized, as from safetensors). F32 / F16 / BF16 tensors hold the checkpoint's values
@@ -37,9 +38,11 @@ DECODER_PARAMS = ("layers.", "embed_tokens.", "norm.", "lm_head.")
 @dataclass(frozen=True)
 class Rule:
     """GGUF tensor names matching `pattern` are (part of) the checkpoint tensor `target`
-    (`pattern`'s groups substituted): `join` "cat" (parts along the first axis, in `part`
-    order), "frames" (parts stacked on a new third axis: a kernel per frame), or "" (whole);
-    `values` "minus_one" (a norm stored as 1 + w) or "column" (a bias stored as [n, 1])."""
+    (`pattern`'s groups substituted; "": a tensor not read, a copy of one the text file
+    holds): `join` "cat" (parts along the first axis, in `part` order), "frames" (parts
+    stacked on a new third axis: a kernel per frame), or "" (whole); `values` "minus_one" (a
+    norm stored as 1 + w), "column" (a bias stored as [n, 1]) or "unpermute" (q / k rows in
+    llama.cpp's rotary order)."""
 
     pattern: str
     target: str
@@ -130,8 +133,27 @@ _QWEN2A = [
     Rule(r"a\.post_ln" + _WB, _WHISPER + r"layer_norm.\1"),
     Rule(r"mm\.a\.fc" + _WB, r"multi_modal_projector.linear.\1"),
 ]
+_PIXTRAL = r"vision_tower.transformer.layers.\1."
+_MISTRAL3 = [
+    Rule(r"v\.patch_embd\.weight", "vision_tower.patch_conv.weight"),
+    Rule(r"v\.pre_ln\.weight", "vision_tower.ln_pre.weight"),
+    # the converter permutes q / k rows as it does a llama model's, for its rotary layout
+    *[Rule(_BLK + f"attn_{p}\\.weight", _PIXTRAL + f"attention.{p}_proj.weight",
+           values="unpermute") for p in "qk"],
+    Rule(_BLK + r"attn_v\.weight", _PIXTRAL + "attention.v_proj.weight"),
+    Rule(_BLK + r"attn_out\.weight", _PIXTRAL + "attention.o_proj.weight"),
+    Rule(_BLK + r"ln1\.weight", _PIXTRAL + "attention_norm.weight"),
+    Rule(_BLK + r"ln2\.weight", _PIXTRAL + "ffn_norm.weight"),
+    *[Rule(_BLK + f"ffn_{p}\\.weight", _PIXTRAL + f"feed_forward.{p}_proj.weight")
+      for p in ("gate", "up", "down")],
+    Rule(r"mm\.input_norm\.weight", "multi_modal_projector.norm.weight"),
+    Rule(r"mm\.patch_merger\.weight", "multi_modal_projector.patch_merger.merging_layer.weight"),
+    Rule(r"mm\.(1|2)" + _WB, r"multi_modal_projector.linear_\1.\2"),
+    # [IMG_BREAK]'s row of the text embedding, copied for libmtmd: the text file holds it
+    Rule(r"v\.token_embd\.img_break", ""),
+]
 RULES = {"qwen2vl_merger": _QWEN2VL, "qwen2.5vl_merger": _QWEN25VL, "qwen3vl_merger": _QWEN3VL,
-         "gemma3": _GEMMA3, "qwen2a": _QWEN2A}
+         "gemma3": _GEMMA3, "qwen2a": _QWEN2A, "pixtral": _MISTRAL3}
 
 
 @dataclass
@@ -145,9 +167,11 @@ class _Target:
 class ProjectorWeights:
     """A projector file's tensors for one model (its tower and projector)."""
 
-    def __init__(self, path: Path, kind: str, deepstack: Collection[int] = ()) -> None:
+    def __init__(self, path: Path, kind: str, deepstack: Collection[int] = (),
+                 heads: int = 0) -> None:
         self.file = GGUFFile(path)
         self.kind = kind
+        self.heads = heads  # the tower's attention heads (to undo a rotary permutation)
         self.rules = [(re.compile(r.pattern), r) for r in RULES[kind]]
         self.deepstack = list(deepstack)  # tower blocks read by DeepStack mergers, in order
         self.targets: dict[str, _Target] = {}  # checkpoint name -> its parts
@@ -188,6 +212,8 @@ class ProjectorWeights:
                                 f"{list(info.shape)}) is not a tensor of a {self.kind} "
                                 "projector mmserve reads")
             checkpoint, rule = found
+            if not rule.target:
+                continue  # a copy of what the text file holds
             target = self.targets.setdefault(checkpoint, _Target(rule, {}))
             target.parts[rule.part] = info
         params = dict(model.named_parameters())
@@ -222,7 +248,7 @@ class ProjectorWeights:
     def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """(checkpoint name, tensor in `dtype`) of every planned checkpoint tensor."""
         for checkpoint, target in self.targets.items():
-            parts = [_values(self.file, target.parts[i], target.rule.values)
+            parts = [_values(self.file, target.parts[i], target.rule.values, self.heads)
                      for i in range(target.rule.parts)]
             if target.rule.join == "cat":
                 value = np.concatenate(parts, axis=0)
@@ -249,9 +275,18 @@ def _shape(target: _Target) -> tuple[int, ...]:
     return first
 
 
-def _values(file: GGUFFile, info: TensorInfo, how: str) -> np.ndarray:
+def _values(file: GGUFFile, info: TensorInfo, how: str, heads: int = 0) -> np.ndarray:
     """A tensor dequantized to float32 in its own shape, its stored rearrangement undone."""
     values = dequantize(file.read(info), info.ggml_type).reshape(info.shape).astype(np.float32)
+    if how == "unpermute":
+        # the converter's order: each head's rows as (half, pair) for llama.cpp's rotary
+        # layout; ours as (pair, half)
+        rows = values.shape[0]
+        if not heads or rows % (2 * heads):
+            raise GGUFError(f"{file.path.name}: tensor {info.name} has {rows} rows, not whole "
+                            f"heads of {heads}")
+        return np.ascontiguousarray(values.reshape(heads, rows // heads // 2, 2, -1)
+                                    .swapaxes(1, 2).reshape(values.shape))
     if how == "minus_one":
         return values - np.float32(1)
     if how == "column":
@@ -271,7 +306,8 @@ def projector_weights(path: Path) -> ProjectorWeights:
                         f"mmserve reads ({', '.join(sorted(RULES))})")
     layers = file.get("clip.vision.is_deepstack_layers")
     deepstack = [] if layers is None else [i for i, on in enumerate(np.asarray(layers)) if on]
-    return ProjectorWeights(path, kind, deepstack)
+    return ProjectorWeights(path, kind, deepstack,
+                            int(file.get("clip.vision.attention.head_count", 0)))
 
 
 def text_names(name: str) -> str:
