@@ -32,7 +32,7 @@ from PIL import Image
 from engine import LLM, SamplingParams
 from engine.checkpoint_setup import CheckpointSetup
 from engine.hub import resolve_files
-from models.gguf.reader import GGUFError
+from models.gguf.reader import GGUFError, GGUFFile
 
 MAX_LEN = 256
 STEPS = 4
@@ -121,6 +121,12 @@ def pairs(tmp_path_factory) -> dict[str, tuple[Path, Path, Path]]:
         text, projector = folder / f"{family}-F32.gguf", folder / f"mmproj-{family}-F32.gguf"
         jobs += [(checkpoint, text, "f32", False), (checkpoint, projector, "f32", True)]
         out[family] = (checkpoint, text, projector)
+    # A projector quantized by the converter (`--outtype q8_0`), beside nothing.
+    checkpoint, text, _ = out["qwen2_5_vl"]
+    (root / "q8").mkdir()
+    q8 = root / "q8" / "mmproj-qwen2_5_vl-Q8_0.gguf"
+    jobs.append((checkpoint, q8, "q8_0", True))
+    out["qwen2_5_vl q8_0"] = (checkpoint, text, q8)
     convert_many(jobs, source)
     return out
 
@@ -189,6 +195,24 @@ def test_pair_computes_as_its_checkpoint(runs, family):
                             strict=True):
         assert list(mine) == list(theirs)
         np.testing.assert_allclose(list(mine.values()), list(theirs.values()), atol=2e-4)
+
+
+def test_a_q8_0_projector_is_dequantized_as_gguf_py_does(pairs):
+    import torch
+
+    from testing.gguf import dequantized
+
+    _, text, q8 = pairs["qwen2_5_vl q8_0"]
+    counts = GGUFFile(q8).type_counts()
+    assert counts.get("Q8_0", 0) > 10, counts
+    llm, out = _run(text, "image", mmproj=q8)
+    visual = llm.engine.runner.model.visual
+    torch.testing.assert_close(visual.merger.mlp[0].weight, dequantized(q8, "mm.0.weight"),
+                               rtol=0, atol=0)
+    qkv = torch.cat([dequantized(q8, f"v.blk.1.attn_{p}.weight") for p in "qkv"])
+    torch.testing.assert_close(visual.blocks[1].attn.qkv.weight, qkv, rtol=0, atol=0)
+    assert "Q8_0" in llm.engine.runner.gguf_summary
+    assert len(out.outputs[0].token_ids) == STEPS
 
 
 def test_the_text_file_alone_is_its_base_family(pairs):
