@@ -27,7 +27,7 @@ from engine.model_runner import context_length
 from models.adapters import CONFIG, read_lora_config
 from models.checkpoint import CheckpointError, safetensors_header, weight_files
 from models.gguf.load import GGUFWeights
-from models.gguf.mmproj import projector_weights, text_names
+from models.gguf.mmproj import projector_weights
 from models.gguf.tensors import BLOCK
 from models.interfaces import ProcessorContext
 
@@ -167,7 +167,7 @@ def gguf_weight_bytes(setup: CheckpointSetup, model: torch.nn.Module, dtype: tor
         weights.plan(model, mapping)
     else:  # the projector's tower, dense at the dtype
         projector = projector_weights(setup.mmproj)
-        weights.plan(model, lambda name: mapping(text_names(name)),
+        weights.plan(model, lambda name: mapping(projector.text_name(name)),
                      projector.plan(model, mapping))
         tower = sum(info.numel for target in projector.targets.values()
                     for info in target.parts.values())

@@ -2,11 +2,12 @@
 converter (`convert_hf_to_gguf.py` and `--mmproj`, from llama-cpp-python's source package: no
 llama.cpp build) from tiny checkpoints, against the same checkpoints loaded from safetensors:
 with an image or a sound in the prompt, greedy tokens identical and log-probabilities within
-float32 rounding, for Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Gemma 3, Qwen2-Audio and Mistral 3; the
-config and processor settings each with the metadata key they came from (the inspector on a
-pair); the Ollama store and an LM Studio folder laid out in a temporary HOME, the app's picker
-of them; broken projectors (another type, another family, a key or a tensor missing or unknown,
-a truncated file) refused by name before any weight loads.
+float32 rounding, for Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Gemma 3, Qwen2-Audio, Mistral 3 and
+Qwen2.5-Omni (image and sound); the config and processor settings each with the metadata key
+they came from (the inspector on a pair); a Q8_0 projector; the Ollama store and an LM Studio
+folder laid out in a temporary HOME, the app's picker of them; broken projectors (another type,
+another family, a key or a tensor missing or unknown, a truncated file) refused by name before
+any weight loads.
 
 The checkpoints' weights are on float16's grid (the converter writes a few tensors as F16
 whatever it is asked: Whisper's convolutions, Gemma 3's projection), and their settings are
@@ -77,9 +78,24 @@ def _mistral3(path: Path) -> Path:
     return build_mistral3_model(path, vision_depth=3)
 
 
-FAMILIES = {"qwen2_vl": (_qwen2_vl, "image"), "qwen2_5_vl": (_qwen2_5_vl, "image"),
-            "qwen3_vl": (_qwen3_vl, "image"), "gemma3": (_gemma3, "image"),
-            "qwen2_audio": (_qwen2_audio, "audio"), "mistral3": (_mistral3, "image")}
+def _qwen2_5_omni(path: Path) -> Path:
+    from testing.qwen_omni import build_qwen_omni_model
+
+    path = build_qwen_omni_model(path, layout="omni", audio_layers=3, vision_window=112)
+    # The whole model under the Hub's architecture name (the one the converter knows).
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"] = ["Qwen2_5OmniModel"]
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+# family -> (the tiny checkpoint's builder, the media its prompts carry)
+FAMILIES = {"qwen2_vl": (_qwen2_vl, ("image",)), "qwen2_5_vl": (_qwen2_5_vl, ("image",)),
+            "qwen3_vl": (_qwen3_vl, ("image",)), "gemma3": (_gemma3, ("image",)),
+            "qwen2_audio": (_qwen2_audio, ("audio",)), "mistral3": (_mistral3, ("image",)),
+            "qwen2_5_omni": (_qwen2_5_omni, ("image", "audio"))}
+MODALITIES = {"qwen2_audio": ("audio",), "gemma3": ("image",), "mistral3": ("image",),
+              "qwen2_5_omni": ("image", "video", "audio")}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -166,27 +182,27 @@ def _run(model, kind: str, **kwargs):
 
 @pytest.fixture(scope="module")
 def runs(pairs):
-    """family -> (the safetensors run, the GGUF pair's run), computed once each."""
+    """(family, media) -> (the safetensors run, the GGUF pair's run, its LLM), computed once
+    each."""
     cache = {}
 
-    def get(family: str):
-        if family not in cache:
+    def get(family: str, kind: str | None = None):
+        kind = kind or FAMILIES[family][1][0]
+        if (family, kind) not in cache:
             checkpoint, text, projector = pairs[family]
-            kind = FAMILIES[family][1]
             _, reference = _run(checkpoint, kind)
             llm, ours = _run(text, kind, mmproj=projector)
-            cache[family] = (reference, ours, llm)
-        return cache[family]
+            cache[family, kind] = (reference, ours, llm)
+        return cache[family, kind]
 
     return get
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_pair_computes_as_its_checkpoint(runs, family):
-    reference, ours, llm = runs(family)
-    assert llm.engine.processor.modalities == (
-        ("audio",) if family == "qwen2_audio" else ("image",) if family in ("gemma3", "mistral3")
-        else ("image", "video"))
+@pytest.mark.parametrize(("family", "kind"), [(f, k) for f, (_, kinds) in FAMILIES.items()
+                                              for k in kinds])
+def test_pair_computes_as_its_checkpoint(runs, family, kind):
+    reference, ours, llm = runs(family, kind)
+    assert llm.engine.processor.modalities == MODALITIES.get(family, ("image", "video"))
     assert ours.prompt_token_ids == reference.prompt_token_ids
     assert [(p.offset, p.length) for p in ours.multi_modal_placeholders] == [
         (p.offset, p.length) for p in reference.multi_modal_placeholders]

@@ -138,7 +138,7 @@ class ProjectorSpec:
     model_type: str  # its config's model_type
     text_model_type: str  # its text_config's model_type
     text_archs: tuple[str, ...]  # the text GGUF's general.architecture it pairs with
-    modality: str  # "vision" or "audio": where projection_dim is read
+    modalities: tuple[str, ...]  # its towers: "vision", "audio"
     read: Callable[[_Built], None]
 
 
@@ -184,19 +184,20 @@ def read_projector(file: GGUFFile, text_file: GGUFFile, text: GGUFConfig) -> Pro
             f"{' or '.join(spec.text_archs)}; {text_file.path.name} is "
             f"{text_file.architecture!r}: a projector of another family than the text model")
     for modality in ("vision", "audio"):
-        keys.expect(f"clip.has_{modality}_encoder", modality == spec.modality,
-                    f"a {kind} projector's {modality} tower")
+        keys.expect(f"clip.has_{modality}_encoder", modality in spec.modalities,
+                    f"whether a {kind} projector has a {modality} tower")
     for key, value in _LEGACY_FLAGS.items():
         keys.expect(key, value, f"what a {kind} projector holds")
     keys.expect("clip.has_qwen2vl_merger", kind in ("qwen2vl_merger", "qwen2.5vl_merger"),
                 f"what a {kind} projector holds")
-    width = keys.get(f"clip.{spec.modality}.projection_dim")
     hidden = text.values.get("hidden_size")
-    if width != hidden:
-        raise GGUFError(
-            f"{name}: clip.{spec.modality}.projection_dim={width}, but {text_file.path.name}'s "
-            f"embeddings are {hidden} wide ({text.sources.get('hidden_size')}): a projector "
-            "of another model than the text model")
+    for modality in spec.modalities:
+        width = keys.get(f"clip.{modality}.projection_dim")
+        if width != hidden:
+            raise GGUFError(
+                f"{name}: clip.{modality}.projection_dim={width}, but {text_file.path.name}'s "
+                f"embeddings are {hidden} wide ({text.sources.get('hidden_size')}): a "
+                "projector of another model than the text model")
     built = _Built(keys, text_file)
     spec.read(built)
     unread = keys.unread()
@@ -293,7 +294,13 @@ def _read_qwen2vl(b: _Built) -> None:
 
 
 def _read_qwen25vl(b: _Built) -> None:
-    cls = "Qwen2_5_VLVisionConfig"
+    _qwen25_tower(b, "Qwen2_5_VLVisionConfig")
+    _qwen_vision_tokens(b)
+    _qwen_vision_processor(b, "Qwen2VLImageProcessor", "Qwen2VLVideoProcessor")
+
+
+def _qwen25_tower(b: _Built, cls: str) -> None:
+    """Qwen2.5-VL's tower (also Qwen2.5-Omni's)."""
     depth = b.key(V + "depth", "clip.vision.block_count")
     b.key(V + "hidden_size", "clip.vision.embedding_length")
     b.key(V + "intermediate_size", "clip.vision.feed_forward_length")
@@ -309,8 +316,34 @@ def _read_qwen25vl(b: _Built) -> None:
           b.keys.source("clip.vision.n_wa_pattern") + " (blocks n-1, 2n-1, ...)")
     b.keys.expect("clip.use_silu", True, "Qwen2.5-VL's tower activation (SiLU)")
     _tower_eps(b, 1e-6, "Qwen2.5-VL tower")
-    _qwen_vision_tokens(b)
+
+
+def _read_qwen25o(b: _Built) -> None:
+    """Qwen2.5-Omni's thinker: Qwen2.5-VL's tower and a Whisper encoder with its own
+    projection (to the text width) and last norm."""
+    _qwen25_tower(b, "Qwen2_5OmniVisionEncoderConfig")
+    b.key(A + "d_model", "clip.audio.embedding_length")
+    b.key(A + "encoder_ffn_dim", "clip.audio.feed_forward_length")
+    b.key(A + "encoder_layers", "clip.audio.block_count")
+    b.key(A + "encoder_attention_heads", "clip.audio.attention.head_count")
+    b.key(A + "output_dim", "clip.audio.projection_dim")
+    mels = b.key(A + "num_mel_bins", "clip.audio.num_mel_bins")
+    b.tensor_rows(A + "max_source_positions", "a.position_embd.weight")
+    b.keys.expect("clip.audio.attention.layer_norm_epsilon", 1e-5,
+                  "the norm epsilon of transformers' Qwen2.5-Omni audio encoder")
+    for path, token, what in (
+            ("image_token_index", "<|IMAGE|>", "the image placeholder"),
+            ("video_token_index", "<|VIDEO|>", "the video placeholder"),
+            ("audio_token_index", "<|AUDIO|>", "the audio placeholder"),
+            ("vision_start_token_id", "<|vision_bos|>", "the start of a vision span"),
+            ("vision_end_token_id", "<|vision_eos|>", "the end of a vision span"),
+            ("audio_start_token_id", "<|audio_bos|>", "the start of an audio span"),
+            ("audio_end_token_id", "<|audio_eos|>", "the end of an audio span")):
+        b.token(path, token, what)
     _qwen_vision_processor(b, "Qwen2VLImageProcessor", "Qwen2VLVideoProcessor")
+    b.setting("feature_extractor", "feature_extractor_type", "WhisperFeatureExtractor",
+              f"projector type {b.keys.kind}")
+    b.setting("feature_extractor", "feature_size", mels, b.keys.source("clip.audio.num_mel_bins"))
 
 
 def _read_qwen3vl(b: _Built) -> None:
@@ -425,17 +458,20 @@ def _read_pixtral(b: _Built) -> None:
 
 SPECS = {
     "qwen2vl_merger": ProjectorSpec("Qwen2VLForConditionalGeneration", "qwen2_vl",
-                                    "qwen2_vl_text", ("qwen2vl",), "vision", _read_qwen2vl),
+                                    "qwen2_vl_text", ("qwen2vl",), ("vision",), _read_qwen2vl),
     "qwen2.5vl_merger": ProjectorSpec("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl",
-                                      "qwen2_5_vl_text", ("qwen2vl",), "vision", _read_qwen25vl),
+                                      "qwen2_5_vl_text", ("qwen2vl",), ("vision",), _read_qwen25vl),
     "qwen3vl_merger": ProjectorSpec("Qwen3VLForConditionalGeneration", "qwen3_vl",
-                                    "qwen3_vl_text", ("qwen3vl",), "vision", _read_qwen3vl),
+                                    "qwen3_vl_text", ("qwen3vl",), ("vision",), _read_qwen3vl),
     "gemma3": ProjectorSpec("Gemma3ForConditionalGeneration", "gemma3", "gemma3_text",
-                            ("gemma3",), "vision", _read_gemma3),
+                            ("gemma3",), ("vision",), _read_gemma3),
     "qwen2a": ProjectorSpec("Qwen2AudioForConditionalGeneration", "qwen2_audio", "qwen2",
-                            ("qwen2",), "audio", _read_qwen2a),
+                            ("qwen2",), ("audio",), _read_qwen2a),
+    "qwen2.5o": ProjectorSpec("Qwen2_5OmniThinkerForConditionalGeneration",
+                              "qwen2_5_omni_thinker", "qwen2_5_omni_text", ("qwen2vl",),
+                              ("vision", "audio"), _read_qwen25o),
     "pixtral": ProjectorSpec("Mistral3ForConditionalGeneration", "mistral3", "mistral",
-                             ("mistral3",), "vision", _read_pixtral),
+                             ("mistral3",), ("vision",), _read_pixtral),
 }
 
 

@@ -24,7 +24,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from models.gguf.config import read_config
-from models.gguf.mmproj import projector_weights, text_names
+from models.gguf.mmproj import projector_weights
 from models.gguf.reader import GGUFError, GGUFFile, TensorInfo
 from models.gguf.tensors import (
     BLOCK,
@@ -190,7 +190,8 @@ def load_gguf(path: Path, hf_config: Any, factory: Callable[[], nn.Module], devi
         probe = factory()
     mapping = probe.checkpoint_map()
     if mmproj is not None:
-        projector, names = projector_weights(mmproj), text_names
+        projector = projector_weights(mmproj)
+        names = projector.text_name
     weights.plan(probe, lambda name: mapping(names(name)),
                  projector.plan(probe, mapping) if projector else ())
     del probe

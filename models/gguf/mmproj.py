@@ -119,10 +119,7 @@ _GEMMA3 = [
 ]
 _ABLK = r"a\.blk\.(\d+)\."
 _WHISPER = "audio_tower."
-_QWEN2A = [
-    Rule(r"a\.conv1d\.(1|2)\.weight", _WHISPER + r"conv\1.weight"),
-    Rule(r"a\.conv1d\.(1|2)\.bias", _WHISPER + r"conv\1.bias", values="column"),
-    Rule(r"a\.position_embd\.weight", _WHISPER + "embed_positions.weight"),
+_AUDIO_BLOCKS = [
     Rule(_ABLK + "ln1" + _WB, _WHISPER + r"layers.\1.self_attn_layer_norm.\2"),
     Rule(_ABLK + "ln2" + _WB, _WHISPER + r"layers.\1.final_layer_norm.\2"),
     *[Rule(_ABLK + f"attn_{p}" + _WB, _WHISPER + rf"layers.\1.self_attn.{p}_proj.\2")
@@ -130,6 +127,12 @@ _QWEN2A = [
     Rule(_ABLK + "attn_out" + _WB, _WHISPER + r"layers.\1.self_attn.out_proj.\2"),
     Rule(_ABLK + "ffn_up" + _WB, _WHISPER + r"layers.\1.fc1.\2"),
     Rule(_ABLK + "ffn_down" + _WB, _WHISPER + r"layers.\1.fc2.\2"),
+]
+_QWEN2A = [
+    Rule(r"a\.conv1d\.(1|2)\.weight", _WHISPER + r"conv\1.weight"),
+    Rule(r"a\.conv1d\.(1|2)\.bias", _WHISPER + r"conv\1.bias", values="column"),
+    Rule(r"a\.position_embd\.weight", _WHISPER + "embed_positions.weight"),
+    *_AUDIO_BLOCKS,
     Rule(r"a\.post_ln" + _WB, _WHISPER + r"layer_norm.\1"),
     Rule(r"mm\.a\.fc" + _WB, r"multi_modal_projector.linear.\1"),
 ]
@@ -152,8 +155,22 @@ _MISTRAL3 = [
     # [IMG_BREAK]'s row of the text embedding, copied for libmtmd: the text file holds it
     Rule(r"v\.token_embd\.img_break", ""),
 ]
+# Qwen2.5-Omni's thinker: Qwen2.5-VL's tower with q, k, v apart, and a Whisper encoder whose
+# projection and last norm are its own (its sinusoidal positions, which the converter writes
+# out, are computed by the model).
+_QWEN25O = [
+    *[Rule(_BLK + f"attn_{p}" + _WB, rf"visual.blocks.\1.attn.{p}.\2") for p in "qkv"],
+    *[r for r in _QWEN25VL if ".attn.qkv." not in r.target],
+    Rule(r"a\.conv1d\.(1|2)\.weight", _WHISPER + r"conv\1.weight"),
+    Rule(r"a\.conv1d\.(1|2)\.bias", _WHISPER + r"conv\1.bias", values="column"),
+    Rule(r"a\.position_embd\.weight", ""),
+    *_AUDIO_BLOCKS,
+    Rule(r"a\.post_ln" + _WB, _WHISPER + r"ln_post.\1"),
+    Rule(r"mm\.a\.fc" + _WB, _WHISPER + r"proj.\1"),
+]
+THINKER_TEXT = ("qwen2.5o",)  # projector types whose text names are a thinker's `model.*`
 RULES = {"qwen2vl_merger": _QWEN2VL, "qwen2.5vl_merger": _QWEN25VL, "qwen3vl_merger": _QWEN3VL,
-         "gemma3": _GEMMA3, "qwen2a": _QWEN2A, "pixtral": _MISTRAL3}
+         "gemma3": _GEMMA3, "qwen2a": _QWEN2A, "pixtral": _MISTRAL3, "qwen2.5o": _QWEN25O}
 
 
 @dataclass
@@ -176,6 +193,14 @@ class ProjectorWeights:
         self.deepstack = list(deepstack)  # tower blocks read by DeepStack mergers, in order
         self.targets: dict[str, _Target] = {}  # checkpoint name -> its parts
         self.filled: set[str] = set()  # our parameters these fill
+
+    def text_name(self, name: str) -> str:
+        """A text file's checkpoint name (models/gguf/tensors.py: a causal LM's `model.*`) as
+        this multimodal checkpoint's: transformers 5's `model.language_model.*` (the head
+        stays), a Qwen2.5-Omni thinker's own `model.*`."""
+        if self.kind in THINKER_TEXT or not name.startswith("model."):
+            return name
+        return "model.language_model." + name[len("model."):]
 
     def checkpoint_name(self, info: TensorInfo) -> tuple[str, Rule] | None:
         for pattern, rule in self.rules:
@@ -310,7 +335,3 @@ def projector_weights(path: Path) -> ProjectorWeights:
                             int(file.get("clip.vision.attention.head_count", 0)))
 
 
-def text_names(name: str) -> str:
-    """A text file's checkpoint name (models/gguf/tensors.py: a causal LM's `model.*`) as the
-    multimodal checkpoint's (transformers 5's `model.language_model.*`; the head stays)."""
-    return "model.language_model." + name[len("model."):] if name.startswith("model.") else name
