@@ -547,3 +547,37 @@ def test_the_picker_loads_a_model_once_when_chosen():
     assert lineup.loaded("store:m") and lineup.engines["store:m"] == "engine"
     with pytest.raises(KeyError):
         asyncio.run(lineup.load("elsewhere"))
+
+
+def test_the_ui_picker_offers_a_store_model_and_loads_it_when_chosen():
+    import asyncio
+
+    import gradio as gr
+
+    from engine.interface import EngineInfo
+    from engine.media.limits import MediaLimits
+    from ui import build_demo
+    from ui.lineup import NOT_LOADED
+
+    class Standin:  # a ChatEngine's face, for the picker
+        def __init__(self, name: str) -> None:
+            self.info = EngineInfo(name, ("audio",), 512, MediaLimits(), 4)
+
+        def stats(self) -> dict:
+            return {}
+
+    loads = []
+    demo = build_demo({"served": Standin("served")}, examples=[],
+                      available={"lmstudio:org/m": lambda: loads.append(1) or Standin("m")})
+    (picker,) = [b for b in demo.blocks.values() if isinstance(b, gr.Dropdown)]
+    assert ("lmstudio:org/m" + NOT_LOADED, "lmstudio:org/m") in picker.choices
+    assert loads == []  # nothing loaded until chosen
+    (choose,) = [f.fn for f in demo.fns.values() if f.name == "choose"]
+
+    async def chosen():
+        return [line async for line in choose("lmstudio:org/m")]
+
+    lines = asyncio.run(chosen())
+    assert lines[0].startswith("Loading **lmstudio:org/m**") and "audio" in lines[-1]
+    assert loads == [1]
+    assert asyncio.run(chosen()) == [lines[-1]] and loads == [1]  # loaded once
