@@ -7,10 +7,11 @@ and torch is never imported. Run `python app.py --help` for the options."""
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,10 +62,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--model", action="append", metavar="ID_OR_PATH",
-        help="a Hugging Face Hub id, a local checkpoint directory or a GGUF file; repeat for "
-        f"several models (chosen in the UI). Default: ${MODEL_ENV} (comma-separated), else the "
-        "demo. "
+        help="a Hugging Face Hub id, a local checkpoint directory, a GGUF file (a folder "
+        "holding one and its mmproj-*.gguf serves both), ollama:NAME:TAG (Ollama's store) or "
+        "lmstudio:PUBLISHER/REPO (LM Studio's); repeat for several models (chosen in the UI). "
+        f"Default: ${MODEL_ENV} (comma-separated), else the demo. "
         "With --backend: the names of the server's models to show (default: all)",
+    )
+    parser.add_argument(
+        "--mmproj", metavar="PATH", default=None,
+        help="the projector file (a vision or audio tower, mmproj-*.gguf) of the one GGUF "
+        "--model",
+    )
+    parser.add_argument(
+        "--no-model-stores", action="store_true",
+        help="do not list the models of Ollama's and LM Studio's stores in the model picker "
+        "(listed by default, loaded only when chosen)",
     )
     remote = parser.add_argument_group(
         "remote server", "drive the models of an OpenAI-compatible server (vLLM, SGLang, "
@@ -130,6 +142,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(SamplingParams.lora, or `lora` in an API request); repeat for several",
     )
     args = parser.parse_args(argv)
+    if args.mmproj and len(args.model or []) != 1:
+        parser.error("--mmproj goes with exactly one --model (a GGUF file); for several, put "
+                     "each model beside its mmproj-*.gguf in a folder of its own")
     for spec in args.lora:
         name, _, folder = spec.partition("=")
         if not name or not folder:
@@ -150,6 +165,7 @@ def local_only_options(args: argparse.Namespace) -> list[str]:
         ("--dequantize-gguf", args.dequantize_gguf),
         ("--api-key", args.api_key), ("--device", args.device != "auto"),
         ("--dtype", args.dtype != "auto"), ("--lora", bool(args.lora)),
+        ("--mmproj", bool(args.mmproj)),
     ) if on]
     return given
 
@@ -191,10 +207,12 @@ def build_app(
     examples: list[list] | None = None,
     allowed_hosts: Sequence[str] | None = None,
     allowed_origins: Sequence[str] = (),
+    available: Mapping[str, Callable[[], ChatEngine]] | None = None,
 ) -> FastAPI:
     """One FastAPI app: the Gradio UI at / and, for in-process engines, the OpenAI-compatible
     API under /v1 (a remote server serves its own API), guarded by allowed_hosts and
-    allowed_origins as in `api.create_app`."""
+    allowed_origins as in `api.create_app`; `available`: models the UI's picker lists and
+    loads when chosen (served in the UI)."""
     import gradio as gr
     from fastapi import FastAPI
 
@@ -209,7 +227,7 @@ def build_app(
         app.include_router(build_router(engines, api_key=api_key, allowed_hosts=allowed_hosts))
         if allowed_origins:
             app.add_middleware(APICORS, origins=allowed_origins)
-    demo = build_demo(engines, notes=notes, examples=examples)
+    demo = build_demo(engines, notes=notes, examples=examples, available=available)
     # Gradio refuses uploads the engines would refuse anyway, before storing them.
     largest = max(llm.info.media_limits.max_item_bytes for llm in engines.values())
     return gr.mount_gradio_app(app, demo, path="/", max_file_size=largest)
@@ -236,6 +254,8 @@ def load_engines(args: argparse.Namespace) -> tuple[dict[str, ChatEngine], dict[
     if not sources:
         sources, notes = demo_lineup()
     options = engine_options(args)
+    if args.mmproj:
+        options["mmproj"] = args.mmproj
     engines: dict[str, ChatEngine] = {}
     try:
         for name, source in sources.items():
@@ -245,6 +265,28 @@ def load_engines(args: argparse.Namespace) -> tuple[dict[str, ChatEngine], dict[
         shutdown(engines)
         raise
     return engines, notes
+
+
+def stored_models(args: argparse.Namespace, engines: dict[str, ChatEngine]
+                  ) -> dict[str, Callable[[], ChatEngine]]:
+    """The models of Ollama's and LM Studio's stores not already in `engines`, each with the
+    function that loads it (with the command line's engine options) when the picker chooses it
+    and adds it to `engines` (whose engines the app shuts down)."""
+    if args.backend or args.no_model_stores or args.api_only:
+        return {}
+    from engine import AsyncLLM
+    from engine.model_stores import discover
+
+    options = engine_options(args)
+
+    def load(name: str) -> ChatEngine:
+        engines[name] = AsyncLLM(name, device=args.device, dtype=args.dtype, **options)
+        return engines[name]
+
+    found = [m.name for m in discover() if m.name not in engines]
+    if found:
+        log.info("found on this machine (listed, loaded when chosen): %s", ", ".join(found))
+    return {name: functools.partial(load, name) for name in found}
 
 
 def connect_backend(args: argparse.Namespace) -> dict[str, ChatEngine]:
@@ -284,7 +326,8 @@ def serve(
     elif args.share:
         return _serve_shared(args, engines, notes, api_key)
     else:
-        app = build_app(engines, api_key=api_key, notes=notes, **guards)
+        app = build_app(engines, api_key=api_key, notes=notes,
+                        available=stored_models(args, engines), **guards)
     where = "API" if args.api_only else "UI and API" if is_local(engines) else "UI"
     log.info("serving the %s on http://%s:%d (Ctrl-C stops)", where, args.host, args.port)
     # A short graceful timeout: open streams (a browser tab's event stream) must not hold up
@@ -331,7 +374,7 @@ def _serve_shared(
     """--share needs Gradio's own launcher (it opens the tunnel); the API joins its app."""
     from ui import build_demo
 
-    demo = build_demo(engines, notes=notes)
+    demo = build_demo(engines, notes=notes, available=stored_models(args, engines))
     demo.launch(server_name=args.host, server_port=args.port, share=True,
                 prevent_thread_lock=True)
     if is_local(engines):

@@ -3,30 +3,22 @@ llama.cpp column.
 
     python -m bench.gguf [--model PATH] [--types f32,bf16,q8_0,q4_0]
 
-Needs `llama-cpp-python` (built from source by pip; never a runtime dependency) and
-`sentencepiece`. The converter is not part of llama-cpp-python's wheel, so its source
-distribution (which vendors llama.cpp's `convert_hf_to_gguf.py`) is fetched once from the
-package index into the cache and the converter's files extracted. f32 / bf16 / q8_0 are written
-by the converter, q4_0 by llama.cpp's own quantizer from the f32 file (bf16 for a bfloat16
-checkpoint, which it holds exactly).
-
-Test checkpoints carry locally trained tokenizers, whose pre-tokenizer the converter does not
-recognise by hash; the speed measured does not depend on it (prompts are token ids), so the
-conversion declares Qwen2's. For the same reason Gemma 4's converter, which reads a
-SentencePiece-style vocabulary (the Hub's tokenizer), is given the byte-level BPE path instead.
+Needs `llama-cpp-python` (built from source by pip; never a runtime dependency) for q4_0.
+The converter is not part of llama-cpp-python's wheel: testing/llama_convert.py fetches its
+source distribution (which vendors llama.cpp's `convert_hf_to_gguf.py`) once from the package
+index into the cache and runs the converter there (with the shims it lists for test
+checkpoints: their locally trained tokenizers and transformers 5's names). f32 / bf16 / q8_0
+are written by the converter, q4_0 by llama.cpp's own quantizer from the f32 file (bf16 for a
+bfloat16 checkpoint, which it holds exactly).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
-import subprocess
-import sys
-import tarfile
-import tempfile
 from pathlib import Path
 
 from bench.common import build_checkpoint, cache_dir
+from testing.llama_convert import convert
 
 CONVERTED = ("f32", "bf16", "q8_0")
 QUANTIZED = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
@@ -34,61 +26,6 @@ QUANTIZED = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
 FTYPES = {"f32": "LLAMA_FTYPE_ALL_F32", "bf16": "LLAMA_FTYPE_MOSTLY_BF16",
           "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
           "q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1", "q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
-_MEMBERS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
-
-# Runs the vendored converter with a declared pre-tokenizer (argv: source dir, then the
-# converter's own arguments).
-_CONVERT = """
-import sys
-src = sys.argv[1]
-sys.path[:0] = [src, src + "/gguf-py"]
-import conversion.base as base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
-import conversion.gemma as gemma
-gemma.Gemma4Model.set_vocab = base.TextModel._set_vocab_gpt2
-# transformers 5 saves Gemma 3's SigLIP tower as vision_tower.*; the converter's names are the
-# Hub's (transformers 4) vision_tower.vision_model.*
-_gemma3_tensors = gemma.Gemma3VisionModel.modify_tensors
-def _gemma3_tower_names(self, data, name, bid):
-    if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
-        name = "vision_tower.vision_model." + name[len("vision_tower."):]
-    return _gemma3_tensors(self, data, name, bid)
-gemma.Gemma3VisionModel.modify_tensors = _gemma3_tower_names
-# the converter cuts Gemma 3's embedding to the tokenizer's size; the vocabulary it writes is
-# padded to the model's (our tokenizers are small), so every row is kept, as the model has them
-_gemma3_text = gemma.Gemma3Model.modify_tensors
-def _gemma3_all_rows(self, data, name, bid):
-    if "embed_tokens.weight" in name:
-        return super(gemma.Gemma3Model, self).modify_tensors(data, name, bid)
-    return _gemma3_text(self, data, name, bid)
-gemma.Gemma3Model.modify_tensors = _gemma3_all_rows
-import convert_hf_to_gguf as convert
-sys.argv = ["convert_hf_to_gguf.py", *sys.argv[2:]]
-convert.main()
-"""
-
-
-def converter_source() -> Path:
-    """llama.cpp's converter files, from the installed llama-cpp-python's source distribution."""
-    version = importlib.metadata.version("llama-cpp-python")
-    root = cache_dir(f"llama.cpp-{version}-convert")
-    if (root / "convert_hf_to_gguf.py").exists():
-        return root
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary",
-             ":all:", f"llama-cpp-python=={version}", "--dest", tmp],
-            check=True,
-        )
-        (archive,) = Path(tmp).glob("*.tar.gz")
-        with tarfile.open(archive) as tar:
-            prefix = f"{tar.getnames()[0].split('/')[0]}/vendor/llama.cpp/"
-            for member in tar.getmembers():
-                rel = member.name.removeprefix(prefix)
-                if member.name.startswith(prefix) and rel.startswith(_MEMBERS) and member.isfile():
-                    member.name = rel
-                    tar.extract(member, root, filter="data")
-    return root
 
 
 def _lossless(model: Path) -> str:
@@ -110,11 +47,7 @@ def ensure_gguf(model: Path, kind: str) -> Path:
         return out
     if kind in CONVERTED:
         print(f"converting {model.name} to {kind} GGUF (once)")
-        subprocess.run(
-            [sys.executable, "-c", _CONVERT, str(converter_source()), str(model),
-             "--outtype", kind, "--outfile", str(out)],
-            check=True, stdout=subprocess.DEVNULL,
-        )
+        convert(model, out, kind)
     elif kind in QUANTIZED:
         import llama_cpp
 
@@ -166,15 +99,7 @@ def ensure_mmproj(model: Path, kind: str = "bf16") -> Path:
     if out.exists():
         return out
     print(f"converting {model.name}'s projector to {kind} GGUF (once)")
-    subprocess.run(
-        [sys.executable, "-c", _CONVERT, str(converter_source()), str(model), "--mmproj",
-         "--outtype", kind, "--outfile", str(out)],
-        check=True, stdout=subprocess.DEVNULL,
-    )
-    prefixed = out.with_name("mmproj-" + out.name)  # where some converter versions write it
-    if not out.exists() and prefixed.exists():
-        prefixed.rename(out)
-    return out
+    return convert(model, out, kind, mmproj=True)
 
 
 def main() -> None:

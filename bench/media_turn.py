@@ -6,6 +6,16 @@ weights; and a video turn against transformers (llama.cpp's libmtmd takes no vid
         [--shape qwen2.5-vl-3b|qwen3-vl-2b|gemma3-4b|qwen2-audio-7b] [--layers N]
         [--vision-layers N] [--sizes 448,896,1344] [--seconds 30] [--video SECONDS]
         [--precisions bf16,int4] [--runs 3] [--new-tokens 16] [--threads 2] [--no-recompute]
+        [--from-gguf [--check-tokens]] [--pair TEXT.gguf MMPROJ.gguf]
+
+--from-gguf: this engine loads the very GGUF files llama.cpp runs (the text model at bf16 or
+q4_0, which runs as stored: int4 at group 32; the projector at bf16), not the checkpoint;
+--check-tokens first says whether the same checkpoint converted at f32 (text and projector)
+gives the greedy tokens of the checkpoint loaded from safetensors at float32, on the first
+media item. --pair TEXT MMPROJ: a multimodal GGUF pair of one's own (Qwen2.5-VL, Qwen3-VL, Gemma
+3 or Qwen2-Audio, as LM Studio or llama.cpp keep them), both sides on those two files at their
+stored precision (the shape's media and context are the family's; --shape and --precisions do
+not apply).
 
 OMP_WAIT_POLICY=PASSIVE: both libraries' OpenMP threads otherwise spin after their work, and in
 one process with as many threads as cores each side then runs beside the other's spinning
@@ -45,6 +55,7 @@ import time
 import wave
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -185,16 +196,30 @@ def main() -> None:
     parser.add_argument("--no-llama-cpp", action="store_true")
     parser.add_argument("--no-recompute", action="store_true",
                         help="skip llama.cpp's recomputed second turn (a whole first turn again)")
+    parser.add_argument("--from-gguf", action="store_true",
+                        help="this engine loads the GGUF pair llama.cpp runs, not the checkpoint")
+    parser.add_argument("--check-tokens", action="store_true",
+                        help="with --from-gguf: the f32 GGUF pair's greedy tokens against the "
+                        "checkpoint's at float32 first")
+    parser.add_argument("--pair", nargs=2, type=Path, metavar=("TEXT", "MMPROJ"),
+                        help="a GGUF model and its projector file: both sides run these")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
-    from engine import LLM
 
+    if args.pair:
+        args.shape, args.precisions = pair_shape(*args.pair), "file"
     shape = SHAPES[args.shape]
-    if args.video and args.shape != "qwen2.5-vl-3b":
-        parser.error("--video runs Qwen2.5-VL (--shape qwen2.5-vl-3b)")
-    path = build(args.shape, args.layers, args.vision_layers)
+    if args.video and (args.shape != "qwen2.5-vl-3b" or args.pair or args.from_gguf):
+        parser.error("--video runs Qwen2.5-VL from its checkpoint (--shape qwen2.5-vl-3b, "
+                     "without --pair or --from-gguf)")
+    if args.check_tokens and not args.from_gguf:
+        parser.error("--check-tokens goes with --from-gguf")
+    path = args.pair[0] if args.pair else build(args.shape, args.layers, args.vision_layers)
     items = media_items(shape.media, args.sizes, args.seconds)
+    if args.check_tokens:
+        print(check_tokens(path, items[0][1](20_000), shape, QUESTIONS[shape.media][0],
+                           args.new_tokens))
     ruler = rulers((torch.float32, torch.bfloat16))
     print(f"machine: {machine()}; {args.shape} widths, {path.name}; rulers: "
           + ", ".join(f"{k} {v / 1e9:.0f} G{'B' if k == 'bandwidth' else 'FLOP'}/s"
@@ -205,16 +230,16 @@ def main() -> None:
     first_q, second_q = QUESTIONS[shape.media]
     table, summary, video = [], [], []
     for precision in args.precisions.split(","):
-        quant = None if precision == "bf16" else precision
-        # an encoder cache with room for the largest image (Qwen3-VL's 16384 embeddings, each
-        # cached with its deepstack features)
-        llm = LLM(path, device="cpu", dtype="bfloat16", quantization=quant,
-                  max_model_len=shape.context, encoder_cache_size=32768,
-                  kv_cache_bytes=kv_bytes(path, shape.context))
+        if args.pair:
+            files = tuple(args.pair)
+        elif args.from_gguf or not args.no_llama_cpp:
+            files = (ensure_gguf(path, LLAMA_TYPES[precision]), ensure_mmproj(path, "bf16"))
+        else:
+            files = None
+        llm = our_engine(path, precision, shape, files if args.pair or args.from_gguf else None)
         theirs = None
         if not args.no_llama_cpp:
-            theirs = LlamaMtmd(ensure_gguf(path, LLAMA_TYPES[precision]),
-                               ensure_mmproj(path, "bf16"), args.threads, shape.context)
+            theirs = LlamaMtmd(*files, args.threads, shape.context)
         for label, make in items:
             # Warm-ups: every graph, plan and buffer of this size made once on both sides; ours
             # counts the FLOPs of its stages.
@@ -255,7 +280,9 @@ def main() -> None:
         del llm, theirs
         gc.collect()
     print(f"\n{args.shape}, {path.name}: median of {args.runs} runs, {args.threads} threads, "
-          f"text weights bf16 / int4 (llama.cpp q4_0), towers bf16 on both sides\n")
+          + ("both on the pair's two files at their own precision\n" if args.pair else
+             "both on the same GGUF files (text bf16 / q4_0, towers bf16)\n" if args.from_gguf
+             else "text weights bf16 / int4 (llama.cpp q4_0), towers bf16 on both sides\n"))
     print_table(table, ("precision", "media", "stage", "llama.cpp", "this engine",
                         "ours faster by", "ours: FLOP/s of GEMM peak"))
     if summary:
@@ -265,6 +292,63 @@ def main() -> None:
         print(f"\nvideo turn ({args.video} s), bf16, against transformers (not llama.cpp):\n")
         print_table(video, ("stage", "transformers", "this engine", "ours faster by",
                             "ours: FLOP/s of GEMM peak"))
+
+
+def our_engine(path, precision: str, shape, files: tuple | None):
+    """This engine on the checkpoint at `precision` (bfloat16, or int4 weights at the default
+    group), or on the GGUF pair `files` at the files' own precision (a q4_0 text model runs
+    as stored)."""
+    from engine import LLM
+
+    # an encoder cache with room for the largest image (Qwen3-VL's 16384 embeddings, each
+    # cached with its deepstack features)
+    common = dict(device="cpu", dtype="bfloat16", max_model_len=shape.context,
+                  encoder_cache_size=32768)
+    if files is not None:
+        text, mmproj = files
+        return LLM(text, mmproj=mmproj, kv_cache_bytes=kv_bytes(text, shape.context, mmproj),
+                   **common)
+    quant = None if precision == "bf16" else precision
+    return LLM(path, quantization=quant, kv_cache_bytes=kv_bytes(path, shape.context), **common)
+
+
+# The shape whose media and context a GGUF pair of each family is run with.
+PAIR_SHAPES = {"Qwen2_5_VLForConditionalGeneration": "qwen2.5-vl-3b",
+               "Qwen3VLForConditionalGeneration": "qwen3-vl-2b",
+               "Gemma3ForConditionalGeneration": "gemma3-4b",
+               "Qwen2AudioForConditionalGeneration": "qwen2-audio-7b"}
+
+
+def pair_shape(text, mmproj) -> str:
+    """The shape name of a GGUF pair's family (PAIR_SHAPES), read from the files' metadata."""
+    from engine.checkpoint_setup import CheckpointSetup
+
+    architecture = CheckpointSetup.load(text, mmproj).architecture
+    if architecture not in PAIR_SHAPES:
+        raise SystemExit(f"--pair: {architecture} has no media turn here "
+                         f"({', '.join(PAIR_SHAPES)})")
+    return PAIR_SHAPES[architecture]
+
+
+def check_tokens(path, media: bytes, shape, question: str, new_tokens: int) -> str:
+    """Whether the checkpoint converted at f32 by llama.cpp's converter (text and projector)
+    gives the greedy tokens of the checkpoint loaded from safetensors, both at float32."""
+    from engine import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    msgs = messages(shape.media, media, question)
+    common = dict(device="cpu", dtype="float32", max_model_len=shape.context,
+                  encoder_cache_size=32768)
+    tokens = []
+    for source, extra in ((path, {}), (ensure_gguf(path, "f32"),
+                                       {"mmproj": ensure_mmproj(path, "f32")})):
+        llm = LLM(source, kv_cache_bytes=2 * kv_bytes(path, shape.context), **common, **extra)
+        tokens.append(list(llm.chat(msgs, params)[0].outputs[0].token_ids))
+        del llm
+        gc.collect()
+    same = sum(a == b for a, b in zip(*tokens, strict=True))
+    return (f"tokens of the f32 GGUF pair against the checkpoint at float32: {same} of "
+            f"{len(tokens[0])} equal ({'identical' if tokens[0] == tokens[1] else 'differ'})")
 
 
 def counted_turn(llm, msgs: list[dict]) -> dict[str, float]:
@@ -277,12 +361,13 @@ def counted_turn(llm, msgs: list[dict]) -> dict[str, float]:
     return flops.counts
 
 
-def kv_bytes(path, tokens: int) -> int:
+def kv_bytes(path, tokens: int, mmproj=None) -> int:
     """Bytes of a bfloat16 KV cache holding `tokens` positions in every layer of the checkpoint's
-    decoder (at full depth the engine's default budget holds fewer than the bench's context)."""
-    import transformers
+    (or GGUF pair's) decoder (at full depth the engine's default budget holds fewer than the
+    bench's context)."""
+    from engine.checkpoint_setup import CheckpointSetup
 
-    cfg = transformers.AutoConfig.from_pretrained(path).get_text_config()
+    cfg = CheckpointSetup.load(path, mmproj).hf_config.get_text_config()
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return 2 * 2 * tokens * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim
 

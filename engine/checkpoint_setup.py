@@ -15,6 +15,7 @@ from typing import Any
 from transformers import AutoConfig, AutoTokenizer
 
 from engine.gguf_setup import GGUFSetup
+from engine.model_stores import StoredModel
 from models.checkpoint import (
     CheckpointFiles,
     checkpoint_dtype,
@@ -38,15 +39,22 @@ class CheckpointSetup:
     tie_word_embeddings: bool
     sources: Mapping[str, str]  # setting -> the file (and field) it came from
     gguf: GGUFSetup | None = None  # for a GGUF file: its metadata's settings and tensors
+    mmproj: Path | None = None  # a GGUF's projector file (its tower), if any
+    stored: StoredModel | None = None  # the Ollama / LM Studio entry it came from
 
     @classmethod
-    def load(cls, path: Path) -> CheckpointSetup:
-        """Read the checkpoint at `path` (a directory, or a GGUF file). An unsupported
-        architecture is a ValueError naming the supported ones; a settings file we cannot read
-        is a CheckpointError."""
+    def load(cls, path: Path, mmproj: Path | None = None,
+             stored: StoredModel | None = None) -> CheckpointSetup:
+        """Read the checkpoint at `path` (a directory, or a GGUF file with its projector file
+        `mmproj`; `stored`: the store entry they came from, whose sampling defaults apply). An
+        unsupported architecture is a ValueError naming the supported ones; a settings file we
+        cannot read is a CheckpointError."""
         path = Path(path)
         if is_gguf(path):
-            return cls.from_gguf(path)
+            return cls.from_gguf(path, mmproj, stored)
+        if mmproj is not None:
+            raise ValueError(f"a projector file ({mmproj}) goes with a GGUF model; {path} is a "
+                             "checkpoint folder")
         hf_config = AutoConfig.from_pretrained(path)
         spec = resolve(hf_config)
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -76,22 +84,29 @@ class CheckpointSetup:
         )
 
     @classmethod
-    def from_gguf(cls, path: Path) -> CheckpointSetup:
-        gguf = GGUFSetup.load(path)
+    def from_gguf(cls, path: Path, mmproj: Path | None = None,
+                  stored: StoredModel | None = None) -> CheckpointSetup:
+        gguf = GGUFSetup.load(path, mmproj)
         spec = resolve(gguf.hf_config)
         tie, tie_source = spec.model.tied_head(gguf.hf_config)
         template = gguf.tokenizer.chat_template
+        architecture = f"general.architecture={gguf.file.architecture!r}"
+        if gguf.projector is not None:
+            architecture += (f" with {gguf.projector.file.path.name}: clip.projector_type="
+                             f"{gguf.projector.kind!r}")
+        sampling = dict(stored.sampling) if stored is not None else {}
+        sampling_source = f"{stored.source} (params)" if sampling else "none"
+        sources = {"chat_template": "tokenizer.chat_template" if template else "none",
+                   "eos_token_ids": gguf.eos_source, "sampling_defaults": sampling_source,
+                   "dtype": gguf.dtype_source,
+                   "tie_word_embeddings": f"{gguf.config.sources['tie_word_embeddings']}; "
+                                          f"{tie_source}",
+                   "architecture": architecture}
         return cls(
-            path=path, files=CheckpointFiles(path.parent), hf_config=gguf.hf_config,
-            tokenizer=gguf.tokenizer, spec=spec, eos_token_ids=gguf.eos_token_ids,
-            sampling_defaults={}, dtype=gguf.dtype, tie_word_embeddings=tie,
-            sources={"chat_template": "tokenizer.chat_template" if template else "none",
-                     "eos_token_ids": gguf.eos_source, "sampling_defaults": "none",
-                     "dtype": gguf.dtype_source,
-                     "tie_word_embeddings": f"{gguf.config.sources['tie_word_embeddings']}; "
-                                            f"{tie_source}",
-                     "architecture": f"general.architecture={gguf.file.architecture!r}"},
-            gguf=gguf,
+            path=path, files=gguf.processor_files() or CheckpointFiles(path.parent),
+            hf_config=gguf.hf_config, tokenizer=gguf.tokenizer, spec=spec,
+            eos_token_ids=gguf.eos_token_ids, sampling_defaults=sampling, dtype=gguf.dtype,
+            tie_word_embeddings=tie, sources=sources, gguf=gguf, mmproj=mmproj, stored=stored,
         )
 
     @property
@@ -112,6 +127,9 @@ class CheckpointSetup:
             ("default sampling", dict(self.sampling_defaults) or "none",
              self.sources["sampling_defaults"]),
         ]
+        if self.stored is not None:
+            rows.append(("store", self.stored.name, self.stored.source))
+            rows += [("store note", note, self.stored.source) for note in self.stored.notes]
         return rows + (self.gguf.rows() if self.gguf is not None else [])
 
 

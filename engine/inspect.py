@@ -5,8 +5,9 @@ processor setting with the file (or class default) it came from, the weights' an
 estimated bytes (a per-layer embedding table, read a few rows per step, apart; layers that read
 another layer's keys and values add no KV cache), the LoRA adapters it ships, and what is not
 supported. For a GGUF file: every config setting with the metadata key it came from (or the
-config class's default), and its tensors per block type. Run it first on a new download; it
-exits with 1 when the engine would refuse the checkpoint.
+config class's default), and its tensors per block type; with its projector file (`--mmproj`,
+or beside it in a folder), the tower's and the processor's settings with the projector's keys.
+Run it first on a new download; it exits with 1 when the engine would refuse the checkpoint.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ import torch
 
 from engine.checkpoint_setup import CheckpointSetup
 from engine.device import resolve_dtype
-from engine.hub import resolve_model
+from engine.hub import resolve_files
 from engine.model_runner import context_length
 from models.adapters import CONFIG, read_lora_config
 from models.checkpoint import CheckpointError, safetensors_header, weight_files
 from models.gguf.load import GGUFWeights
+from models.gguf.mmproj import projector_weights
 from models.gguf.tensors import BLOCK
 from models.interfaces import ProcessorContext
 
@@ -49,13 +51,15 @@ class Report:
     unsupported: list[str] = field(default_factory=list)
 
 
-def inspect(model: str | Path, dtype: str = "auto") -> Report:
+def inspect(model: str | Path, dtype: str = "auto", mmproj: str | Path | None = None) -> Report:
     """Read `model`'s configuration, tokenizer and processor settings (no weights) as the engine
-    would, on the CPU. Problems that would stop the engine are listed in `unsupported`."""
+    would, on the CPU (`mmproj`: a GGUF model's projector file). Problems that would stop the
+    engine are listed in `unsupported`."""
     report = Report(str(model))
     try:
-        path = resolve_model(model)
-        setup = CheckpointSetup.load(path)
+        files = resolve_files(model, mmproj)
+        path = files.path
+        setup = CheckpointSetup.load(path, files.mmproj, files.stored)
     except (ValueError, OSError) as e:
         report.unsupported.append(str(e))
         return report
@@ -158,10 +162,18 @@ def gguf_weight_bytes(setup: CheckpointSetup, model: torch.nn.Module, dtype: tor
     32 inputs), its Q8_0 linears as our int8 (a byte per weight and a bfloat16 scale per 32), the
     other tensors dequantized to `dtype`. Raises GGUFError as loading would."""
     weights = GGUFWeights(setup.path, setup.hf_config, dequantize_all=False, stored_q8=True)
-    weights.plan(model, model.checkpoint_map())
+    mapping, tower = model.checkpoint_map(), 0
+    if setup.mmproj is None:
+        weights.plan(model, mapping)
+    else:  # the projector's tower, dense at the dtype
+        projector = projector_weights(setup.mmproj)
+        weights.plan(model, lambda name: mapping(projector.text_name(name)),
+                     projector.plan(model, mapping))
+        tower = sum(info.numel for target in projector.targets.values()
+                    for info in target.parts.values())
     stored = sum(info.numel for parts in weights.stored.values() for info, _ in parts)
     int8 = sum(info.numel for parts in weights.int8.values() for info, _ in parts)
-    dense = sum(info.numel for _, info in weights.dense)
+    dense = sum(info.numel for _, info in weights.dense) + tower
     scales = stored // BLOCK * 4 + int8 // BLOCK * 2
     return stored // 2 + int8 + scales + dense * DTYPE_BYTES[dtype]
 
@@ -216,10 +228,13 @@ def _short(value: Any) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine.inspect", description=__doc__)
-    parser.add_argument("model", help="a local checkpoint directory or a Hugging Face Hub id")
+    parser.add_argument("model", help="a local checkpoint directory, a GGUF file, "
+                        "ollama:NAME:TAG, lmstudio:PUBLISHER/REPO or a Hugging Face Hub id")
+    parser.add_argument("--mmproj", default=None,
+                        help="a GGUF model's projector file (its vision or audio tower)")
     parser.add_argument("--dtype", default="auto", help="the dtype the engine would run in")
     args = parser.parse_args(argv)
-    report = inspect(args.model, args.dtype)
+    report = inspect(args.model, args.dtype, args.mmproj)
     print(render(report))
     return 1 if report.unsupported else 0
 

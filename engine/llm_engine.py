@@ -30,7 +30,7 @@ from engine.engine_report import (
 )
 from engine.fanout import FanOut
 from engine.grammar import GrammarCompiler
-from engine.hub import resolve_model
+from engine.hub import resolve_files
 from engine.model_runner import EncoderItemsFailed, ItemFailure, ModelRunner, StepResult
 from engine.outputs import CompletionOutput, PlaceholderInfo, RequestOutput
 from engine.processing import InputProcessor, ProcessedPrompt
@@ -48,12 +48,17 @@ class LLMEngine:
     """Owns the scheduler, the block manager, the encoder cache and the model runner."""
 
     def __init__(
-        self, model: str | Path, *, device: str = "auto", dtype: str = "auto", **options: Any
+        self, model: str | Path, *, device: str = "auto", dtype: str = "auto",
+        mmproj: str | Path | None = None, **options: Any
     ) -> None:
+        """`model`: a checkpoint folder, a GGUF file (`mmproj`: its projector file, a vision or
+        audio tower; a folder holding both finds it by name), `ollama:NAME:TAG`,
+        `lmstudio:PUBLISHER/REPO` or a Hub id (engine/hub.py); `options`: EngineConfig's."""
         self.config = EngineConfig.from_options(**options)
-        self.model_path = resolve_model(model)
+        files = resolve_files(model, mmproj)
+        self.model_path = files.path
         self.model_id = str(model)
-        self.setup = setup = CheckpointSetup.load(self.model_path)
+        self.setup = setup = CheckpointSetup.load(files.path, files.mmproj, files.stored)
         hf_config, self.tokenizer, spec = setup.hf_config, setup.tokenizer, setup.spec
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device, setup.dtype)
@@ -71,7 +76,8 @@ class LLMEngine:
         # support is refused before its weights are read.
         mm_processor = processor(1) if spec.processor is not None else None
         self.runner = ModelRunner(
-            self.model_path, hf_config, spec.model, self.config, self.device, self.dtype
+            self.model_path, hf_config, spec.model, self.config, self.device, self.dtype,
+            mmproj=setup.mmproj,
         )
         layout = self.runner.layout
         self.max_model_len = layout.max_model_len

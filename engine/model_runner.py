@@ -124,6 +124,7 @@ class ModelRunner:
         config: EngineConfig,
         device: torch.device,
         dtype: torch.dtype,
+        mmproj: Path | None = None,  # a GGUF model's projector file (its tower)
     ) -> None:
         self.config = config
         self.gguf_summary = ""  # for a GGUF file: which of its tensors run as stored
@@ -146,7 +147,7 @@ class ModelRunner:
             if is_gguf(path):
                 self.model, self.gguf_summary = load_gguf(
                     path, hf_config, factory, device, dtype, quantizer, defer,
-                    config.dequantize_gguf)
+                    config.dequantize_gguf, mmproj)
             else:
                 self.model = build_on_meta(factory, device, dtype, defer=defer)
                 load_weights(self.model, self.model.checkpoint_tensors(iter_checkpoint(path)),

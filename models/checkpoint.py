@@ -95,10 +95,13 @@ class Settings:
 
 @dataclass(frozen=True)
 class Found:
-    """A raw settings dict and where it was read (`file` or `file: key`)."""
+    """A raw settings dict and where it was read (`file` or `file: key`); `origins` names
+    where single settings came from when that is not `source: key` (settings derived from a
+    GGUF projector's metadata name its key)."""
 
     data: Mapping[str, Any]
     source: str
+    origins: Mapping[str, str] = field(default_factory=dict)
 
 
 class CheckpointFiles:
@@ -226,9 +229,10 @@ def read_settings(found: Found | None, schema: Schema) -> Settings:
                 f"{where}: unknown setting {key}={_short(value)} (not a setting mmserve reads "
                 f"for {schema.cls}; refusing rather than computing something else)")
     values, sources = {}, {}
+    origins = found.origins if found is not None else {}
     for key, default in schema.defaults.items():
         if data.get(key) is not None:
-            values[key], sources[key] = data[key], f"{where}: {key}"
+            values[key], sources[key] = data[key], origins.get(key, f"{where}: {key}")
         else:
             values[key], sources[key] = default, f"default of {schema.cls}"
     return Settings(schema, values, sources)
@@ -241,7 +245,8 @@ def own_keys(found: Found | None, other: Found | None, *schemas: Schema) -> Foun
     if found is None or other is None or found.source != other.source:
         return found
     foreign = set().union(*(set(s.defaults) | set(s.fixed) | s.inert for s in schemas))
-    return Found({k: v for k, v in found.data.items() if k not in foreign}, found.source)
+    return Found({k: v for k, v in found.data.items() if k not in foreign}, found.source,
+                 found.origins)
 
 
 def choose_schema(found: Found | None, schemas: Mapping[str, Schema], default: str,

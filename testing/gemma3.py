@@ -63,10 +63,15 @@ def build_gemma3_model(
     seed: int = 0,
     std: float = 0.25,
     tie_word_embeddings: bool | None = None,
+    vision_use_head: bool = True,
+    text_overrides: dict | None = None,
 ) -> Path:
     """A tiny Gemma3ForConditionalGeneration at `path` with its Gemma3Processor; `pan_and_scan`
     options go to the image processor's config (e.g. {"do_pan_and_scan": True}), where
-    transformers' processor overrides them with its own defaults unless a call passes them."""
+    transformers' processor overrides them with its own defaults unless a call passes them.
+    `vision_use_head=False`: the SigLIP tower without its pooling head, as Gemma 3's own
+    checkpoints are (the model never reads the head); `text_overrides` go to the text config
+    (over GEMMA3_TEXT)."""
     import transformers
 
     tokenizer = gemma_tokenizer()
@@ -75,11 +80,12 @@ def build_gemma3_model(
         vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1,
         max_position_embeddings=2048, pad_token_id=ids["<pad>"], eos_token_id=ids["<eos>"],
-        bos_token_id=ids["<bos>"], **GEMMA3_TEXT,
+        bos_token_id=ids["<bos>"], **(GEMMA3_TEXT | (text_overrides or {})),
     )
     vision = transformers.SiglipVisionConfig(
         hidden_size=vision_width, intermediate_size=2 * vision_width, num_hidden_layers=2,
         num_attention_heads=4, image_size=image_size, patch_size=patch_size,
+        vision_use_head=vision_use_head,
     )
     config = transformers.Gemma3Config(
         text_config=text, vision_config=vision, mm_tokens_per_image=mm_tokens_per_image,

@@ -175,3 +175,40 @@ def one_parse_per_file() -> Iterator[None]:
         yield
     finally:
         gguf.GGUFReader = original
+
+
+def rewrite_gguf(source: Path, out: Path, *, drop_tensors: tuple[str, ...] = (),
+                 rename_tensors: Mapping[str, str] | None = None,
+                 set_keys: Mapping[str, object] | None = None,
+                 drop_keys: tuple[str, ...] = ()) -> Path:
+    """A copy of the GGUF `source` (F32 / F16 tensors) at `out` with tensors or metadata keys
+    removed, tensors renamed, or keys set (strings, bools, ints as u32, floats as f32, lists):
+    a broken or edited file for tests, everything else as the source has it."""
+    from models.gguf.reader import GGUFFile
+
+    file = GGUFFile(source)
+    writer = GGUFWriter(str(out), file.architecture)
+    for key, value in {**file.metadata, **dict(set_keys or {})}.items():
+        if key in drop_keys or key == "general.architecture":
+            continue
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_array(key, list(value.tolist() if isinstance(value, np.ndarray) else value))
+    for info in file.tensors:
+        if info.name in drop_tensors:
+            continue
+        kind = {F32: np.float32, F16: np.float16}[info.ggml_type]
+        writer.add_tensor((rename_tensors or {}).get(info.name, info.name),
+                          file.read(info).view(kind).reshape(info.shape))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

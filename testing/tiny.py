@@ -262,12 +262,13 @@ def build_qwen2_vl_model(
     std: float = 0.25,
     tokenizer_kind: str = "bytes",
     tie_word_embeddings: bool | None = None,
+    vision_overrides: dict | None = None,
 ) -> Path:
     """A tiny Qwen2VLForConditionalGeneration ("qwen2_vl") or Qwen2.5-VL ("qwen2_5_vl").
 
     Its preprocessor config keeps images small (at most `max_image_tokens` embeddings, video
     frames a quarter of that) so that tests and the demo stay fast on a CPU. `tokenizer_kind`
-    is the kind of `train_tokenizer`.
+    is the kind of `train_tokenizer`; `vision_overrides` go to the vision config as they are.
     """
     from transformers import (
         Qwen2_5_VLConfig,
@@ -307,6 +308,7 @@ def build_qwen2_vl_model(
             Qwen2_5_VLForConditionalGeneration)
     else:
         raise ValueError(f"unknown variant {variant!r} (qwen2_vl, qwen2_5_vl)")
+    config.vision_config.update(vision_overrides or {})
     if tie_word_embeddings is not None:  # the flag transformers ties the head by
         config.tie_word_embeddings = tie_word_embeddings
     torch.manual_seed(seed)

@@ -3,7 +3,7 @@ settings, examples) beside the live engine panels, and the event wiring between 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 
 import gradio as gr
 
@@ -12,6 +12,7 @@ from engine.media.limits import MODALITIES
 from ui import panels
 from ui.chat import EMPTY_DRAFT, Chat, ChatSettings, ChatUpdate
 from ui.demo import ensure_samples, sample_examples
+from ui.lineup import Lineup
 from ui.space import gpu
 from ui.timing import timing_html
 
@@ -25,17 +26,21 @@ def build_demo(
     *,
     notes: Mapping[str, str] | None = None,
     examples: list[list] | None = None,
+    available: Mapping[str, Callable[[], ChatEngine]] | None = None,
 ) -> gr.Blocks:
     """The app's Blocks for existing engines, in-process or remote (a name -> engine mapping,
     or one engine named by its model). `notes` adds a line under a model's name (whether the
     demo's weights are random or real); `examples` are gr.Examples rows [textbox value, model
-    name], by default the generated sample media. The queue is configured; call `.launch()` or
-    mount it."""
+    name], by default the generated sample media; `available`: more models the picker lists,
+    each loaded by its function when first chosen (ui/lineup.py). The queue is configured; call
+    `.launch()` or mount it."""
     if not isinstance(engines, Mapping):
         engines = {engines.info.model: engines}
     if not engines:
         raise ValueError("build_demo needs at least one engine")
     chat = Chat(engines)
+    lineup = Lineup(chat.engines, available)
+    engines = chat.engines  # the models loaded when chosen join it
     notes = notes or {}
     names = list(engines)
     infos = {name: llm.info for name, llm in engines.items()}
@@ -48,13 +53,26 @@ def build_demo(
     def model_info(model: str) -> str:
         return _model_info(engines[model].info, notes.get(model))
 
+    async def choose(model: str) -> AsyncIterator[str]:
+        """The chosen model's line; a model of the stores is loaded first (once)."""
+        if lineup.loaded(model):
+            yield model_info(model)
+            return
+        yield f"Loading **{model}** (its weights are read now; the chat waits for it) ..."
+        try:
+            await lineup.load(model)
+        except Exception as e:  # noqa: BLE001 - any failure to load is shown, not raised
+            yield f"**{model}** could not be loaded: {e}"
+            return
+        yield model_info(model)
+
     # No usage telemetry: a local app should not call home.
     with gr.Blocks(title="mmserve", fill_width=True, analytics_enabled=False) as demo:
         gr.Markdown(f"## {TITLE}")
         with gr.Row(equal_height=False):
             with gr.Column(scale=5):
-                model = gr.Dropdown(names, value=names[0], label="Model",
-                                    interactive=len(names) > 1)
+                model = gr.Dropdown(lineup.choices(), value=names[0], label="Model",
+                                    interactive=len(lineup.names()) > 1)
                 info = gr.Markdown(model_info(names[0]))
                 chatbot = gr.Chatbot(label="Chat", height=440, elem_id="chatbot")
                 composer = gr.MultimodalTextbox(
@@ -108,7 +126,7 @@ def build_demo(
         ) -> AsyncIterator[tuple]:
             settings = ChatSettings(system_prompt, temperature, top_p, max_new_tokens, seed_value,
                                     show_thinking)
-            view = _TurnView(engines[name])
+            view = _TurnView(chat.engine(name))
             async for update in chat.respond(message, history, name, settings, _session(request)):
                 yield view(update)
 
@@ -120,7 +138,7 @@ def build_demo(
         ) -> AsyncIterator[tuple]:
             settings = ChatSettings(system_prompt, temperature, top_p, max_new_tokens, seed_value,
                                     show_thinking)
-            view = _TurnView(engines[name])
+            view = _TurnView(chat.engine(name))
             async for update in chat.regenerate(history, name, settings, _session(request)):
                 yield view(update)
 
@@ -129,8 +147,12 @@ def build_demo(
 
         async def clear_chat(name: str, request: gr.Request) -> tuple:
             await chat.stop(_session(request))
-            return ([], EMPTY_DRAFT, _NO_REQUEST, None, _NO_REQUEST,
-                    panels.engine_html(engines[name].stats()), _NO_REQUEST)
+            return ([], EMPTY_DRAFT, _NO_REQUEST, None, _NO_REQUEST, engine_stats(name),
+                    _NO_REQUEST)
+
+        def engine_stats(name: str) -> str:
+            return (panels.engine_html(engines[name].stats()) if lineup.loaded(name)
+                    else _NO_REQUEST)
 
         def attach(snapshot: str | None, message: dict | None) -> tuple[dict, None]:
             message = message or EMPTY_DRAFT
@@ -155,9 +177,8 @@ def build_demo(
         chatbot.clear(stop_turn, None, None, api_visibility="private", **instant)
         webcam.input(attach, [webcam, composer], [composer, webcam], api_visibility="private",
                      **instant)
-        model.change(model_info, model, info, api_visibility="private", **instant)
-        timer.tick(lambda name: panels.engine_html(engines[name].stats()), model, engine_panel,
-                   api_name="engine_stats", **instant)
+        model.change(choose, model, info, api_visibility="private", **instant)
+        timer.tick(engine_stats, model, engine_panel, api_name="engine_stats", **instant)
 
     # The default limit covers the remaining events (loading an example). max_size bounds the
     # backlog to about three more batches: past it, users are told at once that the app is busy.

@@ -21,11 +21,12 @@ by name rather than ignored: the model would not be the one the file describes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from models.gguf.archs import PROJECTOR_ARCH, TEXT_ARCHS
 from models.gguf.reader import GGUFError, GGUFFile
 
 # GGUF family (after transformers' renames) -> the architecture our registry serves it as.
@@ -42,6 +43,7 @@ CHECKED = {
     "rope.dimension_count": "head_dim",
     "attention.key_length": "head_dim",
     "attention.value_length": "head_dim",
+    "rope.freq_base_swa": "rope_parameters.sliding_attention.rope_theta",
 }
 # Prefixes of keys that describe the file, not the model.
 INERT_PREFIXES = ("general.",)
@@ -56,6 +58,9 @@ class GGUFConfig:
     sources: dict[str, str]
     architecture: str  # e.g. "LlamaForCausalLM"
     family: str  # the GGUF family after transformers' renames, e.g. "mistral"
+    # Keys of a llama.cpp architecture read as `family` (models/gguf/archs.py) that the
+    # family's table lacks: "rope.dimension_sections" -> its value.
+    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def model_type(self) -> str:
@@ -69,7 +74,14 @@ def read_config(file: GGUFFile) -> GGUFConfig:
 
     name = file.path.name
     arch = file.architecture
+    if arch == PROJECTOR_ARCH:
+        raise GGUFError(
+            f"{name}: general.architecture={arch!r}: a projector (mmproj) file, a tower for "
+            "images or sound, not a text model; pass it as --mmproj (LLM(..., mmproj=)) beside "
+            "its text model's GGUF")
+    alias = TEXT_ARCHS.get(arch)
     family = "mistral" if "llama" in arch and file.get("general.name") == "mistral" else arch
+    family = alias.family if alias else family
     family = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}.get(family, family)
     if family not in ARCHITECTURES:
         raise GGUFError(
@@ -85,8 +97,16 @@ def read_config(file: GGUFFile) -> GGUFConfig:
     tables = {"general": GGUF_CONFIG_MAPPING["general"], "tokenizer": GGUF_CONFIG_MAPPING[
         "tokenizer"], family: GGUF_CONFIG_MAPPING[family]}
     unread: list[str] = []
+    extra: dict[str, Any] = {}
     for key, raw in file.metadata.items():
-        renamed = key.replace(arch, family) if key.startswith(arch + ".") else key
+        if alias and key.removeprefix(arch + ".") in alias.extra:
+            extra[key.removeprefix(arch + ".")] = raw
+            continue
+        if alias and key.removeprefix(arch + ".") in alias.fields:
+            field_name = alias.fields[key.removeprefix(arch + ".")]
+            values[field_name], sources[field_name] = _plain(raw), key
+            continue
+        renamed = key.replace(arch, family, 1) if key.startswith(arch + ".") else key
         prefix, _, rest = renamed.partition(".")
         value = _plain(raw)
         if isinstance(value, str) and arch in value:
@@ -108,21 +128,33 @@ def read_config(file: GGUFFile) -> GGUFConfig:
             "transformers' GGUF loader nor mmserve reads it; refusing rather than computing a "
             "different model")
     _check_rope_scaling(file, values)
-    return GGUFConfig(values, sources, ARCHITECTURES[family], family)
+    return GGUFConfig(values, sources, ARCHITECTURES[family], family, extra)
 
 
 def check_against(config: GGUFConfig, hf_config: Any, file: GGUFFile) -> None:
     """Family keys transformers does not read must agree with the config it built (a rotary
-    width or key length other than the head's is a model transformers would compute wrongly)."""
+    width or key length other than the head's, or a sliding layer's rotary base other than the
+    config's, is a model transformers would compute wrongly)."""
     head_dim = getattr(hf_config, "head_dim", None) or (
         hf_config.hidden_size // hf_config.num_attention_heads)
-    for rest, field in CHECKED.items():
+    sliding = (getattr(hf_config, "rope_parameters", None) or {}).get("sliding_attention", {})
+    for rest, checked in CHECKED.items():
         key = f"{file.architecture}.{rest}"
-        if key in file.metadata and int(file.metadata[key]) != head_dim:
+        if key not in file.metadata:
+            continue
+        if checked == "head_dim":
+            expected, source = head_dim, config.sources.get(checked, "hidden_size / heads")
+            same = int(file.metadata[key]) == head_dim
+        else:
+            expected = sliding.get("rope_theta")
+            source = f"the default of {type(hf_config).__name__}"
+            same = expected is not None and abs(float(file.metadata[key]) - expected) <= (
+                1e-6 * expected)
+        if not same:
             raise GGUFError(
                 f"{file.path.name}: metadata {key}={file.metadata[key]} contradicts the config's "
-                f"{field}={head_dim} (from {config.sources.get(field, 'hidden_size / heads')}); "
-                "a partial rotary width is not read from GGUF")
+                f"{checked}={expected} (from {source}), and transformers' GGUF loader does not "
+                "read it; refusing rather than computing a different model")
 
 
 def _check_rope_scaling(file: GGUFFile, values: dict[str, Any]) -> None:

@@ -13,8 +13,9 @@ block's float16 scale to bfloat16 (under 2^-8 of it).
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from models.gguf.config import read_config
+from models.gguf.mmproj import projector_weights
 from models.gguf.reader import GGUFError, GGUFFile, TensorInfo
 from models.gguf.tensors import (
     BLOCK,
@@ -64,10 +66,11 @@ class GGUFWeights:
         self.int8: dict[str, list[Part]] = {}  # our weight name -> its Q8_0 parts
         self.dense: list[tuple[str, TensorInfo]] = []  # (checkpoint name, tensor)
 
-    def plan(self, model: nn.Module, mapping: Callable) -> None:
+    def plan(self, model: nn.Module, mapping: Callable, elsewhere: Collection[str] = ()) -> None:
         """Check every tensor against `model` (on the meta device) and decide which linears
         run as stored. Raises GGUFError naming the tensor for one the model has no place
-        for, a shape that contradicts the config, or a parameter no tensor fills."""
+        for, a shape that contradicts the config, or a parameter no tensor fills (but for
+        `elsewhere`: those a projector file fills)."""
         params = dict(model.named_parameters())
         parts: dict[str, list[Part]] = {}
         name = self.file.path.name
@@ -93,8 +96,8 @@ class GGUFWeights:
                                 f"the config in the metadata makes {ours} "
                                 f"{list(expected) if expected else 'no parameter'}")
             parts.setdefault(ours, []).append((info, shard))
-        missing = [p for p, param in params.items()
-                   if sum((s.size if s else param.shape[0]) for _, s in parts.get(p, []))
+        missing = [p for p, param in params.items() if p not in elsewhere
+                   and sum((s.size if s else param.shape[0]) for _, s in parts.get(p, []))
                    != param.shape[0]]
         if missing:
             raise GGUFError(f"{name}: no tensors for {', '.join(missing[:6])}"
@@ -172,19 +175,25 @@ def _rows(shard: Shard | None, n: int) -> slice:
 
 def load_gguf(path: Path, hf_config: Any, factory: Callable[[], nn.Module], device: torch.device,
               dtype: torch.dtype, observer: LoadObserver | None,
-              defer: Callable[[nn.Module], list[str]] | None, dequantize_all: bool
-              ) -> tuple[nn.Module, str]:
+              defer: Callable[[nn.Module], list[str]] | None, dequantize_all: bool,
+              mmproj: Path | None = None) -> tuple[nn.Module, str]:
     """Build the model with `factory` and fill it from the GGUF file at `path` (see the module
-    docstring); `observer` and `defer` as for models.loader (weights quantized as they load).
-    Blocks run as stored only on the CPU (our int kernels); Q8_0 ones when no quantization or
-    int8 is asked. -> (model, what ran as stored)."""
+    docstring), and its tower and projector from the projector file `mmproj`, if any
+    (models/gguf/mmproj.py); `observer` and `defer` as for models.loader (weights quantized as
+    they load). Blocks run as stored only on the CPU (our int kernels); Q8_0 ones when no
+    quantization or int8 is asked. -> (model, what ran as stored)."""
     int8_asked = isinstance(observer, QuantizeOnLoad) and observer.mode == "int8"
     weights = GGUFWeights(path, hf_config, dequantize_all or device.type != "cpu",
                           stored_q8=observer is None or int8_asked)
+    projector, names = None, _same_name
     with torch.device("meta"):
         probe = factory()
     mapping = probe.checkpoint_map()
-    weights.plan(probe, mapping)
+    if mmproj is not None:
+        projector = projector_weights(mmproj)
+        names = projector.text_name
+    weights.plan(probe, lambda name: mapping(names(name)),
+                 projector.plan(probe, mapping) if projector else ())
     del probe
 
     def defer_all(model: nn.Module) -> list[str]:
@@ -193,6 +202,14 @@ def load_gguf(path: Path, hf_config: Any, factory: Callable[[], nn.Module], devi
     model = build_on_meta(factory, device, dtype,
                           defer=defer_all if (weights.stored or weights.int8 or defer) else None)
     weights.place_stored(model, dtype)
-    load_weights(model, weights.tensors(dtype), model.checkpoint_map(), observer)
-    log.info("%s: %s", path.name, weights.summary())
-    return model, weights.summary()
+    tensors = ((names(name), tensor) for name, tensor in weights.tensors(dtype))
+    if projector is not None:
+        tensors = itertools.chain(tensors, projector.tensors(dtype))
+    load_weights(model, tensors, model.checkpoint_map(), observer)
+    summary = weights.summary() + ("" if projector is None else f"; {projector.summary()}")
+    log.info("%s: %s", path.name, summary)
+    return model, summary
+
+
+def _same_name(name: str) -> str:
+    return name

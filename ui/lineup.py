@@ -1,0 +1,61 @@
+"""The models the picker offers: the engines already loaded, and models found on this machine
+(Ollama's and LM Studio's stores) that load only when chosen. Loading runs in a worker thread,
+once per model, however many sessions choose it at once; a model that fails to load says why
+and stays on the list."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+
+from engine.interface import ChatEngine
+
+NOT_LOADED = " (found on this machine: loads when chosen)"
+
+
+class Lineup:
+    """Named engines, loaded or loadable; `engines` holds the loaded ones (the same dict the
+    chat reads, so a model loaded here is served from then on)."""
+
+    def __init__(self, engines: dict[str, ChatEngine],
+                 available: Mapping[str, Callable[[], ChatEngine]] | None = None) -> None:
+        self.engines = engines
+        self.available = {k: v for k, v in (available or {}).items() if k not in engines}
+        self._loading: dict[str, asyncio.Future] = {}
+
+    def names(self) -> list[str]:
+        return [*self.engines, *self.available]
+
+    def choices(self) -> list[tuple[str, str]]:
+        """(label, name) per model, the loadable ones said so."""
+        return [(name, name) for name in self.engines] + [
+            (name + NOT_LOADED, name) for name in self.available if name not in self.engines]
+
+    def loaded(self, name: str) -> bool:
+        return name in self.engines
+
+    async def load(self, name: str) -> ChatEngine:
+        """The engine of `name`, loaded now if it is not (once: concurrent callers wait for
+        the same load). A KeyError for a name that is neither loaded nor loadable; a load's
+        error is raised to every caller, and the next choice tries again."""
+        if name in self.engines:
+            return self.engines[name]
+        if name not in self.available:
+            raise KeyError(name)
+        future = self._loading.get(name)
+        if future is None:
+            future = asyncio.ensure_future(asyncio.to_thread(self.available[name]))
+            self._loading[name] = future
+        try:
+            engine = await asyncio.shield(future)
+        finally:
+            if future.done():
+                self._loading.pop(name, None)
+        self.engines[name] = engine
+        return engine
+
+    def shutdown(self) -> None:
+        """Shut down the engines loaded here (those given loaded belong to the caller)."""
+        for name in list(self.engines):
+            if name in self.available:
+                self.engines.pop(name).shutdown()
