@@ -11,6 +11,7 @@ MTP layer's) catches up on the tokens the step accepted there.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
@@ -22,7 +23,10 @@ from engine.scheduler import SchedulerOutput
 from engine.speculative.method import SpeculativeMethod
 from engine.speculative.ngram import NgramProposer
 from engine.speculative.proposals import Proposal, SpeculationState
+from models.kernels import native
 from models.kernels.plan import pin_decode_rows
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from engine.model_runner import ModelRunner, StepResult
@@ -115,6 +119,22 @@ class Speculator:
                 "draft_rounds": self.draft_rounds, "draft_seconds": self.draft_seconds}
 
 
+def pin_decode_kernels(runner: ModelRunner) -> None:
+    """On the CPU, the decode rows' kernels pinned to ours, which compute each row by itself
+    (a verification's rows then sum as decodes of their tokens do, whatever shares the step):
+    the linears' decode buckets (models.kernels.plan.pin_decode_rows) and the paged decode
+    attention, where the library builds (PyTorch's decode attention batches decodes with
+    padding, rounding a row differently by what shares its bucket)."""
+    if pin_decode_rows(runner.model, runner.dtype):
+        runner.native_decode = runner.model.prepare_decode()  # it serves the pinned buckets
+    if runner.decode_kernel != "native" and native.load() is not None and (
+            runner.dtype in native.DTYPES):
+        log.info("speculative decoding: decode attention pinned to our paged kernel (measured "
+                 "%s faster here)", runner.decode_kernel)
+        runner.decode_kernel = "native"
+        runner.native_decode = runner.model.prepare_decode()
+
+
 def build_speculator(config: EngineConfig, runner: ModelRunner, setup: object,
                      tokenizer: object) -> Speculator | None:
     """The speculator of an engine started with `speculative` (None without): its drafter
@@ -123,8 +143,8 @@ def build_speculator(config: EngineConfig, runner: ModelRunner, setup: object,
     if method is None:
         return None
     runner.bind_verify_backups()
-    if runner.device.type == "cpu" and pin_decode_rows(runner.model, runner.dtype):
-        runner.native_decode = runner.model.prepare_decode()  # it serves the pinned buckets
+    if runner.device.type == "cpu":
+        pin_decode_kernels(runner)
     if method.name == "ngram":
         drafter: Proposer = NgramProposer()
     else:

@@ -28,6 +28,7 @@ from torch import nn
 
 from models.checkpoint import tie_word_embeddings
 from models.kernels.linear import Linear
+from models.layers.activations import rowwise
 from models.layers.attention import AttentionMetadata, LayerAttention, paged_attention
 from models.layers.gated_deltanet import GatedDeltaNet, LinearAttentionShape
 from models.layers.mlp import GatedMLP
@@ -344,7 +345,7 @@ class Attention(nn.Module):
             v = rms_norm_unscaled(v, self.eps)
         out = self._attend(q, k, v, meta)
         if gate is not None:
-            out = out * torch.sigmoid(gate.reshape(t, self.q_size))
+            out = out * rowwise("sigmoid", gate.reshape(t, self.q_size))
         return self.o_proj(out)
 
     def _rotate(self, x: torch.Tensor, cos, sin) -> torch.Tensor:

@@ -21,11 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models.kernels.linear import Linear
 from models.layers import delta_rule
+from models.layers.activations import rowwise
 from models.layers.state_metadata import StateMetadata
 
 # Tokens per chunk of the chunked form (the reference's).
@@ -94,7 +94,7 @@ class GatedRMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         h = self.weight * h.to(dtype)
-        return (h * F.silu(gate.float())).to(dtype)
+        return (h * rowwise("silu", gate.float())).to(dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -162,8 +162,8 @@ class GatedDeltaNet(nn.Module):
         q, k = delta_rule.prepare_qk(q.view(t, s.num_k_heads, s.k_head_dim),
                                      k.view(t, s.num_k_heads, s.k_head_dim), s.num_v_heads)
         v = v.reshape(t, s.num_v_heads, s.v_head_dim).float()
-        beta = b.sigmoid().float()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        beta = rowwise("sigmoid", b).float()
+        g = -self.A_log.float().exp() * rowwise("softplus", a.float() + self.dt_bias)
 
         core = x.new_empty(t, s.num_v_heads, s.v_head_dim)
         for piece, seen in zip(meta.pieces, histories, strict=True):
