@@ -104,7 +104,7 @@ class LLMEngine:
             states.num_slots, states.num_snapshots, layout.block_size)
         self.scheduler = Scheduler(self.config, self.block_manager, self.encoder_cache,
                                    self.state_cache, verify_rows=FUSED_ROWS)
-        self.speculator = build_speculator(self.config, self.runner, setup, self.tokenizer)
+        self.speculator = build_speculator(self.config, self.runner, setup, self.block_manager)
         self.eos_token_ids = setup.eos_token_ids
         self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size,
                                         sorted(self.eos_token_ids))

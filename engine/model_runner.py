@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -30,6 +30,7 @@ from engine.device import DeviceTimer, to_device, wait_for_device
 from engine.request import Request
 from engine.sampler import SamplingBatch, sample
 from engine.scheduler import SchedulerOutput
+from engine.speculative.rejection import resample_drafted
 from engine.speculative.verify import SampleRows, accepted_count, sample_rows
 from models.checkpoint import CheckpointError, describe_tie
 from models.gguf.load import load_gguf
@@ -119,6 +120,7 @@ class StepResult:
     logprobs: list[list[dict[int, float]] | None]
     encoder_time: float = 0.0  # seconds the batched encoders ran this step
     hidden: torch.Tensor | None = None  # [T, H] the decoder's output (drafters read it)
+    logits: torch.Tensor | None = None  # [S, V] the sampled rows' (execute's keep_logits)
 
 
 class ModelRunner:
@@ -230,6 +232,14 @@ class ModelRunner:
             )
         return CacheLayout(num_blocks, bs, max_model_len, per_block)
 
+    def resize_kv_cache(self, num_blocks: int) -> None:
+        """Re-allocate the KV cache with `num_blocks` blocks (a draft model's, indexed by its
+        target's block ids: engine/speculative/draft_model.py)."""
+        self.layout = replace(self.layout, num_blocks=num_blocks)
+        self.kv_caches = self._allocate_kv_cache()
+        if self.native_decode:
+            self.native_decode = self.model.prepare_decode()  # it holds the caches' pointers
+
     def _allocate_kv_cache(self) -> list[torch.Tensor]:
         """A cache [2, Hkv, blocks, block_size, D] per attention layer with keys and values of
         its own; one reading another's (KV sharing) is bound to that cache."""
@@ -289,7 +299,9 @@ class ModelRunner:
     # ---- one step ---------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> StepResult:
+    def execute(self, out: SchedulerOutput, keep_logits: bool = False) -> StepResult:
+        """Run one step. `keep_logits`: the sampled rows' logits come back too (a draft model's
+        runner: its drafter samples from them)."""
         for identifier in out.freed_encoder_hashes:
             self.encoder_outputs.pop(identifier, None)
         encoder = self._run_encoders(out) if out.encoder_inputs else None
@@ -332,9 +344,16 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[rows])
             batch = SamplingBatch.from_requests(sampled.reqs, self.vocab_size, self.device,
                                                 sampled.ahead)
-            step = self._collect(chunks, sampled, sample(logits, batch))
+            drawn = any(c.draft and c.req.speculation.proposal.probs is not None for c in chunks)
+            batch.keep_probs = drawn
+            result = sample(logits, batch)
+            if drawn:  # drafts drawn from a draft distribution: speculative sampling's rule
+                resample_drafted(chunks, sampled, result, batch)
+            step = self._collect(chunks, sampled, result)
             if any(verifies):
                 self._keep_verified(chunks, step)
+            if keep_logits:
+                step.logits = logits
         step.hidden = hidden
         if encoder is not None:  # the device is past the encoders now: reading costs no sync
             step.encoder_time = encoder.seconds()

@@ -50,6 +50,7 @@ class SamplingBatch:
     use_top_p: bool = False
     use_min_p: bool = False
     max_logprobs: int | None = None  # largest `logprobs` requested in the batch
+    keep_probs: bool = False  # return the distribution random rows were drawn from
 
     @classmethod
     def from_requests(
@@ -138,6 +139,10 @@ def _step_seed(seed: int | None, req: Request, ahead: int = 0) -> int | None:
 class SamplerOutput:
     tokens: torch.Tensor  # [S] int64
     logprobs: torch.Tensor | None = None  # [S] float32, log p of the sampled token
+    # [S, V] float32: the distribution each random row was drawn from (batch.keep_probs; a
+    # greedy row's is meaningless)
+    probs: torch.Tensor | None = None
+    logp: torch.Tensor | None = None  # [S, V] log_softmax of the raw logits (keep_probs)
     top_ids: torch.Tensor | None = None  # [S, k] int64
     top_logprobs: torch.Tensor | None = None  # [S, k] float32
 
@@ -155,14 +160,18 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         rows, tokens, values = batch.bias
         logits = logits.index_put((rows, tokens), values, accumulate=True)
     greedy = _argmax(logits)
+    probs = None
     if batch.all_greedy:
         tokens = greedy
     else:
-        tokens = torch.where(batch.temperature == 0, greedy, _sample_random(logits, batch))
-    out = SamplerOutput(tokens=tokens)
+        drawn, probs = _sample_random(logits, batch)
+        tokens = torch.where(batch.temperature == 0, greedy, drawn)
+    out = SamplerOutput(tokens=tokens, probs=probs if batch.keep_probs else None)
     if batch.max_logprobs is not None:
         logp = raw.log_softmax(dim=-1)
         out.logprobs = logp.gather(-1, tokens[:, None]).squeeze(-1)
+        if batch.keep_probs:
+            out.logp = logp
         if batch.max_logprobs > 0:
             out.top_logprobs, out.top_ids = logp.topk(batch.max_logprobs, dim=-1)
     return out
@@ -198,18 +207,26 @@ def _apply_occurrence_penalties(logits: torch.Tensor, batch: SamplingBatch) -> t
             - batch.presence[:, None] * (counts > 0).to(logits.dtype))
 
 
-def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The distribution random rows draw from: logits [S, V] (masked, penalised, biased) at
+    each row's temperature, filtered by its top-k / top-p / min-p, softmaxed."""
     temperature = torch.where(batch.temperature == 0, 1.0, batch.temperature)
     logits = logits / temperature[:, None]
     if batch.use_top_k or batch.use_top_p or batch.use_min_p:
         logits = _filter(logits, batch)
-    probs = logits.softmax(dim=-1)
+    return logits.softmax(dim=-1)
+
+
+def _sample_random(logits: torch.Tensor,
+                   batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a token [S] drawn per row, the distribution [S, V] it was drawn from)."""
+    probs = sampling_probs(logits, batch)
     tokens = torch.multinomial(probs, 1).squeeze(-1)  # [S]
     for row, seed in enumerate(batch.seeds):
         if seed is not None:
             gen = torch.Generator(device=probs.device).manual_seed(seed)
             tokens[row] = torch.multinomial(probs[row], 1, generator=gen)[0]
-    return tokens
+    return tokens, probs
 
 
 def _filter(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

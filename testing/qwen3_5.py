@@ -103,3 +103,46 @@ def build_qwen3_5_text_model(
     model = transformers.Qwen3_5ForCausalLM(config)
     randomize(model, std=std, seed=seed)
     return save_checkpoint(model, tokenizer, Path(path), [tokenizer.eos_token_id])
+
+
+def add_mtp_weights(path: Path, *, seed: int = 7, std: float = 0.25) -> Path:
+    """Give the checkpoint at `path` one multi-token-prediction layer, as Qwen3.5's real
+    checkpoints carry it (vLLM's Qwen3_5MultiTokenPredictor names): `mtp_num_hidden_layers` 1
+    in its text config and random `mtp.*` tensors (fc, the two pre-fc norms, a full-attention
+    decoder layer of the target's shape, built by transformers' own Qwen3.5 layer class, and
+    the final norm) in a second weight file, with an index naming every tensor's file."""
+    import json
+
+    import transformers
+    from safetensors.torch import save_file
+
+    from models.checkpoint import safetensors_header
+
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    text = config.get("text_config", config)
+    text["mtp_num_hidden_layers"] = 1
+    text["mtp_use_dedicated_embeddings"] = False
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    hf = transformers.AutoConfig.from_pretrained(path).get_text_config()
+    full = hf.layer_types.index("full_attention")
+    kind = ("Qwen3_5Moe" if getattr(hf, "num_experts", 0) else "Qwen3_5")
+    module = getattr(transformers.models, kind.lower())
+    layer_cls = getattr(getattr(module, f"modeling_{kind.lower()}"), f"{kind}DecoderLayer")
+    norm_cls = getattr(getattr(module, f"modeling_{kind.lower()}"), f"{kind}RMSNorm")
+    torch.manual_seed(seed)
+    mtp = torch.nn.Module()
+    mtp.layers = torch.nn.ModuleList([layer_cls(hf, full)])
+    mtp.fc = torch.nn.Linear(2 * hf.hidden_size, hf.hidden_size, bias=False)
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        setattr(mtp, name, norm_cls(hf.hidden_size, eps=hf.rms_norm_eps))
+    randomize(mtp, std=std, seed=seed)
+    tensors = {f"mtp.{k}": v.contiguous() for k, v in mtp.state_dict().items()}
+    save_file(tensors, path / "model-mtp.safetensors", metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {}}
+    for file in ("model.safetensors", "model-mtp.safetensors"):
+        for name in safetensors_header(path / file):
+            if name != "__metadata__":
+                index["weight_map"][name] = file
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return path

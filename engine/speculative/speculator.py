@@ -16,6 +16,8 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from engine.block_manager import BlockManager
+from engine.checkpoint_setup import CheckpointSetup
 from engine.config import EngineConfig
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams, SamplingParamsError
@@ -135,8 +137,8 @@ def pin_decode_kernels(runner: ModelRunner) -> None:
         runner.native_decode = runner.model.prepare_decode()
 
 
-def build_speculator(config: EngineConfig, runner: ModelRunner, setup: object,
-                     tokenizer: object) -> Speculator | None:
+def build_speculator(config: EngineConfig, runner: ModelRunner, setup: CheckpointSetup,
+                     blocks: BlockManager) -> Speculator | None:
     """The speculator of an engine started with `speculative` (None without): its drafter
     loaded, and what verification needs bound in the runner."""
     method = config.speculative_method
@@ -147,6 +149,12 @@ def build_speculator(config: EngineConfig, runner: ModelRunner, setup: object,
         pin_decode_kernels(runner)
     if method.name == "ngram":
         drafter: Proposer = NgramProposer()
+    elif method.name == "draft":
+        from engine.speculative.draft_model import DraftModelProposer
+
+        drafter = DraftModelProposer.load(method.path, runner, config, setup.tokenizer, blocks)
     else:
-        raise NotImplementedError(f"speculative={method} is not implemented yet")
+        from engine.speculative.mtp import MTPProposer
+
+        drafter = MTPProposer.load(runner, setup.path, setup.hf_config, config, blocks)
     return Speculator(method, config.num_speculative_tokens, drafter)
