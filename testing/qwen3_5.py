@@ -126,10 +126,11 @@ def add_mtp_weights(path: Path, *, seed: int = 7, std: float = 0.25) -> Path:
     (path / "config.json").write_text(json.dumps(config, indent=2))
     hf = transformers.AutoConfig.from_pretrained(path).get_text_config()
     full = hf.layer_types.index("full_attention")
-    kind = ("Qwen3_5Moe" if getattr(hf, "num_experts", 0) else "Qwen3_5")
-    module = getattr(transformers.models, kind.lower())
-    layer_cls = getattr(getattr(module, f"modeling_{kind.lower()}"), f"{kind}DecoderLayer")
-    norm_cls = getattr(getattr(module, f"modeling_{kind.lower()}"), f"{kind}RMSNorm")
+    moe = bool(getattr(hf, "num_experts", 0))
+    kind, name = ("Qwen3_5Moe", "qwen3_5_moe") if moe else ("Qwen3_5", "qwen3_5")
+    modeling = getattr(getattr(transformers.models, name), f"modeling_{name}")
+    layer_cls = getattr(modeling, f"{kind}DecoderLayer")
+    norm_cls = getattr(modeling, f"{kind}RMSNorm")
     torch.manual_seed(seed)
     mtp = torch.nn.Module()
     mtp.layers = torch.nn.ModuleList([layer_cls(hf, full)])
@@ -146,3 +147,44 @@ def add_mtp_weights(path: Path, *, seed: int = 7, std: float = 0.25) -> Path:
                 index["weight_map"][name] = file
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return path
+
+
+@torch.no_grad()
+def mtp_reference(path: Path, ids: list[int], drafts: int = 2) -> tuple[torch.Tensor, list[int]]:
+    """The MTP layer of a text checkpoint with add_mtp_weights, assembled from transformers'
+    own Qwen3.5 modules as vLLM's Qwen3_5MultiTokenPredictor defines it, after the prompt+token
+    `ids`: (the first draft's logits [V], the greedy drafts, `drafts` of them: each further
+    draft from the layer's own output and the draft before it, one position on)."""
+    import transformers
+    from safetensors.torch import load_file
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    text = hf.config.get_text_config()
+    full = text.layer_types.index("full_attention")
+    module = transformers.models.qwen3_5.modeling_qwen3_5
+    mtp = torch.nn.Module()
+    mtp.layers = torch.nn.ModuleList([module.Qwen3_5DecoderLayer(text, full)])
+    mtp.fc = torch.nn.Linear(2 * text.hidden_size, text.hidden_size, bias=False)
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        setattr(mtp, name, module.Qwen3_5RMSNorm(text.hidden_size, eps=text.rms_norm_eps))
+    weights = {k[len("mtp."):]: v for k, v in load_file(path / "model-mtp.safetensors").items()}
+    mtp.load_state_dict(weights)
+    mtp.eval()
+    tokens = torch.tensor([ids])
+    hidden = hf(tokens, output_hidden_states=True).hidden_states[-1][0]  # after the final norm
+    inputs = list(ids[1:])
+    states = [hidden[i] for i in range(len(ids) - 1)]
+    picked, first = [], None
+    for _ in range(drafts):
+        embeds = hf.model.embed_tokens(torch.tensor([inputs]))
+        x = mtp.fc(torch.cat([mtp.pre_fc_norm_embedding(embeds),
+                              mtp.pre_fc_norm_hidden(torch.stack(states)[None])], dim=-1))
+        positions = torch.arange(x.shape[1])[None]
+        rope = hf.model.rotary_emb(x, positions)
+        out = mtp.norm(mtp.layers[0](x, position_embeddings=rope, position_ids=positions))[0]
+        logits = hf.lm_head(out[-1])
+        first = logits if first is None else first
+        picked.append(int(logits.argmax()))
+        inputs.append(picked[-1])
+        states.append(out[-1])
+    return first, picked
