@@ -260,7 +260,7 @@ class LLMEngine:
         for chunk, tokens in zip(out.chunks, result.tokens, strict=True):
             if chunk.draft:  # the drafts kept: all tokens but the one sampled after them
                 chunk.accepted = tuple(tokens[:-1])
-                _record_verification(chunk, seconds)
+                self.speculator.verified(chunk, seconds)
         self.scheduler.update_after_step(out)
         outputs = self._postprocess(out, result, seconds)
         if self.speculator is not None:
@@ -405,6 +405,8 @@ class LLMEngine:
             delta_token_ids=req.output_token_ids[sent:],
             reasoning_content=reasoning,
             delta_reasoning_content=delta_reasoning,
+            num_draft_tokens=req.metrics.draft_tokens,
+            num_accepted_tokens=req.metrics.accepted_tokens,
         )
         single = RequestOutput(
             request_id=req.request_id,
@@ -451,17 +453,6 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
-
-
-def _record_verification(chunk, seconds: float) -> None:
-    """Count a verification in its request's speculation record and metrics."""
-    req, drafted, accepted = chunk.req, len(chunk.draft), len(chunk.accepted)
-    req.speculation.record(drafted, accepted)
-    m = req.metrics
-    m.draft_tokens += drafted
-    m.accepted_tokens += accepted
-    m.verify_time += seconds
-    m.verify_steps += 1
 
 
 def _item_error(req: Request, index: int, message: str) -> str:

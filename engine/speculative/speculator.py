@@ -21,7 +21,7 @@ from engine.checkpoint_setup import CheckpointSetup
 from engine.config import EngineConfig
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams, SamplingParamsError
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.speculative.method import SpeculativeMethod
 from engine.speculative.ngram import NgramProposer
 from engine.speculative.proposals import Proposal, SpeculationState
@@ -66,6 +66,8 @@ class Speculator:
         self.drafters[method.name] = drafter
         self.draft_rounds = 0
         self.draft_seconds = 0.0
+        self.drafted = 0  # draft tokens verified, all requests
+        self.accepted = 0
 
     def state_for(self, params: SamplingParams) -> SpeculationState | None:
         """A new request's speculation (None: it does not speculate). Asking for a drafter
@@ -106,6 +108,19 @@ class Speculator:
             for req, _ in (pair for items in by_drafter.values() for pair in items):
                 req.metrics.draft_time += seconds
 
+    def verified(self, chunk: ScheduledChunk, seconds: float) -> None:
+        """A verification ran (its accepted drafts set): count it in its request's record and
+        metrics and in the engine's totals."""
+        req, drafted, accepted = chunk.req, len(chunk.draft), len(chunk.accepted)
+        req.speculation.record(drafted, accepted)
+        m = req.metrics
+        m.draft_tokens += drafted
+        m.accepted_tokens += accepted
+        m.verify_time += seconds
+        m.verify_steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+
     def after_step(self, out: SchedulerOutput, result: StepResult) -> None:
         """Let the drafters see the step that ran (before they propose for the next)."""
         for drafter in self.drafters.values():
@@ -117,8 +132,10 @@ class Speculator:
             self.drafters[req.speculation.method].forget(req)
 
     def stats(self) -> dict[str, object]:
+        """Engine-wide counters for the panels (plain numbers)."""
         return {"speculative": str(self.method), "speculative_max_tokens": self.cap,
-                "draft_rounds": self.draft_rounds, "draft_seconds": self.draft_seconds}
+                "draft_rounds": self.draft_rounds, "draft_seconds": self.draft_seconds,
+                "draft_tokens": self.drafted, "accepted_tokens": self.accepted}
 
 
 def pin_decode_kernels(runner: ModelRunner) -> None:
