@@ -344,7 +344,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[rows])
             batch = SamplingBatch.from_requests(sampled.reqs, self.vocab_size, self.device,
                                                 sampled.ahead)
-            drawn = any(c.draft and c.req.speculation.proposal.probs is not None for c in chunks)
+            drawn = any(c.draft_probs is not None for c in chunks)
             batch.keep_probs = drawn
             result = sample(logits, batch)
             if drawn:  # drafts drawn from a draft distribution: speculative sampling's rule

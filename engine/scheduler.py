@@ -56,6 +56,9 @@ class ScheduledChunk:
     # num_tokens), and, once the step ran, those accepted (set by the engine).
     draft: tuple[int, ...] = ()
     accepted: tuple[int, ...] = ()
+    # the distributions the drafts were drawn from ([k', V] on the model's device, opaque
+    # here), or None: chosen outright (engine/speculative/proposals.py)
+    draft_probs: object | None = None
 
     @property
     def end(self) -> int:
@@ -255,7 +258,8 @@ class Scheduler:
             saves = self.states.plan_saves(held, start, start + n) if n > 1 and not draft else []
             state = ChunkState(held.slot, held.restore,
                                tuple((point - start, snapshot) for point, snapshot in saves))
-        out.chunks.append(ScheduledChunk(req, start, n, state, draft))
+        probs = req.speculation.proposal.probs if draft else None
+        out.chunks.append(ScheduledChunk(req, start, n, state, draft, draft_probs=probs))
         for idx in items:
             feature = req.mm_features[idx]
             self.encoder_cache.allocate(req, feature.identifier, feature.encoder_size)

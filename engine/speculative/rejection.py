@@ -40,17 +40,16 @@ def speculative_sample(p: torch.Tensor, q: torch.Tensor, draft: Sequence[int],
 
 def resample_drafted(chunks: Sequence, sampled, result, batch) -> None:
     """Decide, in `result` (the step's SamplerOutput), the rows of every verification whose
-    drafts were drawn from a draft distribution (its proposal carries `probs`), at temperature
+    drafts were drawn from a draft distribution (its chunk's `draft_probs`), at temperature
     above 0: the accepted drafts in their rows, the token after them in the next (which then
     differs from the draft there, so engine.speculative.verify.accepted_count stops at it).
     `sampled`: the step's SampleRows; `batch`: its SamplingBatch (the rows' seeds)."""
     for c, (first, count) in zip(chunks, sampled.spans, strict=True):
-        proposal = c.req.speculation.proposal if c.draft else None
-        if proposal is None or proposal.probs is None or c.req.sampling_params.greedy:
+        if c.draft_probs is None or c.req.sampling_params.greedy:
             continue
         k = len(c.draft)
         p = result.probs[first : first + count]
-        a, token = speculative_sample(p, proposal.probs[:k].to(p.device), c.draft,
+        a, token = speculative_sample(p, c.draft_probs[:k].to(p.device), c.draft,
                                       batch.seeds[first])
         for i in range(a):
             result.tokens[first + i] = c.draft[i]
