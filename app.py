@@ -47,6 +47,12 @@ _ENGINE_OPTIONS = {  # flag -> (engine option, type, help)
         "quantization", str, "int8 or int4 weights for the language model's linears (CPU)"),
     "--quantization-group-size": (
         "quantization_group_size", int, "inputs per int8 / int4 scale: 32, 64 or 128 (default 64)"),
+    "--speculative": (
+        "speculative", str, "speculative decoding: ngram (lookup in the prompt and output), "
+        "draft:PATH (a small model of the same tokenizer, or Gemma 4's assistant) or mtp (the "
+        "checkpoint's multi-token-prediction layer); the output is unchanged"),
+    "--num-speculative-tokens": (
+        "num_speculative_tokens", int, "the most draft tokens verified per step (default 5)"),
 }
 
 

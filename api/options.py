@@ -1,6 +1,6 @@
 """The published schema of a request's output options: `response_format` (OpenAI's text,
 json_object and json_schema), vLLM's `structured_outputs` (and its older `guided_*` fields),
-and function tools with `tool_choice`."""
+function tools with `tool_choice`, and speculative decoding's per-request `speculative_config`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.speculative.method import MAX_SPECULATIVE_TOKENS
 from engine.structured_outputs import StructuredOutputs
 
 
@@ -102,3 +103,13 @@ class NamedToolChoice(_Model):
 
 
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class SpeculativeConfig(_Model):
+    """Per request, vLLM's `speculative_config` names: `method` "ngram" (n-gram lookup, on any
+    engine started with speculative decoding) or the engine's own drafter ("draft", "mtp"),
+    and `num_speculative_tokens`, the most draft tokens verified per step (0: this request does
+    not speculate). The output is unchanged either way (docs/speculative.md)."""
+
+    method: Literal["ngram", "draft", "mtp"] | None = None
+    num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS)

@@ -18,6 +18,7 @@ from api.messages import ChatMessage
 from api.options import (
     NamedToolChoice,
     ResponseFormat,
+    SpeculativeConfig,
     StructuredOutputsField,
     Tool,
     ToolChoice,
@@ -70,6 +71,7 @@ class _GenerationRequest(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     lora: str | None = None  # ours: a LoRA adapter the engine loaded (SamplingParams.lora)
+    speculative_config: SpeculativeConfig | None = None  # vLLM's names, per request
 
     @property
     def include_usage(self) -> bool:
@@ -114,7 +116,15 @@ class _GenerationRequest(BaseModel):
             logit_bias=self._logit_bias(),
             structured_outputs=constraint or self.output_constraint(),
             lora=self.lora,
+            **self._speculation(),
         )
+
+    def _speculation(self) -> dict[str, Any]:
+        spec = self.speculative_config
+        if spec is None:
+            return {}
+        return {"num_speculative_tokens": spec.num_speculative_tokens,
+                "speculative_method": spec.method}
 
     def output_constraint(self) -> StructuredOutputs | None:
         guided = {k: getattr(self, k) for k in

@@ -83,13 +83,21 @@ def model_list(engines: Mapping[str, AsyncLLM], created: int) -> dict:
 
 
 def usage(out: RequestOutput) -> dict:
+    """OpenAI's usage; a request drafted for (speculative decoding) also reports its draft
+    tokens in OpenAI's names for predicted tokens: those accepted, those rejected."""
     prompt, completion = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
-    return {
+    body = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
     }
+    drafted = sum(c.num_draft_tokens for c in out.outputs)
+    if drafted:
+        accepted = sum(c.num_accepted_tokens for c in out.outputs)
+        body["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                             "rejected_prediction_tokens": drafted - accepted}
+    return body
 
 
 def extension(out: RequestOutput) -> dict:

@@ -20,6 +20,8 @@ class Usage(_Model):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: dict[str, int | None] | None = None
+    # speculative decoding: the draft tokens accepted and rejected (OpenAI's names)
+    completion_tokens_details: dict[str, int] | None = None
 
 
 class ReplyMessage(_Model):

@@ -150,12 +150,15 @@ class BlockManager:
         self.prefix_queried_tokens += queried_tokens
         self.prefix_hit_tokens += hit_tokens
 
-    def cache_computed_blocks(self, req: Request, start: int, end: int) -> None:
-        """Register the blocks that became full while tokens [start, end) were computed."""
+    def cache_computed_blocks(self, req: Request, start: int, end: int,
+                              pending: tuple[int, ...] = ()) -> None:
+        """Register the blocks that became full while tokens [start, end) were computed.
+        `pending`: tokens after `req`'s that were computed too (accepted draft tokens the
+        engine appends after this call)."""
         if not self.enable_prefix_caching:
             return
         first, last = start // self.block_size, end // self.block_size
-        self._extend_hashes(req, last)
+        self._extend_hashes(req, last, pending)
         for i in range(first, last):
             block = self.blocks[req.block_ids[i]]
             block_hash = req.block_hashes[i]
@@ -165,13 +168,17 @@ class BlockManager:
                 if self.copy_kv is not None:
                     parent = req.block_hashes[i - 1] if i else _chain_root(req)
                     self._index(block, parent, _keys(req, i * self.block_size,
-                                                     (i + 1) * self.block_size))
+                                                     (i + 1) * self.block_size, pending))
 
-    def _extend_hashes(self, req: Request, num_blocks: int) -> None:
+    def _extend_hashes(self, req: Request, num_blocks: int,
+                       pending: tuple[int, ...] = ()) -> None:
         bs = self.block_size
+        ids = req.all_token_ids
+        if pending and len(req.block_hashes) < num_blocks:
+            ids = ids + list(pending)
         for i in range(len(req.block_hashes), num_blocks):
             parent = req.block_hashes[i - 1] if i else _chain_root(req)
-            tokens = array("q", req.all_token_ids[i * bs : (i + 1) * bs])
+            tokens = array("q", ids[i * bs : (i + 1) * bs])
             h = blake3(parent)
             h.update(tokens.tobytes())
             for feature in req.mm_features:
@@ -215,6 +222,17 @@ class BlockManager:
             self.copy_kv(tail[0], req.block_ids[len(cached)], tail[1])
             self.tail_hit_tokens += tail[1]
         return True
+
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Give back `req`'s blocks past those its first `num_tokens` tokens need (the slots of
+        rejected draft tokens: never hashed, they go to the front of the free queue)."""
+        keep = self.blocks_needed(num_tokens)
+        while len(req.block_ids) > keep:
+            block = self.blocks[req.block_ids.pop()]
+            assert block.ref_count == 1 and block.block_hash is None, "a trimmed block is shared"
+            block.ref_count = 0
+            self.free[block.block_id] = None
+            self.free.move_to_end(block.block_id, last=False)
 
     def _evict(self, block: KVBlock) -> None:
         """Forget what a block handed out for new tokens held (prefix cache, tail index)."""
@@ -306,9 +324,10 @@ def _chain_root(req: Request) -> bytes:
     return b"" if req.adapter is None else b"lora:" + req.adapter.encode()
 
 
-def _keys(req: Request, lo: int, hi: int) -> tuple[int, ...]:
-    """Token ids [lo, hi) of `req`, _MEDIA at placeholder positions."""
-    keys = list(req.all_token_ids[lo:hi])
+def _keys(req: Request, lo: int, hi: int, pending: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """Token ids [lo, hi) of `req` (then `pending`), _MEDIA at placeholder positions."""
+    ids = req.all_token_ids if not pending else req.all_token_ids + list(pending)
+    keys = list(ids[lo:hi])
     for feature in req.mm_features:
         ph = feature.placeholder
         for pos in range(max(lo, ph.offset), min(hi, ph.end)):

@@ -10,6 +10,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
+from engine.speculative.method import MAX_SPECULATIVE_TOKENS, SpeculativeMethod
+
 GiB = 1 << 30
 QUANTIZATIONS = (None, "int8", "int4")
 QUANTIZATION_GROUP_SIZES = (32, 64, 128)
@@ -63,6 +65,14 @@ class EngineConfig:
         lora_adapters: LoRA adapters requests may choose by name (`SamplingParams.lora`):
             (name, PEFT adapter folder) pairs, or a {name: folder} mapping. Names are letters,
             digits, ".", "_" and "-", at most 64 characters.
+        speculative: speculative decoding (docs/speculative.md): "ngram" (the last tokens
+            looked up in the prompt and the output so far), "draft:PATH" (a small model of the
+            same tokenizer, or Gemma 4's assistant) or "mtp" (the checkpoint's own
+            multi-token-prediction layer); None: off. Requests may turn it off or down, or
+            choose "ngram" instead (`SamplingParams.num_speculative_tokens`,
+            `speculative_method`).
+        num_speculative_tokens: the most draft tokens one step verifies per request (1 to
+            16); each request's number adapts below it to the drafts' measured acceptance.
     """
 
     block_size: int = 16
@@ -80,9 +90,19 @@ class EngineConfig:
     state_snapshot_bytes: int | None = None
     cross_attention_cache_bytes: int | None = None
     lora_adapters: tuple[tuple[str, str], ...] = ()
+    speculative: str | None = None
+    num_speculative_tokens: int = 5
 
     def __post_init__(self) -> None:
         self._check_adapters()
+        if self.speculative is not None:
+            SpeculativeMethod.parse(self.speculative)
+        if isinstance(self.num_speculative_tokens, bool) or not isinstance(
+                self.num_speculative_tokens, int):
+            raise ValueError(f"num_speculative_tokens must be an integer, got "
+                             f"{self.num_speculative_tokens!r}")
+        _check_range("num_speculative_tokens", self.num_speculative_tokens, 1,
+                     MAX_SPECULATIVE_TOKENS)
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(
                 f"block_size must be a power of two in [1, 256], got {self.block_size}"
@@ -114,6 +134,11 @@ class EngineConfig:
             value = getattr(self, f.name)
             if isinstance(value, float):
                 raise ValueError(f"{f.name} must be an integer, got {value!r}")
+
+    @property
+    def speculative_method(self) -> SpeculativeMethod | None:
+        """The parsed `speculative` option (None: off)."""
+        return None if self.speculative is None else SpeculativeMethod.parse(self.speculative)
 
     def _check_adapters(self) -> None:
         pairs = self.lora_adapters

@@ -127,10 +127,17 @@ class GrammarState:
         """Whether a live matcher is held (released ones cost nothing)."""
         return self._matcher is not None
 
-    def fill(self, row: torch.Tensor, output_token_ids: Sequence[int]) -> None:
-        """Write the tokens allowed next into `row` ([W] int32, contiguous, on the CPU)."""
+    def fill(self, row: torch.Tensor, output_token_ids: Sequence[int],
+             ahead: Sequence[int] = ()) -> None:
+        """Write the tokens allowed next into `row` ([W] int32, contiguous, on the CPU); with
+        `ahead` (draft tokens being verified), the tokens allowed after them: the matcher
+        advances through them and back. A draft the grammar refuses stops the advance there
+        (that draft is rejected by the mask of its own row, so the rows after it go unused)."""
         matcher = self._live(output_token_ids)
+        consumed = matcher.try_consume_tokens(list(ahead)) if ahead else 0
         matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+        if consumed:
+            matcher.rollback(consumed)
 
     def accept(self, token: int, output_token_ids: Sequence[int]) -> bool:
         """Advance by `token` (already appended to `output_token_ids`). Returns whether the

@@ -38,8 +38,10 @@ from engine.reasoning import ReasoningSplitter
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.speculative.speculator import build_speculator
 from engine.state_cache import StateCacheManager
 from models.interfaces import ProcessorContext
+from models.kernels.native import FUSED_ROWS
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +109,8 @@ class LLMEngine:
         self.state_cache = None if states is None else StateCacheManager(
             states.num_slots, states.num_snapshots, layout.block_size)
         self.scheduler = Scheduler(self.config, self.block_manager, self.encoder_cache,
-                                   self.state_cache)
+                                   self.state_cache, verify_rows=FUSED_ROWS)
+        self.speculator = build_speculator(self.config, self.runner, setup, self.block_manager)
         self.eos_token_ids = setup.eos_token_ids
         self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size,
                                         sorted(self.eos_token_ids))
@@ -147,6 +150,7 @@ class LLMEngine:
             message_starts=processed.message_starts,
             grammar=self.grammars.state(params.structured_outputs, closes),
             adapter=adapter,
+            speculation=self._speculation(params),
         )
         if arrival_time is not None:
             req.metrics.arrival_time = arrival_time
@@ -157,6 +161,18 @@ class LLMEngine:
         if thinking is not None and self.processor.thinking is not None:
             req.reasoning = ReasoningSplitter(self.processor.thinking, thinking)
         return req
+
+    def _speculation(self, params: SamplingParams):
+        """A new request's speculation state (None: it does not speculate)."""
+        if self.speculator is None:
+            if params.num_speculative_tokens or params.speculative_method:
+                field = ("num_speculative_tokens" if params.num_speculative_tokens
+                         else "speculative_method")
+                raise SamplingParamsError(field, (
+                    f"{field} needs an engine started with speculative decoding (the "
+                    "`speculative` engine option, --speculative); this one has none"))
+            return None
+        return self.speculator.state_for(params)
 
     def _child(self, req: Request, index: int) -> Request:
         """Completion `index` of `req` (n > 1): the same prompt and media, its own state."""
@@ -218,6 +234,8 @@ class LLMEngine:
         """Finish `req` (and, for a first completion that never sampled, its siblings that
         are still waiting for it)."""
         self.scheduler.finish(req, status)
+        if self.speculator is not None:
+            self.speculator.forget(req)
         if not req.output_token_ids:
             for sibling in self.fanout.unstarted(req):
                 sibling.error = req.error
@@ -230,6 +248,9 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
+        if self.speculator is not None:
+            for req in out.preempted:  # recomputed from the start: so are their drafters'
+                self.speculator.forget(req)
         if not out.chunks:
             return self._refuse_unschedulable()
         t0 = time.monotonic()
@@ -241,34 +262,46 @@ class LLMEngine:
             log.exception("engine step failed")
             return self._fail(out, e)
         self.num_steps += 1
+        seconds = time.monotonic() - t0
+        for chunk, tokens in zip(out.chunks, result.tokens, strict=True):
+            if chunk.draft:  # the drafts kept: all tokens but the one sampled after them
+                chunk.accepted = tuple(tokens[:-1])
+                self.speculator.verified(chunk, seconds)
         self.scheduler.update_after_step(out)
-        return self._postprocess(out, result, time.monotonic() - t0)
+        outputs = self._postprocess(out, result, seconds)
+        if self.speculator is not None:
+            self.speculator.after_step(out, result)
+            self.speculator.propose(self.scheduler.running)
+        return outputs
 
     def _postprocess(
         self, out: SchedulerOutput, result: StepResult, seconds: float
     ) -> list[RequestOutput]:
         now = time.monotonic()
         outputs = []
-        for chunk, token, logprobs in zip(out.chunks, result.tokens, result.logprobs, strict=True):
+        for chunk, tokens, logprobs in zip(out.chunks, result.tokens, result.logprobs,
+                                           strict=True):
             req = chunk.req
             if chunk.start < req.num_prompt_tokens:
                 req.metrics.prefill_chunks.append((chunk.num_tokens, seconds))
             if result.encoder_time and any(r is req for r, _ in out.encoder_inputs):
                 req.metrics.encoder_time += result.encoder_time
                 req.metrics.encoder_calls += 1
-            if token is None:
+            if not tokens:
                 continue
-            req.append_token(token)
-            for sibling in self.fanout.ready(req):
-                self.scheduler.add(sibling)
-            if logprobs is not None:
-                req.logprobs.append(logprobs)
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
+            for i, token in enumerate(tokens):  # a verification's accepted drafts, then one
+                req.append_token(token)
+                for sibling in self.fanout.ready(req):
+                    self.scheduler.add(sibling)
+                if logprobs is not None:
+                    req.logprobs.append(logprobs[i])
+                if req.metrics.first_token_time is None:
+                    req.metrics.first_token_time = now
+                status = self._check_stop(req, token)
+                if status is not None:
+                    self._finish(req, status)
+                    break
             req.metrics.last_token_time = now
-            status = self._check_stop(req, token)
-            if status is not None:
-                self._finish(req, status)
             outputs.append(self._output(req))
         return outputs
 
@@ -378,6 +411,8 @@ class LLMEngine:
             delta_token_ids=req.output_token_ids[sent:],
             reasoning_content=reasoning,
             delta_reasoning_content=delta_reasoning,
+            num_draft_tokens=req.metrics.draft_tokens,
+            num_accepted_tokens=req.metrics.accepted_tokens,
         )
         single = RequestOutput(
             request_id=req.request_id,
@@ -415,6 +450,7 @@ class LLMEngine:
             **self.encoder_cache.stats(),
             **state_stats(self.runner, self.state_cache),
             **cross_stats(self.runner),
+            **({} if self.speculator is None else self.speculator.stats()),
         }
 
     def weights_description(self) -> str:

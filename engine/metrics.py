@@ -17,6 +17,7 @@ class RequestMetrics:
     `stages` holds the pre-engine stages measured in worker threads (media_load, preprocess,
     hashing), in seconds. `prefill_chunks` lists (tokens, seconds) for every step that computed
     part of the prompt. Encoder fields count only the work done for this request's items.
+    Speculative decoding's fields count this request's drafts (engine/speculative/).
     """
 
     arrival_time: float = field(default_factory=time.monotonic)  # at the front door
@@ -32,6 +33,13 @@ class RequestMetrics:
     encoder_calls: int = 0
     encoder_cache_hits: int = 0
     encoder_cache_misses: int = 0
+    # Speculative decoding: draft tokens verified and accepted, the drafter's time spent on
+    # this request's drafts and the time of the steps that verified them.
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    verify_steps: int = 0
 
     @property
     def queue_time(self) -> float | None:
@@ -78,4 +86,9 @@ class RequestMetrics:
             "encoder_calls": self.encoder_calls,
             "encoder_cache_hits": self.encoder_cache_hits,
             "encoder_cache_misses": self.encoder_cache_misses,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "draft_time": self.draft_time,
+            "verify_time": self.verify_time,
+            "verify_steps": self.verify_steps,
         }

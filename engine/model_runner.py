@@ -3,7 +3,9 @@
 `execute` turns a SchedulerOutput into tensors built on the host (token ids, positions, attention
 indices, sampling options), moves them to the device once, runs the batched encoders for the
 media items scheduled this step, splices their embeddings into the chunk, runs the decoder over
-the flat token batch and samples one token for every chunk that reached the end of its request.
+the flat token batch and samples one token for every chunk that reached the end of its request,
+and every row of a verification of draft tokens (speculative decoding: engine/speculative/,
+whose drafts are kept while they match what the target produces at their rows).
 The only host sync is reading the sampled tokens back at the end; a step that samples nothing
 (all its chunks end mid-prompt) waits for the device instead, so that the step's time and its
 encoder time, which the panels show, are the device's real times.
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -28,6 +30,8 @@ from engine.device import DeviceTimer, to_device, wait_for_device
 from engine.request import Request
 from engine.sampler import SamplingBatch, sample
 from engine.scheduler import SchedulerOutput
+from engine.speculative.rejection import resample_drafted
+from engine.speculative.verify import SampleRows, accepted_count, sample_rows
 from models.checkpoint import CheckpointError, describe_tie
 from models.gguf.load import load_gguf
 from models.gguf.reader import is_gguf
@@ -107,12 +111,16 @@ class EncoderItemsFailed(RuntimeError):
 
 @dataclass
 class StepResult:
-    """Per chunk of the step (aligned with `SchedulerOutput.chunks`): the sampled token or None,
-    and its logprobs entry ({token id: logprob}, sampled token first) when asked for."""
+    """Per chunk of the step (aligned with `SchedulerOutput.chunks`): its new tokens (none for
+    a chunk that ends mid-prompt; one for a sampling chunk; for a verification of drafts, the
+    accepted drafts and the token after them), and their logprobs entries ({token id: logprob},
+    the token first) when asked for."""
 
-    tokens: list[int | None]
-    logprobs: list[dict[int, float] | None]
+    tokens: list[list[int]]
+    logprobs: list[list[dict[int, float]] | None]
     encoder_time: float = 0.0  # seconds the batched encoders ran this step
+    hidden: torch.Tensor | None = None  # [T, H] the decoder's output (drafters read it)
+    logits: torch.Tensor | None = None  # [S, V] the sampled rows' (execute's keep_logits)
 
 
 class ModelRunner:
@@ -225,6 +233,14 @@ class ModelRunner:
             )
         return CacheLayout(num_blocks, bs, max_model_len, per_block)
 
+    def resize_kv_cache(self, num_blocks: int) -> None:
+        """Re-allocate the KV cache with `num_blocks` blocks (a draft model's, indexed by its
+        target's block ids: engine/speculative/draft_model.py)."""
+        self.layout = replace(self.layout, num_blocks=num_blocks)
+        self.kv_caches = self._allocate_kv_cache()
+        if self.native_decode:
+            self.native_decode = self.model.prepare_decode()  # it holds the caches' pointers
+
     def _allocate_kv_cache(self) -> list[torch.Tensor]:
         """A cache [2, Hkv, blocks, block_size, D] per attention layer with keys and values of
         its own; one reading another's (KV sharing) is bound to that cache."""
@@ -273,10 +289,20 @@ class ModelRunner:
                 torch.zeros((snapshots, *recurrent), dtype=torch.float32, device=self.device))
         return StateLayout(slots, snapshots, per_sequence, len(layers))
 
+    def bind_verify_backups(self) -> None:
+        """Speculative decoding on a hybrid model: a backup of each linear layer's slot pools,
+        where verifications keep their slots' states before the step (as large as the slots:
+        `StateLayout.slot_bytes` more)."""
+        for layer in self.model.state_layers():
+            layer.bind_backups(torch.zeros_like(layer.conv_states),
+                               torch.zeros_like(layer.recurrent_states))
+
     # ---- one step ---------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> StepResult:
+    def execute(self, out: SchedulerOutput, keep_logits: bool = False) -> StepResult:
+        """Run one step. `keep_logits`: the sampled rows' logits come back too (a draft model's
+        runner: its drafter samples from them)."""
         for identifier in out.freed_encoder_hashes:
             self.encoder_outputs.pop(identifier, None)
         encoder = self._run_encoders(out) if out.encoder_inputs else None
@@ -284,20 +310,21 @@ class ModelRunner:
         chunks = out.chunks
         ids: list[int] = []
         for c in chunks:
-            ids.extend(c.req.all_token_ids[c.start : c.end])
+            ids.extend(c.token_ids)
         input_ids = to_device(torch.tensor(ids, dtype=torch.int64), self.device)
         positions = self._positions(chunks)
+        verifies = [bool(c.draft) for c in chunks]  # chunks of drafts, attended as decodes
         meta = build_metadata(
             [c.start for c in chunks], [c.num_tokens for c in chunks],
             [c.req.block_ids for c in chunks], self.layout.block_size, self.device, self.dtype,
             windows=self.windows, bidirectional=[_bidirectional_spans(c) for c in chunks],
             decode_kernel=self.decode_kernel, backend=self.attention_backend,
-            span_windows=self.span_windows,
+            span_windows=self.span_windows, decode_chunks=verifies,
         )
         if self.state_layout is not None:
             meta.states = build_state_metadata(
                 [c.start for c in chunks], [c.num_tokens for c in chunks],
-                [c.state for c in chunks], self.device)
+                [c.state for c in chunks], self.device, verifies)
         if self.cross_layout is not None:
             meta.cross = build_cross_metadata(
                 [c.start for c in chunks], [c.num_tokens for c in chunks],
@@ -309,24 +336,38 @@ class ModelRunner:
         embeds, residuals = self._splice_embeddings(input_ids, chunks)
         hidden = self.model(input_ids, positions, meta, embeds, residuals)
 
-        ends, sampling = [], []
-        offset = 0
-        for c in chunks:
-            offset += c.num_tokens
-            if c.samples:
-                ends.append(offset - 1)
-                sampling.append(c.req)
-        if not sampling:
+        sampled = sample_rows(chunks)
+        if not sampled.rows:
             wait_for_device(self.device)
-            step = StepResult([None] * len(chunks), [None] * len(chunks))
+            step = StepResult([[] for _ in chunks], [None] * len(chunks))
         else:
-            rows = to_device(torch.tensor(ends, dtype=torch.int64), self.device)
+            rows = to_device(torch.tensor(sampled.rows, dtype=torch.int64), self.device)
             logits = self.model.compute_logits(hidden[rows])
-            batch = SamplingBatch.from_requests(sampling, self.vocab_size, self.device)
-            step = self._collect(chunks, sample(logits, batch))
+            batch = SamplingBatch.from_requests(sampled.reqs, self.vocab_size, self.device,
+                                                sampled.ahead)
+            drawn = any(c.draft_probs is not None for c in chunks)
+            batch.keep_probs = drawn
+            result = sample(logits, batch)
+            if drawn:  # drafts drawn from a draft distribution: speculative sampling's rule
+                resample_drafted(chunks, sampled, result, batch)
+            step = self._collect(chunks, sampled, result)
+            if any(verifies):
+                self._keep_verified(chunks, step)
+            if keep_logits:
+                step.logits = logits
+        step.hidden = hidden
         if encoder is not None:  # the device is past the encoders now: reading costs no sync
             step.encoder_time = encoder.seconds()
         return step
+
+    def _keep_verified(self, chunks, step: StepResult) -> None:
+        """Hybrid models: each verification's state slot keeps the state after its last
+        accepted token (models/layers/gated_deltanet.py)."""
+        if self.state_layout is None:
+            return
+        kept = [len(tokens) for c, tokens in zip(chunks, step.tokens, strict=True) if c.draft]
+        for layer in self.model.state_layers():
+            layer.keep_verified(kept)
 
     def _positions(self, chunks) -> torch.Tensor:
         """[T] positions, or [rows, T] for multi-row (mRoPE) models, from each request's
@@ -420,7 +461,7 @@ class ModelRunner:
             return embeds.index_copy_(0, index, media), None
         return embeds.index_copy_(0, index, media[0]), (index, media[1:])
 
-    def _collect(self, chunks, result) -> StepResult:
+    def _collect(self, chunks, sampled: SampleRows, result) -> StepResult:
         # The step's single host sync; everything below reads host copies.
         tokens = result.tokens.tolist()
         logprobs = None if result.logprobs is None else result.logprobs.tolist()
@@ -428,22 +469,22 @@ class ModelRunner:
         if result.top_ids is not None:
             top = (result.top_ids.tolist(), result.top_logprobs.tolist())
         out = StepResult([], [])
-        row = 0
-        for c in chunks:
-            if not c.samples:
-                out.tokens.append(None)
+        for c, (first, count) in zip(chunks, sampled.spans, strict=True):
+            # a verification keeps its accepted drafts and the token after them
+            n = accepted_count(c.draft, tokens[first : first + count]) + 1 if count else 0
+            out.tokens.append(tokens[first : first + n])
+            k = c.req.sampling_params.logprobs
+            if k is None or not n:
                 out.logprobs.append(None)
                 continue
-            k = c.req.sampling_params.logprobs
-            entry = None
-            if k is not None:
+            entries = []
+            for row in range(first, first + n):
                 entry = {tokens[row]: logprobs[row]}
                 if k and top is not None:
                     for t, v in zip(top[0][row][:k], top[1][row][:k], strict=True):
                         entry.setdefault(t, v)
-            out.tokens.append(tokens[row])
-            out.logprobs.append(entry)
-            row += 1
+                entries.append(entry)
+            out.logprobs.append(entries)
         return out
 
 

@@ -43,7 +43,8 @@ class CompletionOutput:
     reported the count without the ids (None: not known yet).
 
     For a thinking model's chat (engine/reasoning.py) `text` is the answer and
-    `reasoning_content` the thinking (None: a model or request without it)."""
+    `reasoning_content` the thinking (None: a model or request without it). Speculative
+    decoding: `num_draft_tokens` drafts were verified for it, `num_accepted_tokens` kept."""
 
     index: int
     text: str
@@ -56,6 +57,8 @@ class CompletionOutput:
     num_tokens: int | None = -1  # -1: len(token_ids), filled in on construction
     reasoning_content: str | None = None
     delta_reasoning_content: str = ""
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.num_tokens == -1:

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from engine.detokenizer import IncrementalDetokenizer
     from engine.grammar import GrammarState
     from engine.reasoning import ReasoningSplitter
+    from engine.speculative.proposals import SpeculationState
 
 __all__ = ["MultiModalFeature", "PlaceholderRange", "Request", "RequestStatus"]
 
@@ -60,6 +61,9 @@ class Request:
     parent_id: str | None = None
     # Structured output: the request's place in its grammar (None: unconstrained).
     grammar: GrammarState | None = None
+    # Speculative decoding: its drafter, drafts for the next step and their record (None:
+    # it does not speculate).
+    speculation: SpeculationState | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -99,6 +103,17 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def draft_token_ids(self) -> tuple[int, ...]:
+        """Draft tokens proposed for the request's next step (verified with its last token)."""
+        spec = self.speculation
+        return () if spec is None or spec.proposal is None else spec.proposal.tokens
+
+    def drop_drafts(self) -> None:
+        """Forget the proposed drafts (preempted, finished, or verified)."""
+        if self.speculation is not None:
+            self.speculation.proposal = None
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -50,17 +50,25 @@ class SamplingBatch:
     use_top_p: bool = False
     use_min_p: bool = False
     max_logprobs: int | None = None  # largest `logprobs` requested in the batch
+    keep_probs: bool = False  # return the distribution random rows were drawn from
 
     @classmethod
     def from_requests(
-        cls, reqs: list[Request], vocab_size: int, device: torch.device
+        cls, reqs: list[Request], vocab_size: int, device: torch.device,
+        drafts: list[tuple[int, ...]] | None = None,
     ) -> SamplingBatch:
+        """One row per entry of `reqs` (a request may have several rows). `drafts`: per row,
+        the draft tokens that precede it after the request's own (speculative decoding: row i
+        of a verification samples the token after its first i drafts, so its penalties,
+        grammar mask and seed are those of a request that had them)."""
         params = [r.sampling_params for r in reqs]
+        drafts = drafts or [()] * len(reqs)
         penalized = any(p.repetition_penalty != 1.0 for p in params)
         history = None
         if penalized:
-            longest = max(r.num_tokens for r in reqs)
-            rows = [r.all_token_ids + [vocab_size] * (longest - r.num_tokens) for r in reqs]
+            seen = [r.all_token_ids + list(d) for r, d in zip(reqs, drafts, strict=True)]
+            longest = max(len(h) for h in seen)
+            rows = [h + [vocab_size] * (longest - len(h)) for h in seen]
             history = to_device(torch.tensor(rows, dtype=torch.int64), device)
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         batch = cls(
@@ -70,25 +78,27 @@ class SamplingBatch:
             min_p=to_device(torch.tensor([p.min_p for p in params]), device),
             penalty=to_device(torch.tensor([p.repetition_penalty for p in params]), device),
             history=history,
-            seeds=[_step_seed(p.seed, r) for p, r in zip(params, reqs, strict=True)],
+            seeds=[_step_seed(p.seed, r, len(d))
+                   for p, r, d in zip(params, reqs, drafts, strict=True)],
             all_greedy=all(p.greedy for p in params),
             use_top_k=any(0 < p.top_k < vocab_size and not p.greedy for p in params),
             use_top_p=any(p.top_p < 1.0 and not p.greedy for p in params),
             use_min_p=any(p.min_p > 0.0 and not p.greedy for p in params),
             max_logprobs=max(wanted) if wanted else None,
         )
-        batch._add_penalties(reqs, vocab_size, device)
+        batch._add_penalties(reqs, drafts, vocab_size, device)
         batch._add_bias(reqs, vocab_size, device)
-        batch._add_masks(reqs, device)
+        batch._add_masks(reqs, drafts, device)
         return batch
 
-    def _add_penalties(self, reqs: list[Request], vocab_size: int, device) -> None:
+    def _add_penalties(self, reqs: list[Request], drafts: list[tuple[int, ...]],
+                       vocab_size: int, device) -> None:
         params = [r.sampling_params for r in reqs]
         if not any(p.penalized for p in params):
             return
-        longest = max(r.num_output_tokens for r in reqs)
-        rows = [r.output_token_ids + [vocab_size] * (longest - r.num_output_tokens)
-                for r in reqs]
+        outs = [r.output_token_ids + list(d) for r, d in zip(reqs, drafts, strict=True)]
+        longest = max(len(o) for o in outs)
+        rows = [o + [vocab_size] * (longest - len(o)) for o in outs]
         self.outputs = to_device(torch.tensor(rows, dtype=torch.int64).view(len(reqs), -1),
                                  device)
         self.presence = to_device(torch.tensor([p.presence_penalty for p in params]), device)
@@ -103,24 +113,25 @@ class SamplingBatch:
                          to_device(torch.tensor(tokens, dtype=torch.int64), device),
                          to_device(torch.tensor(values, dtype=torch.float32), device))
 
-    def _add_masks(self, reqs: list[Request], device) -> None:
+    def _add_masks(self, reqs: list[Request], drafts: list[tuple[int, ...]], device) -> None:
         constrained = [(row, r) for row, r in enumerate(reqs) if r.grammar is not None]
         if not constrained:
             return
         words = constrained[0][1].grammar.grammar.mask_words
         bitmask = torch.empty((len(constrained), words), dtype=torch.int32)
-        for i, (_, r) in enumerate(constrained):
-            r.grammar.fill(bitmask[i], r.output_token_ids)
+        for i, (row, r) in enumerate(constrained):
+            r.grammar.fill(bitmask[i], r.output_token_ids, drafts[row])
         self.bitmask = to_device(bitmask, device)
         self.mask_rows = to_device(
             torch.tensor([row for row, _ in constrained], dtype=torch.int64), device)
 
 
-def _step_seed(seed: int | None, req: Request) -> int | None:
+def _step_seed(seed: int | None, req: Request, ahead: int = 0) -> int | None:
+    """The seed of the draw for `req`'s output token `ahead` tokens after its current ones."""
     if seed is None:
         return None
-    key = (seed, req.num_output_tokens) if req.index == 0 else (
-        seed, req.index, req.num_output_tokens)
+    position = req.num_output_tokens + ahead
+    key = (seed, position) if req.index == 0 else (seed, req.index, position)
     return hash(key) & (2**63 - 1)
 
 
@@ -128,6 +139,10 @@ def _step_seed(seed: int | None, req: Request) -> int | None:
 class SamplerOutput:
     tokens: torch.Tensor  # [S] int64
     logprobs: torch.Tensor | None = None  # [S] float32, log p of the sampled token
+    # [S, V] float32: the distribution each random row was drawn from (batch.keep_probs; a
+    # greedy row's is meaningless)
+    probs: torch.Tensor | None = None
+    logp: torch.Tensor | None = None  # [S, V] log_softmax of the raw logits (keep_probs)
     top_ids: torch.Tensor | None = None  # [S, k] int64
     top_logprobs: torch.Tensor | None = None  # [S, k] float32
 
@@ -145,14 +160,18 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         rows, tokens, values = batch.bias
         logits = logits.index_put((rows, tokens), values, accumulate=True)
     greedy = _argmax(logits)
+    probs = None
     if batch.all_greedy:
         tokens = greedy
     else:
-        tokens = torch.where(batch.temperature == 0, greedy, _sample_random(logits, batch))
-    out = SamplerOutput(tokens=tokens)
+        drawn, probs = _sample_random(logits, batch)
+        tokens = torch.where(batch.temperature == 0, greedy, drawn)
+    out = SamplerOutput(tokens=tokens, probs=probs if batch.keep_probs else None)
     if batch.max_logprobs is not None:
         logp = raw.log_softmax(dim=-1)
         out.logprobs = logp.gather(-1, tokens[:, None]).squeeze(-1)
+        if batch.keep_probs:
+            out.logp = logp
         if batch.max_logprobs > 0:
             out.top_logprobs, out.top_ids = logp.topk(batch.max_logprobs, dim=-1)
     return out
@@ -188,18 +207,26 @@ def _apply_occurrence_penalties(logits: torch.Tensor, batch: SamplingBatch) -> t
             - batch.presence[:, None] * (counts > 0).to(logits.dtype))
 
 
-def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The distribution random rows draw from: logits [S, V] (masked, penalised, biased) at
+    each row's temperature, filtered by its top-k / top-p / min-p, softmaxed."""
     temperature = torch.where(batch.temperature == 0, 1.0, batch.temperature)
     logits = logits / temperature[:, None]
     if batch.use_top_k or batch.use_top_p or batch.use_min_p:
         logits = _filter(logits, batch)
-    probs = logits.softmax(dim=-1)
+    return logits.softmax(dim=-1)
+
+
+def _sample_random(logits: torch.Tensor,
+                   batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a token [S] drawn per row, the distribution [S, V] it was drawn from)."""
+    probs = sampling_probs(logits, batch)
     tokens = torch.multinomial(probs, 1).squeeze(-1)  # [S]
     for row, seed in enumerate(batch.seeds):
         if seed is not None:
             gen = torch.Generator(device=probs.device).manual_seed(seed)
             tokens[row] = torch.multinomial(probs[row], 1, generator=gen)[0]
-    return tokens
+    return tokens, probs
 
 
 def _filter(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from engine.speculative.method import MAX_SPECULATIVE_TOKENS, METHODS
 from engine.structured_outputs import StructuredOutputs
 
 MAX_LOGPROBS = 20
@@ -35,6 +36,11 @@ class SamplingParams:
     output (engine/structured_outputs.py).
     `lora` names a LoRA adapter the engine loaded (EngineConfig.lora_adapters, or one the
     checkpoint ships); None: the model's default for the request's media (most: none).
+    `num_speculative_tokens` caps the draft tokens verified per step for this request on an
+    engine started with `speculative` (0: it does not speculate; None: the engine's cap), and
+    `speculative_method` "ngram" has it drafted by n-gram lookup whatever the engine's drafter
+    (None: the engine's). Speculation never changes which tokens come out at temperature 0,
+    nor their distribution above it.
     """
 
     max_tokens: int = 16
@@ -55,6 +61,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = field(default=())
     structured_outputs: StructuredOutputs | None = None
     lora: str | None = None
+    num_speculative_tokens: int | None = None
+    speculative_method: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.logit_bias, Mapping):
@@ -107,6 +115,13 @@ class SamplingParams:
         if not all(len(p) == 2 and _is_int(p[0]) and p[0] >= 0 and _is_num(p[1])
                    and -100.0 <= p[1] <= 100.0 for p in self.logit_bias):
             raise bad("logit_bias", "must map token ids (integers >= 0) to biases in [-100, 100]")
+        if self.num_speculative_tokens is not None and (
+                not _is_int(self.num_speculative_tokens)
+                or not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS):
+            raise bad("num_speculative_tokens",
+                      f"must be None or an integer in [0, {MAX_SPECULATIVE_TOKENS}]")
+        if self.speculative_method is not None and self.speculative_method not in METHODS:
+            raise bad("speculative_method", f"must be None or one of {', '.join(METHODS)}")
         if self.structured_outputs is not None and not isinstance(
                 self.structured_outputs, StructuredOutputs):
             raise bad("structured_outputs", "must be a StructuredOutputs")

@@ -20,6 +20,14 @@ Hybrid models (linear-attention layers) also hold a state slot per running reque
 snapshots of that state (engine/state_cache.py): a waiting request's prefix hit is cut to the
 longest prefix that has both its KV blocks and a snapshot, and each chunk carries its
 `ChunkState` (slot, snapshot to restore, snapshots to save).
+
+Speculative decoding: a decoding request with draft tokens (`Request.draft_token_ids`) is
+scheduled their verification, its last token and as many drafts as fit (the token budget, the
+tokens it may still produce, the KV blocks free without preempting anyone, and `verify_rows`:
+the rows of a step's decodes and verifications together, so that they stay within what the
+decode kernels take) in one chunk. After the step the request advances by its last token and
+the accepted drafts only (`ScheduledChunk.accepted`, set by the engine); the blocks holding
+rejected drafts go back, and only blocks of accepted tokens enter the prefix cache.
 """
 
 from __future__ import annotations
@@ -44,6 +52,13 @@ class ScheduledChunk:
     start: int
     num_tokens: int
     state: ChunkState | None = None  # hybrid models: what the chunk does with its state
+    # Speculative decoding: draft tokens verified after the request's last token (counted in
+    # num_tokens), and, once the step ran, those accepted (set by the engine).
+    draft: tuple[int, ...] = ()
+    accepted: tuple[int, ...] = ()
+    # the distributions the drafts were drawn from ([k', V] on the model's device, opaque
+    # here), or None: chosen outright (engine/speculative/proposals.py)
+    draft_probs: object | None = None
 
     @property
     def end(self) -> int:
@@ -51,7 +66,13 @@ class ScheduledChunk:
 
     @property
     def samples(self) -> bool:
-        return self.end == self.req.num_tokens
+        return self.end - len(self.draft) == self.req.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The chunk's input tokens: the request's, then its drafts."""
+        ids = self.req.all_token_ids[self.start : self.end - len(self.draft)]
+        return ids + list(self.draft) if self.draft else ids
 
 
 @dataclass
@@ -81,11 +102,15 @@ class Scheduler:
         block_manager: BlockManager,
         encoder_cache: EncoderCacheManager,
         state_cache: StateCacheManager | None = None,
+        verify_rows: int = 64,
     ) -> None:
+        """`verify_rows`: the most rows a step's decodes and draft verifications take
+        together (drafts are cut to fit)."""
         self.config = config
         self.blocks = block_manager
         self.encoder_cache = encoder_cache
         self.states = state_cache
+        self.verify_rows = verify_rows
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -103,12 +128,22 @@ class Scheduler:
         decoding = [r for r in self.running if not r.is_prefill]
         prefilling = [r for r in self.running if r.is_prefill]
 
-        for req in decoding + prefilling:
+        rows_left = self.verify_rows - len(decoding)  # rows for drafts beside the decodes
+        for i, req in enumerate(decoding + prefilling):
             budget = self.config.max_num_batched_tokens - out.num_tokens
             if budget == 0 or req.status is not RequestStatus.RUNNING:  # preempted this step
                 continue
             start = req.num_computed_tokens
-            n, items = self._plan_encoder(req, start, _chunk_len(req, start, budget), out)
+            draft = ()
+            if i < len(decoding) and req.draft_token_ids:
+                # the decodes after this one keep a token of the budget (and a block) each
+                later = len(decoding) - i - 1
+                draft = self._drafts(req, min(rows_left, budget - later - 1), later)
+                rows_left -= len(draft)
+            n, items = self._plan_encoder(req, start, len(draft) + _chunk_len(req, start, budget),
+                                          out)
+            if draft and n <= len(draft):  # cut before its drafts: verify none
+                draft, n = (), min(n, 1)
             if n == 0:
                 continue
             while not self.blocks.allocate(req, start + n):
@@ -117,7 +152,7 @@ class Scheduler:
                 if victim is req:
                     break
             if req.status is RequestStatus.RUNNING:
-                self._commit(req, n, items, out)
+                self._commit(req, n, items, out, draft)
 
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             budget = self.config.max_num_batched_tokens - out.num_tokens
@@ -153,6 +188,19 @@ class Scheduler:
 
         out.freed_encoder_hashes = self.encoder_cache.drain_freed()
         return out
+
+    def _drafts(self, req: Request, room: int, reserve: int) -> tuple[int, ...]:
+        """The drafts of a decoding request verified this step: at most `room` (rows and
+        budget), fewer than the tokens it may still produce (a step yields the accepted drafts
+        and one more), and only as many as the free KV blocks hold while `reserve` blocks stay
+        free for the decodes after it (drafts never preempt anyone)."""
+        draft = req.draft_token_ids
+        n = max(0, min(len(draft), room, req.max_tokens - req.num_output_tokens - 1))
+        start = req.num_computed_tokens
+        while n and (self.blocks.blocks_needed(start + 1 + n) - len(req.block_ids)
+                     > self.blocks.num_free_blocks - reserve):
+            n -= 1
+        return draft[:n]
 
     def _plan_encoder(
         self, req: Request, start: int, n: int, out: SchedulerOutput
@@ -202,14 +250,16 @@ class Scheduler:
         if snapshot is not None and start:
             self.states.restore(held, snapshot, start)
 
-    def _commit(self, req: Request, n: int, items: list[int], out: SchedulerOutput) -> None:
+    def _commit(self, req: Request, n: int, items: list[int], out: SchedulerOutput,
+                draft: tuple[int, ...] = ()) -> None:
         start, state = req.num_computed_tokens, None
         if self.states is not None:
             held = self.states.get(req.request_id)
-            saves = self.states.plan_saves(held, start, start + n) if n > 1 else []
+            saves = self.states.plan_saves(held, start, start + n) if n > 1 and not draft else []
             state = ChunkState(held.slot, held.restore,
                                tuple((point - start, snapshot) for point, snapshot in saves))
-        out.chunks.append(ScheduledChunk(req, start, n, state))
+        probs = req.speculation.proposal.probs if draft else None
+        out.chunks.append(ScheduledChunk(req, start, n, state, draft, draft_probs=probs))
         for idx in items:
             feature = req.mm_features[idx]
             self.encoder_cache.allocate(req, feature.identifier, feature.encoder_size)
@@ -229,6 +279,7 @@ class Scheduler:
         if self.states is not None:
             self.states.release_request(req.request_id)
         req.release_grammar()
+        req.drop_drafts()
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.metrics.num_preemptions += 1
@@ -236,11 +287,18 @@ class Scheduler:
         out.preempted.append(req)
 
     def update_after_step(self, out: SchedulerOutput) -> None:
-        """Advance every scheduled request by its chunk and register newly full blocks."""
+        """Advance every scheduled request by its chunk (a verification: by its last token and
+        the accepted drafts) and register newly full blocks."""
         for chunk in out.chunks:
             req = chunk.req
-            req.num_computed_tokens = chunk.end
-            self.blocks.cache_computed_blocks(req, chunk.start, chunk.end)
+            if chunk.draft:
+                end = chunk.end - len(chunk.draft) + len(chunk.accepted)
+                req.num_computed_tokens = end
+                self.blocks.cache_computed_blocks(req, chunk.start, end, chunk.accepted)
+                self.blocks.trim(req, end + 1)  # the rejected drafts' slots go back
+            else:
+                req.num_computed_tokens = chunk.end
+                self.blocks.cache_computed_blocks(req, chunk.start, chunk.end)
             self.encoder_cache.release_consumed(req)
             if chunk.state is not None:
                 self._commit_state(chunk)
@@ -285,6 +343,7 @@ class Scheduler:
         if self.states is not None:
             self.states.release_request(req.request_id)
         req.release_grammar()
+        req.drop_drafts()
 
     def find(self, request_id: str) -> Request | None:
         for req in self.running:

@@ -67,13 +67,14 @@ SAFETENSORS_DTYPES = {
 }
 
 
-def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint's safetensors files, each read into memory of its own in
-    file order (plain reads, no mapping of the file: pages of a mapped shard would count as this
-    process's memory while it is open, several GB for a Hub shard)."""
+def iter_checkpoint(path: Path, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint's safetensors files (those whose names start with
+    `prefix`: the others are not read), each read into memory of its own in file order (plain
+    reads, no mapping of the file: pages of a mapped shard would count as this process's memory
+    while it is open, several GB for a Hub shard)."""
     read = 0
     for file in checkpoint_files(path):
-        for name, tensor in read_safetensors(file):
+        for name, tensor in read_safetensors(file, prefix):
             yield name, tensor
             read += tensor.numel() * tensor.element_size()
             if read >= TRIM_BYTES:  # the dense weights quantized since, the tensors copied
@@ -82,11 +83,12 @@ def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     return_freed_memory()
 
 
-def read_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def read_safetensors(file: Path, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of one safetensors file (little-endian, as the format is), in the order
-    the data lies in the file."""
+    the data lies in the file; only names starting with `prefix`."""
     header = safetensors_header(file)
-    entries = sorted(((k, v) for k, v in header.items() if k != "__metadata__"),
+    entries = sorted(((k, v) for k, v in header.items()
+                      if k != "__metadata__" and k.startswith(prefix)),
                      key=lambda item: item[1]["data_offsets"][0])
     with open(file, "rb", buffering=0) as f:
         start = 8 + int.from_bytes(f.read(8), "little")  # the data follows the header

@@ -127,7 +127,7 @@ def resolve(hf_config) -> ModelSpec:
             raise ValueError(
                 f"{arch} is a speculative-decoding drafter for {_DRAFTERS[arch]}: it reads its "
                 "target's keys and values and cannot run alone; serve the target model "
-                "(speculative decoding is not built yet)")
+                "(its assistant drafter is not built)")
         if (arch, vision) in _VISION_VARIANTS:
             return _VISION_VARIANTS[arch, vision]
         if arch in _REGISTRY:

@@ -103,3 +103,88 @@ def build_qwen3_5_text_model(
     model = transformers.Qwen3_5ForCausalLM(config)
     randomize(model, std=std, seed=seed)
     return save_checkpoint(model, tokenizer, Path(path), [tokenizer.eos_token_id])
+
+
+def add_mtp_weights(path: Path, *, seed: int = 7, std: float = 0.25) -> Path:
+    """Give the checkpoint at `path` one multi-token-prediction layer, as Qwen3.5's real
+    checkpoints carry it (vLLM's Qwen3_5MultiTokenPredictor names): `mtp_num_hidden_layers` 1
+    in its text config and random `mtp.*` tensors (fc, the two pre-fc norms, a full-attention
+    decoder layer of the target's shape, built by transformers' own Qwen3.5 layer class, and
+    the final norm) in a second weight file, with an index naming every tensor's file."""
+    import json
+
+    import transformers
+    from safetensors.torch import save_file
+
+    from models.checkpoint import safetensors_header
+
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    text = config.get("text_config", config)
+    text["mtp_num_hidden_layers"] = 1
+    text["mtp_use_dedicated_embeddings"] = False
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    hf = transformers.AutoConfig.from_pretrained(path).get_text_config()
+    full = hf.layer_types.index("full_attention")
+    moe = bool(getattr(hf, "num_experts", 0))
+    kind, name = ("Qwen3_5Moe", "qwen3_5_moe") if moe else ("Qwen3_5", "qwen3_5")
+    modeling = getattr(getattr(transformers.models, name), f"modeling_{name}")
+    layer_cls = getattr(modeling, f"{kind}DecoderLayer")
+    norm_cls = getattr(modeling, f"{kind}RMSNorm")
+    torch.manual_seed(seed)
+    mtp = torch.nn.Module()
+    mtp.layers = torch.nn.ModuleList([layer_cls(hf, full)])
+    mtp.fc = torch.nn.Linear(2 * hf.hidden_size, hf.hidden_size, bias=False)
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        setattr(mtp, name, norm_cls(hf.hidden_size, eps=hf.rms_norm_eps))
+    randomize(mtp, std=std, seed=seed)
+    tensors = {f"mtp.{k}": v.contiguous() for k, v in mtp.state_dict().items()}
+    save_file(tensors, path / "model-mtp.safetensors", metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {}}
+    for file in ("model.safetensors", "model-mtp.safetensors"):
+        for name in safetensors_header(path / file):
+            if name != "__metadata__":
+                index["weight_map"][name] = file
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return path
+
+
+@torch.no_grad()
+def mtp_reference(path: Path, ids: list[int], drafts: int = 2) -> tuple[torch.Tensor, list[int]]:
+    """The MTP layer of a text checkpoint with add_mtp_weights, assembled from transformers'
+    own Qwen3.5 modules as vLLM's Qwen3_5MultiTokenPredictor defines it, after the prompt+token
+    `ids`: (the first draft's logits [V], the greedy drafts, `drafts` of them: each further
+    draft from the layer's own output and the draft before it, one position on)."""
+    import transformers
+    from safetensors.torch import load_file
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    text = hf.config.get_text_config()
+    full = text.layer_types.index("full_attention")
+    module = transformers.models.qwen3_5.modeling_qwen3_5
+    mtp = torch.nn.Module()
+    mtp.layers = torch.nn.ModuleList([module.Qwen3_5DecoderLayer(text, full)])
+    mtp.fc = torch.nn.Linear(2 * text.hidden_size, text.hidden_size, bias=False)
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        setattr(mtp, name, module.Qwen3_5RMSNorm(text.hidden_size, eps=text.rms_norm_eps))
+    weights = {k[len("mtp."):]: v for k, v in load_file(path / "model-mtp.safetensors").items()}
+    mtp.load_state_dict(weights)
+    mtp.eval()
+    tokens = torch.tensor([ids])
+    hidden = hf(tokens, output_hidden_states=True).hidden_states[-1][0]  # after the final norm
+    inputs = list(ids[1:])
+    states = [hidden[i] for i in range(len(ids) - 1)]
+    picked, first = [], None
+    for _ in range(drafts):
+        embeds = hf.model.embed_tokens(torch.tensor([inputs]))
+        x = mtp.fc(torch.cat([mtp.pre_fc_norm_embedding(embeds),
+                              mtp.pre_fc_norm_hidden(torch.stack(states)[None])], dim=-1))
+        positions = torch.arange(x.shape[1])[None]
+        rope = hf.model.rotary_emb(x, positions)
+        out = mtp.norm(mtp.layers[0](x, position_embeddings=rope, position_ids=positions))[0]
+        logits = hf.lm_head(out[-1])
+        first = logits if first is None else first
+        picked.append(int(logits.argmax()))
+        inputs.append(picked[-1])
+        states.append(out[-1])
+    return first, picked

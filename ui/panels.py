@@ -249,6 +249,11 @@ def cache_html(output: RequestOutput) -> str:
         encoder = (f"<b>Encoder</b>: {m.encoder_cache_hits} hits · {m.encoder_cache_misses} "
                    f"misses · {m.encoder_calls} calls, {ms(m.encoder_time)}")
     lines = [prefix, encoder]
+    drafted = sum(c.num_draft_tokens for c in output.outputs)
+    if drafted:  # speculative decoding
+        accepted = sum(c.num_accepted_tokens for c in output.outputs)
+        lines.append(f"<b>Speculative decoding</b>: {accepted} of {drafted} draft tokens "
+                     f"accepted ({pct(accepted / drafted)}) in {m.verify_steps} verify steps")
     for label, ph in zip(item_labels(output), output.multi_modal_placeholders, strict=True):
         status = cache_status(output, ph)
         lines.append(
@@ -315,6 +320,14 @@ def engine_html(stats: Mapping[str, Any]) -> str:
                 f"{stats['state_snapshot_hit_tokens']} tokens",
             ),
         ]
+    if "speculative" in stats:
+        drafted = stats["draft_tokens"]
+        rate = f" ({pct(stats['accepted_tokens'] / drafted)})" if drafted else ""
+        lines.append(
+            f"<b>Speculative decoding</b>: {html.escape(str(stats['speculative']))}, up to "
+            f"{stats['speculative_max_tokens']} drafts per step; {stats['accepted_tokens']} of "
+            f"{drafted} draft tokens accepted{rate}, {stats['draft_rounds']} drafting rounds "
+            f"({ms(stats['draft_seconds'])})")
     if stats.get("checkpoint"):
         lines.append(_settings_html(stats["checkpoint"]))
     return section("Engine", lines, css_class="mm-engine")

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 _STAGE_COLORS = {  # by kind
     "media": "#64748b", "queue": "#d97706", "encoder": "#9333ea", "prefill": "#2563eb",
-    "ttft": "#111827", "decode": "#16a34a",
+    "ttft": "#111827", "decode": "#16a34a", "draft": "#0d9488", "verify": "#65a30d",
 }
 
 
@@ -46,6 +46,10 @@ def timing_rows(output: RequestOutput, *, max_chunks: int = 8) -> list[tuple[str
         (f"decode ({'?' if n_out is None else max(n_out - 1, 0)} tok)", "decode",
          m.decode_time),
     ]
+    drafted = m.draft_tokens  # speculative decoding: parts of the decode
+    if drafted:
+        rows += [(f"· drafting ({drafted} drafts)", "draft", m.draft_time),
+                 (f"· verifying ({m.verify_steps} steps)", "verify", m.verify_time)]
     return [(label, kind, s) for label, kind, s in rows if s is not None]
 
 
@@ -62,6 +66,8 @@ def timing_summary(output: RequestOutput) -> dict[str, Any]:
         "output_tokens": n_out,
         "finish_reason": output.outputs[0].finish_reason,
         "preemptions": m.num_preemptions,
+        "draft_tokens": m.draft_tokens,
+        "accepted_tokens": m.accepted_tokens,
     }
 
 
@@ -80,6 +86,8 @@ def timing_html(output: RequestOutput) -> str:
     ]
     if s["preemptions"]:
         facts.append(f"preempted <b>{s['preemptions']}</b>×")
+    if s["draft_tokens"]:
+        facts.append(f"drafts <b>{s['accepted_tokens']}/{s['draft_tokens']}</b> accepted")
     rows = timing_rows(output)
     longest = max((sec for _, _, sec in rows), default=0.0) or 1.0
     bars = "".join(

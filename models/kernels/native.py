@@ -55,6 +55,8 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 DTYPE_I8 = 2  # kernels.h's DTYPE_I8: an int8 weight
 FUSED_ROWS = 64  # fused small ops serve inputs up to this many tokens: a decode step's
 NORM_MODES = {"float32": 0, "reduced": 1, "unit_offset": 2}
+# mm_activation's kinds, in its order.
+ACTIVATIONS = ("sigmoid", "silu", "softplus", "exp", "tanh", "gelu_tanh", "gelu")
 WEIGHT_KERNELS = {torch.float32: "mm_linear_f32", torch.bfloat16: "mm_linear_bf16",
                   torch.int8: "mm_linear_i8"}  # the int8 one takes a group after the scales
 
@@ -126,6 +128,8 @@ class NativeKernels:
         self._norm.argtypes, self._norm.restype = _NORM_ARGS, _int
         self._rotary.argtypes, self._rotary.restype = _ROTARY_ARGS, None
         self._silu_mul.argtypes, self._silu_mul.restype = _SILU_MUL_ARGS, None
+        self._activation = lib.mm_activation
+        self._activation.argtypes, self._activation.restype = [_ptr, _ptr, _int, _i64, _int], None
         self._fit_int4 = lib.mm_fit_int4
         self._fit_int4.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _int]
         self._fit_int4.restype = None
@@ -348,6 +352,15 @@ class NativeKernels:
         out = torch.empty(rows, both // 2, dtype=gate_up.dtype)
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), DTYPES[gate_up.dtype], rows,
                        both // 2)
+        return out
+
+    def activation(self, x: torch.Tensor, kind: str) -> torch.Tensor:
+        """ACTIVATIONS[kind] of x (contiguous, float32 or bfloat16), each value from its input
+        alone (small_ops.c: a row's result does not depend on the rows beside it)."""
+        assert x.is_contiguous()
+        out = torch.empty_like(x)
+        self._activation(x.data_ptr(), out.data_ptr(), DTYPES[x.dtype], x.numel(),
+                         ACTIVATIONS.index(kind))
         return out
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:

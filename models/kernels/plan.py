@@ -472,3 +472,36 @@ def _prepack(layer: nn.Module) -> None:
 
 def _noop() -> None:
     return None
+
+
+# The buckets of a decode step's rows (one per request, and a verification's drafts): up to
+# models.kernels.native.FUSED_ROWS, where the one-call decode and the fused small ops serve.
+DECODE_BUCKETS = tuple(i for i, rows in enumerate(PROBE_ROWS) if rows <= native.FUSED_ROWS)
+
+
+def pin_decode_rows(model: nn.Module, dtype: torch.dtype) -> int:
+    """Plan every linear's decode buckets to our matrix-vector kernel where it is a candidate
+    (it is wherever the library builds), whatever the timing chose; returns how many bucket
+    choices changed.
+
+    Ours computes each row of its input by itself, in the same order whatever the row count,
+    so a row's result does not depend on how many rows share its step. Speculative decoding
+    needs exactly that: a verification's rows (a request's last token and its drafts) must sum
+    as decodes of those tokens do, or a near-tie at some row flips a token that plain decoding
+    would not have flipped. A PyTorch formulation measured faster at one bucket (a GEMV at one
+    row, a GEMM at eight) would round a row differently there than at another."""
+    changed = 0
+    for group in linear_groups(model, dtype).values():
+        plan = list(group[0].kernels or ())
+        if not plan:
+            continue
+        for b in DECODE_BUCKETS:
+            if plan[b] != "native" and "native" in candidates(group[0], PROBE_ROWS[b], dtype):
+                plan[b] = "native"
+                changed += 1
+        for layer in group:
+            layer.kernels = tuple(plan)
+    if changed:
+        log.info("speculative decoding: %d decode-row choices of the linear plan pinned to our "
+                 "kernel (verified rows sum as decodes do)", changed)
+    return changed

@@ -14,7 +14,12 @@ length. `build_metadata` splits the step, on the host, into attention groups:
   no larger than its own [q_len, context] (none at all for a plain prefill, which runs SDPA's
   causal kernel on the chunk's own keys);
 - the single-token chunks (decodes) are batched, bucketed by context length so that padding a
-  decode to its bucket's longest context stays within `DECODE_PADDING` of the useful work.
+  decode to its bucket's longest context stays within `DECODE_PADDING` of the useful work;
+- the chunks of draft tokens a step verifies (speculative decoding: `decode_chunks`) attend as
+  that many decodes, row i seeing the keys up to its own position, so that each row's result
+  is, to the bit, the one a decode step of that token would compute (with our paged kernel,
+  which attends each row by itself, they are batched with the decodes; with the others each
+  row is a group of its own, as a lone decode is).
 Each group reads only the cache blocks its layers can see: a sliding-window layer starts at the
 block holding its first visible key. Keys are gathered from those blocks per layer (PyTorch has
 no paged kernel on the CPU); the gather is bounded by the group's own context. Decodes may
@@ -157,6 +162,7 @@ def build_metadata(
     decode_kernel: str = "sdpa",
     backend: str = "sdpa",
     span_windows: Sequence[int | None] | None = None,
+    decode_chunks: Sequence[bool] | None = None,
 ) -> AttentionMetadata:
     """Host-side construction of the step's attention indices (see the module docstring).
 
@@ -166,6 +172,7 @@ def build_metadata(
     (None: every window) attend them so, the others stay causal. `decode_kernel`: see
     `choose_decode_kernel`. `backend` "flash_attn": every request without a bidirectional span
     goes through one varlen call (models/layers/attention_varlen.py), the rest through SDPA groups.
+    `decode_chunks`: per chunk, whether its rows attend as decodes (a verification of drafts).
     """
     if decode_kernel not in KERNELS:
         raise ValueError(f"decode_kernel must be one of {KERNELS}, got {decode_kernel!r}")
@@ -186,14 +193,19 @@ def build_metadata(
         varlen = build_varlen(starts, q_lens, block_tables, block_size, device, members)
     groups: list[AttentionGroup] = []
     decodes: list[tuple[int, int, list[int]]] = []  # (row, context length, blocks)
+    alone: list[tuple[int, int, list[int]]] = []  # decodes attended as groups of their own
+    as_decodes = decode_chunks or [False] * len(starts)
     row = 0
-    for start, n, blocks, own_spans, member in zip(starts, q_lens, block_tables, spans, members,
-                                                   strict=True):
+    for start, n, blocks, own_spans, member, verify in zip(
+            starts, q_lens, block_tables, spans, members, as_decodes, strict=True):
         if member:  # attended by the varlen kernel
             row += n
             continue
         if n == 1:
             decodes.append((row, start + 1, blocks))
+        elif verify:
+            into = decodes if decode_kernel == "native" else alone
+            into.extend((row + i, start + i + 1, blocks) for i in range(n))
         else:
             group = AttentionGroup(slice(row, row + n), 1, n)
             for w in windows:
@@ -202,8 +214,8 @@ def build_metadata(
                                              own_spans if opened else ())
             groups.append(group)
         row += n
-    for bucket in _bucket_decodes([d[1] for d in decodes]):
-        members = [decodes[i] for i in bucket]
+    buckets = [[decodes[i] for i in b] for b in _bucket_decodes([d[1] for d in decodes])]
+    for members in buckets + [[d] for d in alone]:
         rows = torch.tensor([m[0] for m in members], dtype=torch.int64)
         group = AttentionGroup(to_device(rows, device), len(members), 1)
         for w in windows:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from models.kernels import native
 from models.kernels.linear import Linear
 from models.layers.attention import AttentionMetadata, attend
 from models.layers.cross_metadata import CrossSegment
@@ -40,7 +41,7 @@ class CrossAttention(nn.Module):
         self.k_proj = Linear(cfg.hidden_size, kv, bias=False)
         self.v_proj = Linear(cfg.hidden_size, kv, bias=False)
         self.o_proj = Linear(q, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, fused_decode=True)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def key_values(self, states: torch.Tensor) -> torch.Tensor:
@@ -55,11 +56,22 @@ class CrossAttention(nn.Module):
         n = x.shape[0]
         q = self.q_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim))
         out = q.new_empty(n, self.num_heads, self.head_dim)
+        # At a decode step's rows, our paged decode kernel: each row attends by itself, so a
+        # row's result does not depend on how many rows share the step (a verification's
+        # rows equal decodes of their tokens); the item's keys are one block of the "cache".
+        ours = native.for_small_ops(q)
         for seg in segments:
             if len(seg.states) == 1:  # the item's own tensor: no copy
                 kv = seg.states[0][self.index]  # [2, Hkv, n_keys, D]
             else:  # images that follow each other are attended together
                 kv = torch.cat([s[self.index] for s in seg.states], dim=2)
+            if ours is not None and kv.dtype == q.dtype and kv.is_contiguous():
+                rows, keys = seg.hi - seg.lo, kv.shape[2]
+                first = torch.zeros(rows, 1, dtype=torch.int64)
+                out[seg.lo : seg.hi] = ours.decode_attention(
+                    q[seg.lo : seg.hi], kv.view(2, self.num_kv_heads, 1, keys, self.head_dim),
+                    first, first[:, 0], torch.full((rows,), keys), self.scale, None, None)
+                continue
             queries = q[seg.lo : seg.hi].transpose(0, 1)[None]  # [1, Hq, rows, D]
             result = attend(queries, kv[0][None], kv[1][None], None, False, self.scale)
             out[seg.lo : seg.hi] = result[0].transpose(0, 1)
@@ -74,11 +86,13 @@ class CrossAttentionLayer(nn.Module):
 
     def __init__(self, cfg: DecoderConfig, index: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused_decode=True)
         self.cross_attn = CrossAttention(cfg, index)
         self.cross_attn_attn_gate = nn.Parameter(torch.zeros(1))
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
+                                                fused_decode=True)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act,
+                            fused_decode=True)
         self.cross_attn_mlp_gate = nn.Parameter(torch.zeros(1))
 
     def forward(self, h: torch.Tensor, rotary: list, meta: AttentionMetadata,

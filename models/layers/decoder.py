@@ -28,6 +28,7 @@ from models.checkpoint import tie_word_embeddings
 from models.interfaces import EncoderItem
 from models.kernels.linear import Linear, float32_logits
 from models.kernels.native_decode import NativeDecode
+from models.layers.activations import rowwise
 from models.layers.attention import AttentionMetadata
 from models.layers.cross_attention import CrossAttentionLayer
 from models.layers.decoder_layer import Attention, DecoderConfig, DecoderLayer
@@ -185,7 +186,7 @@ class Decoder(nn.Module):
         """hidden [N, H] -> logits [N, V] in float32."""
         logits = float32_logits(self.lm_head, hidden)
         cap = self.cfg.final_logit_softcap
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        return logits if cap is None else rowwise("tanh", logits / cap) * cap
 
     def attention_layers(self) -> list[Attention]:
         """The layers' attention modules, whose KV caches the runner binds (a hybrid stack's

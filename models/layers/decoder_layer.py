@@ -28,6 +28,7 @@ from torch import nn
 
 from models.checkpoint import tie_word_embeddings
 from models.kernels.linear import Linear
+from models.layers.activations import rowwise
 from models.layers.attention import AttentionMetadata, LayerAttention, paged_attention
 from models.layers.gated_deltanet import GatedDeltaNet, LinearAttentionShape
 from models.layers.mlp import GatedMLP
@@ -331,8 +332,11 @@ class Attention(nn.Module):
             qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             qk = qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.qk_norm:
+            # Contiguous heads: at a decode step's rows the norms then run our fused kernel,
+            # which normalises each head alone whatever the row count, as the one-call decode
+            # does (a verification's rows then equal decodes of their tokens to the bit).
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+            qk = torch.cat([self.q_norm(q.contiguous()), self.k_norm(k.contiguous())], dim=1)
         # q and k are adjacent in the fused projection: rotate both heads at once.
         qk = self._rotate(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
@@ -341,7 +345,7 @@ class Attention(nn.Module):
             v = rms_norm_unscaled(v, self.eps)
         out = self._attend(q, k, v, meta)
         if gate is not None:
-            out = out * torch.sigmoid(gate.reshape(t, self.q_size))
+            out = out * rowwise("sigmoid", gate.reshape(t, self.q_size))
         return self.o_proj(out)
 
     def _rotate(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
@@ -357,13 +361,13 @@ class Attention(nn.Module):
         proj = self.qkv_proj(x)
         q = proj[:, : self.q_size].view(t, self.num_heads, self.head_dim)
         if self.qk_norm:
-            q = self.q_norm(q)
+            q = self.q_norm(q.contiguous())  # contiguous: see forward
         q = self._rotate(q, cos, sin)
         if self.kv_source is not None:
             k, v = meta.shared_kv[self.kv_source]
             return self.o_proj(paged_attention(q, k, v, self.kv_cache, meta, self.scale,
                                                self.layout, store=False))
-        raw = proj[:, self.q_size :].view(t, self.num_kv_heads, self.head_dim)
+        raw = proj[:, self.q_size :].contiguous().view(t, self.num_kv_heads, self.head_dim)
         k = self._rotate(self.k_norm(raw) if self.qk_norm else raw, cos, sin)
         v = rms_norm_unscaled(raw, self.eps) if self.v_norm else raw
         return self.o_proj(self._attend(q, k, v, meta))

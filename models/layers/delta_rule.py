@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from models.kernels import native
+from models.layers.activations import rowwise
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -95,7 +96,7 @@ def recurrent_step(
     (models.kernels.native; models.kernels.delta_rule_choice picks by measurement)."""
     if kernel == "native":
         return native.load().delta_rule_step(q, k, v, g, beta, states, slots)
-    s = states.index_select(0, slots) * g.exp()[..., None, None]
+    s = states.index_select(0, slots) * rowwise("exp", g)[..., None, None]
     memory = (s * k[..., None]).sum(dim=-2)
     delta = (v - memory) * beta[..., None]
     s = s + k[..., None] * delta[..., None, :]
@@ -126,4 +127,4 @@ def conv_step(x: torch.Tensor, histories: torch.Tensor, slots: torch.Tensor,
     seen = torch.cat([histories.index_select(0, slots), x[..., None].to(histories.dtype)], dim=2)
     histories.index_copy_(0, slots, seen[..., 1:])
     out = F.conv1d(seen.to(weight.dtype), weight, groups=weight.shape[0])
-    return F.silu(out[..., 0]).to(x.dtype)
+    return rowwise("silu", out[..., 0]).to(x.dtype)

@@ -8,6 +8,12 @@ Its per-sequence state lives in pools the model runner allocates and binds (`bin
 convolution's last K - 1 inputs [S, C, K - 1] in the model dtype and the recurrent state
 [S, Hv, dk, dv] in float32, S slots; and the same for prefix-cache snapshots. Which slot and
 snapshot each chunk uses comes with the step (models/layers/state_metadata.py).
+
+Draft tokens being verified (speculative decoding) step the one-token forms token by token, as
+decodes of those tokens would; their slots are backed up first (`bind_backups`: a pool of S
+more states, bound where the engine speculates), and `keep_verified` leaves each slot holding
+the state after its last accepted token: the backup replayed through the accepted tokens'
+recorded inputs with the same kernels, so the state is the one decoding them would have left.
 """
 
 from __future__ import annotations
@@ -15,11 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models.kernels.linear import Linear
 from models.layers import delta_rule
+from models.layers.activations import rowwise
 from models.layers.state_metadata import StateMetadata
 
 # Tokens per chunk of the chunked form (the reference's).
@@ -88,7 +94,7 @@ class GatedRMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         h = self.weight * h.to(dtype)
-        return (h * F.silu(gate.float())).to(dtype)
+        return (h * rowwise("silu", gate.float())).to(dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -113,17 +119,34 @@ class GatedDeltaNet(nn.Module):
         self.recurrent_snapshots = torch.empty(0)
         # How decodes step the recurrence: one of delta_rule.RECURRENCES (set at start-up).
         self.recurrence = "torch"
+        # Verifications of drafts: the slots' states before the step, by slot ([S, ...] each,
+        # bound where the engine speculates), and the last step's inputs of each verification.
+        self.conv_backups = torch.empty(0)
+        self.recurrent_backups = torch.empty(0)
+        self._verified: list[tuple] = []
 
     def bind_state(self, conv_states: torch.Tensor, recurrent_states: torch.Tensor,
                    conv_snapshots: torch.Tensor, recurrent_snapshots: torch.Tensor) -> None:
         self.conv_states, self.recurrent_states = conv_states, recurrent_states
         self.conv_snapshots, self.recurrent_snapshots = conv_snapshots, recurrent_snapshots
 
+    def bind_backups(self, conv_backups: torch.Tensor, recurrent_backups: torch.Tensor) -> None:
+        """Pools shaped as the slots', where verifications back their slots' states up."""
+        self.conv_backups, self.recurrent_backups = conv_backups, recurrent_backups
+
     def forward(self, x: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
         s = self.shape
         t = x.shape[0]
         mixed, z, b, a = self.in_proj(x).split(self.splits, dim=-1)
         self._start_slots(meta)
+        self._verified = []
+        if meta.verify:
+            if self.recurrent_backups.numel() == 0:
+                raise RuntimeError("a verification of drafts needs the state backups bound")
+            slots = meta.verify_slots
+            self.conv_backups.index_copy_(0, slots, self.conv_states.index_select(0, slots))
+            self.recurrent_backups.index_copy_(0, slots,
+                                               self.recurrent_states.index_select(0, slots))
         conv = torch.empty_like(mixed)
         histories = []  # per piece: the convolution inputs it saw ([C, K - 1 + n])
         for piece in meta.pieces:
@@ -132,29 +155,51 @@ class GatedDeltaNet(nn.Module):
             conv[piece.rows] = out
             self.conv_states[piece.slot].copy_(seen[:, -(s.conv_kernel - 1):])
             histories.append(seen)
-        if meta.num_decodes:
-            conv.index_copy_(0, meta.decode_rows, delta_rule.conv_step(
-                mixed.index_select(0, meta.decode_rows), self.conv_states, meta.decode_slots,
-                self.conv_weight))
+        for rows, slots in meta.steps:  # decodes, and verified drafts token by token
+            conv.index_copy_(0, rows, delta_rule.conv_step(
+                mixed.index_select(0, rows), self.conv_states, slots, self.conv_weight))
         q, k, v = conv.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
         q, k = delta_rule.prepare_qk(q.view(t, s.num_k_heads, s.k_head_dim),
                                      k.view(t, s.num_k_heads, s.k_head_dim), s.num_v_heads)
         v = v.reshape(t, s.num_v_heads, s.v_head_dim).float()
-        beta = b.sigmoid().float()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        beta = rowwise("sigmoid", b).float()
+        g = -self.A_log.float().exp() * rowwise("softplus", a.float() + self.dt_bias)
 
         core = x.new_empty(t, s.num_v_heads, s.v_head_dim)
         for piece, seen in zip(meta.pieces, histories, strict=True):
             core[piece.rows] = self._run_piece(piece, seen, q, k, v, g, beta).to(x.dtype)
-        if meta.num_decodes:
-            rows = meta.decode_rows
+        for rows, slots in meta.steps:
             out = delta_rule.recurrent_step(
                 q.index_select(0, rows), k.index_select(0, rows), v.index_select(0, rows),
                 g.index_select(0, rows), beta.index_select(0, rows), self.recurrent_states,
-                meta.decode_slots, self.recurrence)
+                slots, self.recurrence)
             core.index_copy_(0, rows, out.to(x.dtype))
+        for piece in meta.verify:  # what keep_verified replays
+            r = piece.rows
+            self._verified.append((piece.slot, mixed[r], q[r], k[r], v[r], g[r], beta[r]))
         core = self.norm(core, z.reshape(t, s.num_v_heads, s.v_head_dim))
         return self.out_proj(core.view(t, s.value_dim))
+
+    def keep_verified(self, kept: list[int]) -> None:
+        """After a step that verified drafts: for each verification of the step (in order),
+        the number of its tokens accepted as computed (its last token and the accepted
+        drafts); its slot gets the state after them. A slot that kept every token holds it
+        already; the others restart from their backup and replay the kept tokens' recorded
+        inputs through the same one-token kernels."""
+        width = self.shape.conv_kernel - 1
+        for (slot, mixed, q, k, v, g, beta), keep in zip(self._verified, kept, strict=True):
+            if keep == mixed.shape[0]:
+                continue
+            seen = torch.cat([self.conv_backups[slot], mixed[:keep].t().to(
+                self.conv_backups.dtype)], dim=1)
+            self.conv_states[slot].copy_(seen[:, -width:])
+            self.recurrent_states[slot].copy_(self.recurrent_backups[slot])
+            index = torch.tensor([slot], dtype=torch.int64, device=mixed.device)
+            for i in range(keep):
+                step = slice(i, i + 1)
+                delta_rule.recurrent_step(q[step], k[step], v[step], g[step], beta[step],
+                                          self.recurrent_states, index, self.recurrence)
+        self._verified = []
 
     def _start_slots(self, meta: StateMetadata) -> None:
         """Zero the slots of sequences that start this step; copy restored snapshots in."""

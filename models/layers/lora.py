@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from models.adapters import LoraAdapter, read_adapter
+from models.kernels import native
 from models.layers.transfer import to_device
 
 log = logging.getLogger(__name__)
@@ -120,9 +121,9 @@ class AdapterSet:
                 if update is None:
                     continue
                 xs = x if rows is None else x.index_select(0, rows)
-                xa = xs @ update.a.t()  # [R, sum of ranks]
+                xa = _product(xs, update.a)  # [R, sum of ranks]
                 for lo, hi, first, b in update.parts:
-                    delta = xa[:, lo:hi] @ b.t()  # [R, rows]
+                    delta = _product(xa[:, lo:hi], b)  # [R, rows]
                     target = out.narrow(-1, first, b.shape[0])
                     if rows is None:
                         target.add_(delta)
@@ -130,6 +131,16 @@ class AdapterSet:
                         target.index_add_(0, rows, delta)
             return out  # the base kernel's fresh output, updated in place
         return add_updates
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x weight^T; at a decode step's rows on the CPU through our matrix-vector kernel, which
+    computes each row by itself (a verification's rows then equal decodes of their tokens: a
+    GEMM's rounding may depend on its row count)."""
+    ours = native.for_small_ops(x) if x.dim() == 2 else None
+    if ours is None or not ours.supports_linear(x.dtype, weight.dtype):
+        return x @ weight.t()
+    return ours.linear(x, weight)
 
 
 def _update(adapter: LoraAdapter, linear: nn.Module, parts: list, device: torch.device,

@@ -9,6 +9,7 @@ from torch import nn
 
 from models.kernels import native
 from models.kernels.linear import Linear
+from models.layers.activations import DECODER_ACTIVATIONS
 
 
 class GatedMLP(nn.Module):
@@ -20,7 +21,8 @@ class GatedMLP(nn.Module):
         self.intermediate = intermediate
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
-        self.act = ACTIVATIONS[act]
+        # A decoder's activation at a decode's rows: value by value (models/layers/activations.py)
+        self.act = (DECODER_ACTIVATIONS if fused_decode else ACTIVATIONS)[act]
         self.fused_silu = fused_decode and act == "silu"  # our kernel at a decode's rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

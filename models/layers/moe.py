@@ -30,6 +30,7 @@ from torch import nn
 
 from models.kernels.linear import Linear, run_kernel
 from models.kernels.native_experts import NativeExperts
+from models.layers.activations import rowwise
 from models.layers.mlp import GatedMLP
 
 
@@ -181,7 +182,7 @@ class SparseMoE(RoutedExperts):
         out = self.routed(x, weights, experts)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + rowwise("sigmoid", self.shared_expert_gate(x)) * shared
         return out
 
 

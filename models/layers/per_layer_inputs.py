@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from models.kernels.linear import Linear
-from models.layers.mlp import ACTIVATIONS
+from models.layers.activations import DECODER_ACTIVATIONS
 from models.layers.norm import RMSNorm
 
 
@@ -73,7 +73,7 @@ class PerLayerInputGate(nn.Module):
         self.per_layer_input_gate = Linear(hidden, shape.dim, bias=False)
         self.per_layer_projection = Linear(shape.dim, hidden, bias=False)
         self.post_per_layer_input_norm = norm
-        self.act = ACTIVATIONS[act]
+        self.act = DECODER_ACTIVATIONS[act]
 
     def forward(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         gated = self.act(self.per_layer_input_gate(h)) * x

@@ -158,3 +158,46 @@ void mm_silu_mul(const void* gate_up, void* out, int dt, int64_t rows, int64_t i
         }
     }
 }
+
+/* An activation of a decode step's rows, each value computed from its own input alone: PyTorch
+ * computes these with vector code for some values and scalar code for the others, by where
+ * they fall in the buffer (the tail of a vector loop, a thread's share), which moves with the
+ * step's row count, and the two differ in the last bits. Here no value's result depends on its
+ * place, so a row computes alike whatever else the step holds (speculative decoding's verified
+ * rows equal decodes of their tokens). x and out [n], float32 or bfloat16 (computed in float32
+ * and rounded once). kind: 0 sigmoid, 1 silu, 2 softplus (PyTorch's: x past 20 is x),
+ * 3 exp, 4 tanh, 5 GELU with the tanh approximation, 6 GELU (erf). */
+static inline float activation(int kind, float x) {
+    switch (kind) {
+    case 0: {
+        const float e = exp_nonpositive(-fabsf(x));
+        return (x >= 0.0f ? 1.0f : e) / (1.0f + e);
+    }
+    case 1:
+        return silu(x);
+    case 2:
+        return x > 20.0f ? x : log1pf(expf(x));
+    case 3:
+        return expf(x);
+    case 4:
+        return tanhf(x);
+    case 5: {
+        const float inner = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+        return 0.5f * x * (1.0f + tanhf(inner));
+    }
+    default:
+        return 0.5f * x * (1.0f + erff(x * 0.7071067811865476f));
+    }
+}
+
+void mm_activation(const void* x, void* out, int dt, int64_t n, int kind) {
+    if (dt == DTYPE_F32) {
+        const float* in = (const float*)x;
+        float* o = (float*)out;
+        for (int64_t i = 0; i < n; i++) o[i] = activation(kind, in[i]);
+    } else {
+        const uint16_t* in = (const uint16_t*)x;
+        uint16_t* o = (uint16_t*)out;
+        for (int64_t i = 0; i < n; i++) o[i] = f32_to_bf16(activation(kind, bf16_to_f32(in[i])));
+    }
+}

