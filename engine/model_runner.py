@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
+from engine import kv_pool
 from engine.config import EngineConfig, GiB
 from engine.cross_states import cross_items, plan_cross_states
-from engine import kv_pool
 from engine.device import DeviceTimer, to_device, wait_for_device
 from engine.request import Request
 from engine.sampler import SamplingBatch, sample
