@@ -4,9 +4,10 @@ the LM head is tied, the chat template's source, the EOS ids and default samplin
 processor setting with the file (or class default) it came from, the weights' and the KV cache's
 estimated bytes (a per-layer embedding table, read a few rows per step, apart; layers that read
 another layer's keys and values add no KV cache; the KV cache also with `--kv-cache-dtype
-int8`), the LoRA adapters it ships, and what is not supported. For a GGUF file: every config setting with the metadata key it came from (or the
-config class's default), and its tensors per block type; with its projector file (`--mmproj`,
-or beside it in a folder), the tower's and the processor's settings with the projector's keys.
+int8`), the LoRA adapters it ships, and what is not supported. For a GGUF file: every config
+setting with the metadata key it came from (or the config class's default), and its tensors per
+block type; with its projector file (`--mmproj`, or beside it in a folder), the tower's and the
+processor's settings with the projector's keys.
 Run it first on a new download; it exits with 1 when the engine would refuse the checkpoint.
 """
 
