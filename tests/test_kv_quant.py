@@ -139,21 +139,28 @@ def gemma4_path(tmp_path_factory):
 
 def _logits(model, ids, pieces, kernel, kv_cache_dtype, store=None):
     """Logits of every position of `ids` run as `pieces` (prefill chunks, then decodes through
-    `kernel`), in caches of `kv_cache_dtype` bound for this run; `store` replaces how keys and
-    values are written."""
+    `kernel`), in caches of `kv_cache_dtype` bound for this run (the engine's own are bound
+    back after it); `store` replaces how keys and values are written."""
     blocks, bs = [5, 0, 7, 2, 9, 1, 3, 8, 11, 4], 4
     layers = model.attention_layers()
+    bound = [a.kv_cache for a in layers]
     kv_pool.allocate(layers, 12, bs, torch.float32, kv_cache_dtype, torch.device("cpu"))
     out = []
-    with pytest.MonkeyPatch.context() as patch:
-        if store is not None:
-            patch.setattr(kv_quant, "store", store)
-        for start, end in pieces:
-            meta = build_metadata([start], [end - start], [blocks], bs, torch.device("cpu"),
-                                  windows=model.attention_windows(), decode_kernel=kernel)
-            with torch.inference_mode():
-                hidden = model(torch.tensor(ids[start:end]), torch.arange(start, end), meta)
-                out.append(model.compute_logits(hidden))
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            if store is not None:
+                patch.setattr(kv_quant, "store", store)
+            for start, end in pieces:
+                meta = build_metadata([start], [end - start], [blocks], bs,
+                                      torch.device("cpu"), windows=model.attention_windows(),
+                                      decode_kernel=kernel)
+                with torch.inference_mode():
+                    hidden = model(torch.tensor(ids[start:end]), torch.arange(start, end),
+                                   meta)
+                    out.append(model.compute_logits(hidden))
+    finally:
+        for attn, cache in zip(layers, bound, strict=True):
+            attn.kv_cache = cache
     return torch.cat(out)
 
 
@@ -173,12 +180,15 @@ _store_as_int8 = _rounded_store(
 _store_as_bf16 = _rounded_store(lambda x: x.to(torch.bfloat16).to(x.dtype))
 
 
-@pytest.mark.parametrize("checkpoint", ["gemma3_path", "gemma4_path"])
+@pytest.mark.parametrize("checkpoint", ["gemma3_int8", "gemma4_path"])
 def test_every_attention_path_attends_what_the_int8_cache_holds(request, checkpoint):
-    llm = LLM(request.getfixturevalue(checkpoint), dtype="float32", max_model_len=64,
-              block_size=4, enable_prefix_caching=False)
+    if checkpoint == "gemma3_int8":
+        llm = request.getfixturevalue(checkpoint)
+    else:
+        llm = LLM(request.getfixturevalue(checkpoint), dtype="float32", max_model_len=64,
+                  block_size=4, enable_prefix_caching=False)
     model = llm.engine.runner.model
-    if checkpoint == "gemma4_path":
+    if checkpoint == "gemma4_path":  # its layers' head sizes differ too (16 and 32)
         assert any(a.kv_source is not None for a in model.attention_layers())
     else:
         assert None in model.attention_windows() and 6 in model.attention_windows()
@@ -190,7 +200,9 @@ def test_every_attention_path_attends_what_the_int8_cache_holds(request, checkpo
     plain = _logits(model, ids, pieces, "sdpa", "auto")
     noise = (_logits(model, ids, pieces, "sdpa", "auto", _store_as_bf16) - plain).abs().max()
     assert 0 < noise < 2, noise  # a real measurement, not a broken reference
-    kernels = ["sdpa", "matmul"] + (["native"] if native.load() is not None else [])
+    # SDPA after gathering and dequantizing the blocks ("matmul" gathers the same way), and
+    # our kernel reading the int8 rows in place
+    kernels = ["sdpa"] + (["native"] if native.load() is not None else [])
     for kernel in kernels:
         quantized = _logits(model, ids, pieces, kernel, "int8")
         rounded = _logits(model, ids, pieces, kernel, "auto", _store_as_int8)
@@ -201,15 +213,22 @@ def test_every_attention_path_attends_what_the_int8_cache_holds(request, checkpo
         assert torch.equal(quantized[:9], plain[:9])  # the first chunk attends its own keys
 
 
-def _engine(path, kv_cache_dtype: str, blocks: int, **options) -> LLM:
+def _engine(path, kv_cache_dtype: str) -> LLM:
+    """The tiny Gemma 3 in float32 with 22 blocks of 4 tokens and 16-token steps."""
     per_block = 4 * 6 * 2 * (32 + kv_quant.SCALE_BYTES if kv_cache_dtype == "int8" else 32 * 4)
     llm = LLM(path, dtype="float32", max_model_len=64, block_size=4,
-              kv_cache_bytes=blocks * per_block, kv_cache_dtype=kv_cache_dtype, **options)
-    assert llm.engine.block_manager.num_blocks == blocks
+              kv_cache_bytes=22 * per_block, kv_cache_dtype=kv_cache_dtype,
+              max_num_batched_tokens=16)
+    assert llm.engine.block_manager.num_blocks == 22
     return llm
 
 
-def test_engine_chunks_prefix_hits_and_preemption(gemma3_path, monkeypatch):
+@pytest.fixture(scope="module")
+def gemma3_int8(gemma3_path):
+    return _engine(gemma3_path, "int8")
+
+
+def test_engine_chunks_prefix_hits_and_preemption(gemma3_path, gemma3_int8, monkeypatch):
     """A prompt extending a finished one hits the prefix cache (whole blocks, and a block's
     tail copied with its scales: engine/block_manager.py); 22 blocks of 4 tokens cannot hold
     four ~38-token sequences: the newest are preempted and recomputed; 16-token steps cut the
@@ -223,7 +242,7 @@ def test_engine_chunks_prefix_hits_and_preemption(gemma3_path, monkeypatch):
     for kv in ("int8", "auto"):
         if kv == "auto":
             monkeypatch.setattr(kv_quant, "store", _store_as_int8)
-        llm = _engine(gemma3_path, kv, 22, max_num_batched_tokens=16)
+        llm = gemma3_int8 if kv == "int8" else _engine(gemma3_path, kv)
         first = llm.generate(prompts[:1], params)
         again = llm.generate([prompts[0] + [7, 8, 9, 10, 11]], params)
         # 7 full blocks of the first prompt's 30 tokens, and 2 of its 8th copied
