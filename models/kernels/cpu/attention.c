@@ -103,55 +103,58 @@ static inline void softmax_rows(float* scores, int64_t group, int64_t len) {
     }
 }
 
-/* Rows [t0, t0 + n) of one head of an int8 cache (`base`: that head's first byte): where each
- * row starts, into `rows` [n], and its scale, into `scales` [n]. */
-static inline void locate_rows_i8(const int8_t* cache, int64_t base, const int64_t* blocks,
+/* Rows [t0, t0 + n) of one head of an int8 cache (`base`: that head's first byte): their int8
+ * values as float32, unscaled, into `dst` [n, dim] (a chunk in L1, converted once for all the
+ * query heads of the group), and their scales into `scales` [n]. */
+static inline void gather_rows_i8(const int8_t* cache, int64_t base, const int64_t* blocks,
                                   int64_t key0, int64_t block_size, int64_t t0, int64_t n,
-                                  int64_t dim, const int8_t** rows, float* scales) {
+                                  int64_t dim, float* dst, float* scales) {
     const int64_t stride = dim + KV_SCALE_BYTES;
     for (int64_t t = 0; t < n; t++) {
         const int64_t pos = t0 + t;
         const int64_t slot = blocks[(pos - key0) / block_size] * block_size + pos % block_size;
-        rows[t] = cache + base + slot * stride;
-        memcpy(scales + t, rows[t] + dim, sizeof(float));
+        const int8_t* row = cache + base + slot * stride;
+        float* out = dst + t * dim;
+        _Pragma("omp simd")
+        for (int64_t d = 0; d < dim; d++) out[d] = (float)row[d];
+        memcpy(scales + t, row + dim, sizeof(float));
     }
 }
 
 /* attend_head for an int8 cache: a key's score is its scale times q . row, a value row is added
- * with its softmax weight times its scale. `rows` and `row_scales`: CHUNK_FLOATS / dim each. */
+ * with its softmax weight times its scale. `row_scales`: CHUNK_FLOATS / dim floats. */
 static inline __attribute__((always_inline)) void attend_head_i8(
     const int8_t* cache, int64_t key_base, int64_t value_base, const int64_t* blocks,
     int64_t key0, int64_t block_size, int64_t lo, int64_t len, int64_t group, const float* qf,
-    float* acc, float* scores, const int8_t** rows, float* row_scales, float scale,
-    float softcap, const int64_t dim) {
+    float* acc, float* scores, float* rows, float* row_scales, float scale, float softcap,
+    const int64_t dim) {
     const int64_t chunk = CHUNK_FLOATS / dim;
     for (int64_t c = 0; c < len; c += chunk) {
         const int64_t n = len - c < chunk ? len - c : chunk;
-        locate_rows_i8(cache, key_base, blocks, key0, block_size, lo + c, n, dim, rows,
+        gather_rows_i8(cache, key_base, blocks, key0, block_size, lo + c, n, dim, rows,
                        row_scales);
         for (int64_t g = 0; g < group; g++) {
             const float* qg = qf + g * dim;
             float* sg = scores + g * len + c;
             int64_t t = 0;
             for (; t + 4 <= n; t += 4) {  /* four keys at once: four independent sums */
-                const int8_t *k0 = rows[t], *k1 = rows[t + 1], *k2 = rows[t + 2],
-                             *k3 = rows[t + 3];
+                const float *k0 = rows + t * dim, *k1 = k0 + dim, *k2 = k1 + dim, *k3 = k2 + dim;
                 float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
                 _Pragma("omp simd reduction(+:s0, s1, s2, s3)")
                 for (int64_t d = 0; d < dim; d++) {
-                    s0 += qg[d] * (float)k0[d];
-                    s1 += qg[d] * (float)k1[d];
-                    s2 += qg[d] * (float)k2[d];
-                    s3 += qg[d] * (float)k3[d];
+                    s0 += qg[d] * k0[d];
+                    s1 += qg[d] * k1[d];
+                    s2 += qg[d] * k2[d];
+                    s3 += qg[d] * k3[d];
                 }
                 sg[t] = s0 * row_scales[t], sg[t + 1] = s1 * row_scales[t + 1];
                 sg[t + 2] = s2 * row_scales[t + 2], sg[t + 3] = s3 * row_scales[t + 3];
             }
             for (; t < n; t++) {
-                const int8_t* kr = rows[t];
+                const float* kr = rows + t * dim;
                 float s = 0.0f;
                 _Pragma("omp simd reduction(+:s)")
-                for (int64_t d = 0; d < dim; d++) s += qg[d] * (float)kr[d];
+                for (int64_t d = 0; d < dim; d++) s += qg[d] * kr[d];
                 sg[t] = s * row_scales[t];
             }
             for (t = 0; t < n; t++) {
@@ -164,17 +167,17 @@ static inline __attribute__((always_inline)) void attend_head_i8(
     memset(acc, 0, sizeof(float) * (size_t)(group * dim));
     for (int64_t c = 0; c < len; c += chunk) {
         const int64_t n = len - c < chunk ? len - c : chunk;
-        locate_rows_i8(cache, value_base, blocks, key0, block_size, lo + c, n, dim, rows,
+        gather_rows_i8(cache, value_base, blocks, key0, block_size, lo + c, n, dim, rows,
                        row_scales);
         for (int64_t g = 0; g < group; g++) {
             const float* pg = scores + g * len + c;
             float a[dim];
             memcpy(a, acc + g * dim, sizeof(float) * (size_t)dim);
             for (int64_t t = 0; t < n; t++) {
-                const int8_t* vr = rows[t];
+                const float* vr = rows + t * dim;
                 const float w = pg[t] * row_scales[t];
                 _Pragma("omp simd")
-                for (int64_t d = 0; d < dim; d++) a[d] += w * (float)vr[d];
+                for (int64_t d = 0; d < dim; d++) a[d] += w * vr[d];
             }
             memcpy(acc + g * dim, a, sizeof(float) * (size_t)dim);
         }
@@ -202,20 +205,18 @@ static int decode_attention(const void* q, const void* cache, void* out, int dty
             int64_t lo = window > 0 && ctx > window ? ctx - window : 0;
             if (lo < key0[b]) lo = key0[b];
             const int64_t len = ctx - lo;
-            /* int8: CHUNK_FLOATS / dim row pointers first (aligned), then the floats */
-            const size_t pointers = kv_i8 ? sizeof(int8_t*) * (size_t)(CHUNK_FLOATS / dim) : 0;
-            char* block = malloc(pointers +
-                                 sizeof(float) * (size_t)(group * (len + 2 * dim) + CHUNK_FLOATS));
-            if (block == NULL) {
+            const int64_t extra = kv_i8 ? CHUNK_FLOATS / dim : 0;  /* int8: the rows' scales */
+            float* work = malloc(sizeof(float) *
+                                 (size_t)(group * (len + 2 * dim) + CHUNK_FLOATS + extra));
+            if (work == NULL) {
                 failed = 1;
                 continue;
             }
-            const int8_t** row_ptrs = (const int8_t**)block;
-            float* work = (float*)(block + pointers);
             float* scores = work;                 /* [group, len] */
             float* qf = work + group * len;       /* [group, dim] */
             float* acc = qf + group * dim;        /* [group, dim] */
-            float* rows = acc + group * dim;      /* CHUNK_FLOATS (int8: the rows' scales) */
+            float* rows = acc + group * dim;      /* CHUNK_FLOATS */
+            float* row_scales = rows + CHUNK_FLOATS;
             for (int64_t g = 0; g < group; g++)
                 for (int64_t d = 0; d < dim; d++)
                     qf[g * dim + d] = load_x(q, dtype, (b * heads + h * group + g) * dim + d);
@@ -224,7 +225,7 @@ static int decode_attention(const void* q, const void* cache, void* out, int dty
 #define ATTEND(D) attend_head(cache, dtype, keys, values, blocks, key0[b], block_size, lo, len, \
                               group, qf, acc, scores, rows, scale, softcap, D)
 #define ATTEND_I8(D) attend_head_i8(cache, keys, values, blocks, key0[b], block_size, lo, len, \
-                                    group, qf, acc, scores, row_ptrs, rows, scale, softcap, D)
+                                    group, qf, acc, scores, rows, row_scales, scale, softcap, D)
             if (kv_i8) {
                 switch (dim) {
                     case 64: ATTEND_I8(64); break;
@@ -245,7 +246,7 @@ static int decode_attention(const void* q, const void* cache, void* out, int dty
             for (int64_t g = 0; g < group; g++)
                 for (int64_t d = 0; d < dim; d++)
                     store(out, dtype, (b * heads + h * group + g) * dim + d, acc[g * dim + d]);
-            free(block);
+            free(work);
         }
     }
     return failed;
