@@ -1,6 +1,9 @@
 """Attention over the paged KV cache, and the per-step metadata that drives it.
 
-Cache layout per layer: [2, num_kv_heads, num_blocks, block_size, head_dim] (keys, values).
+Cache layout per layer: [2, num_kv_heads, num_blocks, block_size, head_dim] (keys, values); an
+int8 cache (`kv_cache_dtype="int8"`) has rows of head_dim int8 values and their float32 scale
+(models/layers/kv_quant.py), quantized as they are stored and dequantized only in the blocks a
+group gathers (our decode kernel reads them in place).
 Token t of a request lives in slot `block_ids[t // block_size] * block_size + t % block_size`
 of every head. Heads outermost, so that a request's gathered keys are contiguous per head
 ([Hkv, B, L, D]): the matrix products of attention then read them in place (with tokens
