@@ -100,6 +100,8 @@ class KeyView:
     # whose blocks it holds (a layer reading another's cache after it finds them gathered).
     workspace: torch.Tensor | None = None
     gathered_from: int | None = None
+    # An int8 cache's gathered rows [2, Hkv, B * nb, block_size, D + 4], before dequantizing.
+    gathered_int8: torch.Tensor | None = None
 
 
 @dataclass
@@ -397,7 +399,12 @@ def gather_blocks(kv_cache: torch.Tensor, view: KeyView, b: int,
         view.workspace = kv_cache.new_empty(shape, dtype=dtype)
         view.gathered_from = None
     if view.gathered_from != kv_cache.data_ptr():
-        into = kv_cache.new_empty(shape[:-1] + (row,)) if quantized else view.workspace
+        into = view.workspace
+        if quantized:
+            raw = shape[:-1] + (row,)
+            if view.gathered_int8 is None or view.gathered_int8.shape != raw:
+                view.gathered_int8 = kv_cache.new_empty(raw)
+            into = view.gathered_int8
         for i in range(2):
             for h in range(num_kv_heads):
                 torch.index_select(kv_cache[i, h], 0, blocks, out=into[i, h])
