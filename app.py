@@ -47,6 +47,9 @@ _ENGINE_OPTIONS = {  # flag -> (engine option, type, help)
         "quantization", str, "int8 or int4 weights for the language model's linears (CPU)"),
     "--quantization-group-size": (
         "quantization_group_size", int, "inputs per int8 / int4 scale: 32, 64 or 128 (default 64)"),
+    "--kv-cache-dtype": (
+        "kv_cache_dtype", str, "auto (the model dtype) or int8 (keys and values as int8 with "
+        "a scale per token and head: about twice the tokens in the same bytes)"),
     "--speculative": (
         "speculative", str, "speculative decoding: ngram (lookup in the prompt and output), "
         "draft:PATH (a small model of the same tokenizer, or Gemma 4's assistant) or mtp (the "
