@@ -148,12 +148,11 @@ def tiled_gemm(x: torch.Tensor, blocks: torch.Tensor, type_name: str,
     return out.to(x.dtype)
 
 
-class BlockLinear(nn.Module):
-    """A linear layer whose weight [N, K] is held in ggml blocks of one type, as a GGUF file
-    stores it (`blocks` [N, row bytes] uint8), run as stored; bias in the model dtype."""
+class BlockPart(nn.Module):
+    """Rows of a weight [N, K] held in ggml blocks of one type, as a GGUF file stores them
+    (`blocks` [N, row bytes] uint8): x . W^T without a bias."""
 
-    def __init__(self, blocks: torch.Tensor, type_name: str, in_features: int,
-                 bias: torch.Tensor | None) -> None:
+    def __init__(self, blocks: torch.Tensor, type_name: str, in_features: int) -> None:
         super().__init__()
         if not takes(type_name, in_features):
             raise ValueError(f"ggml {type_name} blocks do not hold rows of {in_features}")
@@ -163,37 +162,60 @@ class BlockLinear(nn.Module):
             raise ValueError(f"{type_name} blocks for rows of {in_features} are [N, "
                              f"{row_bytes(block, in_features)}] uint8, not "
                              f"{list(blocks.shape)} {blocks.dtype}")
-        self.type_name, self.in_features, self.out_features = type_name, in_features, \
-            blocks.shape[0]
+        self.type_name, self.in_features = type_name, in_features
+        self.out_features = blocks.shape[0]
         self.register_buffer("blocks", blocks.contiguous())
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_rows(self.blocks, self.type_name, self.in_features)
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [M, K] float32 / bfloat16 -> [M, N] in their dtype."""
+        if rows.shape[0] <= FEW_ROWS and native.load() is not None:
+            return block_linear(rows, self.blocks, self.type_name, self.in_features)
+        return tiled_gemm(rows, self.blocks, self.type_name, self.in_features)
+
+
+class BlockLinear(nn.Module):
+    """A linear layer whose weight [N, K] is held as a GGUF file stores it: one or more parts
+    of consecutive output channels (a fused q / k / v whose tensors differ in type), each in
+    ggml blocks of its own type, run as stored; bias in the model dtype."""
+
+    def __init__(self, parts: list[tuple[str, torch.Tensor]], in_features: int,
+                 bias: torch.Tensor | None) -> None:
+        super().__init__()
+        if not parts:
+            raise ValueError("a block linear needs at least one part")
+        self.parts = nn.ModuleList(BlockPart(blocks, type_name, in_features)
+                                   for type_name, blocks in parts)
+        self.in_features = in_features
+        self.out_features = sum(part.out_features for part in self.parts)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @property
     def format(self) -> str:
-        return self.type_name
+        """The parts' block types ("Q4_K", "Q4_K+Q6_K")."""
+        return "+".join(dict.fromkeys(part.type_name for part in self.parts))
 
     @property
     def nbytes(self) -> int:
-        return self.blocks.nbytes
+        return sum(part.blocks.nbytes for part in self.parts)
 
     def dequantize(self) -> torch.Tensor:
         """The weight as the kernels compute with it: [N, K] float32."""
-        return dequantize_rows(self.blocks, self.type_name, self.in_features)
+        return torch.cat([part.dequantize() for part in self.parts])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)
         if rows.dtype not in native.DTYPES:
             rows = rows.float()
-        if rows.shape[0] <= FEW_ROWS and native.load() is not None:
-            out = block_linear(rows, self.blocks, self.type_name, self.in_features)
-        else:
-            out = tiled_gemm(rows, self.blocks, self.type_name, self.in_features)
-        out = out.to(x.dtype)
+        outs = [part(rows) for part in self.parts]
+        out = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"blocks={self.type_name}, bias={self.bias is not None}")
+                f"blocks={self.format}, bias={self.bias is not None}")
