@@ -167,9 +167,13 @@ class GGUFWeights:
             n, k = linear.out_features, linear.in_features
             parts = sorted(((_rows(shard, n).start, info) for info, shard in found),
                            key=lambda part: part[0])
-            blocks = [(info.type_name, torch.from_numpy(
-                self.rearrange.rows(info.name, self.file.read(info)).copy()))
-                for _, info in parts]
+            blocks: list[tuple[str, torch.Tensor]] = []  # consecutive parts of a type joined
+            for _, info in parts:
+                rows = torch.from_numpy(self.rearrange.rows(info.name, self.file.read(info)))
+                if blocks and blocks[-1][0] == info.type_name:
+                    blocks[-1] = (info.type_name, torch.cat([blocks[-1][1], rows]))
+                else:
+                    blocks.append((info.type_name, rows.clone()))
             bias = None if linear.bias is None else torch.empty(n, dtype=dtype)
             setattr(owner, attr, BlockLinear(blocks, k, bias))
         for weight, found in self.stored.items():
