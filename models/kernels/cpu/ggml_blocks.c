@@ -11,7 +11,7 @@
  *
  * mm_ggml_linear: y [M, N] = x [M, K] . W^T for a decode step's few rows. Per output channel,
  * each span of up to 256 inputs is dequantized into a buffer in L1 and multiplied into every
- * row's MV_LANES partial sums (independent lanes: the compiler vectorizes both loops for the
+ * row's LANES partial sums (independent lanes: the compiler vectorizes both loops for the
  * variant). The weight is read once per call, in its blocks' bytes (4.5 bits per weight for
  * Q4_K). Sums in float32.
  *
@@ -46,6 +46,7 @@
 
 #define SPAN 256 /* values dequantized at once: one super-block, or eight 32-blocks */
 #define ROW_CHUNK 8 /* rows of x per pass over the weight (their partial sums stay in cache) */
+#define LANES 32    /* partial sums per row: independent lanes the compiler vectorizes */
 
 /* values per block and bytes per block of `type`; 0 for a type this file does not read */
 static int block_values(int type) {
@@ -265,27 +266,27 @@ int mm_ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, void*
     _Pragma("omp parallel for num_threads(threads) schedule(static) if(n * k > 32768)")
     for (int64_t r = 0; r < n; r++) {
         float buf[SPAN];
-        float part[ROW_CHUNK][MV_LANES];
+        float part[ROW_CHUNK][LANES];
         const uint8_t* wr = w + r * row_bytes;
         for (int64_t i0 = 0; i0 < m; i0 += ROW_CHUNK) {
             const int rows = m - i0 < ROW_CHUNK ? (int)(m - i0) : ROW_CHUNK;
-            memset(part, 0, sizeof(part));
+            memset(part, 0, sizeof(float) * LANES * (size_t)rows);
             for (int64_t b = 0; b < per_row; b += span_blocks) {
                 const int count = per_row - b < span_blocks ? (int)(per_row - b) : span_blocks;
                 const int values = count * qk; /* a multiple of 32, at most SPAN */
                 dequantize_blocks(type, wr + b * nb, count, buf);
                 for (int i = 0; i < rows; i++) {
                     const float* xr = xf + (i0 + i) * k + b * qk;
-                    for (int j = 0; j < values; j += 32) {
-                        float* acc = part[i] + (j % MV_LANES);
+                    float* acc = part[i];
+                    for (int j = 0; j < values; j += LANES) {
                         _Pragma("omp simd")
-                        for (int l = 0; l < 32; l++) acc[l] += xr[j + l] * buf[j + l];
+                        for (int l = 0; l < LANES; l++) acc[l] += xr[j + l] * buf[j + l];
                     }
                 }
             }
             for (int i = 0; i < rows; i++) {
                 float acc = 0.0f;
-                for (int l = 0; l < MV_LANES; l++) acc += part[i][l];
+                for (int l = 0; l < LANES; l++) acc += part[i][l];
                 store(y, x_dtype, (i0 + i) * n + r, acc);
             }
         }
