@@ -4,10 +4,12 @@
  * is N rows of K / QK blocks each, byte for byte as in the file (row r at r * row_bytes).
  *
  * Dequantizing is ggml's definition of each block, in the same float32 operations in the same
- * order (the scale products first, then q * d - m), with no fused multiply-add (this file's
- * functions are compiled with floating-point contraction off), so that a value is bit for bit
- * what ggml's dequantize_row_* and gguf-py's gguf.quants.dequantize give (tests/
- * test_gguf_blocks.py checks every type).
+ * order (the scale products first, then q * d - m), so that a value is bit for bit what ggml's
+ * dequantize_row_* and gguf-py's gguf.quants.dequantize give (tests/test_gguf_blocks.py checks
+ * every type, tests/native/harness.c Q4_K and Q8_0 on every variant). The dequantizers are
+ * compiled with floating-point contraction off; for these formats it would change nothing (a
+ * float16 scale times a 6- or 8-bit sub-scale times a 4- or 5-bit q is exact in float32, so a
+ * fused q * d1 - m1 rounds as the separate operations do), but the order is then the C's.
  *
  * mm_ggml_linear: y [M, N] = x [M, K] . W^T for a decode step's few rows. Per output channel,
  * each span of up to 256 inputs is dequantized into a buffer in L1 and multiplied into every
