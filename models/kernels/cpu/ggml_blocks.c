@@ -95,19 +95,15 @@ static inline float half(const uint8_t* p) {
 NO_CONTRACT static void q4_0(const uint8_t* b, float* y) {
     const float d = half(b);
     const uint8_t* qs = b + 2;
-    for (int j = 0; j < 16; j++) {
-        y[j] = (float)((qs[j] & 0xF) - 8) * d;
-        y[j + 16] = (float)((qs[j] >> 4) - 8) * d;
-    }
+    for (int j = 0; j < 16; j++) y[j] = (float)((qs[j] & 0xF) - 8) * d;
+    for (int j = 0; j < 16; j++) y[j + 16] = (float)((qs[j] >> 4) - 8) * d;
 }
 
 NO_CONTRACT static void q4_1(const uint8_t* b, float* y) {
     const float d = half(b), m = half(b + 2);
     const uint8_t* qs = b + 4;
-    for (int j = 0; j < 16; j++) {
-        y[j] = (float)(qs[j] & 0xF) * d + m;
-        y[j + 16] = (float)(qs[j] >> 4) * d + m;
-    }
+    for (int j = 0; j < 16; j++) y[j] = (float)(qs[j] & 0xF) * d + m;
+    for (int j = 0; j < 16; j++) y[j + 16] = (float)(qs[j] >> 4) * d + m;
 }
 
 static inline uint32_t le32(const uint8_t* p) {
@@ -118,22 +114,20 @@ NO_CONTRACT static void q5_0(const uint8_t* b, float* y) {
     const float d = half(b);
     const uint32_t qh = le32(b + 2);
     const uint8_t* qs = b + 6;
-    for (int j = 0; j < 16; j++) {
-        const int hi0 = (int)((qh >> j) << 4) & 0x10, hi1 = (int)(qh >> (j + 12)) & 0x10;
-        y[j] = (float)(((qs[j] & 0xF) | hi0) - 16) * d;
-        y[j + 16] = (float)(((qs[j] >> 4) | hi1) - 16) * d;
-    }
+    for (int j = 0; j < 16; j++)
+        y[j] = (float)(((qs[j] & 0xF) | ((int)((qh >> j) << 4) & 0x10)) - 16) * d;
+    for (int j = 0; j < 16; j++)
+        y[j + 16] = (float)(((qs[j] >> 4) | ((int)(qh >> (j + 12)) & 0x10)) - 16) * d;
 }
 
 NO_CONTRACT static void q5_1(const uint8_t* b, float* y) {
     const float d = half(b), m = half(b + 2);
     const uint32_t qh = le32(b + 4);
     const uint8_t* qs = b + 8;
-    for (int j = 0; j < 16; j++) {
-        const int hi0 = (int)((qh >> j) << 4) & 0x10, hi1 = (int)(qh >> (j + 12)) & 0x10;
-        y[j] = (float)((qs[j] & 0xF) | hi0) * d + m;
-        y[j + 16] = (float)((qs[j] >> 4) | hi1) * d + m;
-    }
+    for (int j = 0; j < 16; j++)
+        y[j] = (float)((qs[j] & 0xF) | ((int)((qh >> j) << 4) & 0x10)) * d + m;
+    for (int j = 0; j < 16; j++)
+        y[j + 16] = (float)((qs[j] >> 4) | ((int)(qh >> (j + 12)) & 0x10)) * d + m;
 }
 
 NO_CONTRACT static void q8_0(const uint8_t* b, float* y) {
@@ -198,16 +192,18 @@ NO_CONTRACT static void q6_k(const uint8_t* b, float* y) {
     for (int n = 0; n < 2; n++) {
         float ds[8];
         for (int s = 0; s < 8; s++) ds[s] = d * (float)sc[s];
-        for (int l = 0; l < 32; l++) {
-            const int is = l / 16;
-            const int q1 = ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
-            const int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
-            const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-            const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-            y[l] = ds[is] * (float)q1;
-            y[l + 32] = ds[is + 2] * (float)q2;
-            y[l + 64] = ds[is + 4] * (float)q3;
-            y[l + 96] = ds[is + 6] * (float)q4;
+        /* group g of 32 values: low nibbles (g < 2) or high ones of ql[32 (g % 2) + l], two
+         * bits of qh[l] at 2g; sub-scales 2g, 2g + 1 (ggml's q1 .. q4, in loops that vectorize) */
+        for (int g = 0; g < 4; g++) {
+            const uint8_t* lo = ql + 32 * (g & 1);
+            const int shift = 4 * (g >> 1);
+            for (int h = 0; h < 2; h++) {
+                const float scale = ds[2 * g + h];
+                for (int l = 16 * h; l < 16 * h + 16; l++)
+                    y[32 * g + l] =
+                        scale * (float)((((lo[l] >> shift) & 0xF) | (((qh[l] >> (2 * g)) & 3) << 4))
+                                        - 32);
+            }
         }
         y += 128;
         ql += 64;
@@ -219,19 +215,21 @@ NO_CONTRACT static void q6_k(const uint8_t* b, float* y) {
 /* `count` consecutive blocks of `type` from src -> count * QK floats */
 NO_CONTRACT static void dequantize_blocks(int type, const uint8_t* src, int64_t count, float* y) {
     const int qk = block_values(type), nb = block_bytes(type);
-    for (int64_t i = 0; i < count; i++, src += nb, y += qk) {
-        switch (type) {
-            case GGML_Q4_0: q4_0(src, y); break;
-            case GGML_Q4_1: q4_1(src, y); break;
-            case GGML_Q5_0: q5_0(src, y); break;
-            case GGML_Q5_1: q5_1(src, y); break;
-            case GGML_Q8_0: q8_0(src, y); break;
-            case GGML_Q4_K: q4_k(src, y); break;
-            case GGML_Q5_K: q5_k(src, y); break;
-            case GGML_Q6_K: q6_k(src, y); break;
-            default: break;
-        }
+#define EACH_BLOCK(FN) \
+    for (int64_t i = 0; i < count; i++) FN(src + i * nb, y + i * qk); \
+    break;
+    switch (type) { /* one loop per type, the block's function inlined in it */
+        case GGML_Q4_0: EACH_BLOCK(q4_0)
+        case GGML_Q4_1: EACH_BLOCK(q4_1)
+        case GGML_Q5_0: EACH_BLOCK(q5_0)
+        case GGML_Q5_1: EACH_BLOCK(q5_1)
+        case GGML_Q8_0: EACH_BLOCK(q8_0)
+        case GGML_Q4_K: EACH_BLOCK(q4_k)
+        case GGML_Q5_K: EACH_BLOCK(q5_k)
+        case GGML_Q6_K: EACH_BLOCK(q6_k)
+        default: break;
     }
+#undef EACH_BLOCK
 }
 
 /* Whether a weight of `type` with rows of k values is one these kernels take */
