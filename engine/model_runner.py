@@ -524,6 +524,9 @@ def context_length(hf_config) -> tuple[int, str]:
     longrope its original_max_position_embeddings (its long factors are not implemented)."""
     text_cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     model_max = getattr(text_cfg, "max_position_embeddings", None) or 2048
+    if getattr(text_cfg, "max_target_positions", None):  # an encoder-decoder's decoder (Whisper)
+        return text_cfg.max_target_positions, (
+            f"max_target_positions={text_cfg.max_target_positions}")
     rope = getattr(text_cfg, "rope_parameters", None) or {}
     if rope.get("rope_type") == "longrope":
         model_max = min(model_max, rope["original_max_position_embeddings"])
