@@ -51,6 +51,7 @@ from models.layers.cross_metadata import build_cross_metadata
 from models.layers.lora import attach_adapters, build_adapter_batch
 from models.layers.state_metadata import build_state_metadata
 from models.loader import MissingWeights, build_on_meta, iter_checkpoint, load_weights
+from models.whisper.ctranslate2 import is_ctranslate2, load_ctranslate2
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +157,8 @@ class ModelRunner:
                 self.model, self.gguf_summary = load_gguf(
                     path, hf_config, factory, device, dtype, quantizer, defer,
                     config.dequantize_gguf, mmproj)
+            elif is_ctranslate2(path):  # a CTranslate2 Whisper folder (faster-whisper's)
+                self.model = load_ctranslate2(path, factory, device, dtype, quantizer)
             else:
                 self.model = build_on_meta(factory, device, dtype, defer=defer)
                 load_weights(self.model, self.model.checkpoint_tensors(iter_checkpoint(path)),
