@@ -137,3 +137,45 @@ def test_clips_whisper_cannot_take_are_refused(llm, tokens):
             "audio": [(CLIPS["short"], RATE)] * 2}}, GREEDY)
     assert llm.generate(request(prompt, CLIPS["short"]), GREEDY)[0].outputs[0].token_ids
     assert_released(llm)
+
+
+@pytest.mark.parametrize("precision", ["float32", "float16", "int8"])
+def test_ctranslate2_folders_read_by_our_reader(whisper_path, llm, tokens, tmp_path, precision):
+    """The checkpoint written as CTranslate2's converter writes it: float32 gives the
+    checkpoint's tokens and logits, float16 its tokens, int8 runs as our int8 linears within a
+    stated distance of transformers on the file's dequantized values."""
+    from models.whisper.ctranslate2 import MODEL_FILE, CT2File, Int8Weight, ct2_tensors
+    from testing.ctranslate2 import write_ctranslate2_whisper
+
+    folder = write_ctranslate2_whisper(whisper_path, tmp_path / precision, precision)
+    ours = LLM(folder, max_model_len=448, dtype="float32")
+    prompt = decoder_prompt(tokens, "en")
+    params = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, logprobs=3)
+    out = ours.generate(request(prompt, CLIPS["short"]), params)[0].outputs[0]
+    want = llm.generate(request(prompt, CLIPS["short"]), params)[0].outputs[0]
+    if precision == "float32":
+        assert out.token_ids == want.token_ids
+        for a, b in zip(out.logprobs, want.logprobs, strict=True):
+            assert list(a) == list(b)
+            torch.testing.assert_close(torch.tensor([*a.values()]), torch.tensor([*b.values()]),
+                                       atol=1e-5, rtol=0)
+    elif precision == "float16":
+        assert out.token_ids == want.token_ids
+    else:
+        # every linear: 2 encoder layers x 6 (q, k, v, out, fc1, fc2), 2 decoder layers x 10
+        assert ours.engine.runner.quantized_formats() == {"int8": 2 * 6 + 2 * 10}
+        from transformers import WhisperForConditionalGeneration
+
+        hf = WhisperForConditionalGeneration(ours.engine.setup.hf_config).eval()
+        hf.load_state_dict({n: t.q.float() / t.scale[:, None] if isinstance(t, Int8Weight) else t
+                            for n, t in ct2_tensors(CT2File(folder / MODEL_FILE), torch.float32)},
+                           strict=False)
+        hf.tie_weights()
+        ids = torch.tensor([prompt + out.token_ids[:-1]])
+        with torch.no_grad():
+            ref = hf(input_features=features(whisper_path, CLIPS["short"]),
+                     decoder_input_ids=ids).logits[0, len(prompt) - 1:].log_softmax(-1)
+        # Our int8 linears keep the file's values; their scales round to bfloat16 (2^-9).
+        for step, (token, entry) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+            assert abs(entry[token] - ref[step, token].item()) < 0.05, step
+    assert_released(ours)

@@ -310,6 +310,23 @@ def ct2_tensors(file: CT2File, dtype: torch.dtype
         yield "proj_out.weight", weight("decoder/projection", linear=False)
 
 
+def held_bytes(folder: Path, dtype_bytes: int) -> int:
+    """The folder's weights as the engine holds them: int8 linears a byte per weight and a
+    bfloat16 scale per row, every other tensor at `dtype_bytes` per value (scalars and
+    aliases left out)."""
+    file = CT2File(Path(folder) / MODEL_FILE)
+    total = 0
+    for name, var in file.variables.items():
+        if not var.shape or name.endswith("weight_scale"):
+            continue
+        numel = 1
+        for d in var.shape:
+            numel *= d
+        linear = var.dtype == torch.int8 and "linear_" in name
+        total += numel + 2 * var.shape[0] if linear else numel * dtype_bytes
+    return total
+
+
 def load_ctranslate2(path: Path, factory: Callable[[], nn.Module], device: torch.device,
                      dtype: torch.dtype, quantizer: Any = None) -> nn.Module:
     """The model built by `factory`, filled from the folder's model.bin: int8 linears placed
