@@ -11,7 +11,8 @@ previous windows (its last 223 tokens). The generation config's suppressed token
 timestamp pairs and the next window starts at the last complete segment's end (the whole
 window when it ended on a lone timestamp, as openai-whisper seeks); without, each window is a
 segment. A window whose text compresses more than 2.4 times (repetition) or whose mean
-log-probability is below -1 is decoded again at the next temperature of the fallback list.
+log-probability is below -1 is decoded again at the next temperature of the fallback list
+(sampled with a fixed seed per attempt: a clip transcribes alike every time).
 
 Not built: the timestamp logits rules (a timestamp forced to pair, monotonic timestamps, the
 first timestamp bounded), the first-token suppression (`begin_suppress_tokens`), word-level
@@ -38,6 +39,7 @@ WINDOW_S = 30
 WINDOW = WINDOW_S * RATE
 SECONDS_PER_TIMESTAMP = 0.02
 PREVIOUS_TOKENS = 223  # openai-whisper: n_text_ctx // 2 - 1
+SAMPLE_LEN = 224  # tokens per window at most (openai-whisper: n_text_ctx // 2)
 TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 SUPPRESSED = -100.0
 
@@ -176,8 +178,12 @@ async def transcribe(llm: Any, samples: np.ndarray, options: TranscriptionOption
         attempts, out = 0, None
         for temperature in options.temperatures:
             attempts += 1
-            params = SamplingParams(max_tokens=448 // 2, temperature=temperature, logprobs=0,
-                                    logit_bias=suppress, skip_special_tokens=False)
+            # Seeded: a clip transcribes alike every time, fallbacks included.
+            room = llm.engine.max_model_len - len(prompt)
+            params = SamplingParams(max_tokens=min(SAMPLE_LEN, room), temperature=temperature,
+                                    logprobs=0,
+                                    logit_bias=suppress, skip_special_tokens=False,
+                                    seed=attempts if temperature else None)
             out = await _last(llm.generate(_request(prompt, window), params,
                                            f"{rid}-{seek}-{attempts}"))
             tokens = out.outputs[0].token_ids
@@ -195,7 +201,8 @@ async def transcribe(llm: Any, samples: np.ndarray, options: TranscriptionOption
         else:
             parts, resume = [(offset, offset + len(window) / RATE, text_ids)], None
         for start, end, part in parts:
-            end = min(end, duration)
+            end = min(end, duration)  # a timestamp past the clip's end (no rule bounds it)
+            start = min(start, end)
             segment = Segment(len(transcript.segments), seek // (RATE // 100), start, end,
                               tok.decode(part), list(part), temperature, avg, ratio)
             transcript.segments.append(segment)
