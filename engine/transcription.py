@@ -87,7 +87,8 @@ class Window:
     seconds: float  # wall time of its decode (all attempts)
     attempts: int
     temperature: float
-    cache_hit: bool | None
+    cache_hit: bool | None  # whether the encoder's states for it were in the cache
+    item: str = ""  # the encoder cache's key for the window (the clip's content hash)
 
 
 @dataclass
@@ -186,6 +187,8 @@ async def transcribe(llm: Any, samples: np.ndarray, options: TranscriptionOption
                                     seed=attempts if temperature else None)
             out = await _last(llm.generate(_request(prompt, window), params,
                                            f"{rid}-{seek}-{attempts}"))
+            if attempts == 1:  # the window's encoder entry: found or computed by this one
+                (item,) = out.multi_modal_placeholders
             tokens = out.outputs[0].token_ids
             text_ids = [t for t in tokens if t < ids.end]
             text = tok.decode(text_ids)
@@ -207,10 +210,8 @@ async def transcribe(llm: Any, samples: np.ndarray, options: TranscriptionOption
                               tok.decode(part), list(part), temperature, avg, ratio)
             transcript.segments.append(segment)
             yield segment
-        hit = out.multi_modal_placeholders[0].cache_hit if out.multi_modal_placeholders \
-            else None
         transcript.windows.append(Window(offset, time.perf_counter() - t0, attempts,
-                                         temperature, hit))
+                                         temperature, item.cache_hit, item.identifier))
         history += text_ids
         advance = len(window) if resume is None or resume <= 0 else round(resume * RATE)
         seek += advance

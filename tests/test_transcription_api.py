@@ -109,3 +109,19 @@ def test_bad_uploads_are_refused_naming_the_problem(server):
         client.audio.transcriptions.create(model="whisper",
                                            file=("a.wav", wav(np.zeros(RATE * 130, np.float32))))
     assert e.value.status_code == 413
+
+
+def test_dictation_writes_the_transcript_into_the_message(server, tmp_path):
+    from ui.dictation import Dictation
+
+    llm, _ = server
+    path = tmp_path / "speech.wav"
+    path.write_bytes(wav(CLIP))
+    dictation = Dictation(llm, "whisper")
+    draft = {"text": "Note:", "files": ["x.png"]}
+    first, panel = asyncio.run(dictation.into_message(str(path), draft, "en"))
+    assert first["files"] == ["x.png"] and first["text"].startswith("Note:")
+    assert "language en" in panel and "(encoded)" in panel
+    again, panel = asyncio.run(dictation.into_message(str(path), None, "en"))
+    assert "(cache hit)" in panel  # the clip's encoder states were kept
+    assert again["text"] == first["text"].removeprefix("Note:").strip()
