@@ -8,8 +8,8 @@ Vision's image states are (engine/cross_states.py). Every row of a request atten
 (models/whisper/processor.py). The decoder's self-attention runs over the paged KV cache, so
 many requests' decoders batch together; positions are learned (`embed_positions`, at most
 `max_target_positions`), layers are pre-LayerNorm with biases (none on the key projections), the
-MLP is fc1 -> GELU -> fc2, and the LM head (`proj_out`) is tied to the token embeddings as
-transformers' class ties it.
+MLP is fc1 -> GELU -> fc2, and the LM head (`proj_out`, our `lm_head`) is tied to the token
+embeddings as transformers' class ties it.
 
 Checkpoint names are transformers' (the same in transformers 4 and 5): `model.encoder.*`,
 `model.decoder.*`, `proj_out.weight`.
@@ -167,13 +167,20 @@ class WhisperForConditionalGeneration(nn.Module):
         self.cfg = decoder_config(hf_config, self.tied_head(hf_config)[0])
         self.encoder = AudioEncoder(AudioEncoderConfig.from_whisper(hf_config))
         self.decoder = WhisperTextDecoder(self.cfg)
-        self.proj_out = Linear(self.cfg.hidden_size, self.cfg.vocab_size, bias=False)
+        # transformers' proj_out, named as every family's head (models/kernels/quantization.py
+        # quantizes `lm_head` and the linears of `layers`).
+        self.lm_head = Linear(self.cfg.hidden_size, self.cfg.vocab_size, bias=False)
         self.tie_weights()
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        """The decoder's layers (whose linears `quantization` quantizes)."""
+        return self.decoder.layers
 
     def tie_weights(self) -> None:
         """The LM head shares the token embeddings when tied (run again after loading)."""
         if self.cfg.tie_word_embeddings:
-            self.proj_out.weight = self.decoder.embed_tokens.weight
+            self.lm_head.weight = self.decoder.embed_tokens.weight
 
     @classmethod
     def from_hf_config(cls, hf_config: Any, max_positions: int, device: torch.device):
@@ -227,7 +234,7 @@ class WhisperForConditionalGeneration(nn.Module):
         return self.decoder.layer_norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return float32_logits(self.proj_out, hidden)
+        return float32_logits(self.lm_head, hidden)
 
     def encode(self, items: Sequence[EncoderItem]) -> list[torch.Tensor]:
         """Items ("audio", {"input_features" [n_mels, frames], "num_frames"}) -> each clip's
@@ -256,7 +263,7 @@ class WhisperForConditionalGeneration(nn.Module):
 
         def mapping(name: str):
             if name.startswith("proj_out."):
-                return None if tied else (name, None)
+                return None if tied else ("lm_head." + name[len("proj_out."):], None)
             if name.startswith("model.encoder."):
                 return "encoder." + whisper_block_name(name[len("model.encoder."):]), None
             if name.startswith("model.decoder."):
