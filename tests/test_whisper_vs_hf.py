@@ -179,3 +179,26 @@ def test_ctranslate2_folders_read_by_our_reader(whisper_path, llm, tokens, tmp_p
         for step, (token, entry) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
             assert abs(entry[token] - ref[step, token].item()) < 0.05, step
     assert_released(ours)
+
+
+def test_an_untied_head_reads_proj_out(tmp_path):
+    from transformers import WhisperForConditionalGeneration
+
+    from testing.whisper import build_whisper_model
+
+    path = build_whisper_model(tmp_path / "untied", multilingual=False, decoder_layers=1,
+                               encoder_layers=1, tie_word_embeddings=False)
+    ours = LLM(path, max_model_len=448)
+    english = WhisperTokens.from_generation_config(
+        ours.engine.setup.files.json(GENERATION_CONFIG))
+    assert not english.multilingual and not ours.engine.setup.tie_word_embeddings
+    prompt = decoder_prompt(english, "en")
+    assert prompt == [english.start, english.no_timestamps]
+    hf = WhisperForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=3)
+    out = ours.generate(request(prompt, CLIPS["short"]), params)[0].outputs[0]
+    ids = torch.tensor([prompt + out.token_ids[:-1]])  # teacher-forced: every step's logits
+    with torch.no_grad():
+        logits = hf(input_features=features(path, CLIPS["short"]),
+                    decoder_input_ids=ids).logits[0, len(prompt) - 1:]
+    assert_top_logprobs(out.logprobs, logits.log_softmax(-1), k=3)
