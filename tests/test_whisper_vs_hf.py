@@ -159,6 +159,13 @@ def test_ctranslate2_folders_read_by_our_reader(whisper_path, llm, tokens, tmp_p
             assert list(a) == list(b)
             torch.testing.assert_close(torch.tensor([*a.values()]), torch.tensor([*b.values()]),
                                        atol=1e-5, rtol=0)
+        from engine.inspect import inspect
+
+        report = inspect(folder, "float32")  # read without loading the weights
+        assert not report.unsupported and report.max_model_len == 448
+        assert report.cross_largest_item == 1500
+        assert report.weight_bytes == 4 * sum(p.numel() for n, p in ours.engine.runner.model
+                                              .named_parameters() if "lm_head" not in n)
     elif precision == "float16":
         assert out.token_ids == want.token_ids
     else:

@@ -312,8 +312,8 @@ def ct2_tensors(file: CT2File, dtype: torch.dtype
 
 def held_bytes(folder: Path, dtype_bytes: int) -> int:
     """The folder's weights as the engine holds them: int8 linears a byte per weight and a
-    bfloat16 scale per row, every other tensor at `dtype_bytes` per value (scalars and
-    aliases left out)."""
+    bfloat16 scale per row, every other tensor at `dtype_bytes` per value (scalars, aliases and
+    the converter's zero key biases left out)."""
     file = CT2File(Path(folder) / MODEL_FILE)
     total = 0
     for name, var in file.variables.items():
@@ -323,6 +323,8 @@ def held_bytes(folder: Path, dtype_bytes: int) -> int:
         for d in var.shape:
             numel *= d
         linear = var.dtype == torch.int8 and "linear_" in name
+        if name.endswith(("self_attention/linear_0/bias", "/attention/linear_1/bias")):
+            numel -= numel // (3 if "self_attention" in name else 2)  # the keys' zero bias
         total += numel + 2 * var.shape[0] if linear else numel * dtype_bytes
     return total
 
