@@ -20,6 +20,7 @@ from models.checkpoint import (
     GENERATION_CONFIG,
     CheckpointFiles,
     checkpoint_dtype,
+    refuse_quantized,
 )
 from models.gguf.reader import is_gguf
 from models.registry import ModelSpec, resolve
@@ -59,10 +60,11 @@ class CheckpointSetup:
         if mmproj is not None:
             raise ValueError(f"a projector file ({mmproj}) goes with a GGUF model; {path} is a "
                              "checkpoint folder")
+        files = CheckpointFiles(path)
+        refuse_quantized(files)
         hf_config = AutoConfig.from_pretrained(path)
         spec = resolve(hf_config)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        files = CheckpointFiles(path)
         template, template_source = files.chat_template()
         if template is not None:
             tokenizer.chat_template = template

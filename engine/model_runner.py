@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from engine import kv_pool
 from engine.config import EngineConfig, GiB
 from engine.cross_states import cross_items, plan_cross_states
 from engine.device import DeviceTimer, to_device, wait_for_device
@@ -190,7 +191,8 @@ class ModelRunner:
         cfg = self.model.cfg
         kv_heads, head_dim = _common_kv_shape(self.model.attention_layers())
         self.decode_kernel = choose_decode_kernel(
-            cfg.num_heads, kv_heads, head_dim, dtype, device, config.block_size
+            cfg.num_heads, kv_heads, head_dim, dtype, device, config.block_size,
+            config.kv_cache_dtype,
         )
         self.attention_backend = choose_backend(device, dtype)
         # Cross-attention layers' keys and values (engine/cross_states.py), out of the KV budget.
@@ -218,10 +220,9 @@ class ModelRunner:
     def _plan_kv_cache(self, max_model_len: int, reserved: int = 0) -> CacheLayout:
         """`reserved`: bytes the automatic budget leaves to other states."""
         bs = self.config.block_size
-        elem = torch.finfo(self.dtype).bits // 8
         # Layers reading another layer's keys and values hold no cache of their own.
-        per_block = sum(2 * bs * a.num_kv_heads * a.head_dim * elem
-                        for a in self.model.attention_layers() if a.kv_source is None)
+        per_block = bs * kv_pool.bytes_per_token(self.model.attention_layers(), self.dtype,
+                                                 self.config.kv_cache_dtype)
         useful = self.config.max_num_seqs * -(-max_model_len // bs) * per_block
         budget = self.config.kv_cache_bytes
         if budget is None:
@@ -245,20 +246,12 @@ class ModelRunner:
             self.native_decode = self.model.prepare_decode()  # it holds the caches' pointers
 
     def _allocate_kv_cache(self) -> list[torch.Tensor]:
-        """A cache [2, Hkv, blocks, block_size, D] per attention layer with keys and values of
-        its own; one reading another's (KV sharing) is bound to that cache."""
+        """A cache [2, Hkv, blocks, block_size, row] per attention layer with keys and values
+        of its own, in the element type of `kv_cache_dtype` (engine/kv_pool.py); one reading
+        another's (KV sharing) is bound to that cache."""
         lay = self.layout
-        caches: dict[int, torch.Tensor] = {}
-        for attn in self.model.attention_layers():
-            if attn.kv_source is not None:
-                attn.kv_cache = caches[attn.kv_source]
-                continue
-            shape = (2, attn.num_kv_heads, lay.num_blocks, lay.block_size, attn.head_dim)
-            # Zeros, not empty: padded gathers read unused slots, and NaN garbage there would
-            # leak through SDPA's masked softmax (0 * NaN).
-            attn.kv_cache = caches[attn.index] = torch.zeros(shape, dtype=self.dtype,
-                                                              device=self.device)
-        return list(caches.values())
+        return kv_pool.allocate(self.model.attention_layers(), lay.num_blocks, lay.block_size,
+                                self.dtype, self.config.kv_cache_dtype, self.device)
 
     @torch.inference_mode()
     def copy_kv(self, src: int, dst: int, tokens: int) -> None:
