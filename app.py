@@ -137,6 +137,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "browser (CORS); repeat for several. Default: none",
     )
     parser.add_argument("--api-only", action="store_true", help="serve the /v1 API without UI")
+    parser.add_argument(
+        "--transcription-model", metavar="PATH", default=None,
+        help="a Whisper checkpoint (transformers' folder, or faster-whisper's CTranslate2 "
+        "folder) loaded beside the chat models: the UI's dictation writes the microphone's "
+        "words into the message box, and /v1/audio/transcriptions serves it by its name")
     for flag, (_, kind, text) in _ENGINE_OPTIONS.items():
         parser.add_argument(flag, type=kind, help=f"engine option: {text}")
     parser.add_argument(
@@ -218,11 +223,13 @@ def build_app(
     allowed_hosts: Sequence[str] | None = None,
     allowed_origins: Sequence[str] = (),
     available: Mapping[str, Callable[[], ChatEngine]] | None = None,
+    dictation: Any = None,
 ) -> FastAPI:
     """One FastAPI app: the Gradio UI at / and, for in-process engines, the OpenAI-compatible
     API under /v1 (a remote server serves its own API), guarded by allowed_hosts and
     allowed_origins as in `api.create_app`; `available`: models the UI's picker lists and
-    loads when chosen (served in the UI)."""
+    loads when chosen (served in the UI); `dictation`: a ui.dictation.Dictation, whose Whisper
+    engine the API serves too."""
     import gradio as gr
     from fastapi import FastAPI
 
@@ -234,10 +241,12 @@ def build_app(
         from api.guards import APICORS
 
         # Before the UI's catch-all "/".
-        app.include_router(build_router(engines, api_key=api_key, allowed_hosts=allowed_hosts))
+        served = {**engines, **({dictation.name: dictation.llm} if dictation else {})}
+        app.include_router(build_router(served, api_key=api_key, allowed_hosts=allowed_hosts))
         if allowed_origins:
             app.add_middleware(APICORS, origins=allowed_origins)
-    demo = build_demo(engines, notes=notes, examples=examples, available=available)
+    demo = build_demo(engines, notes=notes, examples=examples, available=available,
+                      dictation=dictation)
     # Gradio refuses uploads the engines would refuse anyway, before storing them.
     largest = max(llm.info.media_limits.max_item_bytes for llm in engines.values())
     return gr.mount_gradio_app(app, demo, path="/", max_file_size=largest)
@@ -342,8 +351,26 @@ def connect_backend(args: argparse.Namespace) -> dict[str, ChatEngine]:
     return engines
 
 
+def load_dictation(args: argparse.Namespace) -> Any:
+    """The --transcription-model's engine for the UI's dictation and the API (None: none)."""
+    if not args.transcription_model:
+        return None
+    if args.backend:
+        raise ValueError("--transcription-model loads a Whisper engine here; it does not "
+                         "combine with --backend")
+    from engine import AsyncLLM
+    from ui.dictation import Dictation
+
+    source = args.transcription_model
+    path = Path(source).expanduser()
+    log.info("loading %s for dictation", source)
+    llm = AsyncLLM(source, device=args.device, dtype=args.dtype)
+    return Dictation(llm, path.name if path.exists() else source)
+
+
 def serve(
-    args: argparse.Namespace, engines: dict[str, ChatEngine], notes: dict[str, str]
+    args: argparse.Namespace, engines: dict[str, ChatEngine], notes: dict[str, str],
+    dictation: Any = None,
 ) -> None:
     """Serve until Ctrl-C (or SIGTERM)."""
     import uvicorn
@@ -358,12 +385,14 @@ def serve(
     if args.api_only:
         from api import create_app
 
-        app = create_app(engines, api_key=api_key, **guards)
+        served = {**engines, **({dictation.name: dictation.llm} if dictation else {})}
+        app = create_app(served, api_key=api_key, **guards)
     elif args.share:
         return _serve_shared(args, engines, notes, api_key)
     else:
         available = {**refused_models(engines, notes), **stored_models(args, engines)}
-        app = build_app(engines, api_key=api_key, notes=notes, available=available, **guards)
+        app = build_app(engines, api_key=api_key, notes=notes, available=available,
+                        dictation=dictation, **guards)
     where = "API" if args.api_only else "UI and API" if is_local(engines) else "UI"
     log.info("serving the %s on http://%s:%d (Ctrl-C stops)", where, args.host, args.port)
     # A short graceful timeout: open streams (a browser tab's event stream) must not hold up
@@ -447,9 +476,11 @@ def main(argv: list[str] | None = None) -> int:
                         datefmt="%H:%M:%S")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request to a server
     engines: dict[str, ChatEngine] = {}
+    dictation = None
     try:
         engines, notes = load_engines(args)
-        serve(args, engines, notes)
+        dictation = load_dictation(args)
+        serve(args, engines, notes, dictation)
     except KeyboardInterrupt:
         pass
     except ValueError as e:  # a bad model or option: the message says what and why
@@ -464,6 +495,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         shutdown(engines)
+        if dictation is not None:
+            dictation.llm.shutdown()
         log.info("stopped")
     return 0
 

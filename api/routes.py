@@ -36,6 +36,7 @@ from api.responses import ResponseContext
 from api.schema import DOCUMENTED, ChatCompletion, Completion, ModelList
 from api.streams import ChatStream, CompletionStream
 from api.tool_calls import ToolPlan
+from api.transcriptions import add_audio_routes
 from engine import AsyncLLM, RequestOutput
 from engine.fim import fim_prompt
 
@@ -119,6 +120,7 @@ def build_router(
             return _event_stream(first, rest, CompletionStream(ctx))
         return JSONResponse(responses.text_completion(ctx, await _last(first, rest)))
 
+    add_audio_routes(router, gate.engine, max_body_bytes)  # speech to text (multipart forms)
     return router
 
 

@@ -17,12 +17,14 @@ from transformers import AutoConfig, AutoTokenizer
 from engine.gguf_setup import GGUFSetup
 from engine.model_stores import StoredModel
 from models.checkpoint import (
+    GENERATION_CONFIG,
     CheckpointFiles,
     checkpoint_dtype,
     refuse_quantized,
 )
 from models.gguf.reader import is_gguf
 from models.registry import ModelSpec, resolve
+from models.whisper.ctranslate2 import is_ctranslate2, load_tokenizer, whisper_settings
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,8 @@ class CheckpointSetup:
         path = Path(path)
         if is_gguf(path):
             return cls.from_gguf(path, mmproj, stored)
+        if is_ctranslate2(path):
+            return cls.from_ctranslate2(path)
         if mmproj is not None:
             raise ValueError(f"a projector file ({mmproj}) goes with a GGUF model; {path} is a "
                              "checkpoint folder")
@@ -110,6 +114,27 @@ class CheckpointSetup:
             eos_token_ids=gguf.eos_token_ids, sampling_defaults=sampling, dtype=gguf.dtype,
             tie_word_embeddings=tie, sources=sources, gguf=gguf, mmproj=mmproj, stored=stored,
         )
+
+    @classmethod
+    def from_ctranslate2(cls, path: Path) -> CheckpointSetup:
+        """A CTranslate2 Whisper folder (faster-whisper's): the config from its tensors, the
+        generation settings from its config.json and tokenizer (models/whisper/ctranslate2.py),
+        served as generation_config.json."""
+        tokenizer = load_tokenizer(path)
+        hf_config, generation, sources = whisper_settings(path, tokenizer)
+        files = CheckpointFiles(path)
+        files.derive(GENERATION_CONFIG, generation)
+        spec = resolve(hf_config)
+        tie, tie_source = spec.model.tied_head(hf_config)
+        dtype = "float16" if "float16" in sources["weights"] else "float32"
+        return cls(
+            path=path, files=files, hf_config=hf_config, tokenizer=tokenizer, spec=spec,
+            eos_token_ids=frozenset([generation["eos_token_id"]]), sampling_defaults={},
+            dtype=dtype, tie_word_embeddings=tie,
+            sources={"chat_template": "none", "eos_token_ids": sources["generation"],
+                     "sampling_defaults": "none", "dtype": sources["weights"],
+                     "tie_word_embeddings": f"model.bin aliases; {tie_source}",
+                     "architecture": sources["config"]})
 
     @property
     def architecture(self) -> str:

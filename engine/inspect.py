@@ -31,6 +31,7 @@ from models.checkpoint import CheckpointError, safetensors_header, weight_files
 from models.gguf.load import GGUFWeights
 from models.gguf.mmproj import projector_weights
 from models.interfaces import ProcessorContext
+from models.whisper.ctranslate2 import held_bytes, is_ctranslate2
 
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
@@ -134,9 +135,13 @@ def _sizes(report: Report, setup: CheckpointSetup, dtype: torch.dtype, processor
         report.rows.append(("model", "tensors read past", ", ".join(
             f"{group} ({n})" for group, n in sorted(skipped.items())),
             "the weights files (e.g. a drafter's or speech output's: not built)"))
+    if is_ctranslate2(setup.path):  # a CTranslate2 Whisper folder: its model.bin
+        total = held_bytes(setup.path, DTYPE_BYTES[dtype])
+        names.add("lm_head.weight")
     if setup.gguf is None:
         report.weight_bytes = total
-    report.per_layer_table_bytes = model.per_layer_table_bytes() // DTYPE_BYTES[
+    table = model.per_layer_table_bytes()
+    report.per_layer_table_bytes = table and table // DTYPE_BYTES[
         model.embed_tokens.weight.dtype] * DTYPE_BYTES[dtype]
     layers = model.attention_layers()
     own = [a for a in layers if a.kv_source is None]

@@ -52,6 +52,7 @@ from models.layers.cross_metadata import build_cross_metadata
 from models.layers.lora import attach_adapters, build_adapter_batch
 from models.layers.state_metadata import build_state_metadata
 from models.loader import MissingWeights, build_on_meta, iter_checkpoint, load_weights
+from models.whisper.ctranslate2 import is_ctranslate2, load_ctranslate2
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +158,8 @@ class ModelRunner:
                 self.model, self.gguf_summary = load_gguf(
                     path, hf_config, factory, device, dtype, quantizer, defer,
                     config.dequantize_gguf, mmproj)
+            elif is_ctranslate2(path):  # a CTranslate2 Whisper folder (faster-whisper's)
+                self.model = load_ctranslate2(path, factory, device, dtype, quantizer)
             else:
                 self.model = build_on_meta(factory, device, dtype, defer=defer)
                 load_weights(self.model, self.model.checkpoint_tensors(iter_checkpoint(path)),
@@ -517,6 +520,9 @@ def context_length(hf_config) -> tuple[int, str]:
     longrope its original_max_position_embeddings (its long factors are not implemented)."""
     text_cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     model_max = getattr(text_cfg, "max_position_embeddings", None) or 2048
+    if getattr(text_cfg, "max_target_positions", None):  # an encoder-decoder's decoder (Whisper)
+        return text_cfg.max_target_positions, (
+            f"max_target_positions={text_cfg.max_target_positions}")
     rope = getattr(text_cfg, "rope_parameters", None) or {}
     if rope.get("rope_type") == "longrope":
         model_max = min(model_max, rope["original_max_position_embeddings"])

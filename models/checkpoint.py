@@ -121,6 +121,12 @@ class CheckpointFiles:
                 raise CheckpointError(f"{name} is not valid JSON: {e}") from e
         return self._cache[name]
 
+    def derive(self, name: str, data: Any) -> None:
+        """Serve `data` as the settings file `name` (a checkpoint of another format whose
+        settings are derived from its own files: a CTranslate2 Whisper folder's generation
+        settings)."""
+        self._cache[name] = data
+
     def text(self, name: str) -> str | None:
         file = self.path / name
         return file.read_text() if file.exists() else None

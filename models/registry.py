@@ -31,6 +31,8 @@ from models.qwen_omni.model import QwenOmniThinker
 from models.qwen_omni.processor import QwenOmniProcessor
 from models.qwen_vl.model import QwenVLForConditionalGeneration
 from models.qwen_vl.processor import QwenVLProcessor
+from models.whisper.model import WhisperForConditionalGeneration
+from models.whisper.processor import WhisperProcessor
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,9 @@ _REGISTRY: dict[str, ModelSpec] = {
     "Qwen2_5OmniModel": ModelSpec(QwenOmniThinker, QwenOmniProcessor),
     # Phi-4-multimodal; its vision-lora / speech-lora adapter folders load with it.
     "Phi4MultimodalForCausalLM": ModelSpec(Phi4MMForCausalLM, Phi4MMProcessor),
+    # Whisper (speech to text): an encoder-decoder, its decoder cross-attending to the clip.
+    "WhisperForConditionalGeneration": ModelSpec(WhisperForConditionalGeneration,
+                                                 WhisperProcessor),
 }
 
 

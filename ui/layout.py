@@ -12,6 +12,7 @@ from engine.media.limits import MODALITIES
 from ui import panels
 from ui.chat import EMPTY_DRAFT, Chat, ChatSettings, ChatUpdate
 from ui.demo import ensure_samples, sample_examples
+from ui.dictation import Dictation
 from ui.lineup import Lineup
 from ui.space import gpu
 from ui.timing import timing_html
@@ -27,13 +28,15 @@ def build_demo(
     notes: Mapping[str, str] | None = None,
     examples: list[list] | None = None,
     available: Mapping[str, Callable[[], ChatEngine]] | None = None,
+    dictation: Dictation | None = None,
 ) -> gr.Blocks:
     """The app's Blocks for existing engines, in-process or remote (a name -> engine mapping,
     or one engine named by its model). `notes` adds a line under a model's name (whether the
     demo's weights are random or real); `examples` are gr.Examples rows [textbox value, model
     name], by default the generated sample media; `available`: more models the picker lists,
-    each loaded by its function when first chosen (ui/lineup.py). The queue is configured; call
-    `.launch()` or mount it."""
+    each loaded by its function when first chosen (ui/lineup.py); `dictation`: a Whisper engine
+    that writes the microphone's recording into the message box (ui/dictation.py). The queue is
+    configured; call `.launch()` or mount it."""
     if not isinstance(engines, Mapping):
         engines = {engines.info.model: engines}
     if not engines:
@@ -93,6 +96,14 @@ def build_demo(
                     seed = gr.Number(-1, precision=0, minimum=-1, label="Seed (-1: random)")
                     thinking = gr.Checkbox(True, label="Show the model's thinking (folded)",
                                            elem_id="show-thinking")
+                if dictation is not None:
+                    with gr.Accordion(f"Dictation ({dictation.name})", open=False):
+                        speech = gr.Audio(sources=["microphone", "upload"], type="filepath",
+                                          label="Speak or upload audio", elem_id="speech")
+                        spoken = gr.Textbox("", label="Language (empty: detected)",
+                                            elem_id="speech-language")
+                        dictate = gr.Button("Transcribe into the message", elem_id="dictate")
+                        dictated = gr.HTML("", elem_id="dictation")
                 with gr.Accordion("Webcam snapshot", open=False):
                     webcam = gr.Image(sources=["webcam"], type="filepath", elem_id="webcam",
                                       label="Captured frames are attached to your message")
@@ -178,6 +189,10 @@ def build_demo(
         webcam.input(attach, [webcam, composer], [composer, webcam], api_visibility="private",
                      **instant)
         model.change(choose, model, info, api_visibility="private", **instant)
+        if dictation is not None:
+            dictate.click(dictation.into_message, [speech, composer, spoken],
+                          [composer, dictated], api_name="dictate", show_progress="minimal",
+                          **generate)
         timer.tick(engine_stats, model, engine_panel, api_name="engine_stats", **instant)
 
     # The default limit covers the remaining events (loading an example). max_size bounds the

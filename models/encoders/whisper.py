@@ -1,13 +1,13 @@
-"""The Whisper-style audio encoder (Qwen2-Audio's, and Qwen2.5-Omni's), batched over every clip of
-a step.
+"""The Whisper-style audio encoder (Whisper's own, Qwen2-Audio's, and Qwen2.5-Omni's), batched over
+every clip of a step.
 
 Two convolutions (the second halves the frame rate), positions (learned, or the fixed sinusoids
 of Qwen2.5-Omni: `positions`), pre-LN transformer layers (the shared ViT blocks), average pooling
-by 2, a final LayerNorm and, where the checkpoint has one (Qwen2.5-Omni), a projection into the
-LLM's width (`output_dim`). A clip of L mel frames gives (L + 1) // 2 encoder positions and half
-as many embeddings (`encoder_lengths`). Qwen2.5-Omni's encoder attends within windows of
-2 * n_window frames whose positions restart at 0: its processor hands each window over as a clip
-of its own (models/qwen_omni/processor.py).
+by 2 (not in Whisper's own encoder: `pool`), a final LayerNorm and, where the checkpoint has one
+(Qwen2.5-Omni), a projection into the LLM's width (`output_dim`). A clip of L mel frames gives
+(L + 1) // 2 encoder positions and half as many embeddings (`encoder_lengths`). Qwen2.5-Omni's
+encoder attends within windows of 2 * n_window frames whose positions restart at 0: its processor
+hands each window over as a clip of its own (models/qwen_omni/processor.py).
 
 Nothing is padded, neither to the 30 s window nor to the step's longest clip: each clip's
 features stop two frames past its real ones (the convolutions' reach: `receptive_frames`), so
@@ -67,6 +67,7 @@ class AudioEncoderConfig:
     positions: str = "learned"  # "sinusoidal": fixed, not in the checkpoint
     output_dim: int | None = None  # a projection after the final norm, into this width
     window_frames: int | None = None  # attention windows (in mel frames), one clip each
+    pool: bool = True  # average pooling by 2 after the layers (False: Whisper's own encoder)
 
     def __post_init__(self) -> None:
         if self.positions not in POSITIONS:
@@ -94,6 +95,17 @@ class AudioEncoderConfig:
             window_frames=2 * ac.n_window if omni else None,
         )
 
+    @classmethod
+    def from_whisper(cls, cfg) -> AudioEncoderConfig:
+        """The encoder of a WhisperConfig (WhisperForConditionalGeneration): no pooling, every
+        position of the 30 s window kept for the decoder's cross-attention."""
+        if cfg.scale_embedding:
+            raise NotImplementedError("Whisper checkpoints with scale_embedding are not built")
+        return cls(num_mel_bins=cfg.num_mel_bins, width=cfg.d_model,
+                   num_layers=cfg.encoder_layers, num_heads=cfg.encoder_attention_heads,
+                   ffn_dim=cfg.encoder_ffn_dim, max_positions=cfg.max_source_positions,
+                   activation=cfg.activation_function, pool=False)
+
 
 @dataclass
 class AudioBatch:
@@ -109,14 +121,20 @@ class AudioBatch:
 
 def build_audio_batch(
     features: list[torch.Tensor], num_frames: list[int], device: torch.device,
-    dtype: torch.dtype,
+    dtype: torch.dtype, pool: bool = True,
 ) -> AudioBatch:
-    """Concatenate clips' features ([n_mels, f_i] each); indices to pack their outputs."""
+    """Concatenate clips' features ([n_mels, f_i] each); indices to pack their outputs
+    (`pool` False: every encoder position is an output, as Whisper's own encoder keeps them)."""
     lengths, sizes = zip(*(encoder_lengths(n) for n in num_frames), strict=True)
+    if not pool:
+        sizes = lengths
     starts = accumulate(lengths[:-1], initial=0)  # first packed row of each clip
     positions = torch.cat([torch.arange(n) for n in lengths])
-    firsts = torch.cat([s + 2 * torch.arange(n) for s, n in zip(starts, sizes, strict=True)])
-    pairs = torch.stack([firsts, firsts + 1], dim=1)
+    if pool:
+        firsts = torch.cat([s + 2 * torch.arange(n) for s, n in zip(starts, sizes, strict=True)])
+        pairs = torch.stack([firsts, firsts + 1], dim=1)
+    else:
+        pairs = torch.zeros(0, 2, dtype=torch.int64)
     return AudioBatch(
         features=to_device(torch.cat(features, dim=1).to(dtype), device),
         frames=[f.shape[-1] for f in features], lengths=list(lengths),
@@ -162,7 +180,7 @@ class AudioEncoder(nn.Module):
         clips = Segments(batch.lengths)  # one attention call per clip (see the module docstring)
         for block in self.blocks:
             x = block(x, clips)
-        pooled = x[batch.pairs].mean(1)  # [sum(sizes), width]
+        pooled = x[batch.pairs].mean(1) if self.cfg.pool else x  # [sum(sizes), width]
         out = self.layer_norm(pooled)
         return out if self.proj is None else self.proj(out)
 

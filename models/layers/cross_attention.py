@@ -55,27 +55,36 @@ class CrossAttention(nn.Module):
         """x [R, H] (the attending rows) -> [R, H]."""
         n = x.shape[0]
         q = self.q_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim))
-        out = q.new_empty(n, self.num_heads, self.head_dim)
-        # At a decode step's rows, our paged decode kernel: each row attends by itself, so a
-        # row's result does not depend on how many rows share the step (a verification's
-        # rows equal decodes of their tokens); the item's keys are one block of the "cache".
-        ours = native.for_small_ops(q)
-        for seg in segments:
-            if len(seg.states) == 1:  # the item's own tensor: no copy
-                kv = seg.states[0][self.index]  # [2, Hkv, n_keys, D]
-            else:  # images that follow each other are attended together
-                kv = torch.cat([s[self.index] for s in seg.states], dim=2)
-            if ours is not None and kv.dtype == q.dtype and kv.is_contiguous():
-                rows, keys = seg.hi - seg.lo, kv.shape[2]
-                first = torch.zeros(rows, 1, dtype=torch.int64)
-                out[seg.lo : seg.hi] = ours.decode_attention(
-                    q[seg.lo : seg.hi], kv.view(2, self.num_kv_heads, 1, keys, self.head_dim),
-                    first, first[:, 0], torch.full((rows,), keys), self.scale, None, None)
-                continue
-            queries = q[seg.lo : seg.hi].transpose(0, 1)[None]  # [1, Hq, rows, D]
-            result = attend(queries, kv[0][None], kv[1][None], None, False, self.scale)
-            out[seg.lo : seg.hi] = result[0].transpose(0, 1)
+        out = attend_segments(q, segments, self.index, self.num_kv_heads, self.scale)
         return self.o_proj(out.view(n, -1))
+
+
+def attend_segments(q: torch.Tensor, segments: list[CrossSegment], index: int,
+                    num_kv_heads: int, scale: float) -> torch.Tensor:
+    """The attending rows' queries q [R, Hq, D] over their segments' keys and values (layer
+    `index` of each item's [L, 2, Hkv, n, D]) -> [R, Hq, D]."""
+    n, num_heads, head_dim = q.shape
+    out = q.new_empty(n, num_heads, head_dim)
+    # At a decode step's rows, our paged decode kernel: each row attends by itself, so a
+    # row's result does not depend on how many rows share the step (a verification's
+    # rows equal decodes of their tokens); the item's keys are one block of the "cache".
+    ours = native.for_small_ops(q)
+    for seg in segments:
+        if len(seg.states) == 1:  # the item's own tensor: no copy
+            kv = seg.states[0][index]  # [2, Hkv, n_keys, D]
+        else:  # images that follow each other are attended together
+            kv = torch.cat([s[index] for s in seg.states], dim=2)
+        if ours is not None and kv.dtype == q.dtype and kv.is_contiguous():
+            rows, keys = seg.hi - seg.lo, kv.shape[2]
+            first = torch.zeros(rows, 1, dtype=torch.int64)
+            out[seg.lo : seg.hi] = ours.decode_attention(
+                q[seg.lo : seg.hi], kv.view(2, num_kv_heads, 1, keys, head_dim),
+                first, first[:, 0], torch.full((rows,), keys), scale, None, None)
+            continue
+        queries = q[seg.lo : seg.hi].transpose(0, 1)[None]  # [1, Hq, rows, D]
+        result = attend(queries, kv[0][None], kv[1][None], None, False, scale)
+        out[seg.lo : seg.hi] = result[0].transpose(0, 1)
+    return out
 
 
 class CrossAttentionLayer(nn.Module):

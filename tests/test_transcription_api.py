@@ -1,0 +1,128 @@
+"""Speech to text over the OpenAI API with the official client (`audio.transcriptions.create`,
+`audio.translations.create`) against a real server: the transcript is the one
+engine.transcription produces, every response format renders it, a clip past 30 s is cut into
+windows with their times, and bad uploads are a 4xx naming the problem or the limit. With the
+real Whisper tiny.en installed (and espeak-ng), a spoken sentence comes back exactly."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+
+import numpy as np
+import openai
+import pytest
+import soundfile
+
+from api import create_app
+from engine import AsyncLLM
+from engine.transcription import TranscriptionOptions, transcribe
+from tests.api_fixtures import running_server
+
+RATE = 16000
+T = 0.5  # one sampled attempt per window (0, the default, falls back through six)
+LIMIT = 4_000_000  # the test server's body limit
+
+
+def wav(samples: np.ndarray, rate: int = RATE) -> bytes:
+    out = io.BytesIO()
+    soundfile.write(out, samples, rate, format="WAV", subtype="PCM_16")
+    return out.getvalue()
+
+
+CLIP = (0.3 * np.random.default_rng(7).standard_normal(RATE * 2)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def whisper_path(tmp_path_factory):
+    from testing.whisper import build_whisper_model
+
+    return build_whisper_model(tmp_path_factory.mktemp("ckpt") / "whisper")
+
+
+@pytest.fixture(scope="module")
+def server(whisper_path):
+    llm = AsyncLLM(whisper_path, max_model_len=24)  # short windows: a random model rambles
+    with running_server(create_app({"whisper": llm}, max_body_bytes=LIMIT)) as url:
+        yield llm, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
+                                 timeout=120)
+    llm.shutdown()
+
+
+def test_transcripts_in_every_format(server):
+    llm, client = server
+    data = wav(CLIP)
+    decoded = np.asarray(soundfile.read(io.BytesIO(data), dtype="float32")[0])
+
+    async def ours(options):
+        last = None
+        async for item in transcribe(llm, decoded, options):
+            last = item
+        return last
+
+    want = asyncio.run(ours(TranscriptionOptions(language="en")))  # the engine's own loop
+    got = client.audio.transcriptions.create(model="whisper", file=("a.wav", data),
+                                             language="en")
+    assert got.text == want.text
+    assert isinstance(got.text, str)
+    verbose = client.audio.transcriptions.create(
+        model="whisper", file=("a.wav", data), language="en", response_format="verbose_json",
+        temperature=T,
+        timestamp_granularities=["segment"])
+    assert verbose.language == "en" and verbose.duration == pytest.approx(2.0)
+    assert verbose.segments and all(0 <= s.start <= s.end <= 2.0 for s in verbose.segments)
+    srt = client.audio.transcriptions.create(model="whisper", file=("a.wav", data),
+                                             language="en", response_format="srt",
+                                             temperature=T)
+    assert srt.startswith("1\n00:00:0") and " --> " in srt
+    vtt = client.audio.transcriptions.create(model="whisper", file=("a.wav", data),
+                                             language="en", response_format="vtt",
+                                             temperature=T)
+    assert vtt.startswith("WEBVTT\n\n00:00:0")
+    text = client.audio.translations.create(model="whisper", file=("a.wav", data),
+                                            response_format="text", temperature=T)
+    assert isinstance(text, str)
+
+
+def test_a_long_clip_is_cut_into_windows(server):
+    _, client = server
+    long = np.tile(CLIP, 18)  # 36 s
+    out = client.audio.transcriptions.create(model="whisper", file=("a.wav", wav(long)),
+                                             language="de", response_format="verbose_json",
+                                             temperature=T)
+    assert out.duration == pytest.approx(36.0)
+    assert any(s.start >= 30.0 for s in out.segments)  # the second window's segment(s)
+
+
+def test_bad_uploads_are_refused_naming_the_problem(server):
+    _, client = server
+    with pytest.raises(openai.BadRequestError, match="could not decode"):
+        client.audio.transcriptions.create(model="whisper", file=("a.wav", b"RIFF" + bytes(64)))
+    with pytest.raises(openai.BadRequestError, match="response_format must be one of"):
+        client.audio.transcriptions.create(model="whisper", file=("a.wav", wav(CLIP)),
+                                           response_format="docx")
+    with pytest.raises(openai.BadRequestError, match="word timestamps are not built"):
+        client.audio.transcriptions.create(model="whisper", file=("a.wav", wav(CLIP)),
+                                           response_format="verbose_json",
+                                           timestamp_granularities=["word"])
+    with pytest.raises(openai.APIStatusError, match=f"limit of {LIMIT} bytes") as e:
+        client.audio.transcriptions.create(model="whisper",
+                                           file=("a.wav", wav(np.zeros(RATE * 130, np.float32))))
+    assert e.value.status_code == 413
+
+
+def test_dictation_writes_the_transcript_into_the_message(server, tmp_path):
+    from ui.dictation import Dictation
+
+    llm, _ = server
+    path = tmp_path / "speech.wav"
+    fresh = (0.3 * np.random.default_rng(11).standard_normal(RATE)).astype(np.float32)
+    path.write_bytes(wav(fresh))  # a clip the other tests have not sent: not in the cache yet
+    dictation = Dictation(llm, "whisper")
+    draft = {"text": "Note:", "files": ["x.png"]}
+    first, panel = asyncio.run(dictation.into_message(str(path), draft, "en"))
+    assert first["files"] == ["x.png"] and first["text"].startswith("Note:")
+    assert "language en" in panel and "(encoded)" in panel
+    again, panel = asyncio.run(dictation.into_message(str(path), None, "en"))
+    assert "(cache hit)" in panel  # the clip's encoder states were kept
+    assert again["text"] == first["text"].removeprefix("Note:").strip()
