@@ -1,7 +1,7 @@
 """Engine options: one frozen, validated dataclass.
 
 Values derived at start-up from the model and the device (number of KV blocks, the effective
-`max_model_len`) live in `CacheLayout` (see `model_runner.py`), never written back here.
+`max_model_len`) live in `CacheLayout` (see `memory_plan.py`), never written back here.
 """
 
 from __future__ import annotations

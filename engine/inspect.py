@@ -23,7 +23,7 @@ import torch
 from engine.checkpoint_setup import CheckpointSetup
 from engine.device import resolve_dtype
 from engine.hub import resolve_files
-from engine.model_runner import context_length
+from engine.memory_plan import context_length
 from models.adapters import CONFIG, read_lora_config
 from models.checkpoint import CheckpointError, safetensors_header, weight_files
 from models.gguf.load import GGUFWeights

@@ -1,0 +1,185 @@
+"""The engine's memory at start-up, beside the weights: the context it serves, the KV-cache
+budget and its blocks, the KV pools of the attention layers and the recurrent-state pools of a
+hybrid model's linear-attention layers.
+
+Values derived here from the options, the model and the device (the number of blocks, the
+effective `max_model_len`) live in the layouts, never written back into EngineConfig.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig, GiB
+from models.interfaces import LanguageModel
+from models.kernels.delta_rule_choice import choose_recurrence
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """KV-cache geometry derived at start-up from the options, the model and the device."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    bytes_per_block: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Recurrent-state pools of a hybrid model's linear-attention layers, sized at start-up:
+    one slot per running request (`max_num_seqs`) and `num_snapshots` prefix snapshots."""
+
+    num_slots: int
+    num_snapshots: int
+    bytes_per_sequence: int  # all linear layers' state of one sequence (= of one snapshot)
+    num_layers: int
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.num_slots * self.bytes_per_sequence
+
+    @property
+    def snapshot_bytes(self) -> int:
+        return self.num_snapshots * self.bytes_per_sequence
+
+
+# ---- the context ----------------------------------------------------------------------------
+
+
+def context_length(hf_config) -> tuple[int, str]:
+    """The longest sequence the model serves, and what sets it: max_position_embeddings, or for
+    longrope its original_max_position_embeddings (its long factors are not implemented)."""
+    text_cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    model_max = getattr(text_cfg, "max_position_embeddings", None) or 2048
+    rope = getattr(text_cfg, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "longrope":
+        model_max = min(model_max, rope["original_max_position_embeddings"])
+        return model_max, (f"longrope's original_max_position_embeddings={model_max}; longer "
+                           "sequences would need its long factors, which are not implemented")
+    return model_max, f"max_position_embeddings={model_max}"
+
+
+def requested_max_model_len(hf_config, config: EngineConfig) -> int:
+    """`max_model_len` as configured (the model's context length when unset); a value past the
+    model's context length is refused."""
+    model_max, limit = context_length(hf_config)
+    if config.max_model_len is None:
+        return model_max
+    if config.max_model_len > model_max:
+        raise ValueError(
+            f"max_model_len={config.max_model_len} exceeds the model's context length "
+            f"({limit})"
+        )
+    return config.max_model_len
+
+
+# ---- the KV cache ---------------------------------------------------------------------------
+
+
+def default_kv_bytes(device: torch.device) -> int:
+    """The automatic KV budget (EngineConfig.kv_cache_bytes)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.85)
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        available = 16 * GiB
+    return min(4 * GiB, available // 4)
+
+
+def kv_bytes_per_block(model: LanguageModel, block_size: int, dtype: torch.dtype) -> int:
+    """Keys and values of one block in every layer that holds a cache (layers reading another
+    layer's keys and values hold none)."""
+    elem = torch.finfo(dtype).bits // 8
+    return sum(2 * block_size * a.num_kv_heads * a.head_dim * elem
+               for a in model.attention_layers() if a.kv_source is None)
+
+
+def plan_kv_cache(model: LanguageModel, config: EngineConfig, dtype: torch.dtype,
+                  device: torch.device, max_model_len: int, reserved: int = 0) -> CacheLayout:
+    """The KV cache's blocks within the budget. `reserved`: bytes the automatic budget leaves
+    to other states (cross-attention keys and values)."""
+    bs = config.block_size
+    per_block = kv_bytes_per_block(model, bs, dtype)
+    useful = config.max_num_seqs * -(-max_model_len // bs) * per_block
+    budget = config.kv_cache_bytes
+    if budget is None:
+        budget = min(default_kv_bytes(device) - reserved, useful)
+    num_blocks = budget // per_block
+    if num_blocks * bs < max_model_len:
+        raise ValueError(
+            f"the KV cache holds {num_blocks * bs} tokens ({budget} bytes at "
+            f"{per_block} bytes per {bs}-token block), fewer than max_model_len="
+            f"{max_model_len}; raise kv_cache_bytes to at least "
+            f"{-(-max_model_len // bs) * per_block} or lower max_model_len"
+        )
+    return CacheLayout(num_blocks, bs, max_model_len, per_block)
+
+
+def kv_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One layer's KV pool [2, Hkv, blocks, block_size, D] (the one place pools are made)."""
+    # Zeros, not empty: padded gathers read unused slots, and NaN garbage there would leak
+    # through SDPA's masked softmax (0 * NaN).
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def allocate_kv_cache(model: LanguageModel, layout: CacheLayout, dtype: torch.dtype,
+                      device: torch.device) -> list[torch.Tensor]:
+    """A cache [2, Hkv, blocks, block_size, D] per attention layer with keys and values of
+    its own, bound to the layer; one reading another's (KV sharing) is bound to that cache.
+    Returns the caches."""
+    caches: dict[int, torch.Tensor] = {}
+    for attn in model.attention_layers():
+        if attn.kv_source is not None:
+            attn.kv_cache = caches[attn.kv_source]
+            continue
+        shape = (2, attn.num_kv_heads, layout.num_blocks, layout.block_size, attn.head_dim)
+        attn.kv_cache = caches[attn.index] = kv_pool(shape, dtype, device)
+    return list(caches.values())
+
+
+# ---- recurrent states -----------------------------------------------------------------------
+
+
+def allocate_states(model: LanguageModel, config: EngineConfig, dtype: torch.dtype,
+                    device: torch.device) -> StateLayout | None:
+    """The linear-attention layers' state pools (None for a model without such layers):
+    a slot per running request and the prefix snapshots within `state_snapshot_bytes`."""
+    layers = model.state_layers()
+    if not layers:
+        return None
+    shape = layers[0].shape
+    per_sequence = len(layers) * shape.state_bytes(dtype)
+    budget = config.state_snapshot_bytes
+    if budget is None:
+        budget = min(64 * per_sequence, GiB)
+    snapshots = budget // per_sequence if config.enable_prefix_caching else 0
+    slots = config.max_num_seqs
+    conv, recurrent = shape.state_shapes()
+    recurrence = choose_recurrence(*recurrent, device)
+    for layer in layers:
+        layer.recurrence = recurrence
+        layer.bind_state(
+            torch.zeros((slots, *conv), dtype=dtype, device=device),
+            torch.zeros((slots, *recurrent), dtype=torch.float32, device=device),
+            torch.zeros((snapshots, *conv), dtype=dtype, device=device),
+            torch.zeros((snapshots, *recurrent), dtype=torch.float32, device=device))
+    return StateLayout(slots, snapshots, per_sequence, len(layers))
+
+
+def bind_verify_backups(model: LanguageModel) -> None:
+    """Speculative decoding on a hybrid model: a backup of each linear layer's slot pools,
+    where verifications keep their slots' states before the step (as large as the slots:
+    `StateLayout.slot_bytes` more)."""
+    for layer in model.state_layers():
+        layer.bind_backups(torch.zeros_like(layer.conv_states),
+                           torch.zeros_like(layer.recurrent_states))
