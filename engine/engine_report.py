@@ -16,8 +16,9 @@ from models.kernels import native
 
 def kv_stats(runner: ModelRunner) -> dict[str, Any]:
     """The KV cache's bytes per block and the layers that hold it (a layer reading another
-    layer's keys and values holds none), and the bytes of a per-layer embedding table
-    (weights a step reads a few rows of), where the model has one."""
+    layer's keys and values holds none), the bytes of a per-layer embedding table (weights a
+    step reads a few rows of), where the model has one, and the context's fit to the KV budget
+    where no max_model_len was given and the model's context did not fit."""
     layers = runner.model.attention_layers()
     shared = sum(a.kv_source is not None for a in layers)
     out: dict[str, Any] = {
@@ -27,6 +28,8 @@ def kv_stats(runner: ModelRunner) -> dict[str, Any]:
     table = runner.model.per_layer_table_bytes()
     if table:
         out["per_layer_table_bytes"] = table
+    if runner.layout.fitted_from is not None:
+        out["context_fit"] = runner.layout.fit_note
     return out
 
 
@@ -82,7 +85,9 @@ def ready_line(model_id: str, runner: ModelRunner) -> str:
     kv = kv_stats(runner)
     line = (f"engine ready: {model_id} ({weights_description(runner)}), {layout.num_blocks} KV "
             f"blocks x {layout.block_size} tokens ({kv['kv_layers']}), max_model_len "
-            f"{layout.max_model_len}")
+            f"{layout.max_model_len}"
+            + (f" (fitted to the KV budget; the model's context is {layout.fitted_from})"
+               if layout.fitted_from is not None else ""))
     states = runner.state_layout
     if states is not None:
         line += (f"; recurrent state of {states.num_layers} linear-attention layers: "

@@ -8,14 +8,17 @@ effective `max_model_len`) live in the layouts, never written back into EngineCo
 
 from __future__ import annotations
 
-import os
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from engine.config import EngineConfig, GiB
+from engine.host_memory import host_memory
 from models.interfaces import LanguageModel
 from models.kernels.delta_rule_choice import choose_recurrence
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,18 @@ class CacheLayout:
     block_size: int
     max_model_len: int
     bytes_per_block: int
+    # The context the model serves when `max_model_len` was lowered from it to fit the KV
+    # budget (no max_model_len given); None when the budget holds the full context.
+    fitted_from: int | None = None
+
+    @property
+    def fit_note(self) -> str:
+        """What the start-up line and the panel say of a context lowered to fit ("" if not)."""
+        if self.fitted_from is None:
+            return ""
+        return (f"context {self.max_model_len} of the model's {self.fitted_from} tokens: the "
+                f"longest the KV budget holds ({self.num_blocks} blocks); set kv_cache_bytes "
+                "for more, or max_model_len to choose")
 
     @property
     def num_tokens(self) -> int:
@@ -85,15 +100,13 @@ def requested_max_model_len(hf_config, config: EngineConfig) -> int:
 
 
 def default_kv_bytes(device: torch.device) -> int:
-    """The automatic KV budget (EngineConfig.kv_cache_bytes)."""
+    """The automatic KV budget (EngineConfig.kv_cache_bytes): on CUDA 85% of the free memory,
+    on the CPU a quarter of what the host can still give (engine/host_memory.py: MemAvailable,
+    or a cgroup limit's room), at most 4 GiB."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * 0.85)
-    try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        available = 16 * GiB
-    return min(4 * GiB, available // 4)
+    return min(4 * GiB, host_memory().available // 4)
 
 
 def kv_bytes_per_block(model: LanguageModel, block_size: int, dtype: torch.dtype) -> int:
@@ -107,17 +120,25 @@ def kv_bytes_per_block(model: LanguageModel, block_size: int, dtype: torch.dtype
 def plan_kv_cache(model: LanguageModel, config: EngineConfig, dtype: torch.dtype,
                   device: torch.device, max_model_len: int, reserved: int = 0) -> CacheLayout:
     """The KV cache's blocks within the budget. `reserved`: bytes the automatic budget leaves
-    to other states (cross-attention keys and values)."""
+    to other states (cross-attention keys and values).
+
+    A budget that holds fewer than `max_model_len` tokens lowers the context to what it holds
+    (whole blocks) when no max_model_len was configured, and is refused when one was."""
     bs = config.block_size
     per_block = kv_bytes_per_block(model, bs, dtype)
     useful = config.max_num_seqs * -(-max_model_len // bs) * per_block
     budget = config.kv_cache_bytes
     if budget is None:
         budget = min(default_kv_bytes(device) - reserved, useful)
-    num_blocks = budget // per_block
-    if num_blocks * bs < max_model_len:
+    num_blocks = max(budget, 0) // per_block
+    held = num_blocks * bs
+    if held < max_model_len and config.max_model_len is None and held >= 2:
+        layout = CacheLayout(num_blocks, bs, held, per_block, fitted_from=max_model_len)
+        log.warning("%s", layout.fit_note)
+        return layout
+    if held < max_model_len:
         raise ValueError(
-            f"the KV cache holds {num_blocks * bs} tokens ({budget} bytes at "
+            f"the KV cache holds {held} tokens ({budget} bytes at "
             f"{per_block} bytes per {bs}-token block), fewer than max_model_len="
             f"{max_model_len}; raise kv_cache_bytes to at least "
             f"{-(-max_model_len // bs) * per_block} or lower max_model_len"

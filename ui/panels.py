@@ -281,6 +281,8 @@ def engine_html(stats: Mapping[str, Any]) -> str:
             + (f"; {stats['kv_bytes_per_block'] / 1024:.0f} KiB per block over "
                f"{stats['kv_layers']}" if "kv_layers" in stats else ""),
         ),
+        *([f"<b>Context</b>: {html.escape(str(stats['context_fit']))}"]
+          if "context_fit" in stats else []),
         *([f"<b>Per-layer embeddings</b>: {stats['per_layer_table_bytes'] / 2**20:.0f} MiB, "
            "a few rows read per step"] if "per_layer_table_bytes" in stats else []),
         f"<b>Prefix cache hit rate</b>: {pct(stats.get('prefix_cache_hit_rate', 0.0))} of "
