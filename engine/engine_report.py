@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from engine.device import cpu_has_native_bf16
+from engine.host_memory import resident_bytes
 from engine.model_runner import ModelRunner
 from engine.state_cache import StateCacheManager
 from models.kernels import native
@@ -17,8 +18,10 @@ from models.kernels import native
 def kv_stats(runner: ModelRunner) -> dict[str, Any]:
     """The KV cache's bytes per block and the layers that hold it (a layer reading another
     layer's keys and values holds none), the bytes of a per-layer embedding table (weights a
-    step reads a few rows of), where the model has one, and the context's fit to the KV budget
-    where no max_model_len was given and the model's context did not fit."""
+    step reads a few rows of), where the model has one, the context's fit to the KV budget
+    where no max_model_len was given and the model's context did not fit, and the pools'
+    reserved and resident bytes (resident: the pages touched, by mincore on a Linux CPU, else
+    the blocks used so far)."""
     layers = runner.model.attention_layers()
     shared = sum(a.kv_source is not None for a in layers)
     out: dict[str, Any] = {
@@ -30,19 +33,30 @@ def kv_stats(runner: ModelRunner) -> dict[str, Any]:
         out["per_layer_table_bytes"] = table
     if runner.layout.fitted_from is not None:
         out["context_fit"] = runner.layout.fit_note
+    out["kv_blocks_first_used"] = runner.kv_blocks_in_use.count
+    out["kv_reserved_bytes"] = runner.layout.num_blocks * runner.layout.bytes_per_block
+    resident = resident_bytes(runner.kv_caches)
+    out["kv_resident_bytes"] = (runner.kv_blocks_in_use.count * runner.layout.bytes_per_block
+                                if resident is None else resident)
     return out
 
 
 def state_stats(runner: ModelRunner, state_cache: StateCacheManager | None) -> dict[str, Any]:
     """The linear-attention state cache (hybrid models; empty for the others): slots and
-    snapshots in use, their bytes, and how many prefix hits restored a snapshot."""
+    snapshots in use, their bytes (and the resident part, on a Linux CPU), and how many prefix
+    hits restored a snapshot."""
     states = runner.state_layout
     if states is None or state_cache is None:
         return {}
+    pools = [t for layer in runner.model.state_layers()
+             for t in (layer.conv_states, layer.recurrent_states, layer.conv_snapshots,
+                       layer.recurrent_snapshots, layer.conv_backups, layer.recurrent_backups)]
+    resident = resident_bytes(pools)
     return {**state_cache.snapshot_stats(),
             "state_bytes_per_request": states.bytes_per_sequence,
             "state_slot_bytes": states.slot_bytes,
-            "state_snapshot_bytes": states.snapshot_bytes}
+            "state_snapshot_bytes": states.snapshot_bytes,
+            **({} if resident is None else {"state_resident_bytes": resident})}
 
 
 def cross_stats(runner: ModelRunner) -> dict[str, int]:

@@ -7,11 +7,16 @@ allocation can get without swapping is /proc/meminfo's MemAvailable (free plus r
 cache and slab, less the reserves). Inside a container or a systemd slice a memory limit may be
 lower still: cgroup v2's `memory.max` less `memory.current`, or v1's `memory.limit_in_bytes` less
 `memory.usage_in_bytes`, of this process's cgroup; the smaller of the two is what is available.
+
+`resident_bytes` says how much of a pool reserved with torch.empty has taken physical pages.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,3 +99,40 @@ def _read_int(file: Path) -> int | None:
     except OSError:
         return None
     return int(text) if text.isdigit() else None  # v2's "max": no limit
+
+
+def resident_bytes(tensors: list) -> int | None:
+    """Bytes of the CPU tensors' memory that are resident (mincore(2): pages the process has
+    touched, the rest being address space only), or None where that cannot be asked (off
+    Linux, or a tensor not on the CPU)."""
+    libc = _libc()
+    if libc is None:
+        return None
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = 0
+    for t in tensors:
+        if t.device.type != "cpu":
+            return None
+        nbytes = t.numel() * t.element_size()
+        if not nbytes:
+            continue
+        start = t.data_ptr() // page * page
+        length = t.data_ptr() + nbytes - start
+        pages = -(-length // page)
+        vec = (ctypes.c_ubyte * pages)()
+        if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) != 0:
+            return None
+        total += (pages - bytes(vec).count(0)) * page  # the low bit: resident
+    return total
+
+
+@functools.cache
+def _libc():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        return libc
+    except (OSError, AttributeError):
+        return None

@@ -147,10 +147,17 @@ def plan_kv_cache(model: LanguageModel, config: EngineConfig, dtype: torch.dtype
 
 
 def kv_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """One layer's KV pool [2, Hkv, blocks, block_size, D] (the one place pools are made)."""
-    # Zeros, not empty: padded gathers read unused slots, and NaN garbage there would leak
-    # through SDPA's masked softmax (0 * NaN).
-    return torch.zeros(shape, dtype=dtype, device=device)
+    """One layer's KV pool [2, Hkv, blocks, block_size, D] (the one place pools are made):
+    reserved, not written, so that pages are taken as blocks are first used (unwritten slots
+    hold anything: engine/kv_blocks_in_use.py zeroes each block at its first use)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def state_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A recurrent-state pool (slots, snapshots or their backups), reserved, not written: a slot
+    is zeroed when a sequence starts in it and a snapshot written before it is restored
+    (models/layers/gated_deltanet.py), and every read is of such a slot."""
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def allocate_kv_cache(model: LanguageModel, layout: CacheLayout, dtype: torch.dtype,
@@ -190,10 +197,10 @@ def allocate_states(model: LanguageModel, config: EngineConfig, dtype: torch.dty
     for layer in layers:
         layer.recurrence = recurrence
         layer.bind_state(
-            torch.zeros((slots, *conv), dtype=dtype, device=device),
-            torch.zeros((slots, *recurrent), dtype=torch.float32, device=device),
-            torch.zeros((snapshots, *conv), dtype=dtype, device=device),
-            torch.zeros((snapshots, *recurrent), dtype=torch.float32, device=device))
+            state_pool((slots, *conv), dtype, device),
+            state_pool((slots, *recurrent), torch.float32, device),
+            state_pool((snapshots, *conv), dtype, device),
+            state_pool((snapshots, *recurrent), torch.float32, device))
     return StateLayout(slots, snapshots, per_sequence, len(layers))
 
 
@@ -202,5 +209,6 @@ def bind_verify_backups(model: LanguageModel) -> None:
     where verifications keep their slots' states before the step (as large as the slots:
     `StateLayout.slot_bytes` more)."""
     for layer in model.state_layers():
-        layer.bind_backups(torch.zeros_like(layer.conv_states),
-                           torch.zeros_like(layer.recurrent_states))
+        conv, recurrent = layer.conv_states, layer.recurrent_states
+        layer.bind_backups(state_pool(conv.shape, conv.dtype, conv.device),
+                           state_pool(recurrent.shape, recurrent.dtype, recurrent.device))

@@ -27,6 +27,7 @@ import torch
 from engine.config import EngineConfig
 from engine.cross_states import cross_items, plan_cross_states
 from engine.device import DeviceTimer, to_device, wait_for_device
+from engine.kv_blocks_in_use import BlocksInUse, chunk_blocks
 from engine.memory_plan import (
     CacheLayout,
     StateLayout,
@@ -127,7 +128,7 @@ class ModelRunner:
         self.layout = plan_kv_cache(
             self.model, config, dtype, device, max_len,
             0 if self.cross_layout is None else self.cross_layout.nbytes)
-        self.kv_caches = allocate_kv_cache(self.model, self.layout, dtype, device)
+        self._allocate_kv_cache()
         self.state_layout = allocate_states(self.model, config, dtype, device)
         # Whether decode steps run the layers in one native call (CPU; at some row counts).
         self.native_decode = device.type == "cpu" and self.model.prepare_decode()
@@ -149,15 +150,23 @@ class ModelRunner:
         """Re-allocate the KV cache with `num_blocks` blocks (a draft model's, indexed by its
         target's block ids: engine/speculative/draft_model.py)."""
         self.layout = replace(self.layout, num_blocks=num_blocks)
-        self.kv_caches = allocate_kv_cache(self.model, self.layout, self.dtype, self.device)
+        self._allocate_kv_cache()
         if self.native_decode:
             self.native_decode = self.model.prepare_decode()  # it holds the caches' pointers
+
+    def _allocate_kv_cache(self) -> None:
+        """The KV pools of `self.layout` (reserved, untouched), block 0 zeroed: the padding of
+        block tables points at it (engine/kv_blocks_in_use.py)."""
+        self.kv_caches = allocate_kv_cache(self.model, self.layout, self.dtype, self.device)
+        self.kv_blocks_in_use = BlocksInUse(self.layout.num_blocks)
+        self.kv_blocks_in_use.first_use([0], self.kv_caches)
 
     @torch.inference_mode()
     def copy_kv(self, src: int, dst: int, tokens: int) -> None:
         """Copy the keys and values of the first `tokens` slots of block `src` into block `dst`
         in every layer's cache (a prefix-cache tail, engine/block_manager.py). Enqueued on the
         device's stream: it runs before the next step's forward, which reads it."""
+        self.kv_blocks_in_use.first_use([dst], self.kv_caches)
         for cache in self.kv_caches:
             cache[:, :, dst, :tokens] = cache[:, :, src, :tokens]
 
@@ -178,6 +187,8 @@ class ModelRunner:
         encoder = self._run_encoders(out) if out.encoder_inputs else None
 
         chunks = out.chunks
+        self.kv_blocks_in_use.first_use(chunk_blocks(chunks, self.layout.block_size),
+                                        self.kv_caches)
         ids: list[int] = []
         for c in chunks:
             ids.extend(c.token_ids)
