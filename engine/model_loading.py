@@ -1,15 +1,19 @@
 """The model's weights at start-up: built on the meta device, filled from a safetensors folder or
-a GGUF file (quantized as they stream in when `quantization` is set), the LoRA adapters
-attached, and on the CPU placed in huge pages and their kernels planned."""
+a GGUF file (quantized as they stream in when `quantization` is set, with a progress line, and
+kept on disk for the next start: engine/weight_cache.py), the LoRA adapters attached, and on
+the CPU placed in huge pages and their kernels planned."""
 
 from __future__ import annotations
 
 import logging
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from engine import weight_cache
 from engine.config import EngineConfig
 from models.checkpoint import CheckpointError, describe_tie
 from models.gguf.load import load_gguf
@@ -46,13 +50,39 @@ def load_model(path: Path, hf_config, model_cls: type[LanguageModel], config: En
             f"quantization={config.quantization!r} runs on the CPU only for now "
             f"(device {device}); leave it unset on {device.type}"
         )
-    # Quantized weights are quantized as they stream in: the dense model need not fit.
-    quantizer = None if config.quantization is None else QuantizeOnLoad(
-        config.quantization, config.quantization_group_size)
 
     def factory() -> LanguageModel:
         return model_cls.from_hf_config(hf_config, max_len, device)
 
+    entry = None
+    if config.quantization is not None and not config.lora_adapters and not any(
+            (Path(path) / folder).is_dir() for _, _, folder in model_cls.modality_adapters()):
+        entry = weight_cache.entry_path(path, mmproj, model_cls, config, dtype, max_len)
+    cached = None if entry is None else weight_cache.load(entry, factory, device, dtype)
+    if cached is not None:
+        model, summary = cached
+        model.eval()
+        adapters, modality_adapters = attach_adapters(model, path, (), device, dtype)
+    else:
+        model, summary, adapters, modality_adapters = _load(
+            path, hf_config, model_cls, factory, config, device, dtype, mmproj)
+        if entry is not None and adapters is None:
+            weight_cache.save(entry, model, summary)
+    if device.type == "cpu":
+        place_weights(model)  # before planning: the plan times them where they run
+        plan_linears(model, dtype)
+    return LoadedModel(model, summary, adapters, modality_adapters)
+
+
+def _load(path: Path, hf_config, model_cls: type[LanguageModel],
+          factory: Callable[[], LanguageModel], config: EngineConfig, device: torch.device,
+          dtype: torch.dtype, mmproj: Path | None):
+    """The model read from its checkpoint (quantized as it loads where asked) with its
+    adapters: (model, GGUF summary, adapters, modality adapters)."""
+    # Quantized weights are quantized as they stream in: the dense model need not fit.
+    quantizer = None if config.quantization is None else QuantizeOnLoad(
+        config.quantization, config.quantization_group_size,
+        _progress_line(f"quantizing linears to {config.quantization}"))
     defer = None if quantizer is None else quantizer.defer
     summary = ""
     try:
@@ -81,7 +111,16 @@ def load_model(path: Path, hf_config, model_cls: type[LanguageModel], config: En
         log.info("%d linears quantized to %s as they loaded; at most %.1f MiB of them "
                  "dense at once", quantizer.count, config.quantization,
                  quantizer.peak_dense_bytes / 2**20)
-    if device.type == "cpu":
-        place_weights(model)  # before planning: the plan times them where they run
-        plan_linears(model, dtype)
-    return LoadedModel(model, summary, adapters, modality_adapters)
+    return model, summary, adapters, modality_adapters
+
+
+def _progress_line(what: str) -> Callable[[int, int], None]:
+    """A progress line on the terminal (rewritten in place), or a log line at each quarter
+    where stderr is not a terminal."""
+    def report(done: int, total: int) -> None:
+        if sys.stderr.isatty():
+            sys.stderr.write(f"\r{what}: {done}/{total}" + ("\n" if done == total else ""))
+            sys.stderr.flush()
+        elif done == total or done * 4 // total != (done - 1) * 4 // total:
+            log.info("%s: %d/%d", what, done, total)
+    return report
