@@ -72,3 +72,28 @@ def test_unwritten_slots_never_reach_attention(qwen2_path, monkeypatch, referenc
     assert all(math.isfinite(v) for v in flat)
     assert max(abs(a - b) for a, b in zip(flat, [v for row in logprobs for v in row],
                                           strict=True)) < 1e-3
+
+
+def test_a_hybrid_model_with_unwritten_pools_matches_transformers(tmp_path, hf_models,
+                                                                  monkeypatch):
+    """Qwen3.5 (linear-attention layers and a full-attention layer): KV and state pools full
+    of NaN at start, a chunked prefill, a decode, a prefix hit restoring a snapshot."""
+    import engine.memory_plan as plan
+    from testing.qwen3_5 import build_qwen3_5_text_model
+    from tests.helpers import assert_matches_reference, hf_greedy
+
+    nan = lambda shape, dtype, device: torch.full(shape, math.nan, dtype=dtype, device=device)  # noqa: E731
+    monkeypatch.setattr(plan, "kv_pool", nan)
+    monkeypatch.setattr(plan, "state_pool", nan)
+    path = build_qwen3_5_text_model(tmp_path / "m")
+    hf = hf_models(path)
+    llm = LLM(path, max_model_len=512, max_num_batched_tokens=5)
+    prompt = llm.engine.tokenizer.encode("Once upon a time, in a land far away, there lived")
+    ids = torch.tensor([prompt])
+    want = hf_greedy(hf, {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                     len(prompt), 6)
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
+    assert_matches_reference(llm.generate([prompt], greedy)[0], *want, "chunked")
+    again = llm.generate([prompt], greedy)[0]
+    assert again.num_cached_tokens > 0
+    assert_matches_reference(again, *want, "prefix hit")
