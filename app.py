@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # the heavy imports wait until the arguments are parsed (fast
     from fastapi import FastAPI
 
     from engine.interface import ChatEngine
+    from ui.lineup import Refused
 
 log = logging.getLogger("mmserve")
 
@@ -47,6 +48,9 @@ _ENGINE_OPTIONS = {  # flag -> (engine option, type, help)
         "quantization", str, "int8 or int4 weights for the language model's linears (CPU)"),
     "--quantization-group-size": (
         "quantization_group_size", int, "inputs per int8 / int4 scale: 32, 64 or 128 (default 64)"),
+    "--kv-cache-dtype": (
+        "kv_cache_dtype", str, "auto (the model dtype) or int8 (keys and values as int8 with "
+        "a scale per token and head: about twice the tokens in the same bytes)"),
     "--speculative": (
         "speculative", str, "speculative decoding: ngram (lookup in the prompt and output), "
         "draft:PATH (a small model of the same tokenizer, or Gemma 4's assistant) or mtp (the "
@@ -246,7 +250,10 @@ def is_local(engines: Mapping[str, ChatEngine]) -> bool:
 
 def load_engines(args: argparse.Namespace) -> tuple[dict[str, ChatEngine], dict[str, str]]:
     """The engines to serve and, for demo models, the note that says whether their weights are
-    random or real."""
+    random or real. A model of several that refuses the options (a ValueError: the demo's
+    Gemma 4 with a small --max-num-batched-tokens) does not stop the others: it is left out of
+    the engines and its note says why (`refused_models`); only when none starts is the first
+    refusal raised."""
     if args.backend:
         return connect_backend(args), {}
     try:
@@ -263,14 +270,37 @@ def load_engines(args: argparse.Namespace) -> tuple[dict[str, ChatEngine], dict[
     if args.mmproj:
         options["mmproj"] = args.mmproj
     engines: dict[str, ChatEngine] = {}
+    refusals: dict[str, ValueError] = {}
     try:
         for name, source in sources.items():
             log.info("loading %s", name)
-            engines[name] = AsyncLLM(source, device=args.device, dtype=args.dtype, **options)
+            try:
+                engines[name] = AsyncLLM(source, device=args.device, dtype=args.dtype,
+                                         **options)
+            except ValueError as e:
+                if len(sources) == 1:
+                    raise
+                log.warning("%s is not served: %s", name, e)
+                refusals[name] = e
     except BaseException:
         shutdown(engines)
         raise
+    if not engines and refusals:
+        raise next(iter(refusals.values()))
+    notes.update({name: f"{REFUSED}{e}" for name, e in refusals.items()})
     return engines, notes
+
+
+REFUSED = "not started: "  # a refused model's note begins so
+
+
+def refused_models(engines: Mapping[str, ChatEngine], notes: Mapping[str, str]
+                   ) -> dict[str, Refused]:
+    """The models `load_engines` could not start, for the picker: each says why when chosen."""
+    from ui.lineup import Refused
+
+    return {name: Refused(note.removeprefix(REFUSED)) for name, note in notes.items()
+            if name not in engines and note.startswith(REFUSED)}
 
 
 def stored_models(args: argparse.Namespace, engines: dict[str, ChatEngine]
@@ -332,8 +362,8 @@ def serve(
     elif args.share:
         return _serve_shared(args, engines, notes, api_key)
     else:
-        app = build_app(engines, api_key=api_key, notes=notes,
-                        available=stored_models(args, engines), **guards)
+        available = {**refused_models(engines, notes), **stored_models(args, engines)}
+        app = build_app(engines, api_key=api_key, notes=notes, available=available, **guards)
     where = "API" if args.api_only else "UI and API" if is_local(engines) else "UI"
     log.info("serving the %s on http://%s:%d (Ctrl-C stops)", where, args.host, args.port)
     # A short graceful timeout: open streams (a browser tab's event stream) must not hold up
@@ -380,7 +410,8 @@ def _serve_shared(
     """--share needs Gradio's own launcher (it opens the tunnel); the API joins its app."""
     from ui import build_demo
 
-    demo = build_demo(engines, notes=notes, available=stored_models(args, engines))
+    available = {**refused_models(engines, notes), **stored_models(args, engines)}
+    demo = build_demo(engines, notes=notes, available=available)
     demo.launch(server_name=args.host, server_port=args.port, share=True,
                 prevent_thread_lock=True)
     if is_local(engines):

@@ -78,11 +78,17 @@ def internal_error() -> APIError:
 
 
 def validation_error(errors: list[dict]) -> APIError:
-    """A body that does not fit its schema: 400 naming the first offending field's path."""
+    """A body that does not fit its schema: 400 naming the first offending field's path (the
+    tags of discriminated unions, written `<...>`, left out)."""
     first = errors[0] if errors else {"loc": (), "msg": "invalid body", "type": ""}
     if first.get("type") == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {first.get('msg')}")
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = [str(p) for p in first.get("loc", ())
+           if p != "body" and not (isinstance(p, str) and p.startswith("<"))]
     where = ".".join(loc)
-    return APIError(400, f"invalid request: {where or 'body'}: {first.get('msg')}",
+    message = first.get("msg")
+    if first.get("type") == "union_tag_not_found":  # pydantic: "Unable to extract tag ..."
+        field = (first.get("ctx") or {}).get("discriminator", "'type'")
+        message = f"Input should be an object with a string {field} saying its kind"
+    return APIError(400, f"invalid request: {where or 'body'}: {message}",
                     param=loc[0] if loc else None)

@@ -2,16 +2,34 @@
 or data URL, OpenAI's input_audio, and the Hugging Face style `{"type": "image", "image":
 ...}`), messages of every role with tool calls and tool results, as pydantic models.
 
-Extra keys on a message are kept for the chat template (templates read keys such as `name`);
-a content part's `type` is checked against the known ones, so a part of an unknown type is a
-400 naming the path and the types accepted.
+Extra keys on a message are kept for the chat template (templates read keys such as `name`).
+Every union here is discriminated, so that a bad body is refused for its real problem: the
+content by its JSON kind (a string or a list of parts), a part by its `type` (a part of an
+unknown type, or without one, is a 400 naming its index and the types accepted), a media URL
+by its kind (an object with `url`, or the URL as a string). The tags of these unions (written
+`<...>`) appear in pydantic's error locations; api.errors leaves them out.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+
+# The tags of the shape-discriminated unions below (left out of error paths).
+STRING, LIST, OBJECT = "<string>", "<list>", "<object>"
+
+
+def _shape(value: Any) -> str | None:
+    """The JSON kind of a value, as the tag of a shape-discriminated union (None: no branch
+    takes it, and pydantic names the kinds expected)."""
+    if isinstance(value, str):
+        return STRING
+    if isinstance(value, list):
+        return LIST
+    if isinstance(value, (dict, BaseModel)):
+        return OBJECT
+    return None
 
 
 class _Model(BaseModel):
@@ -23,6 +41,15 @@ class URL(_Model):
     detail: str | None = None
 
 
+# A media item: {"url": ...} or the URL itself.
+MediaURL = Annotated[
+    Annotated[URL, Tag(OBJECT)] | Annotated[str, Tag(STRING)],
+    Discriminator(_shape, custom_error_type="media_url_type",
+                  custom_error_message="Input should be an object with a string 'url', or "
+                                       "the URL as a string"),
+]
+
+
 class TextPart(_Model):
     type: Literal["text"]
     text: str
@@ -30,17 +57,17 @@ class TextPart(_Model):
 
 class ImageURLPart(_Model):
     type: Literal["image_url"]
-    image_url: URL | str
+    image_url: MediaURL
 
 
 class VideoURLPart(_Model):
     type: Literal["video_url"]
-    video_url: URL | str
+    video_url: MediaURL
 
 
 class AudioURLPart(_Model):
     type: Literal["audio_url"]
-    audio_url: URL | str
+    audio_url: MediaURL
 
 
 class InputAudio(_Model):
@@ -91,6 +118,14 @@ class ToolCallItem(_Model):
     function: FunctionCall
 
 
+# A message's content: its text, or a list of parts.
+Content = Annotated[
+    Annotated[str, Tag(STRING)] | Annotated[list[ContentPart], Tag(LIST)],
+    Discriminator(_shape, custom_error_type="content_type",
+                  custom_error_message="Input should be a string or a list of content parts"),
+]
+
+
 class ChatMessage(BaseModel):
     """One message. `tool_calls` on an assistant message are calls it made; a `tool`
     message carries a call's result (`tool_call_id`). Other keys reach the template."""
@@ -99,7 +134,7 @@ class ChatMessage(BaseModel):
 
     role: str = Field(description="system, developer, user, assistant, tool (or a role the "
                                   "model's template knows)")
-    content: str | list[ContentPart] | None = None
+    content: Content | None = None
     name: str | None = None
     tool_calls: list[ToolCallItem] | None = None
     tool_call_id: str | None = None
@@ -107,3 +142,25 @@ class ChatMessage(BaseModel):
 
     def engine_message(self) -> dict[str, Any]:
         return self.model_dump(exclude_none=True)
+
+
+# The modality each media part carries.
+PART_MODALITY = {"image_url": "image", "image": "image", "video_url": "video", "video": "video",
+                 "audio_url": "audio", "audio": "audio", "input_audio": "audio"}
+
+
+def refuse_unaccepted_media(messages: list[ChatMessage], accepted: tuple[str, ...],
+                            model: str) -> None:
+    """ValueError (a 400) for the first media part of a modality `model` does not take, naming
+    the modality, the model, what it takes and where the part is."""
+    for i, message in enumerate(messages):
+        if not isinstance(message.content, list):
+            continue
+        for j, part in enumerate(message.content):
+            modality = PART_MODALITY.get(part.type)
+            if modality is not None and modality not in accepted:
+                takes = " and ".join(("text", *accepted))
+                raise ValueError(
+                    f"messages.{i}.content.{j}: model {model!r} does not accept {modality} "
+                    f"inputs (it takes {takes}); remove the {part.type} part or choose a "
+                    "model that takes it")

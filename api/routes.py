@@ -30,6 +30,7 @@ from starlette.types import Receive
 from api import responses
 from api.errors import APIError, from_exception, internal_error, validation_error
 from api.guards import host_checker, key_checker, require_json
+from api.messages import refuse_unaccepted_media
 from api.protocol import ChatCompletionRequest, CompletionRequest
 from api.responses import ResponseContext
 from api.schema import DOCUMENTED, ChatCompletion, Completion, ModelList
@@ -84,6 +85,9 @@ def build_router(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """A chat reply; with `stream`, server-sent `chat.completion.chunk` events."""
         llm = gate.engine(body.model)
+        accepted = getattr(llm.processor, "modalities", None)  # None: the engine checks
+        if accepted is not None:
+            refuse_unaccepted_media(body.messages, tuple(accepted), body.model)
         tools = ToolPlan.of(body, llm.processor.tool_parser, llm.tokenizer)
         params = body.sampling_params(llm.engine.setup.sampling_defaults, tools.constraint)
         if tools.parser is not None and params.skip_special_tokens:

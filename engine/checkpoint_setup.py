@@ -19,6 +19,7 @@ from engine.model_stores import StoredModel
 from models.checkpoint import (
     CheckpointFiles,
     checkpoint_dtype,
+    refuse_quantized,
 )
 from models.gguf.reader import is_gguf
 from models.registry import ModelSpec, resolve
@@ -55,10 +56,11 @@ class CheckpointSetup:
         if mmproj is not None:
             raise ValueError(f"a projector file ({mmproj}) goes with a GGUF model; {path} is a "
                              "checkpoint folder")
+        files = CheckpointFiles(path)
+        refuse_quantized(files)
         hf_config = AutoConfig.from_pretrained(path)
         spec = resolve(hf_config)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        files = CheckpointFiles(path)
         template, template_source = files.chat_template()
         if template is not None:
             tokenizer.chat_template = template

@@ -15,6 +15,7 @@ from engine.speculative.method import MAX_SPECULATIVE_TOKENS, SpeculativeMethod
 GiB = 1 << 30
 QUANTIZATIONS = (None, "int8", "int4")
 QUANTIZATION_GROUP_SIZES = (32, 64, 128)
+KV_CACHE_DTYPES = ("auto", "int8")  # models/layers/kv_quant.py
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
@@ -68,6 +69,11 @@ class EngineConfig:
         lora_adapters: LoRA adapters requests may choose by name (`SamplingParams.lora`):
             (name, PEFT adapter folder) pairs, or a {name: folder} mapping. Names are letters,
             digits, ".", "_" and "-", at most 64 characters.
+        kv_cache_dtype: how the paged KV cache holds keys and values: "auto" (the model
+            dtype) or "int8" (each token's row of each KV head as int8 with a float32 scale,
+            quantized as it is written; about twice the tokens of a bfloat16 cache in the same
+            bytes; cross-attention states and recurrent states stay in the model dtype;
+            docs/architecture.md).
         speculative: speculative decoding (docs/speculative.md): "ngram" (the last tokens
             looked up in the prompt and the output so far), "draft:PATH" (a small model of the
             same tokenizer, or Gemma 4's assistant) or "mtp" (the checkpoint's own
@@ -93,6 +99,7 @@ class EngineConfig:
     state_snapshot_bytes: int | None = None
     cross_attention_cache_bytes: int | None = None
     lora_adapters: tuple[tuple[str, str], ...] = ()
+    kv_cache_dtype: str = "auto"
     speculative: str | None = None
     num_speculative_tokens: int = 5
 
@@ -127,6 +134,9 @@ class EngineConfig:
                 f"quantization must be one of {', '.join(map(str, QUANTIZATIONS))}, "
                 f"got {self.quantization!r}"
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.quantization_group_size not in QUANTIZATION_GROUP_SIZES:
             raise ValueError(
                 "quantization_group_size must be one of "

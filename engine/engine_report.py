@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from engine import kv_pool
 from engine.device import cpu_has_native_bf16
 from engine.host_memory import resident_bytes
 from engine.model_runner import ModelRunner
@@ -17,17 +18,23 @@ from models.kernels import native
 
 def kv_stats(runner: ModelRunner) -> dict[str, Any]:
     """The KV cache's bytes per block and the layers that hold it (a layer reading another
-    layer's keys and values holds none), the bytes of a per-layer embedding table (weights a
-    step reads a few rows of), where the model has one, the context's fit to the KV budget
-    where no max_model_len was given and the model's context did not fit, and the pools'
-    reserved and resident bytes (resident: the pages touched, by mincore on a Linux CPU, else
-    the blocks used so far)."""
+    layer's keys and values holds none); for a quantized cache (`kv_cache_dtype`), its element
+    type and how many times the tokens of a model-dtype cache its bytes hold; the bytes of a
+    per-layer embedding table (weights a step reads a few rows of), where the model has one;
+    the context's fit to the KV budget where no max_model_len was given and the model's context
+    did not fit; and the pools' reserved and resident bytes (resident: the pages touched, by
+    mincore on a Linux CPU, else the blocks used so far)."""
     layers = runner.model.attention_layers()
     shared = sum(a.kv_source is not None for a in layers)
     out: dict[str, Any] = {
         "kv_bytes_per_block": runner.layout.bytes_per_block,
         "kv_layers": f"{len(layers) - shared} of {len(layers)} layers"
         + (f" ({shared} read another layer's)" if shared else "")}
+    kv_dtype = runner.config.kv_cache_dtype
+    if kv_dtype != "auto":  # the tokens the same bytes hold, against the model dtype's cache
+        out["kv_cache_dtype"] = kv_dtype
+        out["kv_capacity_gain"] = round(kv_pool.capacity_gain(layers, runner.dtype, kv_dtype), 2)
+        out["kv_model_dtype"] = str(runner.dtype).removeprefix("torch.")
     table = runner.model.per_layer_table_bytes()
     if table:
         out["per_layer_table_bytes"] = table
@@ -39,6 +46,15 @@ def kv_stats(runner: ModelRunner) -> dict[str, Any]:
     out["kv_resident_bytes"] = (runner.kv_blocks_in_use.count * runner.layout.bytes_per_block
                                 if resident is None else resident)
     return out
+
+
+def kv_capacity_note(stats: dict[str, Any]) -> str:
+    """"int8 keys and values: 1.88x the tokens of bfloat16" for a quantized cache (kv_stats),
+    else ""."""
+    if "kv_cache_dtype" not in stats:
+        return ""
+    return (f"{stats['kv_cache_dtype']} keys and values: {stats['kv_capacity_gain']:.2f}x the "
+            f"tokens of {stats['kv_model_dtype']}")
 
 
 def state_stats(runner: ModelRunner, state_cache: StateCacheManager | None) -> dict[str, Any]:
@@ -97,9 +113,10 @@ def ready_line(model_id: str, runner: ModelRunner) -> str:
     """The one line logged when the engine is ready: the model, its weights, the caches."""
     layout, mib = runner.layout, 1 << 20
     kv = kv_stats(runner)
+    quantized = kv_capacity_note(kv)
     line = (f"engine ready: {model_id} ({weights_description(runner)}), {layout.num_blocks} KV "
-            f"blocks x {layout.block_size} tokens ({kv['kv_layers']}), max_model_len "
-            f"{layout.max_model_len}"
+            f"blocks x {layout.block_size} tokens ({kv['kv_layers']}"
+            f"{'; ' + quantized if quantized else ''}), max_model_len {layout.max_model_len}"
             + (f" (fitted to the KV budget; the model's context is {layout.fitted_from})"
                if layout.fitted_from is not None else ""))
     states = runner.state_layout

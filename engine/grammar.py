@@ -14,16 +14,18 @@ grammar by replaying the request's output tokens, so a preempted request resumes
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import llguidance
 import llguidance.hf
 import torch
 
 from engine.structured_outputs import StructuredOutputs
+from engine.token_table import TokenTable, TokenTableError, read_token_table
 
 CACHE_SIZE = 64  # compiled grammars kept (distinct schemas, regexes, tool sets)
 
@@ -37,8 +39,13 @@ class GrammarCompiler:
     threads. The tokenizer's token table is built on first use (about a second for a large
     vocabulary), so that models never asked for structured output never pay for it."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int],
+                 model: str = "this model") -> None:
         self.tokenizer = tokenizer
+        self.model = model  # named in errors
+        # Where the token table came from once built: "definition" (llguidance read the
+        # tokenizer's) or "decoded" (engine.token_table).
+        self.table_source: str | None = None
         self.vocab_size = max(vocab_size, len(tokenizer))
         self.eos_token_ids = [t for t in eos_token_ids if t < self.vocab_size]
         self._lock = threading.Lock()
@@ -92,10 +99,49 @@ class GrammarCompiler:
         return CompiledGrammar(template, self.mask_words)
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+        """llguidance's view of the tokenizer: read from its definition where llguidance
+        knows the decoder, else from the token table it decodes (engine.token_table)."""
         if self._ll_tokenizer is None:
-            self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None)
+            try:
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                    self.tokenizer, n_vocab=self.vocab_size,
+                    eos_token=self.eos_token_ids or None)
+                self.table_source = "definition"
+            except (ValueError, TypeError, RuntimeError):  # e.g. a decoder it cannot read
+                self._ll_tokenizer = self._decoded_tokenizer()
+                self.table_source = "decoded"
         return self._ll_tokenizer
+
+    def _decoded_tokenizer(self) -> llguidance.LLTokenizer:
+        try:
+            table = read_token_table(self.tokenizer, self.vocab_size)
+        except TokenTableError as e:
+            raise GrammarError(f"structured output is not available for {self.model}: its "
+                               f"tokenizer's tokens cannot be mapped to bytes ({e})") from None
+        encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
+        wrapper = _TableTokenizer(table, table.encoder(encode), self.eos_token_ids,
+                                  getattr(self.tokenizer, "bos_token_id", None))
+        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(wrapper),
+                                      n_vocab=self.vocab_size,
+                                      eos_token=self.eos_token_ids or None)
+
+
+class _TableTokenizer:
+    """What llguidance's TokenizerWrapper reads: the token table, EOS / BOS and special ids,
+    and an encoding of a text into tokens whose table bytes spell it (called with str)."""
+
+    def __init__(self, table: TokenTable, encode: Callable[[str], list[int]],
+                 eos_token_ids: Sequence[int], bos_token_id: int | None) -> None:
+        self.tokens = list(table.tokens)
+        self.special_token_ids = list(table.special_ids)
+        self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
+        self.bos_token_id = bos_token_id
+        self._encode = encode
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):
+            raise TypeError("takes text")  # TokenizerWrapper then passes str
+        return self._encode(text)
 
 
 class CompiledGrammar:

@@ -3,10 +3,11 @@ without loading its weights. It prints the architecture and the model class, the
 the LM head is tied, the chat template's source, the EOS ids and default sampling, every
 processor setting with the file (or class default) it came from, the weights' and the KV cache's
 estimated bytes (a per-layer embedding table, read a few rows per step, apart; layers that read
-another layer's keys and values add no KV cache), the LoRA adapters it ships, and what is not
-supported. For a GGUF file: every config setting with the metadata key it came from (or the
-config class's default), and its tensors per block type; with its projector file (`--mmproj`,
-or beside it in a folder), the tower's and the processor's settings with the projector's keys.
+another layer's keys and values add no KV cache; the KV cache also with `--kv-cache-dtype
+int8`), the LoRA adapters it ships, and what is not supported. For a GGUF file: every config
+setting with the metadata key it came from (or the config class's default), and its tensors per
+block type; with its projector file (`--mmproj`, or beside it in a folder), the tower's and the
+processor's settings with the projector's keys.
 Run it first on a new download; it exits with 1 when the engine would refuse the checkpoint.
 """
 
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 
+from engine import kv_pool
 from engine.checkpoint_setup import CheckpointSetup
 from engine.config import EngineConfig
 from engine.device import resolve_dtype
@@ -44,6 +46,7 @@ class Report:
     weight_bytes: int | None = None
     per_layer_table_bytes: int = 0  # of weight_bytes: a table read a few rows per step
     kv_bytes_per_token: int | None = None
+    kv_int8_bytes_per_token: int | None = None  # with kv_cache_dtype="int8"
     # Cross-attention models: keys and values of one media key position, and of the largest item.
     cross_bytes_per_key: int | None = None
     cross_largest_item: int | None = None  # key positions
@@ -145,6 +148,7 @@ def _sizes(report: Report, setup: CheckpointSetup, dtype: torch.dtype, processor
     own = [a for a in layers if a.kv_source is None]
     report.kv_bytes_per_token = sum(2 * a.num_kv_heads * a.head_dim for a in own) * DTYPE_BYTES[
         dtype]
+    report.kv_int8_bytes_per_token = kv_pool.bytes_per_token(layers, dtype, "int8")
     _context_fit(report, bool(model.cross_attention_layers()))
     if len(own) < len(layers):
         report.kv_layers = f"{len(own)} of {len(layers)} layers hold it, {len(layers) - len(own)}" \
@@ -222,6 +226,11 @@ def render(report: Report) -> str:
                 f"{report.max_model_len}-token sequence" if report.max_model_len else "")
         layers = f" ({report.kv_layers})" if report.kv_layers else ""
         lines.append(f"KV cache: {_size(report.kv_bytes_per_token)} per token{full}{layers}")
+        if report.kv_int8_bytes_per_token:
+            gain = report.kv_bytes_per_token / report.kv_int8_bytes_per_token
+            lines.append(f"KV cache with --kv-cache-dtype int8: "
+                         f"{_size(report.kv_int8_bytes_per_token)} per token ({gain:.2f}x the "
+                         "tokens in the same bytes)")
     if report.fitted_context is not None:
         lines.append(f"context: the automatic KV budget on this host "
                      f"({_size(report.automatic_kv_bytes)}) holds {report.fitted_context} tokens "

@@ -113,7 +113,7 @@ class LLMEngine:
         self.speculator = build_speculator(self.config, self.runner, setup, self.block_manager)
         self.eos_token_ids = setup.eos_token_ids
         self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size,
-                                        sorted(self.eos_token_ids))
+                                        sorted(self.eos_token_ids), f"model {self.model_id!r}")
         self.fanout = FanOut()
         self.checkpoint_settings = checkpoint_settings(setup, mm_processor, self.runner.adapters)
         self.num_steps = 0

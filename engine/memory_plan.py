@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import kv_pool
 from engine.config import EngineConfig, GiB
 from engine.host_memory import host_memory
 from models.interfaces import LanguageModel
@@ -109,12 +110,11 @@ def default_kv_bytes(device: torch.device) -> int:
     return min(4 * GiB, host_memory().available // 4)
 
 
-def kv_bytes_per_block(model: LanguageModel, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(model: LanguageModel, block_size: int, dtype: torch.dtype,
+                       kv_cache_dtype: str = "auto") -> int:
     """Keys and values of one block in every layer that holds a cache (layers reading another
-    layer's keys and values hold none)."""
-    elem = torch.finfo(dtype).bits // 8
-    return sum(2 * block_size * a.num_kv_heads * a.head_dim * elem
-               for a in model.attention_layers() if a.kv_source is None)
+    layer's keys and values hold none), in the element type of `kv_cache_dtype`."""
+    return block_size * kv_pool.bytes_per_token(model.attention_layers(), dtype, kv_cache_dtype)
 
 
 def plan_kv_cache(model: LanguageModel, config: EngineConfig, dtype: torch.dtype,
@@ -125,7 +125,7 @@ def plan_kv_cache(model: LanguageModel, config: EngineConfig, dtype: torch.dtype
     A budget that holds fewer than `max_model_len` tokens lowers the context to what it holds
     (whole blocks) when no max_model_len was configured, and is refused when one was."""
     bs = config.block_size
-    per_block = kv_bytes_per_block(model, bs, dtype)
+    per_block = kv_bytes_per_block(model, bs, dtype, config.kv_cache_dtype)
     useful = config.max_num_seqs * -(-max_model_len // bs) * per_block
     budget = config.kv_cache_bytes
     if budget is None:
@@ -146,13 +146,6 @@ def plan_kv_cache(model: LanguageModel, config: EngineConfig, dtype: torch.dtype
     return CacheLayout(num_blocks, bs, max_model_len, per_block)
 
 
-def kv_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """One layer's KV pool [2, Hkv, blocks, block_size, D] (the one place pools are made):
-    reserved, not written, so that pages are taken as blocks are first used (unwritten slots
-    hold anything: engine/kv_blocks_in_use.py zeroes each block at its first use)."""
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
 def state_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A recurrent-state pool (slots, snapshots or their backups), reserved, not written: a slot
     is zeroed when a sequence starts in it and a snapshot written before it is restored
@@ -161,18 +154,11 @@ def state_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
 
 
 def allocate_kv_cache(model: LanguageModel, layout: CacheLayout, dtype: torch.dtype,
-                      device: torch.device) -> list[torch.Tensor]:
-    """A cache [2, Hkv, blocks, block_size, D] per attention layer with keys and values of
-    its own, bound to the layer; one reading another's (KV sharing) is bound to that cache.
-    Returns the caches."""
-    caches: dict[int, torch.Tensor] = {}
-    for attn in model.attention_layers():
-        if attn.kv_source is not None:
-            attn.kv_cache = caches[attn.kv_source]
-            continue
-        shape = (2, attn.num_kv_heads, layout.num_blocks, layout.block_size, attn.head_dim)
-        attn.kv_cache = caches[attn.index] = kv_pool(shape, dtype, device)
-    return list(caches.values())
+                      kv_cache_dtype: str, device: torch.device) -> list[torch.Tensor]:
+    """The KV pools bound to the attention layers (engine/kv_pool.py: reserved, not written;
+    engine/kv_blocks_in_use.py zeroes each block at its first use). Returns the caches."""
+    return kv_pool.allocate(model.attention_layers(), layout.num_blocks, layout.block_size,
+                            dtype, kv_cache_dtype, device)
 
 
 # ---- recurrent states -----------------------------------------------------------------------

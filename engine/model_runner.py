@@ -120,7 +120,8 @@ class ModelRunner:
         cfg = self.model.cfg
         kv_heads, head_dim = _common_kv_shape(self.model.attention_layers())
         self.decode_kernel = choose_decode_kernel(
-            cfg.num_heads, kv_heads, head_dim, dtype, device, config.block_size
+            cfg.num_heads, kv_heads, head_dim, dtype, device, config.block_size,
+            config.kv_cache_dtype,
         )
         self.attention_backend = choose_backend(device, dtype)
         # Cross-attention layers' keys and values (engine/cross_states.py), out of the KV budget.
@@ -157,7 +158,8 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> None:
         """The KV pools of `self.layout` (reserved, untouched), block 0 zeroed: the padding of
         block tables points at it (engine/kv_blocks_in_use.py)."""
-        self.kv_caches = allocate_kv_cache(self.model, self.layout, self.dtype, self.device)
+        self.kv_caches = allocate_kv_cache(self.model, self.layout, self.dtype,
+                                           self.config.kv_cache_dtype, self.device)
         self.kv_blocks_in_use = BlocksInUse(self.layout.num_blocks)
         self.kv_blocks_in_use.first_use([0], self.kv_caches)
 

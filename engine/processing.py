@@ -129,10 +129,12 @@ class InputProcessor:
         if tools:
             template_kwargs["tools"] = tools
         rendered, media = parse_messages(messages)
+        # Before rendering: a text-only template given a media part fails on its list.
+        mm_data = self._check_mm_data(media)
         text = self.tokenizer.apply_chat_template(
             rendered, tokenize=False, add_generation_prompt=True, **template_kwargs
         )
-        parsed = ParsedPrompt(text, None, self._check_mm_data(media), mm_kwargs, False)
+        parsed = ParsedPrompt(text, None, mm_data, mm_kwargs, False)
         if self.thinking is not None:
             parsed.thinking = self.thinking.opened_by(text)
         if self.message_starts:

@@ -201,6 +201,39 @@ class CheckpointFiles:
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
+# The keys of a quantization_config that say its format (AWQ, GPTQ, compressed-tensors, fp8).
+QUANT_FORMAT_KEYS = ("format", "version", "bits", "group_size", "fmt", "weight_block_size",
+                     "activation_scheme", "load_in_4bit", "load_in_8bit")
+
+
+def refuse_quantized(files: CheckpointFiles) -> None:
+    """CheckpointError for a checkpoint whose config.json carries a `quantization_config`
+    (weights stored quantized by AWQ, GPTQ, llm-compressor's compressed-tensors, fp8 ...):
+    mmserve loads unquantized weights only (and quantizes them itself on request), so such a
+    checkpoint is refused at load, its method and format named, rather than failing on its
+    first packed tensor."""
+    config = files.json("config.json") or {}
+    quant = config.get("quantization_config") if isinstance(config, Mapping) else None
+    if quant is None:
+        return
+    if not isinstance(quant, Mapping):
+        raise CheckpointError(f"config.json: quantization_config={_short(quant)} is not "
+                              "supported (mmserve loads unquantized weights only)")
+    method = quant.get("quant_method", "unnamed")
+    details = [f"{k}={_short(quant[k])}" for k in QUANT_FORMAT_KEYS if quant.get(k) is not None]
+    for name, group in (quant.get("config_groups") or {}).items():  # compressed-tensors
+        weights = group.get("weights") if isinstance(group, Mapping) else None
+        if isinstance(weights, Mapping):
+            scheme = "{type}{num_bits}".format(type=weights.get("type", "?"),
+                                               num_bits=weights.get("num_bits", "?"))
+            details.append(f"{name}: weights {scheme}")
+    said = f" ({', '.join(details)})" if details else ""
+    raise CheckpointError(
+        f"config.json: quantization_config quant_method={method!r}{said} is not supported: "
+        "mmserve loads checkpoints with unquantized (float32 / bfloat16 / float16) weights "
+        "only; use the model's unquantized checkpoint (mmserve can quantize its linears on "
+        "load, see --quantization) or a GGUF file")
+
 
 @dataclass(frozen=True)
 class GenerationDefaults:

@@ -118,7 +118,10 @@ def train_tokenizer(
     """A tokenizer trained on a built-in corpus, as a transformers tokenizer: byte-level BPE
     ("bytes", on the mixed-language corpus) or WordPiece over whole characters ("words", on
     the English demo corpus: mostly whole words, decoded with spaces between them; other
-    characters become <unk>)."""
+    characters become <unk>). The demo's kinds, on the English corpus, are those real
+    checkpoints ship: "byte_bpe" (GPT-2's byte-level BPE: Qwen, Llama 3) and "sentencepiece"
+    (BPE over metaspace-marked words with byte fallback, as transformers' converters write
+    SentencePiece models: Llama 2, Mistral, Gemma)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -134,8 +137,11 @@ def train_tokenizer(
         tok.decoder = decoders.Sequence([decoders.WordPiece(cleanup=True),
                                          decoders.Replace("##", "")])
         alphabet, corpus, extra = _WORDS_ALPHABET, _WORDS_CORPUS, {"unk_token": "<unk>"}
+    elif kind in ("byte_bpe", "sentencepiece"):
+        return _demo_tokenizer(kind, special, vocab_size, chat_template, eos)
     else:
-        raise ValueError(f"unknown tokenizer kind {kind!r} (bytes, words)")
+        raise ValueError(f"unknown tokenizer kind {kind!r} (bytes, words, byte_bpe, "
+                         "sentencepiece)")
     train = trainers.BpeTrainer if kind == "bytes" else trainers.WordPieceTrainer
     trainer = train(
         vocab_size=vocab_size,
@@ -147,6 +153,51 @@ def train_tokenizer(
     tok.train_from_iterator([corpus] * 4, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=special[0],
                                    **extra)
+    fast.chat_template = chat_template
+    return fast
+
+
+def _demo_tokenizer(kind: str, special: list[str], vocab_size: int, chat_template: str,
+                    eos: str):
+    """The demo's byte-level BPE or SentencePiece-style BPE (see `train_tokenizer`), trained
+    on the English corpus with a larger vocabulary, so that random tokens are mostly words."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab_size = max(vocab_size, 900)
+    if kind == "byte_bpe":
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
+                                      initial_alphabet=alphabet, limit_alphabet=len(alphabet),
+                                      show_progress=False)
+        tok.train_from_iterator([_WORDS_CORPUS] * 4, trainer)
+    else:
+        # Trained over metaspace-marked words, then rebuilt with the 256 byte tokens
+        # (<0x00> ...) after the special ones, as SentencePiece models hold them.
+        base = Tokenizer(models.BPE())
+        base.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581",
+                                                      prepend_scheme="first")
+        alphabet = sorted(set(_WORDS_CORPUS.replace(" ", "\u2581")) | {"\u2581"})
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size - 256, special_tokens=special,
+                                      initial_alphabet=alphabet, show_progress=False)
+        base.train_from_iterator([_WORDS_CORPUS] * 4, trainer)
+        model = json.loads(base.to_str())["model"]
+        pieces = sorted(model["vocab"], key=model["vocab"].get)
+        vocab = [*special, *(f"<0x{b:02X}>" for b in range(256)),
+                 *(p for p in pieces if p not in special)]
+        merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
+                  for m in model["merges"]]
+        tok = Tokenizer(models.BPE({p: i for i, p in enumerate(vocab)}, merges,
+                                   byte_fallback=True, fuse_unk=True))
+        tok.pre_tokenizer = base.pre_tokenizer
+        tok.decoder = decoders.Sequence([
+            decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+            decoders.Strip(" ", 1, 0)])
+        tok.add_special_tokens(special)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=special[0])
     fast.chat_template = chat_template
     return fast
 

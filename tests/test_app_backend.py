@@ -57,3 +57,8 @@ def test_quantization_flags_become_engine_options():
     args = app.parse_args(["--quantization", "int4", "--quantization-group-size", "64"])
     assert app.engine_options(args) == {"quantization": "int4", "quantization_group_size": 64}
     assert "quantization" not in app.engine_options(app.parse_args([]))
+
+
+def test_kv_cache_dtype_flag_becomes_an_engine_option():
+    args = app.parse_args(["--kv-cache-dtype", "int8"])
+    assert app.engine_options(args) == {"kv_cache_dtype": "int8"}

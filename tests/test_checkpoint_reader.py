@@ -348,9 +348,13 @@ def test_inspect_reports_without_loading_weights(tmp_path, capsys):
     assert rows["processor", "patch_size"] == (14, "processor_config.json: patch_size")
     assert rows["model", "chat template"][1] == "chat_template.jinja"
     assert report.weight_bytes > 0 and report.kv_bytes_per_token == 2 * 1 * 2 * 16 * 4
+    # int8 rows of 16 values and a float32 scale
+    assert report.kv_int8_bytes_per_token == 2 * 1 * 2 * (16 + 4)
     assert not report.unsupported
     assert inspect.main([str(path)]) == 0
-    assert "supported: the engine can serve" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "supported: the engine can serve" in out
+    assert "--kv-cache-dtype int8: 80 B per token (3.20x the tokens" in out
     config = json.loads((path / "processor_config.json").read_text())
     config["image_processor"]["crop_to_patches"] = True
     (path / "processor_config.json").write_text(json.dumps(config))

@@ -17,11 +17,11 @@ PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0
 
 
 def _engine(path, monkeypatch, kernel: str, fill: float | None) -> LLM:
-    import engine.memory_plan as plan
+    import engine.kv_pool as pools
     import engine.model_runner as runner
 
     if fill is not None:
-        monkeypatch.setattr(plan, "kv_pool", lambda shape, dtype, device: torch.full(
+        monkeypatch.setattr(pools, "pool", lambda shape, dtype, device: torch.full(
             shape, fill, dtype=dtype, device=device))
     monkeypatch.setattr(runner, "choose_decode_kernel", lambda *args, **kwargs: kernel)
     # 128 MiB per layer's pool: past glibc's mmap threshold, so its pages are fresh
@@ -78,12 +78,13 @@ def test_a_hybrid_model_with_unwritten_pools_matches_transformers(tmp_path, hf_m
                                                                   monkeypatch):
     """Qwen3.5 (linear-attention layers and a full-attention layer): KV and state pools full
     of NaN at start, a chunked prefill, a decode, a prefix hit restoring a snapshot."""
+    import engine.kv_pool as pools
     import engine.memory_plan as plan
     from testing.qwen3_5 import build_qwen3_5_text_model
     from tests.helpers import assert_matches_reference, hf_greedy
 
     nan = lambda shape, dtype, device: torch.full(shape, math.nan, dtype=dtype, device=device)  # noqa: E731
-    monkeypatch.setattr(plan, "kv_pool", nan)
+    monkeypatch.setattr(pools, "pool", nan)
     monkeypatch.setattr(plan, "state_pool", nan)
     path = build_qwen3_5_text_model(tmp_path / "m")
     hf = hf_models(path)

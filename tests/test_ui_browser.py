@@ -222,3 +222,23 @@ def test_the_app_as_a_front_end_to_a_remote_server(served, browser):
             finally:
                 tab.close()
     wait_idle(engines[VL])
+
+
+def test_a_thinking_model_shows_its_thought_folded(served, browser):
+    """The demo's MiniCPM-V thinks (its template opens <think>): the reply's reasoning shows as
+    a folded "Thinking" message above where the answer goes."""
+    from playwright.sync_api import expect
+
+    page = open_app(browser, served[2])
+    try:
+        page.get_by_role("combobox", name="Model").click()
+        page.get_by_role("option", name="demo-minicpm-v-4.6").click()
+        expect(page.get_by_role("combobox", name="Model")).to_have_value("demo-minicpm-v-4.6")
+        set_max_tokens(page, 16)
+        send(page, "Think it over, then answer.")
+        expect(page.locator("#timing")).to_contain_text("finish length")
+        bot = page.locator("#chatbot [data-testid=bot]").last
+        expect(bot).to_contain_text("Thinking")
+        screenshot(page, "ui-browser-thinking.png")
+    finally:
+        page.close()

@@ -38,51 +38,55 @@ REAL_MODEL = "smollm2-135m-instruct"
 @dataclass(frozen=True)
 class DemoModel:
     """One checkpoint of the demo lineup, built by `builder(path, **kwargs)`; `builder` names a
-    function of the testing package as "module:function"."""
+    function of the testing package as "module:function", `template` a chat template file of
+    testing/templates (None: the builder's own). testing/demo_checkpoints.py lists each
+    model's tokenizer and template."""
 
     name: str
     builder: str
     kwargs: dict[str, Any] = field(default_factory=dict)
+    template: str | None = None
 
 
-# Word-level tokenizers: random weights sample random tokens, which then read as words (a
-# byte-level vocabulary would show byte fragments and U+FFFD).
+# Each model's tokenizer is of its family's kind (byte-level BPE, or SentencePiece-style BPE
+# with byte fallback), and its template its family's, with tools (and thinking where the
+# family thinks), so that structured output, tool calls and reasoning work offline.
+BYTES, SENTENCEPIECE = {"tokenizer_kind": "byte_bpe"}, {"tokenizer_kind": "sentencepiece"}
 DEMO_LINEUP = (
     DemoModel("demo-qwen2-vl", "testing.tiny:build_qwen2_vl_model",
-              {"variant": "qwen2_vl", "tokenizer_kind": "words"}),
+              {"variant": "qwen2_vl", **BYTES}, "qwen2_vl.jinja"),
     # LLaVA-NeXT: an image becomes its base view plus a grid of tiles (the placeholder panel
     # shows both parts of its span).
     DemoModel("demo-llava-next", "testing.llava:build_llava_model",
-              {"next_": True, "tokenizer_kind": "words"}),
-    DemoModel("demo-qwen2-audio", "testing.tiny:build_qwen2_audio_model",
-              {"tokenizer_kind": "words"}),
+              {"next_": True, **SENTENCEPIECE}),
+    DemoModel("demo-qwen2-audio", "testing.tiny:build_qwen2_audio_model", BYTES,
+              "qwen2_audio.jinja"),
     # Qwen2.5-Omni's thinker: a video is heard as well as seen (its frames and sound interleave
     # per 2 s in the placeholder strip).
-    DemoModel("demo-qwen2.5-omni", "testing.qwen_omni:build_qwen_omni_model",
-              {"tokenizer_kind": "words"}),
+    DemoModel("demo-qwen2.5-omni", "testing.qwen_omni:build_qwen_omni_model", BYTES,
+              "qwen2_5_omni.jinja"),
     # InternVL: an image is cut into tiles by its aspect ratio plus a thumbnail, each tile its
     # own encoder item; a video's 8 frames (sampled as its video processor says) each too.
     DemoModel("demo-internvl", "testing.internvl:build_internvl_model",
-              {"tokenizer_kind": "words", "num_frames": 8}),
+              {**BYTES, "num_frames": 8}, "internvl.jinja"),
     # Llama 3.2 Vision: an image stays one token and is attended through cross-attention
     # layers (the engine panel shows the keys and values it holds).
-    DemoModel("demo-llama3.2-vision", "testing.mllama:build_mllama_model",
-              {"tokenizer_kind": "words"}),
+    DemoModel("demo-llama3.2-vision", "testing.mllama:build_mllama_model", BYTES,
+              "llama3_2_vision.jinja"),
     # Phi-4-multimodal: images in dynamic-HD crops, audio through its conformer, and a LoRA
     # adapter per modality (vision, speech) chosen for each request in the same batch.
     DemoModel("demo-phi4-multimodal", "testing.phi4mm:build_phi4mm_model",
-              {"tokenizer_kind": "words", "dynamic_hd": 2}),
+              {**BYTES, "dynamic_hd": 2}),
     # MiniCPM-V 4.6: a large image is cut into slices beside its overview (the placeholder
-    # panel shows both parts of its span), a video is one picture per second.
-    DemoModel("demo-minicpm-v-4.6", "testing.minicpmv:build_minicpmv_model",
-              {"tokenizer_kind": "words"}),
+    # panel shows both parts of its span), a video is one picture per second. It thinks.
+    DemoModel("demo-minicpm-v-4.6", "testing.minicpmv:build_minicpmv_model", BYTES,
+              "minicpm_v.jinja"),
     # Gemma 4 (E-size): images, videos and audio; each image's and frame's soft-token budget
     # shows in the placeholder strip (mm_processor_kwargs max_soft_tokens changes it).
-    DemoModel("demo-gemma4", "testing.gemma4:build_gemma4_model",
-              {"tokenizer_kind": "words"}),
+    DemoModel("demo-gemma4", "testing.gemma4:build_gemma4_model", SENTENCEPIECE),
 )
 # Bumped when the lineup's checkpoints change, so that cached older ones are not reused.
-DEMO_VERSION = 9
+DEMO_VERSION = 10
 
 
 @dataclass(frozen=True)
@@ -131,9 +135,9 @@ def ensure_demo_models(root: Path | None = None) -> dict[str, Path]:
         path = root / model.name
         if not (path / "config.json").exists():
             log.info("generating demo model %s (random weights) in %s, once", model.name, path)
-            module, name = model.builder.split(":")
-            builder = getattr(importlib.import_module(module), name)
-            _build_atomically(path, functools.partial(builder, **model.kwargs))
+            build = importlib.import_module("testing.demo_checkpoints").build_demo_checkpoint
+            _build_atomically(path, functools.partial(
+                build, builder=model.builder, template=model.template, **model.kwargs))
         paths[model.name] = path
     return paths
 

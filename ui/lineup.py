@@ -1,7 +1,8 @@
 """The models the picker offers: the engines already loaded, and models found on this machine
-(Ollama's and LM Studio's stores) that load only when chosen. Loading runs in a worker thread,
-once per model, however many sessions choose it at once; a model that fails to load says why
-and stays on the list."""
+(Ollama's and LM Studio's stores) that load only when chosen, and models that could not start
+(`Refused`: their label and their choice say why). Loading runs in a worker thread, once per
+model, however many sessions choose it at once; a model that fails to load says why and stays
+on the list."""
 
 from __future__ import annotations
 
@@ -11,6 +12,18 @@ from collections.abc import Callable, Mapping
 from engine.interface import ChatEngine
 
 NOT_LOADED = " (found on this machine: loads when chosen)"
+NOT_STARTED = " (not started: {reason})"
+
+
+class Refused:
+    """The loader of a model that could not start (the options it refused): choosing it
+    says why."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def __call__(self) -> ChatEngine:
+        raise ValueError(self.reason)
 
 
 class Lineup:
@@ -29,7 +42,15 @@ class Lineup:
     def choices(self) -> list[tuple[str, str]]:
         """(label, name) per model, the loadable ones said so."""
         return [(name, name) for name in self.engines] + [
-            (name + NOT_LOADED, name) for name in self.available if name not in self.engines]
+            (name + self._label(loader), name) for name, loader in self.available.items()
+            if name not in self.engines]
+
+    @staticmethod
+    def _label(loader: Callable[[], ChatEngine]) -> str:
+        if isinstance(loader, Refused):
+            reason = loader.reason if len(loader.reason) <= 160 else loader.reason[:157] + "..."
+            return NOT_STARTED.format(reason=reason)
+        return NOT_LOADED
 
     def loaded(self, name: str) -> bool:
         return name in self.engines

@@ -279,7 +279,9 @@ def engine_html(stats: Mapping[str, Any]) -> str:
             "KV blocks in use", stats.get("kv_blocks_used", 0), stats.get("kv_blocks_total", 0),
             f"{stats.get('kv_blocks_cached', 0)} cached for prefix reuse"
             + (f"; {stats['kv_bytes_per_block'] / 1024:.0f} KiB per block over "
-               f"{stats['kv_layers']}" if "kv_layers" in stats else ""),
+               f"{stats['kv_layers']}" if "kv_layers" in stats else "")
+            + (f"; {stats['kv_cache_dtype']} keys and values: {stats['kv_capacity_gain']:.2f}x "
+               f"the tokens of {stats['kv_model_dtype']}" if "kv_cache_dtype" in stats else ""),
         ),
         *([f"<b>Context</b>: {html.escape(str(stats['context_fit']))}"]
           if "context_fit" in stats else []),

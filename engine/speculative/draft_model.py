@@ -109,7 +109,9 @@ class DraftModelProposer:
             block_size=config.block_size, max_model_len=max_len, max_num_seqs=1,
             enable_prefix_caching=False, quantization=config.quantization,
             quantization_group_size=config.quantization_group_size,
-            dequantize_gguf=config.dequantize_gguf)
+            dequantize_gguf=config.dequantize_gguf,
+            # its cache holds the target's block count: quantized as the target's is
+            kv_cache_dtype=config.kv_cache_dtype)
         runner = ModelRunner(path, setup.hf_config, setup.spec.model, draft_config, target.device,
                              target.dtype)
         model = runner.model

@@ -10,6 +10,7 @@ import time
 import torch
 
 from models.kernels import native
+from models.layers import kv_quant
 from models.layers.attention import (
     AttentionGroup,
     LayerAttention,
@@ -25,7 +26,7 @@ _CHOICES: dict[tuple, str] = {}
 
 def choose_decode_kernel(
     num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-    block_size: int = 16,
+    block_size: int = 16, kv_cache_dtype: str = "auto",
 ) -> str:
     """The fastest decode kernel on this machine, by measurement (once per shape and dtype).
 
@@ -34,17 +35,19 @@ def choose_decode_kernel(
     per shape, and a decode's context grows every step). Each candidate runs a step's decode
     attention end to end out of a paged cache, the PyTorch ones gathering the keys first: one
     sequence at ~256 keys and eight at ~1024, the context growing by one per call as it does
-    in generation; the least total time wins. CUDA keeps SDPA.
+    in generation; the least total time wins. CUDA keeps SDPA. With `kv_cache_dtype` "int8"
+    the cache timed is an int8 one (models/layers/kv_quant.py): the PyTorch candidates then
+    dequantize the blocks they gather, ours reads the int8 rows in place.
     """
     if device.type != "cpu":
         return "sdpa"
-    key = (num_heads, num_kv_heads, head_dim, dtype, block_size)
+    key = (num_heads, num_kv_heads, head_dim, dtype, block_size, kv_cache_dtype)
     if key not in _CHOICES:
         names = ["sdpa", "matmul"]
         if native.load() is not None and dtype in native.DTYPES:
             names.append("native")
         times = _time_decode_kernels(names, num_heads, num_kv_heads, head_dim, dtype,
-                                     block_size)
+                                     block_size, kv_cache_dtype == "int8")
         _CHOICES[key] = min(times, key=times.get)
         log.debug("decode attention kernel for %s heads %d/%d x %d: %s (%s)", dtype,
                   num_heads, num_kv_heads, head_dim, _CHOICES[key],
@@ -53,13 +56,16 @@ def choose_decode_kernel(
 
 
 def _time_decode_kernels(names: list[str], num_heads: int, num_kv_heads: int, head_dim: int,
-                         dtype: torch.dtype, block_size: int) -> dict[str, float]:
+                         dtype: torch.dtype, block_size: int,
+                         int8: bool = False) -> dict[str, float]:
     """Median seconds of each kernel over the same decode steps (see choose_decode_kernel)."""
     gen = torch.Generator().manual_seed(0)
     blocks_per_seq = -(-1040 // block_size)
     num_blocks = 8 * blocks_per_seq
     kv_cache = torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim,
                            generator=gen).to(dtype)
+    if int8:
+        kv_cache = kv_quant.quantize_rows(kv_cache)
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(8)]
     shape = _Shape(block_size, torch.device("cpu"), dtype)
     steps = []

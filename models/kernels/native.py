@@ -139,6 +139,8 @@ class NativeKernels:
         self._read_sum.argtypes, self._read_sum.restype = [_ptr, _i64, _int], ctypes.c_double
         self._attention = lib.mm_decode_attention
         self._attention.argtypes, self._attention.restype = _ATTENTION_ARGS, _int
+        self._attention_i8 = lib.mm_decode_attention_i8  # an int8 cache (layers/kv_quant.py)
+        self._attention_i8.argtypes, self._attention_i8.restype = _ATTENTION_ARGS, _int
         self._delta_step = lib.mm_delta_rule_step
         self._delta_step.argtypes, self._delta_step.restype = _DELTA_STEP_ARGS, _int
         # A decoder's layers in one call, a sparse block's routed experts in one call;
@@ -384,15 +386,19 @@ class NativeKernels:
     ) -> torch.Tensor:
         """One query per sequence against its keys in the paged cache (read in place).
 
-        q [B, Hq, D]; kv_cache [2, Hkv, blocks, block_size, D] in q's dtype; table [B, width]
-        int64 block ids, the first holding key position key0[b]; context [B]: keys up to and
-        including the query's. Returns [B, Hq, D]."""
+        q [B, Hq, D]; kv_cache [2, Hkv, blocks, block_size, D] in q's dtype, or int8 rows
+        [..., D + 4] with their scales (models/layers/kv_quant.py); table [B, width] int64 block
+        ids, the first holding key position key0[b]; context [B]: keys up to and including the
+        query's. Returns [B, Hq, D]."""
         batch, heads, dim = q.shape
-        _, kv_heads, num_blocks, block_size, _ = kv_cache.shape
-        assert kv_cache.is_contiguous() and kv_cache.dtype == q.dtype
+        _, kv_heads, num_blocks, block_size, row = kv_cache.shape
+        quantized = kv_cache.dtype == torch.int8
+        assert kv_cache.is_contiguous() and (quantized or kv_cache.dtype == q.dtype)
+        assert row == (dim + 4 if quantized else dim)
         q = q.contiguous()
         out = torch.empty_like(q)
-        status = self._attention(
+        call = self._attention_i8 if quantized else self._attention
+        status = call(
             q.data_ptr(), kv_cache.data_ptr(), out.data_ptr(), DTYPES[q.dtype],
             table.data_ptr(), key0.data_ptr(), context.data_ptr(), batch, heads, kv_heads, dim,
             table.shape[1], num_blocks, block_size, window or 0, scale, softcap or 0.0,

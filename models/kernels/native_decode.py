@@ -8,7 +8,9 @@ result is theirs to the bit; it only replaces the calls. It therefore takes a st
 the modules would run exactly those kernels:
 
 - the layers have the shape the kernel implements (pre-norm residual, gated SiLU MLP, full
-  attention without soft-capping; optional q / k norms and biases; every layer of one shape,
+  attention without soft-capping; optional q / k norms and biases; a KV cache in the model
+  dtype or int8 (models/layers/kv_quant.py, quantized as the modules do); every layer of one
+  shape,
   with keys and values of its own, no per-layer inputs or output scalars), with the fused
   decode ops on, which `unsupported` checks once when the runner prepares the model;
 - every linear's planned formulation (models.kernels.plan) for the step's row count is ours
@@ -54,7 +56,7 @@ class _LayerDesc(ctypes.Structure):
 
 
 class _DecoderDesc(ctypes.Structure):
-    _fields_ = [("dtype", _i32), ("norm_mode", _i32), ("threads", _i32), ("reserved", _i32),
+    _fields_ = [("dtype", _i32), ("norm_mode", _i32), ("threads", _i32), ("kv_int8", _i32),
                 ("eps", _f32), ("scale", _f32), ("hidden", _i64), ("heads", _i64),
                 ("kv_heads", _i64), ("head_dim", _i64), ("intermediate", _i64),
                 ("num_blocks", _i64), ("block_size", _i64)]
@@ -109,8 +111,10 @@ def unsupported(model: DecoderStack) -> str | None:
             return "the MLP activation is not SiLU"
         if attn.layout.sliding_window is not None or attn.layout.softcap is not None:
             return "sliding windows and attention soft-capping are not implemented"
-        cache = attn.kv_cache  # [2, Hkv, blocks, block_size, D] once the runner binds it
-        if cache.dim() != 5 or not cache.is_contiguous() or cache.dtype != dtype:
+        # [2, Hkv, blocks, block_size, D] (or int8 rows [.., D + 4]) once the runner binds it
+        cache = attn.kv_cache
+        if cache.dim() != 5 or not cache.is_contiguous() or cache.dtype not in (dtype,
+                                                                               torch.int8):
             return "the KV cache is not bound"
         norms += [layer.input_layernorm, layer.post_attention_layernorm]
         if attn.qk_norm:
@@ -143,7 +147,7 @@ class NativeDecode:
         self._call = kernels.decode_layers
         self._call.argtypes, self._call.restype = _ARGS, ctypes.c_int
         cfg, first = model.cfg, model.layers[0]
-        cache = first.self_attn.kv_cache  # [2, Hkv, blocks, block_size, D]
+        cache = first.self_attn.kv_cache  # [2, Hkv, blocks, block_size, D or D + 4 (int8)]
         norm = first.input_layernorm
         mode = native.NORM_MODES[norm.norm_mode(self.dtype)]
         self.desc = _DecoderDesc(
@@ -151,7 +155,7 @@ class NativeDecode:
             scale=first.self_attn.scale, hidden=cfg.hidden_size, heads=cfg.num_heads,
             kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
             intermediate=cfg.intermediate_size, num_blocks=cache.shape[2],
-            block_size=cache.shape[3])
+            block_size=cache.shape[3], kv_int8=int(cache.dtype == torch.int8))
         # Pointers to the weights and KV caches as they are now: the runner binds the caches
         # once, before it prepares the model (a model re-bound must be prepared again).
         self.layers = (_LayerDesc * len(model.layers))(*map(_layer_desc, model.layers))

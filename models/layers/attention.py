@@ -1,6 +1,9 @@
 """Attention over the paged KV cache, and the per-step metadata that drives it.
 
-Cache layout per layer: [2, num_kv_heads, num_blocks, block_size, head_dim] (keys, values).
+Cache layout per layer: [2, num_kv_heads, num_blocks, block_size, head_dim] (keys, values); an
+int8 cache (`kv_cache_dtype="int8"`) has rows of head_dim int8 values and their float32 scale
+(models/layers/kv_quant.py), quantized as they are stored and dequantized only in the blocks a
+group gathers (our decode kernel reads them in place).
 Token t of a request lives in slot `block_ids[t // block_size] * block_size + t % block_size`
 of every head. Heads outermost, so that a request's gathered keys are contiguous per head
 ([Hkv, B, L, D]): the matrix products of attention then read them in place (with tokens
@@ -42,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from models.kernels import native
+from models.layers import kv_quant
 from models.layers.attention_varlen import BACKENDS, VarlenBatch, build_varlen, varlen_attention
 from models.layers.cross_metadata import CrossAttentionMetadata
 from models.layers.lora import AdapterBatch
@@ -96,6 +100,8 @@ class KeyView:
     # whose blocks it holds (a layer reading another's cache after it finds them gathered).
     workspace: torch.Tensor | None = None
     gathered_from: int | None = None
+    # An int8 cache's gathered rows [2, Hkv, B * nb, block_size, D + 4], before dequantizing.
+    gathered_int8: torch.Tensor | None = None
 
 
 @dataclass
@@ -327,11 +333,8 @@ def paged_attention(
     """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D], storing k/v in the cache first (unless
     `store` is False: a layer reading the keys and values another layer stored)."""
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    if store:
-        slots = kv_cache.view(2, num_kv_heads, -1, head_dim)  # [2, Hkv, num_slots, D]
-        slots[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        slots[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    if store:  # quantized for an int8 cache (models/layers/kv_quant.py)
+        kv_quant.store(kv_cache, meta.slot_mapping, k, v)
 
     one = len(meta.groups) == 1 and meta.groups[0].num_seqs == 1 and meta.varlen is None
     if one:  # one request: no scatter
@@ -368,31 +371,45 @@ def _attend_group(q, k, v, kv_cache, group: AttentionGroup, scale: float,
     if view.block_table is None:  # a prefill from position 0: the chunk's own keys
         keys, values = k[group.rows].transpose(0, 1)[None], v[group.rows].transpose(0, 1)[None]
     else:
-        keys, values = gather_blocks(kv_cache, view, b)
+        keys, values = gather_blocks(kv_cache, view, b, q.dtype)
     kernel = decode_kernel if n == 1 else "sdpa"
     out = attend(queries, keys, values, view.mask, view.causal, scale, layer.softcap, kernel)
     return out.transpose(1, 2).reshape(b * n, num_heads, head_dim)
 
 
-def gather_blocks(kv_cache: torch.Tensor, view: KeyView, b: int):
+def gather_blocks(kv_cache: torch.Tensor, view: KeyView, b: int,
+                  dtype: torch.dtype | None = None):
     """The view's blocks out of the paged cache -> keys, values [B, Hkv, L, D] (views of a
-    head-major [Hkv, B, L, D] workspace).
+    head-major [Hkv, B, L, D] workspace) in `dtype` (default: the cache's).
 
     `index_select` along the block dimension copies whole blocks (several times faster than
     advanced indexing on the CPU), one head at a time, into a workspace the step's layers share.
     A layer reading a cache whose blocks are already there (KV sharing: the cache's own layer
-    stored its keys, then gathered them, earlier in this step) gathers nothing.
+    stored its keys, then gathered them, earlier in this step) gathers nothing. An int8 cache's
+    gathered blocks are dequantized to `dtype` there: only the blocks the view reads widen.
     """
     blocks = view.block_table.view(-1)
-    _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
+    _, num_kv_heads, _, block_size, row = kv_cache.shape
+    quantized = kv_quant.is_quantized(kv_cache)
+    dtype = dtype or kv_cache.dtype
+    head_dim = kv_quant.head_dim_of(kv_cache)
     shape = (2, num_kv_heads, blocks.numel(), block_size, head_dim)
-    if view.workspace is None or view.workspace.shape != shape:
-        view.workspace = kv_cache.new_empty(shape)
+    if (view.workspace is None or view.workspace.shape != shape
+            or view.workspace.dtype != dtype):
+        view.workspace = kv_cache.new_empty(shape, dtype=dtype)
         view.gathered_from = None
     if view.gathered_from != kv_cache.data_ptr():
+        into = view.workspace
+        if quantized:
+            raw = shape[:-1] + (row,)
+            if view.gathered_int8 is None or view.gathered_int8.shape != raw:
+                view.gathered_int8 = kv_cache.new_empty(raw)
+            into = view.gathered_int8
         for i in range(2):
             for h in range(num_kv_heads):
-                torch.index_select(kv_cache[i, h], 0, blocks, out=view.workspace[i, h])
+                torch.index_select(kv_cache[i, h], 0, blocks, out=into[i, h])
+        if quantized:
+            view.workspace.copy_(kv_quant.dequantize_rows(into, dtype))
         view.gathered_from = kv_cache.data_ptr()
     keys, values = view.workspace.view(2, num_kv_heads, b, -1, head_dim).transpose(1, 2)
     if view.length is not None:

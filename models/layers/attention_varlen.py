@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from models.layers import kv_quant
 from models.layers.transfer import to_device
 
 log = logging.getLogger(__name__)
@@ -72,12 +73,16 @@ def build_varlen(
     )
 
 
-def gather_context(kv_cache: torch.Tensor, batch: VarlenBatch) -> tuple[torch.Tensor, ...]:
-    """Every member's context out of the head-major cache -> keys, values [total_k, Hkv, D]."""
-    _, num_kv_heads, _, _, head_dim = kv_cache.shape
-    flat = kv_cache.view(2, num_kv_heads, -1, head_dim)
-    return tuple(flat[i].index_select(1, batch.key_slots).transpose(0, 1).contiguous()
-                 for i in range(2))
+def gather_context(kv_cache: torch.Tensor, batch: VarlenBatch,
+                   dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+    """Every member's context out of the head-major cache -> keys, values [total_k, Hkv, D] in
+    `dtype` (an int8 cache's gathered rows dequantized: models/layers/kv_quant.py)."""
+    _, num_kv_heads, _, _, row = kv_cache.shape
+    flat = kv_cache.view(2, num_kv_heads, -1, row)
+    gathered = [flat[i].index_select(1, batch.key_slots).transpose(0, 1) for i in range(2)]
+    if kv_quant.is_quantized(kv_cache):
+        return tuple(kv_quant.dequantize_rows(g, dtype or torch.float32) for g in gathered)
+    return tuple(g.contiguous() for g in gathered)
 
 
 def varlen_attention(
@@ -87,7 +92,7 @@ def varlen_attention(
     """The members' queries (rows of q [T, Hq, D]) -> [Tq, Hq, D] through flash-attn."""
     from flash_attn import flash_attn_varlen_func
 
-    keys, values = gather_context(kv_cache, batch)
+    keys, values = gather_context(kv_cache, batch, q.dtype)
     # flash-attn's window (left, right): keys at most `left` positions back are visible.
     window = (sliding_window - 1, 0) if sliding_window is not None else (-1, -1)
     return flash_attn_varlen_func(

@@ -20,12 +20,13 @@ typedef struct {
     const void* post_norm;  /* [hidden]: the norm before the MLP */
     const void* q_norm;     /* [head_dim], or NULL: no per-head q / k norms */
     const void* k_norm;
-    void* kv_cache;         /* [2, kv_heads, num_blocks, block_size, head_dim] */
+    void* kv_cache;         /* [2, kv_heads, num_blocks, block_size, head_dim] in the dtype, or
+                               int8 rows [.., head_dim + KV_SCALE_BYTES] (kv_int8) */
     int64_t rope;           /* which of the step's cos / sin tables the layer rotates by */
 } mm_layer_desc;
 
 typedef struct {
-    int32_t dtype, norm_mode, threads, reserved;
+    int32_t dtype, norm_mode, threads, kv_int8; /* kv_int8: the caches hold int8 rows */
     float eps, scale;
     int64_t hidden, heads, kv_heads, head_dim, intermediate, num_blocks, block_size;
 } mm_decoder_desc;
@@ -54,7 +55,10 @@ int mm_decode_layers(const mm_decoder_desc* d, const mm_layer_desc* layers, int6
     if (work == NULL) return 1;
     for (int64_t i = 0, at = 0; i < PARTS; at += sizes[i] * m, i++) parts[i] = work + at * elem;
 
-    const int64_t head_stride = d->num_blocks * d->block_size * dim; /* one KV head's slots */
+    const int kv_int8 = d->kv_int8;
+    const int64_t row = kv_int8 ? dim + KV_SCALE_BYTES : dim;         /* a slot's elements */
+    const size_t row_elem = kv_int8 ? 1 : elem;                       /* bytes per element */
+    const int64_t head_stride = d->num_blocks * d->block_size * row; /* one KV head's slots */
     int status = 0;
     /* One team for the whole step: every kernel's row loop is shared by its threads (kernels.h,
      * ON_TEAM), the small serial steps between them run on its first thread, and the threads
@@ -102,9 +106,15 @@ int mm_decode_layers(const mm_decoder_desc* d, const mm_layer_desc* layers, int6
                     const char* rot = parts[ROT] + t * rotated * elem;
                     const char* value = parts[QKV] + (t * qkv_n + rotated) * elem;
                     for (int64_t kv = 0; kv < hkv; kv++) {
-                        char* key_slot =
-                            (char*)L->kv_cache + (kv * head_stride + slots[t] * dim) * elem;
-                        char* value_slot = key_slot + hkv * head_stride * elem;
+                        char* key_slot = (char*)L->kv_cache +
+                                         (kv * head_stride + slots[t] * row) * row_elem;
+                        char* value_slot = key_slot + hkv * head_stride * row_elem;
+                        if (kv_int8) {  /* quantized as models/layers/kv_quant.py does */
+                            mm_quantize_kv_row(rot, dt, (hq + kv) * dim, dim,
+                                               (int8_t*)key_slot);
+                            mm_quantize_kv_row(value, dt, kv * dim, dim, (int8_t*)value_slot);
+                            continue;
+                        }
                         memcpy(key_slot, rot + (hq + kv) * dim * elem, dim * elem);
                         memcpy(value_slot, value + kv * dim * elem, dim * elem);
                     }
@@ -112,9 +122,15 @@ int mm_decode_layers(const mm_decoder_desc* d, const mm_layer_desc* layers, int6
                 }
             }
             team_sync(&team);
-            NOTE(mm_decode_attention(parts[Q], L->kv_cache, parts[ATTN], dt, table, key0,
-                                     context, m, hq, hkv, dim, width, d->num_blocks,
-                                     d->block_size, 0, d->scale, 0.0f, threads));
+            if (kv_int8)
+                NOTE(mm_decode_attention_i8(parts[Q], L->kv_cache, parts[ATTN], dt, table,
+                                            key0, context, m, hq, hkv, dim, width,
+                                            d->num_blocks, d->block_size, 0, d->scale, 0.0f,
+                                            threads));
+            else
+                NOTE(mm_decode_attention(parts[Q], L->kv_cache, parts[ATTN], dt, table, key0,
+                                         context, m, hq, hkv, dim, width, d->num_blocks,
+                                         d->block_size, 0, d->scale, 0.0f, threads));
             team_sync(&team);
             NOTE(run_linear(&L->o, parts[ATTN], parts[O], m, dt, threads, &team));
             team_sync(&team);

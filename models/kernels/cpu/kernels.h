@@ -411,6 +411,13 @@ int mm_decode_attention(const void* q, const void* cache, void* out, int dtype,
                         int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
                         int64_t width, int64_t num_blocks, int64_t block_size, int64_t window,
                         float scale, float softcap, int threads);
+#define KV_SCALE_BYTES 4 /* an int8 KV row's float32 scale, after its values */
+int mm_decode_attention_i8(const void* q, const int8_t* cache, void* out, int dtype,
+                           const int64_t* table, const int64_t* key0, const int64_t* context,
+                           int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
+                           int64_t width, int64_t num_blocks, int64_t block_size, int64_t window,
+                           float scale, float softcap, int threads);
+void mm_quantize_kv_row(const void* x, int dt, int64_t offset, int64_t dim, int8_t* row);
 int mm_gemm_quantized_takes(int64_t n, int64_t k, int w_format, int64_t group);
 int mm_gemm_dense(const void* x, int x_dtype, const void* w, int w_dtype,
                   const uint16_t* scales, int64_t group, void* y, int64_t m, int64_t n,

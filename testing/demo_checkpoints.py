@@ -1,0 +1,56 @@
+"""The offline demo's checkpoints: a tiny builder's checkpoint with the tokenizer its family
+ships (the builder's `tokenizer_kind`) and its family's chat template, written for mmserve in
+testing/templates/*.jinja (tools, and thinking where the family thinks), installed wherever
+the checkpoint keeps a template so that transformers and mmserve both read it.
+
+Each demo model's tokenizer and template:
+
+| demo model | tokenizer | template |
+| --- | --- | --- |
+| demo-qwen2-vl | byte-level BPE | qwen2_vl.jinja: ChatML, Hermes tool calls |
+| demo-llava-next | SentencePiece-style BPE, byte fallback | the builder's (USER: / ASSISTANT:) |
+| demo-qwen2-audio | byte-level BPE | qwen2_audio.jinja: ChatML, Hermes tool calls |
+| demo-qwen2.5-omni | byte-level BPE | qwen2_5_omni.jinja: ChatML, Hermes tool calls |
+| demo-internvl | byte-level BPE | internvl.jinja: ChatML, Hermes tool calls |
+| demo-llama3.2-vision | byte-level BPE | llama3_2_vision.jinja: JSON tool calls |
+| demo-phi4-multimodal | byte-level BPE (Phi-4's is GPT-2 style) | the builder's (<|user|> ...) |
+| demo-minicpm-v-4.6 | byte-level BPE | minicpm_v.jinja: ChatML, Hermes tool calls, thinking |
+| demo-gemma4 | SentencePiece-style BPE, byte fallback | the builder's (<|turn> ...) |
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+TEMPLATES = Path(__file__).with_name("templates")
+
+
+def build_demo_checkpoint(path: Path, builder: str, template: str | None = None,
+                          **kwargs: Any) -> Path:
+    """Build `builder` ("module:function" of the testing package) at `path` with `kwargs`,
+    then install the template file `template` of testing/templates (None: the builder's)."""
+    module, name = builder.split(":")
+    path = Path(getattr(importlib.import_module(module), name)(path, **kwargs))
+    if template is not None:
+        install_chat_template(path, (TEMPLATES / template).read_text())
+    return path
+
+
+def install_chat_template(path: Path, template: str) -> None:
+    """Write `template` everywhere the checkpoint at `path` keeps one (processor_config.json,
+    chat_template.json, chat_template.jinja, tokenizer_config.json), chat_template.jinja when
+    it keeps none."""
+    path = Path(path)
+    written = False
+    for name in ("processor_config.json", "chat_template.json", "tokenizer_config.json"):
+        file = path / name
+        data = json.loads(file.read_text()) if file.exists() else None
+        if isinstance(data, dict) and "chat_template" in data:
+            file.write_text(json.dumps({**data, "chat_template": template}, indent=2) + "\n")
+            written = True
+    jinja = path / "chat_template.jinja"
+    if jinja.exists() or not written:
+        jinja.write_text(template)
