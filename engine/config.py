@@ -55,9 +55,9 @@ class EngineConfig:
         quantization_group_size: inputs per scale (int8) and per scale and zero (int4): 32, 64
             or 128 (an int8 weight whose inputs the group does not divide: one scale per output
             channel).
-        dequantize_gguf: a GGUF checkpoint's Q4_0 / Q4_1 blocks are dequantized as they load
-            like every other block type (what transformers does), instead of running as stored
-            as int4 at group 32 (CPU); the weights then run at the dtype and `quantization`.
+        dequantize_gguf: a GGUF checkpoint's blocks are all dequantized as they load (what
+            transformers does), instead of its linears running in their ggml blocks as stored
+            (CPU); the weights then run at the dtype and `quantization`.
         state_snapshot_bytes: hybrid models (linear-attention layers) only: bytes for prefix
             snapshots of the layers' recurrent state (what a prefix-cache hit restores); None =
             automatic (64 snapshots, at most 1 GiB); 0 = no snapshots (no prefix hits).

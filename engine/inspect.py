@@ -31,7 +31,6 @@ from models.adapters import CONFIG, read_lora_config
 from models.checkpoint import CheckpointError, safetensors_header, weight_files
 from models.gguf.load import GGUFWeights
 from models.gguf.mmproj import projector_weights
-from models.gguf.tensors import BLOCK
 from models.interfaces import ProcessorContext
 
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
@@ -124,7 +123,7 @@ def _sizes(report: Report, setup: CheckpointSetup, dtype: torch.dtype, processor
     total, names = 0, set()
     skipped: dict[str, int] = {}  # tensors the model does not read, by their name's first part
     if setup.gguf is not None:
-        report.weight_bytes = gguf_weight_bytes(setup, model, dtype)
+        report.weight_bytes = gguf_weight_bytes(setup, model, dtype, report)
     for file in weight_files(setup.path) if setup.gguf is None else []:
         for name, info in safetensors_header(file).items():
             if name == "__metadata__":
@@ -182,12 +181,15 @@ def _context_fit(report: Report, cross: bool) -> None:
         report.fitted_context = held
 
 
-def gguf_weight_bytes(setup: CheckpointSetup, model: torch.nn.Module, dtype: torch.dtype) -> int:
-    """A GGUF file's weights as the engine holds them (without `quantization`): its Q4_0 / Q4_1
-    linears in our int4 pack at group 32 (K / 2 bytes per row and a bfloat16 scale and zero per
-    32 inputs), its Q8_0 linears as our int8 (a byte per weight and a bfloat16 scale per 32), the
-    other tensors dequantized to `dtype`. Raises GGUFError as loading would."""
-    weights = GGUFWeights(setup.path, setup.hf_config, dequantize_all=False, stored_q8=True)
+def gguf_weight_bytes(setup: CheckpointSetup, model: torch.nn.Module, dtype: torch.dtype,
+                      report: Report | None = None) -> int:
+    """A GGUF file's weights as the engine holds them (without `quantization`): its linears in
+    their ggml blocks where our kernels run the type (the file's bytes), the other tensors
+    dequantized to `dtype` (models.gguf.load). With `report`, a row per way the tensors are
+    held: the block types, as stored or dequantized and why. Raises GGUFError as loading
+    would."""
+    weights = GGUFWeights(setup.path, setup.hf_config, dequantize_all=False, stored_q8=True,
+                          as_blocks=True)
     mapping, tower = model.checkpoint_map(), 0
     if setup.mmproj is None:
         weights.plan(model, mapping)
@@ -197,11 +199,11 @@ def gguf_weight_bytes(setup: CheckpointSetup, model: torch.nn.Module, dtype: tor
                      projector.plan(model, mapping))
         tower = sum(info.numel for target in projector.targets.values()
                     for info in target.parts.values())
-    stored = sum(info.numel for parts in weights.stored.values() for info, _ in parts)
-    int8 = sum(info.numel for parts in weights.int8.values() for info, _ in parts)
-    dense = sum(info.numel for _, info in weights.dense) + tower
-    scales = stored // BLOCK * 4 + int8 // BLOCK * 2
-    return stored // 2 + int8 + scales + dense * DTYPE_BYTES[dtype]
+    if report is not None:
+        source = f"{setup.path.name}: models/gguf/load.py on the CPU"
+        report.rows += [("model", f"tensors {how}", counts, source)
+                        for how, counts in weights.type_counts().items()]
+    return weights.resident_bytes(dtype) + tower * dtype.itemsize
 
 
 def _numel(shape: list[int]) -> int:

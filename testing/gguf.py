@@ -5,7 +5,8 @@ a GGUF file with gguf-py's writer: llama.cpp's metadata keys for the family, the
 vocabulary with its merges, token types, special ids and chat template, the tensors under
 gguf-py's own names for the family (`TensorNameMap`: not our table), a llama model's q / k rows
 permuted as the converter permutes them, a Gemma model's norms stored as 1 + w, and each tensor
-quantized by gguf-py to the type `types` gives it (F32 where it gives none). The real files the
+quantized by gguf-py to the type `types` gives it (F32 where it gives none; Q4_K, Q5_K and
+Q6_K, which gguf-py does not quantize, by `quantize_k`). The real files the
 packages ship (SmolLM2 Q4_1, Gemma 3 270M Q4_K_M) are what the real converter wrote; these test
 what those do not hold (Qwen2's biases, Qwen3, llama's permutation with grouped heads, Q4_0).
 """
@@ -81,7 +82,8 @@ def write_gguf(checkpoint: Path, out: Path, types: Mapping[str, GGMLQuantization
         elif kind == F16:
             writer.add_tensor(f"{gguf_name}.{suffix}", data.astype(np.float16))
         else:
-            writer.add_tensor(f"{gguf_name}.{suffix}", quantize(data, kind), raw_dtype=kind)
+            blocks = quantize_k(data, kind) if kind in K_QUANTS else quantize(data, kind)
+            writer.add_tensor(f"{gguf_name}.{suffix}", blocks, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -212,3 +214,68 @@ def rewrite_gguf(source: Path, out: Path, *, drop_tensors: tuple[str, ...] = (),
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+K_QUANTS = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
+
+
+def quantize_k(data: np.ndarray, kind: GGMLQuantizationType) -> np.ndarray:
+    """`data` [..., K] (K a multiple of 256) as Q4_K, Q5_K or Q6_K blocks, uint8 [..., K / 256
+    * block bytes], which gguf-py only dequantizes: a plain min-max fit per sub-block (not
+    llama.cpp's search), packed bit for bit as ggml lays the blocks out."""
+    rows = data.reshape(-1, 256).astype(np.float32)  # [B, 256]
+    if kind == GGMLQuantizationType.Q6_K:
+        packed = _q6_k(rows)
+    else:
+        packed = _q45_k(rows, 15 if kind == GGMLQuantizationType.Q4_K else 31)
+    return packed.reshape(*data.shape[:-1], -1)
+
+
+def _f16(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x as float16 (its bytes [..., 2]) and the float32 of that float16."""
+    half = x.astype(np.float16)
+    return half.view(np.uint8).reshape(*x.shape, 2), half.astype(np.float32)
+
+
+def _q45_k(w: np.ndarray, top: int) -> np.ndarray:
+    blocks = w.shape[0]
+    sub = w.reshape(blocks, 8, 32)
+    low = np.minimum(sub.min(-1), 0)
+    step, offset = (sub.max(-1) - low) / top, -low  # [B, 8]
+    d_bytes, d = _f16(step.max(-1) / 63)
+    m_bytes, dmin = _f16(offset.max(-1) / 63)
+    sc = np.clip(np.rint(step / np.where(d > 0, d, 1)[:, None]), 0, 63).astype(np.uint8)
+    mn = np.clip(np.rint(offset / np.where(dmin > 0, dmin, 1)[:, None]), 0, 63).astype(np.uint8)
+    scale = d[:, None] * sc
+    q = np.rint((sub + (dmin[:, None] * mn)[..., None]) / np.where(scale > 0, scale, 1)[..., None])
+    q = np.clip(q, 0, top).astype(np.uint8).reshape(blocks, 4, 2, 32)  # [B, chunk, half, l]
+    scales = np.zeros((blocks, 12), np.uint8)
+    scales[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    scales[:, 4:8] = mn[:, :4] | ((mn[:, 4:] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:] & 0xF) | ((mn[:, 4:] & 0xF) << 4)
+    qs = ((q[:, :, 0] & 0xF) | ((q[:, :, 1] & 0xF) << 4)).reshape(blocks, 128)
+    parts = [d_bytes, m_bytes, scales]
+    if top == 31:  # Q5_K: bit 2c of qh[l] is the fifth bit of chunk c's first half, 2c+1 second
+        high = (q >> 4).astype(np.uint8)  # [B, 4, 2, 32]
+        qh = np.zeros((blocks, 32), np.uint8)
+        for c in range(4):
+            qh |= (high[:, c, 0] << (2 * c)) | (high[:, c, 1] << (2 * c + 1))
+        parts.append(qh)
+    return np.concatenate([*parts, qs], axis=1)
+
+
+def _q6_k(w: np.ndarray) -> np.ndarray:
+    blocks = w.shape[0]
+    sub = w.reshape(blocks, 16, 16)
+    step = np.abs(sub).max(-1) / 31  # [B, 16]
+    d_bytes, d = _f16(step.max(-1) / 127)
+    sc = np.clip(np.rint(step / np.where(d > 0, d, 1)[:, None]), -128, 127).astype(np.int8)
+    scale = d[:, None] * sc
+    q = np.clip(np.rint(sub / np.where(scale != 0, scale, 1)[..., None]), -32, 31)
+    u = (q + 32).astype(np.uint8).reshape(blocks, 2, 4, 32)  # [B, half, group, l]
+    ql = np.concatenate([(u[:, :, 0] & 0xF) | ((u[:, :, 2] & 0xF) << 4),
+                         (u[:, :, 1] & 0xF) | ((u[:, :, 3] & 0xF) << 4)], axis=2)  # [B, 2, 64]
+    qh = ((u[:, :, 0] >> 4) | ((u[:, :, 1] >> 4) << 2) | ((u[:, :, 2] >> 4) << 4)
+          | ((u[:, :, 3] >> 4) << 6))  # [B, 2, 32]
+    return np.concatenate([ql.reshape(blocks, 128), qh.reshape(blocks, 64),
+                           sc.view(np.uint8), d_bytes], axis=1)

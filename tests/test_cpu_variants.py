@@ -49,7 +49,11 @@ TORCH_LEVEL = {
 KERNEL_TESTS = ["tests/test_native.py", "tests/test_quantization.py", "tests/test_panel_gemm.py",
                 "tests/test_native_decode.py", "tests/test_layers.py",
                 "tests/test_kernel_choice.py", "tests/test_attention.py",
-                "tests/test_delta_rule.py", "tests/test_native_experts.py"]
+                "tests/test_delta_rule.py", "tests/test_native_experts.py",
+                # the ggml block kernels (not the file test: the same kernels through an engine)
+                "tests/test_gguf_blocks.py::test_the_kernels_are_the_variant_chosen",
+                "tests/test_gguf_blocks.py::test_dequantized_bit_for_bit_as_gguf_py",
+                "tests/test_gguf_blocks.py::test_decode_and_prefill_products"]
 
 
 # ---- the choice ---------------------------------------------------------------------------

@@ -1,20 +1,28 @@
 """Loads a GGUF file's weights into one of our modules: every tensor checked against the model
-before anything is allocated, Q4_0 / Q4_1 linears placed as our int4 at group 32 and Q8_0 ones
-as our int8 at group 32 from their blocks (no float copy), every other tensor dequantized into
-the model dtype one at a time and handed to models.loader (which quantizes it as it fills, when
-the user asked for int8 / int4).
+before anything is allocated, the linears held in the file's own ggml blocks where our kernels
+run that block type (models.kernels.ggml_blocks: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K;
+no float copy, the float16 scales as stored), every other tensor dequantized into the model dtype
+one at a time and handed to models.loader (which quantizes it as it fills, when the user asked
+for int8 / int4).
 
-A linear runs as stored when every checkpoint tensor it is made of (q, k and v for our fused
-qkv_proj; gate and up) is Q4_0 or Q4_1 and our int4 pack takes its shape, or is Q8_0 and the
-user asked for no quantization or for int8; otherwise all its parts are dequantized, so that
-one linear has one format. As stored, the values are the file's up to the rounding of each
-block's float16 scale to bfloat16 (under 2^-8 of it).
+A linear runs as stored (by default, on the CPU) when every checkpoint tensor it is made of (q, k
+and v for our fused qkv_proj; gate and up) is of a block type our kernels run; its parts may
+differ in type (a Q4_K_M file's v is often Q6_K beside Q4_K q and k): each part keeps its own.
+Otherwise all its parts are dequantized. Dequantized, with the reason recorded per tensor (the
+start-up line and `python -m engine.inspect` count them): the token embedding table (looked up
+in the model dtype; a head tied to it reads the same table), norms and other non-linear tensors,
+block types without a kernel here (IQ types, Q2_K, Q3_K: their grids are codebooks or 2-3 bit
+packings our kernels do not read), and everything when `dequantize_gguf`, a device other than
+the CPU, or a quantization is asked. With int4 / int8 asked, Q4_0 / Q4_1 linears become our int4
+at group 32 and Q8_0 ones our int8 at group 32 straight from their blocks (each block's float16
+scale rounded to bfloat16); the rest is dequantized and requantized as it loads.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+from collections import Counter
 from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +44,7 @@ from models.gguf.tensors import (
     read_int8,
     readable,
 )
+from models.kernels.ggml_blocks import BlockLinear, takes
 from models.kernels.linear import Linear
 from models.kernels.quantization import (
     QuantizedLinear,
@@ -54,7 +63,8 @@ class GGUFWeights:
     """A GGUF file's tensors for one model: which linears run as stored, and the rest."""
 
     def __init__(self, path: Path, hf_config: Any, dequantize_all: bool,
-                 stored_q8: bool = False) -> None:
+                 stored_q8: bool = False, as_blocks: bool = False,
+                 why_dense: str = "") -> None:
         self.file = GGUFFile(path)
         self.family = read_config(self.file).family
         text = hf_config.get_text_config()
@@ -62,9 +72,14 @@ class GGUFWeights:
                                    text.num_key_value_heads)
         self.dequantize_all = dequantize_all
         self.stored_q8 = stored_q8 and not dequantize_all
+        # Linears in the file's blocks (the default), else only Q4_0 / Q4_1 / Q8_0 as our ints.
+        self.as_blocks = as_blocks and not dequantize_all
+        self.why_dense = why_dense  # why no linear runs in its blocks, when none may
+        self.blocks: dict[str, list[Part]] = {}  # our weight name -> its parts, in blocks
         self.stored: dict[str, list[Part]] = {}  # our weight name -> its parts, as stored
         self.int8: dict[str, list[Part]] = {}  # our weight name -> its Q8_0 parts
         self.dense: list[tuple[str, TensorInfo]] = []  # (checkpoint name, tensor)
+        self.reasons: dict[str, str] = {}  # a dense tensor's name -> why it was dequantized
 
     def plan(self, model: nn.Module, mapping: Callable, elsewhere: Collection[str] = ()) -> None:
         """Check every tensor against `model` (on the meta device) and decide which linears
@@ -107,24 +122,60 @@ class GGUFWeights:
         for ours, found in parts.items():
             n, k = params[ours].shape if params[ours].dim() == 2 else (0, 0)
             types = {info.ggml_type for info, _ in found}
-            if (not self.dequantize_all and ours in linears and types <= set(STORED_INT4)
-                    and int4_supported(n, k, BLOCK)):
+            if self.as_blocks and ours in linears and all(
+                    takes(info.type_name, k) for info, _ in found):
+                self.blocks[ours] = found
+            elif (not self.as_blocks and not self.dequantize_all and ours in linears
+                  and types <= set(STORED_INT4) and int4_supported(n, k, BLOCK)):
                 self.stored[ours] = found
             elif (self.stored_q8 and ours in linears and k % BLOCK == 0
                   and types == {GGMLQuantizationType.Q8_0}):
                 self.int8[ours] = found
             else:
                 self.dense += [(hf_name(info.name, self.family), info) for info, _ in found]
+                for info, _ in found:
+                    self.reasons[info.name] = self._reason(info, found, ours in linears, k)
         self.dense.sort(key=lambda item: item[1].offset)  # file order
+
+    def _reason(self, info: TensorInfo, found: list[Part], linear: bool, k: int) -> str:
+        """Why tensor `info` (a part of a weight made of `found`) is dequantized."""
+        if info.type_name in ("F32", "F16", "BF16"):
+            return "values (read in the model dtype)"
+        if not linear:
+            return ("the token embedding table (looked up in the model dtype)"
+                    if info.name.startswith("token_embd") else "not a linear's weight")
+        if not self.as_blocks:
+            return self.why_dense
+        if not takes(info.type_name, k):
+            return (f"no kernel for {info.type_name} (IQ types, Q2_K and Q3_K are dequantized)"
+                    if info.type_name not in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+                    else f"rows of {k} are not whole {info.type_name} blocks")
+        other = next(i.type_name for i, _ in found if not takes(i.type_name, k))
+        return f"shares a linear with a {other} tensor, which is dequantized"
 
     def defer(self, model: nn.Module) -> list[str]:
         """build_on_meta's `defer`: the weights of the linears placed here (not streamed)."""
-        return [*self.stored, *self.int8]
+        return [*self.blocks, *self.stored, *self.int8]
 
     @torch.no_grad()
     def place_stored(self, model: nn.Module, dtype: torch.dtype) -> None:
-        """Replace each linear that runs as stored by a QuantizedLinear at group 32 made from
-        its blocks, int4 or int8 (its bias, if any, is left for the loader to fill)."""
+        """Replace each linear that runs as stored by a BlockLinear holding its blocks, or a
+        QuantizedLinear at group 32 made from them, int4 or int8 (its bias, if any, is left for
+        the loader to fill)."""
+        for weight, found in self.blocks.items():
+            owner, attr, linear = _linear(model, weight)
+            n, k = linear.out_features, linear.in_features
+            parts = sorted(((_rows(shard, n).start, info) for info, shard in found),
+                           key=lambda part: part[0])
+            blocks: list[tuple[str, torch.Tensor]] = []  # consecutive parts of a type joined
+            for _, info in parts:
+                rows = torch.from_numpy(self.rearrange.rows(info.name, self.file.read(info)))
+                if blocks and blocks[-1][0] == info.type_name:
+                    blocks[-1] = (info.type_name, torch.cat([blocks[-1][1], rows]))
+                else:
+                    blocks.append((info.type_name, rows.clone()))
+            bias = None if linear.bias is None else torch.empty(n, dtype=dtype)
+            setattr(owner, attr, BlockLinear(blocks, k, bias))
         for weight, found in self.stored.items():
             owner, attr, linear = _linear(model, weight)
             n, k = linear.out_features, linear.in_features
@@ -152,15 +203,38 @@ class GGUFWeights:
         for checkpoint, info in self.dense:
             yield checkpoint, read_dense(self.file, info, self.rearrange, dtype)
 
+    def type_counts(self) -> dict[str, dict[str, int]]:
+        """Tensors per block type: {"as stored": {type: count}, "dequantized (<why>)": ...}."""
+        table: dict[str, Counter] = {}
+        for found in self.blocks.values():
+            table.setdefault("as stored", Counter()).update(i.type_name for i, _ in found)
+        for found in [*self.stored.values(), *self.int8.values()]:
+            table.setdefault("as our int4 / int8 (scales rounded to bfloat16)", Counter()).update(
+                i.type_name for i, _ in found)
+        for _, info in self.dense:
+            why = self.reasons.get(info.name, "")
+            table.setdefault(f"dequantized ({why})", Counter())[info.type_name] += 1
+        return {key: dict(counts.most_common()) for key, counts in table.items()}
+
+    def resident_bytes(self, dtype: torch.dtype) -> int:
+        """The weights' bytes as loaded (without a requested quantization): blocks as in the
+        file, our int4 / int8 with their scales, the rest at `dtype`."""
+        blocks = sum(info.nbytes for found in self.blocks.values() for info, _ in found)
+        stored = sum(info.numel for parts in self.stored.values() for info, _ in parts)
+        int8 = sum(info.numel for parts in self.int8.values() for info, _ in parts)
+        dense = sum(info.numel for _, info in self.dense)
+        scales = stored // BLOCK * 4 + int8 // BLOCK * 2
+        return blocks + stored // 2 + int8 + scales + dense * dtype.itemsize
+
     def summary(self) -> str:
-        stored = sum(len(found) for found in self.stored.values())
-        types = sorted({info.type_name for found in self.stored.values() for info, _ in found})
-        parts = [f"{stored} {'/'.join(types)} tensors run as stored in {len(self.stored)} int4 "
-                 "linears"] if stored else []
-        if self.int8:
-            q8 = sum(len(found) for found in self.int8.values())
-            parts.append(f"{q8} Q8_0 tensors run as stored in {len(self.int8)} int8 linears")
-        return ", ".join([*parts, f"{len(self.dense)} tensors dequantized"])
+        """One line: the tensors per block type, as stored and dequantized (with why)."""
+        parts = []
+        for key, counts in self.type_counts().items():
+            listed = ", ".join(f"{n} {t}" for t, n in counts.items())
+            parts.append(f"{key}: {listed}")
+        if self.blocks:
+            parts.append(f"{len(self.blocks)} linears in their blocks")
+        return "; ".join(parts)
 
 
 def _linear(model: nn.Module, weight: str) -> tuple[nn.Module, str, nn.Module]:
@@ -183,8 +257,12 @@ def load_gguf(path: Path, hf_config: Any, factory: Callable[[], nn.Module], devi
     they load). Blocks run as stored only on the CPU (our int kernels); Q8_0 ones when no
     quantization or int8 is asked. -> (model, what ran as stored)."""
     int8_asked = isinstance(observer, QuantizeOnLoad) and observer.mode == "int8"
+    why = ("dequantize_gguf asked" if dequantize_all else f"the model runs on {device.type}"
+           if device.type != "cpu" else f"{observer.mode} asked: requantized"
+           if isinstance(observer, QuantizeOnLoad) else "")
     weights = GGUFWeights(path, hf_config, dequantize_all or device.type != "cpu",
-                          stored_q8=observer is None or int8_asked)
+                          stored_q8=observer is None or int8_asked,
+                          as_blocks=observer is None, why_dense=why)
     projector, names = None, _same_name
     with torch.device("meta"):
         probe = factory()
@@ -200,7 +278,8 @@ def load_gguf(path: Path, hf_config: Any, factory: Callable[[], nn.Module], devi
         return sorted({*weights.defer(model), *(defer(model) if defer else [])})
 
     model = build_on_meta(factory, device, dtype,
-                          defer=defer_all if (weights.stored or weights.int8 or defer) else None)
+                          defer=defer_all if (weights.blocks or weights.stored or weights.int8
+                                              or defer) else None)
     weights.place_stored(model, dtype)
     tensors = ((names(name), tensor) for name, tensor in weights.tensors(dtype))
     if projector is not None:

@@ -24,6 +24,7 @@ from torch import nn
 
 from models.kernels import native
 from models.kernels.choice import BASELINE, bucket_index
+from models.kernels.ggml_blocks import BlockLinear
 
 Kernel = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
@@ -283,6 +284,8 @@ def float32_logits(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     divergence from float32 (docs/performance.md). The planned formulation where it is one of
     ours, else ours for that many rows (the int4 pack has no tiled one); elsewhere layer(x)
     widened."""
+    if isinstance(layer, BlockLinear):  # a GGUF head in its blocks: float32 sums already
+        return layer(x.float())
     ours = x.dtype == torch.bfloat16 and x.dim() == 2 and x.device.type == "cpu"
     if not ours or native.load() is None:
         return layer(x).float()

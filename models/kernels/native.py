@@ -43,7 +43,7 @@ HERE = Path(__file__).parent / "cpu"
 SOURCES = tuple(HERE / name for name in (
     "small_ops.c", "linear_dense.c", "linear_int8.c", "linear_int4.c", "attention.c",
     "decode_layers.c", "gemm_quantized.c", "delta_rule.c", "moe_experts.c", "linear_rows.c",
-    "gemm_dense.c", "fit_int4.c"))
+    "gemm_dense.c", "fit_int4.c", "ggml_blocks.c"))
 HEADER = HERE / "kernels.h"
 DISABLE_ENV = "MMSERVE_NATIVE"  # "0" keeps PyTorch's kernels only
 BUILD_TIMEOUT_S = 120
@@ -147,6 +147,12 @@ class NativeKernels:
         # models.kernels.native_decode and native_experts declare their arguments.
         self.decode_layers = lib.mm_decode_layers
         self.moe_experts = lib.mm_moe_experts
+        # Weights in a GGUF file's ggml blocks (cpu/ggml_blocks.c; models.kernels.ggml_blocks
+        # wraps them).
+        self.ggml_linear, self.ggml_dequantize = lib.mm_ggml_linear, lib.mm_ggml_dequantize
+        self.ggml_linear.argtypes = [_ptr, _int, _ptr, _int, _ptr, _i64, _i64, _i64, _int]
+        self.ggml_dequantize.argtypes = [_ptr, _int, _ptr, _i64, _i64, _i64, _ptr, _int]
+        self.ggml_linear.restype = self.ggml_dequantize.restype = _int
 
     @staticmethod
     def supports_linear(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:

@@ -44,6 +44,11 @@ int mm_delta_rule_step(const float* q, const float* k, const float* v, const flo
                        const float* beta, float* states, const int64_t* slots, float* out,
                        int64_t batch, int64_t heads, int64_t dk, int64_t dv, int threads);
 
+int mm_ggml_dequantize(const uint8_t* w, int type, const int64_t* ids, int64_t first,
+                       int64_t rows, int64_t k, float* out, int threads);
+int mm_ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, void* y, int64_t m,
+                   int64_t n, int64_t k, int threads);
+
 static int failures = 0;
 static uint64_t state = 0x9E3779B97F4A7C15ull;
 
@@ -605,6 +610,87 @@ static void test_fit_int4(int64_t g) {
     free(x), free(step), free(low);
 }
 
+/* ---- ggml blocks ------------------------------------------------------------------------ */
+
+/* Q4_K blocks (the one type here whose q * d1 - m1 a fused multiply-add would round once) and
+ * Q8_0 blocks: dequantized against each value rounded step by step through volatile floats
+ * (ggml's order, no contraction: bit for bit), then the matrix-vector linear against a float64
+ * product of those values. */
+static void put_half(uint8_t* p, float v) {  /* a normal float16 near v (truncated) */
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    const uint32_t sign = (u >> 16) & 0x8000u, exp = ((u >> 23) & 0xff) - 112;
+    const uint16_t h = (uint16_t)(sign | (exp << 10) | ((u >> 13) & 0x3ff));
+    p[0] = h & 0xff, p[1] = h >> 8;
+}
+
+static float get_half(const uint8_t* p) {  /* a normal float16's value */
+    const uint32_t h = p[0] | (p[1] << 8), exp = (h >> 10) & 31;
+    const uint32_t u = ((h & 0x8000u) << 16) | ((exp + 112) << 23) | ((h & 0x3ff) << 13);
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static void test_ggml_blocks(int dt) {
+    const int64_t n = 24, k = 512, m = 3;
+    for (int type = 0; type < 2; type++) {
+        const int q4k = type == 0, code = q4k ? 12 : 8; /* ggml's codes */
+        const int nb = q4k ? 144 : 34, qk = q4k ? 256 : 32;
+        const int64_t row = k / qk * nb;
+        uint8_t* w = alloc((size_t)(n * row));
+        for (int64_t i = 0; i < n * row; i++) w[i] = (uint8_t)(uniform() * 128 + 128);
+        double* want = alloc(sizeof(double) * (size_t)(n * k));
+        for (int64_t b = 0; b < n * k / qk; b++) {
+            uint8_t* blk = w + b * nb;
+            put_half(blk, (float)(0.01 + 0.02 * fabs(uniform())));
+            if (q4k) put_half(blk + 2, (float)(0.003 + 0.01 * fabs(uniform())));
+            const float d = get_half(blk), dmin = q4k ? get_half(blk + 2) : 0.0f;
+            for (int j = 0; j < qk; j++) {
+                if (!q4k) {
+                    volatile float v = (float)(int8_t)blk[2 + j] * d;
+                    want[b * qk + j] = v;
+                    continue;
+                }
+                const int sub = j / 32, chunk = j / 64, high = (j / 32) % 2, l = j % 32;
+                const uint8_t* sc = blk + 4;
+                int s, mn;
+                if (sub < 4) s = sc[sub] & 63, mn = sc[sub + 4] & 63;
+                else s = (sc[sub + 4] & 0xF) | ((sc[sub - 4] >> 6) << 4),
+                     mn = (sc[sub + 4] >> 4) | ((sc[sub] >> 6) << 4);
+                const uint8_t q = blk[16 + 32 * chunk + l];
+                volatile float d1 = d * (float)s, m1 = dmin * (float)mn;
+                volatile float t = d1 * (float)(high ? q >> 4 : q & 0xF);
+                volatile float v = t - m1;
+                want[b * qk + j] = v;
+            }
+        }
+        float* got = alloc(sizeof(float) * (size_t)(n * k));
+        char name[64];
+        snprintf(name, sizeof name, "ggml %s dequantize", q4k ? "Q4_K" : "Q8_0");
+        int exact = mm_ggml_dequantize(w, code, NULL, 0, n, k, got, 2) == 0;
+        for (int64_t i = 0; exact && i < n * k; i++) exact = got[i] == (float)want[i];
+        if (exact) printf("ok   %s\n", name);
+        else failures++, printf("FAIL %s: not bit for bit\n", name);
+        void* x = alloc(sizeof(float) * (size_t)(m * k));
+        double* xr = alloc(sizeof(double) * (size_t)(m * k));
+        fill(x, dt, xr, m * k, 1.0);
+        double* ref = alloc(sizeof(double) * (size_t)(m * n));
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t r = 0; r < n; r++) {
+                double acc = 0;
+                for (int64_t j = 0; j < k; j++) acc += xr[i * k + j] * want[r * k + j];
+                ref[i * n + r] = acc;
+            }
+        void* y = alloc(sizeof(float) * (size_t)(m * n));
+        snprintf(name, sizeof name, "ggml %s linear %s", q4k ? "Q4_K" : "Q8_0", dname(dt));
+        if (mm_ggml_linear(x, dt, w, code, y, m, n, k, 2) != 0)
+            failures++, printf("FAIL %s\n", name);
+        else check(name, y, dt, ref, m * n, 1e-3, dt == DTYPE_F32 ? 1e-5 : 1e-2);
+        free(w), free(want), free(got), free(x), free(xr), free(ref), free(y);
+    }
+}
+
 int main(void) {
     printf("variant %s\n", mm_variant());
     for (int dt = 0; dt < 2; dt++) {
@@ -651,6 +737,7 @@ int main(void) {
         test_attention(dt, 5, 0.0f);
         test_attention(dt, 0, 30.0f);
         test_moe_experts(dt);
+        test_ggml_blocks(dt);
     }
     test_argmax();
     test_delta_rule();

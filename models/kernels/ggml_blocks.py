@@ -1,0 +1,221 @@
+"""Linears whose weights stay in a GGUF file's ggml blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+Q5_K, Q6_K), run as stored by our kernels (models/kernels/cpu/ggml_blocks.c).
+
+A weight [N, K] is held as the file's bytes, N rows of K / QK blocks ([N, row bytes] uint8), with
+the float16 scales and minimums inside them: nothing is widened or rounded. A decode step's few
+rows go through the matrix-vector kernel, which dequantizes 256 inputs of a channel at a time in
+L1 and multiplies every row by them; more rows (a prefill) through a float32 GEMM on a tile of
+rows dequantized into a reused buffer (the same values: dequantizing is ggml's, bit for bit).
+Without our kernels (no compiler, MMSERVE_NATIVE=0) the tile is dequantized by gguf-py, slowly
+but with the same values.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.kernels import native
+
+
+@dataclass(frozen=True)
+class BlockType:
+    """A ggml block type the kernels run: its name, ggml's code, values and bytes per block."""
+
+    name: str
+    code: int
+    values: int
+    nbytes: int
+
+
+BLOCK_TYPES: dict[str, BlockType] = {t.name: t for t in (
+    BlockType("Q4_0", 2, 32, 18), BlockType("Q4_1", 3, 32, 20), BlockType("Q5_0", 6, 32, 22),
+    BlockType("Q5_1", 7, 32, 24), BlockType("Q8_0", 8, 32, 34), BlockType("Q4_K", 12, 256, 144),
+    BlockType("Q5_K", 13, 256, 176), BlockType("Q6_K", 14, 256, 210))}
+FEW_ROWS = 16  # up to this many rows of x, the matrix-vector kernel; past it a tiled GEMM
+TILE_BYTES = 4 << 20  # float32 bytes of a tile of rows dequantized for the GEMM
+
+
+def takes(type_name: str, in_features: int) -> bool:
+    """Whether a weight of ggml type `type_name` with rows of `in_features` runs as stored."""
+    block = BLOCK_TYPES.get(type_name)
+    return block is not None and in_features > 0 and in_features % block.values == 0
+
+
+def row_bytes(block: BlockType, in_features: int) -> int:
+    return in_features // block.values * block.nbytes
+
+
+def dequantize_rows(blocks: torch.Tensor, type_name: str, in_features: int,
+                    rows: slice | torch.Tensor | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows of a block weight ([N, row bytes] uint8) to float32 [rows, in_features], as ggml
+    dequantizes them: all of them, a slice, or those an int64 index tensor names (an
+    embedding's lookup). `out`: a float32 buffer to fill."""
+    block = BLOCK_TYPES[type_name]
+    n = blocks.shape[0]
+    assert blocks.dtype == torch.uint8 and blocks.is_contiguous()
+    assert blocks.shape[1] == row_bytes(block, in_features), "blocks [N, row bytes]"
+    ids = None
+    if rows is None or isinstance(rows, slice):
+        first, last, _ = (rows or slice(0, n)).indices(n)
+        count = max(0, last - first)
+    else:
+        ids = rows.to(torch.int64).contiguous().reshape(-1)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
+            raise IndexError(f"row ids outside [0, {n})")
+        first, count = 0, ids.numel()
+    if out is None:
+        out = torch.empty(count, in_features, dtype=torch.float32)
+    assert out.dtype == torch.float32 and out.is_contiguous() and out.numel() == count * in_features
+    kernels = native.load()
+    if kernels is None:
+        picked = blocks[first:first + count] if ids is None else blocks[ids]
+        out.view(count, in_features).copy_(torch.from_numpy(_gguf_dequantize(picked, block)))
+        return out.view(count, in_features)
+    status = kernels.ggml_dequantize(
+        blocks.data_ptr(), block.code, None if ids is None else ids.data_ptr(), first, count,
+        in_features, out.data_ptr(), torch.get_num_threads())
+    if status:
+        raise ValueError(f"native ggml dequantize does not take {type_name} rows of "
+                         f"{in_features}")
+    return out.view(count, in_features)
+
+
+def _gguf_dequantize(blocks: torch.Tensor, block: BlockType) -> np.ndarray:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    values = dequantize(blocks.numpy(), GGMLQuantizationType[block.name])
+    return np.ascontiguousarray(values, dtype=np.float32)
+
+
+def block_linear(x: torch.Tensor, blocks: torch.Tensor, type_name: str,
+                 in_features: int) -> torch.Tensor:
+    """x [M, K] (float32 / bfloat16) . W^T through the matrix-vector kernel, W held as blocks
+    [N, row bytes] -> [M, N] in x's dtype (sums in float32)."""
+    kernels = native.load()
+    assert kernels is not None, "the matrix-vector kernel needs the native library"
+    block = BLOCK_TYPES[type_name]
+    m, k = x.shape
+    assert k == in_features and blocks.shape[1] == row_bytes(block, k)
+    x = x.contiguous()
+    n = blocks.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype)
+    status = kernels.ggml_linear(x.data_ptr(), native.DTYPES[x.dtype], blocks.data_ptr(),
+                                 block.code, y.data_ptr(), m, n, k, torch.get_num_threads())
+    if status == 2:
+        raise ValueError(f"native ggml linear does not take {type_name} rows of {k}")
+    if status:
+        raise MemoryError("native ggml linear: out of memory for the input's float32 copy")
+    return y
+
+
+_SCRATCH = threading.local()
+
+
+def _tile_buffer(numel: int) -> torch.Tensor:
+    """This thread's float32 tile buffer, at least `numel` long (grown, never shrunk)."""
+    buffer = _SCRATCH.__dict__.get("buffer")
+    if buffer is None or buffer.numel() < numel:
+        with torch.inference_mode(False):  # writable outside the engine's inference mode too
+            buffer = _SCRATCH.buffer = torch.empty(numel, dtype=torch.float32)
+    return buffer[:numel]
+
+
+def tiled_gemm(x: torch.Tensor, blocks: torch.Tensor, type_name: str,
+               in_features: int) -> torch.Tensor:
+    """x [M, K] . W^T for many rows: a float32 GEMM on tiles of W's rows, each dequantized into
+    a reused buffer of about TILE_BYTES (in the last-level cache for the GEMM that reads it).
+    -> [M, N] in x's dtype."""
+    n, k = blocks.shape[0], in_features
+    xf = x.float()
+    rows = max(64, TILE_BYTES // (4 * k))
+    if rows >= n:
+        return F.linear(xf, dequantize_rows(blocks, type_name, k)).to(x.dtype)
+    buffer = _tile_buffer(rows * k)
+    out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    for first in range(0, n, rows):
+        last = min(n, first + rows)
+        tile = dequantize_rows(blocks, type_name, k, slice(first, last),
+                               buffer[: (last - first) * k])
+        out[:, first:last] = F.linear(xf, tile)
+    return out.to(x.dtype)
+
+
+class BlockPart(nn.Module):
+    """Rows of a weight [N, K] held in ggml blocks of one type, as a GGUF file stores them
+    (`blocks` [N, row bytes] uint8): x . W^T without a bias."""
+
+    def __init__(self, blocks: torch.Tensor, type_name: str, in_features: int) -> None:
+        super().__init__()
+        if not takes(type_name, in_features):
+            raise ValueError(f"ggml {type_name} blocks do not hold rows of {in_features}")
+        block = BLOCK_TYPES[type_name]
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or (
+                blocks.shape[1] != row_bytes(block, in_features)):
+            raise ValueError(f"{type_name} blocks for rows of {in_features} are [N, "
+                             f"{row_bytes(block, in_features)}] uint8, not "
+                             f"{list(blocks.shape)} {blocks.dtype}")
+        self.type_name, self.in_features = type_name, in_features
+        self.out_features = blocks.shape[0]
+        self.register_buffer("blocks", blocks.contiguous())
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_rows(self.blocks, self.type_name, self.in_features)
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [M, K] float32 / bfloat16 -> [M, N] in their dtype."""
+        if rows.shape[0] <= FEW_ROWS and native.load() is not None:
+            return block_linear(rows, self.blocks, self.type_name, self.in_features)
+        return tiled_gemm(rows, self.blocks, self.type_name, self.in_features)
+
+
+class BlockLinear(nn.Module):
+    """A linear layer whose weight [N, K] is held as a GGUF file stores it: one or more parts
+    of consecutive output channels (a fused q / k / v whose tensors differ in type), each in
+    ggml blocks of its own type, run as stored; bias in the model dtype."""
+
+    def __init__(self, parts: list[tuple[str, torch.Tensor]], in_features: int,
+                 bias: torch.Tensor | None) -> None:
+        super().__init__()
+        if not parts:
+            raise ValueError("a block linear needs at least one part")
+        self.parts = nn.ModuleList(BlockPart(blocks, type_name, in_features)
+                                   for type_name, blocks in parts)
+        self.in_features = in_features
+        self.out_features = sum(part.out_features for part in self.parts)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @property
+    def format(self) -> str:
+        """The parts' block types ("Q4_K", "Q4_K+Q6_K")."""
+        return "+".join(dict.fromkeys(part.type_name for part in self.parts))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.blocks.nbytes for part in self.parts)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight as the kernels compute with it: [N, K] float32."""
+        return torch.cat([part.dequantize() for part in self.parts])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype not in native.DTYPES:
+            rows = rows.float()
+        outs = [part(rows) for part in self.parts]
+        out = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)).to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"blocks={self.format}, bias={self.bias is not None}")

@@ -1,0 +1,155 @@
+"""Weights run in a GGUF file's own ggml blocks (models/kernels/ggml_blocks.py, cpu/
+ggml_blocks.c): every block type dequantized bit for bit as gguf-py (ggml's definitions) does,
+on random blocks; the matrix-vector kernel (a decode step's rows) and the tiled GEMM (a
+prefill's) against a float64 product of those values; and a tiny K-quant GGUF (Q4_K, Q5_K, Q6_K,
+Q5_0, Q5_1, q / k and v of different types in one fused linear, biases) run as stored with the
+same greedy tokens as the file dequantized to float32. Run again per lower kernel variant by
+tests/test_cpu_variants.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from models.kernels import ggml_blocks, native
+from models.kernels.cpu_variants import chosen
+from models.kernels.ggml_blocks import BLOCK_TYPES, BlockLinear, dequantize_rows
+
+# Byte offsets of each type's float16 scale (and minimum) inside a block.
+HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+          "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+N, K = 70, 512  # 70 rows: not a multiple of any tile
+
+
+def random_blocks(type_name: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random blocks [rows, row bytes] of `type_name`: random quants and sub-block scales, the
+    float16 scales drawn around 0.02 (a few subnormal, a few zero)."""
+    block = BLOCK_TYPES[type_name]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, k // block.values, block.nbytes), dtype=np.uint8)
+    for offset in HALVES[type_name]:
+        half = (rng.standard_normal(raw.shape[:2]) * 0.02).astype(np.float16)
+        half.reshape(-1)[:3] = [np.float16(3e-7), np.float16(-6e-8), np.float16(0)]
+        raw[:, :, offset:offset + 2] = half.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(rows, -1)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    """Per type: (blocks uint8 [N, row bytes], gguf-py's float32 values [N, K])."""
+    out = {}
+    for i, name in enumerate(BLOCK_TYPES):
+        raw = random_blocks(name, N, K, seed=i)
+        values = dequantize(raw, GGMLQuantizationType[name]).reshape(N, K).astype(np.float32)
+        out[name] = (torch.from_numpy(raw), torch.from_numpy(values))
+    return out
+
+
+def test_the_kernels_are_the_variant_chosen():
+    kernels = native.load()
+    assert kernels is not None, native.status().detail
+    assert kernels.variant == chosen().name
+
+
+@pytest.mark.parametrize("name", list(BLOCK_TYPES))
+def test_dequantized_bit_for_bit_as_gguf_py(weights, name):
+    blocks, values = weights[name]
+    ours = dequantize_rows(blocks, name, K)
+    assert torch.equal(ours.view(torch.int32), values.view(torch.int32))
+    ids = torch.tensor([5, 0, 69, 5])  # an embedding's lookup: rows by index
+    assert torch.equal(dequantize_rows(blocks, name, K, ids), values[ids])
+    assert torch.equal(dequantize_rows(blocks, name, K, slice(30, 41)), values[30:41])
+
+
+@pytest.mark.parametrize("name", list(BLOCK_TYPES))
+def test_decode_and_prefill_products(weights, name):
+    blocks, values = weights[name]
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(40, K, generator=gen)
+    want = x.double() @ values.double().t()
+    bound = 1e-5 * (x.abs().double() @ values.abs().double().t()).max()  # float32 sums
+    layer = BlockLinear([(name, blocks)], K, None)
+    for rows in (1, 3, 40):  # the matrix-vector kernel, then the tiled GEMM
+        got = layer(x[:rows])
+        assert got.dtype == torch.float32
+        assert (got.double() - want[:rows]).abs().max() <= bound, rows
+    # bfloat16 activations: rounded once at the end
+    got = layer(x[:2].bfloat16())
+    assert got.dtype == torch.bfloat16
+    want = x[:2].bfloat16().double() @ values.double().t()
+    assert ((got.double() - want).abs() <= 2**-8 * want.abs() + bound).all()
+
+
+def test_parts_of_different_types_and_a_bias(weights):
+    """A fused q / k / v whose tensors differ in type: each part in its own blocks."""
+    (qb, qv), (vb, vv) = weights["Q4_K"], weights["Q6_K"]
+    bias = torch.randn(2 * N)
+    layer = BlockLinear([("Q4_K", qb), ("Q6_K", vb)], K, bias)
+    assert layer.format == "Q4_K+Q6_K" and layer.out_features == 2 * N
+    assert layer.nbytes == qb.nbytes + vb.nbytes
+    x = torch.randn(3, K)
+    want = x.double() @ torch.cat([qv, vv]).double().t() + bias.double()
+    torch.testing.assert_close(layer(x).double(), want, atol=1e-3, rtol=1e-5)
+    assert torch.equal(layer.dequantize(), torch.cat([qv, vv]))
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="rows of 100"):
+        BlockLinear([("Q4_K", torch.zeros(4, 144, dtype=torch.uint8))], 100, None)
+    with pytest.raises(ValueError, match=r"\[N, 144\]"):
+        BlockLinear([("Q4_K", torch.zeros(4, 140, dtype=torch.uint8))], 256, None)
+    assert not ggml_blocks.takes("IQ4_XS", 256) and not ggml_blocks.takes("Q3_K", 256)
+
+
+K_TYPES = {r"attn_[qk]$|ffn_down": GGMLQuantizationType.Q4_K,
+           r"attn_v": GGMLQuantizationType.Q6_K, r"attn_output": GGMLQuantizationType.Q5_K,
+           r"ffn_gate": GGMLQuantizationType.Q5_0, r"ffn_up": GGMLQuantizationType.Q5_1,
+           r"token_embd": GGMLQuantizationType.Q6_K, r"^output$": GGMLQuantizationType.Q8_0}
+
+
+@pytest.fixture(scope="module")
+def k_quant_file(tmp_path_factory):
+    """A tiny Qwen2 (q / k / v biases, an untied head) as a K-quant GGUF, every linear's rows a
+    whole number of 256-value super-blocks."""
+    from testing.gguf import write_gguf
+    from testing.tiny import build_text_model
+
+    root = tmp_path_factory.mktemp("kquant")
+    checkpoint = build_text_model(root / "qwen2", "qwen2", hidden_size=256,
+                                  intermediate_size=512, tie_word_embeddings=False)
+    (root / "gguf").mkdir()
+    return write_gguf(checkpoint, root / "gguf" / "tiny-k.gguf", types=K_TYPES)
+
+
+def test_a_k_quant_file_runs_as_stored(k_quant_file):
+    from engine import LLM
+    from engine.inspect import inspect, render
+    from engine.sampling_params import SamplingParams
+
+    stored = LLM(k_quant_file, max_model_len=128)
+    model = stored.engine.runner.model
+    layer = model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, BlockLinear)
+    assert layer.self_attn.qkv_proj.format == "Q4_K+Q6_K"
+    assert layer.mlp.gate_up_proj.format == "Q5_0+Q5_1"
+    assert isinstance(model.lm_head, BlockLinear) and model.lm_head.format == "Q8_0"
+    summary = stored.engine.runner.gguf_summary
+    assert summary.startswith("as stored: ") and "Q4_K" in summary and "Q5_K" in summary
+    assert "dequantized (the token embedding table (looked up in the model dtype)): 1 Q6_K" \
+        in summary
+    dense = LLM(k_quant_file, max_model_len=128, dequantize_gguf=True)
+    assert not any(isinstance(m, BlockLinear) for m in dense.engine.runner.model.modules())
+    params = SamplingParams(max_tokens=12, temperature=0)
+    prompts = ["The quick brown fox", "Café 你好", "1, 2, 3,"]
+    ours = [o.outputs[0].token_ids for o in stored.generate(prompts, params)]
+    assert ours == [o.outputs[0].token_ids for o in dense.generate(prompts, params)]
+    # the inspector holds the blocks at their bytes, the rest at the dtype
+    held = sum(p.nbytes for p in model.parameters()) + sum(b.nbytes for b in model.buffers()
+                                                          if b.dtype == torch.uint8)
+    report = inspect(k_quant_file)
+    assert report.weight_bytes == held
+    assert "as stored" in render(report)
