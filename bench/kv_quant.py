@@ -201,7 +201,7 @@ def main() -> None:
 
 def run(args: argparse.Namespace, path: Path) -> None:
     from engine.checkpoint_setup import CheckpointSetup
-    from engine.model_runner import context_length
+    from engine.memory_plan import context_length
 
     llama = None
     if not args.smoke and not args.no_llama_cpp:

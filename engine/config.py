@@ -1,7 +1,7 @@
 """Engine options: one frozen, validated dataclass.
 
 Values derived at start-up from the model and the device (number of KV blocks, the effective
-`max_model_len`) live in `CacheLayout` (see `model_runner.py`), never written back here.
+`max_model_len`) live in `CacheLayout` (see `memory_plan.py`), never written back here.
 """
 
 from __future__ import annotations
@@ -36,11 +36,14 @@ class EngineConfig:
     Attributes:
         block_size: tokens per KV-cache block (the unit of allocation and of prefix caching).
         kv_cache_bytes: bytes for the paged KV cache of all layers; None = automatic (CPU: up to
-            4 GiB and at most a quarter of available RAM; CUDA: 85% of free memory after loading
-            the weights), never more than `max_num_seqs` full-length sequences need.
+            4 GiB and at most a quarter of the memory the host can still give, MemAvailable or
+            a cgroup limit's room; CUDA: 85% of free memory after loading the weights), never
+            more than `max_num_seqs` full-length sequences need.
         max_num_batched_tokens: token budget of one engine step (decode tokens + prefill chunks).
         max_num_seqs: most requests running at once.
-        max_model_len: longest sequence (prompt + output); None = the model's context length.
+        max_model_len: longest sequence (prompt + output); None = the model's context length,
+            or the longest context the KV budget holds (whole blocks) when that is shorter
+            (said at start-up); a value the budget does not hold is refused.
         enable_prefix_caching: reuse KV blocks of identical prefixes across requests.
         encoder_cache_size: encoder-output cache capacity, in embeddings (multimodal models
             whose media embeddings are spliced into the prompt).

@@ -10,6 +10,7 @@ import torch
 
 from engine import kv_pool
 from engine.device import cpu_has_native_bf16
+from engine.host_memory import resident_bytes
 from engine.model_runner import ModelRunner
 from engine.state_cache import StateCacheManager
 from models.kernels import native
@@ -18,8 +19,11 @@ from models.kernels import native
 def kv_stats(runner: ModelRunner) -> dict[str, Any]:
     """The KV cache's bytes per block and the layers that hold it (a layer reading another
     layer's keys and values holds none); for a quantized cache (`kv_cache_dtype`), its element
-    type and how many times the tokens of a model-dtype cache its bytes hold; and the bytes of a
-    per-layer embedding table (weights a step reads a few rows of), where the model has one."""
+    type and how many times the tokens of a model-dtype cache its bytes hold; the bytes of a
+    per-layer embedding table (weights a step reads a few rows of), where the model has one;
+    the context's fit to the KV budget where no max_model_len was given and the model's context
+    did not fit; and the pools' reserved and resident bytes (resident: the pages touched, by
+    mincore on a Linux CPU, else the blocks used so far)."""
     layers = runner.model.attention_layers()
     shared = sum(a.kv_source is not None for a in layers)
     out: dict[str, Any] = {
@@ -34,6 +38,13 @@ def kv_stats(runner: ModelRunner) -> dict[str, Any]:
     table = runner.model.per_layer_table_bytes()
     if table:
         out["per_layer_table_bytes"] = table
+    if runner.layout.fitted_from is not None:
+        out["context_fit"] = runner.layout.fit_note
+    out["kv_blocks_first_used"] = runner.kv_blocks_in_use.count
+    out["kv_reserved_bytes"] = runner.layout.num_blocks * runner.layout.bytes_per_block
+    resident = resident_bytes(runner.kv_caches)
+    out["kv_resident_bytes"] = (runner.kv_blocks_in_use.count * runner.layout.bytes_per_block
+                                if resident is None else resident)
     return out
 
 
@@ -48,14 +59,20 @@ def kv_capacity_note(stats: dict[str, Any]) -> str:
 
 def state_stats(runner: ModelRunner, state_cache: StateCacheManager | None) -> dict[str, Any]:
     """The linear-attention state cache (hybrid models; empty for the others): slots and
-    snapshots in use, their bytes, and how many prefix hits restored a snapshot."""
+    snapshots in use, their bytes (and the resident part, on a Linux CPU), and how many prefix
+    hits restored a snapshot."""
     states = runner.state_layout
     if states is None or state_cache is None:
         return {}
+    pools = [t for layer in runner.model.state_layers()
+             for t in (layer.conv_states, layer.recurrent_states, layer.conv_snapshots,
+                       layer.recurrent_snapshots, layer.conv_backups, layer.recurrent_backups)]
+    resident = resident_bytes(pools)
     return {**state_cache.snapshot_stats(),
             "state_bytes_per_request": states.bytes_per_sequence,
             "state_slot_bytes": states.slot_bytes,
-            "state_snapshot_bytes": states.snapshot_bytes}
+            "state_snapshot_bytes": states.snapshot_bytes,
+            **({} if resident is None else {"state_resident_bytes": resident})}
 
 
 def cross_stats(runner: ModelRunner) -> dict[str, int]:
@@ -99,7 +116,9 @@ def ready_line(model_id: str, runner: ModelRunner) -> str:
     quantized = kv_capacity_note(kv)
     line = (f"engine ready: {model_id} ({weights_description(runner)}), {layout.num_blocks} KV "
             f"blocks x {layout.block_size} tokens ({kv['kv_layers']}"
-            f"{'; ' + quantized if quantized else ''}), max_model_len {layout.max_model_len}")
+            f"{'; ' + quantized if quantized else ''}), max_model_len {layout.max_model_len}"
+            + (f" (fitted to the KV budget; the model's context is {layout.fitted_from})"
+               if layout.fitted_from is not None else ""))
     states = runner.state_layout
     if states is not None:
         line += (f"; recurrent state of {states.num_layers} linear-attention layers: "

@@ -23,9 +23,10 @@ import torch
 
 from engine import kv_pool
 from engine.checkpoint_setup import CheckpointSetup
+from engine.config import EngineConfig
 from engine.device import resolve_dtype
 from engine.hub import resolve_files
-from engine.model_runner import context_length
+from engine.memory_plan import context_length, default_kv_bytes
 from models.adapters import CONFIG, read_lora_config
 from models.checkpoint import CheckpointError, safetensors_header, weight_files
 from models.gguf.load import GGUFWeights
@@ -51,6 +52,10 @@ class Report:
     cross_largest_item: int | None = None  # key positions
     kv_layers: str = ""
     max_model_len: int | None = None
+    # The automatic KV budget on this host at the default options, and the context it holds
+    # when that is less than the model's (the engine then starts at it).
+    automatic_kv_bytes: int | None = None
+    fitted_context: int | None = None
     unsupported: list[str] = field(default_factory=list)
 
 
@@ -148,6 +153,7 @@ def _sizes(report: Report, setup: CheckpointSetup, dtype: torch.dtype, processor
     report.kv_bytes_per_token = sum(2 * a.num_kv_heads * a.head_dim for a in own) * DTYPE_BYTES[
         dtype]
     report.kv_int8_bytes_per_token = kv_pool.bytes_per_token(layers, dtype, "int8")
+    _context_fit(report, bool(model.cross_attention_layers()))
     if len(own) < len(layers):
         report.kv_layers = f"{len(own)} of {len(layers)} layers hold it, {len(layers) - len(own)}" \
             " read another layer's"
@@ -162,6 +168,22 @@ def _sizes(report: Report, setup: CheckpointSetup, dtype: torch.dtype, processor
         report.unsupported.append(
             "the checkpoint has no lm_head.weight and the config does not tie the head to the "
             "token embeddings")
+
+
+def _context_fit(report: Report, cross: bool) -> None:
+    """The automatic KV budget on this host at the default options (engine/memory_plan.py; a
+    cross-attention model leaves half of it to those layers) and the context it holds, where
+    that is shorter than the model's."""
+    defaults = EngineConfig()
+    per_block = report.kv_bytes_per_token * defaults.block_size
+    if not per_block or report.max_model_len is None:
+        return
+    automatic = default_kv_bytes(torch.device("cpu"))
+    budget = automatic - (automatic // 2 if cross else 0)
+    report.automatic_kv_bytes = budget
+    held = budget // per_block * defaults.block_size
+    if held < report.max_model_len:
+        report.fitted_context = held
 
 
 def gguf_weight_bytes(setup: CheckpointSetup, model: torch.nn.Module, dtype: torch.dtype,
@@ -216,6 +238,11 @@ def render(report: Report) -> str:
             lines.append(f"KV cache with --kv-cache-dtype int8: "
                          f"{_size(report.kv_int8_bytes_per_token)} per token ({gain:.2f}x the "
                          "tokens in the same bytes)")
+    if report.fitted_context is not None:
+        lines.append(f"context: the automatic KV budget on this host "
+                     f"({_size(report.automatic_kv_bytes)}) holds {report.fitted_context} tokens "
+                     f"of the model's {report.max_model_len}: the engine starts at "
+                     f"{report.fitted_context} unless kv_cache_bytes or max_model_len is set")
     if report.cross_bytes_per_key is not None:
         largest = report.cross_largest_item
         item = (f", {_size(report.cross_bytes_per_key * largest)} for the largest image "

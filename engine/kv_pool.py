@@ -57,7 +57,12 @@ def allocate(layers: Sequence[AttentionPoolLayer], num_blocks: int, block_size: 
                              f"{kv_quant.SCALE_BYTES}, got {attn.head_dim}")
         row = kv_quant.row_elements(attn.head_dim, kv_cache_dtype)
         shape = (2, attn.num_kv_heads, num_blocks, block_size, row)
-        # Zeros, not empty: padded gathers read unused slots, and NaN garbage there would
-        # leak through SDPA's masked softmax (0 * NaN).
-        attn.kv_cache = caches[attn.index] = torch.zeros(shape, dtype=element, device=device)
+        attn.kv_cache = caches[attn.index] = pool(shape, element, device)
     return list(caches.values())
+
+
+def pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One layer's pool (the one place pools are made): reserved, not written, so that pages
+    are taken as blocks are first used. Unwritten slots hold anything; the runner zeroes each
+    block at its first use (engine/kv_blocks_in_use.py), since padded gathers read them."""
+    return torch.empty(shape, dtype=dtype, device=device)

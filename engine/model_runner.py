@@ -1,4 +1,5 @@
-"""Owns device memory (weights, KV cache, encoder outputs) and executes one scheduled step.
+"""Executes one scheduled step on the model and caches set up at start-up (the weights by
+engine/model_loading.py, the KV cache and state pools by engine/memory_plan.py).
 
 `execute` turns a SchedulerOutput into tensors built on the host (token ids, positions, attention
 indices, sampling options), moves them to the device once, runs the batched encoders for the
@@ -18,76 +19,44 @@ items, before the decoder runs, and the engine decides what becomes of each requ
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from engine import kv_pool
-from engine.config import EngineConfig, GiB
+from engine.config import EngineConfig
 from engine.cross_states import cross_items, plan_cross_states
 from engine.device import DeviceTimer, to_device, wait_for_device
+from engine.kv_blocks_in_use import BlocksInUse, chunk_blocks
+from engine.memory_plan import (
+    CacheLayout,
+    StateLayout,
+    allocate_kv_cache,
+    allocate_states,
+    bind_verify_backups,
+    default_kv_bytes,
+    plan_kv_cache,
+    requested_max_model_len,
+)
+from engine.model_loading import load_model
 from engine.request import Request
 from engine.sampler import SamplingBatch, sample
 from engine.scheduler import SchedulerOutput
 from engine.speculative.rejection import resample_drafted
 from engine.speculative.verify import SampleRows, accepted_count, sample_rows
-from models.checkpoint import CheckpointError, describe_tie
-from models.gguf.load import load_gguf
-from models.gguf.reader import is_gguf
 from models.interfaces import LanguageModel, MultiModalFeature
 from models.kernels.decode_attention import choose_decode_kernel
-from models.kernels.delta_rule_choice import choose_recurrence
-from models.kernels.huge_pages import place_weights
-from models.kernels.plan import plan_linears
-from models.kernels.quantization import (
-    QuantizedLinear,
-    QuantizeOnLoad,
-    quantize_language_model,
-)
+from models.kernels.quantization import QuantizedLinear
 from models.layers.attention import build_metadata
 from models.layers.attention_varlen import choose_backend
 from models.layers.cross_metadata import build_cross_metadata
-from models.layers.lora import attach_adapters, build_adapter_batch
+from models.layers.lora import build_adapter_batch
 from models.layers.state_metadata import build_state_metadata
-from models.loader import MissingWeights, build_on_meta, iter_checkpoint, load_weights
-from models.whisper.ctranslate2 import is_ctranslate2, load_ctranslate2
+
+__all__ = ["CacheLayout", "EncoderItemsFailed", "ItemFailure", "ModelRunner", "StateLayout",
+           "StepResult"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class CacheLayout:
-    """KV-cache geometry derived at start-up from the options, the model and the device."""
-
-    num_blocks: int
-    block_size: int
-    max_model_len: int
-    bytes_per_block: int
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
-
-@dataclass(frozen=True)
-class StateLayout:
-    """Recurrent-state pools of a hybrid model's linear-attention layers, sized at start-up:
-    one slot per running request (`max_num_seqs`) and `num_snapshots` prefix snapshots."""
-
-    num_slots: int
-    num_snapshots: int
-    bytes_per_sequence: int  # all linear layers' state of one sequence (= of one snapshot)
-    num_layers: int
-
-    @property
-    def slot_bytes(self) -> int:
-        return self.num_slots * self.bytes_per_sequence
-
-    @property
-    def snapshot_bytes(self) -> int:
-        return self.num_snapshots * self.bytes_per_sequence
 
 
 @dataclass(frozen=True)
@@ -137,54 +106,14 @@ class ModelRunner:
         mmproj: Path | None = None,  # a GGUF model's projector file (its tower)
     ) -> None:
         self.config = config
-        self.gguf_summary = ""  # for a GGUF file: which of its tensors run as stored
         self.device = device
         self.dtype = dtype
-        if config.quantization is not None and device.type != "cpu":  # before loading weights
-            raise ValueError(
-                f"quantization={config.quantization!r} runs on the CPU only for now "
-                f"(device {device}); leave it unset on {device.type}"
-            )
-        max_len = _max_model_len(hf_config, config)
-        # Quantized weights are quantized as they stream in: the dense model need not fit.
-        quantizer = None if config.quantization is None else QuantizeOnLoad(
-            config.quantization, config.quantization_group_size)
-        def factory() -> LanguageModel:
-            return model_cls.from_hf_config(hf_config, max_len, device)
-
-        defer = None if quantizer is None else quantizer.defer
-        try:
-            if is_gguf(path):
-                self.model, self.gguf_summary = load_gguf(
-                    path, hf_config, factory, device, dtype, quantizer, defer,
-                    config.dequantize_gguf, mmproj)
-            elif is_ctranslate2(path):  # a CTranslate2 Whisper folder (faster-whisper's)
-                self.model = load_ctranslate2(path, factory, device, dtype, quantizer)
-            else:
-                self.model = build_on_meta(factory, device, dtype, defer=defer)
-                load_weights(self.model, self.model.checkpoint_tensors(iter_checkpoint(path)),
-                             self.model.checkpoint_map(), quantizer)
-        except MissingWeights as e:
-            if "lm_head.weight" not in e.missing:
-                raise
-            raise CheckpointError(
-                f"{e}: the checkpoint has no lm_head.weight and the LM head is not tied to the "
-                f"token embeddings ({describe_tie(hf_config)}; "
-                f"{model_cls.tied_head(hf_config)[1]} decides, as in transformers)"
-            ) from e
-        self.model.eval()
+        max_len = requested_max_model_len(hf_config, config)
+        loaded = load_model(path, hf_config, model_cls, config, device, dtype, max_len, mmproj)
+        self.model = loaded.model
+        self.gguf_summary = loaded.gguf_summary  # for a GGUF file: which tensors run as stored
         # LoRA adapters requests may choose: the checkpoint's, per modality, and the configured.
-        self.adapters, self.modality_adapters = attach_adapters(
-            self.model, path, config.lora_adapters, device, dtype)
-        if quantizer is not None:
-            quantize_language_model(self.model, config.quantization,
-                                    config.quantization_group_size)  # the LM head
-            log.info("%d linears quantized to %s as they loaded; at most %.1f MiB of them "
-                     "dense at once", quantizer.count, config.quantization,
-                     quantizer.peak_dense_bytes / 2**20)
-        if device.type == "cpu":
-            place_weights(self.model)  # before planning: the plan times them where they run
-            plan_linears(self.model, dtype)
+        self.adapters, self.modality_adapters = loaded.adapters, loaded.modality_adapters
         self.vocab_size = self.model.cfg.vocab_size
         self.windows = self.model.attention_windows()
         self.span_windows = _span_windows(self.model.attention_layers())
@@ -196,11 +125,12 @@ class ModelRunner:
         )
         self.attention_backend = choose_backend(device, dtype)
         # Cross-attention layers' keys and values (engine/cross_states.py), out of the KV budget.
-        self.cross_layout = plan_cross_states(self.model, config, dtype, _default_kv_bytes(device))
-        self.layout = self._plan_kv_cache(
-            max_len, 0 if self.cross_layout is None else self.cross_layout.nbytes)
-        self.kv_caches = self._allocate_kv_cache()
-        self.state_layout = self._allocate_states()
+        self.cross_layout = plan_cross_states(self.model, config, dtype, default_kv_bytes(device))
+        self.layout = plan_kv_cache(
+            self.model, config, dtype, device, max_len,
+            0 if self.cross_layout is None else self.cross_layout.nbytes)
+        self._allocate_kv_cache()
+        self.state_layout = allocate_states(self.model, config, dtype, device)
         # Whether decode steps run the layers in one native call (CPU; at some row counts).
         self.native_decode = device.type == "cpu" and self.model.prepare_decode()
         # Encoder outputs by content hash; which ones exist is decided by EncoderCacheManager.
@@ -215,83 +145,38 @@ class ModelRunner:
                 formats[module.format] = formats.get(module.format, 0) + 1
         return dict(sorted(formats.items()))
 
-    # ---- start-up ---------------------------------------------------------------------------
-
-    def _plan_kv_cache(self, max_model_len: int, reserved: int = 0) -> CacheLayout:
-        """`reserved`: bytes the automatic budget leaves to other states."""
-        bs = self.config.block_size
-        # Layers reading another layer's keys and values hold no cache of their own.
-        per_block = bs * kv_pool.bytes_per_token(self.model.attention_layers(), self.dtype,
-                                                 self.config.kv_cache_dtype)
-        useful = self.config.max_num_seqs * -(-max_model_len // bs) * per_block
-        budget = self.config.kv_cache_bytes
-        if budget is None:
-            budget = min(_default_kv_bytes(self.device) - reserved, useful)
-        num_blocks = budget // per_block
-        if num_blocks * bs < max_model_len:
-            raise ValueError(
-                f"the KV cache holds {num_blocks * bs} tokens ({budget} bytes at "
-                f"{per_block} bytes per {bs}-token block), fewer than max_model_len="
-                f"{max_model_len}; raise kv_cache_bytes to at least "
-                f"{-(-max_model_len // bs) * per_block} or lower max_model_len"
-            )
-        return CacheLayout(num_blocks, bs, max_model_len, per_block)
+    # ---- start-up (the rest is in engine/model_loading.py and engine/memory_plan.py) ---------
 
     def resize_kv_cache(self, num_blocks: int) -> None:
         """Re-allocate the KV cache with `num_blocks` blocks (a draft model's, indexed by its
         target's block ids: engine/speculative/draft_model.py)."""
         self.layout = replace(self.layout, num_blocks=num_blocks)
-        self.kv_caches = self._allocate_kv_cache()
+        self._allocate_kv_cache()
         if self.native_decode:
             self.native_decode = self.model.prepare_decode()  # it holds the caches' pointers
 
-    def _allocate_kv_cache(self) -> list[torch.Tensor]:
-        """A cache [2, Hkv, blocks, block_size, row] per attention layer with keys and values
-        of its own, in the element type of `kv_cache_dtype` (engine/kv_pool.py); one reading
-        another's (KV sharing) is bound to that cache."""
-        lay = self.layout
-        return kv_pool.allocate(self.model.attention_layers(), lay.num_blocks, lay.block_size,
-                                self.dtype, self.config.kv_cache_dtype, self.device)
+    def _allocate_kv_cache(self) -> None:
+        """The KV pools of `self.layout` (reserved, untouched), block 0 zeroed: the padding of
+        block tables points at it (engine/kv_blocks_in_use.py)."""
+        self.kv_caches = allocate_kv_cache(self.model, self.layout, self.dtype,
+                                           self.config.kv_cache_dtype, self.device)
+        self.kv_blocks_in_use = BlocksInUse(self.layout.num_blocks)
+        self.kv_blocks_in_use.first_use([0], self.kv_caches)
 
     @torch.inference_mode()
     def copy_kv(self, src: int, dst: int, tokens: int) -> None:
         """Copy the keys and values of the first `tokens` slots of block `src` into block `dst`
         in every layer's cache (a prefix-cache tail, engine/block_manager.py). Enqueued on the
         device's stream: it runs before the next step's forward, which reads it."""
+        self.kv_blocks_in_use.first_use([dst], self.kv_caches)
         for cache in self.kv_caches:
             cache[:, :, dst, :tokens] = cache[:, :, src, :tokens]
-
-    def _allocate_states(self) -> StateLayout | None:
-        """The linear-attention layers' state pools (None for a model without such layers):
-        a slot per running request and the prefix snapshots within `state_snapshot_bytes`."""
-        layers = self.model.state_layers()
-        if not layers:
-            return None
-        shape = layers[0].shape
-        per_sequence = len(layers) * shape.state_bytes(self.dtype)
-        budget = self.config.state_snapshot_bytes
-        if budget is None:
-            budget = min(64 * per_sequence, GiB)
-        snapshots = budget // per_sequence if self.config.enable_prefix_caching else 0
-        slots = self.config.max_num_seqs
-        conv, recurrent = shape.state_shapes()
-        recurrence = choose_recurrence(*recurrent, self.device)
-        for layer in layers:
-            layer.recurrence = recurrence
-            layer.bind_state(
-                torch.zeros((slots, *conv), dtype=self.dtype, device=self.device),
-                torch.zeros((slots, *recurrent), dtype=torch.float32, device=self.device),
-                torch.zeros((snapshots, *conv), dtype=self.dtype, device=self.device),
-                torch.zeros((snapshots, *recurrent), dtype=torch.float32, device=self.device))
-        return StateLayout(slots, snapshots, per_sequence, len(layers))
 
     def bind_verify_backups(self) -> None:
         """Speculative decoding on a hybrid model: a backup of each linear layer's slot pools,
         where verifications keep their slots' states before the step (as large as the slots:
         `StateLayout.slot_bytes` more)."""
-        for layer in self.model.state_layers():
-            layer.bind_backups(torch.zeros_like(layer.conv_states),
-                               torch.zeros_like(layer.recurrent_states))
+        bind_verify_backups(self.model)
 
     # ---- one step ---------------------------------------------------------------------------
 
@@ -304,6 +189,8 @@ class ModelRunner:
         encoder = self._run_encoders(out) if out.encoder_inputs else None
 
         chunks = out.chunks
+        self.kv_blocks_in_use.first_use(chunk_blocks(chunks, self.layout.block_size),
+                                        self.kv_caches)
         ids: list[int] = []
         for c in chunks:
             ids.extend(c.token_ids)
@@ -513,43 +400,3 @@ def _common_kv_shape(layers) -> tuple[int, int]:
     every kernel serves every shape)."""
     shapes = [(a.num_kv_heads, a.head_dim) for a in layers]
     return max(dict.fromkeys(shapes), key=shapes.count)
-
-
-def context_length(hf_config) -> tuple[int, str]:
-    """The longest sequence the model serves, and what sets it: max_position_embeddings, or for
-    longrope its original_max_position_embeddings (its long factors are not implemented)."""
-    text_cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-    model_max = getattr(text_cfg, "max_position_embeddings", None) or 2048
-    if getattr(text_cfg, "max_target_positions", None):  # an encoder-decoder's decoder (Whisper)
-        return text_cfg.max_target_positions, (
-            f"max_target_positions={text_cfg.max_target_positions}")
-    rope = getattr(text_cfg, "rope_parameters", None) or {}
-    if rope.get("rope_type") == "longrope":
-        model_max = min(model_max, rope["original_max_position_embeddings"])
-        return model_max, (f"longrope's original_max_position_embeddings={model_max}; longer "
-                           "sequences would need its long factors, which are not implemented")
-    return model_max, f"max_position_embeddings={model_max}"
-
-
-def _max_model_len(hf_config, config: EngineConfig) -> int:
-    model_max, limit = context_length(hf_config)
-    if config.max_model_len is None:
-        return model_max
-    if config.max_model_len > model_max:
-        raise ValueError(
-            f"max_model_len={config.max_model_len} exceeds the model's context length "
-            f"({limit})"
-        )
-    return config.max_model_len
-
-
-def _default_kv_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.85)
-    try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        available = 16 * GiB
-    return min(4 * GiB, available // 4)
-

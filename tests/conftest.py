@@ -9,6 +9,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Weights quantized at load are not kept between engines (engine/weight_cache.py): a test that
+# changes how weights are quantized must not read another test's; tests/test_weight_cache.py
+# turns it on in a folder of its own.
+os.environ["MMSERVE_WEIGHT_CACHE"] = "0"
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 

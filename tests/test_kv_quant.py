@@ -148,7 +148,11 @@ def _logits(model, ids, pieces, kernel, kv_cache_dtype, store=None):
     blocks, bs = [5, 0, 7, 2, 9, 1, 3, 8, 11, 4], 4
     layers = model.attention_layers()
     bound = [a.kv_cache for a in layers]
-    kv_pool.allocate(layers, 12, bs, torch.float32, kv_cache_dtype, torch.device("cpu"))
+    # pools are reserved, not written: the runner zeroes blocks at first use
+    # (engine/kv_blocks_in_use.py), which this direct forward skips, so all of them here
+    for cache in kv_pool.allocate(layers, 12, bs, torch.float32, kv_cache_dtype,
+                                  torch.device("cpu")):
+        cache.zero_()
     out = []
     try:
         with pytest.MonkeyPatch.context() as patch:

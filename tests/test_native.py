@@ -548,6 +548,7 @@ def text_model(request, tmp_path_factory):
 def native_everywhere(kernels, monkeypatch):
     """Engines built in the test decode through our kernels wherever one exists: decode
     attention, and every linear's 1-row and 2-8-row buckets (int8 and int4 too)."""
+    import engine.model_loading as loading
     import engine.model_runner as runner
     from models.kernels.quantization import QuantizedLinear
 
@@ -563,7 +564,7 @@ def native_everywhere(kernels, monkeypatch):
         return {}
 
     monkeypatch.setattr(runner, "choose_decode_kernel", lambda *args, **kwargs: "native")
-    monkeypatch.setattr(runner, "plan_linears", plan)
+    monkeypatch.setattr(loading, "plan_linears", plan)
 
 
 def test_decode_logits_and_greedy_tokens_match_transformers(text_model, hf_models,

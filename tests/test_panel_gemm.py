@@ -189,7 +189,7 @@ def test_engine_prefill_through_it_is_as_accurate_as_the_dequantized_gemm(
     instead of to each bfloat16 weight), and the same first token (the prefill's argmax: later
     tokens come from decode steps, which run other kernels, where a 1% difference in the cache
     can flip a near-tie of this random model)."""
-    import engine.model_runner as runner
+    import engine.model_loading as runner
     from engine import SamplingParams
 
     calls = []

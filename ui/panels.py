@@ -283,6 +283,11 @@ def engine_html(stats: Mapping[str, Any]) -> str:
             + (f"; {stats['kv_cache_dtype']} keys and values: {stats['kv_capacity_gain']:.2f}x "
                f"the tokens of {stats['kv_model_dtype']}" if "kv_cache_dtype" in stats else ""),
         ),
+        *([f"<b>Context</b>: {html.escape(str(stats['context_fit']))}"]
+          if "context_fit" in stats else []),
+        *([f"<b>KV memory resident</b>: {stats['kv_resident_bytes'] / 2**20:.1f} of "
+           f"{stats['kv_reserved_bytes'] / 2**20:.0f} MiB reserved (pages are taken as blocks "
+           "are first used)"] if "kv_resident_bytes" in stats else []),
         *([f"<b>Per-layer embeddings</b>: {stats['per_layer_table_bytes'] / 2**20:.0f} MiB, "
            "a few rows read per step"] if "per_layer_table_bytes" in stats else []),
         f"<b>Prefix cache hit rate</b>: {pct(stats.get('prefix_cache_hit_rate', 0.0))} of "
@@ -313,7 +318,9 @@ def engine_html(stats: Mapping[str, Any]) -> str:
             _meter(
                 "State slots", stats["state_slots_used"], stats["state_slots_total"],
                 f"{stats['state_bytes_per_request'] / mib:.1f} MiB per request, "
-                f"{stats['state_slot_bytes'] / mib:.0f} MiB in all",
+                f"{stats['state_slot_bytes'] / mib:.0f} MiB in all"
+                + (f"; {stats['state_resident_bytes'] / mib:.1f} MiB of the state pools "
+                   "resident" if "state_resident_bytes" in stats else ""),
             ),
             _meter(
                 "State snapshots", stats["state_snapshots_used"], stats["state_snapshots_total"],

@@ -31,7 +31,8 @@ from engine.block_manager import BlockManager
 from engine.checkpoint_setup import CheckpointSetup
 from engine.config import EngineConfig
 from engine.hub import resolve_model
-from engine.model_runner import ModelRunner, context_length
+from engine.memory_plan import context_length
+from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, SchedulerOutput

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -394,9 +395,10 @@ class QuantizeOnLoad:
     embedding table) is quantized after loading, by quantize_language_model.
 
     `peak_dense_bytes`: the most bytes of dense linear weights resident at once while
-    loading."""
+    loading. `progress(done, total)`, if given, hears of each linear quantized."""
 
-    def __init__(self, mode: str, group_size: int) -> None:
+    def __init__(self, mode: str, group_size: int,
+                 progress: Callable[[int, int], None] | None = None) -> None:
         if mode not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {mode!r}")
         self.mode, self.group_size = mode, group_size
@@ -406,6 +408,7 @@ class QuantizeOnLoad:
         self._dense_bytes = 0
         self.peak_dense_bytes = 0
         self.count = 0
+        self.progress = progress
 
     def defer(self, model: nn.Module) -> list[str]:
         """build_on_meta's `defer`: the decoder-layer linears' weights, to leave on the meta
@@ -441,5 +444,7 @@ class QuantizeOnLoad:
         self._dense_bytes -= linear.weight.numel() * linear.weight.element_size()
         setattr(parent, attr, quantize_linear(linear, self.mode, self.group_size))
         self.count += 1
+        if self.progress is not None:
+            self.progress(self.count, len(self._linears))
         prefix = weight.removesuffix(".weight")
         return [f"{prefix}.{p}" for p, _ in linear.named_parameters()]
