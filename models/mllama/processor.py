@@ -138,7 +138,7 @@ class MllamaProcessor(ProcessorDefaults):
     ) -> ProcessedPrompt:
         check_mm_kwargs(mm_kwargs, (), "Llama 3.2 Vision")
         images = media.get("image", [])
-        check_placeholder_count(token_ids, self.image_id, len(images), "image")
+        check_placeholder_count(token_ids, {self.image_id: "image"}, media)
         locations = [i for i, t in enumerate(token_ids) if t == self.image_id]
         stages: dict[str, float] = {}
         features = []
