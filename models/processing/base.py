@@ -89,19 +89,21 @@ def hashed_and_processed(
 
 def check_placeholder_count(
     token_ids: Sequence[int], placeholders: Mapping[int | None, str],
-    media: Mapping[str, Sequence[Any]],
+    media: Mapping[str, Sequence[Any]], nouns: Mapping[str, str] | None = None,
 ) -> None:
     """ValueError unless the prompt holds one placeholder token per item of each modality.
 
     `placeholders`: token id -> modality (None: a modality the tokenizer has no placeholder
-    for, so no item of it can be placed); `media`: the items by modality."""
+    for, so no item of it can be placed); `media`: the items by modality; `nouns`: what the
+    message calls an item of a modality ("audio clip"), where not the modality's name."""
     for token, modality in placeholders.items():
         found = 0 if token is None else token_ids.count(token)
         given = len(media.get(modality, ()))
+        noun = (nouns or {}).get(modality, modality)
         if found != given:
             raise ValueError(
-                f"the prompt has {found} {modality} placeholder(s) but {given} {modality}(s) "
-                f"were given; each {modality} needs one placeholder (the chat template adds it)"
+                f"the prompt has {found} {modality} placeholder(s) but {given} {noun}(s) were "
+                f"given; each {noun} needs one placeholder (the chat template adds it)"
             )
 
 
