@@ -21,7 +21,7 @@ from models.processing.options import check_mm_kwargs
 __all__ = [
     "Expansion", "Pieces", "ProcessedCache", "ProcessorDefaults", "check_mm_kwargs",
     "check_placeholder_count", "expand_placeholders", "hashed_and_processed", "soft_runs",
-    "special_token_id",
+    "special_token_id", "tokenizer_special_tokens",
 ]
 
 
@@ -118,6 +118,21 @@ def special_token_id(tokenizer: Any, token: str, source: str) -> int:
             f"{source}: the tokenizer has no {token!r} token (one token of its vocabulary: "
             "tokenizer.json, tokenizer_config.json's added tokens)")
     return found
+
+
+def tokenizer_special_tokens(tokenizer: Any, names: Sequence[str],
+                             reader: str) -> dict[str, tuple[str, int]]:
+    """The tokens the tokenizer's attributes `names` name (its extra special tokens, from
+    tokenizer_config.json), each one token: name -> (text, id); a CheckpointError naming the
+    attribute otherwise. `reader`: the class that reads them there."""
+    out = {}
+    for name in names:
+        text = getattr(tokenizer, name, None)
+        source = f"tokenizer_config.json: {name} (where {reader} reads it)"
+        if not isinstance(text, str):
+            raise CheckpointError(f"{source}: the tokenizer has no {name}")
+        out[name] = (text, special_token_id(tokenizer, text, source))
+    return out
 
 
 def soft_runs(token_ids: Sequence[int], kinds: Mapping[int, str]) -> list[tuple[int, int, str]]:
