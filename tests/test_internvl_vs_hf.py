@@ -361,7 +361,7 @@ def test_checkpoints_the_model_cannot_serve_are_refused_at_load(tmp_path):
 
 
 def test_tower_and_projector_have_no_host_sync(llm):
-    from tests.test_sync_free import SyncRecorder
+    from tests.model_fixtures import SyncRecorder
 
     model = llm.engine.runner.model
     items = [("image", {"pixel_values": torch.randn(1, 3, 32, 32)}) for _ in range(3)]

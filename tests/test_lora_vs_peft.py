@@ -223,7 +223,7 @@ def test_a_step_with_adapters_has_no_host_sync(setup):
     indexed adds) reads nothing back from the device."""
     from models.layers.attention import build_metadata
     from models.layers.lora import build_adapter_batch
-    from tests.test_sync_free import SyncRecorder
+    from tests.model_fixtures import SyncRecorder
 
     model = engine(setup).engine.runner.model
     lens, starts, tables = [5, 1, 4], [0, 7, 0], [[0], [1], [2]]

@@ -277,7 +277,7 @@ def test_plans_agree_with_processing(llm):
 
 
 def test_tower_has_no_host_sync(llm):
-    from tests.test_sync_free import SyncRecorder
+    from tests.model_fixtures import SyncRecorder
 
     model = llm.engine.runner.model
     proc, _ = process_chat(llm, CASES["video_then_image"])

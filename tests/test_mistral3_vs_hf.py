@@ -238,7 +238,7 @@ def test_tower_and_splice_with_breaks_have_no_host_sync(m3_path):
     from engine.request import Request
     from engine.scheduler import ScheduledChunk
     from models.encoders.pixtral import build_pixtral_batch
-    from tests.test_sync_free import SyncRecorder
+    from tests.model_fixtures import SyncRecorder
 
     llm = LLM(m3_path, max_model_len=1024)
     runner, model = llm.engine.runner, llm.engine.runner.model

@@ -262,7 +262,7 @@ def test_tower_states_and_cross_layers_have_no_host_sync(llm):
     from engine.scheduler import ScheduledChunk
     from models.layers.attention import build_metadata
     from models.layers.cross_metadata import build_cross_metadata
-    from tests.test_sync_free import SyncRecorder
+    from tests.model_fixtures import SyncRecorder
 
     runner = llm.engine.runner
     proc, _ = process_chat(llm, CASES["two_images"])

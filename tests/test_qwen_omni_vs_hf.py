@@ -32,8 +32,8 @@ from tests.helpers import (
     random_image,
     user,
 )
+from tests.hf_references import hf_video_reference
 from tests.media_fixtures import VideoSpec, encode_video, tone
-from tests.test_qwen_vl_preprocess import hf_video_reference
 
 N = 8
 GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, logprobs=3)

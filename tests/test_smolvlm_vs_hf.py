@@ -336,7 +336,7 @@ def test_block_hashes_cover_structure_tokens_of_a_span():
 
 
 def test_tower_and_connector_have_no_host_sync(smolvlm_path):
-    from tests.test_sync_free import SyncRecorder
+    from tests.model_fixtures import SyncRecorder
 
     model = LLM(smolvlm_path, max_model_len=256).engine.runner.model
     items = [("image", {"pixel_values": torch.randn(7, 3, 32, 32)}),

@@ -13,15 +13,9 @@ import torch
 
 from engine import LLM, SamplingParams
 from models.layers.attention import build_metadata
+from tests.model_fixtures import GEMMA3_1B_SHAPE
 
 ATOL = 3e-4
-GEMMA3_1B_SHAPE = {  # Gemma 3 1B's proportions, shrunk: 6 layers, 5 local : 1 global
-    "head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 6,
-    "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
-    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
-    "hidden_activation": "gelu_pytorch_tanh",
-}
 
 
 @pytest.fixture(scope="module", params=["qwen3", "gemma3_text"])
