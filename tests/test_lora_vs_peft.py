@@ -18,7 +18,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from models.checkpoint import CheckpointError
-from tests.helpers import assert_matches_reference, assert_released
+from tests.helpers import assert_matches_reference, assert_released, greedy
 
 N = 6
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Describe the image in detail.",
@@ -27,8 +27,7 @@ ADAPTERS = (None, "attn", "mlp")
 
 
 def params(lora: str | None, max_tokens: int = N) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=3,
-                          lora=lora)
+    return greedy(max_tokens, logprobs=3, lora=lora)
 
 
 @pytest.fixture(scope="module")

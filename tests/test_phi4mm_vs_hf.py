@@ -24,6 +24,7 @@ from tests.helpers import (
     assert_matches_reference,
     assert_released,
     count_calls,
+    greedy,
     hf_greedy,
     process_chat,
     random_image,
@@ -31,7 +32,7 @@ from tests.helpers import (
 )
 
 N = 6
-GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, logprobs=3)
+GREEDY = greedy(N, logprobs=3)
 
 
 def tone(seconds: float, seed: int) -> tuple[np.ndarray, int]:

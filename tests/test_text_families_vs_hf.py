@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from models.layers.attention import build_metadata
+from tests.helpers import greedy
 from tests.model_fixtures import GEMMA3_1B_SHAPE
 
 ATOL = 3e-4
@@ -71,7 +72,7 @@ def test_greedy_matches_transformers_with_chunks_and_prefix_hits(family, hf_mode
     with torch.no_grad():
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    params = greedy(10)
     llm = LLM(path, max_model_len=256, max_num_batched_tokens=16, block_size=8)
     first = llm.generate([{"prompt_token_ids": prompt}], params)[0]
     again = llm.generate([{"prompt_token_ids": prompt}], params)[0]
