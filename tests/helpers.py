@@ -1,6 +1,7 @@
 """Test helpers shared by several modules: serving an app in a thread, waiting for an engine
 to go idle or pacing its steps, checking that a request released everything, counting encoder
-forwards, processing a chat the way the engine does."""
+forwards, processing a chat the way the engine does, greedy sampling parameters, transformers'
+greedy reference."""
 
 from __future__ import annotations
 
@@ -13,7 +14,14 @@ from contextlib import contextmanager
 
 import torch
 
+from engine.sampling_params import SamplingParams
 from testing.qwen_vl import qwen_vl_hf_inputs
+
+
+def greedy(n: int, **extra) -> SamplingParams:
+    """Exactly `n` greedy tokens (EOS ignored), as the parity tests compare them; `extra`: more
+    fields (logprobs=3, stop=...)."""
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **extra)
 
 
 @contextmanager

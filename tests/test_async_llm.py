@@ -7,9 +7,9 @@ import asyncio
 import pytest
 
 from engine import LLM, AsyncLLM, SamplingParams
-from tests.helpers import wait_idle_async
+from tests.helpers import greedy, wait_idle_async
 
-LONG = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+LONG = greedy(200)
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +21,7 @@ def engine(qwen2_path):
 
 
 async def test_stream_deltas_join_to_the_final_text(engine, qwen2_path):
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    params = greedy(40)
     deltas, token_deltas, outs = [], [], []
     async for out in engine.generate("Describe the image in detail.", params):
         deltas.append(out.outputs[0].delta_text)
@@ -36,10 +36,10 @@ async def test_stream_deltas_join_to_the_final_text(engine, qwen2_path):
 
 
 async def test_stop_string_never_leaks_into_a_delta(engine):
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    params = greedy(40)
     text = [o async for o in engine.generate("Café naïve", params)][-1].outputs[0].text
     stop = text[10:14]
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop])
+    params = greedy(40, stop=[stop])
     deltas = [o.outputs[0].delta_text async for o in engine.generate("Café naïve", params)]
     assert "".join(deltas) == text[: text.find(stop)]
 
@@ -75,7 +75,7 @@ async def test_consumer_that_goes_away_aborts_its_request(engine):
 
 
 async def test_concurrent_callers_share_batches(engine):
-    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    params = greedy(30)
     before = engine.stats()["steps"]
 
     async def run(i):
@@ -88,7 +88,7 @@ async def test_concurrent_callers_share_batches(engine):
 
 
 async def test_duplicate_request_id_is_refused(engine):
-    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    params = greedy(50)
     first = engine.generate("one", params, request_id="dup")
     await first.__anext__()
     with pytest.raises(ValueError, match="already in use"):
@@ -112,7 +112,7 @@ async def _collect(stream):
 
 async def test_cancelled_abort_call_does_not_kill_the_engine(engine):
     """A caller cancelled while awaiting abort() must not break the engine thread."""
-    params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+    params = greedy(300)
     stream = engine.generate("keep going", params, request_id="cancel-abort")
     await stream.__anext__()
     task = asyncio.create_task(engine.abort("cancel-abort"))

@@ -22,12 +22,12 @@ import numpy as np
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from testing.layouts import to_legacy_layout
-from tests.helpers import hf_greedy, process_chat, random_image
+from tests.helpers import greedy, hf_greedy, process_chat, random_image
 
 N = 4
-GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
+GREEDY = greedy(N)
 LAYOUTS = {
     "transformers5": None,
     "legacy-tokenizer-template": "tokenizer_config.json",

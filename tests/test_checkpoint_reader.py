@@ -5,7 +5,6 @@ ties it (engine/checkpoint_setup.py, the loader's error)."""
 
 from __future__ import annotations
 
-import ast
 import json
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from models.checkpoint import (
     choose_schema,
     read_settings,
 )
+from tests.hf_references import class_attributes, same_value
 
 SCHEMA = Schema("ToyImageProcessor", {"size": 224, "do_resize": True}, fixed={"do_pad": False},
                 inert=frozenset({"harmless"}))
@@ -143,34 +143,6 @@ def _pil_defaults(name: str) -> dict:
     return getattr(transformers, name)().to_dict()
 
 
-def _class_attributes(module: str, cls: str) -> dict:
-    """A class's attributes read from its source (its module needs torchvision to import)."""
-    import importlib.util
-
-    import transformers.image_utils as iu
-
-    source = Path(importlib.util.find_spec(module).origin).read_text()
-    names = {"PILImageResampling": iu.PILImageResampling, "OPENAI_CLIP_MEAN": iu.OPENAI_CLIP_MEAN,
-             "OPENAI_CLIP_STD": iu.OPENAI_CLIP_STD,
-             "IMAGENET_STANDARD_MEAN": iu.IMAGENET_STANDARD_MEAN,
-             "IMAGENET_STANDARD_STD": iu.IMAGENET_STANDARD_STD}
-    body = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == cls)
-    out = {}
-    for node in body.body:
-        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
-            try:
-                out[node.targets[0].id] = eval(compile(ast.Expression(node.value), "", "eval"),
-                                               dict(names))
-            except NameError:
-                continue
-    return out
-
-
-def _same(ours, theirs) -> bool:
-    norm = lambda v: list(v) if isinstance(v, tuple) else int(v) if hasattr(v, "value") else v  # noqa: E731
-    return norm(ours) == norm(theirs)
-
-
 def _image_schemas():
     from models.gemma4.preprocess import IMAGE_PROCESSOR as GEMMA4
     from models.idefics3.preprocess import IMAGE_PROCESSORS as IDEFICS3
@@ -196,9 +168,9 @@ def test_image_schema_defaults_are_the_classes(schema, cls):
         if key in ("min_pixels", "max_pixels"):  # transformers 4's budget names: not set
             assert ours is None
             continue
-        assert key in theirs and _same(ours, theirs[key]), (key, ours, theirs.get(key))
+        assert key in theirs and same_value(ours, theirs[key]), (key, ours, theirs.get(key))
     for key, accepted in schema.fixed.items():
-        assert key not in theirs or _same(accepted, theirs[key]) or accepted is False, key
+        assert key not in theirs or same_value(accepted, theirs[key]) or accepted is False, key
 
 
 @pytest.mark.parametrize(("module", "cls"), [
@@ -217,10 +189,10 @@ def test_video_schema_defaults_are_the_classes(module, cls):
     from models.processing.qwen_vision import VIDEO_PROCESSORS as QWEN
 
     schema = {**QWEN, **SMOLVLM, **INTERNVL, **MINICPMV, GEMMA4.cls: GEMMA4}[cls]
-    theirs = _class_attributes(module, cls)
+    theirs = class_attributes(module, cls)
     for key, ours in schema.defaults.items():
         if key in theirs:
-            assert _same(ours, theirs[key]), (key, ours, theirs[key])
+            assert same_value(ours, theirs[key]), (key, ours, theirs[key])
         else:  # not a class attribute: transformers' base default is None
             assert ours is None or key in ("rescale_factor",), key
 

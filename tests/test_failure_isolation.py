@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from api import create_app
-from engine import LLM, AsyncLLM, SamplingParams
+from engine import LLM, AsyncLLM
 from engine.encoder_cache import EncoderCacheManager
 from engine.model_runner import EncoderItemsFailed
 from engine.request import Request
@@ -21,6 +21,7 @@ from tests.api_fixtures import running_server
 from tests.helpers import (
     assert_released,
     engine_idle,
+    greedy,
     pace_steps,
     process_chat,
     random_image,
@@ -29,7 +30,7 @@ from tests.helpers import (
 )
 
 N = 8
-GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
+GREEDY = greedy(N)
 
 GOOD = user(random_image(64, 64, 1), "Describe the image in detail.")
 BAD = user(random_image(56, 84, 2), "What is in this picture?")

@@ -14,18 +14,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from tests.helpers import (
     assert_matches_reference,
     assert_released,
     count_calls,
+    greedy,
     hf_greedy,
     process_chat,
     random_image,
 )
 
 N = 8
-GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
+GREEDY = greedy(N)
 PAN_AND_SCAN = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 20,
                 "pan_and_scan_max_num_crops": 3, "pan_and_scan_min_ratio_to_activate": 1.4}
 
@@ -106,7 +107,7 @@ def test_expansion_spans_and_the_bidirectional_mask_matter(gemma_path, refs, hf_
 
 def test_each_case_matches_transformers(gemma_path, refs):
     llm = LLM(gemma_path, max_model_len=1024)
-    params = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, logprobs=3)
+    params = greedy(N, logprobs=3)
     for case, msgs in CASES.items():
         out = llm.chat(msgs, params, mm_processor_kwargs=PAN_AND_SCAN)[0]
         assert_matches_reference(out, *refs[case][:2], case)

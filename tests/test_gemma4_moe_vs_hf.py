@@ -9,11 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from tests.helpers import (
     assert_matches_reference,
     assert_released,
     count_calls,
+    greedy,
     hf_greedy,
     process_chat,
     random_image,
@@ -21,7 +22,7 @@ from tests.helpers import (
 )
 
 N = 6
-GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
+GREEDY = greedy(N)
 CASES = {
     "text": user("The quick brown fox jumps over the lazy dog. Describe it in detail."),
     "image": user(random_image(64, 70, 0), "Describe the image in detail."),
@@ -72,7 +73,7 @@ def test_shapes_and_causal_spans(llm):
 
 
 def test_each_case_matches_transformers(llm, refs):
-    params = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, logprobs=3)
+    params = greedy(N, logprobs=3)
     for case, msgs in CASES.items():
         assert_matches_reference(llm.chat(msgs, params)[0], *refs[case], case)
     assert_released(llm)

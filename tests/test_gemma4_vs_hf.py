@@ -19,11 +19,12 @@ import numpy as np
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from tests.helpers import (
     assert_matches_reference,
     assert_released,
     count_calls,
+    greedy,
     hf_greedy,
     process_chat,
     random_image,
@@ -32,8 +33,8 @@ from tests.helpers import (
 )
 
 N = 6
-GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
-LOGPROBS = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, logprobs=3)
+GREEDY = greedy(N)
+LOGPROBS = greedy(N, logprobs=3)
 
 
 def _tone(seconds: float, hz: float = 440.0) -> tuple[np.ndarray, int]:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from tests.helpers import assert_released
+from engine import LLM
+from tests.helpers import assert_released, greedy
 
-GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+GREEDY = greedy(24)
 
 
 def _prompts(vocab: int, lengths, seed: int = 0) -> list[list[int]]:
@@ -137,7 +137,7 @@ def test_batch_invariance(qwen2_path, reference):
     """A request alone and inside a batch of 8 yields the same tokens (float32)."""
     prompts, _ = reference
     llm = LLM(qwen2_path, max_model_len=256, enable_prefix_caching=False)
-    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    params = greedy(32)
     alone = llm.generate([prompts[3]], params)[0].outputs[0].token_ids
     batched = llm.generate(prompts, params)[3].outputs[0].token_ids
     assert alone == batched
@@ -147,7 +147,7 @@ def test_logprobs_match_transformers(qwen2_path, hf_models):
     hf = hf_models(qwen2_path)
     prompt = _prompts(hf.config.vocab_size, [21], seed=9)[0]
     llm = LLM(qwen2_path, max_model_len=256)
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
+    params = greedy(6, logprobs=3)
     out = llm.generate([prompt], params)[0].outputs[0]
     with torch.no_grad():
         logits = hf(torch.tensor([prompt + out.token_ids])).logits[0].float()

@@ -10,7 +10,7 @@ import torch
 from models.kernels import huge_pages
 from models.kernels.quantization import quantize_language_model
 from models.layers.decoder import CausalLM
-from tests.test_quantization import tiny_tied_model
+from tests.model_fixtures import tiny_tied_model
 
 
 def _model(seed: int = 0) -> CausalLM:

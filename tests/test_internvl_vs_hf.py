@@ -23,12 +23,13 @@ import numpy as np
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from testing.internvl import TOKENS_PER_TILE as L
 from tests.helpers import (
     assert_matches_reference,
     assert_released,
     count_calls,
+    greedy,
     hf_greedy,
     process_chat,
     random_image,
@@ -37,8 +38,8 @@ from tests.helpers import (
 )
 
 N = 8
-GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
-LOGPROBS = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, logprobs=3)
+GREEDY = greedy(N)
+LOGPROBS = greedy(N, logprobs=3)
 VARIANTS = {  # name -> build_internvl_model options
     "qwen2": {},
     # InternViT-6B's shape (QK-norm, RMSNorm, no q/k/v biases, a final LayerNorm) before
@@ -361,7 +362,7 @@ def test_checkpoints_the_model_cannot_serve_are_refused_at_load(tmp_path):
 
 
 def test_tower_and_projector_have_no_host_sync(llm):
-    from tests.test_sync_free import SyncRecorder
+    from tests.model_fixtures import SyncRecorder
 
     model = llm.engine.runner.model
     items = [("image", {"pixel_values": torch.randn(1, 3, 32, 32)}) for _ in range(3)]

@@ -12,12 +12,13 @@ import pytest
 import torch
 from PIL import Image
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from models.kernels.linear import Linear
 from tests.helpers import (
     assert_matches_reference,
     assert_released,
     count_calls,
+    greedy,
     hf_greedy,
     process_chat,
     random_image,
@@ -25,7 +26,7 @@ from tests.helpers import (
 )
 
 N = 8
-GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
+GREEDY = greedy(N)
 VARIANTS = {  # name -> build_llava_model options
     "llava-clip-llama": {},
     "llava-siglip-mistral": {"tower": "siglip", "text": "mistral"},
@@ -94,7 +95,7 @@ def refs(llava, hf_models):
 def test_each_case_matches_transformers(llava, refs):
     _, path = llava
     llm = LLM(path, max_model_len=1024)
-    params = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, logprobs=3)
+    params = greedy(N, logprobs=3)
     for case, msgs in CASES.items():
         assert_matches_reference(llm.chat(msgs, params)[0], *refs[case], case)
     assert_released(llm)
@@ -138,7 +139,7 @@ def test_bfloat16_tracks_transformers_in_bfloat16(llava, hf_models):
             module.kernels = None
     hf = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=torch.bfloat16)
     tokens, logprobs = reference(path, hf.eval(), llm, CASES["one_image"], torch.bfloat16)
-    params = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, logprobs=1)
+    params = greedy(N, logprobs=1)
     out = llm.chat(CASES["one_image"], params)[0]
     # bfloat16 rounds differently in the two implementations (fused q/k/v, float32 softmax),
     # and the tiny random models' large activations amplify it: the first tokens agree and,

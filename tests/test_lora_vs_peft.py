@@ -18,7 +18,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from models.checkpoint import CheckpointError
-from tests.helpers import assert_matches_reference, assert_released
+from tests.helpers import assert_matches_reference, assert_released, greedy
 
 N = 6
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Describe the image in detail.",
@@ -27,8 +27,7 @@ ADAPTERS = (None, "attn", "mlp")
 
 
 def params(lora: str | None, max_tokens: int = N) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=3,
-                          lora=lora)
+    return greedy(max_tokens, logprobs=3, lora=lora)
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +222,7 @@ def test_a_step_with_adapters_has_no_host_sync(setup):
     indexed adds) reads nothing back from the device."""
     from models.layers.attention import build_metadata
     from models.layers.lora import build_adapter_batch
-    from tests.test_sync_free import SyncRecorder
+    from tests.model_fixtures import SyncRecorder
 
     model = engine(setup).engine.runner.model
     lens, starts, tables = [5, 1, 4], [0, 7, 0], [[0], [1], [2]]

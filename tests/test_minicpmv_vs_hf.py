@@ -20,11 +20,12 @@ import numpy as np
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from tests.helpers import (
     assert_matches_reference,
     assert_released,
     count_calls,
+    greedy,
     hf_greedy,
     process_chat,
     random_image,
@@ -33,8 +34,8 @@ from tests.helpers import (
 )
 
 N = 6
-GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
-LOGPROBS = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, logprobs=3)
+GREEDY = greedy(N)
+LOGPROBS = greedy(N, logprobs=3)
 IMAGE = random_image(90, 150, 0)  # 2 x 2 slices
 CASES = {
     "one_image": user(IMAGE, "Describe the image in detail."),
@@ -277,7 +278,7 @@ def test_plans_agree_with_processing(llm):
 
 
 def test_tower_has_no_host_sync(llm):
-    from tests.test_sync_free import SyncRecorder
+    from tests.model_fixtures import SyncRecorder
 
     model = llm.engine.runner.model
     proc, _ = process_chat(llm, CASES["video_then_image"])

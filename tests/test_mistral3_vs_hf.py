@@ -13,11 +13,12 @@ import pytest
 import torch
 from PIL import Image
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from tests.helpers import (
     assert_matches_reference,
     assert_released,
     count_calls,
+    greedy,
     hf_greedy,
     process_chat,
     random_image,
@@ -25,8 +26,8 @@ from tests.helpers import (
 )
 
 N = 6
-GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
-WITH_LOGPROBS = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, logprobs=3)
+GREEDY = greedy(N)
+WITH_LOGPROBS = greedy(N, logprobs=3)
 CASES = {
     "one_image": user(random_image(90, 150, 0), "Describe the image in detail."),
     # 3 x 5 and (scaled down to fit 168) 6 x 2 embeddings: different row counts.
@@ -238,7 +239,7 @@ def test_tower_and_splice_with_breaks_have_no_host_sync(m3_path):
     from engine.request import Request
     from engine.scheduler import ScheduledChunk
     from models.encoders.pixtral import build_pixtral_batch
-    from tests.test_sync_free import SyncRecorder
+    from tests.model_fixtures import SyncRecorder
 
     llm = LLM(m3_path, max_model_len=1024)
     runner, model = llm.engine.runner, llm.engine.runner.model
@@ -304,7 +305,7 @@ def test_bfloat16_tracks_transformers_in_bfloat16(m3_path):
     kwargs, ids = hf_inputs(m3_path, llm, CASES["two_images"])
     kwargs["pixel_values"] = kwargs["pixel_values"].to(torch.bfloat16)
     tokens, logprobs = hf_greedy(hf.eval(), kwargs, len(ids), N)
-    params = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, logprobs=1)
+    params = greedy(N, logprobs=1)
     out = llm.chat(CASES["two_images"], params)[0].outputs[0]
     # bfloat16 rounds differently in the two implementations (fused projections, float32
     # rotary); the tiny random models amplify it: the first tokens agree and, while the

@@ -22,12 +22,13 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.llm_engine import LLMEngine
 from tests.helpers import (
     assert_matches_reference,
     assert_released,
     count_calls,
+    greedy,
     hf_greedy,
     process_chat,
     random_image,
@@ -35,8 +36,8 @@ from tests.helpers import (
 )
 
 N = 6
-GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
-LOGPROBS = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, logprobs=3)
+GREEDY = greedy(N)
+LOGPROBS = greedy(N, logprobs=3)
 PICTURE, OTHER = random_image(50, 90, 1), random_image(70, 40, 4)
 CASES = {
     "one_image": user("Look at this:", PICTURE, "Describe it."),
@@ -231,7 +232,7 @@ def test_soak_with_aborts_failures_and_preemption_leaves_nothing_held(path, monk
         return tower_forward(*args, **kwargs)
 
     monkeypatch.setattr(tower, "forward", flaky_tower)
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    params = greedy(8)
     made = []
     for i in range(40):
         if rng.random() < 0.8:
@@ -262,7 +263,7 @@ def test_tower_states_and_cross_layers_have_no_host_sync(llm):
     from engine.scheduler import ScheduledChunk
     from models.layers.attention import build_metadata
     from models.layers.cross_metadata import build_cross_metadata
-    from tests.test_sync_free import SyncRecorder
+    from tests.model_fixtures import SyncRecorder
 
     runner = llm.engine.runner
     proc, _ = process_chat(llm, CASES["two_images"])

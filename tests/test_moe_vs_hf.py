@@ -16,13 +16,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from models.kernels.quantization import QuantizedLinear
 from models.layers.moe import SparseMoE
 from testing.layouts import transpose_fused_experts
 from tests.helpers import (
     assert_matches_reference,
     assert_released,
+    greedy,
     hf_greedy,
     process_chat,
     qwen_vl_reference,
@@ -31,7 +32,7 @@ from tests.helpers import (
 )
 
 N = 6
-GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, logprobs=3)
+GREEDY = greedy(N, logprobs=3)
 # 8 experts, 2 per token; expert sizes that no layout's transpose leaves square (hidden 64).
 EXPERTS = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 96}
 CHECKPOINTS = {
@@ -180,7 +181,7 @@ def test_quantized_experts_keep_the_router_exact(mode, shared_expert_path):
             assert module.gate.weight.dtype == torch.float32
             assert not isinstance(module.shared_expert_gate, QuantizedLinear)
             assert not isinstance(module.gate, QuantizedLinear) and module.gate.kernels
-    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, logprobs=5)
+    params = greedy(1, logprobs=5)
     a = dense.chat(CASES["text"], params)[0].outputs[0].logprobs[0]
     b = quant.chat(CASES["text"], params)[0].outputs[0].logprobs[0]
     assert all(v == v and v > -1e9 for v in b.values())  # finite

@@ -27,7 +27,7 @@ from models.kernels.quantization import (
     quantize_int4,
     quantize_int8,
 )
-from tests.test_text_families_vs_hf import GEMMA3_1B_SHAPE
+from tests.model_fixtures import GEMMA3_1B_SHAPE
 
 
 @pytest.fixture(scope="module")

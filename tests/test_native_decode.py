@@ -15,7 +15,7 @@ from models.kernels.choice import BUCKETS
 from models.kernels.linear import Linear
 from models.kernels.native_decode import NativeDecode, unsupported
 from models.kernels.quantization import QuantizedLinear
-from tests.test_quantization import tiny_tied_model
+from tests.model_fixtures import tiny_tied_model
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="native kernels unavailable")
 

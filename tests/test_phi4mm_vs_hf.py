@@ -24,6 +24,7 @@ from tests.helpers import (
     assert_matches_reference,
     assert_released,
     count_calls,
+    greedy,
     hf_greedy,
     process_chat,
     random_image,
@@ -31,7 +32,7 @@ from tests.helpers import (
 )
 
 N = 6
-GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, logprobs=3)
+GREEDY = greedy(N, logprobs=3)
 
 
 def tone(seconds: float, seed: int) -> tuple[np.ndarray, int]:
@@ -233,7 +234,7 @@ def test_refusals(phi_path):
 def test_encoders_have_no_host_sync(phi_path):
     """Contract 1 for both encoders: crops of two images and two clips (one past the 500
     position window) in one encode, nothing read back from the device."""
-    from tests.test_sync_free import SyncRecorder
+    from tests.model_fixtures import SyncRecorder
 
     llm = LLM(phi_path, max_model_len=2048)
     msgs = user(random_image(300, 500, 0), random_image(120, 90, 2), tone(1.1, 3),
@@ -278,16 +279,16 @@ def test_setting_defaults_are_the_classes():
 
     from models.phi4mm.fbank import FEATURE_EXTRACTOR
     from models.phi4mm.processor import IMAGE_PROCESSOR
-    from tests.test_checkpoint_reader import _class_attributes, _same
+    from tests.hf_references import class_attributes, same_value
 
-    theirs = _class_attributes(
+    theirs = class_attributes(
         "transformers.models.phi4_multimodal.image_processing_phi4_multimodal",
         "Phi4MultimodalImageProcessor")
     for key, ours in {**IMAGE_PROCESSOR.defaults, **IMAGE_PROCESSOR.fixed}.items():
         if key == "rescale_factor":  # the base class's 1 / 255
             assert ours == 1 / 255
             continue
-        assert _same(ours, theirs[key]), key
+        assert same_value(ours, theirs[key]), key
     params = inspect.signature(transformers.Phi4MultimodalFeatureExtractor.__init__).parameters
     for key, ours in {**FEATURE_EXTRACTOR.defaults, **FEATURE_EXTRACTOR.fixed}.items():
         assert params[key].default == ours, key

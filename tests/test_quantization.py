@@ -29,8 +29,8 @@ from models.kernels.quantization import (
     quantize_language_model,
     unpack_int4,
 )
-from models.layers.attention import LayerAttention
-from models.layers.decoder import CausalLM, DecoderConfig
+from models.layers.decoder import CausalLM
+from tests.model_fixtures import tiny_tied_model
 
 # Relative error bounds (||out - ref|| / ||ref||) and the lowest row cosine on a 896x4864
 # linear (Qwen2-0.5B's down_proj) with N(0, 0.02) weights; measured int8 per channel (group
@@ -233,17 +233,6 @@ def test_a_wrong_scale_breaks_the_bound(real_linear, mode, group):
             layer.scales[:, ::2, 0] *= 1.2
     rel, _, _ = _errors(layer(x), ref)
     assert rel > LINEAR_BOUNDS[mode, group]
-
-
-def tiny_tied_model() -> CausalLM:
-    """Two layers, hidden 64, a head tied to the embedding table (random init, on the CPU)."""
-    cfg = DecoderConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=64,
-        tie_word_embeddings=True, hidden_act="silu", layer_rope=({"rope_type": "default"},) * 2,
-        layer_attention=(LayerAttention(None, None),) * 2,
-    )
-    return CausalLM(cfg, 64, torch.device("cpu"))
 
 
 def test_quantize_language_model_covers_layers_and_a_tied_head():

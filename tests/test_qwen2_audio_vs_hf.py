@@ -14,20 +14,22 @@ import pytest
 import torch
 from transformers import WhisperFeatureExtractor
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.media import MediaError, load_audio_sync
 from models.encoders.whisper import encoder_lengths
 from tests.helpers import (
     assert_released,
     assert_top_logprobs,
     count_calls,
+    greedy,
+    hf_greedy,
     process_chat,
     user,
 )
 from tests.media_fixtures import VideoSpec, encode_av_audio, encode_soundfile, encode_video, tone
 
 N = 10
-GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
+GREEDY = greedy(N)
 RATE = 16000
 WINDOW = 30 * RATE
 
@@ -68,12 +70,9 @@ def hf_inputs(proc) -> dict:
     return kwargs
 
 
-def hf_greedy(hf, proc, n: int = N) -> list[int]:
-    never = hf.config.text_config.vocab_size
-    with torch.no_grad():
-        out = hf.generate(**hf_inputs(proc), max_new_tokens=n, do_sample=False,
-                          eos_token_id=never, pad_token_id=never)
-    return out[0, len(proc.token_ids) :].tolist()
+def hf_tokens(hf, proc, n: int = N) -> list[int]:
+    """transformers' greedy tokens (hf_greedy) for the prompt the engine processed."""
+    return hf_greedy(hf, hf_inputs(proc), len(proc.token_ids), n)[0]
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +82,7 @@ def llm(qwen2_audio_path):
 
 @pytest.fixture(scope="module")
 def refs(llm, hf_audio_model):
-    return {name: hf_greedy(hf_audio_model, processed(llm, msgs)) for name, msgs in CASES.items()}
+    return {name: hf_tokens(hf_audio_model, processed(llm, msgs)) for name, msgs in CASES.items()}
 
 
 def test_placeholders_match_the_transformers_processor(llm):
@@ -129,7 +128,7 @@ def test_span_split_across_prefill_chunks(qwen2_audio_path, refs):
 def test_prefill_and_decode_logits_match(qwen2_audio_path, hf_audio_model):
     llm = LLM(qwen2_audio_path, max_model_len=2048, max_num_batched_tokens=32)
     msgs = CASES["two_clips"]
-    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=5)
+    params = greedy(3, logprobs=5)
     out = llm.chat(msgs, params)[0].outputs[0]
     proc = processed(llm, msgs)
     kwargs = hf_inputs(proc)
@@ -170,7 +169,7 @@ def test_encoder_cache_hit_skips_the_encoder(qwen2_audio_path, hf_audio_model):
     assert calls == [1], "the encoder ran again for a cached clip"
     assert second.multi_modal_placeholders[0].cache_hit is True
     assert second.metrics.encoder_cache_hits == 1 and second.metrics.encoder_calls == 0
-    assert second.outputs[0].token_ids == hf_greedy(hf_audio_model, processed(llm, msgs))
+    assert second.outputs[0].token_ids == hf_tokens(hf_audio_model, processed(llm, msgs))
     assert llm.engine.processor.mm_processor.cache.hits >= 1  # the mel features were reused
     assert_released(llm)
 
@@ -185,7 +184,7 @@ def test_long_clip_splits_into_30_second_windows(llm, hf_audio_model):
     tokens = llm.tokenizer.convert_tokens_to_ids(["<|audio_eos|>", "<|audio_bos|>"])
     assert out.prompt_token_ids[spans[0].offset + 750 : spans[1].offset] == tokens
     assert out.prompt_token_ids[spans[1].offset + 125] == tokens[0]
-    assert out.outputs[0].token_ids == hf_greedy(hf_audio_model, processed(llm, msgs))
+    assert out.outputs[0].token_ids == hf_tokens(hf_audio_model, processed(llm, msgs))
     assert_released(llm)
 
 

@@ -17,6 +17,8 @@ from tests.helpers import (
     assert_released,
     assert_top_logprobs,
     count_calls,
+    greedy,
+    hf_greedy,
     process_chat,
     random_image,
     random_video,
@@ -24,7 +26,7 @@ from tests.helpers import (
 )
 
 N = 10
-GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
+GREEDY = greedy(N)
 
 
 CASES = {
@@ -90,13 +92,12 @@ def trained_rope(hf, proc):
         hf.model.get_rope_index = original
 
 
-def hf_greedy(hf, proc, n: int = N) -> list[int]:
+def hf_tokens(hf, proc, n: int = N) -> list[int]:
+    """transformers' greedy tokens (hf_greedy) for the prompt the engine processed, with the
+    positions it was trained with (trained_rope)."""
     kwargs = hf_inputs(hf, proc)
-    never = hf.config.text_config.vocab_size
-    with torch.no_grad(), trained_rope(hf, proc):
-        out = hf.generate(**kwargs, max_new_tokens=n, do_sample=False, eos_token_id=never,
-                          pad_token_id=never)
-    return out[0, len(proc.token_ids):].tolist()
+    with trained_rope(hf, proc):
+        return hf_greedy(hf, kwargs, len(proc.token_ids), n)[0]
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +105,7 @@ def refs(vl_path, hf_models):
     """transformers' greedy continuation of every case (processed by a throwaway engine)."""
     llm = LLM(vl_path, max_model_len=1024)
     hf = hf_models(vl_path)
-    return {name: hf_greedy(hf, processed(llm, msgs)) for name, msgs in CASES.items()}
+    return {name: hf_tokens(hf, processed(llm, msgs)) for name, msgs in CASES.items()}
 
 
 def _all_cases(llm: LLM) -> dict[str, list[int]]:
@@ -137,7 +138,7 @@ def test_prefill_logits_match(vl_path, hf_models):
     llm = LLM(vl_path, max_model_len=1024, max_num_batched_tokens=24)
     hf = hf_models(vl_path)
     msgs = CASES["image_and_video"]
-    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=5)
+    params = greedy(3, logprobs=5)
     out = llm.chat(msgs, params)[0].outputs[0]
     proc = processed(llm, msgs)
     kwargs = hf_inputs(hf, proc)
@@ -161,7 +162,7 @@ def test_encoder_cache_hit_skips_the_encoder(vl_path, hf_models):
     assert calls == [1], "the encoder ran again for a cached image"
     assert second.multi_modal_placeholders[0].cache_hit is True
     assert second.metrics.encoder_cache_hits == 1 and second.metrics.encoder_calls == 0
-    assert second.outputs[0].token_ids == hf_greedy(hf, processed(llm, second_msgs))
+    assert second.outputs[0].token_ids == hf_tokens(hf, processed(llm, second_msgs))
     assert llm.engine.processor.mm_processor.cache.hits >= 1  # preprocessing skipped too
     assert_released(llm)
 
@@ -200,7 +201,7 @@ def test_a_second_turn_about_the_image_computes_only_the_new_text(vl_path, hf_mo
     second = llm.chat(history, GREEDY)[0]
     assert second.num_cached_tokens >= len(first.prompt_token_ids)
     assert second.num_cached_tokens % 16 and second.metrics.encoder_calls == 0
-    assert second.outputs[0].token_ids == hf_greedy(hf, processed(llm, history))
+    assert second.outputs[0].token_ids == hf_tokens(hf, processed(llm, history))
     assert_released(llm)
 
 
@@ -212,7 +213,7 @@ def test_same_text_different_image_never_shares_kv(vl_path, hf_models):
     out = llm.chat(b, GREEDY)[0]
     span = out.multi_modal_placeholders[0]
     assert out.num_cached_tokens <= span.offset  # nothing past the image's start was reused
-    assert out.outputs[0].token_ids == hf_greedy(hf, processed(llm, b))
+    assert out.outputs[0].token_ids == hf_tokens(hf, processed(llm, b))
 
 
 def test_long_video_encoder_work_is_spread_over_prefill_chunks(vl_path, hf_models):
@@ -230,7 +231,7 @@ def test_long_video_encoder_work_is_spread_over_prefill_chunks(vl_path, hf_model
     m = out.metrics
     prefill_seconds = sum(seconds for _, seconds in m.prefill_chunks)
     assert 0 < m.encoder_time < prefill_seconds
-    assert out.outputs[0].token_ids == hf_greedy(hf_models(vl_path), processed(llm, msgs))
+    assert out.outputs[0].token_ids == hf_tokens(hf_models(vl_path), processed(llm, msgs))
 
 
 def test_four_images_in_one_step_are_one_encoder_forward(qwen2_vl_path):
@@ -317,7 +318,7 @@ def test_preempted_requests_encode_their_media_again(vl_path, hf_models):
     outs = llm.chat(chats, dataclasses.replace(GREEDY, max_tokens=30))  # decodes past a block
     hf = hf_models(vl_path)
     assert [o.outputs[0].token_ids for o in outs] == [
-        hf_greedy(hf, processed(llm, msgs), 30) for msgs in chats]
+        hf_tokens(hf, processed(llm, msgs), 30) for msgs in chats]
     again = [o for o in outs if o.metrics.num_preemptions and o.metrics.encoder_calls > 1]
     assert again, "no request was preempted and encoded again"
     assert_released(llm)

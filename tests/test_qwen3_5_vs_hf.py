@@ -15,12 +15,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.llm_engine import LLMEngine
 from tests.helpers import (
     assert_matches_reference,
     assert_released,
     assert_rope_index_positions,
+    greedy,
     hf_greedy,
     qwen_vl_reference,
     random_image,
@@ -29,7 +30,7 @@ from tests.helpers import (
 )
 
 N = 6
-GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, logprobs=3)
+GREEDY = greedy(N, logprobs=3)
 IMAGE = random_image(120, 150, 0)
 SYSTEM = {"role": "system", "content": "You are a careful assistant who answers briefly, "
           "names what is in front of it, and says so when it does not know the answer."}
@@ -221,7 +222,7 @@ def test_soak_with_aborts_and_failures_leaves_no_state_held(vl_path, monkeypatch
 
     monkeypatch.setattr(engine.runner.model, "forward", flaky_forward)
     monkeypatch.setattr(tower, "forward", flaky_tower)
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    params = greedy(4)
     for i in range(60):
         if rng.random() < 0.5:
             content = [{"type": "text", "text": rng.choice(["Hi.", "Describe it.", "Why?"])}]

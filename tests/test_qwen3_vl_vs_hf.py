@@ -21,6 +21,7 @@ from tests.helpers import (
     assert_released,
     assert_rope_index_positions,
     count_calls,
+    greedy,
     process_chat,
     qwen_vl_reference,
     random_image,
@@ -29,7 +30,7 @@ from tests.helpers import (
 )
 
 N = 8
-GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
+GREEDY = greedy(N)
 
 
 CASES = {
@@ -85,7 +86,7 @@ def test_video_groups_carry_timestamps_inside_their_spans(qwen3_vl_path):
 
 def test_each_case_matches_transformers(qwen3_vl_path, refs):
     llm = LLM(qwen3_vl_path, max_model_len=2048)
-    params = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, logprobs=3)
+    params = greedy(N, logprobs=3)
     for case, msgs in CASES.items():
         assert_matches_reference(llm.chat(msgs, params)[0], *refs[case], case)
     assert_released(llm)
@@ -99,7 +100,7 @@ def test_deepstack_changes_the_output(qwen3_vl_path, refs):
     forward = model.forward
     model.forward = lambda ids, pos, meta, embeds=None, residuals=None: forward(
         ids, pos, meta, embeds, None)
-    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, logprobs=1)
+    params = greedy(1, logprobs=1)
     out = llm.chat(CASES["one_image"], params)[0]
     (token, logprob), = out.outputs[0].logprobs[0].items()
     assert abs(logprob - refs["one_image"][1][0, token].item()) > 0.05

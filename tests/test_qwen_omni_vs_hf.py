@@ -20,23 +20,24 @@ import pytest
 import torch
 import transformers
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from models.qwen_omni.processor import VIDEO_PIXELS
 from testing.qwen_omni import items_in_order, reference_inputs
 from tests.helpers import (
     assert_matches_reference,
     assert_released,
     count_calls,
+    greedy,
     hf_greedy,
     process_chat,
     random_image,
     user,
 )
+from tests.hf_references import hf_video_reference
 from tests.media_fixtures import VideoSpec, encode_video, tone
-from tests.test_qwen_vl_preprocess import hf_video_reference
 
 N = 8
-GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, logprobs=3)
+GREEDY = greedy(N, logprobs=3)
 RATE = 16000
 
 

@@ -22,15 +22,7 @@ from models.processing.qwen_vision import (
     preprocess_video,
     smart_resize,
 )
-
-CFG = VisionPreprocessConfig()
-
-
-def hf_processor(min_pixels: int = CFG.min_pixels, max_pixels: int = CFG.max_pixels):
-    return Qwen2VLImageProcessorPil(
-        patch_size=14, temporal_patch_size=2, merge_size=2, min_pixels=min_pixels,
-        max_pixels=max_pixels, image_mean=list(CFG.image_mean), image_std=list(CFG.image_std),
-    )
+from tests.hf_references import CFG, hf_processor, hf_video_reference
 
 
 def random_image(height: int, width: int, seed: int = 0) -> Image.Image:
@@ -106,26 +98,6 @@ def test_image_per_call_budget_matches_hf(size, min_pixels, max_pixels):
 def test_image_rejects_non_rgb():
     with pytest.raises(ValueError, match="RGB"):
         preprocess_image(random_image(28, 28).convert("RGBA"), CFG)
-
-
-def hf_video_reference(frames: np.ndarray, min_pixels: int, max_pixels: int) -> torch.Tensor:
-    """Patch rows of a video built from HF's PIL image processor, one frame at a time.
-
-    transformers' own video processor needs torchvision (absent here) and resizes with it, so
-    the reference is its image path, which is what our video path promises to reproduce: every
-    frame through HF's resize (PIL bicubic on uint8), rescale, normalize and patch ordering as a
-    still image (rows (channel, temporal slot, y, x) holding that frame in both slots), then
-    consecutive frames paired into the temporal slots, an odd tail paired with itself (HF's
-    video processor pads by repeating the last frame).
-    """
-    processor = hf_processor(min_pixels, max_pixels)
-    per_frame = [
-        processor(Image.fromarray(f), return_tensors="pt")["pixel_values"] for f in frames
-    ]
-    per_frame += per_frame[-1:] * (len(per_frame) % 2)
-    stills = torch.stack(per_frame).unflatten(-1, (3, 2, 14 * 14))  # [N, rows, C, tp, p*p]
-    pairs = torch.stack([stills[0::2, :, :, 0], stills[1::2, :, :, 0]], dim=3)
-    return pairs.flatten(2).flatten(0, 1)  # [N/2 * rows, C*tp*p*p]
 
 
 @pytest.mark.parametrize(

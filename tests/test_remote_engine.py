@@ -14,19 +14,18 @@ import pytest
 
 from api import create_app
 from api.responses import extension
-from engine import SamplingParams
 from engine.metrics import RequestMetrics
 from engine.outputs import CompletionOutput, PlaceholderInfo, RequestOutput
 from engine.remote import BackendError, RemoteConfig, RequestRefusedError, connect
 from engine.remote.stream import EXTENSION, StreamState
 from tests.api_fixtures import running_server
-from tests.helpers import assert_released, pace_steps
+from tests.helpers import assert_released, greedy, pace_steps
 from tests.helpers import wait_idle_async as wait_idle
 from tests.ui_fixtures import AUDIO, VL, demo_engines, demo_root
 from ui import panels
 from ui.demo import ensure_samples
 
-GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+GREEDY = greedy(8)
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +155,7 @@ async def test_stop_aborts_the_servers_request(remote, engines, samples, monkeyp
     await wait_idle(server)
     pace_steps(monkeypatch, server, 0.02)
     steps = server.stats()["steps"]
-    long = SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)
+    long = greedy(2000)
     seen = []
     async for out in remote[VL].chat(ask("Go on.", image=samples.image.read_bytes()), long, "s"):
         seen.append(out)
@@ -174,7 +173,7 @@ async def test_a_server_that_goes_away_mid_stream(engines):
     stack = ExitStack()
     base = stack.enter_context(running_server(create_app({VL: server})))
     llm = connect(RemoteConfig(f"{base}/v1"))[VL]
-    long = SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True)
+    long = greedy(3000)
     stream = llm.chat(ask("Go on and on."), long)
     with pytest.raises(BackendError, match="before the reply finished") as error:
         async for out in stream:

@@ -20,11 +20,12 @@ import numpy as np
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from tests.helpers import (
     assert_matches_reference,
     assert_released,
     count_calls,
+    greedy,
     hf_greedy,
     process_chat,
     random_image,
@@ -33,8 +34,8 @@ from tests.helpers import (
 )
 
 N = 8
-GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
-LOGPROBS = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, logprobs=3)
+GREEDY = greedy(N)
+LOGPROBS = greedy(N, logprobs=3)
 VARIANTS = {  # name -> build_smolvlm_model options
     "smolvlm": {},
     "idefics3": {"arch": "idefics3", "longest_edge": 64},
@@ -336,7 +337,7 @@ def test_block_hashes_cover_structure_tokens_of_a_span():
 
 
 def test_tower_and_connector_have_no_host_sync(smolvlm_path):
-    from tests.test_sync_free import SyncRecorder
+    from tests.model_fixtures import SyncRecorder
 
     model = LLM(smolvlm_path, max_model_len=256).engine.runner.model
     items = [("image", {"pixel_values": torch.randn(7, 3, 32, 32)}),

@@ -35,13 +35,14 @@ from engine.speculative.rejection import speculative_sample
 from engine.structured_outputs import StructuredOutputs
 from models.kernels import native
 from testing.speculative import run_parity
+from tests.helpers import greedy
 
 needs_native = pytest.mark.skipif(native.load() is None, reason="native kernels unavailable")
 PROMPTS = [[5, 9, 200, 17, 3, 5, 9, 200, 17], list(range(40, 61)) * 2, [7, 7, 7]]
 
 
 def _params(n: int = 16, **extra) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **extra)
+    return greedy(n, **extra)
 
 
 def _generate(llm, prompts=PROMPTS, per_prompt=None, **fields):

@@ -21,7 +21,7 @@ import torch
 from engine import LLM, SamplingParams
 from models.kernels import native
 from testing.speculative import run_parity
-from tests.helpers import random_image, user
+from tests.helpers import greedy, random_image, user
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="native kernels unavailable")
 
@@ -61,8 +61,7 @@ def _assert_mtp_lossless(llm, conversations, parity) -> None:
     """The engine's own MTP drafter (random weights: poor drafts, asked for at every step, its
     cost taken as nothing) leaves the greedy output plain decoding's."""
     llm.engine.speculator.drafters["mtp"].cost_per_token = 0.0
-    outs = llm.chat(conversations, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
-                                                  logprobs=2))
+    outs = llm.chat(conversations, greedy(12, logprobs=2))
     assert [o.outputs[0].token_ids for o in outs] == [
         o.outputs[0].token_ids for o in parity.plain]
     assert sum(o.metrics.draft_tokens for o in outs) > 0
@@ -174,7 +173,7 @@ def test_mtp_drafts_as_defined(tmp_path_factory):
     engine = llm.engine
     prompt = list(range(30, 60))
     req = engine.make_request(engine.processor.process(engine.processor.parse(prompt), {}),
-                              SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+                              greedy(8))
     engine.add_request(req)
     engine.step()  # the prompt, its first token; the MTP layer catches up and drafts
     ours = engine.runner.model.compute_logits(drafter.seqs[req.request_id].hidden[None])[0]

@@ -13,32 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine import LLM
 from models.layers.attention import build_metadata
+from tests.model_fixtures import SyncRecorder
 
 ROOT = Path(__file__).resolve().parents[1]
-SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "item", "equal", "is_nonzero"}
-
-
-class SyncRecorder(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._schema.name.split("::")[-1]
-        if name in SYNC_OPS:
-            self.seen.append(name)
-        if name == "index" and any(
-            isinstance(i, torch.Tensor) and i.dtype == torch.bool
-            for i in (args[1] if len(args) > 1 else [])
-        ):
-            self.seen.append("boolean index")
-        return func(*args, **(kwargs or {}))
-
-
 def forward_ops(model, starts, lens, tables) -> list[str]:
     ids = torch.arange(sum(lens)) % 50
     pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens, strict=True)])

@@ -11,17 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from models.layers.attention import build_metadata
+from tests.helpers import greedy
+from tests.model_fixtures import GEMMA3_1B_SHAPE
 
 ATOL = 3e-4
-GEMMA3_1B_SHAPE = {  # Gemma 3 1B's proportions, shrunk: 6 layers, 5 local : 1 global
-    "head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 6,
-    "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
-    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
-    "hidden_activation": "gelu_pytorch_tanh",
-}
 
 
 @pytest.fixture(scope="module", params=["qwen3", "gemma3_text"])
@@ -77,7 +72,7 @@ def test_greedy_matches_transformers_with_chunks_and_prefix_hits(family, hf_mode
     with torch.no_grad():
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    params = greedy(10)
     llm = LLM(path, max_model_len=256, max_num_batched_tokens=16, block_size=8)
     first = llm.generate([{"prompt_token_ids": prompt}], params)[0]
     again = llm.generate([{"prompt_token_ids": prompt}], params)[0]

@@ -30,10 +30,14 @@ from models.interfaces import (
     PromptPlan,
 )
 from models.processing.base import (
+    Pieces,
     ProcessedCache,
     ProcessorDefaults,
     check_mm_kwargs,
+    check_placeholder_count,
+    expand_placeholders,
     hashed_and_processed,
+    soft_runs,
 )
 from models.processing.clip_image import IMAGE_PROCESSORS, ClipPreprocessConfig, preprocess_clip
 from models.processing.hashing import hash_image
@@ -193,17 +197,11 @@ class Gemma3Processor(ProcessorDefaults):
         settings = self._settings(mm_kwargs)
         images = media.get("image", [])
         if self.soft_id not in token_ids:  # token-id prompt: expand here
-            found = token_ids.count(self.boi_id)
-            if found != len(images):
-                raise ValueError(
-                    f"the prompt has {found} image placeholder(s) but {len(images)} image(s) "
-                    "were given; each image needs one <start_of_image> (the chat template adds "
-                    "it)"
-                )
+            check_placeholder_count(token_ids, {self.boi_id: "image"}, media)
             token_ids = self._expand_ids(token_ids, images, settings)
         stages: dict[str, float] = {}
         items = [item for image in images for item in self._items(image, settings, stages)]
-        spans = _soft_runs(token_ids, self.soft_id)
+        spans = [(offset, n) for offset, n, _ in soft_runs(token_ids, {self.soft_id: "image"})]
         if len(spans) != len(items) or any(n != self.num_tokens for _, n in spans):
             raise ValueError(
                 f"the prompt has {len(spans)} image token run(s) for {len(items)} image(s) and "
@@ -218,16 +216,11 @@ class Gemma3Processor(ProcessorDefaults):
         return ProcessedPrompt(None, token_ids, features, None, stages)
 
     def _expand_ids(self, token_ids: list[int], images, settings: PanAndScan) -> list[int]:
-        queue = iter(images)
-        out: list[int] = []
-        for token in token_ids:
-            if token != self.boi_id:
-                out.append(token)
-                continue
-            image = next(queue)
-            text = self._image_text(len(settings.crops(image.height, image.width)))
-            out.extend(self.tokenizer.encode(text, add_special_tokens=False))
-        return out
+        def text(_: str, image) -> Pieces:
+            crops = len(settings.crops(image.height, image.width))
+            return [self.tokenizer.encode(self._image_text(crops), add_special_tokens=False)]
+
+        return expand_placeholders(token_ids, {self.boi_id: "image"}, {"image": images}, text)[0]
 
     def _items(self, image, settings: PanAndScan, stages) -> list[tuple[str, dict]]:
         """The image, then its crops: (content hash, {"pixel_values" [3, S, S]}) each."""
@@ -241,15 +234,3 @@ class Gemma3Processor(ProcessorDefaults):
             out.append(hashed_and_processed(self.cache, identify, compute, stages))
         return out
 
-
-def _soft_runs(token_ids: list[int], soft: int) -> list[tuple[int, int]]:
-    """(offset, length) of every run of `soft` tokens."""
-    runs: list[tuple[int, int]] = []
-    start = None
-    for i, token in enumerate([*token_ids, -1]):
-        if token == soft and start is None:
-            start = i
-        elif token != soft and start is not None:
-            runs.append((start, i - start))
-            start = None
-    return runs

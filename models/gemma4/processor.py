@@ -59,7 +59,15 @@ from models.interfaces import (
     PromptPlan,
     VideoFrames,
 )
-from models.processing.base import ProcessedCache, ProcessorDefaults, hashed_and_processed
+from models.processing.base import (
+    Pieces,
+    ProcessedCache,
+    ProcessorDefaults,
+    check_placeholder_count,
+    expand_placeholders,
+    hashed_and_processed,
+    soft_runs,
+)
 from models.processing.hashing import hash_audio, hash_image, hash_video
 from models.processing.options import Choice, OptionRange, check_mm_kwargs
 
@@ -240,22 +248,13 @@ class Gemma4Processor(ProcessorDefaults):
 
     def _expand_ids(self, token_ids: list[int], media: dict[str, list],
                     options: Mapping[str, Any]) -> list[int]:
-        kinds = {self.ids[m]: m for m in ("image", "video", "audio")}
-        for m in kinds.values():
-            found, given = token_ids.count(self.ids[m]), len(media.get(m, []))
-            if found != given:
-                raise ValueError(
-                    f"the prompt has {found} {m} placeholder(s) but {given} {m}(s) were given; "
-                    f"each {m} needs one {self.tokens[m]} (the chat template writes it)")
-        texts = {m: iter(v) for m, v in self._texts(media, options).items()}
-        out: list[int] = []
-        for token in token_ids:
-            if token in kinds:
-                text = next(texts[kinds[token]])
-                out += self.tokenizer.encode(text, add_special_tokens=False)
-            else:
-                out.append(token)
-        return out
+        check_placeholder_count(token_ids, self._soft_kinds(), media)
+
+        def text(_: str, written: str) -> Pieces:
+            return [self.tokenizer.encode(written, add_special_tokens=False)]
+
+        return expand_placeholders(token_ids, self._soft_kinds(), self._texts(media, options),
+                                   text)[0]
 
     def plan(self, token_ids: list[int], media: dict[str, list],
              mm_kwargs: Mapping[str, Any]) -> PromptPlan:
@@ -285,7 +284,7 @@ class Gemma4Processor(ProcessorDefaults):
             "audio": iter(self._audio_items(media.get("audio", []), stages)),
         }
         features = []
-        for offset, length, soft in _soft_runs(token_ids, self._soft_kinds()):
+        for offset, length, soft in soft_runs(token_ids, self._soft_kinds()):
             item = next(queues[soft], None)
             if item is None:
                 raise ValueError(f"the prompt has more {soft} token runs than {soft} items")
@@ -358,15 +357,3 @@ def _check_pixels(name: str, pixels: PixelConfig, settings, vc) -> None:
             f"{settings.sources['max_soft_tokens']}: max_soft_tokens={pixels.max_soft_tokens} "
             f"is not one of {SOFT_TOKEN_BUDGETS} (transformers refuses it too)")
 
-
-def _soft_runs(token_ids: list[int], kinds: dict[int, str]) -> list[tuple[int, int, str]]:
-    """(offset, length, modality) of every run of one soft token."""
-    runs: list[tuple[int, int, str]] = []
-    start, current = 0, None
-    for i, token in enumerate([*token_ids, -1]):
-        if current is not None and token != current:
-            runs.append((start, i - start, kinds[current]))
-            current = None
-        if current is None and token in kinds:
-            start, current = i, token
-    return runs

@@ -50,10 +50,14 @@ from models.interfaces import (
     PromptPlan,
 )
 from models.processing.base import (
+    Pieces,
     ProcessedCache,
     ProcessorDefaults,
     check_mm_kwargs,
+    check_placeholder_count,
+    expand_placeholders,
     hashed_and_processed,
+    special_token_id,
 )
 from models.processing.hashing import hash_image, hash_video
 from models.processing.options import OptionRange
@@ -79,12 +83,18 @@ class Idefics3Processor(ProcessorDefaults):
             self.modalities = ("image",)
         self.per_tile = tokens_per_tile(cfg)
         self.image_id = cfg.image_token_id
-        self.fake_id, self.global_id = _token_id(tok, FAKE), _token_id(tok, GLOBAL)
-        if _token_id(tok, IMAGE) != self.image_id or None in (self.fake_id, self.global_id):
-            raise ValueError(f"the tokenizer lacks {IMAGE} (at the config's image_token_id), "
-                             f"{FAKE} or {GLOBAL}")
+        writer = f"{PROCESSORS[cfg.model_type].cls} (the tokens it writes)"
+        self.fake_id, self.global_id = (special_token_id(tok, t, writer) for t in (FAKE, GLOBAL))
+        if special_token_id(tok, IMAGE, writer) != self.image_id:
+            raise CheckpointError(f"{writer}: the tokenizer's {IMAGE} is not config.json's "
+                                  f"image_token_id={self.image_id}")
         # Token-id prompts can hold a video only where `<video>` is one token.
-        self.video_id = _token_id(tok, VIDEO) if self.videos else None
+        self.video_id = None
+        if self.videos:
+            try:
+                self.video_id = special_token_id(tok, VIDEO, writer)
+            except CheckpointError:
+                pass
         files = ctx.files
         image = files.component("image_processor")
         image_settings = read_settings(image, choose_schema(
@@ -237,26 +247,17 @@ class Idefics3Processor(ProcessorDefaults):
         return ProcessedPrompt(None, list(token_ids), features, None, stages)
 
     def _expand_ids(self, token_ids: list[int], images, videos) -> list[int]:
-        found = {"image": token_ids.count(self.image_id),
-                 "video": token_ids.count(self.video_id) if self.video_id is not None else 0}
-        if found["image"] != len(images) or found["video"] != len(videos):
-            raise ValueError(
-                f"the prompt has {found['image']} {IMAGE} and {found['video']} {VIDEO} "
-                f"placeholder(s) for {len(images)} image(s) and {len(videos)} video(s); each "
-                "item needs one placeholder (the chat template adds it)"
-            )
-        images, videos = iter(images), iter(videos)
-        out: list[int] = []
-        for token in token_ids:
-            if token == self.image_id:
-                image = next(images)
-                out += self._encode(self.image_text(*image_layout(image.height, image.width,
-                                                                  self.pre)[1:]))
-            elif self.video_id is not None and token == self.video_id:
-                out += self._encode(self.video_text(next(videos)))
-            else:
-                out.append(token)
-        return out
+        placeholders = {self.image_id: "image", self.video_id: "video"}
+        check_placeholder_count(token_ids, placeholders, {"image": images, "video": videos})
+
+        def text(modality: str, item) -> Pieces:
+            if modality == "video":
+                return [self._encode(self.video_text(item))]
+            return [self._encode(self.image_text(*image_layout(item.height, item.width,
+                                                               self.pre)[1:]))]
+
+        return expand_placeholders(token_ids, placeholders, {"image": images, "video": videos},
+                                   text)[0]
 
     def _image_pattern(self, grid: tuple[int, int]) -> list[int]:
         return self._encode(self.image_text(*grid))
@@ -327,10 +328,3 @@ class Idefics3Processor(ProcessorDefaults):
         identify = partial(hash_video, video, model_id=self.model_id, processor_kwargs=options)
         return hashed_and_processed(self.cache, identify, compute, stages)
 
-
-def _token_id(tokenizer, text: str) -> int | None:
-    """The id of `text` when the tokenizer has it as one token, else None."""
-    token = tokenizer.convert_tokens_to_ids(text)
-    if token is None or tokenizer.convert_ids_to_tokens(token) != text:
-        return None
-    return token

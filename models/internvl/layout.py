@@ -20,6 +20,8 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from models.processing.base import Pieces, check_placeholder_count, expand_placeholders
+
 _LABEL_WINDOW = 16  # tokens before a run that hold its frame label, decoded to check it
 
 
@@ -91,24 +93,14 @@ class PromptLayout:
     def expand_ids(self, ids: list[int], tiles: Sequence[int], frames: Sequence[int]
                    ) -> list[int]:
         """A prompt holding one placeholder token per item, expanded."""
-        found = {"image": ids.count(self.t.context_id), "video": ids.count(self.t.video_id)}
-        for modality, given in (("image", len(tiles)), ("video", len(frames))):
-            if found[modality] != given:
-                token = self.t.context if modality == "image" else self.t.video
-                raise ValueError(
-                    f"the prompt has {found[modality]} {token} placeholder(s) but {given} "
-                    f"{modality}(s) were given; each {modality} needs one placeholder (the chat "
-                    "template adds it)")
-        images, videos = iter(tiles), iter(frames)
-        out: list[int] = []
-        for token in ids:
-            if token == self.t.context_id:
-                out += self.image_ids(next(images))
-            elif token == self.t.video_id:
-                out += self.video_ids(next(videos))
-            else:
-                out.append(token)
-        return out
+        placeholders = {self.t.context_id: "image", self.t.video_id: "video"}
+        items = {"image": tiles, "video": frames}
+        check_placeholder_count(ids, placeholders, items)
+
+        def written(modality: str, count: int) -> Pieces:
+            return [self.image_ids(count) if modality == "image" else self.video_ids(count)]
+
+        return expand_placeholders(ids, placeholders, items, written)[0]
 
     def is_expanded(self, ids: list[int]) -> bool:
         return self.t.start_id in ids

@@ -49,7 +49,12 @@ from models.internvl.preprocess import (
     tile_count,
     tile_limits,
 )
-from models.processing.base import ProcessedCache, ProcessorDefaults, hashed_and_processed
+from models.processing.base import (
+    ProcessedCache,
+    ProcessorDefaults,
+    hashed_and_processed,
+    tokenizer_special_tokens,
+)
 from models.processing.hashing import hash_image, hash_video
 from models.processing.options import OptionRange, check_mm_kwargs
 
@@ -217,15 +222,9 @@ class InternVLProcessor(ProcessorDefaults):
 
 def special_tokens(tokenizer) -> SpecialTokens:
     """The media tokens InternVLProcessor reads from the tokenizer, each one token."""
-    texts, ids = {}, {}
-    for name in _TOKENS:
-        text = getattr(tokenizer, name, None)
-        token = None if not isinstance(text, str) else tokenizer.convert_tokens_to_ids(text)
-        if token is None or tokenizer.convert_ids_to_tokens(token) != text:
-            raise CheckpointError(
-                f"tokenizer_config.json: the tokenizer has no {name} (or it is not one token): "
-                f"transformers' InternVLProcessor reads {', '.join(_TOKENS)} from it")
-        texts[name], ids[name] = str(text), int(token)
+    found = tokenizer_special_tokens(tokenizer, _TOKENS, "transformers' InternVLProcessor")
+    texts = {name: text for name, (text, _) in found.items()}
+    ids = {name: token for name, (_, token) in found.items()}
     return SpecialTokens(
         texts["start_image_token"], texts["end_image_token"], texts["context_image_token"],
         texts["video_token"], ids["start_image_token"], ids["end_image_token"],

@@ -11,32 +11,18 @@ registry's vision-tower variants).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from functools import partial
 from typing import Any
 
 from models.checkpoint import PROCESSOR, CheckpointError, Schema, choose_schema, read_settings
-from models.interfaces import (
-    ProcessedPrompt,
-    ProcessorContext,
-    PromptPlan,
-)
+from models.interfaces import ProcessorContext
 from models.llava.preprocess import (
     llava_next_num_image_tokens,
     llava_num_image_tokens,
     preprocess_llava_next,
 )
-from models.processing.base import (
-    Expansion,
-    ProcessedCache,
-    ProcessorDefaults,
-    check_mm_kwargs,
-    check_placeholder_count,
-    expand_placeholders,
-    hashed_and_processed,
-)
+from models.processing.base import Expansion, ProcessedCache
 from models.processing.clip_image import IMAGE_PROCESSORS, ClipPreprocessConfig, preprocess_clip
-from models.processing.hashing import hash_image
+from models.processing.image_spans import ImageSpanProcessor
 
 _OWN = {"patch_size": None, "vision_feature_select_strategy": None,
         "num_additional_image_tokens": 0, "image_token": "<image>"}
@@ -45,8 +31,8 @@ PROCESSORS = {"llava": Schema("LlavaProcessor", _OWN),
               "llava_next": Schema("LlavaNextProcessor", _OWN)}
 
 
-class LlavaProcessor(ProcessorDefaults):
-    modalities = ("image",)
+class LlavaProcessor(ImageSpanProcessor):
+    family = "LLaVA"
 
     def __init__(self, ctx: ProcessorContext) -> None:
         cfg = ctx.hf_config
@@ -87,10 +73,7 @@ class LlavaProcessor(ProcessorDefaults):
                 f"model emits {emitted} features for its {vision.image_size}-pixel input "
                 "(config.json: vision_config, vision_feature_select_strategy): transformers "
                 "would fail on this checkpoint too")
-        if ctx.tokenizer.convert_tokens_to_ids(own["image_token"]) != self.image_token_id:
-            raise CheckpointError(
-                f"{own.sources['image_token']}: image_token {own['image_token']!r} is not the "
-                f"token config.json's image_token_index={self.image_token_id} names")
+        self.check_image_token(ctx, own)
         self.pinpoints = [tuple(p) for p in getattr(cfg, "image_grid_pinpoints", None) or []]
         if self.anyres and [tuple(p) for p in self.pre.image_grid_pinpoints] != self.pinpoints:
             raise CheckpointError(
@@ -98,11 +81,6 @@ class LlavaProcessor(ProcessorDefaults):
                 f"{self.pre.image_grid_pinpoints} differ from config.json's "
                 f"{self.pinpoints}: the processor would tile images differently from the model")
         self.cache = ProcessedCache(ctx.processed_cache_items)
-
-    def loader_kwargs(self, mm_kwargs: Mapping[str, Any]) -> dict[str, Any]:
-        check_mm_kwargs(mm_kwargs, (), "LLaVA")
-        return {}
-
 
     def max_embeds_per_item(self) -> int:
         if not self.anyres:
@@ -120,28 +98,11 @@ class LlavaProcessor(ProcessorDefaults):
         return llava_next_num_image_tokens(*image_size, self.pinpoints, self.tile, self.patch,
                                            self.strategy, self.class_tokens)
 
-    def plan(
-        self, token_ids: list[int], media: dict[str, list], mm_kwargs: Mapping[str, Any]
-    ) -> PromptPlan:
-        """Each image's tokens from its size alone (nothing resized)."""
-        check_mm_kwargs(mm_kwargs, (), "LLaVA")
-        items = [("image", self.num_tokens((i.height, i.width))) for i in media.get("image", [])]
-        placeholders = token_ids.count(self.image_token_id)
-        return PromptPlan(len(token_ids) - placeholders + sum(n for _, n in items), items)
+    def span_size(self, height: int, width: int) -> tuple[int, int]:
+        n = self.num_tokens((height, width))
+        return n, n
 
-    def process(
-        self, token_ids: list[int], media: dict[str, list], mm_kwargs: Mapping[str, Any]
-    ) -> ProcessedPrompt:
-        check_mm_kwargs(mm_kwargs, (), "LLaVA")
-        images = media.get("image", [])
-        check_placeholder_count(token_ids, self.image_token_id, len(images), "image")
-        stages: dict[str, float] = {}
-        encoded = [self._image(image, stages) for image in images]
-        ids, features = expand_placeholders(token_ids, self.image_token_id, "image", encoded,
-                                            self._expansion)
-        return ProcessedPrompt(None, ids, features, None, stages)
-
-    def _expansion(self, data: dict) -> Expansion:
+    def expansion(self, data: dict) -> Expansion:
         n = self.num_tokens(data["image_size"])
         parts = ()
         if self.anyres:
@@ -149,17 +110,13 @@ class LlavaProcessor(ProcessorDefaults):
             parts = (("base", self.per_tile), (f"tiles {rows}x{cols}", n - self.per_tile))
         return Expansion([self.image_token_id] * n, parts=parts)
 
-    def _image(self, image, stages: dict[str, float]) -> tuple[str, dict]:
-        options = {"anyres": self.anyres, "tile": self.tile}
+    def hash_options(self) -> dict[str, Any]:
+        return {"anyres": self.anyres, "tile": self.tile}
 
-        def compute() -> dict:
-            size = (image.height, image.width)
-            if not self.anyres:
-                pixels = preprocess_clip(image, self.pre)[None]
-                return {"pixel_values": pixels, "image_size": size, "grid": (1, 1)}
-            pixels, size, grid = preprocess_llava_next(image, self.pre)
-            return {"pixel_values": pixels, "image_size": tuple(size), "grid": tuple(grid)}
-
-        identify = partial(hash_image, image, model_id=self.model_id, processor_kwargs=options)
-        return hashed_and_processed(self.cache, identify, compute, stages)
-
+    def preprocess(self, image) -> dict:
+        size = (image.height, image.width)
+        if not self.anyres:
+            pixels = preprocess_clip(image, self.pre)[None]
+            return {"pixel_values": pixels, "image_size": size, "grid": (1, 1)}
+        pixels, size, grid = preprocess_llava_next(image, self.pre)
+        return {"pixel_values": pixels, "image_size": tuple(size), "grid": tuple(grid)}

@@ -34,7 +34,6 @@ from typing import Any
 from models.checkpoint import CheckpointError, Schema, choose_schema, read_settings
 from models.interfaces import (
     MultiModalFeature,
-    PlaceholderRange,
     ProcessedPrompt,
     ProcessorContext,
     PromptPlan,
@@ -49,7 +48,16 @@ from models.minicpmv.preprocess import (
     picture_layout,
     preprocess_picture,
 )
-from models.processing.base import ProcessedCache, ProcessorDefaults, hashed_and_processed
+from models.processing.base import (
+    Expansion,
+    Pieces,
+    ProcessedCache,
+    ProcessorDefaults,
+    check_placeholder_count,
+    expand_placeholders,
+    hashed_and_processed,
+    tokenizer_special_tokens,
+)
 from models.processing.hashing import hash_image, hash_video
 from models.processing.options import Choice, Flag, OptionRange, check_mm_kwargs
 
@@ -78,7 +86,8 @@ class MiniCPMVProcessor(ProcessorDefaults):
     def __init__(self, ctx: ProcessorContext) -> None:
         cfg, tok = ctx.hf_config, ctx.tokenizer
         self.model_id, self.tokenizer = ctx.model_id, tok
-        self.token = _structure_tokens(tok)
+        self.token = {name: token for name, (_, token) in tokenizer_special_tokens(
+            tok, TOKENS, "transformers' MiniCPMV4_6Processor").items()}
         for name, field in (("image_token", "image_token_id"), ("video_token", "video_token_id")):
             if getattr(cfg, field) != self.token[name]:
                 raise CheckpointError(
@@ -155,8 +164,8 @@ class MiniCPMVProcessor(ProcessorDefaults):
             "video": [[self._layout("video", *v.frames.shape[1:3], configs)] * len(v.frames)
                       for v in media.get("video", [])],
         }
-        ids, spans = self._expand(token_ids, pictures, options)
-        return PromptPlan(len(ids), [(p.modality, span.num_embeds) for p, span in spans])
+        ids, features = self._expand(token_ids, pictures, options)
+        return PromptPlan(len(ids), [(f.modality, f.placeholder.num_embeds) for f in features])
 
     def process(
         self, token_ids: list[int], media: dict[str, list], mm_kwargs: Mapping[str, Any]
@@ -168,11 +177,7 @@ class MiniCPMVProcessor(ProcessorDefaults):
             "image": [[self._image(i, configs["image"], stages)] for i in media.get("image", [])],
             "video": [self._video(v, configs["video"], stages) for v in media.get("video", [])],
         }
-        ids, spans = self._expand(token_ids, pictures, options)
-        features = [
-            MultiModalFeature(p.modality, p.identifier, span, p.data, part=p.part)
-            for p, span in spans
-        ]
+        ids, features = self._expand(token_ids, pictures, options)
         return ProcessedPrompt(None, ids, features, None, stages)
 
     def _layout(self, modality: str, height: int, width: int,
@@ -181,36 +186,28 @@ class MiniCPMVProcessor(ProcessorDefaults):
         return Picture(modality, picture_layout(height, width, cfg), cfg.merge)
 
     def _expand(self, token_ids: list[int], pictures: dict[str, list[list[Picture]]],
-                options: Mapping[str, Any]) -> tuple[list[int], list[tuple[Picture, Any]]]:
-        """Each placeholder replaced by its item's text; (picture, span) in prompt order."""
+                options: Mapping[str, Any]) -> tuple[list[int], list[MultiModalFeature]]:
+        """Each placeholder replaced by its item's text; one feature per picture, in prompt
+        order (a picture not yet processed: no identifier, no data)."""
         pads = {self.token["image_token"]: "image", self.token["video_token"]: "video"}
-        for modality, items in pictures.items():
-            found = token_ids.count(self.token[f"{modality}_token"])
-            if found != len(items):
-                raise ValueError(
-                    f"the prompt has {found} {modality} placeholder(s) but {len(items)} "
-                    f"{modality}(s) were given; each {modality} needs one placeholder (the chat "
-                    "template adds it)")
+        check_placeholder_count(token_ids, pads, pictures)
         use_id = options.get("use_image_id", self.use_image_id)
-        queues = {m: iter(items) for m, items in pictures.items()}
         counts = {"image": 0, "video": 0}
-        ids: list[int] = []
-        spans: list[tuple[Picture, Any]] = []
-        for token in token_ids:
-            modality = pads.get(token)
-            if modality is None:
-                ids.append(token)
-                continue
+
+        def spans(modality: str, item: list[Picture]) -> Pieces:
+            pieces: list[Expansion | list[int]] = []
             if use_id:
-                ids += self._id_tag(counts[modality])
+                pieces.append(self._id_tag(counts[modality]))
             counts[modality] += 1
-            for picture in next(queues[modality]):
-                run = self._picture_tokens(token, picture)
-                mask = tuple(t == token for t in run)
-                spans.append((picture, PlaceholderRange(len(ids), len(run), mask,
-                                                        parts=self._parts(run, picture))))
-                ids += run
-        return ids, spans
+            pad = self.token[f"{modality}_token"]
+            for picture in item:
+                run = self._picture_tokens(pad, picture)
+                pieces.append(Expansion(run, tuple(t == pad for t in run),
+                                        self._parts(run, picture), picture.identifier,
+                                        picture.data, part=picture.part))
+            return pieces
+
+        return expand_placeholders(token_ids, pads, pictures, spans)
 
     def _parts(self, run: list[int], picture: Picture) -> tuple[tuple[str, int], ...]:
         """For display: the overview (with its `<image>` and `</image>`), then the slices."""
@@ -295,17 +292,3 @@ def _check_model(settings, pre: SliceConfig, hf_config) -> None:
             f"but config.json downsample_mode={hf_config.downsample_mode!r}: the placeholders "
             "would not match the embeddings")
 
-
-def _structure_tokens(tokenizer) -> dict[str, int]:
-    """The id of each token string the processor writes (each must be one token)."""
-    out = {}
-    for name in TOKENS:
-        text = getattr(tokenizer, name, None)
-        token = tokenizer.convert_tokens_to_ids(text) if isinstance(text, str) else None
-        if token is None or tokenizer.convert_ids_to_tokens(token) != text:
-            raise CheckpointError(
-                f"the tokenizer's {name} ({text!r}) is not one token of its vocabulary "
-                "(tokenizer_config.json extra_special_tokens): transformers' MiniCPMV4_6Processor "
-                "reads it there")
-        out[name] = token
-    return out

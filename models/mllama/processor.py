@@ -42,6 +42,7 @@ from models.processing.base import (
     check_mm_kwargs,
     check_placeholder_count,
     hashed_and_processed,
+    special_token_id,
 )
 from models.processing.hashing import hash_image
 
@@ -79,10 +80,11 @@ class MllamaProcessor(ProcessorDefaults):
             raise CheckpointError(str(e)) from e
         self._check_tower(pre, vision)
         self.positions = (vision.image_size // vision.patch_size) ** 2 + 1  # per tile
-        self.image_token = getattr(tok, "image_token", None) or IMAGE_TOKEN
-        self.image_id = tok.convert_tokens_to_ids(self.image_token)
-        if self.image_id is None or self.image_id == tok.unk_token_id:
-            raise CheckpointError(f"the tokenizer has no {self.image_token} token")
+        named = getattr(tok, "image_token", None)
+        self.image_token = named or IMAGE_TOKEN
+        self.image_id = special_token_id(
+            tok, self.image_token, "tokenizer_config.json: image_token" if named
+            else f"{PROCESSOR_SCHEMA.cls}'s default image token")
         self.bos = tok.bos_token
         self.cache = ProcessedCache(ctx.processed_cache_items)
 
@@ -138,7 +140,7 @@ class MllamaProcessor(ProcessorDefaults):
     ) -> ProcessedPrompt:
         check_mm_kwargs(mm_kwargs, (), "Llama 3.2 Vision")
         images = media.get("image", [])
-        check_placeholder_count(token_ids, self.image_id, len(images), "image")
+        check_placeholder_count(token_ids, {self.image_id: "image"}, media)
         locations = [i for i, t in enumerate(token_ids) if t == self.image_id]
         stages: dict[str, float] = {}
         features = []

@@ -26,8 +26,6 @@ from models.checkpoint import CheckpointError, Schema, choose_schema, own_keys, 
 from models.interfaces import (
     AudioClip,
     MediaError,
-    MultiModalFeature,
-    PlaceholderRange,
     ProcessedPrompt,
     ProcessorContext,
     PromptPlan,
@@ -35,9 +33,11 @@ from models.interfaces import (
 from models.phi4mm.fbank import FEATURE_EXTRACTOR, FbankConfig, FbankExtractor
 from models.phi4mm.preprocess import HDConfig, hd_layout, num_image_tokens, preprocess_hd
 from models.processing.base import (
+    Expansion,
     ProcessedCache,
     ProcessorDefaults,
     check_placeholder_count,
+    expand_placeholders,
     hashed_and_processed,
 )
 from models.processing.hashing import hash_audio, hash_image
@@ -145,22 +145,23 @@ class Phi4MMProcessor(ProcessorDefaults):
         hd, limit = self._options(mm_kwargs)
         images, clips = self._media(token_ids, media, limit)
         stages: dict[str, float] = {}
-        pending = {
-            self.image_token_id: iter([self._image(i, hd, stages) for i in images]),
-            self.audio_token_id: iter([self._clip(c, "vision" if images else "speech", stages)
-                                       for c in clips]),
+        encoded = {
+            "image": [self._image(i, hd, stages) for i in images],
+            "audio": [self._clip(c, "vision" if images else "speech", stages) for c in clips],
         }
-        ids: list[int] = []
-        features: list[MultiModalFeature] = []
-        for token in token_ids:
-            if token not in pending:
-                ids.append(token)
-                continue
-            modality, identifier, data, n = next(pending[token])
-            span = PlaceholderRange(len(ids), n)
-            features.append(MultiModalFeature(modality, identifier, span, data))
-            ids.extend([token] * n)
+        ids, features = expand_placeholders(token_ids, self._placeholders(), encoded,
+                                            self._span)
         return ProcessedPrompt(None, ids, features, None, stages)
+
+    def _placeholders(self) -> dict[int, str]:
+        return {self.image_token_id: "image", self.audio_token_id: "audio"}
+
+    def _span(self, modality: str, item: tuple[str, dict, int]) -> list[Expansion]:
+        identifier, data, n = item
+        return [Expansion([self._token(modality)] * n, identifier=identifier, data=data)]
+
+    def _token(self, modality: str) -> int:
+        return self.image_token_id if modality == "image" else self.audio_token_id
 
     def _options(self, mm_kwargs: Mapping[str, Any]) -> tuple[HDConfig, float]:
         options = check_mm_kwargs(mm_kwargs, self.options, "Phi-4-multimodal")
@@ -171,8 +172,7 @@ class Phi4MMProcessor(ProcessorDefaults):
     def _media(self, token_ids: list[int], media: dict[str, list],
                limit: float) -> tuple[list, list[AudioClip]]:
         images, clips = media.get("image", []), media.get("audio", [])
-        check_placeholder_count(token_ids, self.image_token_id, len(images), "image")
-        check_placeholder_count(token_ids, self.audio_token_id, len(clips), "audio")
+        check_placeholder_count(token_ids, self._placeholders(), media)
         for number, clip in enumerate(clips, start=1):
             if clip.sample_rate != self.fbank.sample_rate:
                 raise ValueError(f"audio {number} is at {clip.sample_rate} Hz, expected "
@@ -193,7 +193,7 @@ class Phi4MMProcessor(ProcessorDefaults):
         identify = partial(hash_image, image, model_id=self.model_id, processor_kwargs=options)
         identifier, data = hashed_and_processed(self.cache, identify,
                                                 partial(preprocess_hd, image, hd), stages)
-        return "image", identifier, data, num_image_tokens(data["useful"], hd)
+        return identifier, data, num_image_tokens(data["useful"], hd)
 
     def _clip(self, clip: AudioClip, projection: str, stages: dict[str, float]):
         options = {**asdict(self.fbank), "projection": projection}
@@ -204,4 +204,4 @@ class Phi4MMProcessor(ProcessorDefaults):
             "audio_input_features": self.extractor(clip.samples), "projection": projection})
         stages["hashing"] = stages.get("hashing", 0.0) + t1 - t0
         stages["preprocess"] = stages.get("preprocess", 0.0) + time.perf_counter() - t1
-        return "audio", identifier, data, self.fbank.num_embeds(len(clip.samples))
+        return identifier, data, self.fbank.num_embeds(len(clip.samples))

@@ -1,5 +1,6 @@
 """Encoder items of the Qwen-VL pixel path, shared by the Qwen-VL and Qwen-Omni processors: the
-pixel budget a request's options give an image or a video, the ranges of those options, an
+pixel budget a request's options give an image or a video, the ranges of those options (and the
+check that their minimum does not exceed their maximum), an
 image or a video hashed and preprocessed through the processed-inputs cache, and a processed
 video split into one encoder item per temporal patch."""
 
@@ -32,6 +33,16 @@ def pixel_budget(cfg: VisionPreprocessConfig, options: Mapping[str, Any], *,
         "max_pixels": options.get("max_pixels",
                                   cfg.video_max_pixels if video else cfg.max_pixels),
     }
+
+
+def checked_vision_options(options: dict[str, Any]) -> dict[str, Any]:
+    """`options` (checked against vision_options' ranges), refused when its min_pixels exceeds
+    its max_pixels."""
+    low, high = options.get("min_pixels"), options.get("max_pixels")
+    if low is not None and high is not None and low > high:
+        raise ValueError(
+            f"mm_processor_kwargs min_pixels={low} must not exceed max_pixels={high}")
+    return options
 
 
 def vision_options(cfg: VisionPreprocessConfig, max_item_embeds: int) -> dict[str, OptionRange]:

@@ -18,6 +18,7 @@ through mm_processor_kwargs) are refused, as are clips past engine.media's
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import asdict
 from functools import partial
 from typing import Any
@@ -29,13 +30,19 @@ from models.encoders.whisper import encoder_lengths, receptive_frames
 from models.interfaces import (
     AudioClip,
     MediaError,
-    MultiModalFeature,
-    PlaceholderRange,
     ProcessedPrompt,
     ProcessorContext,
     PromptPlan,
 )
-from models.processing.base import ProcessedCache, ProcessorDefaults
+from models.processing.base import (
+    Expansion,
+    Pieces,
+    ProcessedCache,
+    ProcessorDefaults,
+    check_placeholder_count,
+    expand_placeholders,
+    special_token_id,
+)
 from models.processing.hashing import hash_audio
 from models.processing.log_mel import FEATURE_EXTRACTOR, LogMelExtractor, MelConfig
 from models.processing.options import OptionRange, check_mm_kwargs
@@ -77,7 +84,8 @@ class QwenAudioProcessor(ProcessorDefaults):
             raise CheckpointError(
                 f"{mel.sources['feature_size']}: feature_size={self.mel.n_mels} but the audio "
                 f"encoder expects config.json's audio_config.num_mel_bins={audio.num_mel_bins}")
-        if tokenizer.convert_tokens_to_ids(own["audio_token"]) != self.audio_token_id:
+        if special_token_id(tokenizer, own["audio_token"],
+                            own.sources["audio_token"]) != self.audio_token_id:
             raise CheckpointError(
                 f"{own.sources['audio_token']}: audio_token {own['audio_token']!r} is not the "
                 f"token config.json's audio_token_id={self.audio_token_id} names")
@@ -87,11 +95,12 @@ class QwenAudioProcessor(ProcessorDefaults):
                 f"encoder's max_source_positions={audio.max_source_positions}"
             )
         self.bos_token_id, self.eos_token_id = (
-            _special_id(tokenizer, own[t]) for t in ("audio_bos_token", "audio_eos_token"))
+            special_token_id(tokenizer, own[t], own.sources[t])
+            for t in ("audio_bos_token", "audio_eos_token"))
         self.extractor = LogMelExtractor(self.mel)
         self.cache = ProcessedCache(ctx.processed_cache_items)
 
-    def loader_kwargs(self, mm_kwargs: dict[str, Any]) -> dict[str, Any]:
+    def loader_kwargs(self, mm_kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """Options for engine.media: decode audio at the feature extractor's rate."""
         _max_duration(mm_kwargs)
         return {"audio_kwargs": {"sample_rate": self.mel.sample_rate}}
@@ -102,7 +111,7 @@ class QwenAudioProcessor(ProcessorDefaults):
         return encoder_lengths(self.mel.window_frames)[1]
 
     def plan(
-        self, token_ids: list[int], media: dict[str, list], mm_kwargs: dict[str, Any]
+        self, token_ids: list[int], media: dict[str, list], mm_kwargs: Mapping[str, Any]
     ) -> PromptPlan:
         """The expanded prompt's length and each window's embeddings, from the clips' lengths
         (no feature is extracted)."""
@@ -114,7 +123,7 @@ class QwenAudioProcessor(ProcessorDefaults):
         return PromptPlan(num_tokens, items)
 
     def process(
-        self, token_ids: list[int], media: dict[str, list], mm_kwargs: dict[str, Any]
+        self, token_ids: list[int], media: dict[str, list], mm_kwargs: Mapping[str, Any]
     ) -> ProcessedPrompt:
         stages = {"hashing": 0.0, "preprocess": 0.0}
         windows = self._all_windows(token_ids, media, mm_kwargs)
@@ -132,17 +141,13 @@ class QwenAudioProcessor(ProcessorDefaults):
         return ProcessedPrompt(None, ids, features, None, stages)
 
     def _all_windows(
-        self, token_ids: list[int], media: dict[str, list], mm_kwargs: dict[str, Any]
+        self, token_ids: list[int], media: dict[str, list], mm_kwargs: Mapping[str, Any]
     ) -> list[list[AudioClip]]:
         """Every clip cut into its windows, after the options and placeholders are checked."""
         limit = _max_duration(mm_kwargs)
         clips = media.get("audio", [])
-        found = token_ids.count(self.audio_token_id)
-        if found != len(clips):
-            raise ValueError(
-                f"the prompt has {found} audio placeholder(s) but {len(clips)} audio clip(s) "
-                "were given; each clip needs one placeholder (the chat template adds it)"
-            )
+        check_placeholder_count(token_ids, {self.audio_token_id: "audio"}, media,
+                                {"audio": "audio clip"})
         return [self._windows(clip, i, limit) for i, clip in enumerate(clips, start=1)]
 
     def _windows(self, clip: AudioClip, number: int, limit: float) -> list[AudioClip]:
@@ -181,30 +186,19 @@ class QwenAudioProcessor(ProcessorDefaults):
 
     def _expand(self, token_ids: list[int], encoded: list[list[tuple[str, dict]]]):
         """Each `<|AUDIO|>` -> its clip's windows' spans, separated by eos/bos tokens."""
-        clips = iter(encoded)
-        ids: list[int] = []
-        features: list[MultiModalFeature] = []
-        for token in token_ids:
-            if token != self.audio_token_id:
-                ids.append(token)
-                continue
-            for k, (identifier, data) in enumerate(next(clips)):
-                if k:
-                    ids.extend((self.eos_token_id, self.bos_token_id))
-                n = encoder_lengths(data["num_frames"])[1]
-                span = PlaceholderRange(len(ids), n)
-                features.append(MultiModalFeature("audio", identifier, span, data))
-                ids.extend([token] * n)
-        return ids, features
+        return expand_placeholders(token_ids, {self.audio_token_id: "audio"},
+                                   {"audio": encoded}, self._windows_spans)
+
+    def _windows_spans(self, _: str, windows: list[tuple[str, dict]]) -> Pieces:
+        pieces: list[Expansion | list[int]] = []
+        for k, (identifier, data) in enumerate(windows):
+            if k:
+                pieces.append([self.eos_token_id, self.bos_token_id])
+            n = encoder_lengths(data["num_frames"])[1]
+            pieces.append(Expansion([self.audio_token_id] * n, identifier=identifier, data=data))
+        return pieces
 
 
-def _max_duration(mm_kwargs: dict[str, Any]) -> float:
+def _max_duration(mm_kwargs: Mapping[str, Any]) -> float:
     options = check_mm_kwargs(mm_kwargs, _OPTIONS, "Qwen2-Audio")
     return float(options.get("max_audio_duration_s", DEFAULT_MAX_AUDIO_DURATION_S))
-
-
-def _special_id(tokenizer, token: str) -> int:
-    token_id = tokenizer.convert_tokens_to_ids(token)
-    if token_id is None or token_id == tokenizer.unk_token_id:
-        raise ValueError(f"the tokenizer has no {token} token, which Qwen2-Audio prompts need")
-    return token_id

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -43,10 +44,16 @@ from models.interfaces import (
     VideoFrames,
 )
 from models.layers.mrope import MRopePositions
-from models.processing.base import ProcessedCache, ProcessorDefaults
+from models.processing.base import ProcessedCache, ProcessorDefaults, check_placeholder_count
 from models.processing.log_mel import FEATURE_EXTRACTOR, MelConfig
 from models.processing.options import Flag, check_mm_kwargs
-from models.processing.qwen_items import image_item, pixel_budget, video_item, vision_options
+from models.processing.qwen_items import (
+    checked_vision_options,
+    image_item,
+    pixel_budget,
+    video_item,
+    vision_options,
+)
 from models.processing.qwen_vision import (
     IMAGE_PROCESSORS,
     VIDEO_PROCESSORS,
@@ -132,7 +139,7 @@ class QwenOmniProcessor(ProcessorDefaults):
 
     # ---- the processor interface ------------------------------------------------------------
 
-    def loader_kwargs(self, mm_kwargs: dict[str, Any]) -> dict[str, Any]:
+    def loader_kwargs(self, mm_kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """Options for engine.media: frames to sample from a video and, when its sound is to be
         heard, the sound track at the feature extractor's rate; audio at that rate."""
         options = self._options(mm_kwargs)
@@ -151,12 +158,12 @@ class QwenOmniProcessor(ProcessorDefaults):
                    self.cfg.video_max_pixels // self.cfg.factor**2, self.sound.max_embeds())
 
     def plan(
-        self, token_ids: list[int], media: dict[str, list], mm_kwargs: dict[str, Any]
+        self, token_ids: list[int], media: dict[str, list], mm_kwargs: Mapping[str, Any]
     ) -> PromptPlan:
         """The expanded prompt's length and each encoder item's embeddings, from the items'
         sizes alone."""
         options = self._options(mm_kwargs)
-        self._check_placeholders(token_ids, media)
+        check_placeholder_count(token_ids, self._pads(), media)
         merge = self.cfg.factor**2
         items: list[tuple[str, int]] = []
         extra = 0
@@ -180,10 +187,10 @@ class QwenOmniProcessor(ProcessorDefaults):
         return PromptPlan(num_tokens, items)
 
     def process(
-        self, token_ids: list[int], media: dict[str, list], mm_kwargs: dict[str, Any]
+        self, token_ids: list[int], media: dict[str, list], mm_kwargs: Mapping[str, Any]
     ) -> ProcessedPrompt:
         options = self._options(mm_kwargs)
-        self._check_placeholders(token_ids, media)
+        check_placeholder_count(token_ids, self._pads(), media)
         stages = {"hashing": 0.0, "preprocess": 0.0}
         cfg, model_id = self.cfg, self.model_id
         budget = pixel_budget(cfg, options, video=False)
@@ -212,26 +219,15 @@ class QwenOmniProcessor(ProcessorDefaults):
 
     # ---- options and checks -----------------------------------------------------------------
 
-    def _options(self, mm_kwargs: dict[str, Any]) -> dict[str, Any]:
-        options = check_mm_kwargs(mm_kwargs, self.option_ranges, "Qwen2.5-Omni")
-        low, high = options.get("min_pixels"), options.get("max_pixels")
-        if low is not None and high is not None and low > high:
-            raise ValueError(
-                f"mm_processor_kwargs min_pixels={low} must not exceed max_pixels={high}")
+    def _options(self, mm_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        options = checked_vision_options(
+            check_mm_kwargs(mm_kwargs, self.option_ranges, "Qwen2.5-Omni"))
         options.setdefault("use_audio_in_video", USE_AUDIO_IN_VIDEO)
         return options
 
     def _pads(self) -> dict[int, str]:
         return {self.tokens.image: "image", self.tokens.video: "video",
                 self.tokens.audio: "audio"}
-
-    def _check_placeholders(self, token_ids: list[int], media: dict[str, list]) -> None:
-        for token, name in self._pads().items():
-            found, given = token_ids.count(token), len(media.get(name, []))
-            if found != given:
-                raise ValueError(
-                    f"the prompt has {found} {name} placeholder(s) but {given} {name}(s) "
-                    f"were given; each {name} needs one placeholder (the chat template adds it)")
 
 
 def _heard(video: VideoFrames, options: dict[str, Any]) -> bool:

@@ -18,20 +18,26 @@ frames); each group's span covers that text too, with `is_embed` marking the pad
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from models.checkpoint import Schema, choose_schema, read_settings
 from models.interfaces import (
-    MultiModalFeature,
-    PlaceholderRange,
     ProcessedPrompt,
     ProcessorContext,
     PromptPlan,
 )
 from models.layers.mrope import MRopePositions, mrope_positions
-from models.processing.base import ProcessedCache, ProcessorDefaults
+from models.processing.base import (
+    Expansion,
+    ProcessedCache,
+    ProcessorDefaults,
+    check_placeholder_count,
+    expand_placeholders,
+)
 from models.processing.options import check_mm_kwargs
 from models.processing.qwen_items import (
+    checked_vision_options,
     image_item,
     pixel_budget,
     temporal_patches,
@@ -90,7 +96,7 @@ class QwenVLProcessor(ProcessorDefaults):
         self.cache = ProcessedCache(ctx.processed_cache_items)
         self.option_ranges = vision_options(self.cfg, ctx.max_item_embeds)
 
-    def loader_kwargs(self, mm_kwargs: dict[str, Any]) -> dict[str, Any]:
+    def loader_kwargs(self, mm_kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """Options for engine.media: how many frames to sample from a video (the media layer
         bounds max_frames by MediaLimits.max_video_frames)."""
         options = self._options(mm_kwargs)
@@ -105,12 +111,12 @@ class QwenVLProcessor(ProcessorDefaults):
         return max(self.cfg.max_pixels, self.cfg.video_max_pixels) // self.cfg.factor**2
 
     def plan(
-        self, token_ids: list[int], media: dict[str, list], mm_kwargs: dict[str, Any]
+        self, token_ids: list[int], media: dict[str, list], mm_kwargs: Mapping[str, Any]
     ) -> PromptPlan:
         """The expanded prompt's length and each encoder item's embeddings, from the items'
         sizes alone (no pixel is resized or normalized)."""
         options = self._options(mm_kwargs)
-        self._check_placeholders(token_ids, media)
+        check_placeholder_count(token_ids, self._pads(), media)
         merge = self.cfg.factor**2
         items: list[tuple[str, int]] = []
         extra = 0  # Qwen3-VL: per temporal group, its timestamp text and vision tokens
@@ -125,15 +131,15 @@ class QwenVLProcessor(ProcessorDefaults):
             if self.video_timestamps:
                 extra += sum(len(self._timestamp_head(t))
                              for t in _group_seconds(video.timestamps, self.cfg)) + groups
-        placeholders = sum(token_ids.count(t) for t in (self.image_token_id, self.video_token_id))
+        placeholders = sum(token_ids.count(t) for t in self._pads())
         num_tokens = len(token_ids) - placeholders + extra + sum(n for _, n in items)
         return PromptPlan(num_tokens, items)
 
     def process(
-        self, token_ids: list[int], media: dict[str, list], mm_kwargs: dict[str, Any]
+        self, token_ids: list[int], media: dict[str, list], mm_kwargs: Mapping[str, Any]
     ) -> ProcessedPrompt:
         options = self._options(mm_kwargs)
-        self._check_placeholders(token_ids, media)
+        check_placeholder_count(token_ids, self._pads(), media)
         images, videos = media.get("image", []), media.get("video", [])
         stages = {"hashing": 0.0, "preprocess": 0.0}
         encoded = {
@@ -160,23 +166,11 @@ class QwenVLProcessor(ProcessorDefaults):
         stages["preprocess"] += time.perf_counter() - t0
         return ProcessedPrompt(None, ids, features, MRopePositions(positions, delta), stages)
 
-    def _options(self, mm_kwargs: dict[str, Any]) -> dict[str, Any]:
-        options = check_mm_kwargs(mm_kwargs, self.option_ranges, "Qwen-VL")
-        low, high = options.get("min_pixels"), options.get("max_pixels")
-        if low is not None and high is not None and low > high:
-            raise ValueError(
-                f"mm_processor_kwargs min_pixels={low} must not exceed max_pixels={high}"
-            )
-        return options
+    def _options(self, mm_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        return checked_vision_options(check_mm_kwargs(mm_kwargs, self.option_ranges, "Qwen-VL"))
 
-    def _check_placeholders(self, token_ids: list[int], media: dict[str, list]) -> None:
-        for name, token in (("image", self.image_token_id), ("video", self.video_token_id)):
-            found, given = token_ids.count(token), len(media.get(name, []))
-            if found != given:
-                raise ValueError(
-                    f"the prompt has {found} {name} placeholder(s) but {given} {name}(s) "
-                    f"were given; each {name} needs one placeholder (the chat template adds it)"
-                )
+    def _pads(self) -> dict[int, str]:
+        return {self.image_token_id: "image", self.video_token_id: "video"}
 
     def _size(self, height: int, width: int, frames: int, options: dict[str, Any], *,
               video: bool) -> tuple[int, int]:
@@ -205,34 +199,27 @@ class QwenVLProcessor(ProcessorDefaults):
     def _expand(self, token_ids: list[int], encoded: dict[str, list]):
         """Repeat each pad token to its item's embedding count; one feature per image and per
         temporal patch of a video."""
+        return expand_placeholders(token_ids, self._pads(), encoded, self._spans)
+
+    def _spans(self, modality: str, item: tuple[str, dict]) -> list[Expansion]:
+        identifier, data = item
+        token = self.image_token_id if modality == "image" else self.video_token_id
         merge = self.cfg.merge_size**2
-        pads = {self.image_token_id: "image", self.video_token_id: "video"}
-        queues = {m: iter(items) for m, items in encoded.items()}
-        ids: list[int] = []
-        features: list[MultiModalFeature] = []
-        for token in token_ids:
-            modality = pads.get(token)
-            if modality is None:
-                ids.append(token)
-                continue
-            identifier, data = next(queues[modality])
-            t, h, w = data["grid_thw"]
-            parts = [(identifier, data)] if modality == "image" else temporal_patches(
-                identifier, data)
-            for i, (part_id, part) in enumerate(parts):
-                n = h * w // merge * part["grid_thw"][0]
-                if modality == "video" and self.video_timestamps:
-                    head = self._timestamp_head(data["group_seconds"][i])
-                    # One span per group: its timestamp text and vision tokens sit inside it
-                    # as text (is_embed False), the pads take the embeddings.
-                    mask = (False,) * len(head) + (True,) * n + (False,)
-                    span = PlaceholderRange(len(ids), len(mask), mask)
-                    ids.extend([*head, *[token] * n, self.vision_end_token_id])
-                else:
-                    span = PlaceholderRange(len(ids), n)
-                    ids.extend([token] * n)
-                features.append(MultiModalFeature(modality, part_id, span, part))
-        return ids, features
+        _, h, w = data["grid_thw"]
+        parts = [item] if modality == "image" else temporal_patches(identifier, data)
+        spans = []
+        for i, (part_id, part) in enumerate(parts):
+            n = h * w // merge * part["grid_thw"][0]
+            if modality == "video" and self.video_timestamps:
+                head = self._timestamp_head(data["group_seconds"][i])
+                # One span per group: its timestamp text and vision tokens sit inside it as
+                # text (is_embed False), the pads take the embeddings.
+                mask = (False,) * len(head) + (True,) * n + (False,)
+                spans.append(Expansion([*head, *[token] * n, self.vision_end_token_id], mask,
+                                       identifier=part_id, data=part))
+            else:
+                spans.append(Expansion([token] * n, identifier=part_id, data=part))
+        return spans
 
 
 def _group_seconds(timestamps, cfg: VisionPreprocessConfig) -> list[float]:
