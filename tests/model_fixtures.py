@@ -50,3 +50,39 @@ def tiny_tied_model():
         layer_attention=(LayerAttention(None, None),) * 2,
     )
     return CausalLM(cfg, 64, torch.device("cpu"))
+
+
+NATIVE_DECODE_PROMPTS = [[5, 9, 200, 17, 3], list(range(40, 61)), [7, 7, 7]]
+
+
+def run_decode_steps(llm, native_on: bool, prompts: list[list[int]] = NATIVE_DECODE_PROMPTS
+                     ) -> tuple[list[torch.Tensor], list[list[int]], list[int]]:
+    """Ten greedy tokens of each prompt with the one-call native decode step on or off: (logits
+    of every step, greedy tokens per prompt, rows of the steps the native call took)."""
+    from engine import SamplingParams
+
+    model = llm.engine.runner.model
+    decode = model.native_decode
+    logits, taken = [], []
+    original_logits, original_run = model.compute_logits, decode.run
+
+    def record_logits(hidden):
+        out = original_logits(hidden)
+        logits.append(out.clone())
+        return out
+
+    def record_run(h, rotary, meta):
+        out = original_run(h, rotary, meta)
+        if out is not None:
+            taken.append(h.shape[0])
+        return out
+
+    model.compute_logits, decode.run = record_logits, record_run
+    model.native_decode = decode if native_on else None
+    try:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0,
+                                                    ignore_eos=True))
+    finally:
+        model.compute_logits, model.native_decode = original_logits, decode
+        del decode.run
+    return logits, [o.outputs[0].token_ids for o in outs], taken

@@ -30,7 +30,7 @@ from models.layers.attention import (
     _Shape,
     build_metadata,
 )
-from tests.test_text_families_vs_hf import GEMMA3_1B_SHAPE
+from tests.model_fixtures import GEMMA3_1B_SHAPE
 
 needs_native = pytest.mark.skipif(native.load() is None, reason="native kernels unavailable")
 
@@ -275,7 +275,7 @@ def test_fused_decode_step_writes_and_reads_int8_as_the_modules(llama_path):
     value as kv_quant does and attends through the same int8 kernel: the modules' logits."""
     from models.kernels.choice import BUCKETS
     from models.kernels.linear import Linear
-    from tests.test_native_decode import _run
+    from tests.model_fixtures import run_decode_steps
 
     llm = LLM(llama_path, dtype="bfloat16", max_model_len=128, enable_prefix_caching=False,
               block_size=4, kv_cache_dtype="int8")
@@ -287,8 +287,8 @@ def test_fused_decode_step_writes_and_reads_int8_as_the_modules(llama_path):
     runner.model.prepare_decode()
     assert runner.model.native_decode is not None
     assert runner.kv_caches[0].dtype == torch.int8
-    native_logits, native_tokens, taken = _run(llm, True)
-    module_logits, module_tokens, _ = _run(llm, False)
+    native_logits, native_tokens, taken = run_decode_steps(llm, True)
+    module_logits, module_tokens, _ = run_decode_steps(llm, False)
     assert taken and native_tokens == module_tokens
     for a, b in zip(native_logits, module_logits, strict=True):
         assert torch.equal(a, b), (a - b).abs().max()

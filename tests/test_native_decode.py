@@ -9,18 +9,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from models.kernels import native
 from models.kernels.choice import BUCKETS
 from models.kernels.linear import Linear
 from models.kernels.native_decode import NativeDecode, unsupported
 from models.kernels.quantization import QuantizedLinear
-from tests.model_fixtures import tiny_tied_model
+from tests.model_fixtures import NATIVE_DECODE_PROMPTS, run_decode_steps, tiny_tied_model
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="native kernels unavailable")
 
 # Prompts of different lengths: several requests decode in one step, their contexts differ.
-PROMPTS = [[5, 9, 200, 17, 3], list(range(40, 61)), [7, 7, 7]]
+PROMPTS = NATIVE_DECODE_PROMPTS
 
 
 @pytest.fixture(scope="module")
@@ -47,44 +47,13 @@ def _engine(path, dtype: str, quantization: str | None) -> LLM:
     return llm
 
 
-def _run(llm: LLM, native_on: bool,
-         prompts: list[list[int]] = PROMPTS) -> tuple[list[torch.Tensor], list[list[int]],
-                                                      list[int]]:
-    """(logits of every step, greedy tokens per prompt, rows of the steps the call took)."""
-    model = llm.engine.runner.model
-    decode = model.native_decode
-    logits, taken = [], []
-    original_logits, original_run = model.compute_logits, decode.run
-
-    def record_logits(hidden):
-        out = original_logits(hidden)
-        logits.append(out.clone())
-        return out
-
-    def record_run(h, rotary, meta):
-        out = original_run(h, rotary, meta)
-        if out is not None:
-            taken.append(h.shape[0])
-        return out
-
-    model.compute_logits, decode.run = record_logits, record_run
-    model.native_decode = decode if native_on else None
-    try:
-        outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0,
-                                                    ignore_eos=True))
-    finally:
-        model.compute_logits, model.native_decode = original_logits, decode
-        del decode.run
-    return logits, [o.outputs[0].token_ids for o in outs], taken
-
-
 @pytest.mark.parametrize("quantization", [None, "int8", "int4"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("checkpoint", ["qwen2_path", "llama_path"])
 def test_the_same_logits_as_the_modules(request, checkpoint, dtype, quantization):
     llm = _engine(request.getfixturevalue(checkpoint), dtype, quantization)
-    native_logits, native_tokens, taken = _run(llm, True)
-    module_logits, module_tokens, none_taken = _run(llm, False)
+    native_logits, native_tokens, taken = run_decode_steps(llm, True)
+    module_logits, module_tokens, none_taken = run_decode_steps(llm, False)
     assert taken and max(taken) == len(PROMPTS) and not none_taken
     assert native_tokens == module_tokens
     assert len(native_logits) == len(module_logits)
@@ -102,8 +71,8 @@ def test_the_same_logits_on_any_team(qwen2_path, threads):
     try:
         for quantization in (None, "int8", "int4"):
             llm = _engine(qwen2_path, "bfloat16", quantization)
-            native_logits, native_tokens, taken = _run(llm, True)
-            module_logits, module_tokens, _ = _run(llm, False)
+            native_logits, native_tokens, taken = run_decode_steps(llm, True)
+            module_logits, module_tokens, _ = run_decode_steps(llm, False)
             assert taken and native_tokens == module_tokens, quantization
             for a, b in zip(native_logits, module_logits, strict=True):
                 assert torch.equal(a, b), (quantization, (a - b).abs().max())
@@ -116,8 +85,8 @@ def test_qk_norms_within_summation_order(qwen3_path, dtype):
     """At several rows the modules normalize q / k with PyTorch's operators (the heads are not
     contiguous there), which sum in another order than ours."""
     llm = _engine(qwen3_path, dtype, None)
-    native_logits, native_tokens, taken = _run(llm, True)
-    module_logits, module_tokens, _ = _run(llm, False)
+    native_logits, native_tokens, taken = run_decode_steps(llm, True)
+    module_logits, module_tokens, _ = run_decode_steps(llm, False)
     assert taken and native_tokens == module_tokens
     tol = 1e-5 if dtype == "float32" else 0.05
     for a, b in zip(native_logits, module_logits, strict=True):
@@ -132,13 +101,13 @@ def test_declines_what_it_does_not_take(qwen2_path):
     model.layers[0].mlp.down_proj.kernels = ("native", "F.linear") + rest
     model.prepare_decode()
     assert model.native_decode.buckets == (True, False) + (True,) * len(rest)
-    _, _, taken = _run(llm, True, PROMPTS[:1])
+    _, _, taken = run_decode_steps(llm, True, PROMPTS[:1])
     assert taken and set(taken) == {1}
-    _, _, taken = _run(llm, True)
+    _, _, taken = run_decode_steps(llm, True)
     assert taken == []  # the steps of 2-8 rows ran the modules
     # Prefill chunks and steps attended by another decode kernel are declined.
     llm.engine.runner.decode_kernel = "sdpa"
-    _, _, taken = _run(llm, True)
+    _, _, taken = run_decode_steps(llm, True)
     assert taken == []
 
 
