@@ -10,6 +10,7 @@ import itertools
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
 from api import create_app
@@ -17,6 +18,7 @@ from engine import AsyncLLM
 from tests.api_fixtures import running_server
 
 MODEL = "tiny-qwen2"
+MULTIPART = {"/v1/audio/transcriptions", "/v1/audio/translations"}
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +34,7 @@ def api_schema(qwen2_path):
 def test_no_body_is_a_server_error(api_schema):
     operations = [result.ok() for result in api_schema.get_all_operations()]
     assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/completions"}
-    seen = []
+    seen, unsatisfiable = [], []
     runs = [(op, mode) for op, mode in itertools.product(operations, GenerationMode)
             if op.method.upper() == "POST" or mode is GenerationMode.POSITIVE]
     for operation, mode in runs:  # (a GET without parameters has no invalid form)
@@ -47,5 +49,11 @@ def test_no_body_is_a_server_error(api_schema):
             seen.append(response.status_code)
             assert response.status_code < 500, (case.body, response.text[:500])
 
-        no_server_error()
+        try:
+            no_server_error()
+        except Unsatisfiable:  # no body of this mode exists for the schema
+            unsatisfiable.append((operation.path, mode.name))
+    # Only a multipart upload's invalid form is beyond the generator (its audio routes' bad
+    # bodies are tests/test_transcription_api.py's).
+    assert {path for path, _ in unsatisfiable} <= MULTIPART, unsatisfiable
     assert any(s == 200 for s in seen) and any(400 <= s < 500 for s in seen), seen
