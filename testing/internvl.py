@@ -13,6 +13,7 @@ needs torchvision, absent here, so the processor is assembled without it), and
 from __future__ import annotations
 
 import functools
+import json
 import re
 from pathlib import Path
 
@@ -140,6 +141,11 @@ def build_internvl_model(
              "video_processor_type": "InternVLVideoProcessor"}
     save_processor(path, "InternVLProcessor", tokenizer, image_processor=image,
                    video_settings=video, fields={"image_seq_length": per_tile})
+    # Name the PIL class: the reference here (no torchvision) resizes with PIL, and a checkpoint
+    # naming GotOcr2ImageProcessor gets transformers' default torchvision resizing.
+    config = json.loads((path / "processor_config.json").read_text())
+    config["image_processor"]["image_processor_type"] = "GotOcr2ImageProcessorPil"
+    (path / "processor_config.json").write_text(json.dumps(config, indent=2))
     return path
 
 

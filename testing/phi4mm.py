@@ -4,11 +4,12 @@ longrope), a tokenizer with Phi's turn tokens and `<|image|>` / `<|audio|>`, its
 and the Hub's two PEFT adapter folders beside the weights: `vision-lora` and `speech-lora`
 (written in PEFT's format without PEFT: testing/lora.py).
 
-The crops keep Phi-4-MM's real geometry (448-pixel crops of 14-pixel patches: transformers'
-processor counts an image's tokens for that geometry only), on a narrow two-layer tower, with
-at most `dynamic_hd` crops per image. transformers' image processor needs torchvision, so its
-settings are written as its `to_dict()` writes them (the feature extractor is saved by
-transformers itself).
+The crops keep Phi-4-MM's real geometry by default (448-pixel crops of 14-pixel patches), on a
+narrow two-layer tower, with at most `dynamic_hd` crops per image; `crop` and `patch` choose
+another geometry of 32 x 32 patches per crop (transformers' processor counts an image's tokens
+for that patch grid only), e.g. 128-pixel crops of 4-pixel patches. transformers' image
+processor needs torchvision, so its settings are written as its `to_dict()` writes them (the
+feature extractor is saved by transformers itself).
 """
 
 from __future__ import annotations
@@ -54,12 +55,13 @@ def phi4mm_tokenizer(vocab_size: int = 600, kind: str = "bytes"):
     return phi
 
 
-def image_processor_settings(dynamic_hd: int) -> dict:
-    """What Phi4MultimodalImageProcessor's `to_dict()` writes (its class settings)."""
+def image_processor_settings(dynamic_hd: int, crop: int = 448, patch: int = 14) -> dict:
+    """What Phi4MultimodalImageProcessor's `to_dict()` writes (its class settings, but `crop`
+    and `patch`)."""
     return {
         "do_convert_rgb": True, "resample": 3, "do_rescale": True,
-        "rescale_factor": 1 / 255, "do_normalize": True, "size": {"height": 448, "width": 448},
-        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "patch_size": 14,
+        "rescale_factor": 1 / 255, "do_normalize": True, "size": {"height": crop, "width": crop},
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "patch_size": patch,
         "dynamic_hd": dynamic_hd, "image_processor_type": "Phi4MultimodalImageProcessor",
     }
 
@@ -72,6 +74,8 @@ def build_phi4mm_model(
     vision_width: int = 32,
     audio_width: int = 32,
     dynamic_hd: int = 4,
+    crop: int = 448,
+    patch: int = 14,
     seed: int = 0,
     std: float = 0.25,
     tokenizer_kind: str = "bytes",
@@ -89,8 +93,8 @@ def build_phi4mm_model(
     gen = torch.Generator().manual_seed(seed + 1)
     factors = (1.0 + 2.0 * torch.rand(2, rotary // 2, generator=gen)).tolist()
     vision = dict(hidden_size=vision_width, intermediate_size=2 * vision_width,
-                  num_hidden_layers=2, num_attention_heads=4, image_size=448, patch_size=14,
-                  crop_size=448, image_token_id=ids["<|image|>"], feature_layer=-2)
+                  num_hidden_layers=2, num_attention_heads=4, image_size=crop, patch_size=patch,
+                  crop_size=crop, image_token_id=ids["<|image|>"], feature_layer=-2)
     audio = dict(hidden_size=audio_width, intermediate_size=2 * audio_width, num_blocks=2,
                  num_attention_heads=4, ext_pw_out_channel=audio_width,
                  depthwise_separable_out_channel=audio_width, nemo_conv_channels=16,
@@ -113,7 +117,7 @@ def build_phi4mm_model(
     path = save_checkpoint(model, tokenizer, Path(path), [ids["<|endoftext|>"], ids["<|end|>"]])
     extractor = transformers.Phi4MultimodalFeatureExtractor()
     save_processor(path, "Phi4MultimodalProcessor", tokenizer,
-                   components={"image_processor": image_processor_settings(dynamic_hd),
+                   components={"image_processor": image_processor_settings(dynamic_hd, crop, patch),
                                "audio_processor": extractor.to_dict()})
     if adapters:
         shapes = {name: (m.in_features, m.out_features) for name, m in model.named_modules()

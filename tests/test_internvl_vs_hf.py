@@ -169,7 +169,7 @@ def test_pixels_and_grids_equal_transformers_image_processor(tmp_path):
                     {"max_patches": 1}, {"resample": 2, "image_mean": [0.5] * 3}):
         hf = transformers.GotOcr2ImageProcessorPil(size={"height": 32, "width": 32}, **options)
         settings = read_settings(Found(hf.to_dict(), "test"), schema)
-        cfg = PixelConfig.from_settings(settings)
+        cfg = PixelConfig.from_settings(settings, "pil")
         limits = TileLimits(settings["min_patches"], settings["max_patches"])
         for seed, (h, w) in enumerate(((40, 110), (120, 40), (33, 33), (301, 97))):
             image = random_image(h, w, seed)
@@ -177,6 +177,62 @@ def test_pixels_and_grids_equal_transformers_image_processor(tmp_path):
             pixels, _ = preprocess_image(image, cfg, limits)
             assert pixels.shape[0] == int(ref["num_patches"][0]), (options, h, w)
             torch.testing.assert_close(pixels, ref["pixel_values"], atol=1e-6, rtol=0)
+
+
+def photo(width: int, height: int, seed: int):
+    """A photo-like image: smooth gradients under noise (each pixel unlike its neighbours)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width] / max(width, height)
+    base = np.stack([128 + 100 * np.sin(6 * x + seed), 128 + 90 * np.cos(5 * y),
+                     128 + 80 * np.sin(4 * (x + y))], axis=-1)
+    noisy = base + rng.normal(0, 20, (height, width, 3))
+    return Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8))
+
+
+def test_the_default_backend_is_torchvisions_resizing():
+    """Two photo-like images of different sizes on InternVL's real 448-pixel tiles: a checkpoint
+    naming GotOcr2ImageProcessor (or its Fast name) gets transformers' default torchvision
+    backend, whose antialiased uint8 resize differs from PIL's on some pixels (up to 2 levels:
+    0.035 after normalization), and the PIL class's pixels stay PIL's. Against transformers'
+    torchvision class where torchvision is installed (it is not in this project's venv: checked
+    by hand with torchvision 0.28, max abs difference 0)."""
+    import transformers
+
+    from models.checkpoint import Found, read_settings
+    from models.internvl.preprocess import (
+        IMAGE_PROCESSORS,
+        PixelConfig,
+        TileLimits,
+        backend_of,
+        preprocess_image,
+    )
+
+    options = {"size": {"height": 448, "width": 448}, "image_mean": [0.485, 0.456, 0.406],
+               "image_std": [0.229, 0.224, 0.225]}
+    pil = transformers.GotOcr2ImageProcessorPil(**options)
+    schema = IMAGE_PROCESSORS["GotOcr2ImageProcessor"]
+    settings = read_settings(Found(pil.to_dict(), "test"), schema)
+    assert [backend_of(n) for n in ("GotOcr2ImageProcessor", "GotOcr2ImageProcessorFast", None,
+                                    "GotOcr2ImageProcessorPil")] == ["torchvision"] * 3 + ["pil"]
+    images = [photo(640, 480, 0), photo(300, 500, 1)]
+    limits = TileLimits(1, 12)
+
+    def ours(backend):
+        cfg = PixelConfig.from_settings(settings, backend)
+        return torch.cat([preprocess_image(image, cfg, limits)[0] for image in images])
+
+    fast = ours("torchvision")
+    reference = pil(images, crop_to_patches=True, return_tensors="pt")["pixel_values"]
+    torch.testing.assert_close(ours("pil"), reference, atol=1e-6, rtol=0)
+    assert fast.shape == reference.shape == (13 + 7, 3, 448, 448)
+    step = 1 / 255 / min(options["image_std"])
+    assert 0 < (fast - reference).abs().max() <= 2 * step + 1e-6
+    if transformers.utils.is_torchvision_available():
+        tv = transformers.GotOcr2ImageProcessor(**options)
+        expected = tv(images, crop_to_patches=True, return_tensors="pt")["pixel_values"]
+        torch.testing.assert_close(fast, expected, atol=1e-6, rtol=0)
 
 
 def test_video_frames_are_those_the_reference_samples(tmp_path, monkeypatch):

@@ -15,6 +15,9 @@ budget; encoder-cache and prefix-cache hits.
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -70,7 +73,7 @@ def reference(phi_path):
     return peft
 
 
-def hf_inputs(phi_path, proc, media) -> dict:
+def hf_inputs(phi_path, proc, media, crop: int = 448) -> dict:
     """transformers' forward inputs for our processed prompt: our crops (its image processor
     needs torchvision), transformers' own audio features (checked equal to ours)."""
     from transformers import Phi4MultimodalFeatureExtractor
@@ -89,7 +92,7 @@ def hf_inputs(phi_path, proc, media) -> dict:
             [padded(d["pixel_values"], torch.zeros) for d in images])
         kwargs["image_attention_mask"] = torch.stack(
             [padded(d["patch_mask"].float(), torch.ones) for d in images])
-        kwargs["image_sizes"] = torch.tensor([[r * 448, c * 448] for r, c in
+        kwargs["image_sizes"] = torch.tensor([[r * crop, c * crop] for r, c in
                                               (d["grid"] for d in images)])
     clips = [c.samples for c in media.get("audio", [])]
     if clips:
@@ -209,6 +212,38 @@ def test_token_counts_and_grids():
     assert hd_layout(500, 300, cfg).num_tokens(cfg) == 721
     with pytest.raises(ValueError, match="aspect ratio is very extreme"):
         hd_layout(4000, 5, cfg)
+
+
+def test_another_crop_geometry_of_32_patches_matches_transformers(tmp_path):
+    """128-pixel crops of 4-pixel patches: 32 x 32 patches per crop, as in 448 / 14, so
+    transformers' count (256 + 1 + the crops' useful pooled patches and a separator per row +
+    16) holds and its model runs it: our span is that count and the greedy tokens are its. A
+    grid of another patch count is refused by name."""
+    from transformers import Phi4MultimodalForCausalLM
+
+    from testing.phi4mm import build_phi4mm_model
+
+    path = build_phi4mm_model(tmp_path / "m", crop=128, patch=4, adapters=False)
+    llm = LLM(path, max_model_len=2048)
+    msgs = user(random_image(200, 90, 0), "Describe the image.")
+    proc, media = process_chat(llm, msgs)
+    (feature,) = proc.mm_features
+    rows, cols = feature.data["useful"]
+    assert feature.data["grid"] == (2, 1) and feature.placeholder.length == (
+        256 + 1 + rows * cols + rows + 16)
+    hf = Phi4MultimodalForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ref = hf_greedy(hf, hf_inputs(path, proc, media, crop=128), len(proc.token_ids), N)
+    assert_matches_reference(llm.chat(msgs, GREEDY)[0], *ref, "128 px crops of 4 px patches")
+    assert_released(llm)
+    other = shutil.copytree(path, tmp_path / "other")  # 8 px patches: 16 x 16 per crop
+    for name, section in (("config.json", "vision_config"),
+                          ("processor_config.json", "image_processor")):
+        settings = json.loads((other / name).read_text())
+        settings[section]["patch_size"] = 8
+        (other / name).write_text(json.dumps(settings))
+    with pytest.raises(ValueError, match="16 x 16 patches: transformers' processor counts an "
+                                         "image's tokens for crops of 32 x 32 patches"):
+        LLM(other, max_model_len=2048)
 
 
 def test_kaldi_filterbank_is_transformers():

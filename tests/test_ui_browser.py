@@ -242,3 +242,23 @@ def test_a_thinking_model_shows_its_thought_folded(served, browser):
         screenshot(page, "ui-browser-thinking.png")
     finally:
         page.close()
+
+
+def test_the_demo_tool_call_shows_folded_under_its_name(served, browser):
+    """The demo's Qwen2-VL template renders tools (Hermes calls): with the demo tool required,
+    the reply is a get_weather call, shown as a message titled with its name."""
+    from playwright.sync_api import expect
+
+    page = open_app(browser, served[2])
+    try:
+        expect(page.get_by_role("combobox", name="Model")).to_have_value(VL)
+        page.get_by_text("Tools", exact=True).click()
+        page.locator("#tool-choice").get_by_text("required", exact=True).click()
+        set_max_tokens(page, 96)
+        send(page, "What is the weather in Paris?")
+        expect(page.locator("#timing")).to_contain_text("finish stop")
+        bot = page.locator("#chatbot [data-testid=bot]").last
+        expect(bot).to_contain_text("Tool call: get_weather")
+        screenshot(page, "ui-browser-tool-call.png")
+    finally:
+        page.close()

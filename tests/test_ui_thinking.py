@@ -46,3 +46,21 @@ def test_a_remote_servers_reasoning_deltas_are_kept_apart():
     out = state.output(finished=True, finish_reason="stop")
     assert out.outputs[0].reasoning_content == "Let me see"
     assert out.outputs[0].text == "A cat."
+
+
+def test_a_tool_call_is_folded_under_its_name_and_never_sent_back():
+    """The demo tool offered: a reply's Hermes call shows as a message titled with the call's
+    name (its arguments as JSON; "pending" while they stream), after the text before it."""
+    from engine.tools import HERMES
+    from ui.tools import TOOL_CALL
+
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    done = reply_messages(output("Let me check. " + call, None, True), ChatSettings(), HERMES)
+    assert done[0] == {"role": "assistant", "content": "Let me check."}
+    assert done[1]["metadata"] == {"title": f"{TOOL_CALL}: get_weather", "status": "done"}
+    assert '"city": "Paris"' in done[1]["content"]
+    partial = reply_messages(output(call[:60], None, False), ChatSettings(), HERMES)
+    assert [m["metadata"]["status"] for m in partial] == ["pending"]
+    history = [{"role": "user", "content": "Weather?"}, *done]
+    messages, _ = engine_messages(history, None, None, MediaLimits())
+    assert messages[1]["content"] == "Let me check."

@@ -26,6 +26,8 @@ from engine.interface import ChatEngine, EngineDeadError, EngineError
 from engine.media.limits import MediaLimits
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.tools import ToolParser
+from ui.tools import TOOL_CALL, call_messages, tool_request
 
 EMPTY_DRAFT: dict[str, Any] = {"text": "", "files": []}
 THINKING = "Thinking"  # the title of a reply's folded reasoning message
@@ -35,7 +37,8 @@ _ITEM = re.compile(r"^(image|video|audio) (\d+):")
 @dataclass(frozen=True)
 class ChatSettings:
     """The accordion's generation settings; a negative or missing seed means a random one.
-    `show_thinking`: a thinking model's reasoning is shown, folded, above its answer."""
+    `show_thinking`: a thinking model's reasoning is shown, folded, above its answer.
+    `tool_choice`: whether the demo tool is offered ("off", "auto", "required": ui/tools.py)."""
 
     system_prompt: str | None = None
     temperature: float = 0.7
@@ -43,6 +46,7 @@ class ChatSettings:
     max_tokens: int = 256
     seed: int | None = None
     show_thinking: bool = True
+    tool_choice: str = "off"
 
     def sampling_params(self) -> SamplingParams:
         """SamplingParams for these settings; gr.Error naming the bad value if one is out of
@@ -114,7 +118,8 @@ def engine_messages(
     names: dict[str, list[str]] = {}
     for message in history:
         role = message["role"]
-        if (message.get("metadata") or {}).get("title") == THINKING:
+        title = (message.get("metadata") or {}).get("title") or ""
+        if title == THINKING or title.startswith(TOOL_CALL):
             continue  # shown, not sent back: templates keep only the answers of past turns
         parts = []
         for kind, value in _contents(message["content"]):
@@ -192,20 +197,26 @@ def _sentence(text: str) -> str:
     return text[:1].upper() + text[1:]
 
 
-def reply_messages(out: RequestOutput, settings: ChatSettings) -> list[dict]:
+def reply_messages(out: RequestOutput, settings: ChatSettings,
+                   parser: ToolParser | None = None) -> list[dict]:
     """The chatbot messages of a reply: a thinking model's reasoning as a folded message
     (Gradio renders a message with a metadata title collapsible; "pending" while the model
-    is still thinking), then the answer."""
+    is still thinking), then the answer; with the demo tool offered (`parser`), the answer's
+    text before any call, then each call folded under its name."""
     completion = out.outputs[0]
+    text, calls = completion.text, []
+    if parser is not None:
+        text, calls = call_messages(out, parser)
+        text = text or ""
     messages = []
     if completion.reasoning_content and settings.show_thinking:
         thinking = not completion.text and not out.finished
         messages.append({"role": "assistant", "content": completion.reasoning_content,
                          "metadata": {"title": THINKING,
                                       "status": "pending" if thinking else "done"}})
-    if completion.text or not messages:
-        messages.append({"role": "assistant", "content": completion.text})
-    return messages
+    if text or not (messages or calls):
+        messages.append({"role": "assistant", "content": text})
+    return messages + calls
 
 
 class Chat:
@@ -279,6 +290,7 @@ class Chat:
         was accepted; throttled updates follow, always including the last output."""
         llm = self.engine(model)
         params = settings.sampling_params()
+        parser, params, template_kwargs = tool_request(llm, model, settings.tool_choice, params)
         info = llm.info
         messages, names = engine_messages(
             turn, settings.system_prompt, info.modalities, info.media_limits
@@ -288,14 +300,15 @@ class Chat:
         try:
             yield ChatUpdate(turn)
             last = 0.0
-            async with aclosing(llm.chat(messages, params, active.request_id)) as outputs:
+            replies = llm.chat(messages, params, active.request_id, **template_kwargs)
+            async with aclosing(replies) as outputs:
                 async for out in outputs:
                     if active.stopped and not out.finished:  # stopped before the engine had it
                         await llm.abort(active.request_id)
                     now = time.monotonic()
                     if out.finished or now - last >= self.update_interval:
                         last = now
-                        yield ChatUpdate([*turn, *reply_messages(out, settings)], out)
+                        yield ChatUpdate([*turn, *reply_messages(out, settings, parser)], out)
         except ValueError as e:
             yield restore
             raise gr.Error(_plain(e, names)) from e

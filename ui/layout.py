@@ -16,6 +16,7 @@ from ui.dictation import Dictation
 from ui.lineup import Lineup
 from ui.space import gpu
 from ui.timing import timing_html
+from ui.tools import DEMO_TOOL, TOOL_CHOICES
 
 TITLE = "mmserve: multimodal chat with live engine panels"
 _UNKNOWN_CONTEXT = 8192  # the max-tokens slider's end when no server reports a context length
@@ -104,6 +105,11 @@ def build_demo(
                                             elem_id="speech-language")
                         dictate = gr.Button("Transcribe into the message", elem_id="dictate")
                         dictated = gr.HTML("", elem_id="dictation")
+                with gr.Accordion("Tools", open=False):
+                    tool_choice = gr.Radio(
+                        list(TOOL_CHOICES), value="off", elem_id="tool-choice",
+                        label=f"Offer the demo tool {DEMO_TOOL['function']['name']}(city): off, "
+                              "the model decides (auto), or it must call it (required)")
                 with gr.Accordion("Webcam snapshot", open=False):
                     webcam = gr.Image(sources=["webcam"], type="filepath", elem_id="webcam",
                                       label="Captured frames are attached to your message")
@@ -123,7 +129,7 @@ def build_demo(
                 timing = gr.HTML(_NO_REQUEST, elem_id="timing")
         timer = gr.Timer(1.0)
 
-        settings_inputs = [system, temperature, top_p, max_tokens, seed, thinking]
+        settings_inputs = [system, temperature, top_p, max_tokens, seed, thinking, tool_choice]
         turn_outputs = [composer, chatbot, placeholders, items, cache, engine_panel, timing]
 
         # Turns against a remote server need no GPU here: spaces.GPU would only reserve one.
@@ -133,10 +139,10 @@ def build_demo(
         async def send(
             message: dict | None, history: list, name: str, system_prompt: str,
             temperature: float, top_p: float, max_new_tokens: int, seed_value: float | None,
-            show_thinking: bool, request: gr.Request,
+            show_thinking: bool, tools: str, request: gr.Request,
         ) -> AsyncIterator[tuple]:
             settings = ChatSettings(system_prompt, temperature, top_p, max_new_tokens, seed_value,
-                                    show_thinking)
+                                    show_thinking, tools)
             view = _TurnView(chat.engine(name))
             async for update in chat.respond(message, history, name, settings, _session(request)):
                 yield view(update)
@@ -144,11 +150,11 @@ def build_demo(
         @on_gpu
         async def again(
             history: list, name: str, system_prompt: str, temperature: float, top_p: float,
-            max_new_tokens: int, seed_value: float | None, show_thinking: bool,
+            max_new_tokens: int, seed_value: float | None, show_thinking: bool, tools: str,
             request: gr.Request,
         ) -> AsyncIterator[tuple]:
             settings = ChatSettings(system_prompt, temperature, top_p, max_new_tokens, seed_value,
-                                    show_thinking)
+                                    show_thinking, tools)
             view = _TurnView(chat.engine(name))
             async for update in chat.regenerate(history, name, settings, _session(request)):
                 yield view(update)

@@ -1,4 +1,4 @@
-"""Pixels for InternVL, as transformers makes them: images as GotOcr2ImageProcessor(Pil) cuts them
+"""Pixels for InternVL, as transformers makes them: images as GotOcr2ImageProcessor cuts them
 under InternVLProcessor (which always asks for `crop_to_patches`), video frames as
 InternVLVideoProcessor resizes them. Tile grids are also computed from (height, width) alone,
 for counting tokens before any pixel is touched.
@@ -9,6 +9,12 @@ grid met later in the order of increasing tile count as long as the image's area
 that grid's. The image is resized to the grid, cut into its tiles row-major, and, when there
 is more than one tile, followed by the whole image resized to one tile (the thumbnail).
 Rescaling and normalizing go tile by tile. A video frame is resized to one tile.
+
+Two backends resize differently (by up to 2 levels of 255 on some pixels of a photo):
+transformers' default, torchvision (GotOcr2ImageProcessor or its Fast name; InternVL's video
+processor has no other), resizes the uint8 tensor with PyTorch's antialiased interpolation and
+fuses rescaling into normalization; GotOcr2ImageProcessorPil resizes with PIL and rescales in
+float64 first. The class the checkpoint names chooses (`backend_of`).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image
 
 from models.checkpoint import CheckpointError, Schema, Settings
@@ -34,6 +41,10 @@ _PIXELS = {
 # Every frame or tile is resized to the tower's size; a processor that keeps its input's size
 # would need the reference's interpolated position embeddings, which are not built.
 _FIXED = {"do_resize": True, "do_center_crop": False}
+BACKENDS = ("torchvision", "pil")
+# transformers' torchvision backend's modes for PIL's filters (the ones implemented here).
+_TORCH_MODES = {Image.Resampling.BILINEAR.value: "bilinear",
+                Image.Resampling.BICUBIC.value: "bicubic"}
 # transformers' classes with their own defaults.
 IMAGE_PROCESSORS = {
     "GotOcr2ImageProcessor": Schema(
@@ -66,15 +77,24 @@ class PixelConfig:
     image_mean: tuple[float, ...]
     image_std: tuple[float, ...]
     do_convert_rgb: bool
+    backend: str  # "torchvision" or "pil": how transformers' class resizes and rescales
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"InternVL preprocessing: backend must be one of {BACKENDS}, got "
+                             f"{self.backend!r}")
+        if self.backend == "torchvision" and self.resample not in _TORCH_MODES:
+            raise NotImplementedError(
+                f"InternVL preprocessing: resample={self.resample} with transformers' "
+                f"torchvision backend: only {sorted(_TORCH_MODES)} (bilinear, bicubic) are "
+                "implemented")
         if self.tile < 1:
             raise ValueError(f"InternVL preprocessing: tile must be >= 1, got {self.tile}")
         if any(s == 0 for s in self.image_std):
             raise ValueError(f"InternVL preprocessing: image_std has a zero: {self.image_std}")
 
     @classmethod
-    def from_settings(cls, s: Settings) -> PixelConfig:
+    def from_settings(cls, s: Settings, backend: str) -> PixelConfig:
         size = s["size"]
         if isinstance(size, int) and not isinstance(size, bool):  # transformers: a square
             size = {"height": size, "width": size}
@@ -87,7 +107,14 @@ class PixelConfig:
         return cls(tile=int(size["height"]), resample=int(s["resample"]),
                    do_rescale=bool(s["do_rescale"]), rescale_factor=float(s["rescale_factor"]),
                    do_normalize=bool(s["do_normalize"]), image_mean=triple(s["image_mean"]),
-                   image_std=triple(s["image_std"]), do_convert_rgb=bool(s["do_convert_rgb"]))
+                   image_std=triple(s["image_std"]), do_convert_rgb=bool(s["do_convert_rgb"]),
+                   backend=backend)
+
+
+def backend_of(named: str | None) -> str:
+    """The backend of the image processor class a checkpoint names (`image_processor_type`;
+    none: transformers' default, torchvision)."""
+    return "pil" if named is not None and str(named).endswith("Pil") else "torchvision"
 
 
 @dataclass(frozen=True)
@@ -156,27 +183,51 @@ def preprocess_image(image: Image.Image, cfg: PixelConfig, limits: TileLimits
     height, width = pixels.shape[:2]
     cols, rows = image_grid(height, width, cfg.tile, limits)
     t = cfg.tile
-    whole = resize(pixels, rows * t, cols * t, cfg.resample)
+    whole = _resize(pixels, rows * t, cols * t, cfg)
     tiles = [whole[r * t:(r + 1) * t, c * t:(c + 1) * t] for r in range(rows) for c in range(cols)]
     if len(tiles) > 1:
-        tiles.append(resize(pixels, t, t, cfg.resample))
+        tiles.append(_resize(pixels, t, t, cfg))
     return normalize(np.stack(tiles), cfg), (cols, rows)
 
 
 def preprocess_frames(frames: np.ndarray, cfg: PixelConfig) -> torch.Tensor:
     """uint8 frames [N, H, W, 3] -> float32 [N, 3, S, S], each resized to one tile."""
-    return normalize(np.stack([resize(f, cfg.tile, cfg.tile, cfg.resample) for f in frames]),
-                     cfg)
+    return normalize(np.stack([_resize(f, cfg.tile, cfg.tile, cfg) for f in frames]), cfg)
+
+
+def _resize(pixels: np.ndarray, height: int, width: int, cfg: PixelConfig) -> np.ndarray:
+    """uint8 [H, W, 3] resized as cfg's backend does it on the CPU: torchvision (antialiased)
+    resizes a uint8 tensor natively for bicubic, and for bilinear where the CPU has AVX2, else
+    in float32, clamped and rounded back; unchanged at its own size."""
+    if cfg.backend == "pil":
+        return resize(pixels, height, width, cfg.resample)
+    if pixels.shape[:2] == (height, width):
+        return pixels
+    mode = _TORCH_MODES[cfg.resample]
+    x = torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1)[None]
+    native = mode == "bicubic" or "AVX2" in torch.backends.cpu.get_cpu_capability()
+    y = F.interpolate(x if native else x.float(), size=(height, width), mode=mode,
+                      align_corners=False, antialias=True)
+    if not native:
+        y = y.clamp_(0, 255).round_().to(torch.uint8)
+    return y[0].permute(1, 2, 0).numpy()
 
 
 def normalize(pixels: np.ndarray, cfg: PixelConfig) -> torch.Tensor:
-    """uint8 [N, H, W, 3] -> float32 [N, 3, H, W], rescaled and normalized."""
-    return rescale_normalize(torch.from_numpy(np.ascontiguousarray(pixels)).permute(0, 3, 1, 2),
-                             cfg)
+    """uint8 [N, H, W, 3] -> float32 [N, 3, H, W], rescaled and normalized as cfg's backend
+    does: torchvision fuses both, (x - mean / factor) / (std / factor) in float32."""
+    x = torch.from_numpy(np.ascontiguousarray(pixels)).permute(0, 3, 1, 2)
+    if cfg.backend == "pil" or not (cfg.do_rescale and cfg.do_normalize):
+        return rescale_normalize(x, cfg)
+    scale = 1.0 / cfg.rescale_factor
+    mean = (torch.tensor(cfg.image_mean) * scale).view(3, 1, 1)
+    std = (torch.tensor(cfg.image_std) * scale).view(3, 1, 1)
+    return ((x.float() - mean) / std).contiguous()
 
 
 def settings_dict(cfg: PixelConfig) -> dict[str, Any]:
     """What of `cfg` changes the pixels, for content hashes."""
-    return {"tile": cfg.tile, "resample": cfg.resample, "mean": list(cfg.image_mean),
+    return {"tile": cfg.tile, "resample": cfg.resample, "backend": cfg.backend,
+            "mean": list(cfg.image_mean),
             "std": list(cfg.image_std), "rescale": cfg.do_rescale and cfg.rescale_factor,
             "normalize": cfg.do_normalize}

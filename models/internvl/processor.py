@@ -42,6 +42,7 @@ from models.internvl.preprocess import (
     VIDEO_PROCESSORS,
     PixelConfig,
     TileLimits,
+    backend_of,
     image_grid,
     preprocess_frames,
     preprocess_image,
@@ -97,8 +98,9 @@ class InternVLProcessor(ProcessorDefaults):
                 f"but the model emits {self.per_tile} embeddings per tile (config.json: "
                 "vision_config image_size / patch_size, downsample_ratio): transformers would "
                 "fail on this checkpoint too")
-        self.image_cfg = PixelConfig.from_settings(image_settings)
-        self.video_cfg = PixelConfig.from_settings(video_settings)
+        named = image.data.get("image_processor_type") if image is not None else None
+        self.image_cfg = PixelConfig.from_settings(image_settings, backend_of(named))
+        self.video_cfg = PixelConfig.from_settings(video_settings, "torchvision")  # its only
         tower = InternViTConfig.from_hf(cfg.vision_config).image_size
         for name, pixels, settings in (("image", self.image_cfg, image_settings),
                                        ("video", self.video_cfg, video_settings)):

@@ -12,8 +12,9 @@ crop marks the patches of padding (whole patches only), which the tower does not
 The tokens of an image: the global view's pooled patches (crop / patch / 2 per side) with a
 separator after each row, one separator between the two views, and the crops' pooled patches
 that are not padding, again with a separator after each row. transformers' processor counts
-them for 448-pixel crops of 14-pixel patches (256 + 16 for the global view), the geometry of
-every Phi-4-MM checkpoint; models/phi4mm/processor.py refuses any other.
+the global view's as 256 + 16, right for crops of 32 x 32 patches (448-pixel crops of 14-pixel
+patches in every Phi-4-MM checkpoint, or e.g. 128-pixel crops of 4-pixel patches);
+models/phi4mm/processor.py refuses any other patch grid.
 """
 
 from __future__ import annotations

@@ -52,7 +52,9 @@ IMAGE_PROCESSOR = Schema("Phi4MultimodalImageProcessor", {
 }, fixed={"do_rescale": True, "do_normalize": True, "resample": 3},
     inert=frozenset({"do_resize"}))
 PROCESSOR_SCHEMA = Schema("Phi4MultimodalProcessor", {})
-GEOMETRY = (448, 14)  # the crop and patch sizes transformers' processor counts tokens for
+# transformers' processor counts a global view's tokens as 256 + 16 (16 x 16 pooled patches and
+# a separator per row), whatever the crop and patch sizes: right for 32 x 32 patches per crop.
+POOLED_SIDE = 16
 DEFAULT_MAX_AUDIO_DURATION_S = 600.0
 
 
@@ -79,12 +81,18 @@ class Phi4MMProcessor(ProcessorDefaults):
             raise CheckpointError(f"{pre.sources['size']}: size={size} is not square, which "
                                   "Phi4MultimodalImageProcessor refuses")
         geometry = (size["height"], pre["patch_size"])
-        if geometry != GEOMETRY or (vision.crop_size, vision.patch_size) != GEOMETRY:
+        if geometry != (vision.crop_size, vision.patch_size):
+            raise CheckpointError(
+                f"{pre.sources['size']}: crops of {geometry[0]} px and {geometry[1]} px patches, "
+                f"but config.json's vision_config has crop_size={vision.crop_size}, patch_size="
+                f"{vision.patch_size}: the model would cut its features differently")
+        per_side = geometry[0] // geometry[1]
+        if -(-per_side // 2) != POOLED_SIDE:
             raise CheckpointError(
                 f"{pre.sources['size']}: crops of {geometry[0]} px and {geometry[1]} px patches "
-                f"(config.json: vision_config.crop_size={vision.crop_size}, patch_size="
-                f"{vision.patch_size}): transformers' processor counts an image's tokens for "
-                f"{GEOMETRY[0]} px crops of {GEOMETRY[1]} px patches only")
+                f"hold {per_side} x {per_side} patches: transformers' processor counts an "
+                f"image's tokens for crops of {2 * POOLED_SIDE} x {2 * POOLED_SIDE} patches "
+                f"({POOLED_SIDE} x {POOLED_SIDE} after pooling) only")
         self.hd = HDConfig(crop=size["height"], patch=pre["patch_size"],
                            dynamic_hd=int(pre["dynamic_hd"]),
                            rescale_factor=float(pre["rescale_factor"]),
