@@ -46,5 +46,8 @@ def test_the_notebook_runs_top_to_bottom(monkeypatch, tmp_path_factory):
     code = [c for c in notebook.cells if c.cell_type == "code"]
     assert all(c.execution_count for c in code)  # every cell ran
     remote = next(c for c in code if "RemoteEngine.connect" in c.source)
-    assert "Skipped" not in outputs_text(remote) and "<" in outputs_text(remote)  # its panels
+    assert "Skipped" not in outputs_text(remote)
+    assert "Engine (remote)" in outputs_text(remote)  # the remote engine's panels
+    view = next(c for c in code if c.source.startswith("view = show_result"))
+    assert "mm-placeholders" in outputs_text(view)  # the in-process engine's panels
 

@@ -3,8 +3,6 @@ earlier media, plain-English errors, Stop, Regenerate, and what the panels show.
 
 from __future__ import annotations
 
-import ast
-import contextlib
 import dataclasses
 import json
 import re
@@ -13,8 +11,6 @@ from pathlib import Path
 import gradio as gr
 import pytest
 
-from api import create_app
-from tests.api_fixtures import running_server
 from tests.helpers import wait_idle
 from tests.ui_fixtures import AUDIO, MLLAMA, NO_AUDIO, OMNI, VL, demo_engines, demo_root
 from ui import build_demo, panels, show_result, timing
@@ -282,37 +278,6 @@ async def test_show_result_renders_every_panel(chat, engines, samples):
     html = view._repr_html_()
     for part in ("mm-placeholders", "<table", "This request", "mm-engine", "mm-timing"):
         assert part in html
-
-
-@pytest.mark.usefixtures("engines")  # the demo directory is built by then
-async def test_the_notebook_runs(tmp_path_factory, monkeypatch):
-    """Execute the example notebook's code cells in order (top-level await allowed), except
-    those tagged "server" (launching the app), against the session's demo directory; cells
-    tagged "remote" run against our API server on 127.0.0.1 serving the notebook's engine."""
-    monkeypatch.setenv("MMSERVE_DEMO_DIR", str(demo_root(tmp_path_factory)))
-    notebook = json.loads((ROOT / "examples" / "notebook.ipynb").read_text())
-    namespace: dict = {}
-    ran_remote = False
-    for cell in notebook["cells"]:
-        tags = cell["metadata"].get("tags", [])
-        if cell["cell_type"] != "code" or "server" in tags:
-            continue
-        source = "".join(cell["source"])
-        code = compile(source, "notebook cell", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
-        with contextlib.ExitStack() as stack:
-            if "remote" in tags:
-                app = create_app({VL: namespace["llm"]})
-                url = stack.enter_context(running_server(app))
-                monkeypatch.setenv("MMSERVE_BACKEND", f"{url}/v1")
-                ran_remote = True
-            result = eval(code, namespace)  # our own notebook's code
-            if result is not None:  # a cell with top-level await compiles to a coroutine
-                await result
-    assert "mm-placeholders" in namespace["view"]._repr_html_()
-    assert isinstance(namespace["demo"], gr.Blocks)
-    assert ran_remote and namespace["remote"].info.backend.startswith("http://127.0.0.1:")
-    remote_view = namespace["show_result"](namespace["remote"], namespace["outs"][-1])
-    assert "image 1 · @" in remote_view.html and "Engine (remote)" in remote_view.html
 
 
 def test_the_demo_is_generated_once_and_its_examples_fit_the_models(engines, tmp_path_factory):
