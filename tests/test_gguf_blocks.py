@@ -66,15 +66,17 @@ def test_dequantized_bit_for_bit_as_gguf_py(weights, name):
     assert torch.equal(dequantize_rows(blocks, name, K, slice(30, 41)), values[30:41])
 
 
-def digit_bound(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """What the matrix-vector kernel may be off from x . W^T, per output: x is rounded to int8
-    digits per block of 32 inputs (step max|x| / 127 over the block, so each input within
-    max|x| / 254), the block then contributing at most sum |w| * max|x| / 254; plus float32's
-    rounding of the sums and scales."""
+def digit_bound(x: torch.Tensor, values: torch.Tensor, digits: int = 2) -> torch.Tensor:
+    """What the matrix-vector kernel may be off from x . W^T, per output: x is written per block
+    of 32 inputs in int8 digits, dx (h + l / 256) with dx = max|x| / 127 over the block, so each
+    input within max|x| / 254 (one digit) or max|x| / 32512 (two: l is clamped to 127), the
+    block then contributing at most sum |w| times that; plus float32's rounding of the sums
+    and scales."""
     m, k = x.shape
     top = x.abs().reshape(m, k // 32, 32).amax(-1).repeat_interleave(32, -1).double()
     w = values.abs().double().t()
-    return top @ w * (1 / 254 + 1e-5) + 1e-5 * (x.abs().double() @ w)
+    step = 1 / 254 if digits == 1 else 1 / 32512
+    return top @ w * (step + 1e-5) + 1e-5 * (x.abs().double() @ w)
 
 
 @pytest.mark.parametrize("name", list(BLOCK_TYPES))
@@ -86,11 +88,12 @@ def test_decode_and_prefill_products(weights, name):
     want = x.double() @ values.double().t()
     layer = BlockLinear([(name, blocks)], K, None)
     for rows in (1, 5):  # the matrix-vector kernel: the variant's path and the plain one
-        bound = digit_bound(x[:rows], values)
-        for path in ("int8", "plain"):
-            got = ggml_blocks.block_linear(x[:rows], blocks, name, K, path)
-            assert got.dtype == torch.float32
-            assert ((got.double() - want[:rows]).abs() <= bound).all(), (rows, path)
+        for path in ("vector", "plain"):
+            for digits in (1, 2):
+                got = ggml_blocks.block_linear(x[:rows], blocks, name, K, path, digits)
+                assert got.dtype == torch.float32
+                bound = digit_bound(x[:rows], values, digits)
+                assert ((got.double() - want[:rows]).abs() <= bound).all(), (rows, path, digits)
         assert torch.equal(layer(x[:rows]), ggml_blocks.block_linear(x[:rows], blocks, name, K))
     got = layer(x)  # the tiled GEMM on the dequantized values
     bound = 1e-5 * (x.abs().double() @ values.abs().double().t()).max()  # float32 sums

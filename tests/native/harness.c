@@ -25,7 +25,7 @@ void mm_fit_int4(const float* x, int64_t groups, int64_t group, float* scale, fl
 int mm_gemm_quantized_takes(int64_t n, int64_t k, int w_format, int64_t group);
 int mm_gemm_quantized(const void* x, int x_dtype, const void* w, int w_format,
                       const uint16_t* scales, int64_t group, void* y, int64_t ldy, int64_t m,
-                      int64_t n, int64_t k, int generic, int threads);
+                      int64_t n, int64_t k, int digits, int generic, int threads);
 int mm_moe_experts(const mm_linear_desc* gate_up, const mm_linear_desc* down,
                    int64_t num_experts, const void* x, int dt, int64_t m,
                    const int64_t* experts, const void* weights, int64_t k, void* out,
@@ -684,7 +684,7 @@ static void test_ggml_blocks(int dt) {
             }
         void* y = alloc(sizeof(float) * (size_t)(m * n));
         snprintf(name, sizeof name, "ggml %s linear %s", q4k ? "Q4_K" : "Q8_0", dname(dt));
-        if (mm_ggml_linear(x, dt, w, code, y, m, n, k, 0, 2) != 0)
+        if (mm_ggml_linear(x, dt, w, code, y, m, n, k, 2, 0, 2) != 0)
             failures++, printf("FAIL %s\n", name);
         else check(name, y, dt, ref, m * n, 1e-3, dt == DTYPE_F32 ? 1e-5 : 1e-2);
         free(w), free(want), free(got), free(x), free(xr), free(ref), free(y);

@@ -325,28 +325,38 @@ typedef struct {
     const float* xs16;  /* [k / 16] */
 } act_row;
 
-/* Row x [k] -> its digits and sums (k a multiple of 32). */
-static void quantize_row(const float* x, int64_t k, int8_t* q, float* dx, float* xs,
-                         float* xs16) {
+/* Row x [k] (a multiple of 32) -> its first digits h (dx = max|x| / 127 per 32) and, where l
+ * is not NULL, its second digits l (step dx / 256), each with its sums: x' = dx (h + l / 256).
+ * ls: [k / 32 * 4] floats for l's dx, xs, xs16, as hs for h's. */
+static void quantize_row(const float* x, int64_t k, int8_t* h, float* hs, int8_t* l, float* ls) {
     for (int64_t b = 0; b < k / 32; b++) {
         const float* v = x + 32 * b;
         float top = 0.0f;
         for (int j = 0; j < 32; j++) top = fabsf(v[j]) > top ? fabsf(v[j]) : top;
         const float d = top / 127.0f, inv = top > 0.0f ? 127.0f / top : 0.0f;
-        int sum[2] = {0, 0};
-        for (int h = 0; h < 2; h++) {
-            int s = 0;
-            for (int j = 16 * h; j < 16 * h + 16; j++) {
-                const int t = (int)rintf(v[j] * inv);
-                q[32 * b + j] = (int8_t)(t > 127 ? 127 : (t < -127 ? -127 : t));
-                s += q[32 * b + j];
+        int sum[2][2] = {{0, 0}, {0, 0}};  /* [digit][half] */
+        for (int half = 0; half < 2; half++) {
+            for (int j = 16 * half; j < 16 * half + 16; j++) {
+                const float u = v[j] * inv, first = rintf(u);
+                const int t = (int)first;
+                h[32 * b + j] = (int8_t)(t > 127 ? 127 : (t < -127 ? -127 : t));
+                sum[0][half] += h[32 * b + j];
+                if (l != NULL) {
+                    float second = rintf((u - first) * 256.0f);
+                    second = second > 127.0f ? 127.0f : (second < -127.0f ? -127.0f : second);
+                    l[32 * b + j] = (int8_t)second;
+                    sum[1][half] += (int)second;
+                }
             }
-            sum[h] = s;
         }
-        dx[b] = d;
-        xs[b] = d * (float)(sum[0] + sum[1]);
-        xs16[2 * b] = d * (float)sum[0];
-        xs16[2 * b + 1] = d * (float)sum[1];
+        for (int digit = 0; digit < (l != NULL ? 2 : 1); digit++) {
+            float* s = digit ? ls : hs;
+            const float step = digit ? d / 256.0f : d;
+            s[b] = step;
+            s[k / 32 + b] = step * (float)(sum[digit][0] + sum[digit][1]);
+            s[k / 16 + 2 * b] = step * (float)sum[digit][0];
+            s[k / 16 + 2 * b + 1] = step * (float)sum[digit][1];
+        }
     }
 }
 
@@ -579,32 +589,41 @@ static float dot_avx2(int type, const uint8_t* wr, int64_t nb, const act_row* a)
 #endif
 
 /* The team's body of mm_ggml_linear: the rows' digits (each thread its own, a decode's few
- * rows), then the output channels shared. */
+ * rows), then the output channels shared; with two digits, the product is the sum of the
+ * products with each (x' = dx h + (dx / 256) l, so the same kernels take both). */
 static int ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, void* y,
-                       int64_t m, int64_t n, int64_t k, int generic) {
+                       int64_t m, int64_t n, int64_t k, int digits, int generic) {
     int owned;
     const float* xf = as_f32(x, x_dtype, m * k, &owned);
-    int8_t* q = malloc((size_t)(m * k));
-    float* sums = malloc(sizeof(float) * (size_t)(m * k / 32 * 4));  /* dx, xs, xs16 */
+    const int64_t per = k / 32 * 4;  /* floats of one row's dx, xs, xs16 */
+    int8_t* q = malloc((size_t)(2 * m * k));
+    float* sums = malloc(sizeof(float) * (size_t)(2 * m * per));
     const int failed = xf == NULL || q == NULL || sums == NULL;
-    act_row rows[16];
+    act_row rows[16][2];
     const int64_t per_row = k / block_values(type), row_bytes = per_row * block_bytes(type);
     for (int64_t i0 = 0; i0 < m; i0 += 16) {
         const int count = m - i0 < 16 ? (int)(m - i0) : 16;
         for (int i = 0; i < count && !failed; i++) {
             const int64_t r = i0 + i;
-            float* s = sums + r * (k / 32 * 4);
-            quantize_row(xf + r * k, k, q + r * k, s, s + k / 32, s + k / 16);
-            rows[i] = (act_row){q + r * k, s, s + k / 32, s + k / 16};
+            int8_t* h = q + 2 * r * k;
+            float* hs = sums + 2 * r * per;
+            quantize_row(xf + r * k, k, h, hs, digits == 2 ? h + k : NULL, hs + per);
+            for (int digit = 0; digit < 2; digit++) {
+                float* s = hs + digit * per;
+                rows[i][digit] = (act_row){h + digit * k, s, s + k / 32, s + k / 16};
+            }
         }
         _Pragma("omp for schedule(static)")
         for (int64_t c = 0; c < n; c++) {
             if (failed) continue;
             const uint8_t* wr = w + c * row_bytes;
-            for (int i = 0; i < count; i++)
-                store(y, x_dtype, (i0 + i) * n + c,
-                      generic ? dot_plain(type, wr, per_row, rows + i)
-                              : DOT_PATH(type, wr, per_row, rows + i));
+            for (int i = 0; i < count; i++) {
+                float acc = 0.0f;
+                for (int digit = digits - 1; digit >= 0; digit--)  /* the small part first */
+                    acc += generic ? dot_plain(type, wr, per_row, &rows[i][digit])
+                                   : DOT_PATH(type, wr, per_row, &rows[i][digit]);
+                store(y, x_dtype, (i0 + i) * n + c, acc);
+            }
         }
     }
     if (owned) free((void*)xf);
@@ -612,11 +631,12 @@ static int ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, v
     return failed;
 }
 
-/* y [M, N] (x's dtype) = x [M, K] . W^T, W of `type`, through the integer path (above);
- * generic != 0: the plain one even where a vector one is built (for tests). -> 0, 1 out of
- * memory, 2 a type or K it does not take. */
+/* y [M, N] (x's dtype) = x [M, K] . W^T, W of `type`, through the integer path (above), x in
+ * `digits` (1 or 2) int8 digits per input; generic != 0: the plain path even where a vector
+ * one is built (for tests). -> 0, 1 out of memory, 2 a type or K it does not take (or digits
+ * not 1 or 2). */
 int mm_ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, void* y, int64_t m,
-                   int64_t n, int64_t k, int generic, int threads) {
-    if (!mm_ggml_takes(type, k)) return 2;
-    ON_TEAM(threads, ggml_linear(x, x_dtype, w, type, y, m, n, k, generic));
+                   int64_t n, int64_t k, int digits, int generic, int threads) {
+    if (!mm_ggml_takes(type, k) || (digits != 1 && digits != 2)) return 2;
+    ON_TEAM(threads, ggml_linear(x, x_dtype, w, type, y, m, n, k, digits, generic));
 }
