@@ -319,44 +319,42 @@ int mm_ggml_linear_float(const void* x, int x_dtype, const uint8_t* w, int type,
  * variants) is the same arithmetic in C loops the compiler vectorizes. */
 
 typedef struct {
-    const int8_t* q;    /* [k] */
-    const float* dx;    /* [k / 32] */
+    const int8_t* q;    /* [k] first digits */
+    const int8_t* l;    /* [k] second digits, or NULL (one digit) */
+    const float* dx;    /* [k / 32] the unit of the digits' integer (q, or 256 q + l) */
     const float* xs;    /* [k / 32] */
     const float* xs16;  /* [k / 16] */
 } act_row;
 
-/* Row x [k] (a multiple of 32) -> its first digits h (dx = max|x| / 127 per 32) and, where l
- * is not NULL, its second digits l (step dx / 256), each with its sums: x' = dx (h + l / 256).
- * ls: [k / 32 * 4] floats for l's dx, xs, xs16, as hs for h's. */
-static void quantize_row(const float* x, int64_t k, int8_t* h, float* hs, int8_t* l, float* ls) {
+/* Row x [k] (a multiple of 32) -> its first digits h (step d = max|x| / 127 per 32) and,
+ * where l is not NULL, its second digits l (step d / 256): x' = d (h + l / 256). sums [k / 32 *
+ * 4]: the unit dx (d, or d / 256 with two digits), xs and xs16 (the sums of x'). */
+static void quantize_row(const float* x, int64_t k, int8_t* h, int8_t* l, float* sums) {
     for (int64_t b = 0; b < k / 32; b++) {
         const float* v = x + 32 * b;
         float top = 0.0f;
         for (int j = 0; j < 32; j++) top = fabsf(v[j]) > top ? fabsf(v[j]) : top;
         const float d = top / 127.0f, inv = top > 0.0f ? 127.0f / top : 0.0f;
-        int sum[2][2] = {{0, 0}, {0, 0}};  /* [digit][half] */
+        int sum[2] = {0, 0};  /* per half: of h, or 256 h + l */
         for (int half = 0; half < 2; half++) {
             for (int j = 16 * half; j < 16 * half + 16; j++) {
                 const float u = v[j] * inv, first = rintf(u);
                 const int t = (int)first;
                 h[32 * b + j] = (int8_t)(t > 127 ? 127 : (t < -127 ? -127 : t));
-                sum[0][half] += h[32 * b + j];
+                sum[half] += h[32 * b + j];
                 if (l != NULL) {
                     float second = rintf((u - first) * 256.0f);
                     second = second > 127.0f ? 127.0f : (second < -127.0f ? -127.0f : second);
                     l[32 * b + j] = (int8_t)second;
-                    sum[1][half] += (int)second;
+                    sum[half] += 255 * h[32 * b + j] + (int)second;
                 }
             }
         }
-        for (int digit = 0; digit < (l != NULL ? 2 : 1); digit++) {
-            float* s = digit ? ls : hs;
-            const float step = digit ? d / 256.0f : d;
-            s[b] = step;
-            s[k / 32 + b] = step * (float)(sum[digit][0] + sum[digit][1]);
-            s[k / 16 + 2 * b] = step * (float)sum[digit][0];
-            s[k / 16 + 2 * b + 1] = step * (float)sum[digit][1];
-        }
+        const float unit = l != NULL ? d / 256.0f : d;
+        sums[b] = unit;
+        sums[k / 32 + b] = unit * (float)(sum[0] + sum[1]);
+        sums[k / 16 + 2 * b] = unit * (float)sum[0];
+        sums[k / 16 + 2 * b + 1] = unit * (float)sum[1];
     }
 }
 
@@ -366,6 +364,12 @@ static inline int dot_n(const int8_t* w, const int8_t* x, int n) {
     int s = 0;
     for (int j = 0; j < n; j++) s += w[j] * x[j];
     return s;
+}
+
+/* the digits' integer of a span (at most 32 * 63 * 127 * 257: int holds it) */
+static inline int dot_a(const int8_t* w, const act_row* a, int64_t at, int n) {
+    const int s = dot_n(w, a->q + at, n);
+    return a->l ? 256 * s + dot_n(w, a->l + at, n) : s;
 }
 
 /* the 32 quants of a Q4_* / Q5_* block (0 .. 15 or 0 .. 31; qh NULL for Q4) */
@@ -388,7 +392,7 @@ static float dot_plain(int type, const uint8_t* wr, int64_t nb, const act_row* a
                 const uint8_t* blk = wr + b * block_bytes(type);
                 const int at = has_min ? 4 : 2;
                 unpack32(blk + at + (five ? 4 : 0), five ? blk + at : NULL, w);
-                const float d = half(blk), isum = (float)dot_n(w, a->q + 32 * b, 32);
+                const float d = half(blk), isum = (float)dot_a(w, a, 32 * b, 32);
                 if (has_min) acc += d * a->dx[b] * isum + half(blk + 2) * a->xs[b];
                 else acc += d * (a->dx[b] * isum - (five ? 16.0f : 8.0f) * a->xs[b]);
                 break;
@@ -396,7 +400,7 @@ static float dot_plain(int type, const uint8_t* wr, int64_t nb, const act_row* a
             case GGML_Q8_0: {
                 const uint8_t* blk = wr + b * 34;
                 acc += half(blk) * a->dx[b] *
-                       (float)dot_n((const int8_t*)(blk + 2), a->q + 32 * b, 32);
+                       (float)dot_a((const int8_t*)(blk + 2), a, 32 * b, 32);
                 break;
             }
             case GGML_Q4_K: case GGML_Q5_K: {
@@ -415,7 +419,7 @@ static float dot_plain(int type, const uint8_t* wr, int64_t nb, const act_row* a
                         int sc, mn;
                         scale_min(j + h, blk + 4, &sc, &mn);
                         const int64_t c = 8 * b + j + h;
-                        const float isum = (float)dot_n(w + 32 * h, a->q + 32 * c, 32);
+                        const float isum = (float)dot_a(w + 32 * h, a, 32 * c, 32);
                         acc += d * (float)sc * a->dx[c] * isum - dmin * (float)mn * a->xs[c];
                     }
                 }
@@ -435,7 +439,7 @@ static float dot_plain(int type, const uint8_t* wr, int64_t nb, const act_row* a
                             w[l] = (int8_t)(((lo[l] >> shift) & 0xF) | (((qh[l] >> (2 * g)) & 3) << 4));
                         const int64_t c = 8 * b + 4 * n + g;  /* the block of 32 */
                         for (int h = 0; h < 2; h++) {
-                            const float isum = (float)dot_n(w + 16 * h, a->q + 32 * c + 16 * h, 16);
+                            const float isum = (float)dot_a(w + 16 * h, a, 32 * c + 16 * h, 16);
                             acc += d * (float)sc[8 * n + 2 * g + h] *
                                    (a->dx[c] * isum - 32.0f * a->xs16[2 * c + h]);
                         }
@@ -450,10 +454,30 @@ static float dot_plain(int type, const uint8_t* wr, int64_t nb, const act_row* a
 }
 
 #ifdef MM_AVX2
-/* 8 int32 lanes: sums of 4 products of u8 u and s8 s (pairs into int16 without saturation for
- * the quants read here) */
-static inline __m256i dot_u8s8(__m256i u, __m256i s) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+/* 8 int32 lanes: sums of 4 products of u8 u and s8 s (PMADDUBSW pairs them into int16 without
+ * saturation for the quants read here), the pairs weighted by the int16 lanes of mul */
+static inline __m256i dot_u8s8(__m256i u, __m256i s, __m256i mul) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), mul);
+}
+
+static inline __m256i load32(const int8_t* p) {
+    return _mm256_loadu_si256((const __m256i*)p);
+}
+
+/* the digits' integer (q, or 256 q + l) of quants u against inputs at .. at + 31 */
+static inline __m256i dot_act(__m256i u, const act_row* a, int64_t at, __m256i mul) {
+    const __m256i p = dot_u8s8(u, load32(a->q + at), mul);
+    if (a->l == NULL) return p;
+    return _mm256_add_epi32(_mm256_slli_epi32(p, 8), dot_u8s8(u, load32(a->l + at), mul));
+}
+
+/* as dot_act for signed quants w (Q8_0): |w| against the inputs with w's sign */
+static inline __m256i dot_act_signed(__m256i w, const act_row* a, int64_t at) {
+    const __m256i one = _mm256_set1_epi16(1), u = _mm256_sign_epi8(w, w);
+    const __m256i p = dot_u8s8(u, _mm256_sign_epi8(load32(a->q + at), w), one);
+    if (a->l == NULL) return p;
+    return _mm256_add_epi32(_mm256_slli_epi32(p, 8),
+                            dot_u8s8(u, _mm256_sign_epi8(load32(a->l + at), w), one));
 }
 
 /* byte j of the result 0x10 where bit j of the 32 at p is set, else 0 (Q5's fifth bits) */
@@ -467,7 +491,7 @@ static inline __m256i fifth_bits(const uint8_t* p) {
 }
 
 static float dot_avx2(int type, const uint8_t* wr, int64_t nb, const act_row* a) {
-    const __m256i nibble = _mm256_set1_epi8(0xF);
+    const __m256i nibble = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi16(1);
     __m256 acc = _mm256_setzero_ps(), off = _mm256_setzero_ps();
     float offset = 0.0f;
     switch (type) {
@@ -482,9 +506,8 @@ static float dot_avx2(int type, const uint8_t* wr, int64_t nb, const act_row* a)
                 __m256i w = _mm256_and_si256(
                     _mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), nibble);
                 if (five) w = _mm256_or_si256(w, fifth_bits(blk + at - 4));
-                const __m256i x = _mm256_loadu_si256((const __m256i*)(a->q + 32 * b));
                 const float d = half(blk);
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(w, x)),
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_act(w, a, 32 * b, ones)),
                                       _mm256_set1_ps(d * a->dx[b]), acc);
                 offset += has_min ? half(blk + 2) * a->xs[b] : -shift * d * a->xs[b];
             }
@@ -494,9 +517,7 @@ static float dot_avx2(int type, const uint8_t* wr, int64_t nb, const act_row* a)
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t* blk = wr + b * 34;
                 const __m256i w = _mm256_loadu_si256((const __m256i*)(blk + 2));
-                const __m256i x = _mm256_loadu_si256((const __m256i*)(a->q + 32 * b));
-                const __m256i p = dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_act_signed(w, a, 32 * b)),
                                       _mm256_set1_ps(half(blk) * a->dx[b]), acc);
             }
             break;
@@ -524,7 +545,6 @@ static float dot_avx2(int type, const uint8_t* wr, int64_t nb, const act_row* a)
                 const __m256i hb = five ? _mm256_loadu_si256((const __m256i*)(blk + 16))
                                         : _mm256_setzero_si256();
                 const __m256i one = _mm256_set1_epi8(1);
-                const int8_t* xq = a->q + 256 * b;
                 for (int j = 0; j < 4; j++) {
                     const __m256i v = _mm256_loadu_si256((const __m256i*)(ql + 32 * j));
                     __m256i lo = _mm256_and_si256(v, nibble);
@@ -535,11 +555,10 @@ static float dot_avx2(int type, const uint8_t* wr, int64_t nb, const act_row* a)
                         hi = _mm256_or_si256(hi, _mm256_slli_epi16(
                             _mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
                     }
-                    const __m256i x0 = _mm256_loadu_si256((const __m256i*)(xq + 64 * j));
-                    const __m256i x1 = _mm256_loadu_si256((const __m256i*)(xq + 64 * j + 32));
-                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(lo, x0)),
+                    const int64_t at = 256 * b + 64 * j;
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_act(lo, a, at, ones)),
                                           _mm256_set1_ps(cf[2 * j]), acc);
-                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(hi, x1)),
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_act(hi, a, at + 32, ones)),
                                           _mm256_set1_ps(cf[2 * j + 1]), acc);
                 }
             }
@@ -568,12 +587,11 @@ static float dot_avx2(int type, const uint8_t* wr, int64_t nb, const act_row* a)
                         const __m256i bits = _mm256_slli_epi16(_mm256_and_si256(
                             _mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * g)), three), 4);
                         const int64_t c = 8 * b + 4 * n + g;
-                        const __m256i x = _mm256_loadu_si256((const __m256i*)(a->q + 32 * c));
-                        const __m256i pairs = _mm256_maddubs_epi16(_mm256_or_si256(nib, bits), x);
                         const __m256i scales = _mm256_set_m128i(
                             _mm_set1_epi16(sc[8 * n + 2 * g + 1]), _mm_set1_epi16(sc[8 * n + 2 * g]));
+                        /* per lane at most 2 * 2 * 63 * 127 * 128 * 257: int32 holds it */
                         acc = _mm256_fmadd_ps(
-                            _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, scales)),
+                            _mm256_cvtepi32_ps(dot_act(_mm256_or_si256(nib, bits), a, 32 * c, scales)),
                             _mm256_set1_ps(d * a->dx[c]), acc);
                     }
                 }
@@ -589,41 +607,34 @@ static float dot_avx2(int type, const uint8_t* wr, int64_t nb, const act_row* a)
 #endif
 
 /* The team's body of mm_ggml_linear: the rows' digits (each thread its own, a decode's few
- * rows), then the output channels shared; with two digits, the product is the sum of the
- * products with each (x' = dx h + (dx / 256) l, so the same kernels take both). */
+ * rows), then the output channels shared. */
 static int ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, void* y,
                        int64_t m, int64_t n, int64_t k, int digits, int generic) {
     int owned;
     const float* xf = as_f32(x, x_dtype, m * k, &owned);
     const int64_t per = k / 32 * 4;  /* floats of one row's dx, xs, xs16 */
     int8_t* q = malloc((size_t)(2 * m * k));
-    float* sums = malloc(sizeof(float) * (size_t)(2 * m * per));
+    float* sums = malloc(sizeof(float) * (size_t)(m * per));
     const int failed = xf == NULL || q == NULL || sums == NULL;
-    act_row rows[16][2];
+    act_row rows[16];
     const int64_t per_row = k / block_values(type), row_bytes = per_row * block_bytes(type);
     for (int64_t i0 = 0; i0 < m; i0 += 16) {
         const int count = m - i0 < 16 ? (int)(m - i0) : 16;
         for (int i = 0; i < count && !failed; i++) {
             const int64_t r = i0 + i;
             int8_t* h = q + 2 * r * k;
-            float* hs = sums + 2 * r * per;
-            quantize_row(xf + r * k, k, h, hs, digits == 2 ? h + k : NULL, hs + per);
-            for (int digit = 0; digit < 2; digit++) {
-                float* s = hs + digit * per;
-                rows[i][digit] = (act_row){h + digit * k, s, s + k / 32, s + k / 16};
-            }
+            float* s = sums + r * per;
+            quantize_row(xf + r * k, k, h, digits == 2 ? h + k : NULL, s);
+            rows[i] = (act_row){h, digits == 2 ? h + k : NULL, s, s + k / 32, s + k / 16};
         }
         _Pragma("omp for schedule(static)")
         for (int64_t c = 0; c < n; c++) {
             if (failed) continue;
             const uint8_t* wr = w + c * row_bytes;
-            for (int i = 0; i < count; i++) {
-                float acc = 0.0f;
-                for (int digit = digits - 1; digit >= 0; digit--)  /* the small part first */
-                    acc += generic ? dot_plain(type, wr, per_row, &rows[i][digit])
-                                   : DOT_PATH(type, wr, per_row, &rows[i][digit]);
-                store(y, x_dtype, (i0 + i) * n + c, acc);
-            }
+            for (int i = 0; i < count; i++)
+                store(y, x_dtype, (i0 + i) * n + c,
+                      generic ? dot_plain(type, wr, per_row, rows + i)
+                              : DOT_PATH(type, wr, per_row, rows + i));
         }
     }
     if (owned) free((void*)xf);
