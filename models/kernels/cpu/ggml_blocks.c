@@ -490,6 +490,12 @@ static inline __m256i fifth_bits(const uint8_t* p) {
     return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
 }
 
+#ifdef __F16C__
+#define HALF(p) _cvtsh_ss((unsigned short)((p)[0] | ((p)[1] << 8)))  /* exact, as half() */
+#else
+#define HALF(p) half(p)
+#endif
+
 static float dot_avx2(int type, const uint8_t* wr, int64_t nb, const act_row* a) {
     const __m256i nibble = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi16(1);
     __m256 acc = _mm256_setzero_ps(), off = _mm256_setzero_ps();
@@ -506,10 +512,10 @@ static float dot_avx2(int type, const uint8_t* wr, int64_t nb, const act_row* a)
                 __m256i w = _mm256_and_si256(
                     _mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), nibble);
                 if (five) w = _mm256_or_si256(w, fifth_bits(blk + at - 4));
-                const float d = half(blk);
+                const float d = HALF(blk);
                 acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_act(w, a, 32 * b, ones)),
                                       _mm256_set1_ps(d * a->dx[b]), acc);
-                offset += has_min ? half(blk + 2) * a->xs[b] : -shift * d * a->xs[b];
+                offset += has_min ? HALF(blk + 2) * a->xs[b] : -shift * d * a->xs[b];
             }
             break;
         }
@@ -518,7 +524,7 @@ static float dot_avx2(int type, const uint8_t* wr, int64_t nb, const act_row* a)
                 const uint8_t* blk = wr + b * 34;
                 const __m256i w = _mm256_loadu_si256((const __m256i*)(blk + 2));
                 acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_act_signed(w, a, 32 * b)),
-                                      _mm256_set1_ps(half(blk) * a->dx[b]), acc);
+                                      _mm256_set1_ps(HALF(blk) * a->dx[b]), acc);
             }
             break;
         case GGML_Q4_K: case GGML_Q5_K: {
@@ -526,20 +532,23 @@ static float dot_avx2(int type, const uint8_t* wr, int64_t nb, const act_row* a)
             const int nbytes = block_bytes(type);
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t* blk = wr + b * nbytes;
-                uint8_t scb[8], mnb[8];
-                for (int j = 0; j < 8; j++) {
-                    int sc, mn;
-                    scale_min(j, blk + 4, &sc, &mn);
-                    scb[j] = (uint8_t)sc, mnb[j] = (uint8_t)mn;
-                }
-                const __m256 scale = _mm256_cvtepi32_ps(
-                    _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)scb)));
+                /* scale_min's eight pairs at once: words 0, 1 the scales, 2, 3 the mins */
+                uint32_t u[4];
+                memcpy(u, blk + 4, 12);
+                const uint32_t six = 0x3f3f3f3f, low = 0x0f0f0f0f, top2 = 0x03030303;
+                u[3] = ((u[2] >> 4) & low) | (((u[1] >> 6) & top2) << 4);
+                const uint32_t mins03 = u[1] & six;
+                u[1] = (u[2] & low) | (((u[0] >> 6) & top2) << 4);
+                u[2] = mins03;
+                u[0] &= six;
+                const __m128i packed = _mm_loadu_si128((const __m128i*)u);
+                const __m256 scale = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(packed));
                 const __m256 mins = _mm256_cvtepi32_ps(
-                    _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)mnb)));
+                    _mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8)));
                 float cf[8];
-                _mm256_storeu_ps(cf, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(half(blk)), scale),
+                _mm256_storeu_ps(cf, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(HALF(blk)), scale),
                                                    _mm256_loadu_ps(a->dx + 8 * b)));
-                off = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(half(blk + 2)), mins),
+                off = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(HALF(blk + 2)), mins),
                                       _mm256_loadu_ps(a->xs + 8 * b), off);
                 const uint8_t* ql = blk + (five ? 48 : 16);
                 const __m256i hb = five ? _mm256_loadu_si256((const __m256i*)(blk + 16))
@@ -568,7 +577,7 @@ static float dot_avx2(int type, const uint8_t* wr, int64_t nb, const act_row* a)
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t* blk = wr + b * 210;
                 const int8_t* sc = (const int8_t*)(blk + 192);
-                const float d = half(blk + 208);
+                const float d = HALF(blk + 208);
                 const __m256 d32 = _mm256_set1_ps(32.0f * d);
                 for (int h = 0; h < 2; h++) {
                     const __m256 s = _mm256_cvtepi32_ps(
@@ -601,6 +610,7 @@ static float dot_avx2(int type, const uint8_t* wr, int64_t nb, const act_row* a)
     }
     return hsum8(_mm256_sub_ps(acc, off)) + offset;
 }
+#undef HALF
 #define DOT_PATH dot_avx2
 #else
 #define DOT_PATH dot_plain
