@@ -70,8 +70,10 @@ def main() -> None:
         blocks = random_blocks(name, n, k)
         for label, path, digits in (("float", "float", 2), ("1 digit", "vector", 1),
                                     ("2 digits", "vector", 2)):
-            rows.append((f"{name} {label}", cpu_us(lambda: ggml_blocks.block_linear(
-                x, blocks, name, k, path, digits), calls)))
+            def call(blocks=blocks, name=name, path=path, digits=digits):
+                return ggml_blocks.block_linear(x, blocks, name, k, path, digits)
+
+            rows.append((f"{name} {label}", cpu_us(call, calls)))
     for label, us in rows:
         print(f"{label:20s} {us:10.1f}")
 

@@ -5,8 +5,9 @@ A weight [N, K] is held as the file's bytes, N rows of K / QK blocks ([N, row by
 the float16 scales and minimums inside them: nothing is widened or rounded. A decode step's few
 rows go through the matrix-vector kernel, which writes each row in int8 digits per 32 inputs
 (two: within max|x| / 32512 of x) and takes integer dot products with the blocks' quants (as
-llama.cpp's vec_dot does with one digit), the blocks' scales joining in float32; more rows (a prefill) through a float32 GEMM on a tile of
-rows dequantized into a reused buffer (the same values: dequantizing is ggml's, bit for bit).
+llama.cpp's vec_dot does with one digit), the blocks' scales joining in float32; more rows (a
+prefill) through a float32 GEMM on a tile of rows dequantized into a reused buffer (the same
+values: dequantizing is ggml's, bit for bit).
 Without our kernels (no compiler, MMSERVE_NATIVE=0) the tile is dequantized by gguf-py, slowly
 but with the same values.
 """

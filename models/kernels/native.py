@@ -149,8 +149,8 @@ class NativeKernels:
         self.moe_experts = lib.mm_moe_experts
         # Weights in a GGUF file's ggml blocks (cpu/ggml_blocks.c; models.kernels.ggml_blocks
         # wraps them): the integer decode path (x's digits per input, 1 or 2; then nonzero for
-        # the plain path even where a vector one is built), the float one it replaced (kept for bench/), the
-        # dequantizer.
+        # the plain path even where a vector one is built), the float one it replaced (kept
+        # for bench/), the dequantizer.
         self.ggml_linear, self.ggml_dequantize = lib.mm_ggml_linear, lib.mm_ggml_dequantize
         self.ggml_linear_float = lib.mm_ggml_linear_float
         self.ggml_linear.argtypes = [_ptr, _int, _ptr, _int, _ptr, _i64, _i64, _i64, _int, _int,

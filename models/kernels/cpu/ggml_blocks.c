@@ -436,7 +436,8 @@ static float dot_plain(int type, const uint8_t* wr, int64_t nb, const act_row* a
                         const uint8_t* lo = ql + 32 * (g & 1);
                         const int shift = 4 * (g >> 1);
                         for (int l = 0; l < 32; l++)
-                            w[l] = (int8_t)(((lo[l] >> shift) & 0xF) | (((qh[l] >> (2 * g)) & 3) << 4));
+                            w[l] = (int8_t)(((lo[l] >> shift) & 0xF) |
+                                            (((qh[l] >> (2 * g)) & 3) << 4));
                         const int64_t c = 8 * b + 4 * n + g;  /* the block of 32 */
                         for (int h = 0; h < 2; h++) {
                             const float isum = (float)dot_a(w + 16 * h, a, 32 * c + 16 * h, 16);
@@ -591,16 +592,18 @@ static float dot_avx2(int type, const uint8_t* wr, int64_t nb, const act_row* a)
                     const __m256i hb = _mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * n));
                     for (int g = 0; g < 4; g++) {
                         const __m256i src = _mm256_loadu_si256((const __m256i*)(ql + 32 * (g & 1)));
-                        const __m256i nib = g < 2 ? _mm256_and_si256(src, nibble)
-                                                  : _mm256_and_si256(_mm256_srli_epi16(src, 4), nibble);
+                        const __m256i nib = _mm256_and_si256(
+                            g < 2 ? src : _mm256_srli_epi16(src, 4), nibble);
                         const __m256i bits = _mm256_slli_epi16(_mm256_and_si256(
                             _mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * g)), three), 4);
                         const int64_t c = 8 * b + 4 * n + g;
                         const __m256i scales = _mm256_set_m128i(
-                            _mm_set1_epi16(sc[8 * n + 2 * g + 1]), _mm_set1_epi16(sc[8 * n + 2 * g]));
+                            _mm_set1_epi16(sc[8 * n + 2 * g + 1]),
+                            _mm_set1_epi16(sc[8 * n + 2 * g]));
                         /* per lane at most 2 * 2 * 63 * 127 * 128 * 257: int32 holds it */
+                        const __m256i q = _mm256_or_si256(nib, bits);
                         acc = _mm256_fmadd_ps(
-                            _mm256_cvtepi32_ps(dot_act(_mm256_or_si256(nib, bits), a, 32 * c, scales)),
+                            _mm256_cvtepi32_ps(dot_act(q, a, 32 * c, scales)),
                             _mm256_set1_ps(d * a->dx[c]), acc);
                     }
                 }
