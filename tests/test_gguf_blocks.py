@@ -1,7 +1,8 @@
 """Weights run in a GGUF file's own ggml blocks (models/kernels/ggml_blocks.py, cpu/
 ggml_blocks.c): every block type dequantized bit for bit as gguf-py (ggml's definitions) does,
-on random blocks; the matrix-vector kernel (a decode step's rows) and the tiled GEMM (a
-prefill's) against a float64 product of those values; and a tiny K-quant GGUF (Q4_K, Q5_K, Q6_K,
+on random blocks; the matrix-vector kernel (a decode step's rows: int8 activations, within the
+bound their rounding allows) and the tiled GEMM (a prefill's) against a float64 product of
+those values; and a tiny K-quant GGUF (Q4_K, Q5_K, Q6_K,
 Q5_0, Q5_1, q / k and v of different types in one fused linear, biases) run as stored with the
 same greedy tokens as the file dequantized to float32. Run again per lower kernel variant by
 tests/test_cpu_variants.py.
@@ -65,22 +66,43 @@ def test_dequantized_bit_for_bit_as_gguf_py(weights, name):
     assert torch.equal(dequantize_rows(blocks, name, K, slice(30, 41)), values[30:41])
 
 
+def digit_bound(x: torch.Tensor, values: torch.Tensor, digits: int = 2) -> torch.Tensor:
+    """What the matrix-vector kernel may be off from x . W^T, per output: x is written per block
+    of 32 inputs in int8 digits, dx (h + l / 256) with dx = max|x| / 127 over the block, so each
+    input within max|x| / 254 (one digit) or max|x| / 32512 (two: l is clamped to 127), the
+    block then contributing at most sum |w| times that; plus float32's rounding of the sums
+    and scales."""
+    m, k = x.shape
+    top = x.abs().reshape(m, k // 32, 32).amax(-1).repeat_interleave(32, -1).double()
+    w = values.abs().double().t()
+    step = 1 / 254 if digits == 1 else 1 / 32512
+    return top @ w * (step + 1e-5) + 1e-5 * (x.abs().double() @ w)
+
+
 @pytest.mark.parametrize("name", list(BLOCK_TYPES))
 def test_decode_and_prefill_products(weights, name):
     blocks, values = weights[name]
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(40, K, generator=gen)
+    x[0, :32] *= 50  # one block of large inputs: its bound is its own
     want = x.double() @ values.double().t()
-    bound = 1e-5 * (x.abs().double() @ values.abs().double().t()).max()  # float32 sums
     layer = BlockLinear([(name, blocks)], K, None)
-    for rows in (1, 3, 40):  # the matrix-vector kernel, then the tiled GEMM
-        got = layer(x[:rows])
-        assert got.dtype == torch.float32
-        assert (got.double() - want[:rows]).abs().max() <= bound, rows
+    for rows in (1, 5):  # the matrix-vector kernel: the variant's path and the plain one
+        for path in ("vector", "plain"):
+            for digits in (1, 2):
+                got = ggml_blocks.block_linear(x[:rows], blocks, name, K, path, digits)
+                assert got.dtype == torch.float32
+                bound = digit_bound(x[:rows], values, digits)
+                assert ((got.double() - want[:rows]).abs() <= bound).all(), (rows, path, digits)
+        assert torch.equal(layer(x[:rows]), ggml_blocks.block_linear(x[:rows], blocks, name, K))
+    got = layer(x)  # the tiled GEMM on the dequantized values
+    bound = 1e-5 * (x.abs().double() @ values.abs().double().t()).max()  # float32 sums
+    assert (got.double() - want).abs().max() <= bound
     # bfloat16 activations: rounded once at the end
     got = layer(x[:2].bfloat16())
     assert got.dtype == torch.bfloat16
     want = x[:2].bfloat16().double() @ values.double().t()
+    bound = digit_bound(x[:2].bfloat16().float(), values)
     assert ((got.double() - want).abs() <= 2**-8 * want.abs() + bound).all()
 
 
@@ -93,7 +115,8 @@ def test_parts_of_different_types_and_a_bias(weights):
     assert layer.nbytes == qb.nbytes + vb.nbytes
     x = torch.randn(3, K)
     want = x.double() @ torch.cat([qv, vv]).double().t() + bias.double()
-    torch.testing.assert_close(layer(x).double(), want, atol=1e-3, rtol=1e-5)
+    bound = digit_bound(x, torch.cat([qv, vv])) + 1e-6 * bias.abs().double()
+    assert ((layer(x).double() - want).abs() <= bound).all()
     assert torch.equal(layer.dequantize(), torch.cat([qv, vv]))
 
 

@@ -3,9 +3,11 @@ Q5_K, Q6_K), run as stored by our kernels (models/kernels/cpu/ggml_blocks.c).
 
 A weight [N, K] is held as the file's bytes, N rows of K / QK blocks ([N, row bytes] uint8), with
 the float16 scales and minimums inside them: nothing is widened or rounded. A decode step's few
-rows go through the matrix-vector kernel, which dequantizes 256 inputs of a channel at a time in
-L1 and multiplies every row by them; more rows (a prefill) through a float32 GEMM on a tile of
-rows dequantized into a reused buffer (the same values: dequantizing is ggml's, bit for bit).
+rows go through the matrix-vector kernel, which writes each row in int8 digits per 32 inputs
+(two: within max|x| / 32512 of x) and takes integer dot products with the blocks' quants (as
+llama.cpp's vec_dot does with one digit), the blocks' scales joining in float32; more rows (a
+prefill) through a float32 GEMM on a tile of rows dequantized into a reused buffer (the same
+values: dequantizing is ggml's, bit for bit).
 Without our kernels (no compiler, MMSERVE_NATIVE=0) the tile is dequantized by gguf-py, slowly
 but with the same values.
 """
@@ -95,10 +97,22 @@ def _gguf_dequantize(blocks: torch.Tensor, block: BlockType) -> np.ndarray:
     return np.ascontiguousarray(values, dtype=np.float32)
 
 
+DECODE_PATHS = ("vector", "plain", "float")
+DIGITS = 2  # int8 digits per input of the matrix-vector kernel's activations
+
+
 def block_linear(x: torch.Tensor, blocks: torch.Tensor, type_name: str,
-                 in_features: int) -> torch.Tensor:
+                 in_features: int, path: str = "vector", digits: int = DIGITS) -> torch.Tensor:
     """x [M, K] (float32 / bfloat16) . W^T through the matrix-vector kernel, W held as blocks
-    [N, row bytes] -> [M, N] in x's dtype (sums in float32)."""
+    [N, row bytes] -> [M, N] in x's dtype. `path`: "vector" (x written per 32 inputs in
+    `digits` int8 digits, dx (h + l / 256) with dx = max|x| / 127, and integer dot products
+    with the blocks' quants in the variant's vector code), "plain" (the same in plain C, for
+    tests), "float" (each block dequantized and multiplied in float32: the earlier kernel, for
+    bench/ggml_kernels.py). One digit keeps each input within max|x| / 254 (llama.cpp's
+    activations), two within max|x| / 32512 (our int4 kernel's) at twice the integer work."""
+    if path not in DECODE_PATHS or digits not in (1, 2):
+        raise ValueError(f"decode path {path!r} with {digits} digits: the paths are "
+                         f"{DECODE_PATHS}, the digits 1 or 2")
     kernels = native.load()
     assert kernels is not None, "the matrix-vector kernel needs the native library"
     block = BLOCK_TYPES[type_name]
@@ -107,8 +121,13 @@ def block_linear(x: torch.Tensor, blocks: torch.Tensor, type_name: str,
     x = x.contiguous()
     n = blocks.shape[0]
     y = torch.empty(m, n, dtype=x.dtype)
-    status = kernels.ggml_linear(x.data_ptr(), native.DTYPES[x.dtype], blocks.data_ptr(),
-                                 block.code, y.data_ptr(), m, n, k, torch.get_num_threads())
+    args = (x.data_ptr(), native.DTYPES[x.dtype], blocks.data_ptr(), block.code, y.data_ptr(),
+            m, n, k)
+    if path == "float":
+        status = kernels.ggml_linear_float(*args, torch.get_num_threads())
+    else:
+        status = kernels.ggml_linear(*args, digits, int(path == "plain"),
+                                     torch.get_num_threads())
     if status == 2:
         raise ValueError(f"native ggml linear does not take {type_name} rows of {k}")
     if status:

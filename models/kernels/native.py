@@ -148,11 +148,17 @@ class NativeKernels:
         self.decode_layers = lib.mm_decode_layers
         self.moe_experts = lib.mm_moe_experts
         # Weights in a GGUF file's ggml blocks (cpu/ggml_blocks.c; models.kernels.ggml_blocks
-        # wraps them).
+        # wraps them): the integer decode path (x's digits per input, 1 or 2; then nonzero for
+        # the plain path even where a vector one is built), the float one it replaced (kept
+        # for bench/), the dequantizer.
         self.ggml_linear, self.ggml_dequantize = lib.mm_ggml_linear, lib.mm_ggml_dequantize
-        self.ggml_linear.argtypes = [_ptr, _int, _ptr, _int, _ptr, _i64, _i64, _i64, _int]
+        self.ggml_linear_float = lib.mm_ggml_linear_float
+        self.ggml_linear.argtypes = [_ptr, _int, _ptr, _int, _ptr, _i64, _i64, _i64, _int, _int,
+                                     _int]
+        self.ggml_linear_float.argtypes = [_ptr, _int, _ptr, _int, _ptr, _i64, _i64, _i64, _int]
         self.ggml_dequantize.argtypes = [_ptr, _int, _ptr, _i64, _i64, _i64, _ptr, _int]
         self.ggml_linear.restype = self.ggml_dequantize.restype = _int
+        self.ggml_linear_float.restype = _int
 
     @staticmethod
     def supports_linear(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:

@@ -21,6 +21,7 @@
  * lookup) to float32, for a prefill's GEMM on a tile of rows (models/kernels/ggml_blocks.py)
  * and for tests.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -252,9 +253,10 @@ int mm_ggml_dequantize(const uint8_t* w, int type, const int64_t* ids, int64_t f
     return 0;
 }
 
-/* y [M, N] (x's dtype) = x [M, K] . W^T, W of `type`. -> 0, 1 out of memory, 2 a type or K it
+/* The float path (kept to measure against, bench/ggml_kernels.py): y [M, N] (x's dtype) =
+ * x [M, K] . W^T, W of `type`. -> 0, 1 out of memory, 2 a type or K it
  * does not take. */
-int mm_ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, void* y, int64_t m,
+int mm_ggml_linear_float(const void* x, int x_dtype, const uint8_t* w, int type, void* y, int64_t m,
                    int64_t n, int64_t k, int threads) {
     if (!mm_ggml_takes(type, k)) return 2;
     int owned;
@@ -293,4 +295,372 @@ int mm_ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, void*
     }
     if (owned) free((void*)xf);
     return 0;
+}
+
+
+/* ---- the integer decode path (mm_ggml_linear) ----
+ *
+ * Each row of x is quantized once per call, per block of 32 inputs, to int8 digits q with a
+ * float32 scale dx = max|x| / 127 (x' = dx * q, within max|x| / 254 of x), and the sums
+ * xs = dx * sum q over each 32 (and xs16 over each 16, for Q6_K's sub-blocks). A weight block
+ * then meets the digits in integer dot products of its quants (unsigned, 0 .. 2^bits - 1, or
+ * Q8_0's signed bytes), and the block's float16 scales join in float32 per 32 (or 16) inputs:
+ *   Q4_0:  d * (dx * sum q_w q - 8 xs)          Q4_1: d * dx * sum q_w q + m * xs
+ *   Q5_0:  d * (dx * sum q_w q - 16 xs)         Q5_1: as Q4_1
+ *   Q8_0:  d * dx * sum q_w q
+ *   Q4_K / Q5_K, sub-block j:  d sc_j dx_j sum q_w q - dmin m_j xs_j
+ *   Q6_K, sub-block c of 16:   d sc_c (dx sum q_w q - 32 xs16_c)
+ * so that the product is W . x' exactly, up to float32 rounding: per block of 32 the error
+ * against W . x is at most sum |w| * max|x| / 254 (tests/test_gguf_blocks.py holds it to that).
+ * The AVX2 path (also the AVX-512 variants': their 256-bit integer instructions are the same)
+ * forms the sums with PMADDUBSW (u8 quants x s8 digits, pairs into int16: at most
+ * 2 * 63 * 127, never saturating; Q8_0 takes |w| and sign(x, w) as ggml does) and PMADDWD,
+ * and keeps 8 float lanes per row until the channel's end; the plain path (the x86-64 and Arm
+ * variants) is the same arithmetic in C loops the compiler vectorizes. */
+
+typedef struct {
+    const int8_t* q;    /* [k] first digits */
+    const int8_t* l;    /* [k] second digits, or NULL (one digit) */
+    const float* dx;    /* [k / 32] the unit of the digits' integer (q, or 256 q + l) */
+    const float* xs;    /* [k / 32] */
+    const float* xs16;  /* [k / 16] */
+} act_row;
+
+/* Row x [k] (a multiple of 32) -> its first digits h (step d = max|x| / 127 per 32) and,
+ * where l is not NULL, its second digits l (step d / 256): x' = d (h + l / 256). sums [k / 32 *
+ * 4]: the unit dx (d, or d / 256 with two digits), xs and xs16 (the sums of x'). */
+static void quantize_row(const float* x, int64_t k, int8_t* h, int8_t* l, float* sums) {
+    for (int64_t b = 0; b < k / 32; b++) {
+        const float* v = x + 32 * b;
+        float top = 0.0f;
+        for (int j = 0; j < 32; j++) top = fabsf(v[j]) > top ? fabsf(v[j]) : top;
+        const float d = top / 127.0f, inv = top > 0.0f ? 127.0f / top : 0.0f;
+        int sum[2] = {0, 0};  /* per half: of h, or 256 h + l */
+        for (int half = 0; half < 2; half++) {
+            for (int j = 16 * half; j < 16 * half + 16; j++) {
+                const float u = v[j] * inv, first = rintf(u);
+                const int t = (int)first;
+                h[32 * b + j] = (int8_t)(t > 127 ? 127 : (t < -127 ? -127 : t));
+                sum[half] += h[32 * b + j];
+                if (l != NULL) {
+                    float second = rintf((u - first) * 256.0f);
+                    second = second > 127.0f ? 127.0f : (second < -127.0f ? -127.0f : second);
+                    l[32 * b + j] = (int8_t)second;
+                    sum[half] += 255 * h[32 * b + j] + (int)second;
+                }
+            }
+        }
+        const float unit = l != NULL ? d / 256.0f : d;
+        sums[b] = unit;
+        sums[k / 32 + b] = unit * (float)(sum[0] + sum[1]);
+        sums[k / 16 + 2 * b] = unit * (float)sum[0];
+        sums[k / 16 + 2 * b + 1] = unit * (float)sum[1];
+    }
+}
+
+/* ---- plain path: a block's quants unpacked to bytes, dot products in int ---- */
+
+static inline int dot_n(const int8_t* w, const int8_t* x, int n) {
+    int s = 0;
+    for (int j = 0; j < n; j++) s += w[j] * x[j];
+    return s;
+}
+
+/* the digits' integer of a span (at most 32 * 63 * 127 * 257: int holds it) */
+static inline int dot_a(const int8_t* w, const act_row* a, int64_t at, int n) {
+    const int s = dot_n(w, a->q + at, n);
+    return a->l ? 256 * s + dot_n(w, a->l + at, n) : s;
+}
+
+/* the 32 quants of a Q4_* / Q5_* block (0 .. 15 or 0 .. 31; qh NULL for Q4) */
+static inline void unpack32(const uint8_t* qs, const uint8_t* qh, int8_t* w) {
+    const uint32_t h = qh ? le32(qh) : 0;
+    for (int j = 0; j < 16; j++) {
+        w[j] = (int8_t)((qs[j] & 0xF) | (((h >> j) & 1) << 4));
+        w[j + 16] = (int8_t)((qs[j] >> 4) | (((h >> (j + 16)) & 1) << 4));
+    }
+}
+
+static float dot_plain(int type, const uint8_t* wr, int64_t nb, const act_row* a) {
+    float acc = 0.0f;
+    int8_t w[256];
+    for (int64_t b = 0; b < nb; b++) {
+        switch (type) {
+            case GGML_Q4_0: case GGML_Q5_0: case GGML_Q4_1: case GGML_Q5_1: {
+                const int five = type == GGML_Q5_0 || type == GGML_Q5_1;
+                const int has_min = type == GGML_Q4_1 || type == GGML_Q5_1;
+                const uint8_t* blk = wr + b * block_bytes(type);
+                const int at = has_min ? 4 : 2;
+                unpack32(blk + at + (five ? 4 : 0), five ? blk + at : NULL, w);
+                const float d = half(blk), isum = (float)dot_a(w, a, 32 * b, 32);
+                if (has_min) acc += d * a->dx[b] * isum + half(blk + 2) * a->xs[b];
+                else acc += d * (a->dx[b] * isum - (five ? 16.0f : 8.0f) * a->xs[b]);
+                break;
+            }
+            case GGML_Q8_0: {
+                const uint8_t* blk = wr + b * 34;
+                acc += half(blk) * a->dx[b] *
+                       (float)dot_a((const int8_t*)(blk + 2), a, 32 * b, 32);
+                break;
+            }
+            case GGML_Q4_K: case GGML_Q5_K: {
+                const int five = type == GGML_Q5_K;
+                const uint8_t* blk = wr + b * block_bytes(type);
+                const float d = half(blk), dmin = half(blk + 2);
+                const uint8_t* qh = blk + 16;
+                const uint8_t* ql = blk + (five ? 48 : 16);
+                for (int j = 0; j < 8; j += 2) {
+                    for (int l = 0; l < 32; l++) {
+                        const int lo = ql[32 * (j / 2) + l] & 0xF, hi = ql[32 * (j / 2) + l] >> 4;
+                        w[l] = (int8_t)(lo | (five ? ((qh[l] >> j) & 1) << 4 : 0));
+                        w[32 + l] = (int8_t)(hi | (five ? ((qh[l] >> (j + 1)) & 1) << 4 : 0));
+                    }
+                    for (int h = 0; h < 2; h++) {
+                        int sc, mn;
+                        scale_min(j + h, blk + 4, &sc, &mn);
+                        const int64_t c = 8 * b + j + h;
+                        const float isum = (float)dot_a(w + 32 * h, a, 32 * c, 32);
+                        acc += d * (float)sc * a->dx[c] * isum - dmin * (float)mn * a->xs[c];
+                    }
+                }
+                break;
+            }
+            case GGML_Q6_K: {
+                const uint8_t* blk = wr + b * 210;
+                const int8_t* sc = (const int8_t*)(blk + 192);
+                const float d = half(blk + 208);
+                for (int n = 0; n < 2; n++) {
+                    const uint8_t* ql = blk + 64 * n;
+                    const uint8_t* qh = blk + 128 + 32 * n;
+                    for (int g = 0; g < 4; g++) {
+                        const uint8_t* lo = ql + 32 * (g & 1);
+                        const int shift = 4 * (g >> 1);
+                        for (int l = 0; l < 32; l++)
+                            w[l] = (int8_t)(((lo[l] >> shift) & 0xF) |
+                                            (((qh[l] >> (2 * g)) & 3) << 4));
+                        const int64_t c = 8 * b + 4 * n + g;  /* the block of 32 */
+                        for (int h = 0; h < 2; h++) {
+                            const float isum = (float)dot_a(w + 16 * h, a, 32 * c + 16 * h, 16);
+                            acc += d * (float)sc[8 * n + 2 * g + h] *
+                                   (a->dx[c] * isum - 32.0f * a->xs16[2 * c + h]);
+                        }
+                    }
+                }
+                break;
+            }
+            default: break;
+        }
+    }
+    return acc;
+}
+
+#ifdef MM_AVX2
+/* 8 int32 lanes: sums of 4 products of u8 u and s8 s (PMADDUBSW pairs them into int16 without
+ * saturation for the quants read here), the pairs weighted by the int16 lanes of mul */
+static inline __m256i dot_u8s8(__m256i u, __m256i s, __m256i mul) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), mul);
+}
+
+static inline __m256i load32(const int8_t* p) {
+    return _mm256_loadu_si256((const __m256i*)p);
+}
+
+/* the digits' integer (q, or 256 q + l) of quants u against inputs at .. at + 31 */
+static inline __m256i dot_act(__m256i u, const act_row* a, int64_t at, __m256i mul) {
+    const __m256i p = dot_u8s8(u, load32(a->q + at), mul);
+    if (a->l == NULL) return p;
+    return _mm256_add_epi32(_mm256_slli_epi32(p, 8), dot_u8s8(u, load32(a->l + at), mul));
+}
+
+/* as dot_act for signed quants w (Q8_0): |w| against the inputs with w's sign */
+static inline __m256i dot_act_signed(__m256i w, const act_row* a, int64_t at) {
+    const __m256i one = _mm256_set1_epi16(1), u = _mm256_sign_epi8(w, w);
+    const __m256i p = dot_u8s8(u, _mm256_sign_epi8(load32(a->q + at), w), one);
+    if (a->l == NULL) return p;
+    return _mm256_add_epi32(_mm256_slli_epi32(p, 8),
+                            dot_u8s8(u, _mm256_sign_epi8(load32(a->l + at), w), one));
+}
+
+/* byte j of the result 0x10 where bit j of the 32 at p is set, else 0 (Q5's fifth bits) */
+static inline __m256i fifth_bits(const uint8_t* p) {
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)le32(p)),
+        _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+    const __m256i bit = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);  /* all but bit j % 8 */
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, bit), _mm256_set1_epi8(-1));
+    return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+#ifdef __F16C__
+#define HALF(p) _cvtsh_ss((unsigned short)((p)[0] | ((p)[1] << 8)))  /* exact, as half() */
+#else
+#define HALF(p) half(p)
+#endif
+
+static float dot_avx2(int type, const uint8_t* wr, int64_t nb, const act_row* a) {
+    const __m256i nibble = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi16(1);
+    __m256 acc = _mm256_setzero_ps(), off = _mm256_setzero_ps();
+    float offset = 0.0f;
+    switch (type) {
+        case GGML_Q4_0: case GGML_Q5_0: case GGML_Q4_1: case GGML_Q5_1: {
+            const int five = type == GGML_Q5_0 || type == GGML_Q5_1;
+            const int has_min = type == GGML_Q4_1 || type == GGML_Q5_1;
+            const int nbytes = block_bytes(type), at = (has_min ? 4 : 2) + (five ? 4 : 0);
+            const float shift = five ? 16.0f : 8.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t* blk = wr + b * nbytes;
+                const __m128i qs = _mm_loadu_si128((const __m128i*)(blk + at));
+                __m256i w = _mm256_and_si256(
+                    _mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), nibble);
+                if (five) w = _mm256_or_si256(w, fifth_bits(blk + at - 4));
+                const float d = HALF(blk);
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_act(w, a, 32 * b, ones)),
+                                      _mm256_set1_ps(d * a->dx[b]), acc);
+                offset += has_min ? HALF(blk + 2) * a->xs[b] : -shift * d * a->xs[b];
+            }
+            break;
+        }
+        case GGML_Q8_0:
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t* blk = wr + b * 34;
+                const __m256i w = _mm256_loadu_si256((const __m256i*)(blk + 2));
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_act_signed(w, a, 32 * b)),
+                                      _mm256_set1_ps(HALF(blk) * a->dx[b]), acc);
+            }
+            break;
+        case GGML_Q4_K: case GGML_Q5_K: {
+            const int five = type == GGML_Q5_K;
+            const int nbytes = block_bytes(type);
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t* blk = wr + b * nbytes;
+                /* scale_min's eight pairs at once: words 0, 1 the scales, 2, 3 the mins */
+                uint32_t u[4];
+                memcpy(u, blk + 4, 12);
+                const uint32_t six = 0x3f3f3f3f, low = 0x0f0f0f0f, top2 = 0x03030303;
+                u[3] = ((u[2] >> 4) & low) | (((u[1] >> 6) & top2) << 4);
+                const uint32_t mins03 = u[1] & six;
+                u[1] = (u[2] & low) | (((u[0] >> 6) & top2) << 4);
+                u[2] = mins03;
+                u[0] &= six;
+                const __m128i packed = _mm_loadu_si128((const __m128i*)u);
+                const __m256 scale = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(packed));
+                const __m256 mins = _mm256_cvtepi32_ps(
+                    _mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8)));
+                float cf[8];
+                _mm256_storeu_ps(cf, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(HALF(blk)), scale),
+                                                   _mm256_loadu_ps(a->dx + 8 * b)));
+                off = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(HALF(blk + 2)), mins),
+                                      _mm256_loadu_ps(a->xs + 8 * b), off);
+                const uint8_t* ql = blk + (five ? 48 : 16);
+                const __m256i hb = five ? _mm256_loadu_si256((const __m256i*)(blk + 16))
+                                        : _mm256_setzero_si256();
+                const __m256i one = _mm256_set1_epi8(1);
+                for (int j = 0; j < 4; j++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i*)(ql + 32 * j));
+                    __m256i lo = _mm256_and_si256(v, nibble);
+                    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+                    if (five) {
+                        const __m256i h = _mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * j));
+                        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(h, one), 4));
+                        hi = _mm256_or_si256(hi, _mm256_slli_epi16(
+                            _mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
+                    }
+                    const int64_t at = 256 * b + 64 * j;
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_act(lo, a, at, ones)),
+                                          _mm256_set1_ps(cf[2 * j]), acc);
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_act(hi, a, at + 32, ones)),
+                                          _mm256_set1_ps(cf[2 * j + 1]), acc);
+                }
+            }
+            break;
+        }
+        case GGML_Q6_K:
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t* blk = wr + b * 210;
+                const int8_t* sc = (const int8_t*)(blk + 192);
+                const float d = HALF(blk + 208);
+                const __m256 d32 = _mm256_set1_ps(32.0f * d);
+                for (int h = 0; h < 2; h++) {
+                    const __m256 s = _mm256_cvtepi32_ps(
+                        _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(sc + 8 * h))));
+                    off = _mm256_fmadd_ps(_mm256_mul_ps(d32, s),
+                                          _mm256_loadu_ps(a->xs16 + 16 * b + 8 * h), off);
+                }
+                const __m256i three = _mm256_set1_epi8(3);
+                for (int n = 0; n < 2; n++) {
+                    const uint8_t* ql = blk + 64 * n;
+                    const __m256i hb = _mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * n));
+                    for (int g = 0; g < 4; g++) {
+                        const __m256i src = _mm256_loadu_si256((const __m256i*)(ql + 32 * (g & 1)));
+                        const __m256i nib = _mm256_and_si256(
+                            g < 2 ? src : _mm256_srli_epi16(src, 4), nibble);
+                        const __m256i bits = _mm256_slli_epi16(_mm256_and_si256(
+                            _mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * g)), three), 4);
+                        const int64_t c = 8 * b + 4 * n + g;
+                        const __m256i scales = _mm256_set_m128i(
+                            _mm_set1_epi16(sc[8 * n + 2 * g + 1]),
+                            _mm_set1_epi16(sc[8 * n + 2 * g]));
+                        /* per lane at most 2 * 2 * 63 * 127 * 128 * 257: int32 holds it */
+                        const __m256i q = _mm256_or_si256(nib, bits);
+                        acc = _mm256_fmadd_ps(
+                            _mm256_cvtepi32_ps(dot_act(q, a, 32 * c, scales)),
+                            _mm256_set1_ps(d * a->dx[c]), acc);
+                    }
+                }
+            }
+            break;
+        default: break;
+    }
+    return hsum8(_mm256_sub_ps(acc, off)) + offset;
+}
+#undef HALF
+#define DOT_PATH dot_avx2
+#else
+#define DOT_PATH dot_plain
+#endif
+
+/* The team's body of mm_ggml_linear: the rows' digits (each thread its own, a decode's few
+ * rows), then the output channels shared. */
+static int ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, void* y,
+                       int64_t m, int64_t n, int64_t k, int digits, int generic) {
+    int owned;
+    const float* xf = as_f32(x, x_dtype, m * k, &owned);
+    const int64_t per = k / 32 * 4;  /* floats of one row's dx, xs, xs16 */
+    int8_t* q = malloc((size_t)(2 * m * k));
+    float* sums = malloc(sizeof(float) * (size_t)(m * per));
+    const int failed = xf == NULL || q == NULL || sums == NULL;
+    act_row rows[16];
+    const int64_t per_row = k / block_values(type), row_bytes = per_row * block_bytes(type);
+    for (int64_t i0 = 0; i0 < m; i0 += 16) {
+        const int count = m - i0 < 16 ? (int)(m - i0) : 16;
+        for (int i = 0; i < count && !failed; i++) {
+            const int64_t r = i0 + i;
+            int8_t* h = q + 2 * r * k;
+            float* s = sums + r * per;
+            quantize_row(xf + r * k, k, h, digits == 2 ? h + k : NULL, s);
+            rows[i] = (act_row){h, digits == 2 ? h + k : NULL, s, s + k / 32, s + k / 16};
+        }
+        _Pragma("omp for schedule(static)")
+        for (int64_t c = 0; c < n; c++) {
+            if (failed) continue;
+            const uint8_t* wr = w + c * row_bytes;
+            for (int i = 0; i < count; i++)
+                store(y, x_dtype, (i0 + i) * n + c,
+                      generic ? dot_plain(type, wr, per_row, rows + i)
+                              : DOT_PATH(type, wr, per_row, rows + i));
+        }
+    }
+    if (owned) free((void*)xf);
+    free(q), free(sums);
+    return failed;
+}
+
+/* y [M, N] (x's dtype) = x [M, K] . W^T, W of `type`, through the integer path (above), x in
+ * `digits` (1 or 2) int8 digits per input; generic != 0: the plain path even where a vector
+ * one is built (for tests). -> 0, 1 out of memory, 2 a type or K it does not take (or digits
+ * not 1 or 2). */
+int mm_ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, void* y, int64_t m,
+                   int64_t n, int64_t k, int digits, int generic, int threads) {
+    if (!mm_ggml_takes(type, k) || (digits != 1 && digits != 2)) return 2;
+    ON_TEAM(threads, ggml_linear(x, x_dtype, w, type, y, m, n, k, digits, generic));
 }
