@@ -252,8 +252,10 @@ def test_tower_and_splice_with_breaks_have_no_host_sync(m3_path):
     with torch.inference_mode():
         alone = model.encode([("image", f.data) for f in proc.mm_features[1:]])[0]
     # Batched and alone, the tower's linears run at other row counts, whose planned GEMMs may
-    # sum in another order: float32 rounding relative to the values (up to about 5 here).
-    torch.testing.assert_close(merged[-alone.shape[0]:], alone, atol=1e-5, rtol=1e-5)
+    # sum in another order (the plan is measured, so the order differs between machines and
+    # loads): float32 rounding of sums of a few hundred terms, relative to values up to about 5
+    # (an image's embeddings out of order would differ by about their size).
+    torch.testing.assert_close(merged[-alone.shape[0]:], alone, atol=5e-5, rtol=1e-4)
 
     feature = proc.mm_features[0]
     span = feature.placeholder

@@ -171,6 +171,8 @@ def test_forward_sources_never_read_tensors_back(path):
         source = _without_function(source, "_grouped_on_host")
     if path == "models/layers/decoder.py":  # checkpoint names parsed while loading
         source = _without_function(source, "weight_map")
+    if path == "models/kernels/ggml_blocks.py":  # gguf-py's fallback: blocks live on the host
+        source = _without_function(source, "_gguf_dequantize")
     assert not HOST_READS.search(source), HOST_READS.search(source)
 
 
