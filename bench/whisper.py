@@ -125,6 +125,13 @@ class Transformers:
             n: t.q.float() / t.scale[:, None] if isinstance(t, Int8Weight) else t.float()
             for n, t in ct2_tensors(CT2File(folder / MODEL_FILE), torch.float32)}, strict=False)
         self.model.tie_weights()
+        # the generation settings our reader derives from the folder (transformers' long-form
+        # generate needs the timestamp tokens' ids among them)
+        from transformers import GenerationConfig
+
+        from models.whisper.ctranslate2 import whisper_settings
+        self.model.generation_config = GenerationConfig(
+            **whisper_settings(folder, self.tok)[1])
         self.features = WhisperFeatureExtractor(feature_size=setup.hf_config.num_mel_bins)
         self.multilingual = setup.hf_config.vocab_size >= 51865
 
