@@ -37,20 +37,10 @@ from pathlib import Path
 import torch
 
 from bench.common import machine
+from bench.quality import model_file
 
 GPL = Path("/usr/share/common-licenses/GPL-3")
 GGML_TYPE_F16, GGML_TYPE_Q8_0 = 1, 8  # ggml's type ids, llama-cpp-python's type_k / type_v
-
-
-def model_file(name: str) -> Path:
-    from testing.real_weights import gemma3_path, missing_reason, smollm2_path
-
-    if name.endswith(".gguf"):
-        return Path(name)
-    path = {"smollm2": smollm2_path, "gemma3": gemma3_path}[name]()
-    if path is None:
-        raise SystemExit(missing_reason(name))
-    return path
 
 
 def smoke_model(folder: Path) -> Path:
