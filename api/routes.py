@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import Receive
 
 from api import responses
+from api.bodies import read_body
 from api.errors import APIError, from_exception, internal_error, validation_error
 from api.guards import host_checker, key_checker, require_json
 from api.messages import refuse_unaccepted_media
@@ -145,7 +146,7 @@ class _OpenAIRoute(APIRoute):
                 if request.method == "POST":
                     await require_json(request)
                     # FastAPI reads the body it parses from here (Starlette caches it).
-                    request._body = await _read_body(request, self.limit)
+                    request._body = await read_body(request, self.limit)
                 return await handler(request)
             except RequestValidationError as e:
                 return validation_error(e.errors()).response()
@@ -268,25 +269,4 @@ def _context(
         include_usage=body.include_usage,
         return_token_ids=body.return_token_ids,
         **extra,
-    )
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused (413) past `limit` bytes: up front from Content-Length, and
-    while reading for bodies that declare none (chunked) or understate it."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise _too_large(limit)
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise _too_large(limit)
-    return bytes(body)
-
-
-def _too_large(limit: int) -> APIError:
-    return APIError(
-        413, f"the request body is larger than this server's limit of {limit} bytes",
-        code="request_too_large",
     )

@@ -21,6 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 
+from api.bodies import read_body
 from api.errors import APIError, from_exception
 from engine.media import load_audio_sync
 from engine.transcription import (
@@ -51,15 +52,7 @@ def audio_route_class(max_body_bytes: int) -> type[APIRoute]:
                     if not kind.startswith("multipart/form-data"):
                         raise APIError(415, "send the audio as multipart/form-data (a `file` "
                                        f"field and the options), not {kind or 'no type'}")
-                    declared = request.headers.get("content-length", "")
-                    if declared.isdigit() and int(declared) > max_body_bytes:
-                        raise _too_large(max_body_bytes)
-                    body = bytearray()
-                    async for chunk in request.stream():
-                        body += chunk
-                        if len(body) > max_body_bytes:
-                            raise _too_large(max_body_bytes)
-                    request._body = bytes(body)
+                    request._body = await read_body(request, max_body_bytes)
                     return await handler(request)
                 except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI body
                     return from_exception(e).response()
@@ -67,11 +60,6 @@ def audio_route_class(max_body_bytes: int) -> type[APIRoute]:
             return handle
 
     return AudioRoute
-
-
-def _too_large(limit: int) -> APIError:
-    return APIError(413, f"the request body is larger than this server's limit of {limit} "
-                    "bytes", code="request_too_large")
 
 
 def add_audio_routes(router: APIRouter, engine_for: Callable[[str], Any],
