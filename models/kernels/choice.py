@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 # formulation at 512 rows is not always the best at 2048).
 BUCKETS = ("1", "2-8", "9-64", "65-256", "257-1024", "1025+")
 PROBE_ROWS = (1, 4, 32, 128, 512, 2048)
-_LIMITS = (1, 8, 64, 256, 1024)  # the largest row count of each bucket but the last
+BUCKET_LAST_ROWS = (1, 8, 64, 256, 1024)  # the largest row count of each bucket but the last
 BASELINE = "F.linear"
 # A candidate's repeats agree when their median is within this factor of their best; otherwise
 # the machine (or another thread pool of the same process) was busy while it was timed.
@@ -76,10 +76,10 @@ class Choice:
 
 def bucket_index(rows: int) -> int:
     """The index into BUCKETS of an input with `rows` rows."""
-    for i, limit in enumerate(_LIMITS):
+    for i, limit in enumerate(BUCKET_LAST_ROWS):
         if rows <= limit:
             return i
-    return len(_LIMITS)
+    return len(BUCKET_LAST_ROWS)
 
 
 def cpu_model() -> str:
