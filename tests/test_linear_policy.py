@@ -4,13 +4,24 @@ plain numbers, with no layer and no timing."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+from pathlib import Path
 
 import pytest
 
 from models.kernels import linear_policy as policy
 from models.kernels.choice import BASELINE, BUCKET_LAST_ROWS, BUCKETS, PROBE_ROWS
 from models.kernels.linear_policy import BucketPlan, GroupPlan
+
+
+def test_the_policy_is_plain_python():
+    """No torch and no other module of ours: its decisions are made on plain numbers."""
+    tree = ast.parse(Path(policy.__file__).read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert {m.split(".")[0] for m in imported} <= {"__future__", "os", "collections",
+                                                   "dataclasses"}
 
 
 def test_token_limits_end_buckets():
