@@ -31,12 +31,18 @@ TEMPLATES = Path(__file__).with_name("templates")
 def build_demo_checkpoint(path: Path, builder: str, template: str | None = None,
                           **kwargs: Any) -> Path:
     """Build `builder` ("module:function" of the testing package) at `path` with `kwargs`,
-    then install the template file `template` of testing/templates (None: the builder's)."""
-    module, name = builder.split(":")
-    path = Path(getattr(importlib.import_module(module), name)(path, **kwargs))
+    then install the template `template`: a file of testing/templates, or "module:function"
+    of the testing package that returns it (None: the builder's)."""
+    path = Path(_named(builder)(path, **kwargs))
     if template is not None:
-        install_chat_template(path, (TEMPLATES / template).read_text())
+        text = _named(template)() if ":" in template else (TEMPLATES / template).read_text()
+        install_chat_template(path, text)
     return path
+
+
+def _named(name: str):
+    module, attr = name.split(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 def install_chat_template(path: Path, template: str) -> None:
