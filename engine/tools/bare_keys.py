@@ -65,19 +65,18 @@ class BareKeys(ToolParser):
 
 
 def _call(body: str, complete: bool) -> PartialCall:
-    """One block's call: its name once `call:NAME{` has come; its arguments (JSON text) once
-    the block is closed and reads whole."""
+    """One block's call, once the block is closed and reads whole: its name and arguments
+    (JSON text). Until then it has no name, so that a stream sends nothing of a block that
+    turns out malformed (its text is then the reply's)."""
     head = _HEAD.match(body)
-    if head is None:
+    if head is None or not complete:
         return PartialCall(None, "", False)
-    if not complete:
-        return PartialCall(head.group(1), "", False)
     try:
         args, end = _object(body, head.end() - 1)
     except ValueError:
-        return PartialCall(head.group(1), "", False)
+        return PartialCall(None, "", False)
     if body[end:].strip():
-        return PartialCall(head.group(1), "", False)
+        return PartialCall(None, "", False)
     return PartialCall(head.group(1), json.dumps(args, ensure_ascii=False), True)
 
 
