@@ -1,8 +1,8 @@
 """The tool-call parsers and the thinking split on literal replies in the real formats (plain
 Python): Gemma 4's <|tool_call>call:NAME{...}<tool_call|> blocks (bare_keys), Phi-4's
 <|tool_call|>[...]<|/tool_call|> list (tagged_list), Mistral's [TOOL_CALLS] list, and Gemma 4's
-thought channel; a malformed call comes back as the reply's text, whole or streamed. The demo
-templates name their formats (detect)."""
+thought channel; a malformed call comes back as the reply's text, whole or streamed, in the API
+and the app. The demo templates name their formats (detect)."""
 
 from __future__ import annotations
 
@@ -74,6 +74,23 @@ def test_a_malformed_call_is_the_replys_text(parser, reply):
     assert PARSERS[parser].calls(text) == (text, [])
     if parser == "bare_keys":  # a block is judged whole; a JSON call's name streams early
         assert streamed(PARSERS[parser], text) == (text, [])
+
+
+def test_the_app_shows_a_gemma4_call_folded_and_a_malformed_one_as_text():
+    from engine.metrics import RequestMetrics
+    from engine.outputs import CompletionOutput, RequestOutput
+    from ui.tools import call_messages
+
+    def finished(text: str) -> RequestOutput:
+        return RequestOutput("r", None, [1], [CompletionOutput(0, text, [1], "stop")], True, 0,
+                             RequestMetrics())
+
+    content, messages = call_messages(finished(GEMMA_CALLS), PARSERS["bare_keys"])
+    assert content == "Let me check."
+    assert [m["metadata"]["title"] for m in messages] == [
+        "Tool call: get_weather", "Tool call: get_time"]
+    bad = "<|tool_call>call:get_weather{city:Paris}<tool_call|>"
+    assert call_messages(finished(bad), PARSERS["bare_keys"]) == (bad, [])
 
 
 def test_the_bare_keys_grammar_names_what_it_cannot_enforce():
