@@ -144,7 +144,10 @@ def build_gemma4_model(
         model = transformers.Gemma4ForConditionalGeneration(config)
     randomize(model, std=std, seed=seed)
     _randomize_buffers(model, seed)
-    path = save_checkpoint(model, tokenizer, Path(path), [ids["<turn|>"], ids["<eos>"]])
+    eos = [ids["<turn|>"], ids["<eos>"]]
+    if "<|tool_response>" in added_special:  # a turn that calls ends there, as Gemma 4's does
+        eos.append(tokenizer.convert_tokens_to_ids("<|tool_response>"))
+    path = save_checkpoint(model, tokenizer, Path(path), eos)
     if not text_only:
         save_gemma4_processor(path, tokenizer, image_soft_tokens=image_soft_tokens,
                               video_soft_tokens=video_soft_tokens, num_frames=num_frames)
