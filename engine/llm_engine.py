@@ -157,7 +157,7 @@ class LLMEngine:
         req.metrics.stages.update(processed.stages)
         # A thinking model whose markers are special tokens (Gemma 4): the splitter must see
         # them in the text.
-        keeps = thinking is not None and getattr(self.processor, "thinking_keeps_special", False)
+        keeps = thinking is not None and self.processor.thinking_keeps_special
         req.detokenizer = IncrementalDetokenizer(
             self.tokenizer, params.stop, params.skip_special_tokens and not keeps
         )
