@@ -174,7 +174,7 @@ class NativeKernels:
         path even where the VNNI one is built (for tests)."""
         m, k = x.shape
         n = packed.shape[0]
-        assert packed.dtype == torch.uint8 and packed.shape[1] * 2 == k and n % 64 == 0
+        assert packed.dtype == torch.uint8 and packed.shape[1] * 2 == k and n % c.I4_BLOCK_N == 0
         assert packed.is_contiguous() and scales_and_zeros.is_contiguous()
         assert scales_and_zeros.dtype == torch.bfloat16
         assert scales_and_zeros.shape == (k // group_size, n, 2), "scales [K / g, N, 2]"
@@ -241,13 +241,14 @@ class NativeKernels:
         in float32 and rounded once. `first` and the rows are multiples of 64."""
         n, k = packed.shape[0], packed.shape[1] * 2
         rows = out.shape[0]
-        assert packed.dtype == torch.uint8 and packed.is_contiguous() and n % 64 == 0
+        assert packed.dtype == torch.uint8 and packed.is_contiguous() and n % c.I4_BLOCK_N == 0
         assert scales_and_zeros.shape == (k // group_size, n, 2)
         assert scales_and_zeros.dtype == torch.bfloat16 and scales_and_zeros.is_contiguous()
         assert out.is_contiguous() and out.shape[1] == k and out.dtype in DTYPES
-        assert first % 64 == 0 and rows % 64 == 0 and 0 <= first and first + rows <= n
+        block = c.I4_BLOCK_N
+        assert first % block == 0 and rows % block == 0 and 0 <= first and first + rows <= n
         self._dequant_i4(packed.data_ptr(), scales_and_zeros.data_ptr(), out.data_ptr(),
-                         DTYPES[out.dtype], n, k, group_size, first // 64, rows // 64,
+                         DTYPES[out.dtype], n, k, group_size, first // block, rows // block,
                          torch.get_num_threads())
         return out
 
@@ -369,7 +370,8 @@ class NativeKernels:
             states.data_ptr(), slots.data_ptr(), out.data_ptr(), batch, heads, dk, v.shape[-1],
             torch.get_num_threads())
         if status:
-            raise ValueError(f"native delta rule step: value heads of {v.shape[-1]} exceed 1024")
+            raise ValueError(f"native delta rule step: value heads of {v.shape[-1]} exceed "
+                             f"{c.DELTA_MAX_DV}")
         return out
 
 

@@ -26,6 +26,8 @@ QUANT_INT8, QUANT_INT4 = 0, 1  # mm_gemm_quantized's w_format
 NORM_FLOAT32, NORM_REDUCED, NORM_UNIT_OFFSET = 0, 1, 2  # mm_rms_norm's mode
 # mm_activation's kind
 ACT_SIGMOID, ACT_SILU, ACT_SOFTPLUS, ACT_EXP, ACT_TANH, ACT_GELU_TANH, ACT_GELU = range(7)
+DELTA_MAX_DV = 1024  # mm_delta_rule_step's value heads, at most
+FIT_ROUNDS = 3  # mm_fit_int4's rounds from each start
 # ggml's type codes (enum ggml_type, as GGUF stores them) of the block types ggml_blocks.c runs
 GGML_Q4_0, GGML_Q4_1, GGML_Q5_0, GGML_Q5_1, GGML_Q8_0 = 2, 3, 6, 7, 8
 GGML_Q4_K, GGML_Q5_K, GGML_Q6_K = 12, 13, 14

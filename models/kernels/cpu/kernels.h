@@ -478,9 +478,11 @@ int mm_decode_attention_i8(const void* q, const int8_t* cache, void* out, int dt
 void mm_quantize_kv_row(const void* x, int dt, int64_t offset, int64_t dim, int8_t* row);
 
 /* delta_rule.c, fit_int4.c */
+#define DELTA_MAX_DV 1024 /* mm_delta_rule_step's value heads, at most */
 int mm_delta_rule_step(const float* q, const float* k, const float* v, const float* g,
                        const float* beta, float* states, const int64_t* slots, float* out,
                        int64_t batch, int64_t heads, int64_t dk, int64_t dv, int threads);
+#define FIT_ROUNDS 3 /* mm_fit_int4's rounds from each start (also fit_int4_torch's) */
 void mm_fit_int4(const float* x, int64_t groups, int64_t group, float* scale, float* low,
                  int threads);
 
