@@ -7,9 +7,9 @@ The library is built for the variant models.kernels.cpu_variants chooses for thi
 $MMSERVE_CPU_ISA forces). Where that cannot be done (no compiler, a failed build, no variant for
 this architecture, MMSERVE_NATIVE=0) `load()` returns None and says why once; every caller then
 keeps PyTorch's kernels. Nothing here decides whether a native linear or attention kernel runs:
-models/kernels/plan.py and models/layers/attention.py time it against PyTorch's first. The
-fused small ops (norm, rotary, SiLU-and-multiply) replace several PyTorch operators each and
-run in decoders at up to FUSED_ROWS tokens (`for_small_ops`).
+models/kernels/linear_choice.py and models/layers/attention.py time it against PyTorch's first.
+The fused small ops (norm, rotary, SiLU-and-multiply) replace several PyTorch operators each
+and run in decoders at up to FUSED_ROWS tokens (`for_small_ops`).
 """
 from __future__ import annotations
 

@@ -13,10 +13,10 @@ the modules would run exactly those kernels:
   shape,
   with keys and values of its own, no per-layer inputs or output scalars), with the fused
   decode ops on, which `unsupported` checks once when the runner prepares the model;
-- every linear's planned formulation (models.kernels.plan) for the step's row count is ours
-  ("native"): where PyTorch's measured faster for some layer, the modules run;
+- every linear's planned formulation (models.kernels.linear_choice) for the step's row count
+  is ours ("native"): where PyTorch's measured faster for some layer, the modules run;
 - the step decodes only (one token per request), attended by our paged kernel
-  (models.kernels.decode_attention chose it), at most models.kernels.native.FUSED_ROWS
+  (models.kernels.decode_attention_choice chose it), at most models.kernels.native.FUSED_ROWS
   tokens, with no per-layer media residuals and no request using a LoRA adapter (the
   adapters' updates are added by the modules' linears: models/layers/lora.py).
 

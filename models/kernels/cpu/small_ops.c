@@ -6,7 +6,7 @@
  * has a plain-C path, vectorized by the compiler for whatever the variant targets, and faster
  * paths for instruction sets that have them (AVX-512 BF16 / VNNI, AVX2, NEON dot products). The
  * engine only runs a kernel where it measured faster than PyTorch's on this machine
- * (models/kernels/plan.py, models/layers/attention.py).
+ * (models/kernels/linear_choice.py, models/layers/attention.py).
  */
 #include <math.h>
 #include <stdint.h>
