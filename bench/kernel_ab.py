@@ -37,17 +37,18 @@ GROUP = 64
 def build_at(revision: str, target: Path):
     """Our kernel library compiled from its sources at a git revision, as the variant this
     process loaded (the same flags and OpenMP runtime) -> NativeKernels."""
-    from models.kernels import cpu_variants, native
+    from models.kernels import cpu_variants, native, native_build
 
-    loaded, compiler = native.load(), native.find_compiler()
+    loaded, compiler = native.load(), native_build.find_compiler()
     assert loaded is not None and compiler, "our kernels did not build here (see the log)"
     root = Path(__file__).resolve().parent.parent
-    for source in (*native.SOURCES, native.HEADER):
+    for source in (*native_build.SOURCES, native_build.HEADER):
         (target / source.name).write_text(subprocess.run(
             ["git", "show", f"{revision}:{source.relative_to(root).as_posix()}"], cwd=root,
             check=True, capture_output=True, text=True).stdout)
     variant = next(v for v in cpu_variants.VARIANTS if v.name == loaded.variant)
-    path, _ = native.build(variant, compiler, native.openmp_runtime(), target, source_dir=target)
+    path, _ = native_build.build(variant, compiler, native_build.openmp_runtime(), target,
+                                 source_dir=target)
     return native.NativeKernels(ctypes.CDLL(str(path)), revision)
 
 

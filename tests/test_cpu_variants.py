@@ -112,7 +112,7 @@ def _build_harness(variant, tmp_path: Path) -> Path:
             pytest.fail(f"no {variant.arch} C compiler (.ci/run installs gcc-aarch64-linux-gnu)")
         pytest.skip(f"no {variant.arch} C compiler")
     exe = tmp_path / f"harness-{variant.name}"
-    from models.kernels.native import SOURCES as KERNELS
+    from models.kernels.native_build import SOURCES as KERNELS
 
     sources = [HARNESS, *KERNELS]
     static = ["-static"] if variant.arch != HERE else []

@@ -148,7 +148,8 @@ def test_shared_folders_never_import_a_family():
     assert wrong == []
 
 
-@pytest.mark.parametrize("name", ["native", "linear", "choice", "quantization"])
+@pytest.mark.parametrize("name", ["native", "native_build", "native_interface", "linear", "choice",
+                                  "quantization"])
 def test_the_core_kernel_modules_know_no_layer(name):
     assert not {d for d in GRAPH[f"models.kernels.{name}"] if d.startswith("models.layers")}
 

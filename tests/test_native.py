@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.kernels import native, quantization
+from models.kernels import native, native_build, quantization
 from models.kernels.choice import BUCKETS
 from models.kernels.linear import Linear, float32_logits
 from models.kernels.quantization import (
@@ -498,20 +498,21 @@ def test_build_is_cached_and_keyed_by_variant_and_source(kernels, tmp_path, monk
 
     monkeypatch.setenv("MMSERVE_KERNEL_CACHE", str(tmp_path))
     compiler = os.environ.get("CC") or "cc"
-    openmp = native.openmp_runtime()
+    openmp = native_build.openmp_runtime()
     variant = BY_NAME[kernels.variant]
-    path, seconds = native.build(variant, compiler, openmp)
+    path, seconds = native_build.build(variant, compiler, openmp)
     assert path.parent == tmp_path and seconds > 0 and variant.name in path.name
-    assert native.build(variant, compiler, openmp) == (path, 0.0)  # the second start reuses it
+    # the second start reuses it
+    assert native_build.build(variant, compiler, openmp) == (path, 0.0)
     other = next(v for v in BY_NAME.values() if v.arch == variant.arch and v != variant)
-    assert native.build(other, compiler, openmp)[0] != path
+    assert native_build.build(other, compiler, openmp)[0] != path
     edited = tmp_path / "sources"  # another revision's sources: one file edited
     edited.mkdir()
-    for source in (*native.SOURCES, native.HEADER):
+    for source in (*native_build.SOURCES, native_build.HEADER):
         (edited / source.name).write_text(source.read_text())
-    first = edited / native.SOURCES[0].name
+    first = edited / native_build.SOURCES[0].name
     first.write_text(first.read_text() + "\n/* edited */\n")
-    assert native.build(variant, compiler, openmp, source_dir=edited)[0] != path
+    assert native_build.build(variant, compiler, openmp, source_dir=edited)[0] != path
 
 
 def test_without_a_compiler_the_engine_keeps_pytorch_kernels(monkeypatch):

@@ -31,13 +31,14 @@ def test_space_requirements_match_the_runtime_dependencies():
 
 
 def test_the_native_kernel_sources_ship_with_the_package():
-    """models/kernels/native.py compiles the C sources under models/kernels/cpu/ at run time: a
-    wheel must carry every one of them (the package-data globs match each source it builds)."""
-    from models.kernels import native
+    """models/kernels/native_build.py compiles the C sources under models/kernels/cpu/ at run
+    time: a wheel must carry every one of them (the package-data globs match each source it
+    builds)."""
+    from models.kernels import native_build
 
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     package = ROOT / "models" / "kernels"
     shipped = {p for glob in config["package-data"]["models.kernels"] for p in package.glob(glob)}
-    needed = {*native.SOURCES, native.HEADER}
+    needed = {*native_build.SOURCES, native_build.HEADER}
     assert all(p.exists() for p in needed)
     assert needed <= shipped

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.kernels import native
+from models.kernels import native_interface as c
 
 
 @dataclass(frozen=True)
@@ -37,9 +38,10 @@ class BlockType:
 
 
 BLOCK_TYPES: dict[str, BlockType] = {t.name: t for t in (
-    BlockType("Q4_0", 2, 32, 18), BlockType("Q4_1", 3, 32, 20), BlockType("Q5_0", 6, 32, 22),
-    BlockType("Q5_1", 7, 32, 24), BlockType("Q8_0", 8, 32, 34), BlockType("Q4_K", 12, 256, 144),
-    BlockType("Q5_K", 13, 256, 176), BlockType("Q6_K", 14, 256, 210))}
+    BlockType("Q4_0", c.GGML_Q4_0, 32, 18), BlockType("Q4_1", c.GGML_Q4_1, 32, 20),
+    BlockType("Q5_0", c.GGML_Q5_0, 32, 22), BlockType("Q5_1", c.GGML_Q5_1, 32, 24),
+    BlockType("Q8_0", c.GGML_Q8_0, 32, 34), BlockType("Q4_K", c.GGML_Q4_K, 256, 144),
+    BlockType("Q5_K", c.GGML_Q5_K, 256, 176), BlockType("Q6_K", c.GGML_Q6_K, 256, 210))}
 FEW_ROWS = 16  # up to this many rows (tokens) of x, the matrix-vector kernel; past it a GEMM
 TILE_BYTES = 4 << 20  # float32 bytes of a tile of output channels dequantized for the GEMM
 MIN_TILE_CHANNELS = 64  # a tile's output channels, at least

@@ -1,79 +1,44 @@
-"""Our own CPU kernels (the C sources under models/kernels/cpu/): built on first use with the
-machine's C compiler, cached on disk, loaded with ctypes.
+"""Our own CPU kernels (the C sources under models/kernels/cpu/) as typed Python calls:
+`load()` builds the library for this CPU (models.kernels.native_build), opens it with ctypes
+and binds its functions once (models.kernels.native_interface, the table of every C signature);
+`NativeKernels` wraps each kernel for tensors.
 
-The sources are compiled for one instruction-set level, the variant models.kernels.cpu_variants
-chooses for this CPU (or $MMSERVE_CPU_ISA forces), with that variant's explicit target flags,
-and linked against the OpenMP runtime PyTorch itself loaded, so its parallel loops share
-PyTorch's thread pool. Where that cannot be done (no compiler, a failed build, no variant for
+The library is built for the variant models.kernels.cpu_variants chooses for this CPU (or
+$MMSERVE_CPU_ISA forces). Where that cannot be done (no compiler, a failed build, no variant for
 this architecture, MMSERVE_NATIVE=0) `load()` returns None and says why once; every caller then
 keeps PyTorch's kernels. Nothing here decides whether a native linear or attention kernel runs:
-models/kernels/plan.py and models/layers/attention.py time it against PyTorch's first. The
-fused small ops (norm, rotary, SiLU-and-multiply) replace several PyTorch operators each and
-run in decoders at up to FUSED_ROWS tokens (`for_small_ops`).
-
-The shared object is cached as native-<variant>-<digest>.so under $MMSERVE_KERNEL_CACHE, else
-$MMSERVE_CACHE, else ~/.cache/mmserve, the digest covering the sources, the compiler, its flags
-and the OpenMP runtime, so a change of any of them builds anew; a variant's build serves any
-CPU that runs the variant.
+models/kernels/linear_choice.py and models/layers/attention.py time it against PyTorch's first.
+The fused small ops (norm, rotary, SiLU-and-multiply) replace several PyTorch operators each
+and run in decoders at up to FUSED_ROWS tokens (`for_small_ops`).
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import shutil
 import subprocess
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from models.kernels import cpu_variants
-from models.kernels.choice import cache_path
+from models.kernels import cpu_variants, native_build
+from models.kernels import native_interface as c
 from models.kernels.cpu_variants import Variant
 
 log = logging.getLogger(__name__)
 
-HERE = Path(__file__).parent / "cpu"
-# Compiled into one library; the header (shared helpers and declarations) is part of the digest.
-SOURCES = tuple(HERE / name for name in (
-    "small_ops.c", "linear_dense.c", "linear_int8.c", "linear_int4.c", "attention.c",
-    "decode_layers.c", "gemm_quantized.c", "delta_rule.c", "moe_experts.c", "linear_rows.c",
-    "gemm_dense.c", "fit_int4.c", "ggml_blocks.c"))
-HEADER = HERE / "kernels.h"
 DISABLE_ENV = "MMSERVE_NATIVE"  # "0" keeps PyTorch's kernels only
-BUILD_TIMEOUT_S = 120
-# + the variant's target. -fno-trapping-math: no kernel reads floating-point exception flags,
-# and without it GCC keeps a branch around any operation one side of a condition computes (as in
-# exp_nonpositive's clamp and silu's sign), which leaves that loop scalar. Values do not change.
-FLAGS = ("-O3", "-fPIC", "-std=gnu11", "-Wno-unknown-pragmas", "-fno-trapping-math")
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-DTYPE_I8 = 2  # kernels.h's DTYPE_I8: an int8 weight
+DTYPES = {torch.float32: c.DTYPE_F32, torch.bfloat16: c.DTYPE_BF16}
 FUSED_ROWS = 64  # fused small ops serve inputs up to this many tokens: a decode step's
-NORM_MODES = {"float32": 0, "reduced": 1, "unit_offset": 2}
-# mm_activation's kinds, in its order.
-ACTIVATIONS = ("sigmoid", "silu", "softplus", "exp", "tanh", "gelu_tanh", "gelu")
+NORM_MODES = {"float32": c.NORM_FLOAT32, "reduced": c.NORM_REDUCED,
+              "unit_offset": c.NORM_UNIT_OFFSET}
+ACTIVATIONS = {"sigmoid": c.ACT_SIGMOID, "silu": c.ACT_SILU, "softplus": c.ACT_SOFTPLUS,
+               "exp": c.ACT_EXP, "tanh": c.ACT_TANH, "gelu_tanh": c.ACT_GELU_TANH,
+               "gelu": c.ACT_GELU}  # mm_activation's kinds
 WEIGHT_KERNELS = {torch.float32: "mm_linear_f32", torch.bfloat16: "mm_linear_bf16",
                   torch.int8: "mm_linear_i8"}  # the int8 one takes a group after the scales
-
-_i64, _int, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
-_LINEAR_ARGS = [_ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]
-_LINEAR_I8_ARGS = [_ptr, _int, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _int]
-_ROWS_ARGS = [_ptr, _int, _ptr, _int, _ptr, _i64, _ptr, _i64, _i64, _i64, _int]
-_INT4_ARGS = [_ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int, _int]
-_DEQUANT_I8_ARGS = [_ptr, _ptr, _i64, _ptr, _int, _i64, _i64, _int]
-_DEQUANT_I4_ARGS = [_ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64, _i64, _int]
-_GEMM_Q_ARGS = [_ptr, _int, _ptr, _int, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _int]
-_NORM_ARGS = [_ptr, _ptr, _ptr, _ptr, _ptr, _int, _i64, _i64, _f32, _int]  # -> int status
-_ROTARY_ARGS = [_ptr, _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64]
-_SILU_MUL_ARGS = [_ptr, _ptr, _int, _i64, _i64]
-_ATTENTION_ARGS = [_ptr, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
-                   _i64, _i64, _f32, _f32, _int]
-_DELTA_STEP_ARGS = [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int]
 
 
 def _scales_group(weight: torch.Tensor, scales: torch.Tensor | None) -> int:
@@ -100,65 +65,31 @@ class NativeKernels:
     accumulate in float32."""
 
     def __init__(self, lib: ctypes.CDLL, build_id: str) -> None:
+        """`lib`: the library just opened; its functions are bound here, once."""
+        c.bind(lib)
         self.build_id = build_id  # the variant and digest naming the shared object
-        lib.mm_variant.restype = ctypes.c_char_p
         self.variant: str = lib.mm_variant().decode()  # the one the library was compiled as
-        self._linear = {}
-        for dtype, name in WEIGHT_KERNELS.items():
-            fn = getattr(lib, name)
-            fn.argtypes = _LINEAR_I8_ARGS if dtype == torch.int8 else _LINEAR_ARGS
-            fn.restype = _int
-            self._linear[dtype] = fn
-        self._rows = lib.mm_linear_rows
-        self._rows.argtypes, self._rows.restype = _ROWS_ARGS, _int
-        self._gemm = lib.mm_gemm_dense
-        self._gemm.argtypes, self._gemm.restype = _ROWS_ARGS, _int
-        self._gemm_i4 = lib.mm_gemm_int4
-        self._gemm_i4.argtypes = [_ptr, _int, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _int]
-        self._gemm_i4.restype = _int
+        self._linear = {dtype: getattr(lib, name) for dtype, name in WEIGHT_KERNELS.items()}
+        self._rows, self._gemm, self._gemm_i4 = lib.mm_linear_rows, lib.mm_gemm_dense, \
+            lib.mm_gemm_int4
         self._int4 = lib.mm_linear_i4
-        self._int4.argtypes, self._int4.restype = _INT4_ARGS, _int
         self._dequant_i8, self._dequant_i4 = lib.mm_dequantize_i8, lib.mm_dequantize_i4
-        self._dequant_i8.argtypes, self._dequant_i8.restype = _DEQUANT_I8_ARGS, None
-        self._dequant_i4.argtypes, self._dequant_i4.restype = _DEQUANT_I4_ARGS, None
         self._gemm_q, self._gemm_q_takes = lib.mm_gemm_quantized, lib.mm_gemm_quantized_takes
-        self._gemm_q.argtypes, self._gemm_q.restype = _GEMM_Q_ARGS, _int
-        self._gemm_q_takes.argtypes, self._gemm_q_takes.restype = [_i64, _i64, _int, _i64], _int
         self._norm, self._rotary, self._silu_mul = lib.mm_rms_norm, lib.mm_rotary, lib.mm_silu_mul
-        self._norm.argtypes, self._norm.restype = _NORM_ARGS, _int
-        self._rotary.argtypes, self._rotary.restype = _ROTARY_ARGS, None
-        self._silu_mul.argtypes, self._silu_mul.restype = _SILU_MUL_ARGS, None
-        self._activation = lib.mm_activation
-        self._activation.argtypes, self._activation.restype = [_ptr, _ptr, _int, _i64, _int], None
-        self._fit_int4 = lib.mm_fit_int4
-        self._fit_int4.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _int]
-        self._fit_int4.restype = None
-        self._argmax = lib.mm_argmax
-        self._argmax.argtypes, self._argmax.restype = [_ptr, _i64, _i64, _ptr], None
-        self._read_sum = lib.mm_read_sum
-        self._read_sum.argtypes, self._read_sum.restype = [_ptr, _i64, _int], ctypes.c_double
+        self._activation, self._fit_int4 = lib.mm_activation, lib.mm_fit_int4
+        self._argmax, self._read_sum = lib.mm_argmax, lib.mm_read_sum
         self._attention = lib.mm_decode_attention
-        self._attention.argtypes, self._attention.restype = _ATTENTION_ARGS, _int
         self._attention_i8 = lib.mm_decode_attention_i8  # an int8 cache (layers/kv_quant.py)
-        self._attention_i8.argtypes, self._attention_i8.restype = _ATTENTION_ARGS, _int
         self._delta_step = lib.mm_delta_rule_step
-        self._delta_step.argtypes, self._delta_step.restype = _DELTA_STEP_ARGS, _int
-        # A decoder's layers in one call, a sparse block's routed experts in one call;
-        # models.kernels.native_decode and native_experts declare their arguments.
-        self.decode_layers = lib.mm_decode_layers
-        self.moe_experts = lib.mm_moe_experts
+        # A decoder's layers in one call, a sparse block's routed experts in one call
+        # (models.kernels.native_decode and native_experts wrap them).
+        self.decode_layers, self.moe_experts = lib.mm_decode_layers, lib.mm_moe_experts
         # Weights in a GGUF file's ggml blocks (cpu/ggml_blocks.c; models.kernels.ggml_blocks
         # wraps them): the integer decode path (x's digits per input, 1 or 2; then nonzero for
         # the plain path even where a vector one is built), the float one it replaced (kept
         # for bench/), the dequantizer.
         self.ggml_linear, self.ggml_dequantize = lib.mm_ggml_linear, lib.mm_ggml_dequantize
         self.ggml_linear_float = lib.mm_ggml_linear_float
-        self.ggml_linear.argtypes = [_ptr, _int, _ptr, _int, _ptr, _i64, _i64, _i64, _int, _int,
-                                     _int]
-        self.ggml_linear_float.argtypes = [_ptr, _int, _ptr, _int, _ptr, _i64, _i64, _i64, _int]
-        self.ggml_dequantize.argtypes = [_ptr, _int, _ptr, _i64, _i64, _i64, _ptr, _int]
-        self.ggml_linear.restype = self.ggml_dequantize.restype = _int
-        self.ggml_linear_float.restype = _int
 
     @staticmethod
     def supports_linear(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
@@ -215,7 +146,7 @@ class NativeKernels:
         assert weight.is_contiguous() and weight.shape[1] == x.shape[1], "weight [N, K]"
         int8 = weight.dtype == torch.int8
         return self._product(fn, name, x, weight.shape[0], (
-            weight.data_ptr(), DTYPES.get(weight.dtype, DTYPE_I8),
+            weight.data_ptr(), DTYPES.get(weight.dtype, c.DTYPE_I8),
             None if scales is None else scales.data_ptr(),
             _scales_group(weight, scales) if int8 else 0))
 
@@ -243,7 +174,7 @@ class NativeKernels:
         path even where the VNNI one is built (for tests)."""
         m, k = x.shape
         n = packed.shape[0]
-        assert packed.dtype == torch.uint8 and packed.shape[1] * 2 == k and n % 64 == 0
+        assert packed.dtype == torch.uint8 and packed.shape[1] * 2 == k and n % c.I4_BLOCK_N == 0
         assert packed.is_contiguous() and scales_and_zeros.is_contiguous()
         assert scales_and_zeros.dtype == torch.bfloat16
         assert scales_and_zeros.shape == (k // group_size, n, 2), "scales [K / g, N, 2]"
@@ -275,8 +206,8 @@ class NativeKernels:
         if m == 0:
             return y
         status = self._gemm_q(x.data_ptr(), DTYPES[x.dtype], qweight.data_ptr(),
-                              0 if int8 else 1, scales.data_ptr(), group_size, y.data_ptr(),
-                              n, m, n, k, torch.get_num_threads())
+                              c.QUANT_INT8 if int8 else c.QUANT_INT4, scales.data_ptr(),
+                              group_size, y.data_ptr(), n, m, n, k, torch.get_num_threads())
         if status == 1:
             raise MemoryError("native quantized GEMM: out of memory for its packed rows")
         if status:
@@ -289,8 +220,9 @@ class NativeKernels:
         """Whether gemm_quantized takes a weight [N, K] on this build: int4 of `int4_group`
         inputs per scale, else int8 of `int8_group` (None: one scale per channel)."""
         if int4_group is None:
-            return bool(self._gemm_q_takes(n, k, 0, k if int8_group is None else int8_group))
-        return bool(self._gemm_q_takes(n, k, 1, int4_group))
+            return bool(self._gemm_q_takes(n, k, c.QUANT_INT8,
+                                           k if int8_group is None else int8_group))
+        return bool(self._gemm_q_takes(n, k, c.QUANT_INT4, int4_group))
 
     def dequantize_int8(self, q: torch.Tensor, scales: torch.Tensor,
                         out: torch.Tensor) -> torch.Tensor:
@@ -309,13 +241,14 @@ class NativeKernels:
         in float32 and rounded once. `first` and the rows are multiples of 64."""
         n, k = packed.shape[0], packed.shape[1] * 2
         rows = out.shape[0]
-        assert packed.dtype == torch.uint8 and packed.is_contiguous() and n % 64 == 0
+        assert packed.dtype == torch.uint8 and packed.is_contiguous() and n % c.I4_BLOCK_N == 0
         assert scales_and_zeros.shape == (k // group_size, n, 2)
         assert scales_and_zeros.dtype == torch.bfloat16 and scales_and_zeros.is_contiguous()
         assert out.is_contiguous() and out.shape[1] == k and out.dtype in DTYPES
-        assert first % 64 == 0 and rows % 64 == 0 and 0 <= first and first + rows <= n
+        block = c.I4_BLOCK_N
+        assert first % block == 0 and rows % block == 0 and 0 <= first and first + rows <= n
         self._dequant_i4(packed.data_ptr(), scales_and_zeros.data_ptr(), out.data_ptr(),
-                         DTYPES[out.dtype], n, k, group_size, first // 64, rows // 64,
+                         DTYPES[out.dtype], n, k, group_size, first // block, rows // block,
                          torch.get_num_threads())
         return out
 
@@ -374,7 +307,7 @@ class NativeKernels:
         assert x.is_contiguous()
         out = torch.empty_like(x)
         self._activation(x.data_ptr(), out.data_ptr(), DTYPES[x.dtype], x.numel(),
-                         ACTIVATIONS.index(kind))
+                         ACTIVATIONS[kind])
         return out
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
@@ -437,7 +370,8 @@ class NativeKernels:
             states.data_ptr(), slots.data_ptr(), out.data_ptr(), batch, heads, dk, v.shape[-1],
             torch.get_num_threads())
         if status:
-            raise ValueError(f"native delta rule step: value heads of {v.shape[-1]} exceed 1024")
+            raise ValueError(f"native delta rule step: value heads of {v.shape[-1]} exceed "
+                             f"{c.DELTA_MAX_DV}")
         return out
 
 
@@ -483,75 +417,15 @@ def _load(variant: Variant | None) -> tuple[NativeKernels | None, str]:
     if variant is None:
         return None, (f"no kernel variant for this CPU ({cpu_variants.machine_arch()}): "
                       "PyTorch's kernels only")
-    compiler = find_compiler()
+    compiler = native_build.find_compiler()
     if compiler is None:
         return None, "no C compiler found (install gcc, or set CC): PyTorch's kernels only"
-    openmp = openmp_runtime()
+    openmp = native_build.openmp_runtime()
     try:
-        path, seconds = build(variant, compiler, openmp)
+        path, seconds = native_build.build(variant, compiler, openmp)
         kernels = NativeKernels(ctypes.CDLL(str(path)), path.stem.removeprefix("native-"))
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         return None, f"{variant.name} build with {compiler} failed ({e}): PyTorch's kernels only"
     threads = "OpenMP shared with PyTorch" if openmp else "one thread (no OpenMP runtime found)"
     built = f"built in {seconds:.1f} s" if seconds else "cached"
     return kernels, f"{variant.name} variant, {Path(compiler).name}, {threads}, {built}"
-
-
-def find_compiler() -> str | None:
-    """$CC, else cc, else gcc: the first that is on the PATH."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    return compiler if compiler and shutil.which(compiler) else None
-
-
-def openmp_runtime() -> Path | None:
-    """The libgomp this process loaded with PyTorch (from /proc/self/maps), if any."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return None
-    for line in maps.splitlines():
-        path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
-        if Path(path).name.startswith("libgomp") and ".so" in path:
-            return Path(path)
-    return None
-
-
-def build(variant: Variant, compiler: str, openmp: Path | None = None,
-          target_dir: Path | None = None, source_dir: Path = HERE) -> tuple[Path, float]:
-    """Compile the sources as `variant` (unless cached) -> (path of the shared object, seconds
-    spent building). `target_dir`: where to put it (default: beside the kernel choices);
-    `source_dir`: a folder holding SOURCES and HEADER by name (default: ours; bench.kernel_ab
-    builds another revision's)."""
-    sources = tuple(source_dir / p.name for p in SOURCES)
-    header = source_dir / HEADER.name
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                             timeout=30).stdout
-    flags = [*FLAGS, *variant.flags, f'-DMM_VARIANT="{variant.name}"'] + (
-        ["-fopenmp"] if openmp else [])
-    digest = hashlib.sha256("\0".join(
-        [*(p.read_text() for p in (*sources, header)), compiler, version, " ".join(flags),
-         str(openmp)]
-    ).encode()).hexdigest()[:16]
-    target = (target_dir or cache_path().parent) / f"native-{variant.name}-{digest}.so"
-    if target.exists():
-        return target, 0.0
-    target.parent.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        objects = [Path(tmp) / f"{i}.o" for i in range(len(sources))]
-        lib = Path(tmp) / "kernels.so"
-        # Compiled with OpenMP, linked without the compiler's own runtime but against the one
-        # PyTorch loaded: two OpenMP runtimes in a process would each keep a thread pool.
-        for source, obj in zip(sources, objects, strict=True):
-            _run([compiler, *flags, "-I", str(header.parent), "-c", str(source), "-o",
-                  str(obj)])
-        link = [compiler, "-shared", *map(str, objects), "-o", str(lib), "-lm"]
-        _run(link + ([str(openmp)] if openmp else []))
-        lib.replace(target)
-    return target, time.perf_counter() - start
-
-
-def _run(command: list[str]) -> None:
-    done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-    if done.returncode != 0:
-        raise OSError(f"{' '.join(command[:2])}...: {done.stderr.strip()[-400:]}")

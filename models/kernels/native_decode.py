@@ -13,10 +13,10 @@ the modules would run exactly those kernels:
   shape,
   with keys and values of its own, no per-layer inputs or output scalars), with the fused
   decode ops on, which `unsupported` checks once when the runner prepares the model;
-- every linear's planned formulation (models.kernels.plan) for the step's row count is ours
-  ("native"): where PyTorch's measured faster for some layer, the modules run;
+- every linear's planned formulation (models.kernels.linear_choice) for the step's row count
+  is ours ("native"): where PyTorch's measured faster for some layer, the modules run;
 - the step decodes only (one token per request), attended by our paged kernel
-  (models.kernels.decode_attention chose it), at most models.kernels.native.FUSED_ROWS
+  (models.kernels.decode_attention_choice chose it), at most models.kernels.native.FUSED_ROWS
   tokens, with no per-layer media residuals and no request using a LoRA adapter (the
   adapters' updates are added by the modules' linears: models/layers/lora.py).
 
@@ -36,7 +36,8 @@ import torch
 from models.kernels import native
 from models.kernels.choice import BUCKETS, bucket_index
 from models.kernels.linear import Linear
-from models.kernels.native_linear import LinearDesc, linear_desc
+from models.kernels.native_interface import DecoderDesc, LayerDesc
+from models.kernels.native_linear import linear_desc
 from models.kernels.quantization import QuantizedLinear
 from models.layers.attention import AttentionMetadata
 from models.layers.decoder_layer import Attention, DecoderConfig, DecoderLayer
@@ -46,20 +47,6 @@ from models.layers.norm import RMSNorm
 log = logging.getLogger(__name__)
 
 DISABLE_ENV = "MMSERVE_NATIVE_DECODE"  # "0": decode steps through the modules
-_ptr, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
-
-
-class _LayerDesc(ctypes.Structure):
-    _fields_ = [("qkv", LinearDesc), ("o", LinearDesc), ("gate_up", LinearDesc),
-                ("down", LinearDesc), ("input_norm", _ptr), ("post_norm", _ptr),
-                ("q_norm", _ptr), ("k_norm", _ptr), ("kv_cache", _ptr), ("rope", _i64)]
-
-
-class _DecoderDesc(ctypes.Structure):
-    _fields_ = [("dtype", _i32), ("norm_mode", _i32), ("threads", _i32), ("kv_int8", _i32),
-                ("eps", _f32), ("scale", _f32), ("hidden", _i64), ("heads", _i64),
-                ("kv_heads", _i64), ("head_dim", _i64), ("intermediate", _i64),
-                ("num_blocks", _i64), ("block_size", _i64)]
 
 
 class DecoderStack(Protocol):
@@ -69,10 +56,6 @@ class DecoderStack(Protocol):
     cfg: DecoderConfig
     embed_tokens: torch.nn.Embedding
     layers: Sequence[DecoderLayer]
-
-
-_ARGS = [ctypes.POINTER(_DecoderDesc), ctypes.POINTER(_LayerDesc), _i64, _ptr, _i64, _ptr, _ptr,
-         _ptr, _ptr, _i64, _ptr, _ptr]
 
 
 def unsupported(model: DecoderStack) -> str | None:
@@ -144,13 +127,12 @@ class NativeDecode:
 
     def __init__(self, model: DecoderStack, kernels: native.NativeKernels) -> None:
         self.dtype = model.embed_tokens.weight.dtype
-        self._call = kernels.decode_layers
-        self._call.argtypes, self._call.restype = _ARGS, ctypes.c_int
+        self._call = kernels.decode_layers  # bound by models.kernels.native_interface
         cfg, first = model.cfg, model.layers[0]
         cache = first.self_attn.kv_cache  # [2, Hkv, blocks, block_size, D or D + 4 (int8)]
         norm = first.input_layernorm
         mode = native.NORM_MODES[norm.norm_mode(self.dtype)]
-        self.desc = _DecoderDesc(
+        self.desc = DecoderDesc(
             dtype=native.DTYPES[self.dtype], norm_mode=mode, eps=norm.eps,
             scale=first.self_attn.scale, hidden=cfg.hidden_size, heads=cfg.num_heads,
             kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
@@ -158,7 +140,7 @@ class NativeDecode:
             block_size=cache.shape[3], kv_int8=int(cache.dtype == torch.int8))
         # Pointers to the weights and KV caches as they are now: the runner binds the caches
         # once, before it prepares the model (a model re-bound must be prepared again).
-        self.layers = (_LayerDesc * len(model.layers))(*map(_layer_desc, model.layers))
+        self.layers = (LayerDesc * len(model.layers))(*map(_layer_desc, model.layers))
         # Per row-count bucket: whether every linear's plan there is our kernel.
         linears = [m for layer in model.layers for m in layer.modules()
                    if isinstance(m, Linear | QuantizedLinear)]
@@ -203,8 +185,8 @@ class NativeDecode:
                 for pair in rotary for t in pair):
             return None
         table, key0, context = tables
-        cos = (_ptr * len(rotary))(*(c.data_ptr() for c, _ in rotary))
-        sin = (_ptr * len(rotary))(*(s.data_ptr() for _, s in rotary))
+        cos = (ctypes.c_void_p * len(rotary))(*(c.data_ptr() for c, _ in rotary))
+        sin = (ctypes.c_void_p * len(rotary))(*(s.data_ptr() for _, s in rotary))
         out = h.clone()
         self.desc.threads = torch.get_num_threads()
         status = self._call(ctypes.byref(self.desc), self.layers, len(self.layers),
@@ -218,9 +200,9 @@ class NativeDecode:
         return out
 
 
-def _layer_desc(layer: DecoderLayer) -> _LayerDesc:
+def _layer_desc(layer: DecoderLayer) -> LayerDesc:
     attn, mlp = layer.self_attn, layer.mlp
-    return _LayerDesc(
+    return LayerDesc(
         qkv=linear_desc(attn.qkv_proj), o=linear_desc(attn.o_proj),
         gate_up=linear_desc(mlp.gate_up_proj), down=linear_desc(mlp.down_proj),
         input_norm=layer.input_layernorm.weight.data_ptr(),

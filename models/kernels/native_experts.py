@@ -13,7 +13,6 @@ the modules.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 from collections.abc import Sequence
@@ -23,16 +22,13 @@ import torch
 from models.kernels import native
 from models.kernels.choice import BUCKETS, bucket_index
 from models.kernels.linear import Linear
-from models.kernels.native_linear import LinearDesc, linear_desc
+from models.kernels.native_interface import LinearDesc
+from models.kernels.native_linear import linear_desc
 from models.kernels.quantization import QuantizedLinear
 
 log = logging.getLogger(__name__)
 
 DISABLE_ENV = "MMSERVE_NATIVE_DECODE"  # "0": the modules run every step (as native_decode)
-
-_ptr, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_ARGS = [ctypes.POINTER(LinearDesc), ctypes.POINTER(LinearDesc), _i64, _ptr, _int, _i64, _ptr,
-         _ptr, _i64, _ptr, _int]
 
 Pair = tuple[Linear | QuantizedLinear, Linear | QuantizedLinear]  # an expert's gate_up, down
 
@@ -44,8 +40,7 @@ class NativeExperts:
                  kernels: native.NativeKernels) -> None:
         self.dtype, self.count = dtype, len(experts)
         self.hidden = experts[0][1].out_features
-        self._call = kernels.moe_experts
-        self._call.argtypes, self._call.restype = _ARGS, ctypes.c_int
+        self._call = kernels.moe_experts  # bound by models.kernels.native_interface
         # Pointers to the weights as they are now: built after they are placed and planned.
         self.gate_up = (LinearDesc * len(experts))(*(linear_desc(g) for g, _ in experts))
         self.down = (LinearDesc * len(experts))(*(linear_desc(d) for _, d in experts))

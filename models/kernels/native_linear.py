@@ -1,22 +1,15 @@
 """A linear layer as our C calls that run several take it (`mm_linear_desc` of
-models/kernels/cpu/kernels.h): its weight format, shape and pointers to its weight, scales and
-bias, read once when a call is set up (models.kernels.native_decode, native_experts)."""
+models/kernels/cpu/kernels.h, models.kernels.native_interface.LinearDesc): its weight format,
+shape and pointers to its weight, scales and bias, read once when a call is set up
+(models.kernels.native_decode, native_experts)."""
 
 from __future__ import annotations
 
-import ctypes
-
 from models.kernels.linear import Linear
+from models.kernels.native_interface import FORMAT_DENSE, FORMAT_INT4, FORMAT_INT8, LinearDesc
 from models.kernels.quantization import QuantizedLinear
 
-FORMATS = {"dense": 0, "int8": 1, "int4": 2}  # cpu/kernels.h's FORMAT_*
-
-_ptr, _i32, _i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-
-
-class LinearDesc(ctypes.Structure):
-    _fields_ = [("format", _i32), ("group", _i32), ("n", _i64), ("k", _i64),
-                ("weight", _ptr), ("scales", _ptr), ("bias", _ptr)]
+FORMATS = {"dense": FORMAT_DENSE, "int8": FORMAT_INT8, "int4": FORMAT_INT4}
 
 
 def linear_desc(linear: Linear | QuantizedLinear) -> LinearDesc:

@@ -42,6 +42,7 @@ from torch import nn
 
 from models.kernels import native
 from models.kernels.linear import Linear, run_kernel
+from models.kernels.native_interface import FIT_ROUNDS
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,6 @@ def fit_int4(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return kernels.fit_int4(groups) if kernels is not None else fit_int4_torch(groups)
 
 
-FIT_ROUNDS = 3  # as fit_int4.c's
 FIT_STARTS = (15.0, 16.0)  # steps range / 15 (the min-max grid) and range / 16
 FIT_CHUNK = 1 << 19  # weights fitted at once by fit_int4_torch: its temporaries stay in cache
 

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import torch
 
-SCALE_BYTES = 4  # a float32 scale after each int8 row
+from models.kernels.native_interface import KV_SCALE_BYTES
+
+SCALE_BYTES = KV_SCALE_BYTES  # a float32 scale after each int8 row (as our kernels read it)
 QMAX = 127.0
 
 

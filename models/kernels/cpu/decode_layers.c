@@ -14,23 +14,6 @@
 
 #include "kernels.h"
 
-typedef struct {
-    mm_linear_desc qkv, o, gate_up, down;
-    const void* input_norm; /* [hidden] */
-    const void* post_norm;  /* [hidden]: the norm before the MLP */
-    const void* q_norm;     /* [head_dim], or NULL: no per-head q / k norms */
-    const void* k_norm;
-    void* kv_cache;         /* [2, kv_heads, num_blocks, block_size, head_dim] in the dtype, or
-                               int8 rows [.., head_dim + KV_SCALE_BYTES] (kv_int8) */
-    int64_t rope;           /* which of the step's cos / sin tables the layer rotates by */
-} mm_layer_desc;
-
-typedef struct {
-    int32_t dtype, norm_mode, threads, kv_int8; /* kv_int8: the caches hold int8 rows */
-    float eps, scale;
-    int64_t hidden, heads, kv_heads, head_dim, intermediate, num_blocks, block_size;
-} mm_decoder_desc;
-
 /* h [m, hidden] (the hidden states entering layer 0) becomes the states leaving the last layer.
  * cos / sin: per rope table, [m, head_dim / 2] in the dtype. slots [m]: where each token's key
  * and value go in the cache. table [m, width] (block ids), key0 [m] and context [m]: each

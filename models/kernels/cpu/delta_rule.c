@@ -9,15 +9,13 @@
 
 #include "kernels.h"
 
-#define MAX_DV 1024
-
 /* q, k [batch, heads, dk] and v, out [batch, heads, dv] float32 (q L2-normalized and scaled,
  * k L2-normalized); g, beta [batch, heads]; states [slots, heads, dk, dv]; slots [batch].
- * Returns 0, or 1 when dv exceeds MAX_DV. */
+ * Returns 0, or 1 when dv exceeds DELTA_MAX_DV. */
 int mm_delta_rule_step(const float* q, const float* k, const float* v, const float* g,
                        const float* beta, float* states, const int64_t* slots, float* out,
                        int64_t batch, int64_t heads, int64_t dk, int64_t dv, int threads) {
-    if (dv > MAX_DV) return 1;
+    if (dv > DELTA_MAX_DV) return 1;
     _Pragma("omp parallel for collapse(2) num_threads(threads) schedule(static)")
     for (int64_t b = 0; b < batch; b++) {
         for (int64_t h = 0; h < heads; h++) {
@@ -26,7 +24,7 @@ int mm_delta_rule_step(const float* q, const float* k, const float* v, const flo
             const float* kb = k + bh * dk;
             const float* qb = q + bh * dk;
             const float decay = expf(g[bh]), rate = beta[bh];
-            float update[MAX_DV], o[MAX_DV];
+            float update[DELTA_MAX_DV], o[DELTA_MAX_DV];
             for (int64_t j = 0; j < dv; j++) update[j] = 0.0f, o[j] = 0.0f;
             for (int64_t i = 0; i < dk; i++) {  /* S^T k, of the decayed state */
                 const float* row = s + i * dv;

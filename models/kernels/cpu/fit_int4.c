@@ -2,7 +2,7 @@
  * weights x, the step s and low end m of the grid m + q * s, q in [0, 15], nearest to x in
  * squared error that alternating rounding and least squares reach from two starting grids: the
  * min-max grid (s = range / 15, m = min) and one a step narrower (range / 16, its top clipped).
- * From each start, FIT_ROUNDS times: round every weight to its nearest grid point (q), then
+ * From each start, FIT_ROUNDS (kernels.h) times: round every weight to its nearest grid point (q), then
  * refit s and m to those q by least squares. Neither step raises the error, so the result is
  * never worse than the min-max grid; the best of that grid and the two ends is kept.
  *
@@ -15,7 +15,6 @@
 
 #include "kernels.h"
 
-#define FIT_ROUNDS 3
 #define FIT_STARTS 2 /* steps range / 15 and range / 16 */
 
 /* The grid point of x: q = rint((x - m) / s) clamped to [0, 15] (rint: ties to even, as

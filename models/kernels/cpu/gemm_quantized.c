@@ -33,9 +33,6 @@
 
 #include "kernels.h"
 
-#define W_INT8 0
-#define W_INT4 1
-
 #ifdef MM_AVX512_BF16
 #define GEMM_Q_BF16 1
 
@@ -115,7 +112,7 @@ static void pack_tile(const void* x, int dt, int64_t k, int64_t rows, int64_t pa
 static void dequantize_panel(const void* w, int format, const uint16_t* scales, int64_t group,
                              int64_t n, int64_t k, int64_t c0, int64_t nc, int64_t k0,
                              int64_t kk, uint16_t* panel) {
-    if (format == W_INT4) {
+    if (format == QUANT_INT4) {
         mm_dequantize_i4_block(w, scales, panel, DTYPE_BF16, PANEL_K, n, k, group,
                                c0 / I4_BLOCK_N, k0 / group, (k0 + kk) / group);
         return;
@@ -144,7 +141,7 @@ static Ahead ahead_of(const void* w, int format, int64_t n, int64_t k, int64_t c
     Ahead a = {0};
     if (c0 >= n) return a;
     const int64_t kk = k - k0 < PANEL_K ? k - k0 : PANEL_K;
-    if (format == W_INT4) {  /* block c0 / 64: [k][32 bytes], inputs k0 .. k0 + kk - 1 */
+    if (format == QUANT_INT4) {  /* block c0 / 64: [k][32 bytes], inputs k0 .. k0 + kk - 1 */
         a.base = (const char*)w + (c0 / I4_BLOCK_N * k + k0) * (I4_BLOCK_N / 2);
         a.rows = 1, a.row_bytes = kk * (I4_BLOCK_N / 2);
     } else {
@@ -195,7 +192,7 @@ static void panel_product(const void* w, int format, const uint16_t* scales, int
         const __mmask16 cols = (__mmask16)((1u << cn) - 1);
         __m512 s[16];  /* each channel's scale (int4: folded into the panel) */
         for (int i = 0; i < cn; i++)
-            s[i] = _mm512_set1_ps(format == W_INT8 ? bf16_to_f32(scales[c0 + c + i]) : 1.0f);
+            s[i] = _mm512_set1_ps(format == QUANT_INT8 ? bf16_to_f32(scales[c0 + c + i]) : 1.0f);
         for (int64_t r = 0; r < rows; r += 16) {
             __m512 v[16];
             for (int i = 0; i < 16; i++)
@@ -243,7 +240,7 @@ static int64_t chunk_rows(int64_t m, int64_t blocks, int threads) {
 #define PT(pt, j, c, kk) (pt)[((c) / TILE_C * (kk) + (j)) * TILE_C + (c) % TILE_C]
 static void panel_t(const void* w, int format, const uint16_t* sz, int64_t group, int64_t n,
                     int64_t k, int64_t c0, int64_t k0, int64_t kk, float* pt) {
-    if (format == W_INT4) {
+    if (format == QUANT_INT4) {
         const uint8_t* wb = (const uint8_t*)w + c0 / I4_BLOCK_N * k * (I4_BLOCK_N / 2);
         for (int64_t g = k0 / group; g < (k0 + kk) / group; g++) {
             float scale[I4_BLOCK_N], offset[I4_BLOCK_N];
@@ -353,9 +350,9 @@ static int gemm_plain(const void* x, int x_dtype, const void* w, int w_format,
 int mm_gemm_quantized_takes(int64_t n, int64_t k, int w_format, int64_t group) {
     if (k % 32) return 0;
 #ifdef GEMM_Q_BF16
-    if (w_format == W_INT8) return group == k;
+    if (w_format == QUANT_INT8) return group == k;
 #else
-    if (w_format == W_INT8) return mm_int8_group_ok(k, group);
+    if (w_format == QUANT_INT8) return mm_int8_group_ok(k, group);
 #endif
     return n % I4_BLOCK_N == 0 && group > 0 && group % 32 == 0 && PANEL_K % group == 0;
 }

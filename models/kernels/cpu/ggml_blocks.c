@@ -37,16 +37,6 @@
 #define NO_CONTRACT
 #endif
 
-/* ggml's type codes (enum ggml_type), as GGUF stores them */
-#define GGML_Q4_0 2
-#define GGML_Q4_1 3
-#define GGML_Q5_0 6
-#define GGML_Q5_1 7
-#define GGML_Q8_0 8
-#define GGML_Q4_K 12
-#define GGML_Q5_K 13
-#define GGML_Q6_K 14
-
 #define SPAN 256 /* values dequantized at once: one super-block, or eight 32-blocks */
 #define ROW_CHUNK 8 /* rows of x per pass over the weight (their partial sums stay in cache) */
 #define LANES 32    /* partial sums per row: independent lanes the compiler vectorizes */

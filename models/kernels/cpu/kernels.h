@@ -1,6 +1,6 @@
-/* What the sources of the native library share: dtype codes (models/kernels/native.py's DTYPES), element
- * conversions, and the kernels of this folder that others call (see their files for what each
- * computes). */
+/* What the sources of the native library share: dtype codes, element conversions, helpers, and
+ * the library's interface (every exported function, with the structs and codes its callers
+ * pass), which models/kernels/native_interface.py mirrors for Python. */
 #ifndef MM_NATIVE_KERNELS_H
 #define MM_NATIVE_KERNELS_H
 
@@ -390,8 +390,46 @@ static inline void store_f32x32(void* out, int out_dtype, int64_t at, __m512 a, 
 }
 #endif
 
-/* ---- kernels ---- */
+/* ---- the library's interface ----
+ * Every function the library exports is declared here, with the structs and codes its callers
+ * pass: models/kernels/native_interface.py mirrors this section (tests/test_native_bindings.py
+ * compares the two), and each source's definition is checked against its prototype here. */
 
+#define FORMAT_DENSE 0 /* the weight in the model dtype */
+#define FORMAT_INT8 1  /* int8, bfloat16 scales [n, k / group] (group k: per channel) */
+#define FORMAT_INT4 2  /* our int4 pack, bfloat16 scales and zeros [k / group, n, 2] */
+
+typedef struct { /* a linear layer as the calls that run several take it */
+    int32_t format, group;
+    int64_t n, k;
+    const void* weight;
+    const void* scales;
+    const void* bias; /* [n] in the model dtype, or NULL */
+} mm_linear_desc;
+
+const char* mm_variant(void); /* the variant this library was compiled as */
+
+/* small_ops.c */
+void mm_argmax(const float* x, int64_t rows, int64_t n, int64_t* out);
+double mm_read_sum(const float* x, int64_t n, int threads);
+#define NORM_FLOAT32 0     /* mm_rms_norm's modes: normed * w in float32 */
+#define NORM_REDUCED 1     /* w * dtype(normed) */
+#define NORM_UNIT_OFFSET 2 /* dtype(normed * (1 + w)) */
+int mm_rms_norm(const void* x, const void* delta, void* sum, const void* w, void* out, int dt,
+                int64_t rows, int64_t dim, float eps, int mode);
+void mm_rotary(const void* x, const void* cos, const void* sin, void* out, int dt,
+               int64_t tokens, int64_t heads, int64_t dim, int64_t token_stride);
+void mm_silu_mul(const void* gate_up, void* out, int dt, int64_t rows, int64_t inner);
+#define ACT_SIGMOID 0 /* mm_activation's kinds */
+#define ACT_SILU 1
+#define ACT_SOFTPLUS 2
+#define ACT_EXP 3
+#define ACT_TANH 4
+#define ACT_GELU_TANH 5
+#define ACT_GELU 6
+void mm_activation(const void* x, void* out, int dt, int64_t n, int kind);
+
+/* linear_dense.c, linear_int8.c, linear_int4.c: the matrix-vector linears */
 int mm_linear_f32(const void* x, int x_dtype, const float* w, const uint16_t* scales, void* y,
                   int64_t m, int64_t n, int64_t k, int threads);
 int mm_linear_bf16(const void* x, int x_dtype, const uint16_t* w, const uint16_t* scales,
@@ -399,13 +437,33 @@ int mm_linear_bf16(const void* x, int x_dtype, const uint16_t* w, const uint16_t
 int mm_linear_i8(const void* x, int x_dtype, const int8_t* w, const uint16_t* scales,
                  int64_t group, void* y, int64_t m, int64_t n, int64_t k, int threads);
 int mm_int8_group_ok(int64_t k, int64_t group);
+void mm_dequantize_i8(const int8_t* w, const uint16_t* scales, int64_t group, void* out,
+                      int out_dtype, int64_t n, int64_t k, int threads);
 int mm_linear_i4(const void* x, int x_dtype, const uint8_t* w, const uint16_t* sz, void* y,
                  int64_t m, int64_t n, int64_t k, int64_t group, int generic, int threads);
-int mm_rms_norm(const void* x, const void* delta, void* sum, const void* w, void* out, int dt,
-                int64_t rows, int64_t dim, float eps, int mode);
-void mm_rotary(const void* x, const void* cos, const void* sin, void* out, int dt,
-               int64_t tokens, int64_t heads, int64_t dim, int64_t token_stride);
-void mm_silu_mul(const void* gate_up, void* out, int dt, int64_t rows, int64_t inner);
+void mm_dequantize_i4(const uint8_t* w, const uint16_t* sz, void* out, int out_dtype, int64_t n,
+                      int64_t k, int64_t group, int64_t first, int64_t count, int threads);
+void mm_dequantize_i4_block(const uint8_t* w, const uint16_t* sz, void* out, int out_dtype,
+                            int64_t ldo, int64_t n, int64_t k, int64_t group, int64_t b,
+                            int64_t g0, int64_t g1);
+
+/* linear_rows.c, gemm_dense.c, gemm_quantized.c: the tiled products */
+int mm_linear_rows(const void* x, int x_dtype, const void* w, int w_dtype,
+                   const uint16_t* scales, int64_t group, void* y, int64_t m, int64_t n,
+                   int64_t k, int threads);
+int mm_gemm_dense(const void* x, int x_dtype, const void* w, int w_dtype,
+                  const uint16_t* scales, int64_t group, void* y, int64_t m, int64_t n,
+                  int64_t k, int threads);
+int mm_gemm_int4(const void* x, int x_dtype, const uint8_t* w, const uint16_t* sz,
+                 int64_t group, void* y, int64_t m, int64_t n, int64_t k, int threads);
+#define QUANT_INT8 0 /* mm_gemm_quantized's weight formats */
+#define QUANT_INT4 1
+int mm_gemm_quantized_takes(int64_t n, int64_t k, int w_format, int64_t group);
+int mm_gemm_quantized(const void* x, int x_dtype, const void* w, int w_format,
+                      const uint16_t* scales, int64_t group, void* y, int64_t ldy, int64_t m,
+                      int64_t n, int64_t k, int threads);
+
+/* attention.c */
 int mm_decode_attention(const void* q, const void* cache, void* out, int dtype,
                         const int64_t* table, const int64_t* key0, const int64_t* context,
                         int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
@@ -418,29 +476,61 @@ int mm_decode_attention_i8(const void* q, const int8_t* cache, void* out, int dt
                            int64_t width, int64_t num_blocks, int64_t block_size, int64_t window,
                            float scale, float softcap, int threads);
 void mm_quantize_kv_row(const void* x, int dt, int64_t offset, int64_t dim, int8_t* row);
-int mm_gemm_quantized_takes(int64_t n, int64_t k, int w_format, int64_t group);
-int mm_gemm_dense(const void* x, int x_dtype, const void* w, int w_dtype,
-                  const uint16_t* scales, int64_t group, void* y, int64_t m, int64_t n,
-                  int64_t k, int threads);
-int mm_gemm_int4(const void* x, int x_dtype, const uint8_t* w, const uint16_t* sz,
-                 int64_t group, void* y, int64_t m, int64_t n, int64_t k, int threads);
-void mm_dequantize_i4_block(const uint8_t* w, const uint16_t* sz, void* out, int out_dtype,
-                            int64_t ldo, int64_t n, int64_t k, int64_t group, int64_t b,
-                            int64_t g0, int64_t g1);
 
-/* ---- a linear layer as the calls that run several take it ---- */
+/* delta_rule.c, fit_int4.c */
+#define DELTA_MAX_DV 1024 /* mm_delta_rule_step's value heads, at most */
+int mm_delta_rule_step(const float* q, const float* k, const float* v, const float* g,
+                       const float* beta, float* states, const int64_t* slots, float* out,
+                       int64_t batch, int64_t heads, int64_t dk, int64_t dv, int threads);
+#define FIT_ROUNDS 3 /* mm_fit_int4's rounds from each start (also fit_int4_torch's) */
+void mm_fit_int4(const float* x, int64_t groups, int64_t group, float* scale, float* low,
+                 int threads);
 
-#define FORMAT_DENSE 0 /* the weight in the model dtype */
-#define FORMAT_INT8 1  /* int8, bfloat16 scales [n, k / group] (group k: per channel) */
-#define FORMAT_INT4 2  /* our int4 pack, bfloat16 scales and zeros [k / group, n, 2] */
+/* ggml_blocks.c; ggml's type codes (enum ggml_type), as GGUF stores them */
+#define GGML_Q4_0 2
+#define GGML_Q4_1 3
+#define GGML_Q5_0 6
+#define GGML_Q5_1 7
+#define GGML_Q8_0 8
+#define GGML_Q4_K 12
+#define GGML_Q5_K 13
+#define GGML_Q6_K 14
+int mm_ggml_takes(int type, int64_t k);
+int mm_ggml_dequantize(const uint8_t* w, int type, const int64_t* ids, int64_t first,
+                       int64_t rows, int64_t k, float* out, int threads);
+int mm_ggml_linear_float(const void* x, int x_dtype, const uint8_t* w, int type, void* y,
+                         int64_t m, int64_t n, int64_t k, int threads);
+int mm_ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, void* y, int64_t m,
+                   int64_t n, int64_t k, int digits, int generic, int threads);
 
-typedef struct {
-    int32_t format, group;
-    int64_t n, k;
-    const void* weight;
-    const void* scales;
-    const void* bias; /* [n] in the model dtype, or NULL */
-} mm_linear_desc;
+/* decode_layers.c, moe_experts.c: the whole-step calls */
+typedef struct { /* one decoder layer */
+    mm_linear_desc qkv, o, gate_up, down;
+    const void* input_norm; /* [hidden] */
+    const void* post_norm;  /* [hidden]: the norm before the MLP */
+    const void* q_norm;     /* [head_dim], or NULL: no per-head q / k norms */
+    const void* k_norm;
+    void* kv_cache;         /* [2, kv_heads, num_blocks, block_size, head_dim] in the dtype, or
+                               int8 rows [.., head_dim + KV_SCALE_BYTES] (kv_int8) */
+    int64_t rope;           /* which of the step's cos / sin tables the layer rotates by */
+} mm_layer_desc;
+
+typedef struct { /* what the layers share */
+    int32_t dtype, norm_mode, threads, kv_int8; /* kv_int8: the caches hold int8 rows */
+    float eps, scale;
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, num_blocks, block_size;
+} mm_decoder_desc;
+
+int mm_decode_layers(const mm_decoder_desc* d, const mm_layer_desc* layers, int64_t num_layers,
+                     void* h, int64_t m, const void* const* cos, const void* const* sin,
+                     const int64_t* slots, const int64_t* table, int64_t width,
+                     const int64_t* key0, const int64_t* context);
+int mm_moe_experts(const mm_linear_desc* gate_up, const mm_linear_desc* down,
+                   int64_t num_experts, const void* x, int dt, int64_t m,
+                   const int64_t* experts, const void* weights, int64_t k, void* out,
+                   int threads);
+
+/* ---- helpers of the sources that run a linear layer ---- */
 
 /* a[i] = dtype(a[i] + b[i % period]): PyTorch's elementwise add in the dtype */
 static inline void add_into(void* a, const void* b, int dt, int64_t n, int64_t period) {

@@ -1,12 +1,12 @@
 /* The small ops of a decode step (RMS norm with the residual add, rotary, SiLU-and-multiply),
  * the greedy argmax, the bandwidth ruler, and the variant this library was compiled as.
  *
- * These and the other sources of this folder are compiled by models/kernels/native.py once per
- * instruction-set variant (models/kernels/cpu_variants.py) and loaded with ctypes; each kernel
+ * These and the other sources of this folder are compiled by models/kernels/native_build.py once
+ * per instruction-set variant (models/kernels/cpu_variants.py) and loaded with ctypes; each kernel
  * has a plain-C path, vectorized by the compiler for whatever the variant targets, and faster
  * paths for instruction sets that have them (AVX-512 BF16 / VNNI, AVX2, NEON dot products). The
  * engine only runs a kernel where it measured faster than PyTorch's on this machine
- * (models/kernels/plan.py, models/layers/attention.py).
+ * (models/kernels/linear_choice.py, models/layers/attention.py).
  */
 #include <math.h>
 #include <stdint.h>
@@ -91,10 +91,10 @@ int mm_rms_norm(const void* x, const void* delta, void* sum, const void* w, void
         _Pragma("omp simd reduction(+:squares)")
         for (int64_t j = 0; j < dim; j++) squares += h[j] * h[j];
         const float inv = 1.0f / sqrtf(squares / (float)dim + eps);
-        if (mode == 0) {
+        if (mode == NORM_FLOAT32) {
             _Pragma("omp simd")
             for (int64_t j = 0; j < dim; j++) other[j] = h[j] * inv * weight[j];
-        } else if (mode == 1) {
+        } else if (mode == NORM_REDUCED) {
             _Pragma("omp simd")
             for (int64_t j = 0; j < dim; j++) {
                 const float normed = h[j] * inv;
@@ -169,23 +169,23 @@ void mm_silu_mul(const void* gate_up, void* out, int dt, int64_t rows, int64_t i
  * 3 exp, 4 tanh, 5 GELU with the tanh approximation, 6 GELU (erf). */
 static inline float activation(int kind, float x) {
     switch (kind) {
-    case 0: {
+    case ACT_SIGMOID: {
         const float e = exp_nonpositive(-fabsf(x));
         return (x >= 0.0f ? 1.0f : e) / (1.0f + e);
     }
-    case 1:
+    case ACT_SILU:
         return silu(x);
-    case 2:
+    case ACT_SOFTPLUS:
         return x > 20.0f ? x : log1pf(expf(x));
-    case 3:
+    case ACT_EXP:
         return expf(x);
-    case 4:
+    case ACT_TANH:
         return tanhf(x);
-    case 5: {
+    case ACT_GELU_TANH: {
         const float inner = 0.7978845608028654f * (x + 0.044715f * x * x * x);
         return 0.5f * x * (1.0f + tanhf(inner));
     }
-    default:
+    default: /* ACT_GELU */
         return 0.5f * x * (1.0f + erff(x * 0.7071067811865476f));
     }
 }
