@@ -22,9 +22,9 @@ from engine.config import EngineConfig
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import ScheduledChunk, SchedulerOutput
-from engine.speculative.method import SpeculativeMethod
 from engine.speculative.ngram import NgramProposer
 from engine.speculative.proposals import Proposal, SpeculationState
+from engine.speculative_option import SpeculativeMethod
 from models.kernels import native
 from models.kernels.plan import pin_decode_rows
 
