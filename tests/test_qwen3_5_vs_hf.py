@@ -17,6 +17,7 @@ import torch
 
 from engine import LLM
 from engine.llm_engine import LLMEngine
+from models.layer_interfaces import KVCacheLayer, RecurrentStateLayer
 from tests.helpers import (
     assert_matches_reference,
     assert_released,
@@ -161,6 +162,13 @@ def test_text_model_matches_transformers_whole_and_in_chunks(text_path, hf_model
     again = chunked.generate([prompt], GREEDY)[0]  # the whole prompt's last block: a hit
     assert again.num_cached_tokens > 0
     assert_matches_reference(again, *want, "prefix hit")
+
+
+def test_its_layers_satisfy_the_engine_seams(text_path):
+    runner = LLM(text_path, max_model_len=256).engine.runner
+    states = runner.state_layers()
+    assert states and all(isinstance(layer, RecurrentStateLayer) for layer in states)
+    assert all(isinstance(a, KVCacheLayer) for a in runner.attention_layers())
 
 
 def test_an_abort_mid_prefill_frees_the_slot_for_the_next_request(text_path, hf_models):
