@@ -152,6 +152,10 @@ def test_a_hit_without_its_state_would_be_wrong(vl_path, refs, monkeypatch):
 def test_text_model_matches_transformers_whole_and_in_chunks(text_path, hf_models):
     hf = hf_models(text_path)
     llm = LLM(text_path, max_model_len=512)
+    # its layers are what the engine binds (models/layer_interfaces.py)
+    states = llm.engine.runner.state_layers()
+    assert states and all(isinstance(layer, RecurrentStateLayer) for layer in states)
+    assert all(isinstance(a, KVCacheLayer) for a in llm.engine.runner.attention_layers())
     prompt = llm.engine.tokenizer.encode("Once upon a time, in a land far away, there lived")
     ids = torch.tensor([prompt])
     want = hf_greedy(hf, {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
@@ -162,13 +166,6 @@ def test_text_model_matches_transformers_whole_and_in_chunks(text_path, hf_model
     again = chunked.generate([prompt], GREEDY)[0]  # the whole prompt's last block: a hit
     assert again.num_cached_tokens > 0
     assert_matches_reference(again, *want, "prefix hit")
-
-
-def test_its_layers_satisfy_the_engine_seams(text_path):
-    runner = LLM(text_path, max_model_len=256).engine.runner
-    states = runner.state_layers()
-    assert states and all(isinstance(layer, RecurrentStateLayer) for layer in states)
-    assert all(isinstance(a, KVCacheLayer) for a in runner.attention_layers())
 
 
 def test_an_abort_mid_prefill_frees_the_slot_for_the_next_request(text_path, hf_models):
