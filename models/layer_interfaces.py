@@ -7,7 +7,8 @@ keeps a verification's accepted state), and every step's forward takes a `Forwar
 the paged-attention indices and, beside them, the state, cross-attention and LoRA batches.
 The families' own classes (models/layers/decoder_layer.py's `Attention`, gated_deltanet.py's
 `GatedDeltaNet`, attention.py's `AttentionMetadata`) satisfy them by their attributes; nothing
-subclasses these. Importable without torch (the annotations are strings).
+subclasses these. Like models/interfaces.py, which imports it, this module sits below
+models/layers/ (it imports none of it) and imports without torch (the annotations are strings).
 """
 
 from __future__ import annotations
@@ -17,11 +18,25 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
-    from models.layers.attention import AttentionGroup, LayerAttention
-    from models.layers.attention_varlen import VarlenBatch
-    from models.layers.cross_metadata import CrossAttentionMetadata
-    from models.layers.lora import AdapterBatch
-    from models.layers.state_metadata import StateMetadata
+
+class AttentionLayout(Protocol):
+    """How one layer attends (models/layers/attention.py's `LayerAttention`)."""
+
+    @property
+    def sliding_window(self) -> int | None:
+        """A query at position p sees keys k with p - k < sliding_window (None: all)."""
+        ...
+
+    @property
+    def softcap(self) -> float | None:
+        """Scores become softcap * tanh(scores / softcap) before the softmax (None: as
+        they are)."""
+        ...
+
+    @property
+    def bidirectional(self) -> bool:
+        """Whether spans marked bidirectional are attended both ways inside themselves."""
+        ...
 
 
 @runtime_checkable
@@ -31,7 +46,7 @@ class KVCacheLayer(Protocol):
     index: int  # the layer's index in the decoder
     num_kv_heads: int
     head_dim: int
-    layout: LayerAttention  # how it attends (sliding window, soft-cap, both-ways spans)
+    layout: AttentionLayout
     # The layer whose keys and values it reads (KV sharing: bound to that layer's cache,
     # allocating none), or None: a cache of its own.
     kv_source: int | None
@@ -85,21 +100,22 @@ class RecurrentStateLayer(Protocol):
 
 @runtime_checkable
 class ForwardMetadata(Protocol):
-    """One step's metadata, built by the runner on the host, read by the layers in the forward
-    (models/layers/attention.py's `AttentionMetadata` is the one implementation). Its parts:"""
+    """One step's metadata, built by the runner on the host from models/layers/' builders and
+    read by the layers in the forward (models/layers/attention.py's `AttentionMetadata` is the
+    one implementation; the layers read it by that type). Its parts, each built by its own
+    module there and None where the model or the step has none:"""
 
-    # the attention batch: where each token's keys and values go, which rows attend together
-    # over which blocks (models/layers/attention.py)
+    # The attention batch (attention.py's build_metadata): where each of the step's T tokens'
+    # keys and values go, and which rows attend together over which blocks (`groups`, `varlen`:
+    # the layers' business), and how decodes attend.
     slot_mapping: torch.Tensor  # [T] int64
     num_tokens: int
-    groups: list[AttentionGroup]
     decode_kernel: str
-    varlen: VarlenBatch | None  # requests attended by flash-attn's varlen kernel
-    # this step's keys and values of the layers later layers read (KV sharing), by layer index
-    shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None
-    # the state batch: the linear-attention layers' slots and snapshots (None: no such layers)
-    states: StateMetadata | None
-    # the cross-attention batch: which rows attend to which items' keys (None: no row does)
-    cross: CrossAttentionMetadata | None
-    # the LoRA batch: which tokens' linears add which adapter (None: none does)
-    adapters: AdapterBatch | None
+    # The state batch (state_metadata.py's StateMetadata): the linear-attention layers' slots,
+    # snapshots to restore and save, verifications.
+    states: object | None
+    # The cross-attention batch (cross_metadata.py's CrossAttentionMetadata): which rows
+    # attend to which media items' keys and values.
+    cross: object | None
+    # The LoRA batch (lora.py's AdapterBatch): which tokens' linears add which adapter.
+    adapters: object | None
