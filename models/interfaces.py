@@ -390,10 +390,11 @@ class LanguageModel(Protocol):
         and they read `meta.states` in the forward (models/layer_interfaces.py)."""
         ...
 
-    def cross_attention_layers(self) -> list[Any]:
-        """The layers that attend to media items' encoder outputs (empty for the others): then
-        `encode` returns, per item, their keys and values [L, 2, Hkv, n, D], which the runner
-        hands to the forward as `meta.cross` (models/layers/cross_attention.py)."""
+    def cross_attention_layers(self) -> Sequence[object]:
+        """The layers that attend to media items' encoder outputs (empty for the others; the
+        engine reads only how many there are): then `encode` returns, per item, their keys and
+        values [L, 2, Hkv, n, D], which the runner hands to the forward as `meta.cross`
+        (models/layers/cross_attention.py)."""
         ...
 
     def attention_windows(self) -> tuple[int | None, ...]:
