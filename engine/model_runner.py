@@ -47,8 +47,8 @@ from engine.speculative.rejection import resample_drafted
 from engine.speculative.verify import SampleRows, accepted_count, sample_rows
 from models.interfaces import LanguageModel, MultiModalFeature
 from models.kernels import native
-from models.kernels.decode_attention import choose_decode_kernel
-from models.kernels.plan import pin_decode_rows
+from models.kernels.decode_attention_choice import choose_decode_attention
+from models.kernels.linear_choice import pin_decode_rows
 from models.kernels.quantization import QuantizedLinear
 from models.layer_interfaces import KVCacheLayer, RecurrentStateLayer
 from models.layers.attention import build_metadata
@@ -123,7 +123,7 @@ class ModelRunner:
         self.span_windows = _span_windows(self.model.attention_layers())
         cfg = self.model.cfg
         kv_heads, head_dim = _common_kv_shape(self.model.attention_layers())
-        self.decode_kernel = choose_decode_kernel(
+        self.decode_kernel = choose_decode_attention(
             cfg.num_heads, kv_heads, head_dim, dtype, device, config.block_size,
             config.kv_cache_dtype,
         )
@@ -234,9 +234,9 @@ class ModelRunner:
         """On the CPU, the decode rows' kernels pinned to ours, which compute each row by
         itself (a verification's rows then sum as decodes of their tokens do, whatever shares
         the step: speculative decoding): the linears' decode buckets
-        (models.kernels.plan.pin_decode_rows) and the paged decode attention, where the library
-        builds (PyTorch's decode attention batches decodes with padding, rounding a row
-        differently by what shares its bucket)."""
+        (models.kernels.linear_choice.pin_decode_rows) and the paged decode attention, where
+        the library builds (PyTorch's decode attention batches decodes with padding, rounding
+        a row differently by what shares its bucket)."""
         if pin_decode_rows(self.model, self.dtype):
             self.prepare_native_decode()  # it serves the pinned buckets
         if self.decode_kernel != "native" and native.load() is not None and (
