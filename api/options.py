@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.speculative.method import MAX_SPECULATIVE_TOKENS
+from engine.speculative_option import MAX_SPECULATIVE_TOKENS
 from engine.structured_outputs import StructuredOutputs
 
 

@@ -10,7 +10,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
-from engine.speculative.method import MAX_SPECULATIVE_TOKENS, SpeculativeMethod
+from engine.speculative_option import MAX_SPECULATIVE_TOKENS, SpeculativeMethod
 
 GiB = 1 << 30
 QUANTIZATIONS = (None, "int8", "int4")

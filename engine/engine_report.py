@@ -24,7 +24,7 @@ def kv_stats(runner: ModelRunner) -> dict[str, Any]:
     the context's fit to the KV budget where no max_model_len was given and the model's context
     did not fit; and the pools' reserved and resident bytes (resident: the pages touched, by
     mincore on a Linux CPU, else the blocks used so far)."""
-    layers = runner.model.attention_layers()
+    layers = runner.attention_layers()
     shared = sum(a.kv_source is not None for a in layers)
     out: dict[str, Any] = {
         "kv_bytes_per_block": runner.layout.bytes_per_block,
@@ -35,7 +35,7 @@ def kv_stats(runner: ModelRunner) -> dict[str, Any]:
         out["kv_cache_dtype"] = kv_dtype
         out["kv_capacity_gain"] = round(kv_pool.capacity_gain(layers, runner.dtype, kv_dtype), 2)
         out["kv_model_dtype"] = str(runner.dtype).removeprefix("torch.")
-    table = runner.model.per_layer_table_bytes()
+    table = runner.per_layer_table_bytes()
     if table:
         out["per_layer_table_bytes"] = table
     if runner.layout.fitted_from is not None:
@@ -64,7 +64,7 @@ def state_stats(runner: ModelRunner, state_cache: StateCacheManager | None) -> d
     states = runner.state_layout
     if states is None or state_cache is None:
         return {}
-    pools = [t for layer in runner.model.state_layers()
+    pools = [t for layer in runner.state_layers()
              for t in (layer.conv_states, layer.recurrent_states, layer.conv_snapshots,
                        layer.recurrent_snapshots, layer.conv_backups, layer.recurrent_backups)]
     resident = resident_bytes(pools)

@@ -9,38 +9,28 @@ quarter of a float32 one, so the same budget holds that many more tokens.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
 import torch
 
+from models.layer_interfaces import KVCacheLayer
 from models.layers import kv_quant
 
 
-class AttentionPoolLayer(Protocol):
-    """What the pools read of an attention layer (models.layers.decoder_layer.Attention)."""
-
-    index: int
-    num_kv_heads: int
-    head_dim: int
-    kv_source: int | None  # a layer whose cache this one reads; None: a cache of its own
-    kv_cache: torch.Tensor
-
-
-def bytes_per_token(layers: Sequence[AttentionPoolLayer], dtype: torch.dtype,
+def bytes_per_token(layers: Sequence[KVCacheLayer], dtype: torch.dtype,
                     kv_cache_dtype: str) -> int:
     """Keys and values of one token in every layer holding a cache of its own."""
     return sum(2 * a.num_kv_heads * kv_quant.row_bytes(a.head_dim, dtype, kv_cache_dtype)
                for a in layers if a.kv_source is None)
 
 
-def capacity_gain(layers: Sequence[AttentionPoolLayer], dtype: torch.dtype,
+def capacity_gain(layers: Sequence[KVCacheLayer], dtype: torch.dtype,
                   kv_cache_dtype: str) -> float:
     """How many times the tokens of a model-dtype cache the same bytes hold."""
     return bytes_per_token(layers, dtype, "auto") / max(
         bytes_per_token(layers, dtype, kv_cache_dtype), 1)
 
 
-def allocate(layers: Sequence[AttentionPoolLayer], num_blocks: int, block_size: int,
+def allocate(layers: Sequence[KVCacheLayer], num_blocks: int, block_size: int,
              dtype: torch.dtype, kv_cache_dtype: str,
              device: torch.device) -> list[torch.Tensor]:
     """Bind a cache [2, Hkv, num_blocks, block_size, row] to every attention layer with keys

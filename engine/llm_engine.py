@@ -84,7 +84,7 @@ class LLMEngine:
         layout = self.runner.layout
         self.max_model_len = layout.max_model_len
         budget = None
-        vectors_per_embed = 1 + self.runner.model.deepstack_layers
+        vectors_per_embed = 1 + self.runner.deepstack_layers
         cross = self.runner.cross_layout  # cross-attention models cache keys and values
         if mm_processor is not None:
             if vectors_per_embed > 1:  # DeepStack items take more cache per embedding
@@ -94,7 +94,7 @@ class LLMEngine:
         # Prompt ids may reach past the LM head's vocabulary where the embeddings do (an image
         # token).
         self.processor = InputProcessor(
-            self.tokenizer, self.runner.model.cfg.embedding_rows or self.runner.vocab_size,
+            self.tokenizer, self.runner.embedding_rows,
             self.max_model_len, mm_processor,
             encoder_budget=budget, message_starts=self.runner.state_layout is not None,
         )
@@ -200,12 +200,7 @@ class LLMEngine:
                     f"unknown LoRA adapter {params.lora!r} (loaded: "
                     f"{', '.join(names) if names else 'none'})"))
             return params.lora
-        defaults = self.runner.modality_adapters
-        for name, modality, _ in self.runner.model.modality_adapters():
-            if defaults.get(modality) == name and any(
-                    f.modality == modality for f in processed.mm_features):
-                return name
-        return None
+        return self.runner.media_adapter({f.modality for f in processed.mm_features})
 
     def default_sampling_params(self) -> SamplingParams:
         """What a request that passes no SamplingParams gets: the checkpoint's
@@ -390,7 +385,7 @@ class LLMEngine:
         later hit on one would find no embeddings."""
         for req, idx in out.encoder_inputs:
             identifier = req.mm_features[idx].identifier
-            if identifier not in self.runner.encoder_outputs:
+            if not self.runner.has_encoder_output(identifier):
                 self.encoder_cache.discard(identifier)
 
     def _output(self, req: Request) -> RequestOutput:

@@ -19,6 +19,7 @@ items, before the decoder runs, and the engine decides what becomes of each requ
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -45,8 +46,11 @@ from engine.scheduler import SchedulerOutput
 from engine.speculative.rejection import resample_drafted
 from engine.speculative.verify import SampleRows, accepted_count, sample_rows
 from models.interfaces import LanguageModel, MultiModalFeature
+from models.kernels import native
 from models.kernels.decode_attention_choice import choose_decode_attention
+from models.kernels.linear_choice import pin_decode_rows
 from models.kernels.quantization import QuantizedLinear
+from models.layer_interfaces import KVCacheLayer, RecurrentStateLayer
 from models.layers.attention import build_metadata
 from models.layers.attention_varlen import choose_backend
 from models.layers.cross_metadata import build_cross_metadata
@@ -113,7 +117,7 @@ class ModelRunner:
         self.model = loaded.model
         self.gguf_summary = loaded.gguf_summary  # for a GGUF file: which tensors run as stored
         # LoRA adapters requests may choose: the checkpoint's, per modality, and the configured.
-        self.adapters, self.modality_adapters = loaded.adapters, loaded.modality_adapters
+        self.adapters, self._media_adapters = loaded.adapters, loaded.modality_adapters
         self.vocab_size = self.model.cfg.vocab_size
         self.windows = self.model.attention_windows()
         self.span_windows = _span_windows(self.model.attention_layers())
@@ -136,6 +140,54 @@ class ModelRunner:
         # Encoder outputs by content hash; which ones exist is decided by EncoderCacheManager.
         self.encoder_outputs: dict[str, torch.Tensor] = {}
 
+    # ---- what the engine reads of the model (through these, never through `model`) -----------
+
+    @property
+    def deepstack_layers(self) -> int:
+        """K: each spliced encoder output is [1 + K, n, H] (DeepStack residuals) when K > 0."""
+        return self.model.deepstack_layers
+
+    @property
+    def embedding_rows(self) -> int:
+        """The token ids with embeddings (a prompt's ids are below it): past the LM head's
+        vocabulary where the embeddings reach further (an image token)."""
+        return self.model.cfg.embedding_rows or self.vocab_size
+
+    @property
+    def position_rows(self) -> int:
+        """Rows of a token's position: 1, or 3 for mRoPE."""
+        return self.model.position_rows
+
+    def attention_layers(self) -> Sequence[KVCacheLayer]:
+        """The model's attention layers, their caches bound."""
+        return self.model.attention_layers()
+
+    def state_layers(self) -> Sequence[RecurrentStateLayer]:
+        """The model's recurrent-state layers (a hybrid model's), their pools bound."""
+        return self.model.state_layers()
+
+    def per_layer_table_bytes(self) -> int:
+        """Bytes of a per-layer embedding table (weights a step reads a few rows of; 0: none)."""
+        return self.model.per_layer_table_bytes()
+
+    def media_adapter(self, modalities: Collection[str]) -> str | None:
+        """The checkpoint's LoRA adapter a request without one of its own computes with, given
+        its media's modalities: the first, in the model's order of precedence, loaded for one
+        of them (Phi-4-MM: images the vision adapter, audio the speech adapter); else None."""
+        for name, modality, _ in self.model.modality_adapters():
+            if self._media_adapters.get(modality) == name and modality in modalities:
+                return name
+        return None
+
+    def has_encoder_output(self, identifier: str) -> bool:
+        """Whether the encoder output of the item with this content hash is held (stored by a
+        step's encoders, dropped when the encoder cache frees it)."""
+        return identifier in self.encoder_outputs
+
+    def weight_bytes(self) -> int:
+        """Bytes of the model's state (weights and buffers, as held)."""
+        return sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+
     def quantized_formats(self) -> dict[str, int]:
         """How many of the model's linears hold each quantized format ("int8g64", "int4g32"; "int8":
         a scale per channel)."""
@@ -153,7 +205,7 @@ class ModelRunner:
         self.layout = replace(self.layout, num_blocks=num_blocks)
         self._allocate_kv_cache()
         if self.native_decode:
-            self.native_decode = self.model.prepare_decode()  # it holds the caches' pointers
+            self.prepare_native_decode()  # it holds the caches' pointers
 
     def _allocate_kv_cache(self) -> None:
         """The KV pools of `self.layout` (reserved, untouched), block 0 zeroed: the padding of
@@ -171,6 +223,28 @@ class ModelRunner:
         self.kv_blocks_in_use.first_use([dst], self.kv_caches)
         for cache in self.kv_caches:
             cache[:, :, dst, :tokens] = cache[:, :, src, :tokens]
+
+    def prepare_native_decode(self) -> None:
+        """Set up the decode steps' one native call again (models/kernels/native_decode.py),
+        after the caches or the linears' decode kernels changed; `native_decode` says whether
+        decode steps take it."""
+        self.native_decode = self.model.prepare_decode()
+
+    def pin_decode_kernels(self) -> None:
+        """On the CPU, the decode rows' kernels pinned to ours, which compute each row by
+        itself (a verification's rows then sum as decodes of their tokens do, whatever shares
+        the step: speculative decoding): the linears' decode buckets
+        (models.kernels.linear_choice.pin_decode_rows) and the paged decode attention, where
+        the library builds (PyTorch's decode attention batches decodes with padding, rounding
+        a row differently by what shares its bucket)."""
+        if pin_decode_rows(self.model, self.dtype):
+            self.prepare_native_decode()  # it serves the pinned buckets
+        if self.decode_kernel != "native" and native.load() is not None and (
+                self.dtype in native.DTYPES):
+            log.info("speculative decoding: decode attention pinned to our paged kernel "
+                     "(measured %s faster here)", self.decode_kernel)
+            self.decode_kernel = "native"
+            self.prepare_native_decode()
 
     def bind_verify_backups(self) -> None:
         """Speculative decoding on a hybrid model: a backup of each linear layer's slot pools,
@@ -249,13 +323,13 @@ class ModelRunner:
         if self.state_layout is None:
             return
         kept = [len(tokens) for c, tokens in zip(chunks, step.tokens, strict=True) if c.draft]
-        for layer in self.model.state_layers():
+        for layer in self.state_layers():
             layer.keep_verified(kept)
 
     def _positions(self, chunks) -> torch.Tensor:
         """[T] positions, or [rows, T] for multi-row (mRoPE) models, from each request's
         position_info."""
-        if self.model.position_rows > 1:
+        if self.position_rows > 1:
             rows = [c.req.position_info.window(c.start, c.end) for c in chunks]
             return to_device(torch.cat(rows, dim=1), self.device)
         pos: list[int] = []

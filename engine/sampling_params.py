@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from engine.speculative.method import MAX_SPECULATIVE_TOKENS, METHODS
+from engine.speculative_option import MAX_SPECULATIVE_TOKENS, METHODS
 from engine.structured_outputs import StructuredOutputs
 
 MAX_LOGPROBS = 20

@@ -10,7 +10,9 @@ Both sides import this module and nothing of each other's internals. A family pr
   engine.media's loaders make them) into final token ids, one `MultiModalFeature` per
   encoder item (its encoder inputs, its `PlaceholderRange`, its content hash) and, for
   multi-row positions, a `PositionInfo`.
-The registry (models/registry.py) pairs them by `architectures[0]`.
+The registry (models/registry.py) pairs them by `architectures[0]`. What the engine reads and
+binds on the model's attention and recurrent-state layers, and the metadata a step's forward
+takes, are declared in models/layer_interfaces.py.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from models.checkpoint import CheckpointFiles, Settings
+from models.layer_interfaces import ForwardMetadata, KVCacheLayer, RecurrentStateLayer
 
 if TYPE_CHECKING:  # this module stays importable without torch (the bookkeeping uses it)
     import numpy as np
@@ -371,11 +374,9 @@ class LanguageModel(Protocol):
         holds several of our parameters, such as fused experts, split into views)."""
         ...
 
-    def attention_layers(self) -> list[Any]:
-        """Modules with a `kv_cache` attribute the runner binds, one per attention layer, each
-        with its `index` (the layer's), `num_kv_heads`, `head_dim`, `layout`
-        (models.layers.attention.LayerAttention) and `kv_source`: the index of the layer whose
-        keys and values it reads (bound to that layer's cache, allocating none), or None."""
+    def attention_layers(self) -> Sequence[KVCacheLayer]:
+        """One per attention layer, in order: their shapes, how they attend and which cache
+        they read; the runner binds each one's `kv_cache` (models/layer_interfaces.py)."""
         ...
 
     def per_layer_table_bytes(self) -> int:
@@ -383,18 +384,17 @@ class LanguageModel(Protocol):
         per-layer embedding table; 0: none), counted apart in the memory figures."""
         ...
 
-    def state_layers(self) -> list[Any]:
-        """Modules that keep a recurrent state per sequence instead (a hybrid model's
-        linear-attention layers; empty for the others): each has a `shape`
-        (models.layers.gated_deltanet.LinearAttentionShape) and `bind_state(conv_states,
-        recurrent_states, conv_snapshots, recurrent_snapshots)`, and reads
-        `meta.states` (models.layers.state_metadata) in its forward."""
+    def state_layers(self) -> Sequence[RecurrentStateLayer]:
+        """The layers that keep a recurrent state per sequence instead (a hybrid model's
+        linear-attention layers; empty for the others): the runner binds their state pools,
+        and they read `meta.states` in the forward (models/layer_interfaces.py)."""
         ...
 
-    def cross_attention_layers(self) -> list[Any]:
-        """The layers that attend to media items' encoder outputs (empty for the others): then
-        `encode` returns, per item, their keys and values [L, 2, Hkv, n, D], which the runner
-        hands to the forward as `meta.cross` (models/layers/cross_attention.py)."""
+    def cross_attention_layers(self) -> Sequence[object]:
+        """The layers that attend to media items' encoder outputs (empty for the others; the
+        engine reads only how many there are): then `encode` returns, per item, their keys and
+        values [L, 2, Hkv, n, D], which the runner hands to the forward as `meta.cross`
+        (models/layers/cross_attention.py)."""
         ...
 
     def attention_windows(self) -> tuple[int | None, ...]:
@@ -406,12 +406,13 @@ class LanguageModel(Protocol):
         ...
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMetadata,
         inputs_embeds: torch.Tensor | None = None,
         residuals: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """-> final hidden states [T, H]; positions [T] or [rows, T]; `residuals` (rows [R],
-        values [K, R, H]) are added to those rows after each of the first K layers."""
+        """-> final hidden states [T, H]; positions [T] or [rows, T]; `meta` the step's
+        attention, state, cross-attention and LoRA batches; `residuals` (rows [R], values
+        [K, R, H]) are added to those rows after each of the first K layers."""
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ import inspect
 import pytest
 
 from models.interfaces import LanguageModel, MultimodalProcessor
+from models.layer_interfaces import ForwardMetadata, KVCacheLayer
 from models.registry import registered, resolve
 
 
@@ -40,9 +41,20 @@ def test_built_models_and_processors_satisfy_the_protocols(qwen2_path, qwen2_vl_
     for path in (qwen2_path, qwen2_vl_path, qwen2_audio_path):
         engine = LLM(path, max_model_len=128).engine
         assert isinstance(engine.runner.model, LanguageModel)
-        assert engine.runner.model.cfg.num_layers == len(engine.runner.model.attention_layers())
+        assert engine.runner.model.cfg.num_layers == len(engine.runner.attention_layers())
+        assert all(isinstance(a, KVCacheLayer) for a in engine.runner.attention_layers())
         proc = engine.processor.mm_processor
         assert proc is None or isinstance(proc, MultimodalProcessor)
+
+
+def test_the_step_metadata_satisfies_the_forward_protocol():
+    import torch
+
+    from models.layers.attention import build_metadata
+
+    meta = build_metadata([0, 3], [3, 1], [[1], [2]], 4, torch.device("cpu"))
+    assert isinstance(meta, ForwardMetadata)
+    assert (meta.states, meta.cross, meta.adapters) == (None, None, None)
 
 
 def test_unknown_architecture_names_the_supported_ones():

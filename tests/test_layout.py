@@ -112,6 +112,13 @@ def test_arrows_point_one_way(part, never):
     assert wrong == []
 
 
+def test_the_configuration_imports_no_engine_machinery():
+    """engine/config.py sits below the parts that read it: it imports no engine sub-package
+    (the `speculative` option it checks is parsed in engine/speculative_option.py)."""
+    assert sorted(d for d in GRAPH["engine.config"] if d.startswith("engine.")
+                  and d.count(".") > 1) == []
+
+
 def test_every_family_folder_holds_its_model():
     """One folder per family under models/, each with its model; a processor where the family
     takes media. The registry builds nothing from elsewhere but the shared decoder."""

@@ -17,6 +17,7 @@ import torch
 
 from engine import LLM
 from engine.llm_engine import LLMEngine
+from models.layer_interfaces import KVCacheLayer, RecurrentStateLayer
 from tests.helpers import (
     assert_matches_reference,
     assert_released,
@@ -151,6 +152,10 @@ def test_a_hit_without_its_state_would_be_wrong(vl_path, refs, monkeypatch):
 def test_text_model_matches_transformers_whole_and_in_chunks(text_path, hf_models):
     hf = hf_models(text_path)
     llm = LLM(text_path, max_model_len=512)
+    # its layers are what the engine binds (models/layer_interfaces.py)
+    states = llm.engine.runner.state_layers()
+    assert states and all(isinstance(layer, RecurrentStateLayer) for layer in states)
+    assert all(isinstance(a, KVCacheLayer) for a in llm.engine.runner.attention_layers())
     prompt = llm.engine.tokenizer.encode("Once upon a time, in a land far away, there lived")
     ids = torch.tensor([prompt])
     want = hf_greedy(hf, {"input_ids": ids, "attention_mask": torch.ones_like(ids)},

@@ -87,7 +87,7 @@ class DraftModelProposer:
         self.runner, self.blocks = runner, blocks
         self.budget = budget  # tokens per catch-up forward
         self.max_model_len = max_model_len
-        self.embedding_rows = runner.model.cfg.embedding_rows or runner.vocab_size
+        self.embedding_rows = runner.embedding_rows
         self.vocab_size = min(runner.vocab_size, target_vocab)
         self.cost_per_token = cost_per_token
         self.seqs: dict[str, DraftSequence] = {}
@@ -114,16 +114,15 @@ class DraftModelProposer:
             kv_cache_dtype=config.kv_cache_dtype)
         runner = ModelRunner(path, setup.hf_config, setup.spec.model, draft_config, target.device,
                              target.dtype)
-        model = runner.model
         refused = ("linear-attention layers (a recurrent state)" if runner.state_layout else
                    "cross-attention layers" if runner.cross_layout else
-                   "multi-row positions" if model.position_rows != 1 else None)
+                   "multi-row positions" if runner.position_rows != 1 else None)
         if refused:
             raise DraftModelError(f"draft model {source} ({setup.architecture}) has {refused}; "
                                   "a draft model is a plain text decoder")
         runner.resize_kv_cache(target.layout.num_blocks)
         # Drafting a token costs about the draft's weights against the target's, per step.
-        cost = _weight_bytes(model) / max(_weight_bytes(target.model), 1)
+        cost = runner.weight_bytes() / max(target.weight_bytes(), 1)
         log.info("draft model %s (%s) loaded: %.0f%% of the target's weight bytes, KV cache of "
                  "%d blocks", source, setup.architecture, 100 * cost, runner.layout.num_blocks)
         return cls(runner, blocks, config.max_num_batched_tokens, max_len, cost,
@@ -234,7 +233,3 @@ class DraftModelProposer:
 
     def forget(self, req: Request) -> None:
         self.seqs.pop(req.request_id, None)
-
-
-def _weight_bytes(model: torch.nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in model.state_dict().values())

@@ -22,11 +22,9 @@ from engine.config import EngineConfig
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import ScheduledChunk, SchedulerOutput
-from engine.speculative.method import SpeculativeMethod
 from engine.speculative.ngram import NgramProposer
 from engine.speculative.proposals import Proposal, SpeculationState
-from models.kernels import native
-from models.kernels.linear_choice import pin_decode_rows
+from engine.speculative_option import SpeculativeMethod
 
 log = logging.getLogger(__name__)
 
@@ -138,22 +136,6 @@ class Speculator:
                 "draft_tokens": self.drafted, "accepted_tokens": self.accepted}
 
 
-def pin_decode_kernels(runner: ModelRunner) -> None:
-    """On the CPU, the decode rows' kernels pinned to ours, which compute each row by itself
-    (a verification's rows then sum as decodes of their tokens do, whatever shares the step):
-    the linears' decode buckets (models.kernels.linear_choice.pin_decode_rows) and the paged decode
-    attention, where the library builds (PyTorch's decode attention batches decodes with
-    padding, rounding a row differently by what shares its bucket)."""
-    if pin_decode_rows(runner.model, runner.dtype):
-        runner.native_decode = runner.model.prepare_decode()  # it serves the pinned buckets
-    if runner.decode_kernel != "native" and native.load() is not None and (
-            runner.dtype in native.DTYPES):
-        log.info("speculative decoding: decode attention pinned to our paged kernel (measured "
-                 "%s faster here)", runner.decode_kernel)
-        runner.decode_kernel = "native"
-        runner.native_decode = runner.model.prepare_decode()
-
-
 def build_speculator(config: EngineConfig, runner: ModelRunner, setup: CheckpointSetup,
                      blocks: BlockManager) -> Speculator | None:
     """The speculator of an engine started with `speculative` (None without): its drafter
@@ -163,7 +145,7 @@ def build_speculator(config: EngineConfig, runner: ModelRunner, setup: Checkpoin
         return None
     runner.bind_verify_backups()
     if runner.device.type == "cpu":
-        pin_decode_kernels(runner)
+        runner.pin_decode_kernels()
     if method.name == "ngram":
         drafter: Proposer = NgramProposer()
     elif method.name == "draft":
