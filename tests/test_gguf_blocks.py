@@ -18,7 +18,7 @@ from gguf.quants import dequantize
 
 from models.kernels import ggml_blocks, native
 from models.kernels.cpu_variants import chosen
-from models.kernels.ggml_blocks import BLOCK_TYPES, BlockLinear, dequantize_rows
+from models.kernels.ggml_blocks import BLOCK_TYPES, BlockEmbedding, BlockLinear, dequantize_rows
 
 # Byte offsets of each type's float16 scale (and minimum) inside a block.
 HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
@@ -162,8 +162,9 @@ def test_a_k_quant_file_runs_as_stored(k_quant_file):
     assert isinstance(model.lm_head, BlockLinear) and model.lm_head.format == "Q8_0"
     summary = stored.engine.runner.gguf_summary
     assert summary.startswith("as stored: ") and "Q4_K" in summary and "Q5_K" in summary
-    assert "dequantized (the token embedding table (looked up in the model dtype)): 1 Q6_K" \
-        in summary
+    assert isinstance(model.embed_tokens, BlockEmbedding)  # its Q6_K blocks, untied
+    assert model.embed_tokens.type_name == "Q6_K" and "the embedding table in its blocks" \
+        in summary and "token embedding" not in summary
     dense = LLM(k_quant_file, max_model_len=128, dequantize_gguf=True)
     assert not any(isinstance(m, BlockLinear) for m in dense.engine.runner.model.modules())
     params = SamplingParams(max_tokens=12, temperature=0)
