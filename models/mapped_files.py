@@ -100,9 +100,13 @@ def is_mapped(tensor: torch.Tensor) -> bool:
 
 
 def keep(model: nn.Module, files: list[MappedFile]) -> None:
-    """Let `model` hold the mappings its weights view (closed when the model goes)."""
+    """Let `model` hold those of `files` its parameters or buffers view (closed when the model
+    goes; a mapping no weight views is left to go now)."""
     held = list(getattr(model, "mapped_files", ()))
-    held += [f for f in files if all(f is not other for other in held)]
+    tensors = [*model.parameters(), *model.buffers()]
+    for file in files:
+        if all(file is not other for other in held) and any(file.holds(t) for t in tensors):
+            held.append(file)
     model.mapped_files = tuple(held)
 
 
