@@ -8,6 +8,9 @@ clean: the file holds them). One mapping per file (`map_file` hands out the live
 two models or a draft of the same file share it). A mapping lives as long as any tensor
 viewing it (each view holds the buffer, so the mapping cannot be closed under a tensor), and a
 model keeps the `MappedFile`s its weights view (`keep`), so that it is closed with the model.
+A view does not hold its `MappedFile` (only the bytes): whoever hands out views holds the
+`MappedFile` until a model keeps it, or `is_mapped` stops knowing the views (and the next
+`map_file` maps the file again).
 
 The mapping is PROT_READ: a write into a mapped weight faults (the process stops with SIGSEGV)
 instead of reaching the file or silently copying the page. Nothing of ours writes into a

@@ -91,6 +91,7 @@ class GGUFFile:
                 self.file_size = len(data)
                 parsed = _Parser(data, self.path.name).parse()
         self.version, self.metadata, self.tensors, self.data_start = parsed
+        self._mapping: MappedFile | None = None
 
     @cached_property
     def tensor_by_name(self) -> dict[str, TensorInfo]:
@@ -126,10 +127,13 @@ class GGUFFile:
         return out.reshape(rows, -1)
 
     def mapping(self) -> MappedFile:
-        """The file's read-only mapping (one per file, shared: models.mapped_files)."""
+        """The file's read-only mapping (one per file, shared: models.mapped_files), held by
+        this object from its first use (views do not hold the MappedFile, only its bytes)."""
         from models.mapped_files import map_file
 
-        return map_file(self.path)
+        if self._mapping is None:
+            self._mapping = map_file(self.path)
+        return self._mapping
 
     def view(self, info: TensorInfo) -> torch.Tensor:
         """A tensor's bytes as stored, uint8 [rows, bytes per row], a read-only view of the
