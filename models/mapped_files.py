@@ -80,6 +80,23 @@ class MappedFile:
         pointer = tensor.untyped_storage().data_ptr()
         return self.start <= pointer < self.start + max(self.size, 1)
 
+    def drop_pages_except(self, tensors: list[torch.Tensor]) -> int:
+        """Hand back this process's hold on the pages of bytes none of `tensors` views (the
+        tensors read through the mapping and copied at load): they stay in the page cache but
+        leave the resident set. -> bytes dropped."""
+        if not hasattr(mmap, "MADV_DONTNEED"):
+            return 0
+        ranges = sorted((t.data_ptr() - self.start, t.data_ptr() - self.start + t.nbytes)
+                        for t in tensors if self.holds(t))
+        page, dropped, at = mmap.PAGESIZE, 0, 0
+        for first, last in [*ranges, (self.size, self.size)]:
+            start, end = -(-at // page) * page, first // page * page  # whole pages between
+            if end > start:
+                self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+                dropped += end - start
+            at = max(at, last)
+        return dropped
+
     def __repr__(self) -> str:
         return f"MappedFile({self.path}, {self.size} bytes)"
 
@@ -104,12 +121,15 @@ def is_mapped(tensor: torch.Tensor) -> bool:
 
 def keep(model: nn.Module, files: list[MappedFile]) -> None:
     """Let `model` hold those of `files` its parameters or buffers view (closed when the model
-    goes; a mapping no weight views is left to go now)."""
+    goes; a mapping no weight views is left to go now), and drop from the resident set the
+    pages of the bytes no weight views (read through the mapping and copied)."""
     held = list(getattr(model, "mapped_files", ()))
     tensors = [*model.parameters(), *model.buffers()]
     for file in files:
         if all(file is not other for other in held) and any(file.holds(t) for t in tensors):
             held.append(file)
+    for file in held:
+        file.drop_pages_except(tensors)
     model.mapped_files = tuple(held)
 
 

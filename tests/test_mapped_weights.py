@@ -1,7 +1,8 @@
 """Weights mapped from their files (models/mapped_files.py): one read-only mapping per file,
 whose views a write cannot change (the process faults; the file is untouched), and safetensors
 tensors at the model dtype loaded as views of it (a whole parameter; ties kept), while fused
-rows and converted dtypes are copied. GGUF blocks as views: tests/test_gguf_blocks.py."""
+rows and converted dtypes are copied and their pages leave the resident set. GGUF blocks as
+views: tests/test_gguf_blocks.py."""
 
 from __future__ import annotations
 
@@ -33,22 +34,36 @@ def test_one_read_only_mapping_per_file(tmp_path):
     assert path.read_bytes() == bytes(range(256)) * 16
 
 
+H = 4096  # rows of whole pages: the copied tensors' pages leave the resident set
+
+
 class Tiny(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.embed = nn.Embedding(32, 16)
-        self.head = nn.Linear(16, 32, bias=False)
+        self.embed = nn.Embedding(4, H)
+        self.head = nn.Linear(H, 4, bias=False)
         self.head.weight = self.embed.weight  # tied
-        self.fused = nn.Linear(16, 24, bias=False)  # rows 0..8 and 8..24 from two tensors
-        self.norm = nn.Parameter(torch.empty(16))
+        self.fused = nn.Linear(H, 24, bias=False)  # rows 0..8 and 8..24 from two tensors
+        self.norm = nn.Parameter(torch.empty(H))
+
+
+def resident_bytes(start: int) -> int:
+    """Rss of the mapping at address `start`, from /proc/self/smaps."""
+    lines = open("/proc/self/smaps").read().splitlines()
+    for i, line in enumerate(lines):
+        head = line.split(" ")[0]
+        if "-" in head and ":" not in head and int(head.split("-")[0], 16) == start:
+            rss = next(x for x in lines[i + 1:] if x.startswith("Rss:"))
+            return int(rss.split()[1]) * 1024
+    raise AssertionError("mapping not found")
 
 
 def test_safetensors_at_the_model_dtype_are_views_of_the_file(tmp_path):
     gen = torch.Generator().manual_seed(0)
-    tensors = {"embed": torch.randn(32, 16, generator=gen).to(torch.bfloat16),
-               "a": torch.randn(8, 16, generator=gen).to(torch.bfloat16),
-               "b": torch.randn(16, 16, generator=gen).to(torch.bfloat16),
-               "norm": torch.randn(16, generator=gen)}  # float32: converted
+    tensors = {"embed": torch.randn(4, H, generator=gen).to(torch.bfloat16),
+               "a": torch.randn(8, H, generator=gen).to(torch.bfloat16),
+               "b": torch.randn(16, H, generator=gen).to(torch.bfloat16),
+               "norm": torch.randn(H, generator=gen)}  # float32: converted
     file = tmp_path / "model.safetensors"
     save_file(tensors, file)
     targets = {"embed": ("embed.weight", None), "a": ("fused.weight", Shard(0, 8)),
@@ -56,14 +71,19 @@ def test_safetensors_at_the_model_dtype_are_views_of_the_file(tmp_path):
     model = Tiny().to(torch.bfloat16)
     mappings = []
     load_weights(model, read_safetensors(file, "", torch.bfloat16, mappings), targets.get)
+    mapping, = mappings
+    assert resident_bytes(mapping.start) >= 24 * H * 2  # a and b read through it, copied
     keep(model, mappings)
-    assert model.mapped_files == (map_file(file),)
+    assert model.mapped_files == (mapping,) and map_file(file) is mapping
+    # the copied tensors' pages leave the resident set (at most the embedding's stay: the
+    # kernel maps pages around a faulting one)
+    assert resident_bytes(mapping.start) <= 4 * H * 2 + 2 * 4096
     assert is_mapped(model.embed.weight) and model.head.weight is model.embed.weight
     assert torch.equal(model.embed.weight, tensors["embed"])
     assert not is_mapped(model.fused.weight) and not is_mapped(model.norm)
     assert torch.equal(model.fused.weight, torch.cat([tensors["a"], tensors["b"]]))
     assert torch.equal(model.norm, tensors["norm"].to(torch.bfloat16))
-    x = torch.randn(3, 16, generator=gen).to(torch.bfloat16)
+    x = torch.randn(3, H, generator=gen).to(torch.bfloat16)
     assert torch.equal(model.head(x), x @ tensors["embed"].T)
     # without a mapped dtype, every tensor is read into memory of its own
     plain = Tiny().to(torch.bfloat16)
