@@ -30,7 +30,8 @@ class ToolPlan:
         if parser is None:
             raise APIError(400, "tools: this model's chat template does not say how the model "
                            "writes tool calls (a Hermes <tool_call>, Mistral [TOOL_CALLS], Llama "
-                           "3 JSON or pythonic template is needed)", param="tools")
+                           "3 JSON, pythonic, Phi-4 <|tool_call|> or Gemma 4 <|tool_call> "
+                           "template is needed)", param="tools")
         constraint = None
         if mode in ("required", "named"):
             tools = [t.model_dump(exclude_none=True) for t in body.tools]
@@ -78,6 +79,9 @@ class ToolStream:
             if len(call.arguments) > sent:
                 deltas.append({"index": i, "function": {"arguments": call.arguments[sent:]}})
                 self.calls_sent[i][1] = len(call.arguments)
+        if finished and not self.calls_sent:  # no call read whole: the reply is all text
+            out_content += self.text[self.content_sent:]
+            self.content_sent = len(self.text)
         return out_content, deltas
 
     @property

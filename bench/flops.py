@@ -72,7 +72,7 @@ def gemm_peak(dtype: torch.dtype, rows: int = 2048, size: int = 4096, repeats: i
     any row count)."""
     from models.kernels import native
     from models.kernels.linear import KERNELS, Linear
-    from models.kernels.plan import onednn_prepacks
+    from models.kernels.linear_choice import onednn_prepacks
 
     layer = Linear(size, size, bias=False).to(dtype)
     x = torch.randn(rows, size, dtype=dtype)

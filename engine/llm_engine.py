@@ -155,8 +155,11 @@ class LLMEngine:
         if arrival_time is not None:
             req.metrics.arrival_time = arrival_time
         req.metrics.stages.update(processed.stages)
+        # A thinking model whose markers are special tokens (Gemma 4): the splitter must see
+        # them in the text.
+        keeps = thinking is not None and self.processor.thinking_keeps_special
         req.detokenizer = IncrementalDetokenizer(
-            self.tokenizer, params.stop, params.skip_special_tokens
+            self.tokenizer, params.stop, params.skip_special_tokens and not keeps
         )
         if thinking is not None and self.processor.thinking is not None:
             req.reasoning = ReasoningSplitter(self.processor.thinking, thinking)

@@ -17,7 +17,7 @@ from engine import kv_pool
 from engine.config import EngineConfig, GiB
 from engine.host_memory import host_memory
 from models.interfaces import LanguageModel
-from models.kernels.delta_rule_choice import choose_recurrence
+from models.kernels.delta_rule_choice import choose_delta_rule
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ def allocate_states(model: LanguageModel, config: EngineConfig, dtype: torch.dty
     snapshots = budget // per_sequence if config.enable_prefix_caching else 0
     slots = config.max_num_seqs
     conv, recurrent = shape.state_shapes()
-    recurrence = choose_recurrence(*recurrent, device)
+    recurrence = choose_delta_rule(*recurrent, device)
     for layer in layers:
         layer.recurrence = recurrence
         layer.bind_state(

@@ -23,7 +23,7 @@ from models.gguf.load import load_gguf
 from models.gguf.reader import is_gguf
 from models.interfaces import LanguageModel
 from models.kernels.huge_pages import place_weights
-from models.kernels.plan import plan_linears
+from models.kernels.linear_choice import choose_linear_kernels
 from models.kernels.quantization import QuantizeOnLoad, quantize_language_model
 from models.layers.lora import attach_adapters
 from models.loader import MissingWeights, build_on_meta, iter_checkpoint, load_weights
@@ -74,7 +74,7 @@ def load_model(path: Path, hf_config, model_cls: type[LanguageModel], config: En
             weight_cache.save(entry, model, summary)
     if device.type == "cpu":
         place_weights(model)  # before planning: the plan times them where they run
-        plan_linears(model, dtype)
+        choose_linear_kernels(model, dtype)
     return LoadedModel(model, summary, adapters, modality_adapters)
 
 

@@ -45,7 +45,7 @@ from engine.scheduler import SchedulerOutput
 from engine.speculative.rejection import resample_drafted
 from engine.speculative.verify import SampleRows, accepted_count, sample_rows
 from models.interfaces import LanguageModel, MultiModalFeature
-from models.kernels.decode_attention import choose_decode_kernel
+from models.kernels.decode_attention_choice import choose_decode_attention
 from models.kernels.quantization import QuantizedLinear
 from models.layers.attention import build_metadata
 from models.layers.attention_varlen import choose_backend
@@ -119,7 +119,7 @@ class ModelRunner:
         self.span_windows = _span_windows(self.model.attention_layers())
         cfg = self.model.cfg
         kv_heads, head_dim = _common_kv_shape(self.model.attention_layers())
-        self.decode_kernel = choose_decode_kernel(
+        self.decode_kernel = choose_decode_attention(
             cfg.num_heads, kv_heads, head_dim, dtype, device, config.block_size,
             config.kv_cache_dtype,
         )

@@ -76,6 +76,10 @@ class InputProcessor:
         template = template if isinstance(template, str) else None
         self.template_variables = TemplateVariables.of(template)
         self.thinking = ThinkingFormat.of_template(template)
+        # Gemma 4's <|channel> is a special token: its replies are decoded with such tokens.
+        self.thinking_keeps_special = self.thinking is not None and self.thinking.uses_any(
+            {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
+             if t.special})
         self.tool_parser = detect_tool_format(template)  # how the model writes tool calls
 
     @property

@@ -1,13 +1,16 @@
-"""Reasoning: the thinking of models that think (`<think>` ... `</think>`, Qwen3's and
-Qwen3.5's form, and DeepSeek-R1's) kept apart from the answer, as it streams.
+"""Reasoning: the thinking of models that think kept apart from the answer, as it streams.
+Two forms: `<think>` ... `</think>` (Qwen3's and Qwen3.5's, and DeepSeek-R1's), and Gemma 4's
+thought channel, `<|channel>thought\n` ... `<channel|>` (the model opens it itself when its
+system turn holds `<|think|>`, i.e. with `enable_thinking`).
 
-A chat template that renders `</think>` marks a thinking model. Whether a reply starts inside
-its thinking is read from the rendered prompt (Qwen3.5 and the Qwen3 "thinking" checkpoints
-open `<think>` in the generation prompt; with `enable_thinking: false` Qwen3 closes an empty
-block there instead). The splitter then routes the generated text: before `</think>`, to the
-reasoning; after it, to the answer. A `<think>` the model writes itself opens the reasoning only
-at the very start of the reply. The tail that may be the start of a marker is held back until
-the next text settles it. Pure Python.
+A chat template that renders `</think>` (or Gemma 4's `<channel|>`) marks a thinking model.
+Whether a reply starts inside its thinking is read from the rendered prompt (Qwen3.5 and the
+Qwen3 "thinking" checkpoints open `<think>` in the generation prompt; with `enable_thinking:
+false` Qwen3 closes an empty block there instead, as Gemma 4's larger checkpoints close an empty
+thought channel). The splitter then routes the generated text: before the end marker, to the
+reasoning; after it, to the answer. A start marker the model writes itself opens the reasoning
+only at the very start of the reply. The tail that may be the start of a marker is held back
+until the next text settles it. Pure Python.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 START, END = "<think>", "</think>"
+# Gemma 4: the channel's markers are special tokens; "thought" names the channel.
+CHANNEL_START, CHANNEL_END = "<|channel>thought\n", "<channel|>"
 
 
 @dataclass(frozen=True)
@@ -27,7 +32,18 @@ class ThinkingFormat:
     @classmethod
     def of_template(cls, template: str | None) -> ThinkingFormat | None:
         """The format a chat template renders, or None for a model that does not think."""
-        return cls() if template and END in template else None
+        if not template:
+            return None
+        if END in template:
+            return cls()
+        if CHANNEL_END in template and "<|channel>" in template:
+            return cls(CHANNEL_START, CHANNEL_END)
+        return None
+
+    def uses_any(self, tokens: set[str]) -> bool:
+        """Whether a marker holds one of `tokens` (a tokenizer's special tokens: a reply must
+        then be decoded with them for the splitter to see its markers)."""
+        return any(t and (t in self.start or t in self.end) for t in tokens)
 
     def opened_by(self, prompt: str) -> bool:
         """Whether the rendered prompt leaves the reply inside a thinking block."""

@@ -89,33 +89,49 @@ def qwen3_template(image: str = "", video: str = "", think_by_default: bool = Fa
     )
 
 
-MISTRAL_TEMPLATE = _jinja(
-    _CONTENT + "{%- set image = '[IMG]' -%}"
-    "{{ bos_token }}"
-    "{%- set turns = messages[1:] if messages[0].role == 'system' else messages -%}"
-    "{%- if messages[0].role == 'system' -%}"
-    "[SYSTEM_PROMPT]{{ content(messages[0], image) }}[/SYSTEM_PROMPT]{%- endif -%}"
-    "{%- set ns = namespace(last_user=-1) -%}"
-    "{%- for message in turns -%}{%- if message.role == 'user' -%}"
-    "{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}"
-    "{%- for message in turns -%}"
-    "{%- if message.role == 'user' -%}"
-    "{%- if tools and loop.index0 == ns.last_user -%}"
-    "[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{%- endif -%}"
-    "[INST]{{ content(message, image) }}[/INST]"
-    "{%- elif message.role == 'assistant' -%}"
-    "{%- if message.tool_calls -%}[TOOL_CALLS]["
-    "{%- for call in message.tool_calls -%}"
-    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}'
-    ', "id": "{{ call.id }}"}{% if not loop.last %}, {% endif -%}'
-    "{%- endfor -%}]{{ eos_token }}"
-    "{%- else -%}{{ content(message, image) }}{{ eos_token }}{%- endif -%}"
-    "{%- elif message.role == 'tool' -%}"
-    '[TOOL_RESULTS]{"content": {{ content(message, image) | tojson }}, '
-    '"call_id": "{{ message.tool_call_id }}"}[/TOOL_RESULTS]'
-    "{%- endif -%}"
-    "{%- endfor -%}"
-)
+def mistral_template(image: str = "[IMG]") -> str:
+    """Mistral's template with its tools (`image`: the placeholder of an image part; Mistral
+    Small 3.1's `[IMG]`, LLaVA-NeXT's `<image>`)."""
+    return _jinja(
+        _CONTENT + f"{{%- set image = {image!r} -%}}"
+        "{{ bos_token }}"
+        "{%- set turns = messages[1:] if messages[0].role == 'system' else messages -%}"
+        "{%- if messages[0].role == 'system' -%}"
+        "[SYSTEM_PROMPT]{{ content(messages[0], image) }}[/SYSTEM_PROMPT]{%- endif -%}"
+        "{%- set ns = namespace(last_user=-1) -%}"
+        "{%- for message in turns -%}{%- if message.role == 'user' -%}"
+        "{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+        "{%- for message in turns -%}"
+        "{%- if message.role == 'user' -%}"
+        "{%- if tools and loop.index0 == ns.last_user -%}"
+        "[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{%- endif -%}"
+        "[INST]{{ content(message, image) }}[/INST]"
+        "{%- elif message.role == 'assistant' -%}"
+        "{%- if message.tool_calls -%}[TOOL_CALLS]["
+        "{%- for call in message.tool_calls -%}"
+        '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}'
+        ', "id": "{{ call.id }}"}{% if not loop.last %}, {% endif -%}'
+        "{%- endfor -%}]{{ eos_token }}"
+        "{%- else -%}{{ content(message, image) }}{{ eos_token }}{%- endif -%}"
+        "{%- elif message.role == 'tool' -%}"
+        '[TOOL_RESULTS]{"content": {{ content(message, image) | tojson }}, '
+        '"call_id": "{{ message.tool_call_id }}"}[/TOOL_RESULTS]'
+        "{%- endif -%}"
+        "{%- endfor -%}"
+    )
+
+
+MISTRAL_TEMPLATE = mistral_template()
+# Mistral v0.3's control tokens (special), the [IMG] placeholder aside.
+MISTRAL_CONTROL = ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+                   "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"]
+# Phi-4-mini's and Phi-4-multimodal's tool tokens (special): declarations, calls, results.
+PHI4_TOOL_TOKENS = ("<|tool|>", "<|/tool|>", "<|tool_call|>", "<|/tool_call|>",
+                    "<|tool_response|>")
+# Gemma 4's tool and thinking tokens (special, as its tokenizer holds them): declarations,
+# calls, responses, the string delimiter, the thought channel and the thinking switch.
+GEMMA4_TOOL_TOKENS = ("<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
+                      "<tool_response|>", '<|"|>', "<|channel>", "<channel|>", "<|think|>")
 
 LLAMA3_TEMPLATE = _jinja(
     _CONTENT + "{%- set image = '<|image|>' -%}"
@@ -189,9 +205,7 @@ FORMATS = {
     "qwen3": ("qwen3", ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|fim_prefix|>",
                         "<|fim_middle|>", "<|fim_suffix|>"], "<|im_end|>",
               qwen3_template(), ["<think>", "</think>", "<tool_call>", "</tool_call>"]),
-    "mistral": ("mistral", ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]",
-                            "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
-                            "[/TOOL_RESULTS]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[IMG]"],
+    "mistral": ("mistral", ["<unk>", "<s>", "</s>", *MISTRAL_CONTROL, "[IMG]"],
                 "</s>", MISTRAL_TEMPLATE, []),
     "llama3": ("llama", ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
                          "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>",
@@ -256,3 +270,9 @@ def build_qwen3_5_chat_model(path: Path) -> Path:
     tokenizer = train_tokenizer(QWEN_SPECIAL, 600, template, "<|im_end|>")
     tokenizer.add_tokens(QWEN3_5_PLAIN_TOKENS)
     return build_qwen3_5_model(Path(path), tokenizer=tokenizer)
+
+
+def llava_next_mistral_template() -> str:
+    """LLaVA-NeXT's Mistral-based checkpoints: Mistral's [INST] turns and tools, an image part
+    as `<image>`."""
+    return mistral_template("<image>")

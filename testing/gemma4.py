@@ -47,12 +47,14 @@ PATCH_SIZE = 4
 MEL_BINS = 32
 
 
-def gemma4_tokenizer(vocab_size: int = 600, kind: str = "bytes"):
+def gemma4_tokenizer(vocab_size: int = 600, kind: str = "bytes",
+                     added_special: tuple[str, ...] = ()):
     """A tokenizer (`train_tokenizer`'s `kind`) with Gemma 4's special tokens, named as its
-    processor reads them (`tokenizer.boi_token`, ...)."""
+    processor reads them (`tokenizer.boi_token`, ...), and `added_special` after them."""
     from transformers import PreTrainedTokenizerFast
 
-    trained = train_tokenizer(GEMMA4_SPECIAL, vocab_size, GEMMA4_CHAT_TEMPLATE, "<turn|>", kind)
+    trained = train_tokenizer([*GEMMA4_SPECIAL, *added_special], vocab_size,
+                              GEMMA4_CHAT_TEMPLATE, "<turn|>", kind)
     extra = {"unk_token": trained.unk_token} if trained.unk_token else {}
     tok = PreTrainedTokenizerFast(
         tokenizer_object=trained.backend_tokenizer, eos_token="<turn|>", pad_token="<pad>",
@@ -103,13 +105,15 @@ def build_gemma4_model(
     video_soft_tokens: int = 70,
     num_frames: int = 4,
     tokenizer_kind: str = "bytes",
+    added_special: tuple[str, ...] = (),
     **text_overrides,
 ) -> Path:
     """A tiny Gemma 4 at `path` (see the module docstring); `text_only` saves
-    Gemma4ForCausalLM (no towers, no processor); `tokenizer_kind` as `train_tokenizer`'s."""
+    Gemma4ForCausalLM (no towers, no processor); `tokenizer_kind` as `train_tokenizer`'s;
+    `added_special`: more special tokens (testing.chat_formats.GEMMA4_TOOL_TOKENS)."""
     import transformers
 
-    tokenizer = gemma4_tokenizer(kind=tokenizer_kind)
+    tokenizer = gemma4_tokenizer(kind=tokenizer_kind, added_special=tuple(added_special))
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in GEMMA4_SPECIAL}
     text = text_config(tokenizer, experts=experts, **text_overrides)
     if text_only:
@@ -140,7 +144,10 @@ def build_gemma4_model(
         model = transformers.Gemma4ForConditionalGeneration(config)
     randomize(model, std=std, seed=seed)
     _randomize_buffers(model, seed)
-    path = save_checkpoint(model, tokenizer, Path(path), [ids["<turn|>"], ids["<eos>"]])
+    eos = [ids["<turn|>"], ids["<eos>"]]
+    if "<|tool_response>" in added_special:  # a turn that calls ends there, as Gemma 4's does
+        eos.append(tokenizer.convert_tokens_to_ids("<|tool_response>"))
+    path = save_checkpoint(model, tokenizer, Path(path), eos)
     if not text_only:
         save_gemma4_processor(path, tokenizer, image_soft_tokens=image_soft_tokens,
                               video_soft_tokens=video_soft_tokens, num_frames=num_frames)

@@ -27,8 +27,10 @@ TILE = 56  # the tower's input size: 4 x 4 patches of 14 pixels
 PINPOINTS = [[56, 112], [112, 56], [112, 112], [168, 56], [56, 168]]
 
 
-def llava_tokenizer(vocab_size: int = 600, kind: str = "bytes"):
-    return train_tokenizer(LLAVA_SPECIAL, vocab_size, LLAVA_CHAT_TEMPLATE, "</s>", kind)
+def llava_tokenizer(vocab_size: int = 600, kind: str = "bytes",
+                    added_special: tuple[str, ...] = ()):
+    return train_tokenizer([*LLAVA_SPECIAL, *added_special], vocab_size, LLAVA_CHAT_TEMPLATE,
+                           "</s>", kind)
 
 
 def build_llava_model(
@@ -45,13 +47,15 @@ def build_llava_model(
     std: float = 0.25,
     tokenizer_kind: str = "bytes",
     tie_word_embeddings: bool | None = None,
+    added_special: tuple[str, ...] = (),
 ) -> Path:
     """A tiny LlavaForConditionalGeneration (or LlavaNextForConditionalGeneration with
-    `next_`), its tokenizer ("bytes" or the demo's "words", see testing.tiny.train_tokenizer),
-    and the preprocessor config of its transformers image processor."""
+    `next_`), its tokenizer ("bytes" or the demo's "words", see testing.tiny.train_tokenizer;
+    `added_special`: more special tokens, such as Mistral's control tokens), and the
+    preprocessor config of its transformers image processor."""
     import transformers
 
-    tokenizer = llava_tokenizer(kind=tokenizer_kind)
+    tokenizer = llava_tokenizer(kind=tokenizer_kind, added_special=tuple(added_special))
     image_id = tokenizer.convert_tokens_to_ids("<image>")
     text_cfg = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig}[text](
         hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,

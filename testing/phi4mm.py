@@ -42,10 +42,12 @@ ADAPTERS = {"vision-lora": {"r": 8, "lora_alpha": 16, "seed": 11},
             "speech-lora": {"r": 6, "lora_alpha": 12, "seed": 12}}
 
 
-def phi4mm_tokenizer(vocab_size: int = 600, kind: str = "bytes"):
+def phi4mm_tokenizer(vocab_size: int = 600, kind: str = "bytes",
+                     added_special: tuple[str, ...] = ()):
     from transformers import PreTrainedTokenizerFast
 
-    tok = train_tokenizer(PHI_SPECIAL, vocab_size, PHI4MM_CHAT_TEMPLATE, "<|end|>", kind)
+    tok = train_tokenizer([*PHI_SPECIAL, *added_special], vocab_size, PHI4MM_CHAT_TEMPLATE,
+                          "<|end|>", kind)
     extra = {"unk_token": tok.unk_token} if tok.unk_token else {}
     phi = PreTrainedTokenizerFast(
         tokenizer_object=tok.backend_tokenizer, eos_token="<|endoftext|>",
@@ -81,12 +83,14 @@ def build_phi4mm_model(
     tokenizer_kind: str = "bytes",
     tie_word_embeddings: bool | None = None,
     adapters: bool = True,
+    added_special: tuple[str, ...] = (),
 ) -> Path:
     """A tiny Phi4MultimodalForCausalLM at `path`, with its processor settings and (unless
-    `adapters` is False) random vision-lora and speech-lora adapters beside it."""
+    `adapters` is False) random vision-lora and speech-lora adapters beside it;
+    `added_special`: more special tokens (testing.chat_formats.PHI4_TOOL_TOKENS)."""
     import transformers
 
-    tokenizer = phi4mm_tokenizer(kind=tokenizer_kind)
+    tokenizer = phi4mm_tokenizer(kind=tokenizer_kind, added_special=tuple(added_special))
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in PHI_SPECIAL}
     heads, head_dim = 4, 16
     rotary = head_dim * 3 // 4  # partial_rotary_factor 0.75, as Phi-4-mini

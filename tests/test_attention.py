@@ -315,11 +315,11 @@ def test_decode_kernels_match_reference_in_a_mixed_step(kernel, window):
 
 
 def test_decode_kernel_is_chosen_by_measurement():
-    from models.kernels.decode_attention import choose_decode_kernel
+    from models.kernels.decode_attention_choice import choose_decode_attention
     from models.layers.attention import KERNELS
 
-    assert choose_decode_kernel(4, 2, 8, torch.float32, CPU) in KERNELS
-    assert choose_decode_kernel(4, 2, 8, torch.float32, torch.device("cuda")) == "sdpa"
+    assert choose_decode_attention(4, 2, 8, torch.float32, CPU) in KERNELS
+    assert choose_decode_attention(4, 2, 8, torch.float32, torch.device("cuda")) == "sdpa"
     with pytest.raises(ValueError, match="decode_kernel"):
         build_metadata([0], [2], [[0]], 4, CPU, decode_kernel="fast")
 

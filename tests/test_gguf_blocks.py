@@ -19,7 +19,12 @@ from gguf.quants import dequantize
 from models.gguf.reader import GGUFFile
 from models.kernels import ggml_blocks, native
 from models.kernels.cpu_variants import chosen
-from models.kernels.ggml_blocks import BLOCK_TYPES, BlockEmbedding, BlockLinear, dequantize_rows
+from models.kernels.ggml_blocks import (
+    BLOCK_TYPES,
+    BlockEmbedding,
+    BlockLinear,
+    dequantize_channels,
+)
 
 # Byte offsets of each type's float16 scale (and minimum) inside a block.
 HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
@@ -60,11 +65,11 @@ def test_the_kernels_are_the_variant_chosen():
 @pytest.mark.parametrize("name", list(BLOCK_TYPES))
 def test_dequantized_bit_for_bit_as_gguf_py(weights, name):
     blocks, values = weights[name]
-    ours = dequantize_rows(blocks, name, K)
+    ours = dequantize_channels(blocks, name, K)
     assert torch.equal(ours.view(torch.int32), values.view(torch.int32))
     ids = torch.tensor([5, 0, 69, 5])  # an embedding's lookup: rows by index
-    assert torch.equal(dequantize_rows(blocks, name, K, ids), values[ids])
-    assert torch.equal(dequantize_rows(blocks, name, K, slice(30, 41)), values[30:41])
+    assert torch.equal(dequantize_channels(blocks, name, K, ids), values[ids])
+    assert torch.equal(dequantize_channels(blocks, name, K, slice(30, 41)), values[30:41])
 
 
 def digit_bound(x: torch.Tensor, values: torch.Tensor, digits: int = 2) -> torch.Tensor:
@@ -132,7 +137,7 @@ def test_embedding_rows_are_the_dequantized_tables(weights, name):
         got = table(ids)
         assert got.dtype == dtype and got.shape == (2, 3, K) and table.weight.dtype == dtype
         assert torch.equal(got, values.to(dtype)[ids])
-    with pytest.raises(IndexError, match="row ids"):
+    with pytest.raises(IndexError, match="channel ids"):
         table(torch.tensor([N]))
 
 

@@ -101,8 +101,8 @@ MODALITIES = {"qwen2_audio": ("audio",), "gemma3": ("image",), "mistral3": ("ima
 @pytest.fixture(scope="module", autouse=True)
 def no_kernel_timing():
     """These tests are about weights, not kernel choice: linears take the baseline formulation
-    untimed (models/kernels/plan.py; every formulation computes the same product)."""
-    from models.kernels.plan import PLAN_SECONDS_ENV
+    untimed (models/kernels/linear_policy.py; every formulation computes the same product)."""
+    from models.kernels.linear_policy import PLAN_SECONDS_ENV
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(PLAN_SECONDS_ENV, "0")

@@ -23,14 +23,13 @@ from models.kernels.choice import (
     choose,
     pick,
 )
-from models.kernels.linear import MIN_TILE_ROWS, TILE_BYTES, Linear, dequantization_tiles
-from models.kernels.plan import (
-    DECODE_ROWS,
-    _inherited,
+from models.kernels.linear import MIN_TILE_CHANNELS, TILE_BYTES, Linear, dequantization_tiles
+from models.kernels.linear_choice import (
     candidates,
+    choose_linear_kernels,
     panel_gemm_takes,
-    plan_linears,
 )
+from models.kernels.linear_policy import DECODE_MAX_TOKENS, inherited_kernel
 from models.kernels.quantization import QuantizedLinear
 
 
@@ -116,7 +115,7 @@ def test_plan_follows_fake_timings_and_outputs_stay_f_linear(tmp_path, dtype):
     torch.manual_seed(0)
     model = Tiny(dtype)
     timer = FakeTimer({"matmul_t": 0.5, "mv": 0.5, "int_kernel": 0.5})
-    plans = plan_linears(model, dtype, KernelCache(tmp_path / "k.json"), timer)
+    plans = choose_linear_kernels(model, dtype, KernelCache(tmp_path / "k.json"), timer)
     expected = ("mv",) + ("matmul_t",) * (len(BUCKETS) - 1)
     assert plans[f"dense/{str(dtype)[6:]}/48x32"] == expected
     assert all(layer.kernels == expected for layer in model.a)
@@ -130,7 +129,9 @@ def test_plan_follows_fake_timings_and_outputs_stay_f_linear(tmp_path, dtype):
     # A second start reads every choice from the file: it only times one saved choice again
     # (the re-check), which agrees within RECHECK_FACTOR.
     again = FakeTimer({"mv": 0.9})
-    assert plan_linears(Tiny(dtype), dtype, KernelCache(tmp_path / "k.json"), again) == plans
+    again_plans = choose_linear_kernels(Tiny(dtype), dtype, KernelCache(tmp_path / "k.json"),
+                                        again)
+    assert again_plans == plans
     assert again.calls == 1
 
 
@@ -159,7 +160,7 @@ def test_plan_keeps_f_linear_when_nothing_wins_by_the_margin(tmp_path):
     """...except at a decode's rows, where ours is kept on a tie (models.kernels.native_decode), and
     at a prefill's for quantized layers, where our GEMM is (its result is contiguous)."""
     model = Tiny(torch.float32)
-    plan_linears(model, torch.float32, KernelCache(tmp_path / "k.json"),
+    choose_linear_kernels(model, torch.float32, KernelCache(tmp_path / "k.json"),
                  FakeTimer({BASELINE: 1.0, "matmul_t": 0.99, "mv": 0.98, "onednn": 0.97,
                             "native": 0.99, "int_kernel": 1.0}))
     ours = ["native" in candidates(model.b, rows, torch.float32) for rows in PROBE_ROWS]
@@ -169,13 +170,13 @@ def test_plan_keeps_f_linear_when_nothing_wins_by_the_margin(tmp_path):
     # (losing the one-call decode costs more); past them (a short prefill chunk too) only on
     # a tie...
     model = Tiny(torch.float32)
-    plan_linears(model, torch.float32, KernelCache(tmp_path / "k1.json"),
+    choose_linear_kernels(model, torch.float32, KernelCache(tmp_path / "k1.json"),
                  FakeTimer({BASELINE: 1.0, "native": 1.2, "int_kernel": 1.0}))
-    decode = [o and rows <= DECODE_ROWS for o, rows in zip(ours, PROBE_ROWS, strict=True)]
+    decode = [o and rows <= DECODE_MAX_TOKENS for o, rows in zip(ours, PROBE_ROWS, strict=True)]
     assert model.b.kernels == tuple("native" if o else BASELINE for o in decode)
     # ...and PyTorch's beating ours by more are chosen.
     model = Tiny(torch.float32)
-    plan_linears(model, torch.float32, KernelCache(tmp_path / "k2.json"),
+    choose_linear_kernels(model, torch.float32, KernelCache(tmp_path / "k2.json"),
                  FakeTimer({BASELINE: 1.0, "native": 1.5, "int_kernel": 1.0}))
     assert model.b.kernels == (BASELINE,) * len(BUCKETS)
     prefill = "panel_gemm" if panel_gemm_takes(model.q) else "int_kernel"
@@ -187,15 +188,15 @@ def test_a_bucket_past_the_time_budget_takes_the_timed_groups_choice():
     """What most groups planned before chose at that bucket, among this group's candidates;
     the baseline where none did."""
     plans = {"a": ("native", "widened"), "b": ("native", "onednn"), "c": ("mv", "onednn")}
-    assert _inherited([BASELINE, "native", "widened"], 0, plans) == "native"
-    assert _inherited([BASELINE, "widened", "onednn"], 1, plans) == "onednn"
-    assert _inherited([BASELINE, "widened"], 1, plans) == "widened"
-    assert _inherited([BASELINE, "matmul_t"], 1, plans) == BASELINE
-    assert _inherited([BASELINE], 0, {}) == BASELINE
+    assert inherited_kernel([BASELINE, "native", "widened"], 0, plans) == "native"
+    assert inherited_kernel([BASELINE, "widened", "onednn"], 1, plans) == "onednn"
+    assert inherited_kernel([BASELINE, "widened"], 1, plans) == "widened"
+    assert inherited_kernel([BASELINE, "matmul_t"], 1, plans) == BASELINE
+    assert inherited_kernel([BASELINE], 0, {}) == BASELINE
 
 
 def test_the_time_budget_is_read_from_the_environment(monkeypatch):
-    from models.kernels.plan import PLAN_SECONDS, PLAN_SECONDS_ENV, plan_seconds
+    from models.kernels.linear_policy import PLAN_SECONDS, PLAN_SECONDS_ENV, plan_seconds
 
     monkeypatch.delenv(PLAN_SECONDS_ENV, raising=False)
     assert plan_seconds() == PLAN_SECONDS
@@ -210,7 +211,7 @@ def test_the_time_budget_is_read_from_the_environment(monkeypatch):
 def test_plan_past_its_time_budget_keeps_baselines_uncached(tmp_path):
     model = Tiny(torch.float32)
     cache = KernelCache(tmp_path / "k.json")
-    plan_linears(model, torch.float32, cache, FakeTimer({"matmul_t": 0.1}), budget_s=-1)
+    choose_linear_kernels(model, torch.float32, cache, FakeTimer({"matmul_t": 0.1}), budget_s=-1)
     assert model.b.kernels == (BASELINE,) * len(BUCKETS) and not cache.entries
     assert model.q.kernels == ("int_kernel",) * len(BUCKETS)  # never a per-call dequantization
 
@@ -230,7 +231,7 @@ def test_quantized_layers_time_dequantizing_only_for_many_rows(tmp_path):
         "dequantized_t_bf16"] + ours
     assert candidates(model.q, 128, torch.bfloat16) == ["int_kernel"] + tiled + [
         "dequantized", "dequantized_t", "dequantized_f32", "dequantized_t_f32"] + ours
-    plan_linears(model, torch.float32, KernelCache(tmp_path / "k.json"),
+    choose_linear_kernels(model, torch.float32, KernelCache(tmp_path / "k.json"),
                  FakeTimer({"int_kernel": 1.0, "dequantized": 0.5, "dequantized_bf16": 0.6}))
     decode = "native" if "native" in candidates(model.q, 1, torch.float32) else "int_kernel"
     assert model.q.kernels == (decode,) + ("dequantized",) * (len(BUCKETS) - 1)
@@ -241,13 +242,13 @@ def test_a_tie_at_a_prefills_rows_keeps_our_quantized_gemm(tmp_path):
     model = Tiny(torch.bfloat16)
     if not panel_gemm_takes(model.q):
         pytest.skip("our quantized GEMM does not build here")
-    plan_linears(model, torch.bfloat16, KernelCache(tmp_path / "k.json"),
+    choose_linear_kernels(model, torch.bfloat16, KernelCache(tmp_path / "k.json"),
                  FakeTimer({"int_kernel": 2.0, "dequantized": 1.0, "dequantized_t": 0.97,
                             "panel_gemm": 1.0, "native": 0.5}))
     # (ours is a candidate for a quantized weight up to 64 rows: there it wins at 0.5)
     assert model.q.kernels[2:] == ("native",) + ("panel_gemm",) * (len(BUCKETS) - 3)
     model = Tiny(torch.bfloat16)
-    plan_linears(model, torch.bfloat16, KernelCache(tmp_path / "k2.json"),
+    choose_linear_kernels(model, torch.bfloat16, KernelCache(tmp_path / "k2.json"),
                  FakeTimer({"int_kernel": 2.0, "dequantized": 1.0, "dequantized_t": 0.8,
                             "panel_gemm": 1.0, "native": 0.5}))
     assert model.q.kernels[2:] == ("native",) + ("dequantized_t",) * (len(BUCKETS) - 3)
@@ -256,8 +257,8 @@ def test_a_tie_at_a_prefills_rows_keeps_our_quantized_gemm(tmp_path):
 def test_a_weight_of_several_tiles_is_dequantized_weight_first_only():
     """Over several tiles x W^T would copy each tile's columns into the output, which timing
     one tile's slice of the layer does not see: only (W x^T)^T is timed."""
-    head = QuantizedLinear(torch.randn(4 * MIN_TILE_ROWS, TILE_BYTES // MIN_TILE_ROWS), None,
-                           "int8")
+    head = QuantizedLinear(torch.randn(4 * MIN_TILE_CHANNELS, TILE_BYTES // MIN_TILE_CHANNELS),
+                           None, "int8")
     assert len(dequantization_tiles(head.out_features, head.in_features, torch.bfloat16)) > 1
     names = candidates(head, 128, torch.bfloat16)
     assert "dequantized_t" in names and "dequantized" not in names
@@ -269,7 +270,7 @@ def test_onednn_choice_prepacks_and_matches(tmp_path):
     if "onednn" not in candidates(Linear(4, 4), 1, torch.float32):
         pytest.skip("no oneDNN in this build")
     model = Tiny(torch.float32)
-    plan_linears(model, torch.float32, KernelCache(tmp_path / "k.json"),
+    choose_linear_kernels(model, torch.float32, KernelCache(tmp_path / "k.json"),
                  FakeTimer({"onednn": 0.1}))
     layer = model.a[0]
     assert layer.kernels == ("onednn",) * len(BUCKETS) and layer.packed is not None
@@ -287,7 +288,7 @@ def test_pytorchs_int4_pack_only_for_groups_within_the_budget(tmp_path):
     model.small = QuantizedLinear(torch.randn(64, 64), None, "int4", 32)
     assert "int_kernel" not in candidates(model.experts[0], 32, torch.float32, torch_int4=False)
     assert candidates(model.experts[0], 1, torch.float32, torch_int4=False)  # never empty
-    plan_linears(model, torch.float32, KernelCache(tmp_path / "k.json"),
+    choose_linear_kernels(model, torch.float32, KernelCache(tmp_path / "k.json"),
                  FakeTimer({"int_kernel": 0.01}))
     assert all("int_kernel" not in layer.kernels and layer.torch_packed is None
                for layer in model.experts)
@@ -310,7 +311,7 @@ class ScatteredTimer(FakeTimer):
 def test_unsettled_timings_are_used_and_timed_again_at_the_next_start(tmp_path):
     path = tmp_path / "k.json"
     model = Tiny(torch.float32)
-    plans = plan_linears(model, torch.float32, KernelCache(path),
+    plans = choose_linear_kernels(model, torch.float32, KernelCache(path),
                          ScatteredTimer({"matmul_t": 0.5, "mv": 0.5}, {"matmul_t"}))
     assert plans["dense/float32/48x32"][1:] == ("matmul_t",) * (len(BUCKETS) - 1)
     saved = json.loads(path.read_text())["choices"]
@@ -318,7 +319,7 @@ def test_unsettled_timings_are_used_and_timed_again_at_the_next_start(tmp_path):
     assert saved["dense/float32/48x32/1"]["settled"] is True
     # The next start times the unsettled buckets again (and only them), settled this time.
     timer = FakeTimer({"mv": 0.5})
-    plans = plan_linears(Tiny(torch.float32), torch.float32, KernelCache(path), timer)
+    plans = choose_linear_kernels(Tiny(torch.float32), torch.float32, KernelCache(path), timer)
     assert "matmul_t" not in plans["dense/float32/48x32"]
     assert plans["dense/float32/48x32"][3:] == (BASELINE,) * (len(BUCKETS) - 3)
     saved = json.loads(path.read_text())["choices"]
@@ -330,7 +331,7 @@ def test_unsettled_timings_are_used_and_timed_again_at_the_next_start(tmp_path):
 
 def test_a_saved_plan_timed_on_a_busy_machine_is_timed_afresh(tmp_path):
     path = tmp_path / "k.json"
-    plan_linears(Tiny(torch.float32), torch.float32, KernelCache(path),
+    choose_linear_kernels(Tiny(torch.float32), torch.float32, KernelCache(path),
                  FakeTimer({BASELINE: 10.0, "matmul_t": 10.0, "mv": 10.0, "native": 10.0,
                             "onednn": 10.0, "int_kernel": 10.0}))
     # Quiet now: the re-checked choice takes a fifth of its saved time, so every saved
@@ -338,20 +339,20 @@ def test_a_saved_plan_timed_on_a_busy_machine_is_timed_afresh(tmp_path):
     timer = FakeTimer({BASELINE: 2.0, "matmul_t": 1.0, "mv": 2.0, "native": 2.0,
                        "onednn": 2.0, "int_kernel": 2.0})
     model = Tiny(torch.float32)
-    plan_linears(model, torch.float32, KernelCache(path), timer)
+    choose_linear_kernels(model, torch.float32, KernelCache(path), timer)
     assert model.a[0].kernels[1:] == ("matmul_t",) * (len(BUCKETS) - 1)
     assert timer.calls > len(BUCKETS)
 
 
 def test_a_saved_plan_is_kept_on_a_busy_machine_and_new_timings_are_not_final(tmp_path):
     path = tmp_path / "k.json"
-    plan_linears(Tiny(torch.float32), torch.float32, KernelCache(path),
+    choose_linear_kernels(Tiny(torch.float32), torch.float32, KernelCache(path),
                  FakeTimer({"mv": 0.5}))
     cache = KernelCache(path)
     cache.forget({k for k in cache.entries if k.startswith("int8/")})  # left to time now
     cache.save()
     model = Tiny(torch.float32)
-    plan_linears(model, torch.float32, KernelCache(path), FakeTimer({"mv": 5.0}))
+    choose_linear_kernels(model, torch.float32, KernelCache(path), FakeTimer({"mv": 5.0}))
     saved = json.loads(path.read_text())["choices"]
     assert model.a[0].kernels[0] == "mv"  # kept
     assert saved["dense/float32/48x32/1"]["settled"] is True
@@ -368,11 +369,11 @@ def test_our_kernel_timed_far_below_a_plain_read_is_not_final(tmp_path):
     path = tmp_path / "k.json"
     streamed = 2048 * 2048 * 4
     timer = FakeTimer({"native": streamed / 1e9, BASELINE: streamed / 1e9})  # 1 GB/s each
-    plan_linears(holder, torch.float32, KernelCache(path), timer, ruler=lambda: 20e9)
+    choose_linear_kernels(holder, torch.float32, KernelCache(path), timer, ruler=lambda: 20e9)
     saved = json.loads(path.read_text())["choices"]
     assert saved["dense/float32/2048x2048/1"]["settled"] is False
     # At a plain read's pace the same timing is final.
-    plan_linears(holder, torch.float32, KernelCache(tmp_path / "k2.json"), timer,
+    choose_linear_kernels(holder, torch.float32, KernelCache(tmp_path / "k2.json"), timer,
                  ruler=lambda: 2e9)
     saved = json.loads((tmp_path / "k2.json").read_text())["choices"]
     assert saved["dense/float32/2048x2048/1"]["settled"] is True
@@ -380,7 +381,7 @@ def test_our_kernel_timed_far_below_a_plain_read_is_not_final(tmp_path):
 
 def test_the_plan_logs_one_line_per_model(tmp_path, caplog):
     with caplog.at_level("DEBUG", logger="models.kernels"):
-        plan_linears(Tiny(torch.float32), torch.float32, KernelCache(tmp_path / "k.json"),
+        choose_linear_kernels(Tiny(torch.float32), torch.float32, KernelCache(tmp_path / "k.json"),
                      FakeTimer({"matmul_t": 0.5}))
     info = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
     assert len(info) == 1 and "planned" in info[0] and "choices:" in info[0]

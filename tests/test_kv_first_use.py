@@ -23,7 +23,7 @@ def _engine(path, monkeypatch, kernel: str, fill: float | None) -> LLM:
     if fill is not None:
         monkeypatch.setattr(pools, "pool", lambda shape, dtype, device: torch.full(
             shape, fill, dtype=dtype, device=device))
-    monkeypatch.setattr(runner, "choose_decode_kernel", lambda *args, **kwargs: kernel)
+    monkeypatch.setattr(runner, "choose_decode_attention", lambda *args, **kwargs: kernel)
     # 128 MiB per layer's pool: past glibc's mmap threshold, so its pages are fresh
     return LLM(path, dtype="float32", max_model_len=512, max_num_seqs=4,
                kv_cache_bytes=256 * MIB)

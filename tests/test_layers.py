@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from models.kernels.choice import BUCKETS
-from models.kernels.linear import Linear
-from models.kernels.plan import _prepack, candidates
+from models.kernels.linear import Linear, prepack_onednn
+from models.kernels.linear_choice import candidates
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -26,7 +26,7 @@ def test_every_formulation_matches_f_linear(dtype, rows, bias):
         layer.kernels = None if name is None else (name,) * len(BUCKETS)
         if name == "onednn":
             with torch.no_grad():
-                _prepack(layer)
+                prepack_onednn(layer)
         out = layer(x)
         assert out.shape == (rows, 40) and out.dtype == dtype, name
         torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
@@ -48,7 +48,7 @@ def test_widened_bf16_weights_tile_by_tile(monkeypatch):
     from models.kernels import linear as linear_kernels
 
     monkeypatch.setattr(linear_kernels, "TILE_BYTES", 64 * 96 * 4)
-    monkeypatch.setattr(linear_kernels, "MIN_TILE_ROWS", 64)
+    monkeypatch.setattr(linear_kernels, "MIN_TILE_CHANNELS", 64)
     assert len(linear_kernels.dequantization_tiles(200, 96, torch.float32)) == 2
     torch.manual_seed(0)
     layer = Linear(96, 200, bias=True).to(torch.bfloat16)

@@ -314,7 +314,7 @@ def test_native_linear_is_a_planned_candidate_for_few_rows_only(kernels):
     weight first), never past it (int4's: up to the 65-256 bucket); the tiled kernel past a
     decode's rows up to the 65-256 bucket, for dense and int8 weights; the packed GEMM past a
     decode's rows."""
-    from models.kernels.plan import candidates
+    from models.kernels.linear_choice import candidates
     from models.kernels.quantization import QuantizedLinear
 
     layer = Linear(64, 32)
@@ -516,7 +516,7 @@ def test_build_is_cached_and_keyed_by_variant_and_source(kernels, tmp_path, monk
 
 def test_without_a_compiler_the_engine_keeps_pytorch_kernels(monkeypatch):
     from models.kernels.cpu_variants import chosen
-    from models.kernels.plan import candidates
+    from models.kernels.linear_choice import candidates
 
     monkeypatch.setenv("CC", "/nonexistent/cc")
     kernels, detail = native._load(chosen())
@@ -563,8 +563,8 @@ def native_everywhere(kernels, monkeypatch):
             module.kernels = ("native", "native") + (rest,) * (len(BUCKETS) - 2)
         return {}
 
-    monkeypatch.setattr(runner, "choose_decode_kernel", lambda *args, **kwargs: "native")
-    monkeypatch.setattr(loading, "plan_linears", plan)
+    monkeypatch.setattr(runner, "choose_decode_attention", lambda *args, **kwargs: "native")
+    monkeypatch.setattr(loading, "choose_linear_kernels", plan)
 
 
 def test_decode_logits_and_greedy_tokens_match_transformers(text_model, hf_models,

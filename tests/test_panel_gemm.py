@@ -21,7 +21,7 @@ import torch
 from models.kernels import native
 from models.kernels.choice import BUCKETS
 from models.kernels.linear import QUANTIZED_KERNELS
-from models.kernels.plan import candidates, panel_gemm_takes
+from models.kernels.linear_choice import candidates, panel_gemm_takes
 from models.kernels.quantization import QuantizedLinear, pack_int4, quantize_int4, quantize_int8
 
 
@@ -161,7 +161,7 @@ def _force_prefill(runner, monkeypatch, name: str) -> None:
                 module.kernels = (decode, decode) + (prefill,) * (len(BUCKETS) - 2)
         return {}
 
-    monkeypatch.setattr(runner, "plan_linears", plan)
+    monkeypatch.setattr(runner, "choose_linear_kernels", plan)
 
 
 def _prefill_logits(path, mode: str | None, prompts, params) -> tuple[torch.Tensor, list]:

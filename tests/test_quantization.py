@@ -19,7 +19,7 @@ from engine.config import EngineConfig
 from models.kernels import linear as linear_kernels
 from models.kernels import native, quantization
 from models.kernels.choice import BUCKETS
-from models.kernels.plan import candidates
+from models.kernels.linear_choice import candidates
 from models.kernels.quantization import (
     QuantizedLinear,
     dequantize_int4,
@@ -159,7 +159,7 @@ def test_dequantizing_in_tiles_computes_what_one_tile_does(monkeypatch, mode, dt
         layer.kernels = (name,) * len(BUCKETS)
         whole[name] = layer(x)
     monkeypatch.setattr(linear_kernels, "TILE_BYTES", 64 * 128 * dtype.itemsize)
-    monkeypatch.setattr(linear_kernels, "MIN_TILE_ROWS", 64)
+    monkeypatch.setattr(linear_kernels, "MIN_TILE_CHANNELS", 64)
     assert len(linear_kernels.dequantization_tiles(320, 128, dtype)) == 5
     for name in ("dequantized", "dequantized_t"):
         layer.kernels = (name,) * len(BUCKETS)
@@ -173,11 +173,11 @@ def test_dequantization_tiles_cover_the_weight_in_whole_blocks():
         found = tiles(n, k, torch.bfloat16)
         assert found[0][0] == 0 and found[-1][1] == n
         assert all(a[1] == b[0] for a, b in zip(found[:-1], found[1:], strict=True))
-        assert all(first % linear_kernels.TILE_ROWS == 0 for first, _ in found)
+        assert all(first % linear_kernels.TILE_CHANNEL_BLOCK == 0 for first, _ in found)
         rows = [last - first for first, last in found]
-        assert len(found) == 1 or min(rows[:-1]) >= linear_kernels.MIN_TILE_ROWS
+        assert len(found) == 1 or min(rows[:-1]) >= linear_kernels.MIN_TILE_CHANNELS
         assert len(found) == 1 or (max(rows) * k * 2 < 2 * linear_kernels.TILE_BYTES
-                                   or max(rows) < linear_kernels.MIN_TILE_ROWS + 64)
+                                   or max(rows) < linear_kernels.MIN_TILE_CHANNELS + 64)
     assert len(tiles(9728, 896, torch.bfloat16)) > 1  # a large weight is tiled
     assert len(tiles(896, 4864, torch.bfloat16)) == 1  # too few channels for tiles
 

@@ -28,7 +28,7 @@ def loads(checkpoint, tmp_path, monkeypatch):
     monkeypatch.setenv("MMSERVE_WEIGHT_CACHE", str(tmp_path / "weights"))
     # placement and the kernel plan come after the cache and do not change what it holds
     monkeypatch.setattr(model_loading, "place_weights", lambda model: 0)
-    monkeypatch.setattr(model_loading, "plan_linears", lambda model, dtype: {})
+    monkeypatch.setattr(model_loading, "choose_linear_kernels", lambda model, dtype: {})
     calls = []
     real = quantization.quantize_linear
     monkeypatch.setattr(quantization, "quantize_linear",

@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
+from testing.chat_formats import GEMMA4_TOOL_TOKENS, MISTRAL_CONTROL, PHI4_TOOL_TOKENS
+
 log = logging.getLogger(__name__)
 
 DEMO_DIR_ENV = "MMSERVE_DEMO_DIR"
@@ -58,7 +60,8 @@ DEMO_LINEUP = (
     # LLaVA-NeXT: an image becomes its base view plus a grid of tiles (the placeholder panel
     # shows both parts of its span).
     DemoModel("demo-llava-next", "testing.llava:build_llava_model",
-              {"next_": True, **SENTENCEPIECE}),
+              {"next_": True, **SENTENCEPIECE, "added_special": MISTRAL_CONTROL},
+              "testing.chat_formats:llava_next_mistral_template"),
     DemoModel("demo-qwen2-audio", "testing.tiny:build_qwen2_audio_model", BYTES,
               "qwen2_audio.jinja"),
     # Qwen2.5-Omni's thinker: a video is heard as well as seen (its frames and sound interleave
@@ -76,17 +79,19 @@ DEMO_LINEUP = (
     # Phi-4-multimodal: images in dynamic-HD crops, audio through its conformer, and a LoRA
     # adapter per modality (vision, speech) chosen for each request in the same batch.
     DemoModel("demo-phi4-multimodal", "testing.phi4mm:build_phi4mm_model",
-              {**BYTES, "dynamic_hd": 2}),
+              {**BYTES, "dynamic_hd": 2, "added_special": PHI4_TOOL_TOKENS},
+              "phi4_multimodal.jinja"),
     # MiniCPM-V 4.6: a large image is cut into slices beside its overview (the placeholder
     # panel shows both parts of its span), a video is one picture per second. It thinks.
     DemoModel("demo-minicpm-v-4.6", "testing.minicpmv:build_minicpmv_model", BYTES,
               "minicpm_v.jinja"),
     # Gemma 4 (E-size): images, videos and audio; each image's and frame's soft-token budget
     # shows in the placeholder strip (mm_processor_kwargs max_soft_tokens changes it).
-    DemoModel("demo-gemma4", "testing.gemma4:build_gemma4_model", SENTENCEPIECE),
+    DemoModel("demo-gemma4", "testing.gemma4:build_gemma4_model",
+              {**SENTENCEPIECE, "added_special": GEMMA4_TOOL_TOKENS}, "gemma4.jinja"),
 )
 # Bumped when the lineup's checkpoints change, so that cached older ones are not reused.
-DEMO_VERSION = 10
+DEMO_VERSION = 11
 
 
 @dataclass(frozen=True)

@@ -72,8 +72,11 @@ def tool_request(
 
 def call_messages(out: RequestOutput, parser: ToolParser) -> tuple[str | None, list[dict]]:
     """A reply's text before any call, and each call as a chat message folded under its
-    name ("pending" while its arguments still stream)."""
+    name ("pending" while its arguments still stream). A finished reply in which no call reads
+    whole (malformed) is all text, as the API returns it."""
     parsed = parser.parse(out.outputs[0].text, final=out.finished)
+    if out.finished and not any(c.complete and c.name for c in parsed.calls):
+        return out.outputs[0].text, []
     messages = []
     for call in parsed.calls:
         if call.name is None:

@@ -31,7 +31,7 @@ from engine.scheduler import SchedulerOutput
 from engine.speculative.drawing import draw
 from engine.speculative.proposals import Proposal
 from models.kernels.linear import Linear
-from models.kernels.plan import pin_decode_rows, plan_linears
+from models.kernels.linear_choice import choose_linear_kernels, pin_decode_rows
 from models.kernels.quantization import quantize_linear
 from models.layers.attention import build_metadata
 from models.layers.decoder import Decoder
@@ -103,7 +103,7 @@ class MTPProposer:
             attn.kv_cache = torch.zeros((2, attn.num_kv_heads, lay.num_blocks, lay.block_size,
                                          attn.head_dim), dtype=target.dtype, device=target.device)
         if target.device.type == "cpu":
-            plan_linears(head, target.dtype)
+            choose_linear_kernels(head, target.dtype)
             pin_decode_rows(head, target.dtype)
         cost = sum(p.numel() for p in head.layers[0].parameters()) / max(
             sum(p.numel() for layer in model.layers for p in layer.parameters()), 1)

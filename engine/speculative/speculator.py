@@ -26,7 +26,7 @@ from engine.speculative.method import SpeculativeMethod
 from engine.speculative.ngram import NgramProposer
 from engine.speculative.proposals import Proposal, SpeculationState
 from models.kernels import native
-from models.kernels.plan import pin_decode_rows
+from models.kernels.linear_choice import pin_decode_rows
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class Speculator:
 def pin_decode_kernels(runner: ModelRunner) -> None:
     """On the CPU, the decode rows' kernels pinned to ours, which compute each row by itself
     (a verification's rows then sum as decodes of their tokens do, whatever shares the step):
-    the linears' decode buckets (models.kernels.plan.pin_decode_rows) and the paged decode
+    the linears' decode buckets (models.kernels.linear_choice.pin_decode_rows) and the paged decode
     attention, where the library builds (PyTorch's decode attention batches decodes with
     padding, rounding a row differently by what shares its bucket)."""
     if pin_decode_rows(runner.model, runner.dtype):

@@ -57,10 +57,11 @@ class ToolParser:
         raise NotImplementedError
 
     def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """The whole reply's content and complete calls (a call cut off is left out)."""
+        """The whole reply's content and complete calls (a call cut off or malformed is left
+        out; a reply with no call that reads whole is all content)."""
         parsed = self.parse(text, final=True)
         calls = [ToolCall(c.name, c.arguments) for c in parsed.calls if c.complete and c.name]
-        return parsed.content, calls
+        return (parsed.content, calls) if calls else (text, [])
 
 
 def value_end(text: str, start: int) -> int | None:

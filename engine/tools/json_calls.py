@@ -1,6 +1,6 @@
-"""The JSON tool-call formats: Hermes' (Qwen), Mistral's and Llama 3's. Each call is a JSON
-object with the function's name and its arguments; they differ in the markers around the
-objects and in the arguments' key."""
+"""The JSON tool-call formats: Hermes' (Qwen), Mistral's, Llama 3's and the tagged list
+(Phi-4-mini / Phi-4-multimodal). Each call is a JSON object with the function's name and its
+arguments; they differ in the markers around the objects and in the arguments' key."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ _NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 
 class JsonCalls(ToolParser):
     """Calls as JSON objects after `opener` (hermes: each wrapped in opener ... closer;
-    mistral: one array after the opener; llama3: no opener, the reply itself)."""
+    mistral: one array after the opener; tagged_list: one array between opener and closer;
+    llama3: no opener, the reply itself)."""
 
     def __init__(self, name: str, opener: str, closer: str, args_key: str, array: bool,
                  separator: str, prefix: str = "") -> None:
@@ -97,6 +98,8 @@ class JsonCalls(ToolParser):
         if self.array:
             calls = f'call ({sep} call)*' if parallel else "call"
             start = f'{lark_literal(self.opener, token_id)} "[" {calls} "]"'
+            if self.closer:
+                start += f" {lark_literal(self.closer, token_id)}"
         elif self.opener:
             one = f'{lark_literal(self.opener, token_id)} "\\n" call "\\n" ' \
                   f'{lark_literal(self.closer, token_id)}'
@@ -109,4 +112,7 @@ class JsonCalls(ToolParser):
 
 HERMES = JsonCalls("hermes", "<tool_call>", "</tool_call>", "arguments", False, "\n")
 MISTRAL = JsonCalls("mistral", "[TOOL_CALLS]", "", "arguments", True, ", ")
+# Phi-4-mini and Phi-4-multimodal: `<|tool_call|>[{"name": ..., "arguments": {...}}]<|/tool_call|>`
+TAGGED_LIST = JsonCalls("tagged_list", "<|tool_call|>", "<|/tool_call|>", "arguments", True,
+                        ", ")
 LLAMA3 = JsonCalls("llama3", "", "", "parameters", False, "; ", prefix="<|python_tag|>")

@@ -268,6 +268,49 @@ def _qwen_vision_tokens(b: _Built) -> None:
     b.token("vision_end_token_id", "<|vision_end|>", "the end of a vision span")
 
 
+def _keys(b: _Built, prefix: str, fields: dict[str, str]) -> dict[str, Any]:
+    """Config fields `prefix` + name, each from its (required) metadata key."""
+    return {name: b.key(prefix + name, key) for name, key in fields.items()}
+
+
+# A Qwen tower's widths and depth (Qwen2.5-VL's, Qwen2.5-Omni's and Qwen3-VL's config fields).
+_QWEN_TOWER = {"depth": "clip.vision.block_count", "hidden_size": "clip.vision.embedding_length",
+               "intermediate_size": "clip.vision.feed_forward_length",
+               "num_heads": "clip.vision.attention.head_count",
+               "out_hidden_size": "clip.vision.projection_dim",
+               "patch_size": "clip.vision.patch_size"}
+# A SigLIP-style tower's (Gemma 3's, Pixtral's config fields).
+_SIGLIP_TOWER = {"hidden_size": "clip.vision.embedding_length",
+                 "intermediate_size": "clip.vision.feed_forward_length",
+                 "num_hidden_layers": "clip.vision.block_count",
+                 "num_attention_heads": "clip.vision.attention.head_count",
+                 "image_size": "clip.vision.image_size", "patch_size": "clip.vision.patch_size"}
+# A Whisper-style audio encoder's (Qwen2-Audio's and Qwen2.5-Omni's config fields).
+_WHISPER_ENCODER = {"d_model": "clip.audio.embedding_length",
+                    "encoder_ffn_dim": "clip.audio.feed_forward_length",
+                    "encoder_layers": "clip.audio.block_count",
+                    "encoder_attention_heads": "clip.audio.attention.head_count",
+                    "num_mel_bins": "clip.audio.num_mel_bins"}
+
+
+def _whisper_encoder(b: _Built, model: str) -> None:
+    """The audio encoder's fields, its positions (the rows of its table) and the Whisper
+    feature extractor reading its mel bins; `model` names transformers' class in errors."""
+    mels = _keys(b, A, _WHISPER_ENCODER)["num_mel_bins"]
+    b.tensor_rows(A + "max_source_positions", "a.position_embd.weight")
+    b.keys.expect("clip.audio.attention.layer_norm_epsilon", 1e-5,
+                  f"the norm epsilon of transformers' {model} audio encoder")
+    b.setting("feature_extractor", "feature_extractor_type", "WhisperFeatureExtractor",
+              f"projector type {b.keys.kind}")
+    b.setting("feature_extractor", "feature_size", mels, b.keys.source("clip.audio.num_mel_bins"))
+
+
+def _image_mean_std(b: _Built) -> None:
+    for name in ("image_mean", "image_std"):
+        b.setting("image_processor", name, b.keys.get(f"clip.vision.{name}"),
+                  b.keys.source(f"clip.vision.{name}"))
+
+
 def _merge(b: _Built, config_class: str) -> None:
     b.key(V + "spatial_merge_size", "clip.vision.spatial_merge_size", 2,
           _ABSENT.format(config_class))
@@ -301,12 +344,7 @@ def _read_qwen25vl(b: _Built) -> None:
 
 def _qwen25_tower(b: _Built, cls: str) -> None:
     """Qwen2.5-VL's tower (also Qwen2.5-Omni's)."""
-    depth = b.key(V + "depth", "clip.vision.block_count")
-    b.key(V + "hidden_size", "clip.vision.embedding_length")
-    b.key(V + "intermediate_size", "clip.vision.feed_forward_length")
-    b.key(V + "num_heads", "clip.vision.attention.head_count")
-    b.key(V + "out_hidden_size", "clip.vision.projection_dim")
-    b.key(V + "patch_size", "clip.vision.patch_size")
+    depth = _keys(b, V, _QWEN_TOWER)["depth"]
     _merge(b, cls)
     _temporal_patch(b, V + "temporal_patch_size")
     b.key(V + "window_size", "clip.vision.window_size", 112, _ABSENT.format(cls))
@@ -322,15 +360,8 @@ def _read_qwen25o(b: _Built) -> None:
     """Qwen2.5-Omni's thinker: Qwen2.5-VL's tower and a Whisper encoder with its own
     projection (to the text width) and last norm."""
     _qwen25_tower(b, "Qwen2_5OmniVisionEncoderConfig")
-    b.key(A + "d_model", "clip.audio.embedding_length")
-    b.key(A + "encoder_ffn_dim", "clip.audio.feed_forward_length")
-    b.key(A + "encoder_layers", "clip.audio.block_count")
-    b.key(A + "encoder_attention_heads", "clip.audio.attention.head_count")
+    _whisper_encoder(b, "Qwen2.5-Omni")
     b.key(A + "output_dim", "clip.audio.projection_dim")
-    mels = b.key(A + "num_mel_bins", "clip.audio.num_mel_bins")
-    b.tensor_rows(A + "max_source_positions", "a.position_embd.weight")
-    b.keys.expect("clip.audio.attention.layer_norm_epsilon", 1e-5,
-                  "the norm epsilon of transformers' Qwen2.5-Omni audio encoder")
     for path, token, what in (
             ("image_token_index", "<|IMAGE|>", "the image placeholder"),
             ("video_token_index", "<|VIDEO|>", "the video placeholder"),
@@ -341,19 +372,12 @@ def _read_qwen25o(b: _Built) -> None:
             ("audio_end_token_id", "<|audio_eos|>", "the end of an audio span")):
         b.token(path, token, what)
     _qwen_vision_processor(b, "Qwen2VLImageProcessor", "Qwen2VLVideoProcessor")
-    b.setting("feature_extractor", "feature_extractor_type", "WhisperFeatureExtractor",
-              f"projector type {b.keys.kind}")
-    b.setting("feature_extractor", "feature_size", mels, b.keys.source("clip.audio.num_mel_bins"))
 
 
 def _read_qwen3vl(b: _Built) -> None:
     cls = "Qwen3VLVisionConfig"
-    depth = b.key(V + "depth", "clip.vision.block_count")
-    b.key(V + "hidden_size", "clip.vision.embedding_length")
-    b.key(V + "intermediate_size", "clip.vision.feed_forward_length")
-    b.key(V + "num_heads", "clip.vision.attention.head_count")
-    b.key(V + "out_hidden_size", "clip.vision.projection_dim")
-    patch = b.key(V + "patch_size", "clip.vision.patch_size")
+    tower = _keys(b, V, _QWEN_TOWER)
+    depth, patch = tower["depth"], tower["patch_size"]
     _merge(b, cls)
     _temporal_patch(b, V + "temporal_patch_size")
     positions = b.tensor_rows(V + "num_position_embeddings", "v.position_embd.weight")
@@ -373,12 +397,8 @@ def _read_qwen3vl(b: _Built) -> None:
 
 
 def _read_gemma3(b: _Built) -> None:
-    b.key(V + "hidden_size", "clip.vision.embedding_length")
-    b.key(V + "intermediate_size", "clip.vision.feed_forward_length")
-    b.key(V + "num_hidden_layers", "clip.vision.block_count")
-    b.key(V + "num_attention_heads", "clip.vision.attention.head_count")
-    size = b.key(V + "image_size", "clip.vision.image_size")
-    patch = b.key(V + "patch_size", "clip.vision.patch_size")
+    tower = _keys(b, V, _SIGLIP_TOWER)
+    size, patch = tower["image_size"], tower["patch_size"]
     b.key(V + "layer_norm_eps", "clip.vision.attention.layer_norm_epsilon")
     b.set(V + "vision_use_head", False, f"{b.keys.name}: no pooling head (Gemma 3 reads none)")
     b.keys.expect("clip.use_gelu", True, "SigLIP's activation (tanh GELU)")
@@ -398,35 +418,19 @@ def _read_gemma3(b: _Built) -> None:
               f"projector type {keys.kind}")
     b.setting("image_processor", "size", {"height": size, "width": size},
               keys.source("clip.vision.image_size"))
-    for name in ("image_mean", "image_std"):
-        b.setting("image_processor", name, keys.get(f"clip.vision.{name}"),
-                  keys.source(f"clip.vision.{name}"))
+    _image_mean_std(b)
     b.setting("processor", "image_seq_length", tokens, b.sources["mm_tokens_per_image"])
 
 
 def _read_qwen2a(b: _Built) -> None:
-    b.key(A + "d_model", "clip.audio.embedding_length")
-    b.key(A + "encoder_ffn_dim", "clip.audio.feed_forward_length")
-    b.key(A + "encoder_layers", "clip.audio.block_count")
-    b.key(A + "encoder_attention_heads", "clip.audio.attention.head_count")
-    mels = b.key(A + "num_mel_bins", "clip.audio.num_mel_bins")
-    b.tensor_rows(A + "max_source_positions", "a.position_embd.weight")
-    b.keys.expect("clip.audio.attention.layer_norm_epsilon", 1e-5,
-                  "the norm epsilon of transformers' Qwen2-Audio encoder")
+    _whisper_encoder(b, "Qwen2-Audio")
     b.token("audio_token_id", "<|AUDIO|>", "the audio placeholder")
-    b.setting("feature_extractor", "feature_extractor_type", "WhisperFeatureExtractor",
-              f"projector type {b.keys.kind}")
-    b.setting("feature_extractor", "feature_size", mels, b.keys.source("clip.audio.num_mel_bins"))
 
 
 def _read_pixtral(b: _Built) -> None:
     keys = b.keys
-    b.key(V + "hidden_size", "clip.vision.embedding_length")
-    b.key(V + "intermediate_size", "clip.vision.feed_forward_length")
-    b.key(V + "num_hidden_layers", "clip.vision.block_count")
-    b.key(V + "num_attention_heads", "clip.vision.attention.head_count")
-    size = b.key(V + "image_size", "clip.vision.image_size")
-    patch = b.key(V + "patch_size", "clip.vision.patch_size")
+    tower = _keys(b, V, _SIGLIP_TOWER)
+    size, patch = tower["image_size"], tower["patch_size"]
     gelu, silu = keys.get("clip.use_gelu", False), keys.get("clip.use_silu", False)
     if gelu == silu:
         raise GGUFError(f"{keys.name}: clip.use_gelu={gelu} and clip.use_silu={silu}: a "
@@ -448,9 +452,7 @@ def _read_pixtral(b: _Built) -> None:
               keys.source("clip.vision.image_size"))
     b.setting("image_processor", "patch_size", {"height": patch, "width": patch},
               keys.source("clip.vision.patch_size"))
-    for name in ("image_mean", "image_std"):
-        b.setting("image_processor", name, keys.get(f"clip.vision.{name}"),
-                  keys.source(f"clip.vision.{name}"))
+    _image_mean_std(b)
     b.setting("processor", "patch_size", patch, keys.source("clip.vision.patch_size"))
     b.setting("processor", "spatial_merge_size", merge,
               keys.source("clip.vision.spatial_merge_size"))

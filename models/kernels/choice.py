@@ -1,5 +1,6 @@
 """Choosing a linear formulation by measurement: row-count buckets, the on-disk cache of choices
-(one JSON file per CPU model and torch version), and the rule that picks the fastest.
+(one JSON file per CPU model and torch version), and the rule that picks the fastest (its
+margin, with the plan's other thresholds, in models.kernels.linear_policy).
 
 The bookkeeping here is plain Python: `choose` takes the timer as an argument, so tests drive it
 with fake timings. The timer used in production, `measure`, runs the candidates round-robin and
@@ -24,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from models.kernels.linear_policy import MARGIN
+
 log = logging.getLogger(__name__)
 
 # Row-count buckets of a linear's input and the row count each is timed at. Decode steps carry
@@ -32,9 +35,8 @@ log = logging.getLogger(__name__)
 # formulation at 512 rows is not always the best at 2048).
 BUCKETS = ("1", "2-8", "9-64", "65-256", "257-1024", "1025+")
 PROBE_ROWS = (1, 4, 32, 128, 512, 2048)
-_LIMITS = (1, 8, 64, 256, 1024)  # the largest row count of each bucket but the last
+BUCKET_LAST_ROWS = (1, 8, 64, 256, 1024)  # the largest row count of each bucket but the last
 BASELINE = "F.linear"
-MARGIN = 0.05  # another candidate must beat the baseline by this fraction to be preferred
 # A candidate's repeats agree when their median is within this factor of their best; otherwise
 # the machine (or another thread pool of the same process) was busy while it was timed.
 SETTLED_SPREAD = 1.25
@@ -74,10 +76,10 @@ class Choice:
 
 def bucket_index(rows: int) -> int:
     """The index into BUCKETS of an input with `rows` rows."""
-    for i, limit in enumerate(_LIMITS):
+    for i, limit in enumerate(BUCKET_LAST_ROWS):
         if rows <= limit:
             return i
-    return len(_LIMITS)
+    return len(BUCKET_LAST_ROWS)
 
 
 def cpu_model() -> str:

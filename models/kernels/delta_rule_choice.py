@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 _CHOICES: dict[tuple, str] = {}
 
 
-def choose_recurrence(heads: int, dk: int, dv: int, device: torch.device) -> str:
+def choose_delta_rule(heads: int, dk: int, dv: int, device: torch.device) -> str:
     """The faster recurrence kernel for states [heads, dk, dv], by measurement (once per shape);
     PyTorch's where ours is not built or off the CPU."""
     if device.type != "cpu" or native.load() is None:

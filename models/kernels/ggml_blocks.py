@@ -1,13 +1,14 @@
 """Linears whose weights stay in a GGUF file's ggml blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
 Q5_K, Q6_K), run as stored by our kernels (models/kernels/cpu/ggml_blocks.c).
 
-A weight [N, K] is held as the file's bytes, N rows of K / QK blocks ([N, row bytes] uint8), with
-the float16 scales and minimums inside them: nothing is widened or rounded. A decode step's few
-rows go through the matrix-vector kernel, which writes each row in int8 digits per 32 inputs
-(two: within max|x| / 32512 of x) and takes integer dot products with the blocks' quants (as
-llama.cpp's vec_dot does with one digit), the blocks' scales joining in float32; more rows (a
-prefill) through a float32 GEMM on a tile of rows dequantized into a reused buffer (the same
-values: dequantizing is ggml's, bit for bit).
+A weight [N, K] is held as the file's bytes, N output channels of K / QK blocks each ([N, row
+bytes] uint8, a GGUF tensor's rows), with the float16 scales and minimums inside them: nothing is
+widened or rounded. A decode step's few rows (tokens) go through the matrix-vector kernel, which
+writes each row in int8 digits per 32 inputs (two: within max|x| / 32512 of x) and takes integer
+dot products with the blocks' quants (as llama.cpp's vec_dot does with one digit), the blocks'
+scales joining in float32; more rows (a prefill) through a float32 GEMM on a tile of output
+channels dequantized into a reused buffer (the same values: dequantizing is ggml's, bit for
+bit).
 Without our kernels (no compiler, MMSERVE_NATIVE=0) the tile is dequantized by gguf-py, slowly
 but with the same values.
 
@@ -44,12 +45,13 @@ BLOCK_TYPES: dict[str, BlockType] = {t.name: t for t in (
     BlockType("Q4_0", 2, 32, 18), BlockType("Q4_1", 3, 32, 20), BlockType("Q5_0", 6, 32, 22),
     BlockType("Q5_1", 7, 32, 24), BlockType("Q8_0", 8, 32, 34), BlockType("Q4_K", 12, 256, 144),
     BlockType("Q5_K", 13, 256, 176), BlockType("Q6_K", 14, 256, 210))}
-FEW_ROWS = 16  # up to this many rows of x, the matrix-vector kernel; past it a tiled GEMM
-TILE_BYTES = 4 << 20  # float32 bytes of a tile of rows dequantized for the GEMM
+FEW_ROWS = 16  # up to this many rows (tokens) of x, the matrix-vector kernel; past it a GEMM
+TILE_BYTES = 4 << 20  # float32 bytes of a tile of output channels dequantized for the GEMM
+MIN_TILE_CHANNELS = 64  # a tile's output channels, at least
 
 
 def takes(type_name: str, in_features: int) -> bool:
-    """Whether a weight of ggml type `type_name` with rows of `in_features` runs as stored."""
+    """Whether a weight of ggml type `type_name` with `in_features` inputs runs as stored."""
     block = BLOCK_TYPES.get(type_name)
     return block is not None and in_features > 0 and in_features % block.values == 0
 
@@ -58,24 +60,25 @@ def row_bytes(block: BlockType, in_features: int) -> int:
     return in_features // block.values * block.nbytes
 
 
-def dequantize_rows(blocks: torch.Tensor, type_name: str, in_features: int,
-                    rows: slice | torch.Tensor | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows of a block weight ([N, row bytes] uint8) to float32 [rows, in_features], as ggml
-    dequantizes them: all of them, a slice, or those an int64 index tensor names (an
-    embedding's lookup). `out`: a float32 buffer to fill."""
+def dequantize_channels(blocks: torch.Tensor, type_name: str, in_features: int,
+                        channels: slice | torch.Tensor | None = None,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """Output channels of a block weight ([N, row bytes] uint8) to float32 [channels,
+    in_features], as ggml dequantizes them: all of them, a slice, or those an int64 index tensor
+    names (an embedding's lookup: its channels are token ids). `out`: a float32 buffer to
+    fill."""
     block = BLOCK_TYPES[type_name]
     n = blocks.shape[0]
     assert blocks.dtype == torch.uint8 and blocks.is_contiguous()
     assert blocks.shape[1] == row_bytes(block, in_features), "blocks [N, row bytes]"
     ids = None
-    if rows is None or isinstance(rows, slice):
-        first, last, _ = (rows or slice(0, n)).indices(n)
+    if channels is None or isinstance(channels, slice):
+        first, last, _ = (channels or slice(0, n)).indices(n)
         count = max(0, last - first)
     else:
-        ids = rows.to(torch.int64).contiguous().reshape(-1)
+        ids = channels.to(torch.int64).contiguous().reshape(-1)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
-            raise IndexError(f"row ids outside [0, {n})")
+            raise IndexError(f"channel ids outside [0, {n})")
         first, count = 0, ids.numel()
     if out is None:
         out = torch.empty(count, in_features, dtype=torch.float32)
@@ -154,27 +157,27 @@ def _tile_buffer(numel: int) -> torch.Tensor:
 
 def tiled_gemm(x: torch.Tensor, blocks: torch.Tensor, type_name: str,
                in_features: int) -> torch.Tensor:
-    """x [M, K] . W^T for many rows: a float32 GEMM on tiles of W's rows, each dequantized into
-    a reused buffer of about TILE_BYTES (in the last-level cache for the GEMM that reads it).
-    -> [M, N] in x's dtype."""
+    """x [M, K] . W^T for many rows: a float32 GEMM on tiles of W's output channels, each
+    dequantized into a reused buffer of about TILE_BYTES (in the last-level cache for the GEMM
+    that reads it). -> [M, N] in x's dtype."""
     n, k = blocks.shape[0], in_features
     xf = x.float()
-    rows = max(64, TILE_BYTES // (4 * k))
-    if rows >= n:
-        return F.linear(xf, dequantize_rows(blocks, type_name, k)).to(x.dtype)
-    buffer = _tile_buffer(rows * k)
+    channels = max(MIN_TILE_CHANNELS, TILE_BYTES // (4 * k))
+    if channels >= n:
+        return F.linear(xf, dequantize_channels(blocks, type_name, k)).to(x.dtype)
+    buffer = _tile_buffer(channels * k)
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
-    for first in range(0, n, rows):
-        last = min(n, first + rows)
-        tile = dequantize_rows(blocks, type_name, k, slice(first, last),
-                               buffer[: (last - first) * k])
+    for first in range(0, n, channels):
+        last = min(n, first + channels)
+        tile = dequantize_channels(blocks, type_name, k, slice(first, last),
+                                   buffer[: (last - first) * k])
         out[:, first:last] = F.linear(xf, tile)
     return out.to(x.dtype)
 
 
 class BlockPart(nn.Module):
-    """Rows of a weight [N, K] held in ggml blocks of one type, as a GGUF file stores them
-    (`blocks` [N, row bytes] uint8): x . W^T without a bias."""
+    """Output channels of a weight [N, K] held in ggml blocks of one type, as a GGUF file
+    stores them (`blocks` [N, row bytes] uint8): x . W^T without a bias."""
 
     def __init__(self, blocks: torch.Tensor, type_name: str, in_features: int) -> None:
         super().__init__()
@@ -191,7 +194,7 @@ class BlockPart(nn.Module):
         self.register_buffer("blocks", blocks.contiguous())
 
     def dequantize(self) -> torch.Tensor:
-        return dequantize_rows(self.blocks, self.type_name, self.in_features)
+        return dequantize_channels(self.blocks, self.type_name, self.in_features)
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [M, K] float32 / bfloat16 -> [M, N] in their dtype."""
@@ -280,11 +283,12 @@ class BlockEmbedding(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         """The whole table as the lookups read it: [V, H] float32."""
-        return dequantize_rows(self.blocks, self.type_name, self.embedding_dim)
+        return dequantize_channels(self.blocks, self.type_name, self.embedding_dim)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids (any shape, int) -> [*ids.shape, H] in the model dtype."""
-        rows = dequantize_rows(self.blocks, self.type_name, self.embedding_dim, ids.reshape(-1))
+        rows = dequantize_channels(self.blocks, self.type_name, self.embedding_dim,
+                                   ids.reshape(-1))
         return rows.to(self.probe.dtype).reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:

@@ -1,6 +1,6 @@
 """The formulations a CPU linear can run, and `Linear`, which runs the one planned for its
-input's row count (models.kernels.plan decides by measurement; models.kernels.choice keeps the
-bookkeeping).
+input's row count (models.kernels.linear_choice decides by measurement; models.kernels.choice
+keeps the bookkeeping).
 
 Dense weights: F.linear; (W @ x^T)^T; torch.mv for one row; oneDNN with the weight prepacked
 once (kept beside the dense weight, so choosing it costs that memory again); our own
@@ -31,6 +31,13 @@ Kernel = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
 def _onednn(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, layer.packed, None, "none", [], "")
+
+
+def prepack_onednn(layer: nn.Module) -> None:
+    """Keep oneDNN's prepacked copy of a dense layer's weight in `packed` (once), which the
+    "onednn" formulation reads."""
+    if layer.packed is None:
+        layer.packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 1)
 
 
 def _dequantized(layer: nn.Module, x: torch.Tensor, weight_first: bool) -> torch.Tensor:
@@ -68,18 +75,21 @@ def _dequantized(layer: nn.Module, x: torch.Tensor, weight_first: bool) -> torch
     return out
 
 
-TILE_BYTES = 4 << 20  # a dequantized tile of a weight: well inside a last-level cache
-TILE_ROWS = 64  # tiles start on a block of the int4 pack (models.kernels.quantization.INT4_BLOCK_N)
-MIN_TILE_ROWS = 1024  # thinner tiles make thin GEMMs (a long-k weight is dequantized whole)
+# A weight dequantized per call is dequantized in tiles of output channels:
+TILE_BYTES = 4 << 20  # bytes of a dequantized tile: well inside a last-level cache
+# tiles start on a block of the int4 pack (models.kernels.quantization.INT4_BLOCK_N channels)
+TILE_CHANNEL_BLOCK = 64
+MIN_TILE_CHANNELS = 1024  # thinner tiles make thin GEMMs (a long-k weight is dequantized whole)
 
 
 def dequantization_tiles(n: int, k: int, dtype: torch.dtype) -> list[tuple[int, int]]:
     """(first, last) output channels of each tile a weight [n, k] is dequantized in: equal
-    tiles of about TILE_BYTES, no thinner than MIN_TILE_ROWS, in whole blocks of TILE_ROWS."""
-    count = max(1, min(n * k * dtype.itemsize // TILE_BYTES, n // MIN_TILE_ROWS))
-    rows = -(-n // count)  # ceil(n / count), rounded up to whole blocks
-    rows = -(-rows // TILE_ROWS) * TILE_ROWS
-    return [(first, min(n, first + rows)) for first in range(0, n, rows)]
+    tiles of about TILE_BYTES, no thinner than MIN_TILE_CHANNELS, in whole blocks of
+    TILE_CHANNEL_BLOCK."""
+    count = max(1, min(n * k * dtype.itemsize // TILE_BYTES, n // MIN_TILE_CHANNELS))
+    channels = -(-n // count)  # ceil(n / count), rounded up to whole blocks
+    channels = -(-channels // TILE_CHANNEL_BLOCK) * TILE_CHANNEL_BLOCK
+    return [(first, min(n, first + channels)) for first in range(0, n, channels)]
 
 
 def _in_dtype(kernel: Kernel, dtype: torch.dtype) -> Kernel:

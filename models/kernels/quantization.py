@@ -22,9 +22,9 @@ inputs that an integer dot product sums per 32-bit lane are adjacent, and a vect
 consecutive channels, so every build of our kernels (AVX-512 VNNI, AVX2, NEON dot products, plain
 C) reads it as stored (models/kernels/cpu/linear_int4.c). PyTorch's own int4 kernel
 (`aten._weight_int4pack_mm_for_cpu`) is timed as a candidate where its pack fits the plan's
-memory budget (models.kernels.plan); that pack, whose layout PyTorch chooses per CPU and does
-not document, is made from q by PyTorch's own `aten._convert_weight_to_int4pack_for_cpu` when
-that kernel first runs, and read only by it.
+memory budget (models.kernels.linear_policy); that pack, whose layout PyTorch chooses per CPU
+and does not document, is made from q by PyTorch's own `aten._convert_weight_to_int4pack_for_cpu`
+when that kernel first runs, and read only by it.
 
 Only the decoder's linears and the LM head are quantized (a tied head gets a quantized copy; the
 embedding table stays in the model dtype, as do norms, vision / audio towers and the linears
@@ -196,14 +196,15 @@ def dequantize_int4(
     return values.view(n, k)
 
 
-QUANTIZE_BLOCK_BYTES = 64 << 20  # float32 bytes of a weight's rows quantized at once
+QUANTIZE_BLOCK_BYTES = 64 << 20  # float32 bytes of a weight's output channels quantized at once
 
 
-def _row_blocks(n: int, k: int) -> list[tuple[int, int]]:
-    """(first, last) rows of each block a weight [n, k] is quantized in: whole blocks of the
-    int4 pack's 64 rows, about QUANTIZE_BLOCK_BYTES of float32 each."""
-    rows = max(INT4_BLOCK_N, QUANTIZE_BLOCK_BYTES // (4 * k) // INT4_BLOCK_N * INT4_BLOCK_N)
-    return [(first, min(n, first + rows)) for first in range(0, n, rows)]
+def _channel_blocks(n: int, k: int) -> list[tuple[int, int]]:
+    """(first, last) output channels of each block a weight [n, k] is quantized in: whole
+    blocks of the int4 pack's 64 channels, about QUANTIZE_BLOCK_BYTES of float32 each."""
+    channels = max(INT4_BLOCK_N,
+                   QUANTIZE_BLOCK_BYTES // (4 * k) // INT4_BLOCK_N * INT4_BLOCK_N)
+    return [(first, min(n, first + channels)) for first in range(0, n, channels)]
 
 
 def int4_supported(out_features: int, in_features: int, group_size: int) -> bool:
@@ -217,9 +218,9 @@ class QuantizedLinear(nn.Module):
     PyTorch's int kernels take bfloat16 activations (a float32 input goes through a path tens
     of times slower), so for them the input is cast to bfloat16 and the output back to the
     input's dtype. Which formulation runs for a row-count bucket (PyTorch's int kernel, ours, a
-    dequantized GEMM) is set by `models.kernels.plan.plan_linears`; until then PyTorch's int
-    kernel runs. `torch_packed` is PyTorch's int4 pack, made when its kernel first runs and
-    dropped by the plan where that kernel is not chosen.
+    dequantized GEMM) is set by `models.kernels.linear_choice.choose_linear_kernels`; until
+    then PyTorch's int kernel runs. `torch_packed` is PyTorch's int4 pack, made when its kernel
+    first runs and dropped by the plan where that kernel is not chosen.
     """
 
     is_quantized = True
@@ -234,19 +235,19 @@ class QuantizedLinear(nn.Module):
         if mode == "int8":
             group_size = int8_group(k, group_size)
         self.mode, self.group_size = mode, group_size
-        # Quantized a block of rows at a time: the float32 temporaries of a whole LM head would
-        # be several times its size.
+        # Quantized a block of output channels at a time: the float32 temporaries of a whole LM
+        # head would be several times its size.
         if mode == "int8":
             q = torch.empty(n, k, dtype=torch.int8)
             scales = torch.empty((n,) if group_size == k else (n, k // group_size),
                                  dtype=torch.bfloat16)
-            for first, last in _row_blocks(n, k):
+            for first, last in _channel_blocks(n, k):
                 q[first:last], scales[first:last] = quantize_int8(weight[first:last],
                                                                   group_size)
         else:
             q = torch.empty(n, k // 2, dtype=torch.uint8)
             scales = torch.empty(k // group_size, n, 2, dtype=torch.bfloat16)
-            for first, last in _row_blocks(n, k):  # the pack keeps blocks of 64 rows apart
+            for first, last in _channel_blocks(n, k):  # the pack keeps 64-channel blocks apart
                 values, scales[:, first:last] = quantize_int4(weight[first:last], group_size)
                 q[first:last] = pack_int4(values)
         self.register_buffer("qweight", q)
@@ -308,7 +309,7 @@ class QuantizedLinear(nn.Module):
             return dequantize_int8(self.qweight, self.scales, dtype)
         return dequantize_int4(self.qweight, self.scales, dtype)
 
-    def first_rows(self, n: int) -> QuantizedLinear:
+    def first_channels(self, n: int) -> QuantizedLinear:
         """A layer of the first n output channels (n a multiple of 64), sharing storage: the
         int4 pack keeps each block of 64 channels contiguous."""
         part = copy.copy(self)

@@ -27,7 +27,7 @@ Each group reads only the cache blocks its layers can see: a sliding-window laye
 block holding its first visible key. Keys are gathered from those blocks per layer (PyTorch has
 no paged kernel on the CPU); the gather is bounded by the group's own context. Decodes may
 instead take our own paged kernel (models.kernels.native), which reads the keys in place, where it
-measured faster on this machine (models.kernels.decode_attention).
+measured faster on this machine (models.kernels.decode_attention_choice).
 
 Layers differ in how they attend (`LayerAttention`: sliding window, logit soft-cap), so the
 metadata holds one key view per distinct window. Bidirectional spans (media whose tokens see
@@ -176,7 +176,7 @@ def build_metadata(
     `bidirectional`: per chunk, the absolute [lo, hi) spans inside it whose tokens see each
     other both ways (each lies wholly inside its chunk); only the layers of `span_windows`
     (None: every window) attend them so, the others stay causal. `decode_kernel`: see
-    `choose_decode_kernel`. `backend` "flash_attn": every request without a bidirectional span
+    `choose_decode_attention`. `backend` "flash_attn": every request without a bidirectional span
     goes through one varlen call (models/layers/attention_varlen.py), the rest through SDPA groups.
     `decode_chunks`: per chunk, whether its rows attend as decodes (a verification of drafts).
     """

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 _CHOICES: dict[tuple, str] = {}
 
 
-def choose_decode_kernel(
+def choose_decode_attention(
     num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
     block_size: int = 16, kv_cache_dtype: str = "auto",
 ) -> str:
@@ -58,7 +58,7 @@ def choose_decode_kernel(
 def _time_decode_kernels(names: list[str], num_heads: int, num_kv_heads: int, head_dim: int,
                          dtype: torch.dtype, block_size: int,
                          int8: bool = False) -> dict[str, float]:
-    """Median seconds of each kernel over the same decode steps (see choose_decode_kernel)."""
+    """Median seconds of each kernel over the same decode steps (see choose_decode_attention)."""
     gen = torch.Generator().manual_seed(0)
     blocks_per_seq = -(-1040 // block_size)
     num_blocks = 8 * blocks_per_seq
