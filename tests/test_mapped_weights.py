@@ -90,3 +90,23 @@ def test_safetensors_at_the_model_dtype_are_views_of_the_file(tmp_path):
     load_weights(plain, read_safetensors(file), targets.get)
     assert not is_mapped(plain.embed.weight) and torch.equal(plain.embed.weight,
                                                              tensors["embed"])
+
+
+def test_an_engine_runs_on_weights_mapped_from_its_checkpoint(tmp_path, monkeypatch):
+    """A float32 checkpoint at float32: whole parameters view the file (not moved into huge
+    pages), fused ones are copied, and the model holds the mapping and generates."""
+    from engine import LLM, SamplingParams
+    from models.kernels.linear_policy import PLAN_SECONDS_ENV
+    from testing.tiny import build_text_model
+
+    monkeypatch.setenv(PLAN_SECONDS_ENV, "0")  # about weights, not kernel choice: untimed
+    path = build_text_model(tmp_path / "qwen2", "qwen2")
+    llm = LLM(path, dtype="float32", max_model_len=64)
+    model = llm.engine.runner.model
+    mapping, = model.mapped_files
+    assert mapping.path == path / "model.safetensors"
+    layer = model.layers[0]
+    assert mapping.holds(model.embed_tokens.weight) and mapping.holds(layer.self_attn.o_proj.weight)
+    assert not mapping.holds(layer.self_attn.qkv_proj.weight)  # q, k and v in one: copied
+    out = llm.generate(["Hello there"], SamplingParams(max_tokens=4, temperature=0))[0]
+    assert len(out.outputs[0].token_ids) == 4
