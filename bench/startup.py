@@ -14,7 +14,9 @@ at Qwen2.5-VL-3B's language-model widths (hidden 2048, MLP 11008, 16 heads, 2 KV
 
 Each row runs in a process of its own, so that its peak resident set (`ru_maxrss`) is its own:
 "ready" is the seconds from the constructor's call to its return plus one generated token (the
-model answers), "peak" the peak RSS, "resident" VmRSS after that token. mmserve starts with its
+model answers), "peak" the peak RSS, "resident" VmRSS after that token (weights mapped from the
+file count as their touched pages), with the ratios peak / resident (the goal: at most 1.15)
+and resident / file size. mmserve starts with its
 defaults (no max_model_len: the context is fitted to the KV budget) and, on the safetensors
 checkpoint, also in bfloat16 with int4 weights (what the weight cache keeps); the first start of
 each row uses empty kernel-plan and weight caches, the second the caches the first left.
@@ -161,7 +163,7 @@ def rows(args: argparse.Namespace) -> list[tuple]:
         ("transformers", "transformers", {})]))
     for name, path, hint, runs in models:
         if path is None:
-            table.append((name, "-", f"not installed: {hint}", "", "", "", ""))
+            table.append((name, "-", f"not installed: {hint}", "", "", "", "", "", ""))
             continue
         size = (path.stat().st_size if path.is_file()
                 else sum(f.stat().st_size for f in path.glob("*.safetensors")))
@@ -169,7 +171,7 @@ def rows(args: argparse.Namespace) -> list[tuple]:
             module = {"llama.cpp": "llama_cpp", "transformers": "transformers"}.get(runtime)
             if module and not _installed(module):
                 table.append((name, label, f"skipped: {module} is not installed", "", "", "",
-                              ""))
+                              "", "", ""))
                 continue
             with tempfile.TemporaryDirectory() as caches:
                 starts = [_run_row(runtime, path, options, Path(caches))]
@@ -178,11 +180,13 @@ def rows(args: argparse.Namespace) -> list[tuple]:
             for which, r in zip(("first", "second"), starts, strict=False):
                 if "error" in r:
                     table.append((name, f"{label} ({which})", f"failed: {r['error']}", "", "",
-                                  "", ""))
+                                  "", "", "", ""))
                     continue
                 table.append((name, f"{label} ({which})" if runtime == "mmserve" else label,
                               round(r["ready_s"], 2), round(r["peak"] / 2**20),
-                              round(r["resident"] / 2**20), round(size / 2**20), r["context"]))
+                              round(r["resident"] / 2**20), round(size / 2**20),
+                              round(r["peak"] / r["resident"], 2),
+                              round(r["resident"] / size, 2), r["context"]))
     return table
 
 
@@ -199,7 +203,7 @@ def main() -> None:
         return
     print(f"# start-up: {machine()}")
     print_table(rows(args), ("model", "runtime", "ready s", "peak MiB", "resident MiB",
-                             "file MiB", "context"))
+                             "file MiB", "peak / resident", "resident / file", "context"))
 
 
 if __name__ == "__main__":

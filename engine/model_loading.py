@@ -1,7 +1,9 @@
 """The model's weights at start-up: built on the meta device, filled from a safetensors folder or
 a GGUF file (quantized as they stream in when `quantization` is set, with a progress line, and
 kept on disk for the next start: engine/weight_cache.py), the LoRA adapters attached, and on
-the CPU placed in huge pages and their kernels planned."""
+the CPU placed in huge pages and their kernels planned. On the CPU, weights stored as they run
+(a GGUF's blocks, safetensors tensors at the model dtype, not fused) are read-only views of the
+files' mappings (models/mapped_files.py), which the model keeps: not copied, not moved."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 
 from engine import weight_cache
 from engine.config import EngineConfig
+from models import mapped_files
 from models.checkpoint import CheckpointError, describe_tie
 from models.gguf.load import load_gguf
 from models.gguf.reader import is_gguf
@@ -94,8 +97,14 @@ def _load(path: Path, hf_config, model_cls: type[LanguageModel],
             model = load_ctranslate2(path, factory, device, dtype, quantizer)
         else:
             model = build_on_meta(factory, device, dtype, defer=defer)
-            load_weights(model, model.checkpoint_tensors(iter_checkpoint(path)),
+            # Tensors at the model dtype are mapped from the file where they run as stored.
+            mapped = (dtype if quantizer is None and device.type == "cpu"
+                      and mapped_files.enabled() else None)
+            mappings: list[mapped_files.MappedFile] = []
+            load_weights(model, model.checkpoint_tensors(iter_checkpoint(path, "", mapped,
+                                                                         mappings)),
                          model.checkpoint_map(), quantizer)
+            mapped_files.keep(model, mappings)
     except MissingWeights as e:
         if "lm_head.weight" not in e.missing:
             raise

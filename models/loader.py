@@ -5,7 +5,10 @@ target device, then every parameter is filled from the checkpoint through the mo
 name map. A parameter (or row range of a fused parameter) that nothing fills is an error, as is
 a checkpoint tensor whose shape does not match. Tensors are read with plain reads, one at a time,
 and memory freed along the way is handed back to the system, so loading holds little more than
-the model.
+the model. Tensors stored in the dtype the model runs in (`mapped_dtype`) are instead read-only
+views of the file's mapping (models/mapped_files.py), and a whole parameter filled by one such
+tensor views the file (no copy: the page cache's pages); a row range of a fused parameter (q, k
+and v in our qkv_proj) and a converted dtype are copied as before.
 
 Parameters the caller defers stay on the meta device until the checkpoint first writes them, and
 an observer hears of each as it is complete (weights quantized while they stream in: only the
@@ -25,6 +28,7 @@ from torch import nn
 
 from models.checkpoint import safetensors_header, weight_files
 from models.kernels.huge_pages import TRIM_BYTES, return_freed_memory
+from models.mapped_files import MappedFile, is_mapped, map_file
 
 
 @dataclass(frozen=True)
@@ -67,14 +71,17 @@ SAFETENSORS_DTYPES = {
 }
 
 
-def iter_checkpoint(path: Path, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint(path: Path, prefix: str = "", mapped_dtype: torch.dtype | None = None,
+                    mappings: list[MappedFile] | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the checkpoint's safetensors files (those whose names start with
-    `prefix`: the others are not read), each read into memory of its own in file order (plain
-    reads, no mapping of the file: pages of a mapped shard would count as this process's memory
-    while it is open, several GB for a Hub shard)."""
+    `prefix`: the others are not read) in file order: those of `mapped_dtype` as views of the
+    file's read-only mapping (added to `mappings`, which the caller keeps as long as the model:
+    models.mapped_files.keep), the others each read into memory of its own (plain reads: only
+    the pages of tensors a model keeps are mapped)."""
     read = 0
     for file in checkpoint_files(path):
-        for name, tensor in read_safetensors(file, prefix):
+        for name, tensor in read_safetensors(file, prefix, mapped_dtype, mappings):
             yield name, tensor
             read += tensor.numel() * tensor.element_size()
             if read >= TRIM_BYTES:  # the dense weights quantized since, the tensors copied
@@ -83,13 +90,18 @@ def iter_checkpoint(path: Path, prefix: str = "") -> Iterator[tuple[str, torch.T
     return_freed_memory()
 
 
-def read_safetensors(file: Path, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+def read_safetensors(file: Path, prefix: str = "", mapped_dtype: torch.dtype | None = None,
+                     mappings: list[MappedFile] | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of one safetensors file (little-endian, as the format is), in the order
-    the data lies in the file; only names starting with `prefix`."""
+    the data lies in the file; only names starting with `prefix`. Tensors of `mapped_dtype`
+    (whose bytes start at a multiple of its size) are read-only views of the file's mapping,
+    which is appended to `mappings`."""
     header = safetensors_header(file)
     entries = sorted(((k, v) for k, v in header.items()
                       if k != "__metadata__" and k.startswith(prefix)),
                      key=lambda item: item[1]["data_offsets"][0])
+    mapping = None
     with open(file, "rb", buffering=0) as f:
         start = 8 + int.from_bytes(f.read(8), "little")  # the data follows the header
         for name, info in entries:
@@ -103,6 +115,13 @@ def read_safetensors(file: Path, prefix: str = "") -> Iterator[tuple[str, torch.
             if last - first != nbytes:
                 raise ValueError(f"{file.name}: tensor {name} has {last - first} bytes for shape "
                                  f"{info['shape']} of {info['dtype']}")
+            if nbytes and dtype == mapped_dtype and (start + first) % tensor.element_size() == 0:
+                if mapping is None:
+                    mapping = map_file(file)
+                    if mappings is not None:
+                        mappings.append(mapping)
+                yield name, mapping.typed(start + first, dtype, tuple(info["shape"]))
+                continue
             if nbytes:
                 f.seek(start + first)
                 view = memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr()))
@@ -162,7 +181,11 @@ def load_weights(
                 f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
                 f"expected {tuple(dest.shape)} for {ours}"
             )
-        dest.copy_(tensor)
+        if (shard is None and tensor.dtype == param.dtype and param.device.type == "cpu"
+                and tensor.is_contiguous() and is_mapped(tensor)):
+            param.data = tensor  # the file's bytes (ties survive: the same Parameter)
+        else:
+            dest.copy_(tensor)
         filled[ours] += dest.numel()
         if observer is not None and filled[ours] == param.numel():
             for taken in observer.filled(ours):

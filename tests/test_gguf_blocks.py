@@ -16,9 +16,15 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from models.gguf.reader import GGUFFile
 from models.kernels import ggml_blocks, native
 from models.kernels.cpu_variants import chosen
-from models.kernels.ggml_blocks import BLOCK_TYPES, BlockLinear, dequantize_channels
+from models.kernels.ggml_blocks import (
+    BLOCK_TYPES,
+    BlockEmbedding,
+    BlockLinear,
+    dequantize_channels,
+)
 
 # Byte offsets of each type's float16 scale (and minimum) inside a block.
 HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
@@ -120,6 +126,21 @@ def test_parts_of_different_types_and_a_bias(weights):
     assert torch.equal(layer.dequantize(), torch.cat([qv, vv]))
 
 
+@pytest.mark.parametrize("name", list(BLOCK_TYPES))
+def test_embedding_rows_are_the_dequantized_tables(weights, name):
+    """A table in its blocks looks up the rows of the table gguf-py dequantizes, rounded to the
+    model dtype, bit for bit."""
+    blocks, values = weights[name]
+    ids = torch.tensor([[3, 0, N - 1], [3, 41, 7]])
+    for dtype in (torch.float32, torch.bfloat16):
+        table = BlockEmbedding(blocks, name, K, dtype)
+        got = table(ids)
+        assert got.dtype == dtype and got.shape == (2, 3, K) and table.weight.dtype == dtype
+        assert torch.equal(got, values.to(dtype)[ids])
+    with pytest.raises(IndexError, match="channel ids"):
+        table(torch.tensor([N]))
+
+
 def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="rows of 100"):
         BlockLinear([("Q4_K", torch.zeros(4, 144, dtype=torch.uint8))], 100, None)
@@ -162,10 +183,26 @@ def test_a_k_quant_file_runs_as_stored(k_quant_file):
     assert isinstance(model.lm_head, BlockLinear) and model.lm_head.format == "Q8_0"
     summary = stored.engine.runner.gguf_summary
     assert summary.startswith("as stored: ") and "Q4_K" in summary and "Q5_K" in summary
-    assert "dequantized (the token embedding table (looked up in the model dtype)): 1 Q6_K" \
-        in summary
+    assert isinstance(model.embed_tokens, BlockEmbedding)  # its Q6_K blocks, untied
+    assert model.embed_tokens.type_name == "Q6_K" and "the embedding table in its blocks" \
+        in summary and "token embedding" not in summary
+    # every block is a view of the file's one mapping, at the tensor's bytes in the file
+    mapping, = model.mapped_files
+    assert mapping.path == k_quant_file
+    file, raw = GGUFFile(k_quant_file), k_quant_file.read_bytes()
+    qkv = [file.tensor_by_name[f"blk.0.attn_{p}.weight"] for p in "qkv"]
+    parts = [part.blocks for part in layer.self_attn.qkv_proj.parts]  # q + k one where adjacent
+    assert sum(b.nbytes for b in parts) == sum(info.nbytes for info in qkv)
+    views = [([i.offset for i in qkv], blocks) for blocks in parts]
+    views += [([file.tensor_by_name["token_embd.weight"].offset], model.embed_tokens.blocks),
+              ([file.tensor_by_name["output.weight"].offset], model.lm_head.parts[0].blocks)]
+    for offsets, blocks in views:
+        offset = blocks.data_ptr() - mapping.start
+        assert blocks.untyped_storage().data_ptr() == mapping.start and offset in offsets
+        assert blocks.numpy().tobytes() == raw[offset:offset + blocks.nbytes]
     dense = LLM(k_quant_file, max_model_len=128, dequantize_gguf=True)
     assert not any(isinstance(m, BlockLinear) for m in dense.engine.runner.model.modules())
+    assert not getattr(dense.engine.runner.model, "mapped_files", ())
     params = SamplingParams(max_tokens=12, temperature=0)
     prompts = ["The quick brown fox", "Café 你好", "1, 2, 3,"]
     ours = [o.outputs[0].token_ids for o in stored.generate(prompts, params)]

@@ -151,7 +151,8 @@ def test_logits_match_transformers(files, references, family):
 
 def test_q8_0_linears_as_stored_or_as_our_int8(checkpoints, tmp_path):
     """A Q8_0 file's linears run in their blocks by default, as our int8 at group 32 when int8
-    is asked, or become the int4 asked for; its embeddings stay dense."""
+    is asked, or become the int4 asked for; its embedding table stays in its blocks too (dense
+    when a quantization is asked)."""
     from transformers import AutoModelForCausalLM
 
     from testing.gguf import write_gguf
@@ -166,8 +167,8 @@ def test_q8_0_linears_as_stored_or_as_our_int8(checkpoints, tmp_path):
     llm = LLM(path, dtype="float32", max_model_len=128)
     layers = len(llm.engine.runner.model.layers)
     assert llm.engine.runner.quantized_formats() == {}
-    summary = llm.engine.runner.gguf_summary  # q, k, v, o, gate, up, down and the head
-    assert f"as stored: {7 * layers + 1} Q8_0" in summary
+    summary = llm.engine.runner.gguf_summary  # q, k, v, o, gate, up, down, head and table
+    assert f"as stored: {7 * layers + 2} Q8_0" in summary
     assert f"{4 * layers + 1} linears in their blocks" in summary
     logits = _logits(llm, ids)
     torch.testing.assert_close(logits, ref, atol=1e-3, rtol=0)

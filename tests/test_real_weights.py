@@ -186,7 +186,8 @@ def test_gemma3_q4_k_m_matches_transformers(gemma3):
     llm = LLM(gemma3, max_model_len=256)  # dtype auto: float32, as transformers loads it
     assert llm.engine.dtype == torch.float32
     assert llm.engine.runner.gguf_summary.startswith(
-        "as stored: 81 Q5_0, 27 Q4_K, 9 Q8_0, 9 Q6_K;")  # every linear in its blocks
+        "as stored: 81 Q5_0, 27 Q4_K, 10 Q8_0, 9 Q6_K;")  # every linear and the table
+    assert isinstance(llm.engine.runner.model.lm_head, BlockLinear)  # tied: the table's blocks
     assert llm.engine.tokenizer.chat_template is None  # a base model: plain completion
     ids = gpl_ids(llm.engine.tokenizer, 64)
     assert ids[0] == llm.engine.tokenizer.bos_token_id
@@ -234,7 +235,7 @@ def test_qwen_coder_q4_k_m_as_stored_matches_its_float32_reading(qwen_coder):
     Greedy: the same tokens, or the first different one a near tie (its top two within 2e-3)."""
     stored = LLM(qwen_coder, max_model_len=256)
     summary = stored.engine.runner.gguf_summary
-    assert summary.startswith("as stored: 132 Q5_0, 13 Q8_0, 12 Q6_K, 12 Q4_K;"), summary
+    assert summary.startswith("as stored: 133 Q5_0, 13 Q8_0, 12 Q6_K, 12 Q4_K;"), summary
     dense = LLM(qwen_coder, max_model_len=256, dequantize_gguf=True)
     assert not any(isinstance(m, BlockLinear) for m in dense.engine.runner.model.modules())
     ids = gpl_ids(stored.engine.tokenizer, 64)

@@ -5,17 +5,25 @@ no float copy, the float16 scales as stored), every other tensor dequantized int
 one at a time and handed to models.loader (which quantizes it as it fills, when the user asked
 for int8 / int4).
 
+Blocks run as stored are read-only views of the file's mapping (models/mapped_files.py: no copy;
+the model keeps the mapping), but for a llama file's q and k, whose rows llama.cpp permuted
+(reordered here, so copied). Parts of one fused linear that lie back to back in the file in one
+block type are one view; others stay parts of their own (never joined by a copy).
+
 A linear runs as stored (by default, on the CPU) when every checkpoint tensor it is made of (q, k
 and v for our fused qkv_proj; gate and up) is of a block type our kernels run; its parts may
 differ in type (a Q4_K_M file's v is often Q6_K beside Q4_K q and k): each part keeps its own.
-Otherwise all its parts are dequantized. Dequantized, with the reason recorded per tensor (the
-start-up line and `python -m engine.inspect` count them): the token embedding table (looked up
-in the model dtype; a head tied to it reads the same table), norms and other non-linear tensors,
-block types without a kernel here (IQ types, Q2_K, Q3_K: their grids are codebooks or 2-3 bit
-packings our kernels do not read), and everything when `dequantize_gguf`, a device other than
-the CPU, or a quantization is asked. With int4 / int8 asked, Q4_0 / Q4_1 linears become our int4
-at group 32 and Q8_0 ones our int8 at group 32 straight from their blocks (each block's float16
-scale rounded to bfloat16); the rest is dequantized and requantized as it loads.
+Otherwise all its parts are dequantized. The token embedding table of such a type stays in its
+blocks too (models.kernels.ggml_blocks.BlockEmbedding: the rows a step looks up dequantized as
+ggml does, into the model dtype), and a head tied to it is a BlockLinear on the same bytes.
+Dequantized, with the reason recorded per tensor (the start-up line and `python -m
+engine.inspect` count them): norms and other non-linear tensors, block types without a kernel
+here (IQ types, Q2_K, Q3_K: their grids are codebooks or 2-3 bit packings our kernels do not
+read), and everything when `dequantize_gguf`, a device other than the CPU, or a quantization is
+asked (then the embedding table too, looked up in the model dtype). With int4 / int8 asked,
+Q4_0 / Q4_1 linears become our int4 at group 32 and Q8_0 ones our int8 at group 32 straight from
+their blocks (each block's float16 scale rounded to bfloat16); the rest is dequantized and
+requantized as it loads.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from torch import nn
@@ -44,7 +53,7 @@ from models.gguf.tensors import (
     read_int8,
     readable,
 )
-from models.kernels.ggml_blocks import BlockLinear, takes
+from models.kernels.ggml_blocks import BlockEmbedding, BlockLinear, takes
 from models.kernels.linear import Linear
 from models.kernels.quantization import (
     QuantizedLinear,
@@ -53,6 +62,8 @@ from models.kernels.quantization import (
     pack_int4,
 )
 from models.loader import LoadObserver, Shard, build_on_meta, load_weights
+from models.mapped_files import enabled as mapping_enabled
+from models.mapped_files import keep
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +90,9 @@ class GGUFWeights:
         self.stored: dict[str, list[Part]] = {}  # our weight name -> its parts, as stored
         self.int8: dict[str, list[Part]] = {}  # our weight name -> its Q8_0 parts
         self.dense: list[tuple[str, TensorInfo]] = []  # (checkpoint name, tensor)
+        # The token embedding table in its blocks: (our weight name, tensor), the tied heads.
+        self.embedding: tuple[str, TensorInfo] | None = None
+        self.tied_heads: list[str] = []  # modules whose weight is the table (our names)
         self.reasons: dict[str, str] = {}  # a dense tensor's name -> why it was dequantized
 
     def plan(self, model: nn.Module, mapping: Callable, elsewhere: Collection[str] = ()) -> None:
@@ -118,13 +132,21 @@ class GGUFWeights:
             raise GGUFError(f"{name}: no tensors for {', '.join(missing[:6])}"
                             f"{' ...' if len(missing) > 6 else ''} (the metadata's config "
                             "describes more than the file holds)")
-        linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, Linear)}
+        modules = dict(model.named_modules())
+        linears = {f"{n}.weight" for n, m in modules.items() if isinstance(m, Linear)}
+        tables = {f"{n}.weight" for n, m in modules.items() if isinstance(m, nn.Embedding)}
         for ours, found in parts.items():
             n, k = params[ours].shape if params[ours].dim() == 2 else (0, 0)
             types = {info.ggml_type for info, _ in found}
             if self.as_blocks and ours in linears and all(
                     takes(info.type_name, k) for info, _ in found):
                 self.blocks[ours] = found
+            elif (self.as_blocks and ours in tables and found[0][0].name == "token_embd.weight"
+                  and len(found) == 1 and found[0][1] is None
+                  and takes(found[0][0].type_name, k)):
+                self.embedding = (ours, found[0][0])
+                self.tied_heads = [name for name, m in modules.items() if isinstance(m, Linear)
+                                   and m.weight is params[ours]]
             elif (not self.as_blocks and not self.dequantize_all and ours in linears
                   and types <= set(STORED_INT4) and int4_supported(n, k, BLOCK)):
                 self.stored[ours] = found
@@ -155,27 +177,66 @@ class GGUFWeights:
 
     def defer(self, model: nn.Module) -> list[str]:
         """build_on_meta's `defer`: the weights of the linears placed here (not streamed)."""
-        return [*self.blocks, *self.stored, *self.int8]
+        return [*self.blocks, *self.stored, *self.int8,
+                *([self.embedding[0]] if self.embedding else [])]
+
+    def _blocks(self, info: TensorInfo) -> tuple[torch.Tensor, bool]:
+        """A tensor's blocks [rows, row bytes] in transformers' row order: a view of the file's
+        mapping where the rows stay in the file's order (and mapping is on), else a copy read
+        from the file. -> (blocks, whether a view)."""
+        if mapping_enabled() and not self.rearrange.moves(info.name):
+            return self.file.view(info), True
+        rows = np.ascontiguousarray(self.rearrange.rows(info.name, self.file.read(info)))
+        return torch.from_numpy(rows), False
 
     @torch.no_grad()
     def place_stored(self, model: nn.Module, dtype: torch.dtype) -> None:
         """Replace each linear that runs as stored by a BlockLinear holding its blocks, or a
         QuantizedLinear at group 32 made from them, int4 or int8 (its bias, if any, is left for
-        the loader to fill)."""
+        the loader to fill); the embedding table in its blocks by a BlockEmbedding, and each
+        head tied to it by a BlockLinear on the same bytes. The model keeps the file's mapping
+        its blocks view."""
+        views = False
         for weight, found in self.blocks.items():
             owner, attr, linear = _linear(model, weight)
             n, k = linear.out_features, linear.in_features
             parts = sorted(((_rows(shard, n).start, info) for info, shard in found),
                            key=lambda part: part[0])
-            blocks: list[tuple[str, torch.Tensor]] = []  # consecutive parts of a type joined
+            # (type, blocks, the file offset past them when a view): a part joins the one
+            # before when of its type and back to back in the file (one view over both), or
+            # when both are copies.
+            blocks: list[tuple[str, torch.Tensor, int | None]] = []
             for _, info in parts:
-                rows = torch.from_numpy(self.rearrange.rows(info.name, self.file.read(info)))
-                if blocks and blocks[-1][0] == info.type_name:
-                    blocks[-1] = (info.type_name, torch.cat([blocks[-1][1], rows]))
+                rows, view = self._blocks(info)
+                views |= view
+                last = blocks[-1] if blocks else None
+                if last is not None and last[0] == info.type_name and view and (
+                        last[2] == info.offset):
+                    start = info.offset - last[1].nbytes
+                    joined = self.file.mapping().view(start, last[1].nbytes + info.nbytes)
+                    blocks[-1] = (info.type_name, joined.view(-1, rows.shape[1]),
+                                  info.offset + info.nbytes)
+                elif last is not None and last[0] == info.type_name and not view and (
+                        last[2] is None):
+                    blocks[-1] = (info.type_name, torch.cat([last[1], rows]), None)
                 else:
-                    blocks.append((info.type_name, rows.clone()))
+                    blocks.append((info.type_name, rows,
+                                   info.offset + info.nbytes if view else None))
             bias = None if linear.bias is None else torch.empty(n, dtype=dtype)
-            setattr(owner, attr, BlockLinear(blocks, k, bias))
+            setattr(owner, attr, BlockLinear([(t, b) for t, b, _ in blocks], k, bias))
+        if self.embedding is not None:
+            weight, info = self.embedding
+            owner, attr, table = _linear(model, weight)
+            rows, view = self._blocks(info)
+            views |= view
+            setattr(owner, attr, BlockEmbedding(rows, info.type_name, table.embedding_dim,
+                                                dtype))
+            for head in self.tied_heads:
+                owner, attr, _ = _linear(model, f"{head}.weight")
+                setattr(owner, attr, BlockLinear([(info.type_name, rows)],
+                                                 table.embedding_dim, None))
+        if views:
+            keep(model, [self.file.mapping()])
         for weight, found in self.stored.items():
             owner, attr, linear = _linear(model, weight)
             n, k = linear.out_features, linear.in_features
@@ -208,6 +269,8 @@ class GGUFWeights:
         table: dict[str, Counter] = {}
         for found in self.blocks.values():
             table.setdefault("as stored", Counter()).update(i.type_name for i, _ in found)
+        if self.embedding is not None:
+            table.setdefault("as stored", Counter())[self.embedding[1].type_name] += 1
         for found in [*self.stored.values(), *self.int8.values()]:
             table.setdefault("as our int4 / int8 (scales rounded to bfloat16)", Counter()).update(
                 i.type_name for i, _ in found)
@@ -220,6 +283,7 @@ class GGUFWeights:
         """The weights' bytes as loaded (without a requested quantization): blocks as in the
         file, our int4 / int8 with their scales, the rest at `dtype`."""
         blocks = sum(info.nbytes for found in self.blocks.values() for info, _ in found)
+        blocks += self.embedding[1].nbytes if self.embedding else 0
         stored = sum(info.numel for parts in self.stored.values() for info, _ in parts)
         int8 = sum(info.numel for parts in self.int8.values() for info, _ in parts)
         dense = sum(info.numel for _, info in self.dense)
@@ -234,6 +298,9 @@ class GGUFWeights:
             parts.append(f"{key}: {listed}")
         if self.blocks:
             parts.append(f"{len(self.blocks)} linears in their blocks")
+        if self.embedding is not None:
+            parts.append("the embedding table in its blocks" + (
+                " (the head tied to it too)" if self.tied_heads else ""))
         return "; ".join(parts)
 
 
@@ -279,7 +346,7 @@ def load_gguf(path: Path, hf_config: Any, factory: Callable[[], nn.Module], devi
 
     model = build_on_meta(factory, device, dtype,
                           defer=defer_all if (weights.blocks or weights.stored or weights.int8
-                                              or defer) else None)
+                                              or weights.embedding or defer) else None)
     weights.place_stored(model, dtype)
     tensors = ((names(name), tensor) for name, tensor in weights.tensors(dtype))
     if projector is not None:

@@ -8,8 +8,10 @@ section, which begins at the next multiple of `general.alignment` (32 when absen
 problem is a GGUFError naming the file and the key or tensor, and the value.
 
 String arrays (a vocabulary of 262,144 tokens) are read in one pass over the bytes; numeric
-arrays as numpy arrays. The header is parsed through a read-only mapping closed afterwards, and
-tensors are read with plain reads, so that no page of the file stays this process's memory.
+arrays as numpy arrays. The header is parsed through a read-only mapping closed afterwards.
+Tensors dequantized at load are read with plain reads (no page of the file stays mapped for
+them); tensors run as stored are `view`s of the file's one long-lived read-only mapping
+(models/mapped_files.py: no copy, the page cache's pages).
 """
 
 from __future__ import annotations
@@ -19,12 +21,17 @@ import struct
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from models.checkpoint import CheckpointError
+
+if TYPE_CHECKING:  # the header is read without torch (the app's model picker)
+    import torch
+
+    from models.mapped_files import MappedFile
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -84,6 +91,7 @@ class GGUFFile:
                 self.file_size = len(data)
                 parsed = _Parser(data, self.path.name).parse()
         self.version, self.metadata, self.tensors, self.data_start = parsed
+        self._mapping: MappedFile | None = None
 
     @cached_property
     def tensor_by_name(self) -> dict[str, TensorInfo]:
@@ -117,6 +125,21 @@ class GGUFFile:
                 got += n
         rows = info.numel // info.shape[-1] if info.shape else 1
         return out.reshape(rows, -1)
+
+    def mapping(self) -> MappedFile:
+        """The file's read-only mapping (one per file, shared: models.mapped_files), held by
+        this object from its first use (views do not hold the MappedFile, only its bytes)."""
+        from models.mapped_files import map_file
+
+        if self._mapping is None:
+            self._mapping = map_file(self.path)
+        return self._mapping
+
+    def view(self, info: TensorInfo) -> torch.Tensor:
+        """A tensor's bytes as stored, uint8 [rows, bytes per row], a read-only view of the
+        file's mapping (no copy; writing into it faults)."""
+        rows = info.numel // info.shape[-1] if info.shape else 1
+        return self.mapping().view(info.offset, info.nbytes).view(rows, -1)
 
 
 def is_gguf(path: Path) -> bool:

@@ -74,6 +74,11 @@ class Rearrange:
         self.heads = {"attn_q": num_heads, "attn_k": num_kv_heads} if family in (
             "llama", "mistral") else {}
 
+    def moves(self, name: str) -> bool:
+        """Whether `rows` reorders tensor `name`'s rows (so its blocks cannot be the file's)."""
+        part = name.split(".")[-2] if name.startswith("blk.") else ""
+        return part in self.heads
+
     def rows(self, name: str, rows: np.ndarray) -> np.ndarray:
         """A tensor's rows (values or blocks) in transformers' order."""
         part = name.split(".")[-2] if name.startswith("blk.") else ""

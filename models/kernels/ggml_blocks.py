@@ -11,6 +11,11 @@ channels dequantized into a reused buffer (the same values: dequantizing is ggml
 bit).
 Without our kernels (no compiler, MMSERVE_NATIVE=0) the tile is dequantized by gguf-py, slowly
 but with the same values.
+
+A token embedding table in blocks (`BlockEmbedding`) dequantizes only the rows a step looks up,
+with the same C code (ggml's values, bit for bit), into the model dtype; a head tied to it is a
+BlockLinear on the same bytes. The blocks are usually read-only views of the file's mapping
+(models/mapped_files.py): nothing here writes into them.
 """
 
 from __future__ import annotations
@@ -243,3 +248,51 @@ class BlockLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"blocks={self.format}, bias={self.bias is not None}")
+
+
+class BlockEmbedding(nn.Module):
+    """A token embedding table [V, H] held in ggml blocks of one type, as a GGUF file stores it
+    (`blocks` [V, row bytes] uint8): a lookup dequantizes the rows it reads, as ggml does, and
+    rounds them to the model dtype (the values a table dequantized at load would hold)."""
+
+    def __init__(self, blocks: torch.Tensor, type_name: str, embedding_dim: int,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        if not takes(type_name, embedding_dim):
+            raise ValueError(f"ggml {type_name} blocks do not hold rows of {embedding_dim}")
+        block = BLOCK_TYPES[type_name]
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous() or (
+                blocks.shape[1] != row_bytes(block, embedding_dim)):
+            raise ValueError(f"{type_name} blocks for rows of {embedding_dim} are contiguous "
+                             f"[V, {row_bytes(block, embedding_dim)}] uint8, not "
+                             f"{list(blocks.shape)} {blocks.dtype}")
+        self.type_name, self.embedding_dim = type_name, embedding_dim
+        self.num_embeddings = blocks.shape[0]
+        self.register_buffer("blocks", blocks)
+        # What callers read of an embedding's `weight`: the model dtype and device.
+        self.register_buffer("probe", torch.empty(0, embedding_dim, dtype=dtype),
+                             persistent=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """Not the table: an empty [0, H] tensor in the model dtype, on the table's device (the
+        dtype and device are what callers of `embed_tokens.weight` read)."""
+        return self.probe
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.nbytes
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole table as the lookups read it: [V, H] float32."""
+        return dequantize_channels(self.blocks, self.type_name, self.embedding_dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids (any shape, int) -> [*ids.shape, H] in the model dtype."""
+        rows = dequantize_channels(self.blocks, self.type_name, self.embedding_dim,
+                                   ids.reshape(-1))
+        return rows.to(self.probe.dtype).reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, blocks={self.type_name}, "
+                f"dtype={self.probe.dtype}")

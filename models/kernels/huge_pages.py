@@ -9,6 +9,12 @@ model's large parameters and buffers are copied into one anonymous mapping advis
 MADV_HUGEPAGE, and each tensor's data is pointed there (`tensor.data = ...`, so ties between
 parameters survive). The mapping lives as long as the tensors viewing it.
 
+Weights that view a mapped file (models/mapped_files.py: GGUF blocks, safetensors tensors at
+the model dtype) stay where they are: they are the page cache's pages, shared with other
+processes and not this process's to copy (a copy would double them); they stay in the file's
+regular pages (not timed against huge pages yet: MMSERVE_MAP_WEIGHTS=0 copies them here, for
+that comparison).
+
 Nothing changes where the kernel's THP setting is "never", off Linux, or with
 MMSERVE_HUGE_PAGES=0. Memory freed as the weights move (and while they load:
 `return_freed_memory`) is handed back to the system, so the model is not resident twice.
@@ -25,6 +31,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from models.mapped_files import is_mapped
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +60,9 @@ def available() -> tuple[bool, str]:
 
 
 def place_weights(model: nn.Module) -> int:
-    """Move the model's CPU parameters and buffers of MIN_BYTES or more into one huge-page
-    mapping, in module order (a forward's order). Returns the bytes moved (0 if unavailable)."""
+    """Move the model's CPU parameters and buffers of MIN_BYTES or more (but those viewing a
+    mapped file) into one huge-page mapping, in module order (a forward's order). Returns the
+    bytes moved (0 if unavailable)."""
     ok, detail = available()
     if not ok:
         log.info("weights stay in regular pages: %s", detail)
@@ -61,7 +70,8 @@ def place_weights(model: nn.Module) -> int:
     tensors, seen = [], set()
     for tensor in list(model.parameters()) + list(model.buffers()):
         if (id(tensor) in seen or tensor.device.type != "cpu" or not tensor.is_contiguous()
-                or tensor.layout != torch.strided or tensor.nbytes < MIN_BYTES):
+                or tensor.layout != torch.strided or tensor.nbytes < MIN_BYTES
+                or is_mapped(tensor)):
             continue
         seen.add(id(tensor))
         tensors.append(tensor)
