@@ -165,7 +165,7 @@ def _render(t: Transcript, fmt: str, task: str) -> Response:
             "segments": [{
                 "id": s.id, "seek": s.seek, "start": s.start, "end": s.end, "text": s.text,
                 "tokens": s.tokens, "temperature": s.temperature, "avg_logprob": s.avg_logprob,
-                "compression_ratio": s.compression_ratio, "no_speech_prob": None,
+                "compression_ratio": s.compression_ratio, "no_speech_prob": s.no_speech_prob,
             } for s in t.segments]})
     lines = ["WEBVTT", ""] if fmt == "vtt" else []
     for i, s in enumerate(t.segments, start=1):

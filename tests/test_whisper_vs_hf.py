@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.transcription import split_segments
 from models.checkpoint import GENERATION_CONFIG
 from models.interfaces import AudioClip, MediaError
 from models.whisper.prompt import WhisperTokens, decoder_prompt
@@ -73,14 +74,16 @@ def hf_greedy(hf, whisper_path, clip: np.ndarray, prompt: list[int]) -> list[int
 
 def hf_timestamped(hf, whisper_path, clip: np.ndarray, k: int) -> tuple[list[int], list]:
     """transformers' generate with timestamps: the raw tokens it generated (the unfinished
-    tail included) and its segments (start, end, tokens)."""
+    tail included) and the segments it cut them into (start, end, tokens). (It then goes on
+    from the last complete segment, as its long-form loop does: those calls are left out.)"""
     with torch.no_grad():
         out = hf.generate(features(whisper_path, clip), language="en", task="transcribe",
                           return_timestamps=True, max_new_tokens=k, return_segments=True,
                           return_dict_in_generate=True)
-    segments = out["segments"][0]
-    raw = segments[0]["result"]["sequences"].tolist()
-    return raw, [(float(s["start"]), float(s["end"]), s["tokens"].tolist()) for s in segments]
+    first = out["segments"][0][0]["result"]
+    segments = [s for s in out["segments"][0] if s["result"] is first]
+    return first["sequences"].tolist(), [
+        (float(s["start"]), float(s["end"]), s["tokens"].tolist()) for s in segments]
 
 
 def request(prompt: list[int], clip: np.ndarray) -> dict:
@@ -130,9 +133,14 @@ def test_token_rules_match_generate(llm, whisper_path, hf, tokens, timestamps):
     for clip, out in zip(CLIPS.values(), outs, strict=True):
         ours = out.outputs[0].token_ids
         if timestamps:
-            raw, _ = hf_timestamped(hf, whisper_path, clip, k)
+            raw, segments = hf_timestamped(hf, whisper_path, clip, k)
             assert raw[:len(prompt)] == prompt
             assert ours == raw[len(prompt):]
+            # its segments as transformers cuts them (a short clip: the 3000-frame window)
+            cuts, _ = split_segments(ours, tokens.timestamp_begin, 0.0, 3000)
+            assert [(round(c.start, 6), round(c.end, 6), c.tokens) for c in cuts] == [
+                (round(a, 6), round(b, 6), t) for a, b, t in segments]
+            assert len(cuts) > 1
             stamps = [t for t in ours if t >= tokens.timestamp_begin]
             assert ours[0] - tokens.timestamp_begin <= tokens.max_initial_timestamp_index
             assert stamps == sorted(stamps) and len(stamps) > 2
