@@ -1,8 +1,9 @@
 """OpenAI's speech-to-text routes, served by a Whisper engine (engine/transcription.py):
 `POST /v1/audio/transcriptions` and `/v1/audio/translations`, a multipart form as OpenAI's
 client sends it: `file`, `model`, `language`, `prompt`, `response_format` (json, text, srt, vtt,
-verbose_json with segments), `temperature`, `timestamp_granularities[]` (segment; word is not
-built), `stream` (server-sent `transcript.text.delta` events, one per segment, then
+verbose_json with segments at the model's timestamps, their no-speech probability included),
+`temperature`, `timestamp_granularities[]` (segment; word is a 400 naming it: word timestamps are
+not built), `stream` (server-sent `transcript.text.delta` events, one per segment, then
 `transcript.text.done`).
 
 The body is refused past the server's byte limit (413, naming it) and audio past
@@ -165,7 +166,7 @@ def _render(t: Transcript, fmt: str, task: str) -> Response:
             "segments": [{
                 "id": s.id, "seek": s.seek, "start": s.start, "end": s.end, "text": s.text,
                 "tokens": s.tokens, "temperature": s.temperature, "avg_logprob": s.avg_logprob,
-                "compression_ratio": s.compression_ratio, "no_speech_prob": None,
+                "compression_ratio": s.compression_ratio, "no_speech_prob": s.no_speech_prob,
             } for s in t.segments]})
     lines = ["WEBVTT", ""] if fmt == "vtt" else []
     for i, s in enumerate(t.segments, start=1):

@@ -2,6 +2,9 @@
 and frequency penalties, logit bias, grammar masks (structured output), per-request seeds and
 log-probabilities, as tensor operations with no host sync.
 
+Token rules (SamplingParams.token_rules, engine/token_rules.py) come first of all, then the
+grammar masks: both are part of the distribution the returned log-probabilities describe.
+
 The per-row options are gathered on the host into a `SamplingBatch` (tensors moved to the device
 once); which operations run at all is decided from Python flags, never from tensor values.
 Random rows are drawn with `torch.multinomial` (one uniform per row against the cumulative
@@ -24,6 +27,7 @@ import torch
 
 from engine.device import to_device
 from engine.request import Request
+from engine.rule_batch import RuleBatch
 from models.kernels import native
 
 
@@ -45,6 +49,7 @@ class SamplingBatch:
     # Grammar masks: [R, W] int32 for the constrained rows [R] int64.
     bitmask: torch.Tensor | None = None
     mask_rows: torch.Tensor | None = None
+    rules: RuleBatch | None = None  # the rows with token rules
     all_greedy: bool = True
     use_top_k: bool = False
     use_top_p: bool = False
@@ -89,7 +94,15 @@ class SamplingBatch:
         batch._add_penalties(reqs, drafts, vocab_size, device)
         batch._add_bias(reqs, vocab_size, device)
         batch._add_masks(reqs, drafts, device)
+        batch._add_rules(reqs, drafts, device)
         return batch
+
+    def _add_rules(self, reqs: list[Request], drafts: list[tuple[int, ...]], device) -> None:
+        masks = [(row, r.sampling_params.token_rules.mask(r.output_token_ids + list(d)))
+                 for row, (r, d) in enumerate(zip(reqs, drafts, strict=True))
+                 if r.sampling_params.token_rules is not None]
+        if masks:
+            self.rules = RuleBatch.build(masks, device)
 
     def _add_penalties(self, reqs: list[Request], drafts: list[tuple[int, ...]],
                        vocab_size: int, device) -> None:
@@ -149,6 +162,8 @@ class SamplerOutput:
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """logits [S, V] float32 -> one token per row (and log-probabilities if asked)."""
+    if batch.rules is not None:
+        batch.rules.apply(logits)
     if batch.bitmask is not None:
         apply_bitmask(logits, batch.bitmask, batch.mask_rows)
     raw = logits

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.speculative_option import MAX_SPECULATIVE_TOKENS, METHODS
 from engine.structured_outputs import StructuredOutputs
+from engine.token_rules import TokenRules
 
 MAX_LOGPROBS = 20
 MAX_N = 16  # completions per request
@@ -41,6 +42,9 @@ class SamplingParams:
     `speculative_method` "ngram" has it drafted by n-gram lookup whatever the engine's drafter
     (None: the engine's). Speculation never changes which tokens come out at temperature 0,
     nor their distribution above it.
+    `token_rules` rules tokens out step by step from the tokens generated so far, before
+    anything else applies (engine/token_rules.py; Whisper's timestamp rules); its
+    log-probabilities are those of the ruled distribution.
     """
 
     max_tokens: int = 16
@@ -63,6 +67,7 @@ class SamplingParams:
     lora: str | None = None
     num_speculative_tokens: int | None = None
     speculative_method: str | None = None
+    token_rules: TokenRules | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.logit_bias, Mapping):
@@ -125,6 +130,8 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(
                 self.structured_outputs, StructuredOutputs):
             raise bad("structured_outputs", "must be a StructuredOutputs")
+        if self.token_rules is not None and not isinstance(self.token_rules, TokenRules):
+            raise bad("token_rules", "must be None or a TokenRules (a `mask` method)")
 
     @property
     def greedy(self) -> bool:

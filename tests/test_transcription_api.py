@@ -94,6 +94,43 @@ def test_a_long_clip_is_cut_into_windows(server):
     assert any(s.start >= 30.0 for s in out.segments)  # the second window's segment(s)
 
 
+def test_long_form_windows_start_at_the_last_complete_segment(server):
+    """A 36 s clip with timestamps: the first window's segments are its tokens cut as
+    transformers cuts them, the second window starts where the last complete one ended, and
+    the second window's prompt carries the first's segments (timestamps included)."""
+    from engine.sampling_params import SamplingParams
+    from engine.transcription import WINDOW, previous_tokens, split_segments, whisper_tokens
+    from models.whisper.prompt import decoder_prompt
+
+    llm, _ = server
+    long = np.tile(CLIP, 18)
+    options = TranscriptionOptions(language="en", timestamps=True, temperatures=(0.0,),
+                                   no_speech_threshold=None)
+
+    async def run():
+        items = [item async for item in transcribe(llm, long, options)]
+        ids = whisper_tokens(llm)
+        prompt = decoder_prompt(ids, "en", timestamps=True)
+        params = SamplingParams(max_tokens=24 - len(prompt), temperature=0, logprobs=0,
+                                token_rules=ids.rules(True), skip_special_tokens=False)
+        request = {"prompt_token_ids": prompt, "multi_modal_data": {"audio": [
+            (long[:WINDOW], RATE)]}}
+        first = [out async for out in llm.generate(request, params, "first-window")][-1]
+        return items[-1], ids, first.outputs[0].token_ids
+
+    transcript, ids, tokens = asyncio.run(run())
+    tokens = tokens[:-1] if tokens and tokens[-1] == ids.end else tokens
+    cuts, advance = split_segments(tokens, ids.timestamp_begin, 0.0, 3000)
+    assert 0 < advance < 3000  # cut off mid-window: the unfinished segment is decoded again
+    assert len(transcript.windows) >= 2
+    head = transcript.segments[:len(cuts)]
+    assert [s.tokens for s in head] == [c.tokens for c in cuts]
+    assert [(s.start, s.end) for s in head] == [(c.start, c.end) for c in cuts]
+    assert transcript.windows[1].start == pytest.approx(advance / 100)
+    assert all(s.seek == advance for s in transcript.segments[len(cuts):][:1])
+    assert previous_tokens(cuts, ids.timestamp_begin)  # what the second window's prompt holds
+
+
 def test_bad_uploads_are_refused_naming_the_problem(server):
     _, client = server
     with pytest.raises(openai.BadRequestError, match="could not decode"):

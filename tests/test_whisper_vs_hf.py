@@ -2,7 +2,8 @@
 on a tiny random checkpoint: log-mel features equal to WhisperFeatureExtractor's, greedy tokens
 identical to its generate for two clips batched (one encoder call), logits within tolerance at
 prefill and decode, a repeated clip served from the encoder cache, the decoder prompt as
-generate writes it, and clips Whisper cannot take refused."""
+generate writes it, the generation config's token rules (suppression, the timestamp rules) as
+generate applies them, and clips Whisper cannot take refused."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.transcription import split_segments
 from models.checkpoint import GENERATION_CONFIG
 from models.interfaces import AudioClip, MediaError
 from models.whisper.prompt import WhisperTokens, decoder_prompt
@@ -70,6 +72,20 @@ def hf_greedy(hf, whisper_path, clip: np.ndarray, prompt: list[int]) -> list[int
     return out[0, :N].tolist()
 
 
+def hf_timestamped(hf, whisper_path, clip: np.ndarray, k: int) -> tuple[list[int], list]:
+    """transformers' generate with timestamps: the raw tokens it generated (the unfinished
+    tail included) and the segments it cut them into (start, end, tokens). (It then goes on
+    from the last complete segment, as its long-form loop does: those calls are left out.)"""
+    with torch.no_grad():
+        out = hf.generate(features(whisper_path, clip), language="en", task="transcribe",
+                          return_timestamps=True, max_new_tokens=k, return_segments=True,
+                          return_dict_in_generate=True)
+    first = out["segments"][0][0]["result"]
+    segments = [s for s in out["segments"][0] if s["result"] is first]
+    return first["sequences"].tolist(), [
+        (float(s["start"]), float(s["end"]), s["tokens"].tolist()) for s in segments]
+
+
 def request(prompt: list[int], clip: np.ndarray) -> dict:
     return {"prompt_token_ids": prompt, "multi_modal_data": {"audio": [(clip, RATE)]}}
 
@@ -101,6 +117,39 @@ def test_two_clips_batched_match_generate_in_one_encoder_call(llm, whisper_path,
     for name, out in zip(CLIPS, outs, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(hf, whisper_path, CLIPS[name],
                                                      prompts[name]), name
+    assert_released(llm)
+
+
+@pytest.mark.parametrize("timestamps", [True, False])
+def test_token_rules_match_generate(llm, whisper_path, hf, tokens, timestamps):
+    """The generation config's suppression and, with timestamps, the timestamp rules (pairs,
+    not decreasing, the first one bounded, forced by their summed probability): greedy tokens
+    identical to generate's for two clips batched."""
+    k = 24
+    prompt = decoder_prompt(tokens, "en", timestamps=timestamps)
+    params = SamplingParams(max_tokens=k, temperature=0, ignore_eos=True,
+                            token_rules=tokens.rules(timestamps), skip_special_tokens=False)
+    outs = llm.generate([request(prompt, clip) for clip in CLIPS.values()], params)
+    for clip, out in zip(CLIPS.values(), outs, strict=True):
+        ours = out.outputs[0].token_ids
+        if timestamps:
+            raw, segments = hf_timestamped(hf, whisper_path, clip, k)
+            assert raw[:len(prompt)] == prompt
+            assert ours == raw[len(prompt):]
+            # its segments as transformers cuts them (a short clip: the 3000-frame window)
+            cuts, _ = split_segments(ours, tokens.timestamp_begin, 0.0, 3000)
+            assert [(round(c.start, 6), round(c.end, 6), c.tokens) for c in cuts] == [
+                (round(a, 6), round(b, 6), t) for a, b, t in segments]
+            assert len(cuts) > 1
+            stamps = [t for t in ours if t >= tokens.timestamp_begin]
+            assert ours[0] - tokens.timestamp_begin <= tokens.max_initial_timestamp_index
+            assert stamps == sorted(stamps) and len(stamps) > 2
+            assert ours != hf_greedy(hf, whisper_path, clip, prompt)[:k]  # the rules bind
+        else:
+            with torch.no_grad():
+                ref = hf.generate(features(whisper_path, clip), language="en",
+                                  task="transcribe", max_new_tokens=k)
+            assert ours == ref[0, :k].tolist()  # (generated tokens only, as hf_greedy's)
     assert_released(llm)
 
 

@@ -56,5 +56,6 @@ def panel(t: Transcript, wall: float, model: str) -> str:
         cache = "cache hit" if w.cache_hit else "encoded" if w.cache_hit is False else "?"
         lines.append(f"window {w.start:.0f} s: encoder entry {html.escape(w.item[:12])} "
                      f"({cache}), decoded in {ms(w.seconds)}, {w.attempts} attempt"
-                     f"{'s' if w.attempts > 1 else ''} (temperature {w.temperature:g})")
+                     f"{'s' if w.attempts > 1 else ''} (temperature {w.temperature:g})"
+                     f"{', skipped: no speech' if w.skipped else ''}")
     return section("Dictation", lines)

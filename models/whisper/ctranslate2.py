@@ -206,15 +206,19 @@ def whisper_settings(folder: Path, tokenizer) -> tuple[Any, dict, dict[str, str]
         "bos_token_id": end, "no_timestamps_token_id": token("<|notimestamps|>"),
         "prev_sot_token_id": token("<|startofprev|>"), "is_multilingual": multilingual,
         "suppress_tokens": suppress, "begin_suppress_tokens": begin,
+        # faster-whisper's default max_initial_timestamp (1.0 s; the folder does not say)
         "max_initial_timestamp_index": 50, "max_length": config.max_target_positions,
     }
+    if ct2.get("alignment_heads"):
+        generation["alignment_heads"] = [[int(a), int(b)] for a, b in ct2["alignment_heads"]]
     if multilingual:
         generation["lang_to_id"] = languages
         generation["task_to_id"] = {t: token(f"<|{t}|>") for t in ("transcribe", "translate")}
     dtypes = {str(v.dtype).removeprefix("torch.") for v in file.variables.values()
               if v.name.endswith("/weight")}
     sources = {"config": f"{MODEL_FILE} (tensor shapes, num_heads) + config.json",
-               "generation": "config.json (suppress_ids, lang_ids) + tokenizer.json",
+               "generation": "config.json (suppress_ids, lang_ids, alignment_heads) + "
+                             "tokenizer.json",
                "weights": f"CTranslate2 {SPEC} rev {file.revision}, binary v{file.version}, "
                           f"{'/'.join(sorted(dtypes))} weights"}
     return config, generation, sources

@@ -5,7 +5,9 @@ transformers' WhisperForConditionalGeneration.generate writes it.
 
 The special tokens' ids come from the checkpoint's generation_config.json where transformers
 reads them (`decoder_start_token_id`, `no_timestamps_token_id`, `lang_to_id`, `task_to_id`,
-`is_multilingual`, `prev_sot_token_id`); timestamps start right after `<|notimestamps|>`.
+`is_multilingual`, `prev_sot_token_id`, `suppress_tokens`, `begin_suppress_tokens`,
+`max_initial_timestamp_index`, `alignment_heads`; a missing optional one is transformers'
+default); timestamps start right after `<|notimestamps|>`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from models.whisper.rules import WhisperRules
 
 TASKS = ("transcribe", "translate")
 
@@ -30,6 +34,8 @@ class WhisperTokens:
     tasks: Mapping[str, int] = field(default_factory=dict)
     suppress: tuple[int, ...] = ()  # never sampled
     begin_suppress: tuple[int, ...] = ()  # not sampled first
+    max_initial_timestamp_index: int | None = None  # None: the first timestamp is not bounded
+    alignment_heads: tuple[tuple[int, int], ...] = ()  # (decoder layer, head) pairs
 
     def __post_init__(self) -> None:
         if self.multilingual and not (self.languages and set(TASKS) <= set(self.tasks)):
@@ -40,6 +46,11 @@ class WhisperTokens:
     def timestamp_begin(self) -> int:
         """<|0.00|>: timestamps follow <|notimestamps|>, 0.02 s apart."""
         return self.no_timestamps + 1
+
+    def rules(self, timestamps: bool) -> WhisperRules:
+        """The token rules of a decode with or without timestamps (models/whisper/rules.py)."""
+        return WhisperRules(self.end, self.no_timestamps, self.suppress, self.begin_suppress,
+                            timestamps, self.max_initial_timestamp_index)
 
     @classmethod
     def from_generation_config(cls, gen: Mapping[str, Any] | None) -> WhisperTokens:
@@ -61,7 +72,9 @@ class WhisperTokens:
             previous=gen.get("prev_sot_token_id"),
             languages=langs, tasks=dict(gen.get("task_to_id") or {}),
             suppress=tuple(gen.get("suppress_tokens") or ()),
-            begin_suppress=tuple(gen.get("begin_suppress_tokens") or ()))
+            begin_suppress=tuple(gen.get("begin_suppress_tokens") or ()),
+            max_initial_timestamp_index=gen.get("max_initial_timestamp_index"),
+            alignment_heads=tuple(tuple(p) for p in gen.get("alignment_heads") or ()))
 
 
 def decoder_prompt(tokens: WhisperTokens, language: str | None = "en",
