@@ -13,7 +13,8 @@ Tasks: code completion, a code edit (return the function with one change), a spe
 correction of a given paragraph, and free chat; greedy, the same prompt for every engine.
 
     python -m bench.speculative                    # every pair and task, then the cost table
-    python -m bench.speculative --verify-cost      # the cost table only (k = 1..8)
+    python -m bench.speculative --verify-cost      # the cost table only (k = 1..8; the
+                                                   # blocks as stored, bfloat16, int8, int4)
     python -m bench.speculative --smoke            # tiny random models: the script runs
 """
 
@@ -157,13 +158,22 @@ def compare(target: Path, configs: dict[str, str | None], n: int, runs: int,
     return rows
 
 
-def verify_cost(target: Path, steps: int) -> list[tuple]:
+# The weights a verify step is timed with: the GGUF's blocks as stored, and the file
+# dequantized to bfloat16 and requantized to our int8 and int4.
+WEIGHTS = {"as stored": {}, "bfloat16": {"dequantize_gguf": True, "dtype": "bfloat16"},
+           "int8": {"dequantize_gguf": True, "dtype": "bfloat16", "quantization": "int8"},
+           "int4": {"dequantize_gguf": True, "dtype": "bfloat16", "quantization": "int4"}}
+
+
+def verify_cost(target: Path, steps: int, weights: str = "as stored") -> list[tuple]:
     """Median seconds of a verify step of one request with k drafts (k = 1..8) against a plain
-    decode step of it, at a context of ~200 tokens; the engine's own runner, one step each."""
+    decode step of it, at a context of ~200 tokens; the engine's own runner, one step each;
+    the weights as `WEIGHTS[weights]` says."""
     from engine import LLM, SamplingParams
     from engine.scheduler import ScheduledChunk, SchedulerOutput
 
-    llm = LLM(target, max_model_len=1024, speculative="ngram", enable_prefix_caching=False)
+    llm = LLM(target, max_model_len=1024, speculative="ngram", enable_prefix_caching=False,
+              **WEIGHTS[weights])
     engine = llm.engine
     prompt = [(1000 + i) % engine.runner.vocab_size for i in range(200)]
     req = engine.make_request(engine.processor.process(engine.processor.parse(prompt), {}),
@@ -181,10 +191,10 @@ def verify_cost(target: Path, steps: int) -> list[tuple]:
         return time.perf_counter() - t0
 
     plain = median([step(0) for _ in range(steps)])
-    rows = [(0, plain * 1e3, 1.0)]
+    rows = [(weights, 0, plain * 1e3, 1.0)]
     for k in range(1, 9):
         t = median([step(k) for _ in range(steps)])
-        rows.append((k, t * 1e3, t / plain))
+        rows.append((weights, k, t * 1e3, t / plain))
     return rows
 
 
@@ -203,7 +213,7 @@ def main() -> None:
         print_table(compare(target, {"plain": None, "ngram": "ngram",
                                      "draft": f"draft:{draft}"}, args.tokens, 1, None),
                     ("task", "engine", "decode tok/s", "x plain", "accepted", "same text"))
-        print_table(verify_cost(target, 2), ("k", "step ms", "x plain step"))
+        print_table(verify_cost(target, 2), ("weights", "k", "step ms", "x plain step"))
         return
     target = joined_gguf(*TARGET)
     draft = joined_gguf(*DRAFT)
@@ -223,7 +233,8 @@ def main() -> None:
                                 args.runs, small),
                         ("task", "engine (SmolLM2-135M)", "decode tok/s", "x plain",
                          "accepted", "same text"))
-    print_table(verify_cost(target, 5), ("k", "step ms", "x plain step"))
+    print_table([row for weights in WEIGHTS for row in verify_cost(target, 5, weights)],
+                ("weights", "k", "step ms", "x plain step"))
 
 
 def _smoke_checkpoint() -> Path:
