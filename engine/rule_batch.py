@@ -1,4 +1,4 @@
-"""The step's token rules (engine/token_rules.py) as device tensors, applied to the sampled
+"""The step's token rules (models/token_rules.py) as device tensors, applied to the sampled
 logits in place: ranges and single tokens set to -inf, then the `force_from` comparison, with no
 host sync."""
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.device import to_device
-from engine.token_rules import VOCAB_END, TokenMask
+from models.token_rules import VOCAB_END, TokenMask
 
 
 @dataclass

@@ -2,7 +2,7 @@
 and frequency penalties, logit bias, grammar masks (structured output), per-request seeds and
 log-probabilities, as tensor operations with no host sync.
 
-Token rules (SamplingParams.token_rules, engine/token_rules.py) come first of all, then the
+Token rules (SamplingParams.token_rules, models/token_rules.py) come first of all, then the
 grammar masks: both are part of the distribution the returned log-probabilities describe.
 
 The per-row options are gathered on the host into a `SamplingBatch` (tensors moved to the device

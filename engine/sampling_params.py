@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.speculative_option import MAX_SPECULATIVE_TOKENS, METHODS
 from engine.structured_outputs import StructuredOutputs
-from engine.token_rules import TokenRules
+from models.token_rules import TokenRules
 
 MAX_LOGPROBS = 20
 MAX_N = 16  # completions per request
@@ -43,7 +43,7 @@ class SamplingParams:
     (None: the engine's). Speculation never changes which tokens come out at temperature 0,
     nor their distribution above it.
     `token_rules` rules tokens out step by step from the tokens generated so far, before
-    anything else applies (engine/token_rules.py; Whisper's timestamp rules); its
+    anything else applies (models/token_rules.py; Whisper's timestamp rules); its
     log-probabilities are those of the ruled distribution.
     """
 

@@ -19,12 +19,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.token_rules import VOCAB_END, TokenMask
+from models.token_rules import VOCAB_END, TokenMask
 
 
 @dataclass(frozen=True)
 class WhisperRules:
-    """The rules of one decode (engine.token_rules.TokenRules)."""
+    """The rules of one decode (models.token_rules.TokenRules)."""
 
     end: int  # <|endoftext|>: every token below it is text
     no_timestamps: int  # <|notimestamps|>; timestamps follow it
