@@ -10,7 +10,9 @@ engine would silently run PyTorch's kernels only.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import shutil
 
 import pytest
 import torch
@@ -494,25 +496,36 @@ def test_the_forced_variant_is_the_one_loaded(kernels):
 
 
 def test_build_is_cached_and_keyed_by_variant_and_source(kernels, tmp_path, monkeypatch):
+    """The cache's keying, on two small sources of the library's shape (a header and files
+    named as ours): the library itself is built (and its kernels tested) by every other test."""
     from models.kernels.cpu_variants import BY_NAME
 
-    monkeypatch.setenv("MMSERVE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("MMSERVE_KERNEL_CACHE", str(tmp_path / "cache"))
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    (ours / "kernels.h").write_text("int mm_one(void);\n")
+    (ours / "one.c").write_text('#include "kernels.h"\nint mm_one(void) { return 1; }\n')
+    (ours / "two.c").write_text('#include "kernels.h"\nint mm_two(void) { return mm_one(); }\n')
+    monkeypatch.setattr(native_build, "SOURCES", (ours / "one.c", ours / "two.c"))
+    monkeypatch.setattr(native_build, "HEADER", ours / "kernels.h")
     compiler = os.environ.get("CC") or "cc"
     openmp = native_build.openmp_runtime()
     variant = BY_NAME[kernels.variant]
-    path, seconds = native_build.build(variant, compiler, openmp)
-    assert path.parent == tmp_path and seconds > 0 and variant.name in path.name
+    path, seconds = native_build.build(variant, compiler, openmp, source_dir=ours)
+    assert path.parent == tmp_path / "cache" and seconds > 0 and variant.name in path.name
+    assert ctypes.CDLL(str(path)).mm_two() == 1  # compiled, linked, loadable
     # the second start reuses it
-    assert native_build.build(variant, compiler, openmp) == (path, 0.0)
+    assert native_build.build(variant, compiler, openmp, source_dir=ours) == (path, 0.0)
     other = next(v for v in BY_NAME.values() if v.arch == variant.arch and v != variant)
-    assert native_build.build(other, compiler, openmp)[0] != path
-    edited = tmp_path / "sources"  # another revision's sources: one file edited
-    edited.mkdir()
-    for source in (*native_build.SOURCES, native_build.HEADER):
-        (edited / source.name).write_text(source.read_text())
-    first = edited / native_build.SOURCES[0].name
-    first.write_text(first.read_text() + "\n/* edited */\n")
+    assert native_build.build(other, compiler, openmp, source_dir=ours)[0] != path
+    edited = tmp_path / "edited"  # another revision's sources: one file edited
+    shutil.copytree(ours, edited)
+    (edited / "one.c").write_text((ours / "one.c").read_text() + "\n/* edited */\n")
     assert native_build.build(variant, compiler, openmp, source_dir=edited)[0] != path
+    header = tmp_path / "header"  # the header is part of the key too
+    shutil.copytree(ours, header)
+    (header / "kernels.h").write_text("int mm_one(void); /* edited */\n")
+    assert native_build.build(variant, compiler, openmp, source_dir=header)[0] != path
 
 
 def test_without_a_compiler_the_engine_keeps_pytorch_kernels(monkeypatch):
