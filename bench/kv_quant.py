@@ -167,7 +167,9 @@ def main() -> None:
     parser.add_argument("--model", default="gemma3", help="smollm2, gemma3 or a GGUF path")
     parser.add_argument("--dtype", default="bfloat16", help="the engine's dtype (both caches)")
     parser.add_argument("--tokens", type=int, default=8192, help="of the GPL text, at most")
-    parser.add_argument("--window", type=int, default=4096)
+    parser.add_argument("--window", type=int, default=1024, help="tokens per window of the "
+                        "quality rows (llama.cpp keeps every position's logits: a window x the "
+                        "vocabulary in float32, twice)")
     parser.add_argument("--chunk", type=int, default=256, help="prefill chunk (llama.cpp's "
                         "ubatch) for the quality rows")
     parser.add_argument("--contexts", default="1024,8192,16384")
