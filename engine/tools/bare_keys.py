@@ -21,6 +21,7 @@ from engine.tools.base import (
     compact,
     held_back,
     lark_literal,
+    ordered_pairs,
 )
 
 OPEN, CLOSE, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
@@ -207,7 +208,7 @@ class _Rules:
         required = set(schema.get("required") or [])
         pairs = [(f'{json.dumps(k + ":")} {self.value(props[k], f"{where}.{k}")}',
                   k in required) for k in sorted(props)]
-        return _pairs(pairs)
+        return ordered_pairs(pairs, '","')
 
     def string(self, schema: dict, where: str) -> str:
         self.check(schema, {"type", "minLength", "maxLength", "pattern", *_ANNOTATIONS}, where)
@@ -237,17 +238,6 @@ class _Rules:
         if extra:
             raise ValueError(f"{where}: the bare-keys call grammar cannot enforce "
                              f"{', '.join(extra)}")
-
-
-def _pairs(pairs: list[tuple[str, bool]]) -> str:
-    """Key-value pairs in order, each optional one skippable, commas between."""
-    if not pairs:
-        return '""'
-    (first, required), rest = pairs[0], pairs[1:]
-    tail = " ".join(f'"," {kv}' if req else f'("," {kv})?' for kv, req in rest) or '""'
-    if required:
-        return f"{first} {tail}"
-    return f"({first} {tail} | {_pairs(rest)})"
 
 
 BARE_KEYS = BareKeys()

@@ -135,3 +135,16 @@ def lark_literal(marker: str, token_id: TokenId) -> str:
     """A marker in a grammar: by id where it is one added token, else as text."""
     tid = token_id(marker)
     return f"<[{tid}]>" if tid is not None else json.dumps(marker)
+
+
+def ordered_pairs(pairs: list[tuple[str, bool]], separator: str) -> str:
+    """A grammar rule for key-value pairs (each `(rule, required)`) in order, each optional one
+    skippable, `separator` (a grammar string literal) between them."""
+    if not pairs:
+        return '""'
+    (first, required), rest = pairs[0], pairs[1:]
+    tail = " ".join(f"{separator} {kv}" if req else f"({separator} {kv})?"
+                    for kv, req in rest) or '""'
+    if required:
+        return f"{first} {tail}"
+    return f"({first} {tail} | {ordered_pairs(rest, separator)})"

@@ -15,6 +15,7 @@ from engine.tools.base import (
     ToolParser,
     compact,
     function_schema,
+    ordered_pairs,
 )
 
 _JSON_NAMES = {"true": True, "false": False, "null": None}
@@ -65,23 +66,12 @@ class Pythonic(ToolParser):
             for i, k in enumerate(items):
                 rules.append(f"v{t}_{i}: %json {json.dumps(compact(props[k]))}")
             pairs = [(f'"{k}=" v{t}_{i}', k in required) for i, k in enumerate(items)]
-            rules.append(f'call{t}: {json.dumps(tool["function"]["name"] + "(")} '
-                         f'{_args(pairs)} ")"')
+            args = ordered_pairs(pairs, '", "')
+            rules.append(f'call{t}: {json.dumps(tool["function"]["name"] + "(")} {args} ")"')
             names.append(f"call{t}")
         call = " | ".join(names)
         start = 'start: "[" call ("," " "? call)* "]"' if parallel else 'start: "[" call "]"'
         return "\n".join([start, f"call: {call}", *rules]) + "\n"
-
-
-def _args(pairs: list[tuple[str, bool]]) -> str:
-    """Keyword arguments in order, each optional one skippable, commas between."""
-    if not pairs:
-        return '""'
-    (first, required), rest = pairs[0], pairs[1:]
-    tail = " ".join(f'", " {kv}' if req else f'(", " {kv})?' for kv, req in rest) or '""'
-    if required:
-        return f"{first} {tail}"
-    return f"({first} {tail} | {_args(rest)})"
 
 
 def _literal(node: ast.expr):
