@@ -11,7 +11,7 @@ import functools
 import logging
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +19,8 @@ if TYPE_CHECKING:  # the heavy imports wait until the arguments are parsed (fast
     from fastapi import FastAPI
 
     from engine.interface import ChatEngine
-    from ui.lineup import Refused
+    from engine.load_progress import ProgressListener
+    from ui.lineup import Loader, Refused
 
 log = logging.getLogger("mmserve")
 
@@ -222,7 +223,7 @@ def build_app(
     examples: list[list] | None = None,
     allowed_hosts: Sequence[str] | None = None,
     allowed_origins: Sequence[str] = (),
-    available: Mapping[str, Callable[[], ChatEngine]] | None = None,
+    available: Mapping[str, Loader] | None = None,
     dictation: Any = None,
 ) -> FastAPI:
     """One FastAPI app: the Gradio UI at / and, for in-process engines, the OpenAI-compatible
@@ -313,10 +314,11 @@ def refused_models(engines: Mapping[str, ChatEngine], notes: Mapping[str, str]
 
 
 def stored_models(args: argparse.Namespace, engines: dict[str, ChatEngine]
-                  ) -> dict[str, Callable[[], ChatEngine]]:
+                  ) -> dict[str, Loader]:
     """The models of Ollama's and LM Studio's stores not already in `engines`, each with the
-    function that loads it (with the command line's engine options) when the picker chooses it
-    and adds it to `engines` (whose engines the app shuts down)."""
+    function that loads it (with the command line's engine options, telling the picker of each
+    start-up stage) when the picker chooses it and adds it to `engines` (whose engines the app
+    shuts down)."""
     if args.backend or args.no_model_stores or args.api_only:
         return {}
     from engine import AsyncLLM
@@ -324,8 +326,9 @@ def stored_models(args: argparse.Namespace, engines: dict[str, ChatEngine]
 
     options = engine_options(args)
 
-    def load(name: str) -> ChatEngine:
-        engines[name] = AsyncLLM(name, device=args.device, dtype=args.dtype, **options)
+    def load(name: str, progress: ProgressListener) -> ChatEngine:
+        engines[name] = AsyncLLM(name, device=args.device, dtype=args.dtype,
+                                 load_progress=progress, **options)
         return engines[name]
 
     found = [m.name for m in discover() if m.name not in engines]

@@ -31,6 +31,7 @@ from engine.engine_report import (
 from engine.fanout import FanOut
 from engine.grammar import GrammarCompiler
 from engine.hub import resolve_files
+from engine.load_progress import ProgressListener, StartupProgress, TerminalProgress
 from engine.model_runner import EncoderItemsFailed, ItemFailure, ModelRunner, StepResult
 from engine.outputs import CompletionOutput, PlaceholderInfo, RequestOutput
 from engine.processing import InputProcessor, ProcessedPrompt
@@ -51,12 +52,17 @@ class LLMEngine:
 
     def __init__(
         self, model: str | Path, *, device: str = "auto", dtype: str = "auto",
-        mmproj: str | Path | None = None, **options: Any
+        mmproj: str | Path | None = None, load_progress: ProgressListener | None = None,
+        **options: Any
     ) -> None:
         """`model`: a checkpoint folder, a GGUF file (`mmproj`: its projector file, a vision or
         audio tower; a folder holding both finds it by name), `ollama:NAME:TAG`,
-        `lmstudio:PUBLISHER/REPO` or a Hub id (engine/hub.py); `options`: EngineConfig's."""
+        `lmstudio:PUBLISHER/REPO` or a Hub id (engine/hub.py); `options`: EngineConfig's.
+        Each start-up stage shows on the terminal (engine/load_progress.py) and is reported to
+        `load_progress` too, if given (from this thread)."""
         self.config = EngineConfig.from_options(**options)
+        progress = StartupProgress(
+            [TerminalProgress(), *([load_progress] if load_progress is not None else [])])
         files = resolve_files(model, mmproj)
         self.model_path = files.path
         self.model_id = str(model)
@@ -79,7 +85,7 @@ class LLMEngine:
         mm_processor = processor(1) if spec.processor is not None else None
         self.runner = ModelRunner(
             self.model_path, hf_config, spec.model, self.config, self.device, self.dtype,
-            mmproj=setup.mmproj,
+            mmproj=setup.mmproj, progress=progress,
         )
         layout = self.runner.layout
         self.max_model_len = layout.max_model_len

@@ -29,6 +29,7 @@ from engine.config import EngineConfig
 from engine.cross_states import cross_items, plan_cross_states
 from engine.device import DeviceTimer, to_device, wait_for_device
 from engine.kv_blocks_in_use import BlocksInUse, chunk_blocks
+from engine.load_progress import StartupProgress
 from engine.memory_plan import (
     CacheLayout,
     StateLayout,
@@ -108,12 +109,15 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         mmproj: Path | None = None,  # a GGUF model's projector file (its tower)
+        progress: StartupProgress | None = None,  # told of each start-up stage
     ) -> None:
         self.config = config
         self.device = device
         self.dtype = dtype
+        progress = progress or StartupProgress()
         max_len = requested_max_model_len(hf_config, config)
-        loaded = load_model(path, hf_config, model_cls, config, device, dtype, max_len, mmproj)
+        loaded = load_model(path, hf_config, model_cls, config, device, dtype, max_len, mmproj,
+                            progress)
         self.model = loaded.model
         self.gguf_summary = loaded.gguf_summary  # for a GGUF file: which tensors run as stored
         # LoRA adapters requests may choose: the checkpoint's, per modality, and the configured.
@@ -123,20 +127,26 @@ class ModelRunner:
         self.span_windows = _span_windows(self.model.attention_layers())
         cfg = self.model.cfg
         kv_heads, head_dim = _common_kv_shape(self.model.attention_layers())
-        self.decode_kernel = choose_decode_attention(
-            cfg.num_heads, kv_heads, head_dim, dtype, device, config.block_size,
-            config.kv_cache_dtype,
-        )
+        with progress.step("choosing the decode attention kernel"):
+            self.decode_kernel = choose_decode_attention(
+                cfg.num_heads, kv_heads, head_dim, dtype, device, config.block_size,
+                config.kv_cache_dtype,
+            )
         self.attention_backend = choose_backend(device, dtype)
         # Cross-attention layers' keys and values (engine/cross_states.py), out of the KV budget.
         self.cross_layout = plan_cross_states(self.model, config, dtype, default_kv_bytes(device))
         self.layout = plan_kv_cache(
             self.model, config, dtype, device, max_len,
             0 if self.cross_layout is None else self.cross_layout.nbytes)
+        pools = "reserving the KV cache and state pools"
+        progress(pools, 0, 2)
         self._allocate_kv_cache()
+        progress(pools, 1, 2)
         self.state_layout = allocate_states(self.model, config, dtype, device)
+        progress(pools, 2, 2)
         # Whether decode steps run the layers in one native call (CPU; at some row counts).
-        self.native_decode = device.type == "cpu" and self.model.prepare_decode()
+        with progress.step("preparing the decode step"):
+            self.native_decode = device.type == "cpu" and self.model.prepare_decode()
         # Encoder outputs by content hash; which ones exist is decided by EncoderCacheManager.
         self.encoder_outputs: dict[str, torch.Tensor] = {}
 

@@ -12,16 +12,17 @@ and v in our qkv_proj) and a converted dtype are copied as before.
 
 Parameters the caller defers stay on the meta device until the checkpoint first writes them, and
 an observer hears of each as it is complete (weights quantized while they stream in: only the
-linears being filled are ever resident in the model dtype).
+linears being filled are ever resident in the model dtype). `counted` reports how far a stream
+of tensors is, for the start-up's progress line.
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -40,6 +41,44 @@ class Shard:
 
 
 WeightMap = Callable[[str], "tuple[str, Shard | None] | None"]
+
+StageProgress = Callable[[str, int, int], None]
+"""Told how far a loading stage is: (what it does, steps done, steps in all), from 0 to all
+(engine/load_progress.py shows it)."""
+
+T = TypeVar("T")
+
+
+class StageCounter:
+    """Counts a stage's steps to a StageProgress (or to nothing): 0 when made, one more per
+    `step()`, `total` at `finish()` however many were counted."""
+
+    def __init__(self, stage: str, total: int, progress: StageProgress | None) -> None:
+        self.stage, self.total, self.progress = stage, max(total, 1), progress
+        self.done = 0
+        if progress is not None:
+            progress(stage, 0, self.total)
+
+    def step(self) -> None:
+        self.done = min(self.done + 1, self.total)
+        if self.progress is not None:
+            self.progress(self.stage, self.done, self.total)
+
+    def finish(self) -> None:
+        if self.done < self.total:
+            self.done = self.total - 1
+            self.step()
+
+
+def counted(items: Iterable[T], stage: str, total: int,
+            progress: StageProgress | None) -> Iterator[T]:
+    """`items`, each counted to `progress` under `stage` once the consumer is done with it
+    (0 before the first, `total` after the last)."""
+    counter = StageCounter(stage, total, progress)
+    for item in items:
+        yield item
+        counter.step()
+    counter.finish()
 
 
 class MissingWeights(ValueError):
@@ -69,6 +108,12 @@ SAFETENSORS_DTYPES = {
     "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
+
+
+def checkpoint_tensor_count(path: Path, prefix: str = "") -> int:
+    """How many tensors `iter_checkpoint(path, prefix)` yields (read from the headers)."""
+    return sum(sum(1 for k in safetensors_header(file) if k != "__metadata__"
+                   and k.startswith(prefix)) for file in checkpoint_files(path))
 
 
 def iter_checkpoint(path: Path, prefix: str = "", mapped_dtype: torch.dtype | None = None,

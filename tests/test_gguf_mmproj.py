@@ -523,7 +523,7 @@ def test_the_picker_loads_a_model_once_when_chosen():
 
     calls, gate = [], threading.Event()
 
-    def load():
+    def load(progress):
         calls.append(1)
         gate.wait(5)
         if len(calls) == 1:
@@ -568,7 +568,7 @@ def test_the_ui_picker_offers_a_store_model_and_loads_it_when_chosen():
 
     loads = []
     demo = build_demo({"served": Standin("served")}, examples=[],
-                      available={"lmstudio:org/m": lambda: loads.append(1) or Standin("m")})
+                      available={"lmstudio:org/m": lambda _: loads.append(1) or Standin("m")})
     (picker,) = [b for b in demo.blocks.values() if isinstance(b, gr.Dropdown)]
     assert ("lmstudio:org/m" + NOT_LOADED, "lmstudio:org/m") in picker.choices
     assert loads == []  # nothing loaded until chosen

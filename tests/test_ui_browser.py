@@ -1,11 +1,13 @@
 """The app in a real browser: Playwright drives Debian's chromium (never a downloaded browser)
-to upload an image, watch the reply stream in, read the placeholder panel, and stop a long
-generation. Screenshots go to test-artifacts/."""
+to upload an image, watch the reply stream in, read the placeholder panel, stop a long
+generation, and load a model from the picker while its start-up stage shows. Screenshots go to
+test-artifacts/."""
 
 from __future__ import annotations
 
 import os
 import re
+import threading
 from pathlib import Path
 
 import pytest
@@ -13,11 +15,19 @@ from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from api import create_app
 from app import build_app
+from engine import AsyncLLM
 from engine.remote import RemoteConfig, connect
 from tests.api_fixtures import running_server
 from tests.helpers import pace_steps, wait_idle
-from tests.ui_fixtures import VL, demo_engines, demo_root, image_offset, running_app
-from ui.demo import DEMO_NOTE, ensure_samples
+from tests.ui_fixtures import (
+    ENGINE_OPTIONS,
+    VL,
+    demo_engines,
+    demo_root,
+    image_offset,
+    running_app,
+)
+from ui.demo import DEMO_NOTE, ensure_demo_models, ensure_samples
 
 CHROMIUM = Path("/usr/bin/chromium")
 # Without the background-networking flags chromium's own connections are refused by a closed
@@ -29,6 +39,7 @@ FLAGS = [
     "--use-fake-device-for-media-stream", "--use-fake-ui-for-media-stream",
 ]
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
+LATE = "demo-loaded-when-chosen"  # the picker lists it; it loads when chosen
 
 pytestmark = [
     pytest.mark.browser,
@@ -43,6 +54,25 @@ pytestmark = [
 ]
 
 
+class HeldLoad:
+    """The picker's loader of LATE (the demo's Qwen2-VL checkpoint again): it holds the start-up
+    at its reading of the weights until `release`, so that the page can be seen showing it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.release = threading.Event()
+        self.loaded: list[AsyncLLM] = []
+
+    def __call__(self, progress) -> AsyncLLM:
+        def held(report) -> None:
+            progress(report)
+            if report.stage == "reading weights" and report.done == 0:
+                self.release.wait(120)
+
+        self.loaded.append(AsyncLLM(self.path, load_progress=held, **ENGINE_OPTIONS))
+        return self.loaded[-1]
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     root = demo_root(tmp_path_factory)
@@ -50,9 +80,16 @@ def served(tmp_path_factory):
         # Replies here sample (temperature 0.7) from random weights: without EOS they end only
         # at max tokens or Stop, so each test knows which finish to wait for.
         engines[VL].engine.eos_token_ids = frozenset()
-        app = build_app(engines, notes=dict.fromkeys(engines, DEMO_NOTE))
-        with running_app(app) as url:
-            yield engines, ensure_samples(root), url
+        late = HeldLoad(ensure_demo_models(root)[VL])
+        app = build_app(engines, notes=dict.fromkeys(engines, DEMO_NOTE),
+                        available={LATE: late})
+        try:
+            with running_app(app) as url:
+                yield engines, ensure_samples(root), url, late
+        finally:
+            late.release.set()
+            for llm in late.loaded:
+                llm.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +165,7 @@ def screenshot(page, name: str) -> None:
 def test_upload_an_image_and_see_its_placeholder(page, served):
     from playwright.sync_api import expect
 
-    engines, samples, _ = served
+    engines, samples, _, _ = served
     set_max_tokens(page, 24)
     send(page, "Describe this image.", [samples.image])
     expect(page.locator("#chatbot [data-testid=user] img")).to_have_count(1)
@@ -167,7 +204,7 @@ def test_a_webcam_snapshot_is_attached_to_the_message(page, served):
 def test_stop_aborts_a_long_generation(page, served, monkeypatch):
     from playwright.sync_api import expect
 
-    engines, _, _ = served
+    engines, _, _, _ = served
     # The tiny model decodes ~100 tokens/s, faster than a loaded browser renders the stream:
     # pace it like a real model so that Stop lands mid-reply (4000 tokens are minutes away).
     pace_steps(monkeypatch, engines[VL], 0.05)
@@ -194,10 +231,25 @@ def test_stop_aborts_a_long_generation(page, served, monkeypatch):
     screenshot(page, "ui-browser-stopped.png")
 
 
+def test_a_model_chosen_in_the_picker_shows_its_start_up_stage(page, served):
+    from playwright.sync_api import expect
+
+    late = served[3]
+    page.get_by_role("combobox", name="Model").click()
+    page.get_by_role("option", name=re.compile(LATE)).click()
+    info = page.locator("#model-info")
+    expect(info).to_contain_text(f"Loading {LATE}")
+    expect(info).to_contain_text("reading weights [--------------------] 0/")
+    screenshot(page, "ui-browser-loading.png")
+    late.release.set()
+    expect(info).to_contain_text("Accepts")  # loaded: the model's own line
+    assert len(late.loaded) == 1
+
+
 def test_the_app_as_a_front_end_to_a_remote_server(served, browser):
     from playwright.sync_api import expect
 
-    engines, samples, _ = served
+    engines, samples, _, _ = served
     with running_server(create_app(engines)) as api:
         remote = connect(RemoteConfig(f"{api}/v1"))
         with running_app(build_app(remote)) as url:

@@ -13,6 +13,7 @@ import models.kernels.quantization as quantization
 from engine import model_loading
 from engine.checkpoint_setup import CheckpointSetup
 from engine.config import EngineConfig
+from engine.load_progress import StartupProgress
 from engine.model_loading import load_model
 from testing.tiny import build_text_model
 
@@ -24,7 +25,8 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture
 def loads(checkpoint, tmp_path, monkeypatch):
-    """load(group_size) -> (state dict, linears quantized in that start); the cache in tmp."""
+    """load(group_size) -> (state dict, linears quantized in that start); the cache in tmp;
+    `load.stages`: the start-up stages the last start reported."""
     monkeypatch.setenv("MMSERVE_WEIGHT_CACHE", str(tmp_path / "weights"))
     # placement and the kernel plan come after the cache and do not change what it holds
     monkeypatch.setattr(model_loading, "place_weights", lambda model: 0)
@@ -37,9 +39,12 @@ def loads(checkpoint, tmp_path, monkeypatch):
 
     def load(group_size: int = 32):
         calls.clear()
+        reports = []
         config = EngineConfig(quantization="int4", quantization_group_size=group_size)
         loaded = load_model(checkpoint, setup.hf_config, setup.spec.model, config,
-                            torch.device("cpu"), torch.float32, 64)
+                            torch.device("cpu"), torch.float32, 64,
+                            progress=StartupProgress([reports.append]))
+        load.stages = list(dict.fromkeys(r.stage for r in reports))
         return loaded.model.state_dict(), len(calls)
 
     return load
@@ -56,8 +61,13 @@ def _same(a: dict, b: dict) -> bool:
 def test_the_second_start_reads_the_quantized_weights_back(loads, tmp_path):
     first, quantized = loads()
     assert quantized > 0 and len(_entries(tmp_path)) == 1
+    assert loads.stages[:3] == ["reading weights, quantizing linears to int4",
+                                "quantizing the LM head to int4",
+                                "keeping the quantized weights on disk for the next start"]
     second, again = loads()
     assert again == 0 and _same(first, second)
+    assert loads.stages[0] == "reading the quantized weights kept on disk"
+    assert not any("quantizing" in stage for stage in loads.stages)
     assert any(v.dtype == torch.uint8 for v in second.values())  # the int4 packs
 
 

@@ -3,17 +3,19 @@ settings, examples) beside the live engine panels, and the event wiring between 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping
+import asyncio
+from collections.abc import AsyncIterator, Mapping
 
 import gradio as gr
 
 from engine.interface import ChatEngine, EngineInfo
+from engine.load_progress import LoadProgress
 from engine.media.limits import MODALITIES
 from ui import panels
 from ui.chat import EMPTY_DRAFT, Chat, ChatSettings, ChatUpdate
 from ui.demo import ensure_samples, sample_examples
 from ui.dictation import Dictation
-from ui.lineup import Lineup
+from ui.lineup import Lineup, Loader
 from ui.space import gpu
 from ui.timing import timing_html
 from ui.tools import DEMO_TOOL, TOOL_CHOICES
@@ -21,6 +23,7 @@ from ui.tools import DEMO_TOOL, TOOL_CHOICES
 TITLE = "mmserve: multimodal chat with live engine panels"
 _UNKNOWN_CONTEXT = 8192  # the max-tokens slider's end when no server reports a context length
 _NO_REQUEST = '<div style="color:#6b7280;padding:6px">No request yet: send a message.</div>'
+_LOAD_POLL_S = 0.25  # how often the model line shows a loading model's stage
 
 
 def build_demo(
@@ -28,14 +31,15 @@ def build_demo(
     *,
     notes: Mapping[str, str] | None = None,
     examples: list[list] | None = None,
-    available: Mapping[str, Callable[[], ChatEngine]] | None = None,
+    available: Mapping[str, Loader] | None = None,
     dictation: Dictation | None = None,
 ) -> gr.Blocks:
     """The app's Blocks for existing engines, in-process or remote (a name -> engine mapping,
     or one engine named by its model). `notes` adds a line under a model's name (whether the
     demo's weights are random or real); `examples` are gr.Examples rows [textbox value, model
     name], by default the generated sample media; `available`: more models the picker lists,
-    each loaded by its function when first chosen (ui/lineup.py); `dictation`: a Whisper engine
+    each loaded by its function when first chosen (ui/lineup.py), the model line showing its
+    start-up stage meanwhile; `dictation`: a Whisper engine
     that writes the microphone's recording into the message box (ui/dictation.py). The queue is
     configured; call `.launch()` or mount it."""
     if not isinstance(engines, Mapping):
@@ -58,13 +62,23 @@ def build_demo(
         return _model_info(engines[model].info, notes.get(model))
 
     async def choose(model: str) -> AsyncIterator[str]:
-        """The chosen model's line; a model of the stores is loaded first (once)."""
+        """The chosen model's line; a model of the stores is loaded first (once), the line
+        saying which start-up stage it is at meanwhile."""
         if lineup.loaded(model):
             yield model_info(model)
             return
-        yield f"Loading **{model}** (its weights are read now; the chat waits for it) ..."
+        load = asyncio.ensure_future(lineup.load(model))
+        shown = None
+        while True:
+            line = _loading_line(model, lineup.loading(model))
+            if line != shown:
+                shown = line
+                yield line
+            done, _ = await asyncio.wait({load}, timeout=_LOAD_POLL_S)
+            if done:
+                break
         try:
-            await lineup.load(model)
+            load.result()
         except Exception as e:  # noqa: BLE001 - any failure to load is shown, not raised
             yield f"**{model}** could not be loaded: {e}"
             return
@@ -77,7 +91,7 @@ def build_demo(
             with gr.Column(scale=5):
                 model = gr.Dropdown(lineup.choices(), value=names[0], label="Model",
                                     interactive=len(lineup.names()) > 1)
-                info = gr.Markdown(model_info(names[0]))
+                info = gr.Markdown(model_info(names[0]), elem_id="model-info")
                 chatbot = gr.Chatbot(label="Chat", height=440, elem_id="chatbot")
                 composer = gr.MultimodalTextbox(
                     sources=["upload", "microphone"], file_count="multiple", show_label=False,
@@ -218,6 +232,12 @@ def _model_info(info: EngineInfo, note: str | None) -> str:
                else f"**{info.max_model_len}** tokens")
     where = "" if info.backend is None else f" · served by `{info.backend}`"
     return f"{takes} · context {context}{where}" + (f"\n\n{note}" if note else "")
+
+
+def _loading_line(model: str, stage: LoadProgress | None) -> str:
+    """The model line while `model` loads: what its start-up is doing, with a bar."""
+    line = f"Loading **{model}** (its weights are read now; the chat waits for it) ..."
+    return line if stage is None else f"{line}\n\n`{stage.line()}`"
 
 
 def _as_is(fn):

@@ -61,7 +61,15 @@ from models.kernels.quantization import (
     int4_supported,
     pack_int4,
 )
-from models.loader import LoadObserver, Shard, build_on_meta, load_weights
+from models.loader import (
+    LoadObserver,
+    Shard,
+    StageCounter,
+    StageProgress,
+    build_on_meta,
+    counted,
+    load_weights,
+)
 from models.mapped_files import enabled as mapping_enabled
 from models.mapped_files import keep
 
@@ -190,12 +198,20 @@ class GGUFWeights:
         return torch.from_numpy(rows), False
 
     @torch.no_grad()
-    def place_stored(self, model: nn.Module, dtype: torch.dtype) -> None:
+    def place_stored(self, model: nn.Module, dtype: torch.dtype,
+                     progress: StageProgress | None = None) -> None:
         """Replace each linear that runs as stored by a BlockLinear holding its blocks, or a
         QuantizedLinear at group 32 made from them, int4 or int8 (its bias, if any, is left for
         the loader to fill); the embedding table in its blocks by a BlockEmbedding, and each
         head tied to it by a BlockLinear on the same bytes. The model keeps the file's mapping
-        its blocks view."""
+        its blocks view. `progress` hears of each linear (and the table) placed."""
+        total = (len(self.blocks) + len(self.stored) + len(self.int8)
+                 + (self.embedding is not None))
+        if not total:
+            return
+        stage = ("placing the file's blocks" if not (self.stored or self.int8)
+                 else "repacking the file's blocks as our int4 / int8")
+        placed = StageCounter(stage, total, progress)
         views = False
         for weight, found in self.blocks.items():
             owner, attr, linear = _linear(model, weight)
@@ -224,6 +240,7 @@ class GGUFWeights:
                                    info.offset + info.nbytes if view else None))
             bias = None if linear.bias is None else torch.empty(n, dtype=dtype)
             setattr(owner, attr, BlockLinear([(t, b) for t, b, _ in blocks], k, bias))
+            placed.step()
         if self.embedding is not None:
             weight, info = self.embedding
             owner, attr, table = _linear(model, weight)
@@ -235,6 +252,7 @@ class GGUFWeights:
                 owner, attr, _ = _linear(model, f"{head}.weight")
                 setattr(owner, attr, BlockLinear([(info.type_name, rows)],
                                                  table.embedding_dim, None))
+            placed.step()
         if views:
             keep(model, [self.file.mapping()])
         for weight, found in self.stored.items():
@@ -248,6 +266,7 @@ class GGUFWeights:
                 sz[:, rows] = values.transpose(0, 1)
             bias = None if linear.bias is None else torch.empty(n, dtype=dtype)
             setattr(owner, attr, QuantizedLinear.from_int4(pack_int4(q), sz, bias, BLOCK))
+            placed.step()
         for weight, found in self.int8.items():
             owner, attr, linear = _linear(model, weight)
             n, k = linear.out_features, linear.in_features
@@ -258,6 +277,7 @@ class GGUFWeights:
                 q[rows], scales[rows] = read_int8(self.file, info, self.rearrange)
             bias = None if linear.bias is None else torch.empty(n, dtype=dtype)
             setattr(owner, attr, QuantizedLinear.from_int8(q, scales, bias, BLOCK))
+            placed.step()
 
     def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """(checkpoint name, tensor in `dtype`) of every tensor not placed as stored."""
@@ -317,12 +337,14 @@ def _rows(shard: Shard | None, n: int) -> slice:
 def load_gguf(path: Path, hf_config: Any, factory: Callable[[], nn.Module], device: torch.device,
               dtype: torch.dtype, observer: LoadObserver | None,
               defer: Callable[[nn.Module], list[str]] | None, dequantize_all: bool,
-              mmproj: Path | None = None) -> tuple[nn.Module, str]:
+              mmproj: Path | None = None, progress: StageProgress | None = None,
+              stage: str = "reading weights") -> tuple[nn.Module, str]:
     """Build the model with `factory` and fill it from the GGUF file at `path` (see the module
     docstring), and its tower and projector from the projector file `mmproj`, if any
     (models/gguf/mmproj.py); `observer` and `defer` as for models.loader (weights quantized as
     they load). Blocks run as stored only on the CPU (our int kernels); Q8_0 ones when no
-    quantization or int8 is asked. -> (model, what ran as stored)."""
+    quantization or int8 is asked. `progress` hears of the linears placed in their blocks and
+    of each tensor read (under `stage`). -> (model, what ran as stored)."""
     int8_asked = isinstance(observer, QuantizeOnLoad) and observer.mode == "int8"
     why = ("dequantize_gguf asked" if dequantize_all else f"the model runs on {device.type}"
            if device.type != "cpu" else f"{observer.mode} asked: requantized"
@@ -347,10 +369,12 @@ def load_gguf(path: Path, hf_config: Any, factory: Callable[[], nn.Module], devi
     model = build_on_meta(factory, device, dtype,
                           defer=defer_all if (weights.blocks or weights.stored or weights.int8
                                               or weights.embedding or defer) else None)
-    weights.place_stored(model, dtype)
+    weights.place_stored(model, dtype, progress)
     tensors = ((names(name), tensor) for name, tensor in weights.tensors(dtype))
     if projector is not None:
         tensors = itertools.chain(tensors, projector.tensors(dtype))
+    total = len(weights.dense) + (0 if projector is None else len(projector.targets))
+    tensors = counted(tensors, stage, total, progress)
     load_weights(model, tensors, model.checkpoint_map(), observer)
     summary = weights.summary() + ("" if projector is None else f"; {projector.summary()}")
     log.info("%s: %s", path.name, summary)
