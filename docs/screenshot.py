@@ -19,8 +19,8 @@ from playwright.sync_api import expect, sync_playwright
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from app import build_app  # noqa: E402
 from engine import AsyncLLM  # noqa: E402
+from launch.web import build_app  # noqa: E402
 from ui.demo import DEMO_NOTE, ensure_demo_models, ensure_samples  # noqa: E402
 
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -21,6 +21,7 @@ import app as cli
 from api import create_app
 from api.guards import LOOPBACK_HOSTS, check_origins, host_name, is_loopback
 from engine import AsyncLLM
+from launch.web import guard_options, warn_if_exposed
 from tests.api_fixtures import FailingEngine, running_server
 from tests.helpers import assert_released, wait_idle
 from tests.hostile_media import corpus
@@ -366,8 +367,8 @@ def test_host_check_defeats_dns_rebinding(vl) -> None:
 )
 def test_exposed_api_without_a_key_is_warned_about(caplog, host, key, share, warned) -> None:
     with caplog.at_level(logging.WARNING, logger="mmserve"):
-        assert cli.warn_if_exposed(host, key, share=share) is warned
+        assert warn_if_exposed(host, key, share=share) is warned
     assert ("WITHOUT an API key" in caplog.text) is warned
     args = SimpleNamespace(host=host, share=share, allowed_origins=[])
-    hosts = cli.guard_options(args)["allowed_hosts"]
+    hosts = guard_options(args)["allowed_hosts"]
     assert (hosts == LOOPBACK_HOSTS) is (is_loopback(host) and not share)

@@ -492,13 +492,14 @@ def test_a_projector_is_not_a_model_and_a_model_not_a_projector(pairs):
 
 
 def test_the_app_takes_a_pair_and_lists_the_stores(pairs, tmp_path, monkeypatch):
-    import app
+    from launch.engines import stored_models
+    from launch.options import model_sources, parse_args
 
     _, text, projector = pairs["qwen2_audio"]
-    args = app.parse_args(["--model", str(text), "--mmproj", str(projector)])
+    args = parse_args(["--model", str(text), "--mmproj", str(projector)])
     assert args.mmproj == str(projector)
     with pytest.raises(SystemExit):
-        app.parse_args(["--model", str(text), "--model", "x", "--mmproj", str(projector)])
+        parse_args(["--model", str(text), "--model", "x", "--mmproj", str(projector)])
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delenv("OLLAMA_MODELS", raising=False)
     folder = tmp_path / ".lmstudio" / "models" / "org" / "audio-GGUF"
@@ -506,10 +507,10 @@ def test_the_app_takes_a_pair_and_lists_the_stores(pairs, tmp_path, monkeypatch)
     for file in (text, projector):
         shutil.copy(file, folder / file.name)
     engines: dict = {}
-    found = app.stored_models(app.parse_args([]), engines)
+    found = stored_models(parse_args([]), engines)
     assert list(found) == ["lmstudio:org/audio-GGUF"] and engines == {}  # nothing loaded
-    assert app.stored_models(app.parse_args(["--no-model-stores"]), engines) == {}
-    assert app.model_sources(app.parse_args(["--model", "ollama:qwen2.5vl:7b"])) == {
+    assert stored_models(parse_args(["--no-model-stores"]), engines) == {}
+    assert model_sources(parse_args(["--model", "ollama:qwen2.5vl:7b"])) == {
         "ollama:qwen2.5vl:7b": "ollama:qwen2.5vl:7b"}
 
 

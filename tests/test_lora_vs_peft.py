@@ -255,8 +255,8 @@ def test_the_config_schema_is_loraconfigs():
 
 
 def test_engine_and_command_line_options(tmp_path):
-    from app import engine_options, parse_args
     from engine.config import EngineConfig
+    from launch.options import engine_options, parse_args
 
     args = parse_args(["--lora", "sql=/a/b", "--lora", "chat.v2=/c"])
     assert engine_options(args)["lora_adapters"] == (("sql", "/a/b"), ("chat.v2", "/c"))

@@ -18,13 +18,16 @@ SCRIPT = textwrap.dedent('''
     import asyncio, sys
     sys.modules["torch"] = sys.modules["transformers"] = None  # importing them fails
 
-    import app
+    import app  # the entry point and, through it, every part of launch/
     from engine import SamplingParams
+    from launch.engines import load_engines
+    from launch.options import parse_args
+    from launch.web import build_app
     from ui import panels
 
-    args = app.parse_args(["--backend", BACKEND])
-    engines, notes = app.load_engines(args)
-    built = app.build_app(engines, notes=notes)
+    args = parse_args(["--backend", BACKEND])
+    engines, notes = load_engines(args)
+    built = build_app(engines, notes=notes)
     (llm,) = engines.values()
 
     async def turn():
@@ -37,7 +40,7 @@ SCRIPT = textwrap.dedent('''
     html = panels.result_html(final, llm.stats(), llm.tokenizer)
     assert "image 1" in html and final.outputs[0].finish_reason == "length", html
     try:
-        app.load_engines(app.parse_args([]))  # the in-process engine needs torch
+        load_engines(parse_args([]))  # the in-process engine needs torch
     except SystemExit as e:
         assert "pip install 'mmserve[engine]'" in str(e), e
     else:

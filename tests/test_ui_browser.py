@@ -14,9 +14,9 @@ import pytest
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from api import create_app
-from app import build_app
 from engine import AsyncLLM
 from engine.remote import RemoteConfig, connect
+from launch.web import build_app
 from tests.api_fixtures import running_server
 from tests.helpers import pace_steps, wait_idle
 from tests.ui_fixtures import (

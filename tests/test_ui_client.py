@@ -10,7 +10,7 @@ from gradio_client import Client, handle_file
 from gradio_client.client import Job
 from gradio_client.exceptions import AppError
 
-from app import build_app
+from launch.web import build_app
 from tests.helpers import pace_steps
 from tests.ui_fixtures import (
     AUDIO,

@@ -13,8 +13,8 @@ import pytest
 from gradio_client import Client, handle_file
 
 from api import create_app
-from app import build_app
 from engine.remote import RemoteConfig, connect
+from launch.web import build_app
 from tests.api_fixtures import running_server
 from tests.helpers import pace_steps, wait_idle
 from tests.ui_fixtures import VL, demo_engines, demo_root, running_app
