@@ -68,6 +68,9 @@ def build_demo(
             yield model_info(model)
             return
         load = asyncio.ensure_future(lineup.load(model))
+        # Another choice may close this line's updates first: the load goes on, its error
+        # is then the next choice's to show.
+        load.add_done_callback(lambda task: task.cancelled() or task.exception())
         shown = None
         while True:
             line = _loading_line(model, lineup.loading(model))
