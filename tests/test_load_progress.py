@@ -46,7 +46,7 @@ def _runs(reports: list[LoadProgress]) -> dict[str, list[tuple[int, int]]]:
 
 def test_an_engine_start_reports_its_stages_in_order(qwen2_path):
     reports: list[LoadProgress] = []
-    llm = LLM(qwen2_path, load_progress=reports.append, kv_cache_bytes=4 << 20,
+    llm = LLM(qwen2_path, device="cpu", load_progress=reports.append, kv_cache_bytes=4 << 20,
               max_model_len=128)
     assert llm.engine.max_model_len == 128
     runs = _runs(reports)
