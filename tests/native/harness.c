@@ -676,13 +676,15 @@ static void test_ggml_blocks(int dt) {
         double* xr = alloc(sizeof(double) * (size_t)(m * k));
         fill(x, dt, xr, m * k, 1.0);
         double* ref = alloc(sizeof(double) * (size_t)(m * n));
-        double digit_bound = 0;  /* x in two int8 digits per 32: within max|x| / 32512 */
+        /* x in two int8 digits per group (32, or 256 for Q4_K): within max|x| / 32512 */
+        double digit_bound = 0;
+        const int64_t group = q4k ? 256 : 32;
         for (int64_t i = 0; i < m; i++)
             for (int64_t r = 0; r < n; r++) {
                 double acc = 0, bound = 0;
-                for (int64_t j0 = 0; j0 < k; j0 += 32) {
+                for (int64_t j0 = 0; j0 < k; j0 += group) {
                     double top = 0, mass = 0;
-                    for (int64_t j = j0; j < j0 + 32; j++) {
+                    for (int64_t j = j0; j < j0 + group; j++) {
                         acc += xr[i * k + j] * want[r * k + j];
                         top = fmax(top, fabs(xr[i * k + j]));
                         mass += fabs(want[r * k + j]);
