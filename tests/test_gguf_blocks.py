@@ -221,3 +221,34 @@ def test_a_k_quant_file_runs_as_stored(k_quant_file):
     report = inspect(k_quant_file)
     assert report.weight_bytes == held
     assert "as stored" in render(report)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_native_decode_step_takes_the_block_layers(k_quant_file, threads):
+    """The one-call decode step (models.kernels.native_decode) runs the layers' blocks as stored,
+    q / k / v in two parts of different types and biases included: the modules' logits to the
+    bit at every step, on one thread and on more threads than cores; a verify's rows past
+    FEW_ROWS are left to the modules."""
+    from engine import LLM
+    from models.kernels.choice import BUCKETS
+    from models.kernels.native_decode import NativeDecode
+    from tests.model_fixtures import NATIVE_DECODE_PROMPTS, run_decode_steps
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        llm = LLM(k_quant_file, max_model_len=128, enable_prefix_caching=False, block_size=4)
+        runner = llm.engine.runner
+        runner.decode_kernel = "native"
+        runner.model.prepare_decode()
+        decode = runner.model.native_decode
+        assert isinstance(decode, NativeDecode)
+        assert decode.buckets == tuple(b in ("1", "2-8") for b in BUCKETS)
+        native_logits, native_tokens, taken = run_decode_steps(llm, True)
+        module_logits, module_tokens, none_taken = run_decode_steps(llm, False)
+        assert taken and max(taken) == len(NATIVE_DECODE_PROMPTS) and not none_taken
+        assert native_tokens == module_tokens
+        for a, b in zip(native_logits, module_logits, strict=True):
+            assert torch.equal(a, b), (a - b).abs().max()
+    finally:
+        torch.set_num_threads(before)

@@ -46,7 +46,7 @@ int mm_delta_rule_step(const float* q, const float* k, const float* v, const flo
 
 int mm_ggml_dequantize(const uint8_t* w, int type, const int64_t* ids, int64_t first,
                        int64_t rows, int64_t k, float* out, int threads);
-int mm_ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, void* y, int64_t m,
+int mm_ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, void* y, int64_t ldy, int64_t m,
                    int64_t n, int64_t k, int digits, int generic, int threads);
 
 static int failures = 0;
@@ -696,7 +696,7 @@ static void test_ggml_blocks(int dt) {
             }
         void* y = alloc(sizeof(float) * (size_t)(m * n));
         snprintf(name, sizeof name, "ggml %s linear %s", q4k ? "Q4_K" : "Q8_0", dname(dt));
-        if (mm_ggml_linear(x, dt, w, code, y, m, n, k, 2, 0, 2) != 0)
+        if (mm_ggml_linear(x, dt, w, code, y, n, m, n, k, 2, 0, 2) != 0)
             failures++, printf("FAIL %s\n", name);
         else check(name, y, dt, ref, m * n, 1e-3 + digit_bound, dt == DTYPE_F32 ? 1e-5 : 1e-2);
         free(w), free(want), free(got), free(x), free(xr), free(ref), free(y);

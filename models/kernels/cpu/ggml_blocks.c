@@ -714,7 +714,7 @@ static void dots_plain(int type, const uint8_t* wr, int64_t nb, const act_row* a
 /* The team's body of mm_ggml_linear: the rows' digits (each thread its own, a decode's few
  * rows), then the output channels shared. */
 static int ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, void* y,
-                       int64_t m, int64_t n, int64_t k, int digits, int generic) {
+                       int64_t ldy, int64_t m, int64_t n, int64_t k, int digits, int generic) {
     int owned;
     const float* xf = as_f32(x, x_dtype, m * k, &owned);
     const int64_t per = k / 32 * 4;  /* floats of one row's dx, xs, xs16 */
@@ -744,7 +744,7 @@ static int ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, v
                 else
 #endif
                     dots_plain(type, wr, per_row, rows + i, group, out);
-                for (int j = 0; j < group; j++) store(y, x_dtype, (i0 + i + j) * n + c, out[j]);
+                for (int j = 0; j < group; j++) store(y, x_dtype, (i0 + i + j) * ldy + c, out[j]);
             }
         }
     }
@@ -753,12 +753,12 @@ static int ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, v
     return failed;
 }
 
-/* y [M, N] (x's dtype) = x [M, K] . W^T, W of `type`, through the integer path (above), x in
- * `digits` (1 or 2) int8 digits per input; generic != 0: the plain path even where a vector
- * one is built (for tests). -> 0, 1 out of memory, 2 a type or K it does not take (or digits
- * not 1 or 2). */
-int mm_ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, void* y, int64_t m,
-                   int64_t n, int64_t k, int digits, int generic, int threads) {
-    if (!mm_ggml_takes(type, k) || (digits != 1 && digits != 2)) return 2;
-    ON_TEAM(threads, ggml_linear(x, x_dtype, w, type, y, m, n, k, digits, generic));
+/* y [M, N] (x's dtype, rows ldy >= N apart: a part's columns of a wider output) = x [M, K] .
+ * W^T, W of `type`, through the integer path (above), x in `digits` (1 or 2) int8 digits per
+ * input; generic != 0: the plain path even where a vector one is built (for tests). -> 0, 1 out
+ * of memory, 2 a type or K it does not take (or digits not 1 or 2, or ldy < N). */
+int mm_ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, void* y, int64_t ldy,
+                   int64_t m, int64_t n, int64_t k, int digits, int generic, int threads) {
+    if (!mm_ggml_takes(type, k) || (digits != 1 && digits != 2) || ldy < n) return 2;
+    ON_TEAM(threads, ggml_linear(x, x_dtype, w, type, y, ldy, m, n, k, digits, generic));
 }
