@@ -72,14 +72,15 @@ def test_dequantized_bit_for_bit_as_gguf_py(weights, name):
     assert torch.equal(dequantize_channels(blocks, name, K, slice(30, 41)), values[30:41])
 
 
-def digit_bound(x: torch.Tensor, values: torch.Tensor, digits: int = 2) -> torch.Tensor:
-    """What the matrix-vector kernel may be off from x . W^T, per output: x is written per block
-    of 32 inputs in int8 digits, dx (h + l / 256) with dx = max|x| / 127 over the block, so each
-    input within max|x| / 254 (one digit) or max|x| / 32512 (two: l is clamped to 127), the
-    block then contributing at most sum |w| times that; plus float32's rounding of the sums
-    and scales."""
+def digit_bound(x: torch.Tensor, values: torch.Tensor, digits: int = 2,
+                group: int = 32) -> torch.Tensor:
+    """What the matrix-vector kernel may be off from x . W^T, per output: x is written per group
+    of inputs (a block of 32, or a super-block of 256 for the K types) in int8 digits,
+    dx (h + l / 256) with dx = max|x| / 127 over the group, so each input within max|x| / 254
+    (one digit) or max|x| / 32512 (two: l is clamped to 127), the group then contributing at
+    most sum |w| times that; plus float32's rounding of the sums and scales."""
     m, k = x.shape
-    top = x.abs().reshape(m, k // 32, 32).amax(-1).repeat_interleave(32, -1).double()
+    top = x.abs().reshape(m, k // group, group).amax(-1).repeat_interleave(group, -1).double()
     w = values.abs().double().t()
     step = 1 / 254 if digits == 1 else 1 / 32512
     return top @ w * (step + 1e-5) + 1e-5 * (x.abs().double() @ w)
@@ -98,9 +99,16 @@ def test_decode_and_prefill_products(weights, name):
             for digits in (1, 2):
                 got = ggml_blocks.block_linear(x[:rows], blocks, name, K, path, digits)
                 assert got.dtype == torch.float32
-                bound = digit_bound(x[:rows], values, digits)
+                bound = digit_bound(x[:rows], values, digits, BLOCK_TYPES[name].values)
                 assert ((got.double() - want[:rows]).abs() <= bound).all(), (rows, path, digits)
         assert torch.equal(layer(x[:rows]), ggml_blocks.block_linear(x[:rows], blocks, name, K))
+    # a verify's rows: each row of a several-row call is the one-row call's result, bit for bit
+    for digits in (1, 2):
+        alone = torch.cat([ggml_blocks.block_linear(x[i:i + 1], blocks, name, K, "vector",
+                                                    digits) for i in range(9)])
+        for rows in (2, 5, 9):
+            together = ggml_blocks.block_linear(x[:rows], blocks, name, K, "vector", digits)
+            assert torch.equal(together, alone[:rows]), (rows, digits)
     got = layer(x)  # the tiled GEMM on the dequantized values
     bound = 1e-5 * (x.abs().double() @ values.abs().double().t()).max()  # float32 sums
     assert (got.double() - want).abs().max() <= bound
@@ -213,3 +221,34 @@ def test_a_k_quant_file_runs_as_stored(k_quant_file):
     report = inspect(k_quant_file)
     assert report.weight_bytes == held
     assert "as stored" in render(report)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_native_decode_step_takes_the_block_layers(k_quant_file, threads):
+    """The one-call decode step (models.kernels.native_decode) runs the layers' blocks as stored,
+    q / k / v in two parts of different types and biases included: the modules' logits to the
+    bit at every step, on one thread and on more threads than cores; a verify's rows past
+    FEW_ROWS are left to the modules."""
+    from engine import LLM
+    from models.kernels.choice import BUCKETS
+    from models.kernels.native_decode import NativeDecode
+    from tests.model_fixtures import NATIVE_DECODE_PROMPTS, run_decode_steps
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        llm = LLM(k_quant_file, max_model_len=128, enable_prefix_caching=False, block_size=4)
+        runner = llm.engine.runner
+        runner.decode_kernel = "native"
+        runner.model.prepare_decode()
+        decode = runner.model.native_decode
+        assert isinstance(decode, NativeDecode)
+        assert decode.buckets == tuple(b in ("1", "2-8") for b in BUCKETS)
+        native_logits, native_tokens, taken = run_decode_steps(llm, True)
+        module_logits, module_tokens, none_taken = run_decode_steps(llm, False)
+        assert taken and max(taken) == len(NATIVE_DECODE_PROMPTS) and not none_taken
+        assert native_tokens == module_tokens
+        for a, b in zip(native_logits, module_logits, strict=True):
+            assert torch.equal(a, b), (a - b).abs().max()
+    finally:
+        torch.set_num_threads(before)

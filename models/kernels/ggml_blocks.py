@@ -108,7 +108,7 @@ def _gguf_dequantize(blocks: torch.Tensor, block: BlockType) -> np.ndarray:
 
 
 DECODE_PATHS = ("vector", "plain", "float")
-DIGITS = 2  # int8 digits per input of the matrix-vector kernel's activations
+DIGITS = c.GGML_DIGITS  # int8 digits per input of the matrix-vector kernel's activations
 
 
 def block_linear(x: torch.Tensor, blocks: torch.Tensor, type_name: str,
@@ -131,12 +131,11 @@ def block_linear(x: torch.Tensor, blocks: torch.Tensor, type_name: str,
     x = x.contiguous()
     n = blocks.shape[0]
     y = torch.empty(m, n, dtype=x.dtype)
-    args = (x.data_ptr(), native.DTYPES[x.dtype], blocks.data_ptr(), block.code, y.data_ptr(),
-            m, n, k)
+    args = (x.data_ptr(), native.DTYPES[x.dtype], blocks.data_ptr(), block.code, y.data_ptr())
     if path == "float":
-        status = kernels.ggml_linear_float(*args, torch.get_num_threads())
+        status = kernels.ggml_linear_float(*args, m, n, k, torch.get_num_threads())
     else:
-        status = kernels.ggml_linear(*args, digits, int(path == "plain"),
+        status = kernels.ggml_linear(*args, n, m, n, k, digits, int(path == "plain"),
                                      torch.get_num_threads())
     if status == 2:
         raise ValueError(f"native ggml linear does not take {type_name} rows of {k}")

@@ -14,7 +14,9 @@ the modules would run exactly those kernels:
   with keys and values of its own, no per-layer inputs or output scalars), with the fused
   decode ops on, which `unsupported` checks once when the runner prepares the model;
 - every linear's planned formulation (models.kernels.linear_choice) for the step's row count
-  is ours ("native"): where PyTorch's measured faster for some layer, the modules run;
+  is ours ("native"): where PyTorch's measured faster for some layer, the modules run; a
+  linear held in a GGUF file's blocks (models.kernels.ggml_blocks.BlockLinear) is taken at
+  the row counts its module runs the blocks' matrix-vector kernel at (FEW_ROWS at most);
 - the step decodes only (one token per request), attended by our paged kernel
   (models.kernels.decode_attention_choice chose it), at most models.kernels.native.FUSED_ROWS
   tokens, with no per-layer media residuals and no request using a LoRA adapter (the
@@ -34,7 +36,8 @@ from typing import Protocol
 import torch
 
 from models.kernels import native
-from models.kernels.choice import BUCKETS, bucket_index
+from models.kernels.choice import BUCKET_LAST_ROWS, BUCKETS, bucket_index
+from models.kernels.ggml_blocks import FEW_ROWS, BlockLinear
 from models.kernels.linear import Linear
 from models.kernels.native_interface import DecoderDesc, LayerDesc
 from models.kernels.native_linear import linear_desc
@@ -103,6 +106,11 @@ def unsupported(model: DecoderStack) -> str | None:
         if attn.qk_norm:
             norms += [attn.q_norm, attn.k_norm]
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            if isinstance(linear, BlockLinear):
+                if linear.bias is not None and (linear.bias.dtype != dtype
+                                                or not linear.bias.is_contiguous()):
+                    return "a block linear's bias is not in the model dtype"
+                continue  # its parts' blocks are contiguous (BlockPart)
             if not isinstance(linear, Linear | QuantizedLinear):
                 return f"layer {i} has a linear of an unknown kind"
             weights = [linear.qweight, linear.scales] if linear.is_quantized else [linear.weight]
@@ -140,12 +148,19 @@ class NativeDecode:
             block_size=cache.shape[3], kv_int8=int(cache.dtype == torch.int8))
         # Pointers to the weights and KV caches as they are now: the runner binds the caches
         # once, before it prepares the model (a model re-bound must be prepared again).
-        self.layers = (LayerDesc * len(model.layers))(*map(_layer_desc, model.layers))
-        # Per row-count bucket: whether every linear's plan there is our kernel.
+        self._parts: list = []  # block linears' later parts, read through the layers' chains
+        self.layers = (LayerDesc * len(model.layers))(
+            *(_layer_desc(layer, self._parts) for layer in model.layers))
+        # Per row-count bucket: whether every linear's plan there is our kernel (a block
+        # linear's: its matrix-vector kernel, up to FEW_ROWS rows).
         linears = [m for layer in model.layers for m in layer.modules()
                    if isinstance(m, Linear | QuantizedLinear)]
-        self.buckets = tuple(all(m.kernels is not None and m.kernels[b] == "native"
-                                 for m in linears) for b in range(len(BUCKETS)))
+        blocks = any(isinstance(m, BlockLinear) for layer in model.layers
+                     for m in layer.modules())
+        self.buckets = tuple(
+            all(m.kernels is not None and m.kernels[b] == "native" for m in linears)
+            and not (blocks and (b >= len(BUCKET_LAST_ROWS) or BUCKET_LAST_ROWS[b] > FEW_ROWS))
+            for b in range(len(BUCKETS)))
 
     @classmethod
     def build(cls, model: DecoderStack) -> NativeDecode | None:
@@ -200,11 +215,11 @@ class NativeDecode:
         return out
 
 
-def _layer_desc(layer: DecoderLayer) -> LayerDesc:
+def _layer_desc(layer: DecoderLayer, keep: list) -> LayerDesc:
     attn, mlp = layer.self_attn, layer.mlp
     return LayerDesc(
-        qkv=linear_desc(attn.qkv_proj), o=linear_desc(attn.o_proj),
-        gate_up=linear_desc(mlp.gate_up_proj), down=linear_desc(mlp.down_proj),
+        qkv=linear_desc(attn.qkv_proj, keep), o=linear_desc(attn.o_proj, keep),
+        gate_up=linear_desc(mlp.gate_up_proj, keep), down=linear_desc(mlp.down_proj, keep),
         input_norm=layer.input_layernorm.weight.data_ptr(),
         post_norm=layer.post_attention_layernorm.weight.data_ptr(),
         q_norm=attn.q_norm.weight.data_ptr() if attn.qk_norm else None,

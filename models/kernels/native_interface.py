@@ -21,7 +21,7 @@ import ctypes
 DTYPE_F32, DTYPE_BF16, DTYPE_I8 = 0, 1, 2  # element types of x, y and weights
 I4_BLOCK_N = 64  # our int4 pack interleaves output channels in blocks of this many
 KV_SCALE_BYTES = 4  # an int8 KV row's float32 scale, after its values
-FORMAT_DENSE, FORMAT_INT8, FORMAT_INT4 = 0, 1, 2  # mm_linear_desc.format
+FORMAT_DENSE, FORMAT_INT8, FORMAT_INT4, FORMAT_GGML = 0, 1, 2, 3  # mm_linear_desc.format
 QUANT_INT8, QUANT_INT4 = 0, 1  # mm_gemm_quantized's w_format
 NORM_FLOAT32, NORM_REDUCED, NORM_UNIT_OFFSET = 0, 1, 2  # mm_rms_norm's mode
 # mm_activation's kind
@@ -31,6 +31,7 @@ FIT_ROUNDS = 3  # mm_fit_int4's rounds from each start
 # ggml's type codes (enum ggml_type, as GGUF stores them) of the block types ggml_blocks.c runs
 GGML_Q4_0, GGML_Q4_1, GGML_Q5_0, GGML_Q5_1, GGML_Q8_0 = 2, 3, 6, 7, 8
 GGML_Q4_K, GGML_Q5_K, GGML_Q6_K = 12, 13, 14
+GGML_DIGITS = 2  # int8 digits per input of the ggml decode path's activations, by default
 
 CONSTANTS: dict[str, int] = {
     name: value for name, value in globals().items()
@@ -46,7 +47,7 @@ class LinearDesc(ctypes.Structure):
     """mm_linear_desc: a linear layer as the calls that run several take it."""
 
     _fields_ = [("format", _i32), ("group", _i32), ("n", _i64), ("k", _i64),
-                ("weight", _ptr), ("scales", _ptr), ("bias", _ptr)]
+                ("weight", _ptr), ("scales", _ptr), ("bias", _ptr), ("next", _ptr)]
 
 
 class LayerDesc(ctypes.Structure):
@@ -117,8 +118,8 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "mm_ggml_takes": (_int, [_int, _i64]),
     "mm_ggml_dequantize": (_int, [_ptr, _int, _ptr, _i64, _i64, _i64, _ptr, _int]),
     "mm_ggml_linear_float": (_int, [_ptr, _int, _ptr, _int, _ptr, _i64, _i64, _i64, _int]),
-    "mm_ggml_linear": (_int, [_ptr, _int, _ptr, _int, _ptr, _i64, _i64, _i64, _int, _int,
-                              _int]),
+    "mm_ggml_linear": (_int, [_ptr, _int, _ptr, _int, _ptr, _i64, _i64, _i64, _i64, _int,
+                              _int, _int]),
     # decode_layers.c, moe_experts.c: the whole-step calls
     "mm_decode_layers": (_int, [ctypes.POINTER(DecoderDesc), ctypes.POINTER(LayerDesc), _i64,
                                 _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr]),

@@ -46,7 +46,7 @@ int mm_delta_rule_step(const float* q, const float* k, const float* v, const flo
 
 int mm_ggml_dequantize(const uint8_t* w, int type, const int64_t* ids, int64_t first,
                        int64_t rows, int64_t k, float* out, int threads);
-int mm_ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, void* y, int64_t m,
+int mm_ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, void* y, int64_t ldy, int64_t m,
                    int64_t n, int64_t k, int digits, int generic, int threads);
 
 static int failures = 0;
@@ -676,13 +676,15 @@ static void test_ggml_blocks(int dt) {
         double* xr = alloc(sizeof(double) * (size_t)(m * k));
         fill(x, dt, xr, m * k, 1.0);
         double* ref = alloc(sizeof(double) * (size_t)(m * n));
-        double digit_bound = 0;  /* x in two int8 digits per 32: within max|x| / 32512 */
+        /* x in two int8 digits per group (32, or 256 for Q4_K): within max|x| / 32512 */
+        double digit_bound = 0;
+        const int64_t group = q4k ? 256 : 32;
         for (int64_t i = 0; i < m; i++)
             for (int64_t r = 0; r < n; r++) {
                 double acc = 0, bound = 0;
-                for (int64_t j0 = 0; j0 < k; j0 += 32) {
+                for (int64_t j0 = 0; j0 < k; j0 += group) {
                     double top = 0, mass = 0;
-                    for (int64_t j = j0; j < j0 + 32; j++) {
+                    for (int64_t j = j0; j < j0 + group; j++) {
                         acc += xr[i * k + j] * want[r * k + j];
                         top = fmax(top, fabs(xr[i * k + j]));
                         mass += fabs(want[r * k + j]);
@@ -694,7 +696,7 @@ static void test_ggml_blocks(int dt) {
             }
         void* y = alloc(sizeof(float) * (size_t)(m * n));
         snprintf(name, sizeof name, "ggml %s linear %s", q4k ? "Q4_K" : "Q8_0", dname(dt));
-        if (mm_ggml_linear(x, dt, w, code, y, m, n, k, 2, 0, 2) != 0)
+        if (mm_ggml_linear(x, dt, w, code, y, n, m, n, k, 2, 0, 2) != 0)
             failures++, printf("FAIL %s\n", name);
         else check(name, y, dt, ref, m * n, 1e-3 + digit_bound, dt == DTYPE_F32 ? 1e-5 : 1e-2);
         free(w), free(want), free(got), free(x), free(xr), free(ref), free(y);

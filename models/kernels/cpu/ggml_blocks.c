@@ -40,6 +40,7 @@
 #define SPAN 256 /* values dequantized at once: one super-block, or eight 32-blocks */
 #define ROW_CHUNK 8 /* rows of x per pass over the weight (their partial sums stay in cache) */
 #define LANES 32    /* partial sums per row: independent lanes the compiler vectorizes */
+#define MAX_ROWS 16 /* rows of x the integer path meets each unpacked block with */
 
 /* values per block and bytes per block of `type`; 0 for a type this file does not read */
 static int block_values(int type) {
@@ -316,35 +317,42 @@ typedef struct {
     const float* xs16;  /* [k / 16] */
 } act_row;
 
-/* Row x [k] (a multiple of 32) -> its first digits h (step d = max|x| / 127 per 32) and,
- * where l is not NULL, its second digits l (step d / 256): x' = d (h + l / 256). sums [k / 32 *
- * 4]: the unit dx (d, or d / 256 with two digits), xs and xs16 (the sums of x'). */
-static void quantize_row(const float* x, int64_t k, int8_t* h, int8_t* l, float* sums) {
-    for (int64_t b = 0; b < k / 32; b++) {
-        const float* v = x + 32 * b;
+/* Row x [k] (a multiple of `group`: 32, or 256 for the super-block types) -> its first digits
+ * h (step d = max|x| / 127 per group) and, where l is not NULL, its second digits l (step
+ * d / 256): x' = d (h + l / 256). sums [k / 32 * 4]: per 32 inputs the unit dx (d, or d / 256
+ * with two digits; the same for the 32s of one group), xs, and per 16 xs16 (the sums of x'). */
+static void quantize_row(const float* x, int64_t k, int group, int8_t* h, int8_t* l,
+                         float* sums) {
+    for (int64_t g = 0; g < k / group; g++) {
         float top = 0.0f;
-        for (int j = 0; j < 32; j++) top = fabsf(v[j]) > top ? fabsf(v[j]) : top;
+        for (int j = 0; j < group; j++) {
+            const float v = fabsf(x[g * group + j]);
+            top = v > top ? v : top;
+        }
         const float d = top / 127.0f, inv = top > 0.0f ? 127.0f / top : 0.0f;
-        int sum[2] = {0, 0};  /* per half: of h, or 256 h + l */
-        for (int half = 0; half < 2; half++) {
-            for (int j = 16 * half; j < 16 * half + 16; j++) {
-                const float u = v[j] * inv, first = rintf(u);
-                const int t = (int)first;
-                h[32 * b + j] = (int8_t)(t > 127 ? 127 : (t < -127 ? -127 : t));
-                sum[half] += h[32 * b + j];
-                if (l != NULL) {
-                    float second = rintf((u - first) * 256.0f);
-                    second = second > 127.0f ? 127.0f : (second < -127.0f ? -127.0f : second);
-                    l[32 * b + j] = (int8_t)second;
-                    sum[half] += 255 * h[32 * b + j] + (int)second;
+        for (int64_t b = g * group / 32; b < (g + 1) * group / 32; b++) {
+            const float* v = x + 32 * b;
+            int sum[2] = {0, 0};  /* per half: of h, or 256 h + l */
+            for (int half = 0; half < 2; half++) {
+                for (int j = 16 * half; j < 16 * half + 16; j++) {
+                    const float u = v[j] * inv, first = rintf(u);
+                    const int t = (int)first;
+                    h[32 * b + j] = (int8_t)(t > 127 ? 127 : (t < -127 ? -127 : t));
+                    sum[half] += h[32 * b + j];
+                    if (l != NULL) {
+                        float second = rintf((u - first) * 256.0f);
+                        second = second > 127.0f ? 127.0f : (second < -127.0f ? -127.0f : second);
+                        l[32 * b + j] = (int8_t)second;
+                        sum[half] += 255 * h[32 * b + j] + (int)second;
+                    }
                 }
             }
+            const float unit = l != NULL ? d / 256.0f : d;
+            sums[b] = unit;
+            sums[k / 32 + b] = unit * (float)(sum[0] + sum[1]);
+            sums[k / 16 + 2 * b] = unit * (float)sum[0];
+            sums[k / 16 + 2 * b + 1] = unit * (float)sum[1];
         }
-        const float unit = l != NULL ? d / 256.0f : d;
-        sums[b] = unit;
-        sums[k / 32 + b] = unit * (float)(sum[0] + sum[1]);
-        sums[k / 16 + 2 * b] = unit * (float)sum[0];
-        sums[k / 16 + 2 * b + 1] = unit * (float)sum[1];
     }
 }
 
@@ -487,35 +495,98 @@ static inline __m256i fifth_bits(const uint8_t* p) {
 #define HALF(p) half(p)
 #endif
 
-static float dot_avx2(int type, const uint8_t* wr, int64_t nb, const act_row* a) {
+/* the integer sums (first digits into *ih, second into *il where TWO) of `count` unpacked 32s
+ * wq (u8 quants) against a row's digits at `at`, each 32's products paired and weighted by its
+ * int16 scales ws (PMADDWD). Per lane, over a super-block, at most 8 * 2 * 2 * 63 * 127 * 128
+ * (Q6_K; Q4_K / Q5_K less): int32 holds each digit's sum, and integer sums do not depend on
+ * their order (one row at a time or several: the same result). */
+static inline __attribute__((always_inline)) void add_sums(
+        __m256i* ih, __m256i* il, const __m256i* wq, const __m256i* ws, int count,
+        const act_row* a, int64_t at, const int TWO) {
+    for (int s = 0; s < count; s++) {
+        *ih = _mm256_add_epi32(*ih, dot_u8s8(wq[s], load32(a->q + at + 32 * s), ws[s]));
+        if (TWO) *il = _mm256_add_epi32(*il, dot_u8s8(wq[s], load32(a->l + at + 32 * s), ws[s]));
+    }
+}
+
+/* acc + the super-block's integer sums in the row's unit: first digits times 256 where TWO */
+static inline __attribute__((always_inline)) __m256 add_super(__m256 acc, __m256i ih, __m256i il,
+                                                               const int TWO, float unit) {
+    if (!TWO) return _mm256_fmadd_ps(_mm256_cvtepi32_ps(ih), _mm256_set1_ps(unit), acc);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ih), _mm256_set1_ps(256.0f * unit), acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(il), _mm256_set1_ps(unit), acc);
+}
+
+/* a super-block b's sums into each row's accumulator acc[i][0] (scale d): one row's already
+ * taken (ih, il), more rows' taken here from the unpacked quants wq and scales ws */
+static inline __attribute__((always_inline)) void super_rows(
+        __m256 (*acc)[2], __m256i ih, __m256i il, const __m256i* wq, const __m256i* ws,
+        const act_row* a, const int R, int64_t b, float d, const int TWO) {
+    if (R == 1) {
+        acc[0][0] = add_super(acc[0][0], ih, il, TWO, d * a->dx[8 * b]);
+        return;
+    }
+    for (int i = 0; i < R; i++) {
+        __m256i h = _mm256_setzero_si256(), l = _mm256_setzero_si256();
+        add_sums(&h, &l, wq, ws, 8, a + i, 256 * b, TWO);
+        acc[i][0] = add_super(acc[i][0], h, l, TWO, d * a[i].dx[8 * b]);
+    }
+}
+
+/* Rows a[0 .. R) of x against one output channel's blocks wr (nb blocks): out[i] = W . x'_i.
+ * Each block's quants are unpacked once and met by every row's digits. Every row keeps its own
+ * two float accumulators (alternate blocks of 32; two chains hide the FMA latency that one
+ * chain waits on), so a row's arithmetic, and its result, is the same for any R: a verify's
+ * k + 1 rows sum each row exactly as the one-row decode step does. R is a constant at each
+ * call site (dots_avx2_1 .. _4 below), so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void dots_avx2(
+        int type, const uint8_t* wr, int64_t nb, const act_row* a, const int R, const int TWO,
+        float* out) {
     const __m256i nibble = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi16(1);
-    __m256 acc = _mm256_setzero_ps(), off = _mm256_setzero_ps();
-    float offset = 0.0f;
+    __m256 acc[MAX_ROWS][2], off[MAX_ROWS];
+    __m256i wq[8], ws[8];  /* a super-block's 32s unpacked (u8 quants) and their int16 scales */
+    float offset[MAX_ROWS];
+    for (int i = 0; i < R; i++) {
+        acc[i][0] = acc[i][1] = off[i] = _mm256_setzero_ps();
+        offset[i] = 0.0f;
+    }
     switch (type) {
         case GGML_Q4_0: case GGML_Q5_0: case GGML_Q4_1: case GGML_Q5_1: {
             const int five = type == GGML_Q5_0 || type == GGML_Q5_1;
             const int has_min = type == GGML_Q4_1 || type == GGML_Q5_1;
             const int nbytes = block_bytes(type), at = (has_min ? 4 : 2) + (five ? 4 : 0);
             const float shift = five ? 16.0f : 8.0f;
-            for (int64_t b = 0; b < nb; b++) {
-                const uint8_t* blk = wr + b * nbytes;
-                const __m128i qs = _mm_loadu_si128((const __m128i*)(blk + at));
-                __m256i w = _mm256_and_si256(
-                    _mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), nibble);
-                if (five) w = _mm256_or_si256(w, fifth_bits(blk + at - 4));
-                const float d = HALF(blk);
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_act(w, a, 32 * b, ones)),
-                                      _mm256_set1_ps(d * a->dx[b]), acc);
-                offset += has_min ? HALF(blk + 2) * a->xs[b] : -shift * d * a->xs[b];
+            for (int64_t b0 = 0; b0 < nb; b0 += 2) {
+                for (int h = 0; h < 2 && b0 + h < nb; h++) {
+                    const int64_t b = b0 + h;
+                    const uint8_t* blk = wr + b * nbytes;
+                    const __m128i qs = _mm_loadu_si128((const __m128i*)(blk + at));
+                    __m256i w = _mm256_and_si256(
+                        _mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), nibble);
+                    if (five) w = _mm256_or_si256(w, fifth_bits(blk + at - 4));
+                    const float d = HALF(blk), m = has_min ? HALF(blk + 2) : -shift * d;
+                    for (int i = 0; i < R; i++) {
+                        acc[i][h] = _mm256_fmadd_ps(
+                            _mm256_cvtepi32_ps(dot_act(w, a + i, 32 * b, ones)),
+                            _mm256_set1_ps(d * a[i].dx[b]), acc[i][h]);
+                        offset[i] += m * a[i].xs[b];
+                    }
+                }
             }
             break;
         }
         case GGML_Q8_0:
-            for (int64_t b = 0; b < nb; b++) {
-                const uint8_t* blk = wr + b * 34;
-                const __m256i w = _mm256_loadu_si256((const __m256i*)(blk + 2));
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_act_signed(w, a, 32 * b)),
-                                      _mm256_set1_ps(HALF(blk) * a->dx[b]), acc);
+            for (int64_t b0 = 0; b0 < nb; b0 += 2) {
+                for (int h = 0; h < 2 && b0 + h < nb; h++) {
+                    const int64_t b = b0 + h;
+                    const uint8_t* blk = wr + b * 34;
+                    const __m256i w = _mm256_loadu_si256((const __m256i*)(blk + 2));
+                    const float d = HALF(blk);
+                    for (int i = 0; i < R; i++)
+                        acc[i][h] = _mm256_fmadd_ps(
+                            _mm256_cvtepi32_ps(dot_act_signed(w, a + i, 32 * b)),
+                            _mm256_set1_ps(d * a[i].dx[b]), acc[i][h]);
+                }
             }
             break;
         case GGML_Q4_K: case GGML_Q5_K: {
@@ -523,7 +594,7 @@ static float dot_avx2(int type, const uint8_t* wr, int64_t nb, const act_row* a)
             const int nbytes = block_bytes(type);
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t* blk = wr + b * nbytes;
-                /* scale_min's eight pairs at once: words 0, 1 the scales, 2, 3 the mins */
+                /* scale_min's eight pairs at once: bytes 0 .. 7 the scales, 8 .. 15 the mins */
                 uint32_t u[4];
                 memcpy(u, blk + 4, 12);
                 const uint32_t six = 0x3f3f3f3f, low = 0x0f0f0f0f, top2 = 0x03030303;
@@ -532,15 +603,13 @@ static float dot_avx2(int type, const uint8_t* wr, int64_t nb, const act_row* a)
                 u[1] = (u[2] & low) | (((u[0] >> 6) & top2) << 4);
                 u[2] = mins03;
                 u[0] &= six;
-                const __m128i packed = _mm_loadu_si128((const __m128i*)u);
-                const __m256 scale = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(packed));
-                const __m256 mins = _mm256_cvtepi32_ps(
-                    _mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8)));
-                float cf[8];
-                _mm256_storeu_ps(cf, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(HALF(blk)), scale),
-                                                   _mm256_loadu_ps(a->dx + 8 * b)));
-                off = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(HALF(blk + 2)), mins),
-                                      _mm256_loadu_ps(a->xs + 8 * b), off);
+                const uint8_t* sm = (const uint8_t*)u;
+                const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(HALF(blk + 2)),
+                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(
+                        sm + 8)))));
+                __m256i ih = _mm256_setzero_si256(), il = _mm256_setzero_si256();  /* R == 1 */
+                for (int i = 0; i < R; i++)
+                    off[i] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(a[i].xs + 8 * b), off[i]);
                 const uint8_t* ql = blk + (five ? 48 : 16);
                 const __m256i hb = five ? _mm256_loadu_si256((const __m256i*)(blk + 16))
                                         : _mm256_setzero_si256();
@@ -555,12 +624,15 @@ static float dot_avx2(int type, const uint8_t* wr, int64_t nb, const act_row* a)
                         hi = _mm256_or_si256(hi, _mm256_slli_epi16(
                             _mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
                     }
-                    const int64_t at = 256 * b + 64 * j;
-                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_act(lo, a, at, ones)),
-                                          _mm256_set1_ps(cf[2 * j]), acc);
-                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_act(hi, a, at + 32, ones)),
-                                          _mm256_set1_ps(cf[2 * j + 1]), acc);
+                    /* one row: met at once, else kept for the rows below */
+                    __m256i* q = R == 1 ? wq : wq + 2 * j;
+                    __m256i* sc = R == 1 ? ws : ws + 2 * j;
+                    q[0] = lo, q[1] = hi;
+                    sc[0] = _mm256_set1_epi16(sm[2 * j]);
+                    sc[1] = _mm256_set1_epi16(sm[2 * j + 1]);
+                    if (R == 1) add_sums(&ih, &il, q, sc, 2, a, 256 * b + 64 * j, TWO);
                 }
+                super_rows(acc, ih, il, wq, ws, a, R, b, HALF(blk), TWO);
             }
             break;
         }
@@ -571,11 +643,13 @@ static float dot_avx2(int type, const uint8_t* wr, int64_t nb, const act_row* a)
                 const float d = HALF(blk + 208);
                 const __m256 d32 = _mm256_set1_ps(32.0f * d);
                 for (int h = 0; h < 2; h++) {
-                    const __m256 s = _mm256_cvtepi32_ps(
-                        _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(sc + 8 * h))));
-                    off = _mm256_fmadd_ps(_mm256_mul_ps(d32, s),
-                                          _mm256_loadu_ps(a->xs16 + 16 * b + 8 * h), off);
+                    const __m256 s = _mm256_mul_ps(d32, _mm256_cvtepi32_ps(
+                        _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(sc + 8 * h)))));
+                    for (int i = 0; i < R; i++)
+                        off[i] = _mm256_fmadd_ps(s, _mm256_loadu_ps(a[i].xs16 + 16 * b + 8 * h),
+                                                 off[i]);
                 }
+                __m256i ih = _mm256_setzero_si256(), il = _mm256_setzero_si256();  /* R == 1 */
                 const __m256i three = _mm256_set1_epi8(3);
                 for (int n = 0; n < 2; n++) {
                     const uint8_t* ql = blk + 64 * n;
@@ -586,33 +660,61 @@ static float dot_avx2(int type, const uint8_t* wr, int64_t nb, const act_row* a)
                             g < 2 ? src : _mm256_srli_epi16(src, 4), nibble);
                         const __m256i bits = _mm256_slli_epi16(_mm256_and_si256(
                             _mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * g)), three), 4);
-                        const int64_t c = 8 * b + 4 * n + g;
-                        const __m256i scales = _mm256_set_m128i(
-                            _mm_set1_epi16(sc[8 * n + 2 * g + 1]),
-                            _mm_set1_epi16(sc[8 * n + 2 * g]));
-                        /* per lane at most 2 * 2 * 63 * 127 * 128 * 257: int32 holds it */
-                        const __m256i q = _mm256_or_si256(nib, bits);
-                        acc = _mm256_fmadd_ps(
-                            _mm256_cvtepi32_ps(dot_act(q, a, 32 * c, scales)),
-                            _mm256_set1_ps(d * a->dx[c]), acc);
+                        const int s = R == 1 ? 0 : 4 * n + g;
+                        wq[s] = _mm256_or_si256(nib, bits);
+                        ws[s] = _mm256_set_m128i(_mm_set1_epi16(sc[8 * n + 2 * g + 1]),
+                                                 _mm_set1_epi16(sc[8 * n + 2 * g]));
+                        if (R == 1) add_sums(&ih, &il, wq, ws, 1, a, 256 * b + 32 * (4 * n + g), TWO);
                     }
                 }
+                super_rows(acc, ih, il, wq, ws, a, R, b, d, TWO);
             }
             break;
         default: break;
     }
-    return hsum8(_mm256_sub_ps(acc, off)) + offset;
+    for (int i = 0; i < R; i++)
+        out[i] = hsum8(_mm256_sub_ps(_mm256_add_ps(acc[i][0], acc[i][1]), off[i])) + offset[i];
+}
+
+/* one instance for a single row (R a constant: the one-row step keeps its sums in registers)
+ * and one for any count of rows (R read at run time: each row's sums are taken one row at a
+ * time over a super-block's unpacked quants), each for one and for two digits */
+#define DOTS(NAME, R, TWO)                                                                     \
+    static __attribute__((noinline)) void NAME(int type, const uint8_t* wr, int64_t nb,       \
+                                               const act_row* a, int rows, float* out) {      \
+        (void)rows;                                                                            \
+        dots_avx2(type, wr, nb, a, R, TWO, out);                                               \
+    }
+DOTS(dots_one_1, 1, 0)
+DOTS(dots_one_2, 1, 1)
+DOTS(dots_many_1, rows, 0)
+DOTS(dots_many_2, rows, 1)
+#undef DOTS
+
+/* rows a[0 .. count) (count <= MAX_ROWS, all with the same number of digits) against one
+ * channel */
+static void dots_vector(int type, const uint8_t* wr, int64_t nb, const act_row* a, int count,
+                        float* out) {
+    const int two = a->l != NULL;
+    if (count == 1) (two ? dots_one_2 : dots_one_1)(type, wr, nb, a, 1, out);
+    else (two ? dots_many_2 : dots_many_1)(type, wr, nb, a, count, out);
 }
 #undef HALF
-#define DOT_PATH dot_avx2
+#define HAS_VECTOR 1
 #else
-#define DOT_PATH dot_plain
+#define HAS_VECTOR 0
 #endif
+
+/* the plain path's rows, one at a time */
+static void dots_plain(int type, const uint8_t* wr, int64_t nb, const act_row* a, int count,
+                       float* out) {
+    for (int i = 0; i < count; i++) out[i] = dot_plain(type, wr, nb, a + i);
+}
 
 /* The team's body of mm_ggml_linear: the rows' digits (each thread its own, a decode's few
  * rows), then the output channels shared. */
 static int ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, void* y,
-                       int64_t m, int64_t n, int64_t k, int digits, int generic) {
+                       int64_t ldy, int64_t m, int64_t n, int64_t k, int digits, int generic) {
     int owned;
     const float* xf = as_f32(x, x_dtype, m * k, &owned);
     const int64_t per = k / 32 * 4;  /* floats of one row's dx, xs, xs16 */
@@ -627,17 +729,23 @@ static int ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, v
             const int64_t r = i0 + i;
             int8_t* h = q + 2 * r * k;
             float* s = sums + r * per;
-            quantize_row(xf + r * k, k, h, digits == 2 ? h + k : NULL, s);
+            quantize_row(xf + r * k, k, block_values(type), h, digits == 2 ? h + k : NULL, s);
             rows[i] = (act_row){h, digits == 2 ? h + k : NULL, s, s + k / 32, s + k / 16};
         }
         _Pragma("omp for schedule(static)")
         for (int64_t c = 0; c < n; c++) {
             if (failed) continue;
             const uint8_t* wr = w + c * row_bytes;
-            for (int i = 0; i < count; i++)
-                store(y, x_dtype, (i0 + i) * n + c,
-                      generic ? dot_plain(type, wr, per_row, rows + i)
-                              : DOT_PATH(type, wr, per_row, rows + i));
+            for (int i = 0; i < count; i += MAX_ROWS) {
+                const int group = count - i < MAX_ROWS ? count - i : MAX_ROWS;
+                float out[MAX_ROWS];
+#if HAS_VECTOR
+                if (!generic) dots_vector(type, wr, per_row, rows + i, group, out);
+                else
+#endif
+                    dots_plain(type, wr, per_row, rows + i, group, out);
+                for (int j = 0; j < group; j++) store(y, x_dtype, (i0 + i + j) * ldy + c, out[j]);
+            }
         }
     }
     if (owned) free((void*)xf);
@@ -645,12 +753,12 @@ static int ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, v
     return failed;
 }
 
-/* y [M, N] (x's dtype) = x [M, K] . W^T, W of `type`, through the integer path (above), x in
- * `digits` (1 or 2) int8 digits per input; generic != 0: the plain path even where a vector
- * one is built (for tests). -> 0, 1 out of memory, 2 a type or K it does not take (or digits
- * not 1 or 2). */
-int mm_ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, void* y, int64_t m,
-                   int64_t n, int64_t k, int digits, int generic, int threads) {
-    if (!mm_ggml_takes(type, k) || (digits != 1 && digits != 2)) return 2;
-    ON_TEAM(threads, ggml_linear(x, x_dtype, w, type, y, m, n, k, digits, generic));
+/* y [M, N] (x's dtype, rows ldy >= N apart: a part's columns of a wider output) = x [M, K] .
+ * W^T, W of `type`, through the integer path (above), x in `digits` (1 or 2) int8 digits per
+ * input; generic != 0: the plain path even where a vector one is built (for tests). -> 0, 1 out
+ * of memory, 2 a type or K it does not take (or digits not 1 or 2, or ldy < N). */
+int mm_ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, void* y, int64_t ldy,
+                   int64_t m, int64_t n, int64_t k, int digits, int generic, int threads) {
+    if (!mm_ggml_takes(type, k) || (digits != 1 && digits != 2) || ldy < n) return 2;
+    ON_TEAM(threads, ggml_linear(x, x_dtype, w, type, y, ldy, m, n, k, digits, generic));
 }

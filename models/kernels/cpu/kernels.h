@@ -398,13 +398,16 @@ static inline void store_f32x32(void* out, int out_dtype, int64_t at, __m512 a, 
 #define FORMAT_DENSE 0 /* the weight in the model dtype */
 #define FORMAT_INT8 1  /* int8, bfloat16 scales [n, k / group] (group k: per channel) */
 #define FORMAT_INT4 2  /* our int4 pack, bfloat16 scales and zeros [k / group, n, 2] */
+#define FORMAT_GGML 3  /* a GGUF file's blocks [n, row bytes], group: ggml's type code */
 
 typedef struct { /* a linear layer as the calls that run several take it */
     int32_t format, group;
     int64_t n, k;
     const void* weight;
     const void* scales;
-    const void* bias; /* [n] in the model dtype, or NULL */
+    const void* bias; /* [n of the whole chain] in the model dtype, or NULL */
+    const void* next; /* the mm_linear_desc of the next output channels (a weight stored in
+                         parts of different ggml types: FORMAT_GGML only), or NULL */
 } mm_linear_desc;
 
 const char* mm_variant(void); /* the variant this library was compiled as */
@@ -500,8 +503,9 @@ int mm_ggml_dequantize(const uint8_t* w, int type, const int64_t* ids, int64_t f
                        int64_t rows, int64_t k, float* out, int threads);
 int mm_ggml_linear_float(const void* x, int x_dtype, const uint8_t* w, int type, void* y,
                          int64_t m, int64_t n, int64_t k, int threads);
-int mm_ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, void* y, int64_t m,
-                   int64_t n, int64_t k, int digits, int generic, int threads);
+#define GGML_DIGITS 2 /* int8 digits per input of the decode path's activations, by default */
+int mm_ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, void* y, int64_t ldy,
+                   int64_t m, int64_t n, int64_t k, int digits, int generic, int threads);
 
 /* decode_layers.c, moe_experts.c: the whole-step calls */
 typedef struct { /* one decoder layer */
@@ -542,8 +546,21 @@ static inline void add_into(void* a, const void* b, int dt, int64_t n, int64_t p
  * by every thread of a team (mm_decode_layers), which syncs on it after the call; else NULL. */
 static inline int run_linear(const mm_linear_desc* l, const void* x, void* y, int64_t m, int dt,
                              int threads, mm_team* team) {
-    int status;
-    if (l->format == FORMAT_INT4)
+    int status = 0;
+    int64_t n = l->n;
+    if (l->format == FORMAT_GGML) {  /* each part into its columns of y */
+        n = 0;
+        for (const mm_linear_desc* p = l; p != NULL; p = p->next) n += p->n;
+        const size_t elem = dt == DTYPE_F32 ? 4 : 2;
+        int64_t first = 0;
+        /* every part called by every thread of a team, even after a failure (each meets the
+         * part's barriers) */
+        for (const mm_linear_desc* p = l; p != NULL; first += p->n, p = p->next) {
+            const int s = mm_ggml_linear(x, dt, p->weight, p->group, (char*)y + first * elem, n,
+                                         m, p->n, p->k, GGML_DIGITS, 0, threads);
+            status = status ? status : s;
+        }
+    } else if (l->format == FORMAT_INT4)
         status = mm_linear_i4(x, dt, l->weight, l->scales, y, m, l->n, l->k, l->group, 0,
                               threads);
     else if (l->format == FORMAT_INT8)
@@ -555,9 +572,9 @@ static inline int run_linear(const mm_linear_desc* l, const void* x, void* y, in
         status = mm_linear_bf16(x, dt, l->weight, NULL, y, m, l->n, l->k, threads);
     if (l->bias != NULL && team != NULL) {
         team_sync(team);  /* every thread's rows written */
-        if (TEAM_RANK() == 0) add_into(y, l->bias, dt, m * l->n, l->n);
+        if (TEAM_RANK() == 0) add_into(y, l->bias, dt, m * n, n);
     } else if (l->bias != NULL && status == 0) {
-        add_into(y, l->bias, dt, m * l->n, l->n);
+        add_into(y, l->bias, dt, m * n, n);
     }
     return status;
 }
