@@ -9,7 +9,8 @@ header); the tokenizer is the class `AutoTokenizer` picks for that config, built
 from the same file (`from_pretrained(folder, gguf_file=name)`: vocabulary, merges or scores,
 special and added tokens, BOS / EOS, pre-tokenizer, chat template). `AutoTokenizer` itself
 would first rebuild the config through transformers' slower reader; the class it then picks
-is the one this picks (tests/test_gguf_files.py compares both on the real files).
+is the one this picks (tests/test_gguf_files.py compares both on the real files). The second
+start of the same file reads the tokenizer back from disk (engine/tokenizer_cache.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig, TokenizersBackend
 
+from engine.tokenizer_cache import cached_tokenizer
 from models.checkpoint import CheckpointFiles, Found, GenerationDefaults
 from models.gguf.clip_config import ProjectorConfig, multimodal_values, read_projector
 from models.gguf.config import GGUFConfig, check_against, read_config
@@ -148,7 +150,8 @@ def _tokenizer(path: Path, hf_config: Any) -> Any:
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 
     tokenizer_class = TOKENIZER_MAPPING.get(type(hf_config), TokenizersBackend)
-    return tokenizer_class.from_pretrained(path.parent, gguf_file=path.name)
+    return cached_tokenizer(path, tokenizer_class, lambda: tokenizer_class.from_pretrained(
+        path.parent, gguf_file=path.name))
 
 
 def file_dtype(file: GGUFFile) -> tuple[str, str]:
