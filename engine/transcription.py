@@ -129,7 +129,7 @@ class Window:
     """One decoded window, for the panels: where it starts, what it took."""
 
     start: float
-    seconds: float  # wall time of its decode (all attempts)
+    seconds: float  # wall time of its decode (all attempts, the words' alignment pass)
     attempts: int
     temperature: float
     cache_hit: bool | None  # whether the encoder's states for it were in the cache
@@ -347,8 +347,10 @@ async def transcribe(llm: Any, samples: np.ndarray, options: TranscriptionOption
             cuts, advance = split_segments(tokens, ids.timestamp_begin, offset, frames)
         else:
             cuts, advance = [Cut(offset, offset + len(window) / RATE, tokens)], frames
-        times = await window_token_times(llm, prompt, generated, window, heads) \
-            if heads and generated else None
+        times = None
+        if heads and generated:
+            times = await window_token_times(llm, prompt, generated, window, heads)
+            record.seconds = time.perf_counter() - t0  # the alignment pass counted
         first = 0  # the cut's first token among the window's generated tokens
         for cut in cuts:
             end = min(cut.end, duration)  # a timestamp past the clip's end
