@@ -282,6 +282,14 @@ def test_whisper_tiny_en_transcribes_spoken_sentences_as_transformers(tmp_path):
     outs = llm.generate([{"prompt_token_ids": prompt, "multi_modal_data": {"audio": [(c, 16000)]}}
                          for c in clips], SamplingParams(max_tokens=40, temperature=0))
     assert [o.outputs[0].text.strip() for o in outs] == SPOKEN
+    # The folder's vocabulary.txt alone decodes the same ids to the same text.
+    from models.whisper.vocabulary import vocabulary_tokenizer
+
+    vocabulary = vocabulary_tokenizer(path / "vocabulary.txt")
+    for out in outs:
+        for skip in (True, False):
+            assert vocabulary.decode(out.outputs[0].token_ids, skip_special_tokens=skip) == \
+                llm.tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=skip)
     hf = WhisperForConditionalGeneration(setup.hf_config).eval()
     state = {name: (t.q.float() / t.scale[:, None] if isinstance(t, Int8Weight) else t.float())
              for name, t in ct2_tensors(CT2File(path / MODEL_FILE), torch.float32)}

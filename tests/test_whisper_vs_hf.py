@@ -237,6 +237,30 @@ def test_ctranslate2_folders_read_by_our_reader(whisper_path, llm, tokens, tmp_p
     assert_released(ours)
 
 
+def test_a_ctranslate2_folder_with_only_its_vocabulary(whisper_path, llm, tokens, tmp_path):
+    """vocabulary.txt and no tokenizer.json: ids decode to the same text (special tokens
+    skipped or not) and greedy tokens are the checkpoint's; encoding text (a transcription's
+    prompt) is refused naming the file."""
+    from testing.ctranslate2 import write_ctranslate2_whisper
+
+    folder = write_ctranslate2_whisper(whisper_path, tmp_path / "vocab", vocabulary_only=True)
+    assert not (folder / "tokenizer.json").exists()
+    ours = LLM(folder, max_model_len=448, dtype="float32")
+    prompt = decoder_prompt(tokens, "en", timestamps=True)
+    params = SamplingParams(max_tokens=N, temperature=0, token_rules=tokens.rules(True))
+    out = ours.generate(request(prompt, CLIPS["short"]), params)[0].outputs[0]
+    want = llm.generate(request(prompt, CLIPS["short"]), params)[0].outputs[0]
+    assert out.token_ids == want.token_ids and out.text == want.text
+    ids = list(range(len(llm.tokenizer)))
+    for skip in (True, False):
+        assert ours.tokenizer.decode(ids, skip_special_tokens=skip) == llm.tokenizer.decode(
+            ids, skip_special_tokens=skip)
+    with pytest.raises(ValueError, match="vocabulary.txt: .*no tokenizer.json, so text cannot "
+                       "be encoded"):
+        ours.tokenizer.encode(" hello")
+    assert_released(ours)
+
+
 def test_an_untied_head_reads_proj_out(tmp_path):
     from transformers import WhisperForConditionalGeneration
 
