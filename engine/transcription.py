@@ -54,7 +54,7 @@ from engine.sampling_params import SamplingParams
 from models.checkpoint import GENERATION_CONFIG
 from models.whisper.prompt import TASKS, WhisperTokens, decoder_prompt
 from models.whisper.timing import MEDIAN_FILTER_WIDTH, token_times
-from models.whisper.words import group_words
+from models.whisper.words import Decode, group_words
 
 RATE = 16000
 WINDOW_S = 30
@@ -266,7 +266,7 @@ async def window_token_times(llm: Any, prompt: Sequence[int], generated: Sequenc
     return token_times(weights, len(prompt), -(-len(window) // FRAME), width)
 
 
-def cut_words(cut: Cut, first: int, times: np.ndarray, ids: WhisperTokens, decode: Any,
+def cut_words(cut: Cut, first: int, times: np.ndarray, ids: WhisperTokens, decode: Decode,
               language: str | None, offset: float, duration: float) -> list[Word]:
     """A segment's words with their times; `first`: the index of its first token among the
     window's generated tokens (whose times `times` holds); `offset`: the window's start."""
