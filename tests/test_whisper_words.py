@@ -1,6 +1,7 @@
 """Word timestamps for Whisper: the alignment heads' cross-attention from our teacher-forced pass
 equal to transformers' eager attention, the token times equal to transformers'
-`_extract_token_timestamps` on them (tiny random checkpoint, a short and a nearly full window),
+`_extract_token_timestamps` on them (tiny random checkpoint, a short and a nearly full window)
+and to its `generate(..., return_token_timestamps=True)` on a full window,
 the dynamic time warping equal to transformers' loop, tokens grouped into words as
 transformers' Whisper tokenizer groups them (literal token strings: spaces, punctuation, a
 character split across tokens, a language without spaces), and a checkpoint without alignment
@@ -86,6 +87,26 @@ def test_token_times_match_transformers(llm, whisper_path):
         assert [w.start for w in words] == sorted(w.start for w in words)
         assert "".join(w.word for w in words) == "".join(
             llm.tokenizer.decode([t for t in c.tokens if t < ids.end]) for c in cuts)
+
+
+    # transformers' public generate on a full window (its short-form loop runs a second call
+    # past a short clip's audio and returns that one's times: docs/speech.md)
+    clip = noise(30.0, 5)
+    features = extractor([clip], sampling_rate=RATE, return_tensors="pt").input_features
+    with torch.no_grad():
+        out = hf.generate(features, language="en", task="transcribe", return_timestamps=True,
+                          max_new_tokens=20, return_token_timestamps=True,
+                          return_dict_in_generate=True, return_segments=True)
+    result = out["segments"][0][0]["result"]
+    request = {"prompt_token_ids": prompt, "multi_modal_data": {"audio": [(clip, RATE)]}}
+    generated = llm.generate(request, SamplingParams(
+        max_tokens=20, temperature=0, token_rules=ids.rules(True)))[0].outputs[0].token_ids
+    assert result["sequences"].tolist() == prompt + generated
+    weights = llm.cross_attention_weights({**request, "prompt_token_ids": prompt + generated[:-1]},
+                                          ids.alignment_heads)
+    np.testing.assert_allclose(token_times(weights, len(prompt), 3000),
+                               result["token_timestamps"][len(prompt):].double().numpy(),
+                               atol=1e-6, rtol=0)
 
 
 def test_dynamic_time_warping_matches_transformers():
