@@ -2,9 +2,11 @@
 `POST /v1/audio/transcriptions` and `/v1/audio/translations`, a multipart form as OpenAI's
 client sends it: `file`, `model`, `language`, `prompt`, `response_format` (json, text, srt, vtt,
 verbose_json with segments at the model's timestamps, their no-speech probability included),
-`temperature`, `timestamp_granularities[]` (segment; word is a 400 naming it: word timestamps are
-not built), `stream` (server-sent `transcript.text.delta` events, one per segment, then
-`transcript.text.done`).
+`temperature`, `timestamp_granularities[]` (segment, word: verbose_json then carries `words`,
+each `{word, start, end}`, from the alignment heads' cross-attention; `segments` when segment is
+asked or no granularity is; word needs verbose_json and a checkpoint with alignment heads, else
+a 400 naming which), `stream` (server-sent `transcript.text.delta` events, one per segment,
+then `transcript.text.done`).
 
 The body is refused past the server's byte limit (413, naming it) and audio past
 `MediaLimits.max_audio_duration_s` or that does not decode (400, naming the problem), as on
@@ -29,6 +31,7 @@ from engine.transcription import (
     TEMPERATURES,
     Transcript,
     TranscriptionOptions,
+    alignment_heads,
     transcribe,
     whisper_tokens,
 )
@@ -94,12 +97,18 @@ def _endpoint(engine_for: Callable[[str], Any], task: str) -> Callable:
                            f"{fmt!r}", param="response_format")
         grains = form.getlist("timestamp_granularities[]") + form.getlist(
             "timestamp_granularities")
-        if "word" in grains:
-            raise APIError(400, "word timestamps are not built; ask for segment timestamps",
-                           param="timestamp_granularities")
         if set(grains) - {"segment", "word"}:
-            raise APIError(400, f"timestamp_granularities must be segment, got {grains}",
+            raise APIError(400, f"timestamp_granularities must be segment or word, got {grains}",
                            param="timestamp_granularities")
+        words = "word" in grains
+        if words:
+            if fmt != "verbose_json":
+                raise APIError(400, "word timestamps come in response_format verbose_json, got "
+                               f"{fmt!r}", param="timestamp_granularities")
+            try:
+                alignment_heads(llm, ids)
+            except ValueError as e:
+                raise APIError(400, str(e), param="timestamp_granularities") from None
         language = _text(form, "language") or None
         if task == "translate" or not ids.multilingual:
             language = language or ("en" if not ids.multilingual else None)
@@ -107,7 +116,7 @@ def _endpoint(engine_for: Callable[[str], Any], task: str) -> Callable:
         options = TranscriptionOptions(
             task=task, language=language, prompt=_text(form, "prompt") or None,
             timestamps=fmt in ("srt", "vtt", "verbose_json") or bool(grains),
-            temperatures=(temperature,) if temperature else TEMPERATURES)
+            temperatures=(temperature,) if temperature else TEMPERATURES, word_timestamps=words)
         data = await upload.read()
         clip = await asyncio.to_thread(load_audio_sync, data, sample_rate=16000)
         stream = transcribe(llm, clip.samples, options)
@@ -116,7 +125,7 @@ def _endpoint(engine_for: Callable[[str], Any], task: str) -> Callable:
         transcript = None
         async for item in stream:
             transcript = item
-        return _render(transcript, fmt, task)
+        return _render(transcript, fmt, task, set(grains) or {"segment"})
 
     return endpoint
 
@@ -155,19 +164,24 @@ async def _events(stream):
     yield "data: [DONE]\n\n"
 
 
-def _render(t: Transcript, fmt: str, task: str) -> Response:
+def _render(t: Transcript, fmt: str, task: str, grains: set[str]) -> Response:
     if fmt == "text":
         return PlainTextResponse(t.text)
     if fmt == "json":
         return JSONResponse({"text": t.text})
     if fmt == "verbose_json":
-        return JSONResponse({
-            "task": task, "language": t.language, "duration": t.duration, "text": t.text,
-            "segments": [{
+        body: dict[str, Any] = {"task": task, "language": t.language, "duration": t.duration,
+                                "text": t.text}
+        if "segment" in grains:
+            body["segments"] = [{
                 "id": s.id, "seek": s.seek, "start": s.start, "end": s.end, "text": s.text,
                 "tokens": s.tokens, "temperature": s.temperature, "avg_logprob": s.avg_logprob,
                 "compression_ratio": s.compression_ratio, "no_speech_prob": s.no_speech_prob,
-            } for s in t.segments]})
+            } for s in t.segments]
+        if "word" in grains:  # OpenAI's words: the text without its leading space
+            body["words"] = [{"word": w.word.strip(), "start": w.start, "end": w.end}
+                             for w in t.words]
+        return JSONResponse(body)
     lines = ["WEBVTT", ""] if fmt == "vtt" else []
     for i, s in enumerate(t.segments, start=1):
         if fmt == "srt":

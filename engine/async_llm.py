@@ -17,11 +17,15 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from engine.cross_attention_weights import cross_attention_weights
 from engine.interface import EngineDeadError, EngineInfo
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -114,6 +118,21 @@ class AsyncLLM:
             async for out in stream:
                 yield out
 
+    async def cross_attention_weights(self, prompt: PromptType,
+                                      heads: Sequence[tuple[int, int]]) -> np.ndarray:
+        """The attention probabilities [len(heads), T, n] of the (decoder layer, head) pairs
+        over the prompt's one cross-attended item, teacher-forced over its T tokens
+        (engine/cross_attention_weights.py; Whisper's alignment heads for word timestamps).
+        Runs on the engine thread between steps."""
+        self._raise_if_dead()
+        parsed = self.processor.parse(prompt)
+        media = await self.processor.load_media(parsed)
+        processed = await asyncio.to_thread(self.processor.process, parsed, media)
+        done: Future = Future()
+        self._submit(("call", partial(cross_attention_weights, self.engine, processed, heads),
+                      done))
+        return await asyncio.wrap_future(done)
+
     async def abort(self, request_id: str) -> None:
         """Stop a request; returns once its KV blocks and cache references are freed."""
         done: Future = Future()
@@ -200,7 +219,12 @@ class AsyncLLM:
             log.exception("engine loop died")
             self._error = e
         finally:
-            self._fail_all(EngineDeadError(f"the engine stopped ({self._error or 'shut down'})"))
+            dead = EngineDeadError(f"the engine stopped ({self._error or 'shut down'})")
+            self._fail_all(dead)
+            while not self._commands.empty():  # jobs never run: their callers are told
+                command = self._commands.get_nowait()
+                if command[0] == "call" and not command[2].done():
+                    command[2].set_exception(dead)
 
     def _handle(self, command: tuple | None) -> None:
         if command is None:
@@ -212,6 +236,14 @@ class AsyncLLM:
                 self.engine.add_request(req)
             except ValueError as e:
                 self._deliver_error(req.request_id, e)
+        elif kind == "call":  # a job that must not run beside a step
+            _, job, done = command
+            try:
+                result = job()
+            except Exception as e:  # noqa: BLE001 - the caller's error, not the engine's
+                done.set_exception(e)
+            else:
+                done.set_result(result)
         elif kind == "abort":
             _, request_id, done = command
             out = self.engine.abort_request(request_id)

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from engine.cross_attention_weights import cross_attention_weights
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.processing import ParsedPrompt, PromptType
@@ -52,6 +56,16 @@ class LLM:
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         parsed = [self.engine.processor.render_chat(c, **template_kwargs) for c in conversations]
         return self._run(parsed, sampling_params)
+
+    def cross_attention_weights(self, prompt: PromptType,
+                                heads: Sequence[tuple[int, int]]) -> np.ndarray:
+        """The attention probabilities [len(heads), T, n] of the (decoder layer, head) pairs
+        over the prompt's one cross-attended item, teacher-forced over its T tokens
+        (engine/cross_attention_weights.py; Whisper's alignment heads for word timestamps)."""
+        processor = self.engine.processor
+        parsed = processor.parse(prompt)
+        processed = processor.process(parsed, processor.load_media_sync(parsed))
+        return cross_attention_weights(self.engine, processed, heads)
 
     def _run(self, parsed: list[ParsedPrompt], sampling_params) -> list[RequestOutput]:
         params = _per_prompt(sampling_params, len(parsed), self.engine.default_sampling_params())

@@ -384,6 +384,18 @@ class ModelRunner:
             raise EncoderItemsFailed(failures)
         return timer
 
+    @torch.inference_mode()
+    def encoder_output(self, feature: MultiModalFeature) -> torch.Tensor:
+        """An item's encoder output: the cached one, else encoded alone (not stored: the
+        encoder cache's bookkeeping knows nothing of it). Called between steps."""
+        found = self.encoder_outputs.get(feature.identifier)
+        if found is not None:
+            return found
+        out = self._encode_alone(feature)
+        if isinstance(out, Exception):
+            raise out
+        return out
+
     def _encode_alone(self, feature: MultiModalFeature) -> torch.Tensor | Exception:
         try:
             (emb,) = self.model.encode([(feature.modality, feature.data)])

@@ -23,7 +23,18 @@ transcribes alike every time). Each window's no-speech probability is that of
 cached); a window above 0.6 whose mean log-probability is also below -1 is skipped as silence
 (openai-whisper's defaults).
 
-Not built: word-level timestamps, beam search. A long clip's log-mel features are computed per
+With word timestamps (`word_timestamps`, which needs the generation config's
+`alignment_heads`, as transformers does), once a window's tokens are decided one teacher-forced
+pass of the decoder over its prompt and tokens, against the window's cached encoder states,
+returns the alignment heads' cross-attention probabilities (AsyncLLM.cross_attention_weights);
+token times come from them as transformers' `_extract_token_timestamps` computes them
+(models/whisper/timing.py: standardized per head along the tokens, median-filtered, averaged,
+dynamic time warping), and each segment's text tokens are grouped into words as openai-whisper
+and transformers' tokenizer group them (models/whisper/words.py). A word spans from the time of
+the token before its first token to the time of its last token (transformers' pipeline), within
+the clip.
+
+Not built: beam search. A long clip's log-mel features are computed per
 30 s window, where transformers and openai-whisper compute them over the whole clip and slice
 (the -8 dB floor is then the clip's, not the window's): past the first window, tokens can differ.
 """
@@ -42,6 +53,8 @@ import numpy as np
 from engine.sampling_params import SamplingParams
 from models.checkpoint import GENERATION_CONFIG
 from models.whisper.prompt import TASKS, WhisperTokens, decoder_prompt
+from models.whisper.timing import MEDIAN_FILTER_WIDTH, token_times
+from models.whisper.words import Decode, group_words
 
 RATE = 16000
 WINDOW_S = 30
@@ -70,6 +83,7 @@ class TranscriptionOptions:
     logprob_threshold: float | None = -1.0
     no_speech_threshold: float | None = 0.6
     condition_on_previous_text: bool = True
+    word_timestamps: bool = False
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -79,6 +93,16 @@ class TranscriptionOptions:
         if self.no_speech_threshold is not None and not 0.0 <= self.no_speech_threshold <= 1.0:
             raise ValueError(f"no_speech_threshold must be in [0, 1], got "
                              f"{self.no_speech_threshold}")
+
+
+@dataclass(frozen=True)
+class Word:
+    """A word and its times (seconds from the clip's start); `word` keeps its leading space, so
+    a segment's words join to its text."""
+
+    word: str
+    start: float
+    end: float
 
 
 @dataclass
@@ -97,6 +121,7 @@ class Segment:
     avg_logprob: float
     compression_ratio: float
     no_speech_prob: float
+    words: list[Word] = field(default_factory=list)  # with word timestamps only
 
 
 @dataclass
@@ -104,7 +129,7 @@ class Window:
     """One decoded window, for the panels: where it starts, what it took."""
 
     start: float
-    seconds: float  # wall time of its decode (all attempts)
+    seconds: float  # wall time of its decode (all attempts, the words' alignment pass)
     attempts: int
     temperature: float
     cache_hit: bool | None  # whether the encoder's states for it were in the cache
@@ -119,6 +144,11 @@ class Transcript:
     duration: float
     segments: list[Segment] = field(default_factory=list)
     windows: list[Window] = field(default_factory=list)
+
+    @property
+    def words(self) -> list[Word]:
+        """Every segment's words, in order (empty without word timestamps)."""
+        return [w for s in self.segments for w in s.words]
 
 
 @dataclass(frozen=True)
@@ -216,6 +246,41 @@ async def no_speech_probability(llm: Any, ids: WhisperTokens, prompt: Sequence[i
     return float(np.exp(out.logprobs[0][token]))
 
 
+def alignment_heads(llm: Any, ids: WhisperTokens) -> tuple[tuple[int, int], ...]:
+    """The (decoder layer, head) pairs word timestamps read, from the generation config; a
+    ValueError naming the setting when it has none (transformers refuses too)."""
+    if not ids.alignment_heads:
+        raise ValueError(f"model {llm.engine.model_id} has no alignment_heads in its generation "
+                         "settings (generation_config.json, or a CTranslate2 folder's "
+                         "config.json): word timestamps read those cross-attention heads")
+    return ids.alignment_heads
+
+
+async def window_token_times(llm: Any, prompt: Sequence[int], generated: Sequence[int],
+                             window: np.ndarray, heads: Sequence[tuple[int, int]]) -> np.ndarray:
+    """The times (s from the window's start) of a window's generated tokens (its end token
+    included, if sampled) from the alignment heads' cross-attention over the window."""
+    rows = list(prompt) + list(generated[:-1])  # the last token is fed to nothing
+    weights = await llm.cross_attention_weights(_request(rows, window), heads)
+    width = getattr(llm.engine.setup.hf_config, "median_filter_width", MEDIAN_FILTER_WIDTH)
+    return token_times(weights, len(prompt), -(-len(window) // FRAME), width)
+
+
+def cut_words(cut: Cut, first: int, times: np.ndarray, ids: WhisperTokens, decode: Decode,
+              language: str | None, offset: float, duration: float) -> list[Word]:
+    """A segment's words with their times; `first`: the index of its first token among the
+    window's generated tokens (whose times `times` holds); `offset`: the window's start."""
+    where = [first + i for i, t in enumerate(cut.tokens) if t < ids.end]
+    text = [cut.tokens[i - first] for i in where]
+    words = []
+    for group in group_words(text, decode, language):
+        a, b = where[group.indices[0]], where[group.indices[-1]]
+        start = offset + (float(times[a - 1]) if a > 0 else 0.0)
+        end = offset + float(times[b])
+        words.append(Word(group.text, min(start, duration), min(end, duration)))
+    return words
+
+
 async def transcribe(llm: Any, samples: np.ndarray, options: TranscriptionOptions,
                      request_id: str | None = None) -> AsyncIterator[Segment | Transcript]:
     """Segments as each window is decoded, then the whole Transcript. `samples`: mono float32
@@ -230,6 +295,7 @@ async def transcribe(llm: Any, samples: np.ndarray, options: TranscriptionOption
     history = tok.encode(" " + options.prompt.strip(), add_special_tokens=False) \
         if options.prompt else []
     rules = ids.rules(options.timestamps)
+    heads = alignment_heads(llm, ids) if options.word_timestamps else ()
     transcript = Transcript("", language if ids.multilingual else "en", duration)
     kept = min(PREVIOUS_TOKENS, llm.engine.max_model_len // 2 - 1)  # transformers' cut-off
     seek = 0  # in samples; a whole number of frames
@@ -253,7 +319,8 @@ async def transcribe(llm: Any, samples: np.ndarray, options: TranscriptionOption
                                            f"{rid}-{seek}-{attempts}"))
             if attempts == 1:  # the window's encoder entry: found or computed by this one
                 (item,) = out.multi_modal_placeholders
-            tokens = list(out.outputs[0].token_ids)
+            generated = list(out.outputs[0].token_ids)
+            tokens = list(generated)
             if tokens and tokens[-1] == ids.end:
                 tokens.pop()
             text = tok.decode([t for t in tokens if t < ids.end])
@@ -280,11 +347,20 @@ async def transcribe(llm: Any, samples: np.ndarray, options: TranscriptionOption
             cuts, advance = split_segments(tokens, ids.timestamp_begin, offset, frames)
         else:
             cuts, advance = [Cut(offset, offset + len(window) / RATE, tokens)], frames
+        times = None
+        if heads and generated:
+            times = await window_token_times(llm, prompt, generated, window, heads)
+            record.seconds = time.perf_counter() - t0  # the alignment pass counted
+        first = 0  # the cut's first token among the window's generated tokens
         for cut in cuts:
             end = min(cut.end, duration)  # a timestamp past the clip's end
             segment = Segment(len(transcript.segments), seek // FRAME, min(cut.start, end), end,
                               tok.decode([t for t in cut.tokens if t < ids.end]),
                               list(cut.tokens), temperature, avg, ratio, no_speech)
+            if times is not None:
+                segment.words = cut_words(cut, first, times, ids, tok.decode,
+                                          transcript.language, offset, duration)
+            first += len(cut.tokens)
             transcript.segments.append(segment)
             yield segment
         if options.condition_on_previous_text and temperature < 0.5:

@@ -68,9 +68,12 @@ def _variables(sd: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_ctranslate2_whisper(checkpoint: Path, out: Path, quantization: str = "float32") -> Path:
+def write_ctranslate2_whisper(checkpoint: Path, out: Path, quantization: str = "float32",
+                              vocabulary_only: bool = False) -> Path:
     """`checkpoint` (a transformers Whisper folder) as a CTranslate2 folder at `out`, its
-    weights in `quantization` (float32, float16 or int8), tokenizer.json copied."""
+    weights in `quantization` (float32, float16 or int8), tokenizer.json copied (or, with
+    `vocabulary_only`, vocabulary.txt written instead as the converter writes it: each id's
+    token, one a line)."""
     from transformers import WhisperForConditionalGeneration
 
     model = WhisperForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32)
@@ -102,9 +105,17 @@ def write_ctranslate2_whisper(checkpoint: Path, out: Path, quantization: str = "
     blob += _string("decoder/embeddings/weight")
     (out / "model.bin").write_bytes(blob)
     gen = json.loads((Path(checkpoint) / "generation_config.json").read_text())
-    config = {"alignment_heads": [], "lang_ids": sorted((gen.get("lang_to_id") or {}).values()),
+    config = {"alignment_heads": gen.get("alignment_heads") or [],
+              "lang_ids": sorted((gen.get("lang_to_id") or {}).values()),
               "suppress_ids": gen.get("suppress_tokens") or [],
               "suppress_ids_begin": gen.get("begin_suppress_tokens") or []}
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    shutil.copy(Path(checkpoint) / "tokenizer.json", out / "tokenizer.json")
+    if vocabulary_only:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(checkpoint)
+        tokens = tok.convert_ids_to_tokens(list(range(len(tok))))
+        (out / "vocabulary.txt").write_text("".join(t + "\n" for t in tokens), encoding="utf-8")
+    else:
+        shutil.copy(Path(checkpoint) / "tokenizer.json", out / "tokenizer.json")
     return out

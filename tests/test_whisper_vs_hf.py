@@ -192,18 +192,29 @@ def test_clips_whisper_cannot_take_are_refused(llm, tokens):
 def test_ctranslate2_folders_read_by_our_reader(whisper_path, llm, tokens, tmp_path, precision):
     """The checkpoint written as CTranslate2's converter writes it: float32 gives the
     checkpoint's tokens and logits, float16 its tokens, int8 runs as our int8 linears within a
-    stated distance of transformers on the file's dequantized values."""
+    stated distance of transformers on the file's dequantized values. The float32 folder holds
+    vocabulary.txt and no tokenizer.json: ids decode to the same text (special tokens skipped
+    or not), and encoding text (a transcription's prompt) is refused naming the file."""
     from models.whisper.ctranslate2 import MODEL_FILE, CT2File, Int8Weight, ct2_tensors
     from testing.ctranslate2 import write_ctranslate2_whisper
 
-    folder = write_ctranslate2_whisper(whisper_path, tmp_path / precision, precision)
+    folder = write_ctranslate2_whisper(whisper_path, tmp_path / precision, precision,
+                                       vocabulary_only=precision == "float32")
     ours = LLM(folder, max_model_len=448, dtype="float32")
     prompt = decoder_prompt(tokens, "en")
     params = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, logprobs=3)
     out = ours.generate(request(prompt, CLIPS["short"]), params)[0].outputs[0]
     want = llm.generate(request(prompt, CLIPS["short"]), params)[0].outputs[0]
     if precision == "float32":
+        assert not (folder / "tokenizer.json").exists()
         assert out.token_ids == want.token_ids
+        ids = list(range(len(llm.tokenizer)))
+        for skip in (True, False):
+            assert ours.tokenizer.decode(ids, skip_special_tokens=skip) == llm.tokenizer.decode(
+                ids, skip_special_tokens=skip)
+        with pytest.raises(ValueError, match="vocabulary.txt: .*no tokenizer.json, so text "
+                           "cannot be encoded"):
+            ours.tokenizer.encode(" hello")
         for a, b in zip(out.logprobs, want.logprobs, strict=True):
             assert list(a) == list(b)
             torch.testing.assert_close(torch.tensor([*a.values()]), torch.tensor([*b.values()]),

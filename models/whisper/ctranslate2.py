@@ -1,5 +1,6 @@
 """CTranslate2 Whisper folders as faster-whisper keeps them (`model.bin`, `config.json`,
-`tokenizer.json`), read by our own parser of CTranslate2's binary format.
+`tokenizer.json` or only `vocabulary.txt` / `vocabulary.json`), read by our own parser of
+CTranslate2's binary format.
 
 `model.bin` (binary versions 4 to 6, the ones CTranslate2 4.x writes): a little-endian header
 (version, the spec's name `WhisperSpec` and revision), then each variable: its name, rank,
@@ -137,15 +138,23 @@ def _ct2_config(folder: Path) -> dict:
 
 
 def load_tokenizer(folder: Path):
-    """The folder's tokenizer.json as a transformers tokenizer."""
+    """The folder's tokenizer.json as a transformers tokenizer; without one, its
+    vocabulary.txt (or vocabulary.json) as a tokenizer that decodes but refuses to encode
+    (models/whisper/vocabulary.py)."""
     from transformers import PreTrainedTokenizerFast
 
-    file = Path(folder) / "tokenizer.json"
-    if not file.is_file():
-        raise CheckpointError(
-            f"{folder}: a CTranslate2 Whisper folder without tokenizer.json is not read (its "
-            "vocabulary.txt / vocabulary.json lacks the BPE merges prompts are encoded with)")
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(file))
+    from models.whisper.vocabulary import VOCABULARY_FILES, vocabulary_tokenizer
+
+    folder = Path(folder)
+    file = folder / "tokenizer.json"
+    if file.is_file():
+        tok = PreTrainedTokenizerFast(tokenizer_file=str(file))
+    else:
+        found = [folder / name for name in VOCABULARY_FILES if (folder / name).is_file()]
+        if not found:
+            raise CheckpointError(f"{folder}: a CTranslate2 Whisper folder needs tokenizer.json "
+                                  f"or {' or '.join(VOCABULARY_FILES)}; it has none")
+        tok = vocabulary_tokenizer(found[0])
     end = "<|endoftext|>"
     tok.add_special_tokens({"eos_token": end, "bos_token": end, "pad_token": end,
                             "unk_token": end})
@@ -218,7 +227,7 @@ def whisper_settings(folder: Path, tokenizer) -> tuple[Any, dict, dict[str, str]
               if v.name.endswith("/weight")}
     sources = {"config": f"{MODEL_FILE} (tensor shapes, num_heads) + config.json",
                "generation": "config.json (suppress_ids, lang_ids, alignment_heads) + "
-                             "tokenizer.json",
+                             + getattr(tokenizer, "source", "tokenizer.json"),
                "weights": f"CTranslate2 {SPEC} rev {file.revision}, binary v{file.version}, "
                           f"{'/'.join(sorted(dtypes))} weights"}
     return config, generation, sources

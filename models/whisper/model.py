@@ -37,6 +37,7 @@ from models.layers.attention import AttentionMetadata, LayerAttention, paged_att
 from models.layers.cross_attention import attend_segments
 from models.layers.cross_metadata import CrossSegment
 from models.layers.decoder_layer import DecoderConfig
+from models.whisper.alignment import alignment_probabilities
 
 _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -232,6 +233,12 @@ class WhisperForConditionalGeneration(nn.Module):
         for layer in self.decoder.layers:
             h = layer(h, meta)
         return self.decoder.layer_norm(h)
+
+    def alignment_probabilities(self, input_ids: torch.Tensor, states: torch.Tensor,
+                                heads: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """input_ids [T], one clip's keys and values [L, 2, H, n, D] -> the cross-attention
+        probabilities [len(heads), T, n] of each (layer, head) (models/whisper/alignment.py)."""
+        return alignment_probabilities(self, input_ids, states, heads)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return float32_logits(self.lm_head, hidden)
