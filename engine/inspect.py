@@ -32,6 +32,7 @@ from models.checkpoint import CheckpointError, safetensors_header, weight_files
 from models.gguf.load import GGUFWeights
 from models.gguf.mmproj import projector_weights
 from models.interfaces import ProcessorContext
+from models.loader import on_meta
 from models.whisper.ctranslate2 import held_bytes, is_ctranslate2
 
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
@@ -118,7 +119,7 @@ def _sizes(report: Report, setup: CheckpointSetup, dtype: torch.dtype, processor
     position and for the largest item, and whether the LM head is provided; the model is built
     on the meta device."""
     report.max_model_len = context_length(setup.hf_config)[0]
-    with torch.device("meta"):
+    with on_meta():
         model = setup.spec.model.from_hf_config(setup.hf_config, 1, torch.device("meta"))
     mapping = model.checkpoint_map()
     total, names = 0, set()

@@ -2,9 +2,12 @@
 after the first start, so that the second start reads it back instead of building it again.
 
 transformers reads the vocabulary, merges and special tokens from the GGUF with its own reader
-and converts them (seconds for a 150,000-token vocabulary); the saved tokenizer
-(`save_pretrained`: tokenizer.json, its config and chat template) loads in a fraction of that.
-An entry is a folder under `tokenizers/` beside the kernel plan's cache
+and converts them (seconds for a 150,000-token vocabulary). The entry is the built tokenizer
+object pickled (the Rust tokenizer's state and every attribute of transformers' class, so the
+one read back is the one built); unpickling takes a fraction of the build, and of reading back
+`save_pretrained`'s files, which transformers parses several times over. The cache folder is the
+user's own, as the compiled kernels beside it are. An entry is a file under `tokenizers/` beside
+the kernel plan's cache
 (models.kernels.choice.cache_path; $MMSERVE_TOKENIZER_CACHE overrides the folder, and "0" turns
 the cache off), named by a hash of the file's path, size and modification time, the tokenizer
 class, the transformers version and this format's version: a changed file, class or library
@@ -17,7 +20,7 @@ import hashlib
 import json
 import logging
 import os
-import shutil
+import pickle
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -52,18 +55,22 @@ def entry_path(path: Path, tokenizer_class: type) -> Path | None:
                 "file": [str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns],
                 "class": f"{tokenizer_class.__module__}.{tokenizer_class.__qualname__}"}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
-    return folder / f"{Path(path).name[:48]}-{digest}"
+    return folder / f"{Path(path).name[:48]}-{digest}.pickle"
 
 
 def cached_tokenizer(path: Path, tokenizer_class: type, build: Callable[[], Any]) -> Any:
     """The tokenizer of the GGUF at `path`: read back from its entry, else `build()` and kept."""
     entry = entry_path(path, tokenizer_class)
-    if entry is not None and entry.is_dir():
+    if entry is not None and entry.is_file():
         try:
-            return tokenizer_class.from_pretrained(entry)
+            with open(entry, "rb") as f:
+                tokenizer = pickle.load(f)
+            if type(tokenizer) is tokenizer_class:
+                return tokenizer
+            raise TypeError(f"it holds a {type(tokenizer).__name__}")
         except Exception as e:  # noqa: BLE001 - any unreadable entry is rebuilt
             log.warning("the cached tokenizer %s could not be read (%s): rebuilt", entry, e)
-            shutil.rmtree(entry, ignore_errors=True)
+            entry.unlink(missing_ok=True)
     tokenizer = build()
     if entry is not None:
         _save(entry, tokenizer)
@@ -75,11 +82,9 @@ def _save(entry: Path, tokenizer: Any) -> None:
     half-written entry; a failure to write only logs)."""
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".partial-"))
-        tokenizer.save_pretrained(staging)
-        try:
-            staging.rename(entry)
-        except OSError:  # another process kept the same entry first
-            shutil.rmtree(staging, ignore_errors=True)
-    except OSError as e:
+        with tempfile.NamedTemporaryFile(dir=entry.parent, prefix=".partial-",
+                                         delete=False) as f:
+            pickle.dump(tokenizer, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(f.name, entry)
+    except (OSError, pickle.PicklingError) as e:
         log.warning("the tokenizer could not be kept in %s (%s)", entry, e)

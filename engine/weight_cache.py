@@ -30,6 +30,7 @@ from models.checkpoint import weight_files
 from models.gguf.reader import is_gguf
 from models.kernels.choice import cache_path
 from models.kernels.quantization import QuantizedLinear
+from models.loader import on_meta
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ def load(entry: Path, factory: Callable[[], nn.Module], device: torch.device,
 def _restore(saved: dict, factory: Callable[[], nn.Module], device: torch.device,
              dtype: torch.dtype) -> nn.Module:
     state = saved["state"]
-    with torch.device("meta"):
+    with on_meta():
         model = factory()
     model = model.to(dtype=dtype)
     for name, (mode, in_features, group_size) in saved["quantized"].items():

@@ -19,10 +19,12 @@ of tensors is, for the start-up's progress line.
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Callable, Collection, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -250,6 +252,36 @@ def _allocate(module: nn.Module, name: str, param: nn.Parameter) -> nn.Parameter
     return fresh
 
 
+# nn.init's initializers, skipped while modules are built on the meta device (on_meta)
+_INITIALIZERS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_",
+                 "xavier_uniform_", "xavier_normal_", "constant_", "zeros_", "ones_",
+                 "orthogonal_", "eye_", "dirac_", "sparse_")
+_on_meta_lock = threading.Lock()
+
+
+@contextmanager
+def on_meta() -> Iterator[None]:
+    """Modules built in this context are on the meta device and skip nn.init's initializers: a
+    meta tensor holds no values to set, and torch runs a meta `normal_` through its reference
+    implementations, whose first use imports torch._dynamo (seconds of a start-up). One build at
+    a time: the initializers are torch's module functions."""
+    with _on_meta_lock:
+        saved = {name: getattr(nn.init, name) for name in _INITIALIZERS
+                 if hasattr(nn.init, name)}
+
+        def skip(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            return tensor
+
+        try:
+            for name in saved:
+                setattr(nn.init, name, skip)
+            with torch.device("meta"):
+                yield
+        finally:
+            for name, initializer in saved.items():
+                setattr(nn.init, name, initializer)
+
+
 def build_on_meta(factory: Callable[[], nn.Module], device: torch.device, dtype: torch.dtype,
                   defer: Callable[[nn.Module], Collection[str]] | None = None):
     """Construct with `factory` on the meta device, then allocate (uninitialised) on `device`.
@@ -260,7 +292,7 @@ def build_on_meta(factory: Callable[[], nn.Module], device: torch.device, dtype:
     parameters to leave on the meta device (CPU only): load_weights allocates each when the
     checkpoint first writes it.
     """
-    with torch.device("meta"):
+    with on_meta():
         module = factory()
     module = module.to(dtype=dtype)
     if defer is None:

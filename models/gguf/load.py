@@ -69,6 +69,7 @@ from models.loader import (
     build_on_meta,
     counted,
     load_weights,
+    on_meta,
 )
 from models.mapped_files import enabled as mapping_enabled
 from models.mapped_files import keep
@@ -353,7 +354,7 @@ def load_gguf(path: Path, hf_config: Any, factory: Callable[[], nn.Module], devi
                           stored_q8=observer is None or int8_asked,
                           as_blocks=observer is None, why_dense=why)
     projector, names = None, _same_name
-    with torch.device("meta"):
+    with on_meta():
         probe = factory()
     mapping = probe.checkpoint_map()
     if mmproj is not None:

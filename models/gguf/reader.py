@@ -17,6 +17,7 @@ them); tensors run as stored are `view`s of the file's one long-lived read-only 
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 from functools import cached_property
@@ -44,6 +45,7 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?",
           10: "<u8", 11: "<i8", 12: "<f8"}
 _STRING, _ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
 
 
 class GGUFError(CheckpointError):
@@ -74,22 +76,35 @@ class TensorInfo:
         return n
 
 
+# The last header parsed, by the file's identity: a start-up reads one file's header from a few
+# places (config, tokenizer, weights), and a vocabulary's strings take a while to parse.
+_last_parse: tuple[tuple, tuple] | None = None
+
+
 class GGUFFile:
     """A GGUF file's metadata and tensor table (`metadata`: key -> value; strings as str,
-    numeric arrays as numpy arrays, string arrays as lists)."""
+    numeric arrays as numpy arrays, string arrays as lists). Read-only: a file parsed just before
+    (same path, size and modification time) shares the earlier parse."""
 
     def __init__(self, path: Path) -> None:
+        global _last_parse
         self.path = Path(path)
         try:
             f = open(self.path, "rb")  # noqa: SIM115 - closed below, after the mapping
         except OSError as e:
             raise GGUFError(f"{self.path.name}: cannot read the file ({e.strerror})") from e
         with f:
+            stat = os.fstat(f.fileno())
+            identity = (str(self.path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino)
             if f.seek(0, 2) < 4:
                 raise GGUFError(f"{self.path.name}: not a GGUF file ({f.tell()} bytes)")
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-                self.file_size = len(data)
-                parsed = _Parser(data, self.path.name).parse()
+            self.file_size = stat.st_size
+            if _last_parse is not None and _last_parse[0] == identity:
+                parsed = _last_parse[1]
+            else:
+                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                    parsed = _Parser(data, self.path.name).parse()
+                _last_parse = (identity, parsed)
         self.version, self.metadata, self.tensors, self.data_start = parsed
         self._mapping: MappedFile | None = None
 
@@ -181,6 +196,27 @@ class _Parser:
         except UnicodeDecodeError as e:
             raise self.fail(f"{self.where} holds a string that is not UTF-8 ({e})") from e
 
+    def strings(self, n: int) -> list[str]:
+        """n strings in a row (a vocabulary's hundreds of thousands: one tight loop)."""
+        data, pos, end, length = self.data, self.pos, len(self.data), _U64.unpack_from
+        raw = []
+        for _ in range(n):
+            if pos + 8 > end:
+                break
+            (size,) = length(data, pos)
+            if pos + 8 + size > end:
+                break
+            raw.append(data[pos + 8:pos + 8 + size])
+            pos += 8 + size
+        if len(raw) < n:
+            self.pos = pos
+            self.take(8 if pos + 8 > end else 8 + length(data, pos)[0])  # names the truncation
+        self.pos = pos
+        try:
+            return [b.decode("utf-8") for b in raw]
+        except UnicodeDecodeError as e:
+            raise self.fail(f"{self.where} holds a string that is not UTF-8 ({e})") from e
+
     def parse(self):
         if self.data[:4] != MAGIC:
             raise self.fail(f"not a GGUF file (starts with {bytes(self.data[:4])!r}, not "
@@ -242,7 +278,7 @@ class _Parser:
             start = self.take(n * dtype.itemsize)
             return np.frombuffer(self.data, dtype, n, start).copy()
         if item == _STRING:
-            return [self.string() for _ in range(n)]
+            return self.strings(n)
         raise self.fail(f"metadata key {key} is an array of type {item}, which is not read")
 
     def tensor(self, name: str, shape: tuple[int, ...], kind: int, offset: int,
