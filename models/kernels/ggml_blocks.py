@@ -4,11 +4,12 @@ Q5_K, Q6_K), run as stored by our kernels (models/kernels/cpu/ggml_blocks.c).
 A weight [N, K] is held as the file's bytes, N output channels of K / QK blocks each ([N, row
 bytes] uint8, a GGUF tensor's rows), with the float16 scales and minimums inside them: nothing is
 widened or rounded. A decode step's few rows (tokens) go through the matrix-vector kernel, which
-writes each row in int8 digits per 32 inputs (two: within max|x| / 32512 of x) and takes integer
-dot products with the blocks' quants (as llama.cpp's vec_dot does with one digit), the blocks'
-scales joining in float32; more rows (a prefill) through a float32 GEMM on a tile of output
-channels dequantized into a reused buffer (the same values: dequantizing is ggml's, bit for
-bit).
+writes each row in int8 digits per 32 inputs, or per 256 for the K types (two digits: within
+max|x| / 32512 of x), and takes integer dot products with the blocks' quants (as llama.cpp's
+vec_dot does with one digit), the blocks' scales joining in float32; a verify's k + 1 rows meet
+each unpacked block together, each row's result the one-row call's to the bit. More rows (a
+prefill) through a float32 GEMM on a tile of output channels dequantized into a reused buffer
+(the same values: dequantizing is ggml's, bit for bit).
 Without our kernels (no compiler, MMSERVE_NATIVE=0) the tile is dequantized by gguf-py, slowly
 but with the same values.
 
@@ -114,8 +115,9 @@ DIGITS = c.GGML_DIGITS  # int8 digits per input of the matrix-vector kernel's ac
 def block_linear(x: torch.Tensor, blocks: torch.Tensor, type_name: str,
                  in_features: int, path: str = "vector", digits: int = DIGITS) -> torch.Tensor:
     """x [M, K] (float32 / bfloat16) . W^T through the matrix-vector kernel, W held as blocks
-    [N, row bytes] -> [M, N] in x's dtype. `path`: "vector" (x written per 32 inputs in
-    `digits` int8 digits, dx (h + l / 256) with dx = max|x| / 127, and integer dot products
+    [N, row bytes] -> [M, N] in x's dtype. `path`: "vector" (x written per 32 inputs, 256 for
+    the K types, in `digits` int8 digits, dx (h + l / 256) with dx = max|x| / 127 over them,
+    and integer dot products
     with the blocks' quants in the variant's vector code), "plain" (the same in plain C, for
     tests), "float" (each block dequantized and multiplied in float32: the earlier kernel, for
     bench/ggml_kernels.py). One digit keeps each input within max|x| / 254 (llama.cpp's

@@ -11,11 +11,11 @@
  * float16 scale times a 6- or 8-bit sub-scale times a 4- or 5-bit q is exact in float32, so a
  * fused q * d1 - m1 rounds as the separate operations do), but the order is then the C's.
  *
- * mm_ggml_linear: y [M, N] = x [M, K] . W^T for a decode step's few rows. Per output channel,
- * each span of up to 256 inputs is dequantized into a buffer in L1 and multiplied into every
- * row's LANES partial sums (independent lanes: the compiler vectorizes both loops for the
- * variant). The weight is read once per call, in its blocks' bytes (4.5 bits per weight for
- * Q4_K). Sums in float32.
+ * mm_ggml_linear: y [M, N] = x [M, K] . W^T for a decode step's few rows, through integer dot
+ * products of the blocks' quants with the rows written in int8 digits (below). The weight is
+ * read once per call, in its blocks' bytes (4.5 bits per weight for Q4_K).
+ * mm_ggml_linear_float: the earlier float path (each span of up to 256 inputs dequantized into a
+ * buffer in L1 and multiplied into every row's LANES partial sums), for bench/ggml_kernels.py.
  *
  * mm_ggml_dequantize: rows of the weight (consecutive, or picked by index: an embedding's
  * lookup) to float32, for a prefill's GEMM on a tile of rows (models/kernels/ggml_blocks.py)
@@ -291,9 +291,11 @@ int mm_ggml_linear_float(const void* x, int x_dtype, const uint8_t* w, int type,
 
 /* ---- the integer decode path (mm_ggml_linear) ----
  *
- * Each row of x is quantized once per call, per block of 32 inputs, to int8 digits q with a
- * float32 scale dx = max|x| / 127 (x' = dx * q, within max|x| / 254 of x), and the sums
- * xs = dx * sum q over each 32 (and xs16 over each 16, for Q6_K's sub-blocks). A weight block
+ * Each row of x is quantized once per call, per group of inputs (a block of 32; for the K types
+ * a super-block of 256, as llama.cpp's Q8_K), to int8 digits q with a float32 scale
+ * dx = max|x| / 127 over the group (x' = dx * q, within max|x| / 254 of x; two digits:
+ * within max|x| / 32512), and the sums xs = dx * sum q over each 32 (and xs16 over each 16,
+ * for Q6_K's sub-blocks). A weight block
  * then meets the digits in integer dot products of its quants (unsigned, 0 .. 2^bits - 1, or
  * Q8_0's signed bytes), and the block's float16 scales join in float32 per 32 (or 16) inputs:
  *   Q4_0:  d * (dx * sum q_w q - 8 xs)          Q4_1: d * dx * sum q_w q + m * xs
@@ -301,13 +303,17 @@ int mm_ggml_linear_float(const void* x, int x_dtype, const uint8_t* w, int type,
  *   Q8_0:  d * dx * sum q_w q
  *   Q4_K / Q5_K, sub-block j:  d sc_j dx_j sum q_w q - dmin m_j xs_j
  *   Q6_K, sub-block c of 16:   d sc_c (dx sum q_w q - 32 xs16_c)
- * so that the product is W . x' exactly, up to float32 rounding: per block of 32 the error
- * against W . x is at most sum |w| * max|x| / 254 (tests/test_gguf_blocks.py holds it to that).
+ * so that the product is W . x' exactly, up to float32 rounding: per group the error against
+ * W . x is at most sum |w| * max|x| / 254 (tests/test_gguf_blocks.py holds it to that).
  * The AVX2 path (also the AVX-512 variants': their 256-bit integer instructions are the same)
  * forms the sums with PMADDUBSW (u8 quants x s8 digits, pairs into int16: at most
  * 2 * 63 * 127, never saturating; Q8_0 takes |w| and sign(x, w) as ggml does) and PMADDWD,
- * and keeps 8 float lanes per row until the channel's end; the plain path (the x86-64 and Arm
- * variants) is the same arithmetic in C loops the compiler vectorizes. */
+ * which for the K types also weights each 32 by its integer sub-block scale, so that a
+ * super-block's 256 products sum in int32 and meet the float scales once; 8 float lanes per
+ * row until the channel's end. A verify's rows (k + 1 tokens) meet each super-block's quants
+ * unpacked once (dots_avx2); integer sums do not depend on their order, so each row's result is
+ * the one-row call's, bit for bit. The plain path (the x86-64 and Arm variants) is the same
+ * arithmetic in C loops the compiler vectorizes. */
 
 typedef struct {
     const int8_t* q;    /* [k] first digits */
