@@ -12,7 +12,7 @@ Q4_K_M), each skipped with the pip command when absent, and a bfloat16 safetenso
 at Qwen2.5-VL-3B's language-model widths (hidden 2048, MLP 11008, 16 heads, 2 KV heads, vocab
 151936; random weights, built once, `--layers` of its 36 layers: the table says how many).
 
-Each row runs in a process of its own, so that its peak resident set (`ru_maxrss`) is its own:
+Each row runs in a process of its own, so that its peak resident set (VmHWM) is its own:
 "ready" is the seconds from the constructor's call to its return plus one generated token (the
 model answers), "peak" the peak RSS, "resident" VmRSS after that token (weights mapped from the
 file count as their touched pages), with the ratios peak / resident (the goal: at most 1.15)
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -47,11 +46,16 @@ PROMPT = "The capital of France is"
 # ---- one row, in its own process ------------------------------------------------------------
 
 
-def _resident() -> int:
+def _status(field: str) -> int:
+    """Bytes of a /proc/self/status field (VmRSS: resident now, VmHWM: its peak since exec)."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def _resident() -> int:
+    return _status("VmRSS")
 
 
 def _child(runtime: str, model: str, options: dict) -> dict:
@@ -78,7 +82,9 @@ def _child(runtime: str, model: str, options: dict) -> dict:
             hf.generate(**tok(PROMPT, return_tensors="pt"), max_new_tokens=1, do_sample=False)
         extra = {"context": hf.config.max_position_embeddings}
     ready = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss across fork and exec, so a child of this
+    # (large) process would report the parent's peak
+    peak = _status("VmHWM")
     return {"ready_s": ready, "peak": peak, "resident": _resident(), **extra}
 
 
