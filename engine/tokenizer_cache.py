@@ -79,12 +79,16 @@ def cached_tokenizer(path: Path, tokenizer_class: type, build: Callable[[], Any]
 
 def _save(entry: Path, tokenizer: Any) -> None:
     """Write the entry under a temporary name, then move it into place (a reader never sees a
-    half-written entry; a failure to write only logs)."""
+    half-written entry; a failure to write, or a tokenizer that does not pickle, only logs)."""
+    staging = None
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=entry.parent, prefix=".partial-",
                                          delete=False) as f:
+            staging = Path(f.name)
             pickle.dump(tokenizer, f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(f.name, entry)
-    except (OSError, pickle.PicklingError) as e:
+        os.replace(staging, entry)
+    except Exception as e:  # noqa: BLE001 - the cache is an optimization: the start goes on
         log.warning("the tokenizer could not be kept in %s (%s)", entry, e)
+        if staging is not None:
+            staging.unlink(missing_ok=True)

@@ -67,3 +67,14 @@ def _counting(load):
 
     counted.calls = 0
     return counted
+
+
+def test_a_tokenizer_that_does_not_pickle_is_only_not_kept(gguf_file, tmp_path, monkeypatch):
+    monkeypatch.setenv(tokenizer_cache.CACHE_ENV, str(tmp_path / "cache"))
+
+    def refuse(*args, **kwargs):
+        raise TypeError("cannot pickle this")
+
+    monkeypatch.setattr(tokenizer_cache.pickle, "dump", refuse)
+    assert GGUFSetup.load(gguf_file).tokenizer is not None
+    assert not list((tmp_path / "cache").iterdir())  # no entry, no staging file left

@@ -148,7 +148,7 @@ class NativeDecode:
             block_size=cache.shape[3], kv_int8=int(cache.dtype == torch.int8))
         # Pointers to the weights and KV caches as they are now: the runner binds the caches
         # once, before it prepares the model (a model re-bound must be prepared again).
-        self._parts: list = []  # block linears' later parts, read through the layers' chains
+        self._parts: list[LinearDesc] = []  # block linears' later parts, read through the layers' chains
         self.layers = (LayerDesc * len(model.layers))(
             *(_layer_desc(layer, self._parts) for layer in model.layers))
         # Per row-count bucket: whether every linear's plan there is our kernel (a block
@@ -215,7 +215,7 @@ class NativeDecode:
         return out
 
 
-def _layer_desc(layer: DecoderLayer, keep: list) -> LayerDesc:
+def _layer_desc(layer: DecoderLayer, keep: list[LinearDesc]) -> LayerDesc:
     attn, mlp = layer.self_attn, layer.mlp
     return LayerDesc(
         qkv=linear_desc(attn.qkv_proj, keep), o=linear_desc(attn.o_proj, keep),
