@@ -39,7 +39,7 @@ from models.kernels import native
 from models.kernels.choice import BUCKET_LAST_ROWS, BUCKETS, bucket_index
 from models.kernels.ggml_blocks import FEW_ROWS, BlockLinear
 from models.kernels.linear import Linear
-from models.kernels.native_interface import DecoderDesc, LayerDesc
+from models.kernels.native_interface import DecoderDesc, LayerDesc, LinearDesc
 from models.kernels.native_linear import linear_desc
 from models.kernels.quantization import QuantizedLinear
 from models.layers.attention import AttentionMetadata
@@ -148,7 +148,8 @@ class NativeDecode:
             block_size=cache.shape[3], kv_int8=int(cache.dtype == torch.int8))
         # Pointers to the weights and KV caches as they are now: the runner binds the caches
         # once, before it prepares the model (a model re-bound must be prepared again).
-        self._parts: list[LinearDesc] = []  # block linears' later parts, read through the layers' chains
+        # block linears' later parts, read through the layers' chains
+        self._parts: list[LinearDesc] = []
         self.layers = (LayerDesc * len(model.layers))(
             *(_layer_desc(layer, self._parts) for layer in model.layers))
         # Per row-count bucket: whether every linear's plan there is our kernel (a block
