@@ -11,23 +11,25 @@ and the model's weights, and changes neither.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from engine.device import to_device
-from models.interfaces import ProcessedPrompt
+from models.interfaces import CrossAttentionProbe, ProcessedPrompt
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
 
 
-def cross_attention_weights(engine: Any, processed: ProcessedPrompt,
+def cross_attention_weights(engine: LLMEngine, processed: ProcessedPrompt,
                             heads: Sequence[tuple[int, int]]) -> np.ndarray:
     """processed: a prompt of T tokens with one cross-attended item of n positions -> the
     probabilities [len(heads), T, n] (float32) of each (decoder layer, head) in `heads`."""
     runner = engine.runner
     model = runner.model
-    probe = getattr(model, "alignment_probabilities", None)
-    if probe is None:
+    if not isinstance(model, CrossAttentionProbe):
         raise ValueError(f"model {engine.model_id} does not return cross-attention weights "
                          "(a Whisper checkpoint does)")
     items = [f for f in processed.mm_features if f.cross is not None]
@@ -40,4 +42,4 @@ def cross_attention_weights(engine: Any, processed: ProcessedPrompt,
     with torch.inference_mode():
         states = runner.encoder_output(items[0])
         ids = to_device(torch.tensor(processed.token_ids, dtype=torch.int64), runner.device)
-        return probe(ids, states, heads).float().cpu().numpy()
+        return model.alignment_probabilities(ids, states, heads).float().cpu().numpy()

@@ -440,4 +440,16 @@ class LanguageModel(Protocol):
         ...
 
 
+@runtime_checkable
+class CrossAttentionProbe(Protocol):
+    """A language model whose cross-attention probabilities can be read (Whisper: its alignment
+    heads, for word timestamps)."""
+
+    def alignment_probabilities(self, input_ids: torch.Tensor, states: torch.Tensor,
+                                heads: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """input_ids [T], one item's cross-attention keys and values -> the probabilities
+        [len(heads), T, n] of each (decoder layer, head)."""
+        ...
+
+
 ProcessorFactory = Callable[[ProcessorContext], MultimodalProcessor]

@@ -540,11 +540,11 @@ static inline __attribute__((always_inline)) void super_rows(
 }
 
 /* Rows a[0 .. R) of x against one output channel's blocks wr (nb blocks): out[i] = W . x'_i.
- * Each block's quants are unpacked once and met by every row's digits. Every row keeps its own
- * two float accumulators (alternate blocks of 32; two chains hide the FMA latency that one
- * chain waits on), so a row's arithmetic, and its result, is the same for any R: a verify's
- * k + 1 rows sum each row exactly as the one-row decode step does. R is a constant at each
- * call site (dots_avx2_1 .. _4 below), so the accumulators stay in registers. */
+ * Each block's quants are unpacked once and met by every row's digits. A row's float
+ * accumulators are its own (for the 32-value types two, alternate blocks, so that two FMA
+ * chains hide the latency one waits on; for the K types one, fed once per super-block), so a
+ * row's arithmetic, and its result, is the same for any R: a verify's k + 1 rows sum each row
+ * exactly as the one-row decode step does. */
 static inline __attribute__((always_inline)) void dots_avx2(
         int type, const uint8_t* wr, int64_t nb, const act_row* a, const int R, const int TWO,
         float* out) {
@@ -670,7 +670,8 @@ static inline __attribute__((always_inline)) void dots_avx2(
                         wq[s] = _mm256_or_si256(nib, bits);
                         ws[s] = _mm256_set_m128i(_mm_set1_epi16(sc[8 * n + 2 * g + 1]),
                                                  _mm_set1_epi16(sc[8 * n + 2 * g]));
-                        if (R == 1) add_sums(&ih, &il, wq, ws, 1, a, 256 * b + 32 * (4 * n + g), TWO);
+                        if (R == 1)
+                            add_sums(&ih, &il, wq, ws, 1, a, 256 * b + 32 * (4 * n + g), TWO);
                     }
                 }
                 super_rows(acc, ih, il, wq, ws, a, R, b, d, TWO);
@@ -686,8 +687,8 @@ static inline __attribute__((always_inline)) void dots_avx2(
  * and one for any count of rows (R read at run time: each row's sums are taken one row at a
  * time over a super-block's unpacked quants), each for one and for two digits */
 #define DOTS(NAME, R, TWO)                                                                     \
-    static __attribute__((noinline)) void NAME(int type, const uint8_t* wr, int64_t nb,       \
-                                               const act_row* a, int rows, float* out) {      \
+    static void NAME(int type, const uint8_t* wr, int64_t nb, const act_row* a, int rows,      \
+                     float* out) {                                                             \
         (void)rows;                                                                            \
         dots_avx2(type, wr, nb, a, R, TWO, out);                                               \
     }
@@ -727,10 +728,10 @@ static int ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, v
     int8_t* q = malloc((size_t)(2 * m * k));
     float* sums = malloc(sizeof(float) * (size_t)(m * per));
     const int failed = xf == NULL || q == NULL || sums == NULL;
-    act_row rows[16];
+    act_row rows[MAX_ROWS];
     const int64_t per_row = k / block_values(type), row_bytes = per_row * block_bytes(type);
-    for (int64_t i0 = 0; i0 < m; i0 += 16) {
-        const int count = m - i0 < 16 ? (int)(m - i0) : 16;
+    for (int64_t i0 = 0; i0 < m; i0 += MAX_ROWS) {
+        const int count = m - i0 < MAX_ROWS ? (int)(m - i0) : MAX_ROWS;
         for (int i = 0; i < count && !failed; i++) {
             const int64_t r = i0 + i;
             int8_t* h = q + 2 * r * k;
@@ -742,16 +743,13 @@ static int ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, v
         for (int64_t c = 0; c < n; c++) {
             if (failed) continue;
             const uint8_t* wr = w + c * row_bytes;
-            for (int i = 0; i < count; i += MAX_ROWS) {
-                const int group = count - i < MAX_ROWS ? count - i : MAX_ROWS;
-                float out[MAX_ROWS];
+            float out[MAX_ROWS];
 #if HAS_VECTOR
-                if (!generic) dots_vector(type, wr, per_row, rows + i, group, out);
-                else
+            if (!generic) dots_vector(type, wr, per_row, rows, count, out);
+            else
 #endif
-                    dots_plain(type, wr, per_row, rows + i, group, out);
-                for (int j = 0; j < group; j++) store(y, x_dtype, (i0 + i + j) * ldy + c, out[j]);
-            }
+                dots_plain(type, wr, per_row, rows, count, out);
+            for (int i = 0; i < count; i++) store(y, x_dtype, (i0 + i) * ldy + c, out[i]);
         }
     }
     if (owned) free((void*)xf);
