@@ -5,6 +5,7 @@ against its f16 one.
     python -m bench.kv_quant --model gemma3                 # or smollm2, or PATH.gguf
     python -m bench.kv_quant --model smollm2 --contexts 1024,8192
     python -m bench.kv_quant --smoke                        # a tiny random model, seconds
+    python -m bench.kv_quant --model gemma3 --decode-only   # the decode rows alone
 
 Quality: the teacher-forced next-token distribution over a long text every Debian machine ships
 (the GPL, /usr/share/common-licenses/GPL-3, about 8 k tokens), cut into windows of `--window`
@@ -177,6 +178,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--no-llama-cpp", action="store_true")
+    parser.add_argument("--decode-only", action="store_true", help="skip the quality rows")
     parser.add_argument("--smoke", action="store_true", help="a tiny random model, a few "
                         "hundred random tokens, short contexts, one run (checks the script)")
     args = parser.parse_args()
@@ -192,8 +194,6 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace, path: Path) -> None:
-    from engine.checkpoint_setup import CheckpointSetup
-    from engine.memory_plan import context_length
 
     llama = None
     if not args.smoke and not args.no_llama_cpp:
@@ -206,6 +206,13 @@ def run(args: argparse.Namespace, path: Path) -> None:
     print(f"{path.name}: {len(ids)} tokens in {len(windows)} windows of up to {args.window}, "
           f"chunks of {args.chunk}; {args.dtype}; {machine()}")
 
+    if not args.decode_only:
+        quality(args, path, windows, llama, reason)
+    decode(args, path, ids, llama)
+
+
+def quality(args: argparse.Namespace, path: Path, windows: list[list[int]], llama: str | None,
+            reason: str) -> None:
     ours = ours_quality(path, windows, args.window, args.chunk, args.dtype)
     print(f"ours int8 cache vs ours {args.dtype} cache: KLD {ours['kld']:.3e} (p99 "
           f"{ours['kld_p99']:.3e}), top-1 {100 * ours['top1']:.2f}%, perplexity "
@@ -217,6 +224,11 @@ def run(args: argparse.Namespace, path: Path) -> None:
               f"{theirs['ppl']:.3f} vs {theirs['ppl_reference']:.3f}")
     else:
         print(f"llama.cpp rows skipped: {reason}")
+
+
+def decode(args: argparse.Namespace, path: Path, ids: list[int], llama: str | None) -> None:
+    from engine.checkpoint_setup import CheckpointSetup
+    from engine.memory_plan import context_length
 
     model_max = context_length(CheckpointSetup.load(path).hf_config)[0]
     print("\n| context | ours " + args.dtype + " cache tok/s | ours int8 cache tok/s | speed-up"

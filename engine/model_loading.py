@@ -24,7 +24,7 @@ from models.gguf.load import load_gguf
 from models.gguf.reader import is_gguf
 from models.interfaces import LanguageModel
 from models.kernels import native
-from models.kernels.huge_pages import place_weights
+from models.kernels.huge_pages import place_weights, return_freed_memory
 from models.kernels.linear_choice import choose_linear_kernels
 from models.kernels.quantization import QuantizeOnLoad, quantize_language_model
 from models.layers.lora import attach_adapters
@@ -87,6 +87,15 @@ def load_model(path: Path, hf_config, model_cls: type[LanguageModel], config: En
         if entry is not None and adapters is None:
             with progress.step("keeping the quantized weights on disk for the next start"):
                 weight_cache.save(entry, model, summary)
+                # and run what the next start will run: the entry's mapped weights, the
+                # quantized copies in this process's memory let go
+                kept = weight_cache.load(entry, factory, device, dtype)
+            if kept is not None:
+                del model
+                model, summary = kept
+                model.eval()
+                adapters, modality_adapters = attach_adapters(model, path, (), device, dtype)
+                return_freed_memory()
     if device.type == "cpu":
         with progress.step("placing the weights in huge pages"):
             place_weights(model)  # before planning: the plan times them where they run
@@ -118,9 +127,9 @@ def _load(path: Path, hf_config, model_cls: type[LanguageModel],
                 model = load_ctranslate2(path, factory, device, dtype, quantizer)
         else:
             model = build_on_meta(factory, device, dtype, defer=defer)
-            # Tensors at the model dtype are mapped from the file where they run as stored.
-            mapped = (dtype if quantizer is None and device.type == "cpu"
-                      and mapped_files.enabled() else None)
+            # Tensors at the model dtype are mapped from the file where they run as stored (and
+            # those quantized are read through the mapping, their pages let go as they are).
+            mapped = dtype if device.type == "cpu" and mapped_files.enabled() else None
             mappings: list[mapped_files.MappedFile] = []
             tensors = counted(iter_checkpoint(path, "", mapped, mappings), reading,
                               checkpoint_tensor_count(path), progress)

@@ -11,6 +11,11 @@ class, the dtype, the context the model is built for, the quantization settings,
 version and this format's version; so a changed file or setting misses and is quantized anew,
 and a stale entry is never read. An entry that cannot be read back (truncated, corrupt, from
 another layout) is logged, removed and rebuilt. Models with LoRA adapters are not cached.
+
+An entry is a safetensors file (what it is for in its metadata), read back mapped: its tensors
+are views of the file's read-only mapping (models/mapped_files.py), so a second start copies
+nothing, its pages are the page cache's (shared, given back under pressure), and the resident
+set holds the quantized weights once, not a copy beside the pages read.
 """
 
 from __future__ import annotations
@@ -26,16 +31,17 @@ import torch
 from torch import nn
 
 from engine.config import EngineConfig
-from models.checkpoint import weight_files
+from models import mapped_files
+from models.checkpoint import safetensors_header, weight_files
 from models.gguf.reader import is_gguf
 from models.kernels.choice import cache_path
 from models.kernels.quantization import QuantizedLinear
-from models.loader import on_meta
+from models.loader import SAFETENSORS_DTYPES, empty_off_meta, on_meta
 
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "MMSERVE_WEIGHT_CACHE"
-FORMAT = 1  # bump when an entry's layout or what quantization computes changes
+FORMAT = 2  # bump when an entry's layout or what quantization computes changes
 
 
 def cache_dir() -> Path | None:
@@ -64,7 +70,7 @@ def entry_path(path: Path, mmproj: Path | None, model_cls: type, config: EngineC
         "dequantize_gguf": config.dequantize_gguf,
     }
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
-    return folder / f"{Path(path).name[:48]}-{digest}.pt"
+    return folder / f"{Path(path).name[:48]}-{digest}.safetensors"
 
 
 def _identity(file: Path) -> list:
@@ -77,12 +83,20 @@ def save(entry: Path, model: nn.Module, summary: str) -> None:
     reader never sees half an entry). A failure to write is logged, not raised."""
     quantized = {name: [m.mode, m.in_features, m.group_size]
                  for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
-    state = {"format": FORMAT, "summary": summary, "quantized": quantized,
-             "state": model.state_dict()}
+    tensors, aliases, seen = {}, {}, {}
+    for name, tensor in model.state_dict().items():
+        key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+        if key in seen:  # a tied weight: kept once, the other name points at it
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        tensors[name] = tensor.detach().contiguous()
+    metadata = {"format": str(FORMAT), "summary": summary, "quantized": json.dumps(quantized),
+                "aliases": json.dumps(aliases)}
     tmp = entry.with_suffix(f".tmp{os.getpid()}")
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(state, tmp)
+        _write(tmp, tensors, metadata)
         os.replace(tmp, entry)
     except OSError as e:
         log.warning("could not keep the quantized weights in %s: %s", entry, e)
@@ -92,34 +106,85 @@ def save(entry: Path, model: nn.Module, summary: str) -> None:
              entry.stat().st_size / 2**20)
 
 
+_WRITE_BYTES = 64 << 20  # written a piece at a time, so a mapped weight is not read whole
+_SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+
+
+def _write(file: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """`tensors` as a safetensors file, streamed (no copy of the model in memory): widest
+    element first, after a header padded to a multiple of 64 bytes, so that every tensor
+    starts at a multiple of its element size and maps as a view."""
+    names = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    header: dict[str, dict] = {"__metadata__": metadata}
+    offset = 0
+    for name in names:
+        t = tensors[name]
+        header[name] = {"dtype": _SAFETENSORS_NAMES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 64)
+    with open(file, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for name in names:
+            data = tensors[name].reshape(-1).view(torch.uint8)
+            for first in range(0, data.numel(), _WRITE_BYTES):
+                piece = data[first:first + _WRITE_BYTES]
+                f.write(piece.numpy().data)
+                mapped_files.let_go(piece)  # a mapped weight's pages, read to be written
+
+
 def load(entry: Path, factory: Callable[[], nn.Module], device: torch.device,
          dtype: torch.dtype) -> tuple[nn.Module, str] | None:
-    """The model built by `factory` with its state read from `entry` (mapped from the file),
-    and the load summary saved with it; None when there is no entry or it cannot be read back
-    (then it is removed, and the caller quantizes anew)."""
+    """The model built by `factory` with its state read from `entry` (views of the file's
+    mapping, which the model keeps), and the load summary saved with it; None when there is
+    no entry or it cannot be read back (then it is removed, and the caller quantizes anew)."""
     if not entry.exists():
         return None
     try:
-        saved = torch.load(entry, map_location="cpu", mmap=True, weights_only=True)
-        if saved.get("format") != FORMAT:
-            raise ValueError(f"format {saved.get('format')!r}, expected {FORMAT}")
-        model = _restore(saved, factory, device, dtype)
+        metadata, state, mapping = _read(entry)
+        model = _restore(state, json.loads(metadata["quantized"]), factory, device, dtype)
+        mapped_files.keep(model, [mapping])
     except Exception as e:  # noqa: BLE001 - any unreadable entry is rebuilt
         log.warning("the cached quantized weights %s cannot be read back (%s: %s); removed, "
                     "quantizing anew", entry, type(e).__name__, e)
         entry.unlink(missing_ok=True)
         return None
     log.info("quantized weights read back from %s", entry)
-    return model, saved["summary"]
+    return model, metadata["summary"]
 
 
-def _restore(saved: dict, factory: Callable[[], nn.Module], device: torch.device,
+def _read(entry: Path) -> tuple[dict[str, str], dict[str, torch.Tensor],
+                                mapped_files.MappedFile]:
+    """An entry's metadata and its tensors, each a view of the file's mapping."""
+    header = safetensors_header(entry)
+    metadata = header.pop("__metadata__", None) or {}
+    if metadata.get("format") != str(FORMAT):
+        raise ValueError(f"format {metadata.get('format')!r}, expected {FORMAT}")
+    with open(entry, "rb") as f:
+        start = 8 + int.from_bytes(f.read(8), "little")  # the data follows the header
+    mapping = mapped_files.map_file(entry)
+    state = {}
+    for name, info in header.items():
+        first, last = info["data_offsets"]
+        dtype, shape = SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"])
+        data = mapping.view(start + first, last - first)
+        if (start + first) % dtype.itemsize:  # not where a view of dtype can start: a copy
+            data = data.clone()
+        state[name] = data.view(dtype).view(shape)  # a wrong byte count fails here
+    for name, target in json.loads(metadata["aliases"]).items():
+        state[name] = state[target]
+    return metadata, state, mapping
+
+
+def _restore(state: dict[str, torch.Tensor], quantized: dict[str, list],
+             factory: Callable[[], nn.Module], device: torch.device,
              dtype: torch.dtype) -> nn.Module:
-    state = saved["state"]
     with on_meta():
         model = factory()
     model = model.to(dtype=dtype)
-    for name, (mode, in_features, group_size) in saved["quantized"].items():
+    for name, (mode, in_features, group_size) in quantized.items():
         owner, _, attr = name.rpartition(".")
         layer = QuantizedLinear._from_values(
             mode, state[f"{name}.qweight"], in_features, state[f"{name}.scales"],
@@ -132,5 +197,5 @@ def _restore(saved: dict, factory: Callable[[], nn.Module], device: torch.device
                 raise ValueError(f"the entry has no {owner_name}.{attr}")
         for attr, buffer in list(owner._buffers.items()):  # not saved: as build_on_meta
             if buffer is not None and buffer.is_meta:
-                owner._buffers[attr] = torch.empty_like(buffer, device=device)
+                owner._buffers[attr] = empty_off_meta(buffer, device)
     return model

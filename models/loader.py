@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from models.checkpoint import safetensors_header, weight_files
-from models.kernels.huge_pages import TRIM_BYTES, return_freed_memory
+from models.kernels.huge_pages import return_freed_memory
 from models.mapped_files import MappedFile, is_mapped, map_file
 
 
@@ -118,6 +118,12 @@ def checkpoint_tensor_count(path: Path, prefix: str = "") -> int:
                    and k.startswith(prefix)) for file in checkpoint_files(path))
 
 
+# Read through a mapping, its pages leave the resident set this often, and memory freed since
+# (dense weights quantized, tensors copied) goes back to the system: the peak of a load stays
+# within about this much of what it keeps.
+DROP_BYTES = 64 << 20
+
+
 def iter_checkpoint(path: Path, prefix: str = "", mapped_dtype: torch.dtype | None = None,
                     mappings: list[MappedFile] | None = None
                     ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -125,13 +131,18 @@ def iter_checkpoint(path: Path, prefix: str = "", mapped_dtype: torch.dtype | No
     `prefix`: the others are not read) in file order: those of `mapped_dtype` as views of the
     file's read-only mapping (added to `mappings`, which the caller keeps as long as the model:
     models.mapped_files.keep), the others each read into memory of its own (plain reads: only
-    the pages of tensors a model keeps are mapped)."""
+    the pages of tensors a model keeps are mapped). The pages read through a mapping (tensors
+    copied or quantized from it) leave the resident set every DROP_BYTES; those of a view a
+    model keeps come back from the page cache when it is next read."""
     read = 0
+    mappings = mappings if mappings is not None else []
     for file in checkpoint_files(path):
         for name, tensor in read_safetensors(file, prefix, mapped_dtype, mappings):
             yield name, tensor
             read += tensor.numel() * tensor.element_size()
-            if read >= TRIM_BYTES:  # the dense weights quantized since, the tensors copied
+            if read >= DROP_BYTES:
+                for mapping in mappings:
+                    mapping.drop_pages_except([])
                 return_freed_memory()
                 read = 0
     return_freed_memory()
@@ -247,7 +258,8 @@ def _allocate(module: nn.Module, name: str, param: nn.Parameter) -> nn.Parameter
     """Replace a meta-device parameter by an empty CPU one on its owner; returns it."""
     owner_name, _, attr = name.rpartition(".")
     owner = module.get_submodule(owner_name)
-    fresh = nn.Parameter(torch.empty_like(param, device="cpu"), requires_grad=param.requires_grad)
+    fresh = nn.Parameter(empty_off_meta(param, torch.device("cpu")),
+                         requires_grad=param.requires_grad)
     owner._parameters[attr] = fresh
     return fresh
 
@@ -282,6 +294,14 @@ def on_meta() -> Iterator[None]:
                 setattr(nn.init, name, initializer)
 
 
+def empty_off_meta(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An uninitialised tensor on `device` of a meta tensor's shape, strides and dtype. Not
+    torch.empty_like: on a meta tensor that runs torch's Python reference implementation, whose
+    first use imports torch.fx's symbolic shapes (about half a second of every start)."""
+    return torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype,
+                               device=device)
+
+
 def build_on_meta(factory: Callable[[], nn.Module], device: torch.device, dtype: torch.dtype,
                   defer: Callable[[nn.Module], Collection[str]] | None = None):
     """Construct with `factory` on the meta device, then allocate (uninitialised) on `device`.
@@ -295,21 +315,18 @@ def build_on_meta(factory: Callable[[], nn.Module], device: torch.device, dtype:
     with on_meta():
         module = factory()
     module = module.to(dtype=dtype)
-    if defer is None:
-        module = module.to_empty(device=device)
-    else:
-        if device.type != "cpu":
-            raise ValueError(f"deferred parameters are allocated on the CPU, not {device}")
-        deferred = set(defer(module))
-        for owner_name, owner in module.named_modules():
-            for attr, param in list(owner._parameters.items()):
-                full = f"{owner_name}.{attr}" if owner_name else attr
-                if param is not None and param.is_meta and full not in deferred:
-                    owner._parameters[attr] = nn.Parameter(
-                        torch.empty_like(param, device=device), requires_grad=param.requires_grad)
-            for attr, buffer in list(owner._buffers.items()):
-                if buffer is not None and buffer.is_meta:
-                    owner._buffers[attr] = torch.empty_like(buffer, device=device)
+    if defer is not None and device.type != "cpu":
+        raise ValueError(f"deferred parameters are allocated on the CPU, not {device}")
+    deferred = set() if defer is None else set(defer(module))
+    for owner_name, owner in module.named_modules():
+        for attr, param in list(owner._parameters.items()):
+            full = f"{owner_name}.{attr}" if owner_name else attr
+            if param is not None and param.is_meta and full not in deferred:
+                owner._parameters[attr] = nn.Parameter(empty_off_meta(param, device),
+                                                       requires_grad=param.requires_grad)
+        for attr, buffer in list(owner._buffers.items()):
+            if buffer is not None and buffer.is_meta:
+                owner._buffers[attr] = empty_off_meta(buffer, device)
     if hasattr(module, "tie_weights"):
         module.tie_weights()
     return module

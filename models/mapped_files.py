@@ -119,6 +119,22 @@ def is_mapped(tensor: torch.Tensor) -> bool:
     return any(m.holds(tensor) for m in list(_LIVE.values()))
 
 
+def let_go(tensor: torch.Tensor) -> None:
+    """Drop from the resident set the whole pages of `tensor`'s bytes if it views a live
+    mapping (read through once, say quantized from: the page cache keeps them, and a later
+    read faults them back); otherwise nothing."""
+    if not hasattr(mmap, "MADV_DONTNEED") or not tensor.is_contiguous():
+        return
+    for mapping in list(_LIVE.values()):
+        if mapping.holds(tensor):
+            page = mmap.PAGESIZE
+            first = tensor.data_ptr() - mapping.start
+            start, end = -(-first // page) * page, (first + tensor.nbytes) // page * page
+            if end > start:
+                mapping._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+            return
+
+
 def keep(model: nn.Module, files: list[MappedFile]) -> None:
     """Let `model` hold those of `files` its parameters or buffers view (closed when the model
     goes; a mapping no weight views is left to go now), and drop from the resident set the

@@ -314,6 +314,29 @@ def test_decode_kernels_match_reference_in_a_mixed_step(kernel, window):
     torch.testing.assert_close(out[4:], ref, atol=1e-5, rtol=0)
 
 
+def test_the_decode_kernel_choice_is_kept_for_the_next_start(tmp_path, monkeypatch):
+    """Timed once: a later process (the in-memory choices gone) reads it from the plan's
+    cache file instead of timing again."""
+    from models.kernels import decode_attention_choice as choice
+    from models.kernels.choice import KernelCache
+
+    timed = []
+    real = choice._time_decode_kernels
+    monkeypatch.setattr(choice, "_time_decode_kernels",
+                        lambda *args: timed.append(1) or real(*args))
+    monkeypatch.setattr(choice, "_CHOICES", {})
+    path = tmp_path / "plan.json"
+    first = choice.choose_decode_attention(2, 1, 8, torch.float32, CPU, 4,
+                                           cache=KernelCache(path))
+    monkeypatch.setattr(choice, "_CHOICES", {})
+    again = choice.choose_decode_attention(2, 1, 8, torch.float32, CPU, 4,
+                                           cache=KernelCache(path))
+    assert first == again and len(timed) == 1
+    monkeypatch.setattr(choice, "_CHOICES", {})  # another shape is timed
+    choice.choose_decode_attention(2, 1, 16, torch.float32, CPU, 4, cache=KernelCache(path))
+    assert len(timed) == 2
+
+
 def test_decode_kernel_is_chosen_by_measurement():
     from models.kernels.decode_attention_choice import choose_decode_attention
     from models.layers.attention import KERNELS

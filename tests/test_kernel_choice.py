@@ -329,6 +329,25 @@ def test_unsettled_timings_are_used_and_timed_again_at_the_next_start(tmp_path):
     assert timer.calls == 1 + unsettled_then  # the re-check, then each unsettled bucket
 
 
+def test_an_entry_whose_repeats_never_agree_stands_after_two_timings(tmp_path):
+    """A machine whose load scatters every timing: the second start times the unsettled
+    buckets again, the third stands by what the second saved."""
+    path = tmp_path / "k.json"
+    choose_linear_kernels(Tiny(torch.float32), torch.float32, KernelCache(path),
+                          ScatteredTimer({"matmul_t": 0.5, "mv": 0.5}, {"matmul_t"}))
+    first = json.loads(path.read_text())["choices"]["dense/float32/48x32/65-256"]
+    assert first["settled"] is False and first["timings"] == 1
+    second_timer = ScatteredTimer({"matmul_t": 0.8, "mv": 0.5}, {"matmul_t"})
+    choose_linear_kernels(Tiny(torch.float32), torch.float32, KernelCache(path), second_timer)
+    second = json.loads(path.read_text())["choices"]["dense/float32/48x32/65-256"]
+    assert second_timer.calls > 1 and second["timings"] == 2 and second["settled"] is False
+    third_timer = ScatteredTimer({"matmul_t": 0.5, "mv": 0.5}, {"matmul_t"})
+    model = Tiny(torch.float32)
+    plans = choose_linear_kernels(model, torch.float32, KernelCache(path), third_timer)
+    assert third_timer.calls <= 1  # at most the re-check of the saved plan
+    assert plans["dense/float32/48x32"][3] == second["choice"]
+
+
 def test_a_saved_plan_timed_on_a_busy_machine_is_timed_afresh(tmp_path):
     path = tmp_path / "k.json"
     choose_linear_kernels(Tiny(torch.float32), torch.float32, KernelCache(path),
@@ -388,3 +407,25 @@ def test_the_plan_logs_one_line_per_model(tmp_path, caplog):
     assert "timed" in info[0] and "matmul_t" in info[0]
     assert any(r.levelname == "DEBUG" and "linear kernel" in r.getMessage()
                for r in caplog.records)
+
+
+def test_measure_stops_timing_a_candidate_far_slower_than_the_fastest(monkeypatch):
+    """Each candidate is called once untimed, then timed; after the first timed round one
+    three times the fastest or slower keeps that one sample, the others are timed every round."""
+    from models.kernels import choice
+
+    clock = [0.0]
+    monkeypatch.setattr(choice.time, "perf_counter", lambda: clock[0])
+    calls = {"fast": 0, "near": 0, "slow": 0}
+    cost = {"fast": 1.0, "near": 2.5, "slow": 3.5}
+
+    def candidate(name):
+        def run():
+            calls[name] += 1
+            clock[0] += cost[name]
+        return run
+
+    timings = choice.measure({name: candidate(name) for name in cost}, rounds=5)
+    assert calls == {"fast": 6, "near": 6, "slow": 2}  # a warm-up, then its timed calls
+    assert timings["slow"].samples == (3.5,) and len(timings["near"].samples) == 5
+    assert choice.pick({n: t.best for n, t in timings.items()}, "slow") == "fast"

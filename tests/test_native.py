@@ -459,6 +459,39 @@ def test_decode_attention_matches_float64(kernels, dtype, dim, window, softcap):
         torch.testing.assert_close(out[b].double(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("window, softcap", [(None, None), (600, 30.0)])
+def test_decode_attention_splits_the_keys_of_few_heads(kernels, threads, int8, window, softcap):
+    """Fewer (sequence, KV head) pairs than threads: each head's keys are split into parts, one
+    per thread, attended apart and merged; the result is the unsplit softmax's (against
+    float64), a short sequence beside a long one getting empty parts."""
+    from models.layers import kv_quant
+
+    gen = torch.Generator().manual_seed(threads)
+    heads, kv_heads, dim, block_size = 4, 1, 64, 16
+    contexts = [900, 5]
+    raw, tables = _paged(gen, torch.float32, contexts, kv_heads, dim, block_size, 64)
+    cache = kv_quant.quantize_rows(raw) if int8 else raw
+    stored = kv_quant.dequantize_rows(cache, torch.float32) if int8 else raw
+    firsts = [0 if window is None else max(c - window, 0) // block_size for c in contexts]
+    width = max(len(t) - f for t, f in zip(tables, firsts, strict=True))
+    table = torch.zeros(len(contexts), width, dtype=torch.int64)
+    for b, (t, f) in enumerate(zip(tables, firsts, strict=True)):
+        table[b, : len(t) - f] = torch.tensor(t[f:])
+    q = torch.randn(len(contexts), heads, dim, generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = kernels.decode_attention(q, cache, table, torch.tensor(firsts) * block_size,
+                                       torch.tensor(contexts), 0.125, window, softcap)
+    finally:
+        torch.set_num_threads(before)
+    for b, c in enumerate(contexts):
+        ref = _reference(q[b], stored, tables[b], c, 0.125, window, softcap)
+        torch.testing.assert_close(out[b].double(), ref, atol=1e-5, rtol=1e-5)
+
+
 def test_paged_attention_takes_the_native_decode_kernel(kernels):
     """Through the engine's metadata: decodes in two buckets beside a chunk, sliding window."""
     from models.layers.attention import LayerAttention, build_metadata, paged_attention
@@ -615,7 +648,7 @@ def test_decode_logits_and_greedy_tokens_match_transformers(text_model, hf_model
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_model_through_native_kernels_tracks_pytorchs(text_model, native_everywhere,
-                                                                 mode):
+                                                                 mode, monkeypatch):
     """The same int8 / int4 weights through our kernels and through PyTorch's (its int kernel,
     or a GEMM on the dequantized weight for int8 with a scale per group, which it has no kernel
     for): the two runs may differ by what the formulations round differently (our activations
@@ -644,6 +677,9 @@ def test_quantized_model_through_native_kernels_tracks_pytorchs(text_model, nati
         layer.kernels = (theirs,) * len(BUCKETS)
     second = ours.generate(prompt, params)[0].outputs[0]
 
+    # the float32 engine's weights are overwritten in place: read into memory, not mapped
+    # read-only from the checkpoint (models/mapped_files.py)
+    monkeypatch.setenv("MMSERVE_MAP_WEIGHTS", "0")
     noise = _activation_rounding_drift(ours, LLM(text_model, dtype="float32", **options),
                                        prompt, params, first)
     assert 0 < noise < 2, noise  # a real measurement, not a broken reference

@@ -15,6 +15,7 @@ from engine.checkpoint_setup import CheckpointSetup
 from engine.config import EngineConfig
 from engine.load_progress import StartupProgress
 from engine.model_loading import load_model
+from models.mapped_files import is_mapped
 from testing.tiny import build_text_model
 
 
@@ -45,13 +46,16 @@ def loads(checkpoint, tmp_path, monkeypatch):
                             torch.device("cpu"), torch.float32, 64,
                             progress=StartupProgress([reports.append]))
         load.stages = list(dict.fromkeys(r.stage for r in reports))
-        return loaded.model.state_dict(), len(calls)
+        state = loaded.model.state_dict()
+        # while the model lives (it holds the mapping): do its weights view a mapped file?
+        load.mapped = [is_mapped(v) for v in state.values() if v.nbytes]
+        return state, len(calls)
 
     return load
 
 
 def _entries(tmp_path):
-    return sorted((tmp_path / "weights").glob("*.pt"))
+    return sorted((tmp_path / "weights").glob("*.safetensors"))
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -61,6 +65,7 @@ def _same(a: dict, b: dict) -> bool:
 def test_the_second_start_reads_the_quantized_weights_back(loads, tmp_path):
     first, quantized = loads()
     assert quantized > 0 and len(_entries(tmp_path)) == 1
+    assert all(loads.mapped)  # the first start too runs the entry it kept, mapped
     assert loads.stages[:3] == ["reading weights, quantizing linears to int4",
                                 "quantizing the LM head to int4",
                                 "keeping the quantized weights on disk for the next start"]
@@ -69,6 +74,8 @@ def test_the_second_start_reads_the_quantized_weights_back(loads, tmp_path):
     assert loads.stages[0] == "reading the quantized weights kept on disk"
     assert not any("quantizing" in stage for stage in loads.stages)
     assert any(v.dtype == torch.uint8 for v in second.values())  # the int4 packs
+    # read back as views of the entry's mapping: nothing copied into the process's memory
+    assert all(loads.mapped)
 
 
 def test_a_changed_setting_or_file_misses(loads, checkpoint, tmp_path):
@@ -84,11 +91,41 @@ def test_a_changed_setting_or_file_misses(loads, checkpoint, tmp_path):
 
 def test_a_corrupt_entry_is_rebuilt(loads, tmp_path, caplog):
     reference, _ = loads()
+    reference = {k: v.clone() for k, v in reference.items()}  # not views of the entry
     (entry,) = _entries(tmp_path)
-    entry.write_bytes(entry.read_bytes()[: entry.stat().st_size // 2])
+    # a half-written entry left by a crash: a new file (truncating the mapped one in place
+    # would take the pages from under the views still mapping it)
+    half = entry.read_bytes()[: entry.stat().st_size // 2]
+    entry.unlink()
+    entry.write_bytes(half)
     with caplog.at_level(logging.WARNING, logger="engine.weight_cache"):
         rebuilt, quantized = loads()
     assert "cannot be read back" in caplog.text
     assert quantized > 0 and _same(reference, rebuilt)
     _, again = loads()
     assert again == 0
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 6)
+        self.head = torch.nn.Linear(6, 10, bias=False)
+        self.head.weight = self.embed.weight
+        self.norm = torch.nn.Parameter(torch.arange(6, dtype=torch.float64))
+        self.register_buffer("mask", torch.tensor([True, False, True]))
+
+
+def test_an_entry_round_trips_tied_and_mixed_dtype_tensors(tmp_path):
+    from engine import weight_cache
+
+    torch.manual_seed(0)
+    model = _Tied().to(torch.bfloat16)
+    model.norm.data = torch.arange(6, dtype=torch.float64)
+    entry = tmp_path / "entry.safetensors"
+    weight_cache.save(entry, model, "a summary")
+    back, summary = weight_cache.load(entry, _Tied, torch.device("cpu"), torch.bfloat16)
+    assert summary == "a summary" and _same(model.state_dict(), back.state_dict())
+    assert back.head.weight.data_ptr() == back.embed.weight.data_ptr()  # still one tensor
+    assert back.norm.dtype == torch.float64 and back.mask.dtype == torch.bool
+    assert all(is_mapped(t) for t in back.state_dict().values())

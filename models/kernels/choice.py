@@ -41,6 +41,11 @@ BASELINE = "F.linear"
 # the machine (or another thread pool of the same process) was busy while it was timed.
 SETTLED_SPREAD = 1.25
 ROUNDS = 5  # timed repeats per candidate, after one warm-up call
+TIMINGS = 2  # processes that time an entry whose repeats disagree, before it stands
+# A candidate whose first timed call takes this many times the fastest first call is not timed
+# further: no burst of load makes a kernel look three times slower than it is, and on the largest
+# probes (thousands of rows) the losers' repeats were most of a plan's time.
+DROP_SLOWER = 3.0
 
 CACHE_ENV = "MMSERVE_KERNEL_CACHE"  # a directory for the cache file; overrides the default
 
@@ -123,9 +128,11 @@ def pick(timings: Mapping[str, float], baseline: str = BASELINE, margin: float =
 
 class KernelCache:
     """Choices by key, loaded from and saved to one JSON file ({"choices": {key: entry}}, an
-    entry being {"choice": name, "seconds": {candidate: time}, "settled": bool}). A missing or
-    unreadable file is an empty cache; saving replaces the file atomically. An unsettled entry
-    serves the process that timed it and is timed again by the next one."""
+    entry being {"choice": name, "seconds": {candidate: time}, "settled": bool, "timings": n}).
+    A missing or unreadable file is an empty cache; saving replaces the file atomically. An
+    unsettled entry serves the process that timed it and is timed again by the next ones, up
+    to TIMINGS times in all, then stands: on a machine whose load never lets repeats agree,
+    not every start times the plan anew."""
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
@@ -148,9 +155,16 @@ class KernelCache:
         choice, timed = entry.get("choice"), entry.get("seconds")
         if choice not in allowed or not isinstance(timed, dict) or not allowed <= set(timed):
             return None
-        if key in self.loaded and entry.get("settled", True) is not True:
+        if (key in self.loaded and entry.get("settled", True) is not True
+                and self.timings(key) < TIMINGS):
             return None
         return choice
+
+    def timings(self, key: str) -> int:
+        """How many processes have timed `key` (0: none)."""
+        entry = self.entries.get(key)
+        count = entry.get("timings", 1) if isinstance(entry, dict) else 0
+        return count if isinstance(count, int) else 1
 
     def seconds(self, key: str, name: str) -> float | None:
         """The time saved for candidate `name` under `key`, if any."""
@@ -160,10 +174,10 @@ class KernelCache:
         return float(value) if isinstance(value, (int, float)) else None
 
     def put(self, key: str, choice: str, seconds: Mapping[str, float],
-            settled: bool = True) -> None:
+            settled: bool = True, timings: int = 1) -> None:
         self.entries[key] = {"choice": choice, "seconds": {k: float(v) for k, v in
                                                            seconds.items()},
-                             "settled": bool(settled)}
+                             "settled": bool(settled), "timings": int(timings)}
         self.loaded.discard(key)
         self.dirty = True
 
@@ -201,6 +215,7 @@ def choose(
     baseline = next(iter(candidates))
     if len(candidates) == 1:
         return Choice(baseline)
+    before = cache.timings(key)  # > 0: an unsettled entry timed again
     timings = timer(candidates)
     seconds = {n: t.best for n, t in timings.items()}
     choice = pick(seconds, baseline, margin)
@@ -212,7 +227,7 @@ def choose(
         seconds = {**seconds, **{n: max(seconds[n], t.best) for n, t in again.items()}}
         settled = settled and all(t.settled for t in again.values())
         choice = pick(seconds, baseline, margin)
-    cache.put(key, choice, seconds, settled)
+    cache.put(key, choice, seconds, settled, before + 1)
     shown = ", ".join(f"{k} {v * 1e6:.0f}us" for k, v in sorted(seconds.items()))
     log.debug("linear kernel %s: %s (%s)%s", key, choice, shown,
               "" if settled else "; repeats disagree: not final")
@@ -221,15 +236,21 @@ def choose(
 
 def measure(candidates: Mapping[str, Callable[[], object]],
             rounds: int = ROUNDS) -> dict[str, Timing]:
-    """Each candidate's repeats: one warm-up call each, then `rounds` calls each, interleaved
-    (a burst of load then falls on every candidate alike)."""
+    """Each candidate's repeats: one warm-up call each (not timed: first calls build packs and
+    primitives), then `rounds` calls each, interleaved (a burst of load then falls on every
+    candidate alike); after the first round, a candidate DROP_SLOWER times the fastest is left
+    with that one sample."""
     samples: dict[str, list[float]] = {}
     for name, fn in candidates.items():
         fn()
         samples[name] = []
-    for _ in range(rounds):
-        for name, fn in candidates.items():
+    timing = list(candidates)
+    for round_ in range(rounds):
+        for name in timing:
             t0 = time.perf_counter()
-            fn()
+            candidates[name]()
             samples[name].append(time.perf_counter() - t0)
+        if round_ == 0:
+            fastest = min(samples[name][0] for name in timing)
+            timing = [name for name in timing if samples[name][0] <= DROP_SLOWER * fastest]
     return {name: Timing(tuple(s)) for name, s in samples.items()}

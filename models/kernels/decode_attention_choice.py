@@ -1,6 +1,7 @@
 """Which decode attention kernel runs on this machine: each candidate of models.layers.attention's
 KERNELS (ours where it builds) timed once per head shape and dtype, on decode steps run end to
-end out of a paged cache."""
+end out of a paged cache; the choice is kept in the kernel plan's cache file beside the linear
+kernels' (models/kernels/choice.py), so a second start does not time it again."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import time
 import torch
 
 from models.kernels import native
+from models.kernels.choice import KernelCache, cache_path
+from models.kernels.linear_policy import PLAN_RULES
 from models.layers import kv_quant
 from models.layers.attention import (
     AttentionGroup,
@@ -26,7 +29,7 @@ _CHOICES: dict[tuple, str] = {}
 
 def choose_decode_attention(
     num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-    block_size: int = 16, kv_cache_dtype: str = "auto",
+    block_size: int = 16, kv_cache_dtype: str = "auto", cache: KernelCache | None = None,
 ) -> str:
     """The fastest decode kernel on this machine, by measurement (once per shape and dtype).
 
@@ -37,21 +40,33 @@ def choose_decode_attention(
     sequence at ~256 keys and eight at ~1024, the context growing by one per call as it does
     in generation; the least total time wins. CUDA keeps SDPA. With `kv_cache_dtype` "int8"
     the cache timed is an int8 one (models/layers/kv_quant.py): the PyTorch candidates then
-    dequantize the blocks they gather, ours reads the int8 rows in place.
+    dequantize the blocks they gather, ours reads the int8 rows in place. `cache`: where the
+    choice is kept (by default the kernel plan's cache of this CPU and build).
     """
     if device.type != "cpu":
         return "sdpa"
     key = (num_heads, num_kv_heads, head_dim, dtype, block_size, kv_cache_dtype)
     if key not in _CHOICES:
+        built = native.load()
         names = ["sdpa", "matmul"]
-        if native.load() is not None and dtype in native.DTYPES:
+        if built is not None and dtype in native.DTYPES:
             names.append("native")
-        times = _time_decode_kernels(names, num_heads, num_kv_heads, head_dim, dtype,
-                                     block_size, kv_cache_dtype == "int8")
-        _CHOICES[key] = min(times, key=times.get)
-        log.debug("decode attention kernel for %s heads %d/%d x %d: %s (%s)", dtype,
-                  num_heads, num_kv_heads, head_dim, _CHOICES[key],
-                  ", ".join(f"{k} {t * 1e3:.2f} ms" for k, t in times.items()))
+        if cache is None:
+            cache = KernelCache(cache_path(native_build=built.build_id if built else None,
+                                           rules=PLAN_RULES))
+        saved_key = (f"decode_attention/{str(dtype).removeprefix('torch.')}/{num_heads}x"
+                     f"{num_kv_heads}x{head_dim}/block{block_size}/{kv_cache_dtype}")
+        saved = cache.get(saved_key, set(names))
+        if saved is None:
+            times = _time_decode_kernels(names, num_heads, num_kv_heads, head_dim, dtype,
+                                         block_size, kv_cache_dtype == "int8")
+            saved = min(times, key=times.get)
+            cache.put(saved_key, saved, times)
+            cache.save()
+            log.debug("decode attention kernel for %s heads %d/%d x %d: %s (%s)", dtype,
+                      num_heads, num_kv_heads, head_dim, saved,
+                      ", ".join(f"{k} {t * 1e3:.2f} ms" for k, t in times.items()))
+        _CHOICES[key] = saved
     return _CHOICES[key]
 
 

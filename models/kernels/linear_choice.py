@@ -259,7 +259,7 @@ class _Planner:
         plan = decide_bucket(measured, names, index, self.planned, busy_now, bandwidth_ok)
         if measured.settled and not plan.settled:  # saved, to be timed again at the next start
             self.cache.put(key, plan.kernel, dict(self.cache.entries[key]["seconds"]),
-                           settled=False)
+                           settled=False, timings=self.cache.timings(key))
         return plan
 
     def _choose(self, key: str, tokens: int, names: list[str],

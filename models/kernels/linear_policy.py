@@ -61,7 +61,10 @@ DECODE_MARGIN = 0.25
 # --- The time budget (seconds) ----------------------------------------------------------------
 # Past this, buckets left unmeasured take the timed groups' choice, unsaved (timed at the next
 # start); $MMSERVE_PLAN_SECONDS sets another (a first start that plans a large model whole).
-PLAN_SECONDS = 8.0
+# A first start is the slow one anyway (it builds the C kernels); what is left untimed makes the
+# second start slow too, so the budget holds a whole plan of the usual shapes (a bfloat16
+# checkpoint at Qwen2.5-VL-3B's widths took about 12 s on a 2-core Zen 3).
+PLAN_SECONDS = 15.0
 PLAN_SECONDS_ENV = "MMSERVE_PLAN_SECONDS"
 
 # --- Busy-machine checks (factors and bytes) -------------------------------------------------

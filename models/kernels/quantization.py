@@ -43,6 +43,7 @@ from torch import nn
 from models.kernels import native
 from models.kernels.linear import Linear, run_kernel
 from models.kernels.native_interface import FIT_ROUNDS
+from models.mapped_files import let_go
 
 log = logging.getLogger(__name__)
 
@@ -244,12 +245,14 @@ class QuantizedLinear(nn.Module):
             for first, last in _channel_blocks(n, k):
                 q[first:last], scales[first:last] = quantize_int8(weight[first:last],
                                                                   group_size)
+                let_go(weight[first:last])  # a mapped weight's pages, read: not held
         else:
             q = torch.empty(n, k // 2, dtype=torch.uint8)
             scales = torch.empty(k // group_size, n, 2, dtype=torch.bfloat16)
             for first, last in _channel_blocks(n, k):  # the pack keeps 64-channel blocks apart
                 values, scales[:, first:last] = quantize_int4(weight[first:last], group_size)
                 q[first:last] = pack_int4(values)
+                let_go(weight[first:last])
         self.register_buffer("qweight", q)
         self.register_buffer("scales", scales)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(),
