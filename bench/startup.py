@@ -13,13 +13,14 @@ at Qwen2.5-VL-3B's language-model widths (hidden 2048, MLP 11008, 16 heads, 2 KV
 151936; random weights, built once, `--layers` of its 36 layers: the table says how many).
 
 Each row runs in a process of its own, so that its peak resident set (VmHWM) is its own:
-"ready" is the seconds from the constructor's call to its return plus one generated token (the
-model answers), "peak" the peak RSS, "resident" VmRSS after that token (weights mapped from the
-file count as their touched pages), with the ratios peak / resident (the goal: at most 1.15)
-and resident / file size. mmserve starts with its
-defaults (no max_model_len: the context is fitted to the KV budget) and, on the safetensors
-checkpoint, also in bfloat16 with int4 weights (what the weight cache keeps); the first start of
-each row uses empty kernel-plan and weight caches, the second the caches the first left.
+"ready" is the seconds from the process's launch (the interpreter's start and every import
+counted: the row's process imports nothing before its runtime) to the constructor's return
+plus one generated token (the model answers), "peak" the peak RSS, "resident" VmRSS after
+that token (weights mapped from the file count as their touched pages), with the ratios peak /
+resident (the goal: at most 1.15) and resident / file size. mmserve starts with its defaults
+(no max_model_len: the context is fitted to the KV budget) and, on the safetensors checkpoint,
+also in bfloat16 with int4 weights (what the weight cache keeps); the first start of each row
+uses empty kernel-plan and weight caches, the second the caches the first left.
 llama.cpp (llama-cpp-python) runs at n_ctx 4096, transformers at the checkpoint's dtype; a
 runtime that is not installed is a row saying so.
 """
@@ -34,8 +35,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-from bench.common import cache_dir, machine, print_table
 
 QWEN25_VL_3B_TEXT = dict(hidden_size=2048, intermediate_size=11008, num_heads=16,
                          num_kv_heads=2, vocab_size=151936, max_position_embeddings=32768)
@@ -58,8 +57,7 @@ def _resident() -> int:
     return _status("VmRSS")
 
 
-def _child(runtime: str, model: str, options: dict) -> dict:
-    t0 = time.perf_counter()
+def _child(runtime: str, model: str, options: dict, launched: float) -> dict:
     if runtime == "mmserve":
         from engine import LLM, SamplingParams
 
@@ -81,7 +79,7 @@ def _child(runtime: str, model: str, options: dict) -> dict:
         with torch.no_grad():
             hf.generate(**tok(PROMPT, return_tensors="pt"), max_new_tokens=1, do_sample=False)
         extra = {"context": hf.config.max_position_embeddings}
-    ready = time.perf_counter() - t0
+    ready = time.time() - launched
     # VmHWM, not ru_maxrss: Linux carries ru_maxrss across fork and exec, so a child of this
     # (large) process would report the parent's peak
     peak = _status("VmHWM")
@@ -92,7 +90,7 @@ def _run_row(runtime: str, model: Path, options: dict, caches: Path) -> dict:
     env = dict(os.environ, MMSERVE_KERNEL_CACHE=str(caches),
                MMSERVE_WEIGHT_CACHE=str(caches / "weights"))
     command = [sys.executable, "-m", "bench.startup", "--child", runtime, str(model),
-               json.dumps(options)]
+               json.dumps(options), repr(time.time())]
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
@@ -122,6 +120,8 @@ def safetensors_model(layers: int, smoke: bool) -> tuple[str, Path]:
 
         path = Path(tempfile.mkdtemp()) / "tiny"
         return "tiny qwen2 (smoke)", build_text_model(path, "qwen2")
+    from bench.common import cache_dir
+
     path = cache_dir(f"qwen2.5-vl-3b-text-{layers}-layers-bf16")
     if not (path / "config.json").exists():
         print(f"building a random bfloat16 checkpoint at Qwen2.5-VL-3B's text widths, {layers} "
@@ -201,12 +201,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4,
                         help=f"layers of the safetensors checkpoint (of {FULL_LAYERS})")
     parser.add_argument("--smoke", action="store_true", help="a tiny checkpoint only")
-    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        runtime, model, options = args.child
-        print(json.dumps(_child(runtime, model, json.loads(options))))
+        runtime, model, options, launched = args.child
+        print(json.dumps(_child(runtime, model, json.loads(options), float(launched))))
         return
+    from bench.common import machine, print_table  # torch: not in a row's process before t0
+
     print(f"# start-up: {machine()}")
     print_table(rows(args), ("model", "runtime", "ready s", "peak MiB", "resident MiB",
                              "file MiB", "peak / resident", "resident / file", "context"))

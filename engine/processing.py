@@ -10,13 +10,15 @@ of tokens its encoder emits.
 
 from __future__ import annotations
 
+import importlib
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.chat import MODALITIES, parse_messages
 from engine.chat_template import TemplateVariables
-from engine.media import MediaLimits, load_request_media, load_request_media_sync
+from engine.media.limits import MediaLimits
 from engine.reasoning import ThinkingFormat
 from engine.tools import detect as detect_tool_format
 from models.interfaces import MultimodalProcessor, ProcessedPrompt, PromptPlan
@@ -72,6 +74,9 @@ class InputProcessor:
         self.mm_processor = mm_processor
         self.media_limits = media_limits or MediaLimits()
         self.encoder_budget = encoder_budget
+        if mm_processor is not None:  # the decoders, read in while the engine finishes starting
+            threading.Thread(target=importlib.import_module, args=("engine.media.loader",),
+                             name="media-decoders-import", daemon=True).start()
         template = getattr(tokenizer, "chat_template", None)
         template = template if isinstance(template, str) else None
         self.template_variables = TemplateVariables.of(template)
@@ -153,6 +158,8 @@ class InputProcessor:
         """Decode the prompt's media in this thread (items of one prompt in parallel)."""
         if not parsed.mm_data:
             return {}
+        from engine.media.loader import load_request_media_sync  # the decoders: on first use
+
         t0 = time.perf_counter()
         media = load_request_media_sync(
             parsed.mm_data, limits=self.media_limits, **self._loader_kwargs(parsed)
@@ -164,6 +171,8 @@ class InputProcessor:
         """Decode the prompt's media concurrently in worker threads, off the event loop."""
         if not parsed.mm_data:
             return {}
+        from engine.media.loader import load_request_media  # the decoders: on first use
+
         t0 = time.perf_counter()
         media = await load_request_media(
             parsed.mm_data, limits=self.media_limits, **self._loader_kwargs(parsed)

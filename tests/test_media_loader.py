@@ -211,3 +211,21 @@ def test_video_frames_given_as_a_nested_list() -> None:
     frames = [np.full((4, 4, 3), i, np.uint8) for i in range(4)]
     loaded = load_request_media_sync({"video": [frames]}, video_kwargs={"fps": 2})
     assert loaded["video"][0].frames.shape == (4, 4, 4, 3)
+
+
+def test_the_decoders_load_with_the_first_loader_not_with_the_engine():
+    """An engine serving text starts without PyAV and soundfile (engine.media's names load on
+    first use); the limits come without them, a loader brings them."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "import engine.llm_engine, engine.processing\n"
+        "from engine.media import MediaLimits, MediaError\n"
+        "assert 'av' not in sys.modules and 'soundfile' not in sys.modules, 'eager'\n"
+        "from engine.media import load_audio_sync\n"
+        "assert 'av' in sys.modules and callable(load_audio_sync)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -43,8 +43,8 @@ SETTLED_SPREAD = 1.25
 ROUNDS = 5  # timed repeats per candidate, after one warm-up call
 TIMINGS = 2  # processes that time an entry whose repeats disagree, before it stands
 # A candidate whose first timed call takes this many times the fastest first call is not timed
-# further: no burst of load makes a kernel look three times slower than it is, and on the largest
-# probes (thousands of rows) the losers' repeats were most of a plan's time.
+# further (to be the fastest, a burst of load falling on it alone must have tripled its time); on
+# the largest probes (thousands of rows) the losers' repeats were most of a plan's time.
 DROP_SLOWER = 3.0
 
 CACHE_ENV = "MMSERVE_KERNEL_CACHE"  # a directory for the cache file; overrides the default
