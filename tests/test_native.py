@@ -459,39 +459,6 @@ def test_decode_attention_matches_float64(kernels, dtype, dim, window, softcap):
         torch.testing.assert_close(out[b].double(), ref, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3, 5])
-@pytest.mark.parametrize("int8", [False, True])
-@pytest.mark.parametrize("window, softcap", [(None, None), (600, 30.0)])
-def test_decode_attention_splits_the_keys_of_few_heads(kernels, threads, int8, window, softcap):
-    """Fewer (sequence, KV head) pairs than threads: each head's keys are split into parts, one
-    per thread, attended apart and merged; the result is the unsplit softmax's (against
-    float64), a short sequence beside a long one getting empty parts."""
-    from models.layers import kv_quant
-
-    gen = torch.Generator().manual_seed(threads)
-    heads, kv_heads, dim, block_size = 4, 1, 64, 16
-    contexts = [900, 5]
-    raw, tables = _paged(gen, torch.float32, contexts, kv_heads, dim, block_size, 64)
-    cache = kv_quant.quantize_rows(raw) if int8 else raw
-    stored = kv_quant.dequantize_rows(cache, torch.float32) if int8 else raw
-    firsts = [0 if window is None else max(c - window, 0) // block_size for c in contexts]
-    width = max(len(t) - f for t, f in zip(tables, firsts, strict=True))
-    table = torch.zeros(len(contexts), width, dtype=torch.int64)
-    for b, (t, f) in enumerate(zip(tables, firsts, strict=True)):
-        table[b, : len(t) - f] = torch.tensor(t[f:])
-    q = torch.randn(len(contexts), heads, dim, generator=gen)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        out = kernels.decode_attention(q, cache, table, torch.tensor(firsts) * block_size,
-                                       torch.tensor(contexts), 0.125, window, softcap)
-    finally:
-        torch.set_num_threads(before)
-    for b, c in enumerate(contexts):
-        ref = _reference(q[b], stored, tables[b], c, 0.125, window, softcap)
-        torch.testing.assert_close(out[b].double(), ref, atol=1e-5, rtol=1e-5)
-
-
 def test_paged_attention_takes_the_native_decode_kernel(kernels):
     """Through the engine's metadata: decodes in two buckets beside a chunk, sliding window."""
     from models.layers.attention import LayerAttention, build_metadata, paged_attention

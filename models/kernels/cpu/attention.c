@@ -12,7 +12,7 @@
 
 #define CHUNK_FLOATS 8192  /* keys (or values) converted to float32 at a time: 32 KiB, in L1 */
 
-static inline void softmax_rows(float* scores, int64_t group, int64_t len, float* stats);
+static inline void softmax_rows(float* scores, int64_t group, int64_t len);
 
 /* Rows [t0, t0 + n) of one head's keys or values (`base`: that head's first slot) as float32,
  * into `dst` [n, dim]: the slots come from the block table. */
@@ -33,8 +33,7 @@ static inline void gather_rows(const void* cache, int dt, int64_t base, const in
 static inline __attribute__((always_inline)) void attend_head(
     const void* cache, int dt, int64_t key_base, int64_t value_base, const int64_t* blocks,
     int64_t key0, int64_t block_size, int64_t lo, int64_t len, int64_t group, const float* qf,
-    float* acc, float* scores, float* rows, float* stats, float scale, float softcap,
-    const int64_t dim) {
+    float* acc, float* scores, float* rows, float scale, float softcap, const int64_t dim) {
     const int64_t chunk = CHUNK_FLOATS / dim;
     for (int64_t c = 0; c < len; c += chunk) {
         const int64_t n = len - c < chunk ? len - c : chunk;
@@ -68,7 +67,7 @@ static inline __attribute__((always_inline)) void attend_head(
             }
         }
     }
-    softmax_rows(scores, group, len, stats);
+    softmax_rows(scores, group, len);
     memset(acc, 0, sizeof(float) * (size_t)(group * dim));
     for (int64_t c = 0; c < len; c += chunk) {
         const int64_t n = len - c < chunk ? len - c : chunk;
@@ -87,10 +86,8 @@ static inline __attribute__((always_inline)) void attend_head(
     }
 }
 
-/* Softmax of each query head's scores [group, len], in place; with `stats` [group, 2], each
- * head's largest score and its sum of exp(score - largest) there too (a part's weight when
- * the keys are split, merge_parts). */
-static inline void softmax_rows(float* scores, int64_t group, int64_t len, float* stats) {
+/* Softmax of each query head's scores [group, len], in place. */
+static inline void softmax_rows(float* scores, int64_t group, int64_t len) {
     for (int64_t g = 0; g < group; g++) {
         float* sg = scores + g * len;
         float top = -INFINITY, sum = 0.0f;
@@ -103,7 +100,6 @@ static inline void softmax_rows(float* scores, int64_t group, int64_t len, float
         const float inverse = 1.0f / sum;
         _Pragma("omp simd")
         for (int64_t t = 0; t < len; t++) sg[t] *= inverse;
-        if (stats) stats[2 * g] = top, stats[2 * g + 1] = sum;
     }
 }
 
@@ -130,8 +126,8 @@ static inline void gather_rows_i8(const int8_t* cache, int64_t base, const int64
 static inline __attribute__((always_inline)) void attend_head_i8(
     const int8_t* cache, int64_t key_base, int64_t value_base, const int64_t* blocks,
     int64_t key0, int64_t block_size, int64_t lo, int64_t len, int64_t group, const float* qf,
-    float* acc, float* scores, float* rows, float* row_scales, float* stats, float scale,
-    float softcap, const int64_t dim) {
+    float* acc, float* scores, float* rows, float* row_scales, float scale, float softcap,
+    const int64_t dim) {
     const int64_t chunk = CHUNK_FLOATS / dim;
     for (int64_t c = 0; c < len; c += chunk) {
         const int64_t n = len - c < chunk ? len - c : chunk;
@@ -167,7 +163,7 @@ static inline __attribute__((always_inline)) void attend_head_i8(
             }
         }
     }
-    softmax_rows(scores, group, len, stats);
+    softmax_rows(scores, group, len);
     memset(acc, 0, sizeof(float) * (size_t)(group * dim));
     for (int64_t c = 0; c < len; c += chunk) {
         const int64_t n = len - c < chunk ? len - c : chunk;
@@ -188,107 +184,11 @@ static inline __attribute__((always_inline)) void attend_head_i8(
     }
 }
 
-/* One sequence b and KV head h over keys [lo, lo + len) of its block table `blocks`: its
- * query heads' attention, stored into `out` [B, Hq, D] (in `dtype`), or with `part` into that
- * [group, dim] (float32, as a part of the keys: normalized over those keys alone) and each
- * head's largest score and sum into `stats` [group, 2] (an empty part: sum 0). Returns
- * nonzero when out of memory. */
-static int attend_part(const void* q, const void* cache, void* out, int dtype, int kv_i8,
-                       const int64_t* blocks, int64_t key0, int64_t b, int64_t h, int64_t lo,
-                       int64_t len, int64_t heads, int64_t kv_heads, int64_t dim,
-                       int64_t block_size, int64_t head_stride, float scale, float softcap,
-                       float* part, float* stats) {
-    const int64_t group = heads / kv_heads;
-    if (len <= 0) {
-        memset(part, 0, sizeof(float) * (size_t)(group * dim));
-        for (int64_t g = 0; g < group; g++) stats[2 * g] = -INFINITY, stats[2 * g + 1] = 0.0f;
-        return 0;
-    }
-    const int64_t extra = kv_i8 ? CHUNK_FLOATS / dim : 0;  /* int8: the rows' scales */
-    float* work = malloc(sizeof(float) * (size_t)(group * (len + 2 * dim) + CHUNK_FLOATS + extra));
-    if (work == NULL) return 1;
-    float* scores = work;                 /* [group, len] */
-    float* qf = work + group * len;       /* [group, dim] */
-    float* acc = qf + group * dim;        /* [group, dim] */
-    float* rows = acc + group * dim;      /* CHUNK_FLOATS */
-    float* row_scales = rows + CHUNK_FLOATS;
-    for (int64_t g = 0; g < group; g++)
-        for (int64_t d = 0; d < dim; d++)
-            qf[g * dim + d] = load_x(q, dtype, (b * heads + h * group + g) * dim + d);
-    const int64_t keys = h * head_stride, values = (kv_heads + h) * head_stride;
-#define ATTEND(D) attend_head(cache, dtype, keys, values, blocks, key0, block_size, lo, len, \
-                              group, qf, acc, scores, rows, stats, scale, softcap, D)
-#define ATTEND_I8(D) attend_head_i8(cache, keys, values, blocks, key0, block_size, lo, len, \
-                                    group, qf, acc, scores, rows, row_scales, stats, scale, \
-                                    softcap, D)
-    if (kv_i8) {
-        switch (dim) {
-            case 64: ATTEND_I8(64); break;
-            case 128: ATTEND_I8(128); break;
-            case 256: ATTEND_I8(256); break;
-            default: ATTEND_I8(dim);
-        }
-    } else {
-        switch (dim) {
-            case 64: ATTEND(64); break;
-            case 128: ATTEND(128); break;
-            case 256: ATTEND(256); break;
-            default: ATTEND(dim);
-        }
-    }
-#undef ATTEND
-#undef ATTEND_I8
-    if (part != NULL)
-        memcpy(part, acc, sizeof(float) * (size_t)(group * dim));
-    else
-        for (int64_t g = 0; g < group; g++)
-            for (int64_t d = 0; d < dim; d++)
-                store(out, dtype, (b * heads + h * group + g) * dim + d, acc[g * dim + d]);
-    free(work);
-    return 0;
-}
-
-/* The parts of one sequence's KV head, each normalized over its own keys, as one softmax over
- * all of them: a part weighs sum * exp(largest - the largest of all parts). parts_of
- * [parts, group, dim + 2] (each part's outputs, then its stats). */
-static void merge_parts(const float* parts_of, int64_t parts, int64_t group, int64_t dim,
-                        void* out, int dtype, int64_t first) {
-    const int64_t size = group * (dim + 2);
-    for (int64_t g = 0; g < group; g++) {
-        float top = -INFINITY, total = 0.0f;
-        for (int64_t p = 0; p < parts; p++) {
-            const float* stats = parts_of + p * size + group * dim + 2 * g;
-            if (stats[1] > 0.0f && stats[0] > top) top = stats[0];
-        }
-        float weight[parts];
-        for (int64_t p = 0; p < parts; p++) {
-            const float* stats = parts_of + p * size + group * dim + 2 * g;
-            weight[p] = stats[1] > 0.0f ? stats[1] * expf(stats[0] - top) : 0.0f;
-            total += weight[p];
-        }
-        for (int64_t d = 0; d < dim; d++) {
-            float sum = 0.0f;
-            for (int64_t p = 0; p < parts; p++) sum += weight[p] * parts_of[p * size + g * dim + d];
-            store(out, dtype, first + g * dim + d, sum / total);
-        }
-    }
-}
-
-/* Keys a part of a split head holds at least: below that, the merge and the second pass over
- * the team cost more than the idle threads would have done. */
-#define MIN_PART_KEYS 128
-
 /* q, out [B, Hq, D]; cache [2, Hkv, num_blocks, block_size, D] (keys, values); table [B, width]
  * of block ids, whose first entry holds key position key0[b] (a multiple of block_size);
  * context[b] keys precede and include the query, which sits at position context[b] - 1.
  * window > 0: the query sees keys within `window` positions; softcap > 0: scores become
- * softcap * tanh(scores / softcap). Returns nonzero when out of memory.
- *
- * Work is shared out by (sequence, KV head); where there are fewer of those than threads (one
- * long request on a model of one or two KV heads), each head's keys are split into parts, one
- * per idle thread, each part attended on its own and the parts merged (flash-decoding's split
- * of the keys). The split depends only on the shapes and the team's size, so a result does not
- * depend on which thread ran which part. */
+ * softcap * tanh(scores / softcap). Returns nonzero when out of memory. */
 static int decode_attention(const void* q, const void* cache, void* out, int dtype, int kv_i8,
                             const int64_t* table, const int64_t* key0, const int64_t* context,
                             int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
@@ -297,58 +197,58 @@ static int decode_attention(const void* q, const void* cache, void* out, int dty
     const int64_t group = heads / kv_heads;
     /* one KV head's slots, in elements (int8 rows: bytes, each row followed by its scale) */
     const int64_t head_stride = num_blocks * block_size * (kv_i8 ? dim + KV_SCALE_BYTES : dim);
-    int64_t longest = 0;
-    for (int64_t b = 0; b < batch; b++) {
-        int64_t lo = window > 0 && context[b] > window ? context[b] - window : 0;
-        if (lo < key0[b]) lo = key0[b];
-        if (context[b] - lo > longest) longest = context[b] - lo;
-    }
-    const int64_t pairs = batch * kv_heads, team = TEAM_SIZE();
-    int64_t parts = pairs < team ? (team + pairs - 1) / pairs : 1;
-    if (parts > longest / MIN_PART_KEYS) parts = longest / MIN_PART_KEYS;
     int failed = 0;  /* on this thread */
-    if (parts <= 1) {
-        _Pragma("omp for collapse(2) schedule(dynamic, 1) nowait")
-        for (int64_t b = 0; b < batch; b++) {
-            for (int64_t h = 0; h < kv_heads; h++) {
-                int64_t lo = window > 0 && context[b] > window ? context[b] - window : 0;
-                if (lo < key0[b]) lo = key0[b];
-                failed |= attend_part(q, cache, out, dtype, kv_i8, table + b * width, key0[b],
-                                      b, h, lo, context[b] - lo, heads, kv_heads, dim,
-                                      block_size, head_stride, scale, softcap, NULL, NULL);
-            }
-        }
-        return failed;
-    }
-    const int64_t size = group * (dim + 2);  /* a part's outputs and stats */
-    float* partial = NULL;                   /* [pairs, parts, group, dim + 2] */
-    _Pragma("omp single copyprivate(partial)")
-    partial = malloc(sizeof(float) * (size_t)(pairs * parts * size));
-    if (partial == NULL) return 1;  /* every thread sees the same pointer */
-    _Pragma("omp for collapse(3) schedule(dynamic, 1)")
+    _Pragma("omp for collapse(2) schedule(dynamic, 1) nowait")
     for (int64_t b = 0; b < batch; b++) {
         for (int64_t h = 0; h < kv_heads; h++) {
-            for (int64_t p = 0; p < parts; p++) {
-                int64_t lo = window > 0 && context[b] > window ? context[b] - window : 0;
-                if (lo < key0[b]) lo = key0[b];
-                const int64_t len = context[b] - lo, step = (len + parts - 1) / parts;
-                const int64_t first = p * step < len ? p * step : len;
-                const int64_t last = first + step < len ? first + step : len;
-                float* mine = partial + ((b * kv_heads + h) * parts + p) * size;
-                failed |= attend_part(q, cache, out, dtype, kv_i8, table + b * width, key0[b],
-                                      b, h, lo + first, last - first, heads, kv_heads, dim,
-                                      block_size, head_stride, scale, softcap, mine,
-                                      mine + group * dim);
+            const int64_t ctx = context[b];
+            int64_t lo = window > 0 && ctx > window ? ctx - window : 0;
+            if (lo < key0[b]) lo = key0[b];
+            const int64_t len = ctx - lo;
+            const int64_t extra = kv_i8 ? CHUNK_FLOATS / dim : 0;  /* int8: the rows' scales */
+            float* work = malloc(sizeof(float) *
+                                 (size_t)(group * (len + 2 * dim) + CHUNK_FLOATS + extra));
+            if (work == NULL) {
+                failed = 1;
+                continue;
             }
+            float* scores = work;                 /* [group, len] */
+            float* qf = work + group * len;       /* [group, dim] */
+            float* acc = qf + group * dim;        /* [group, dim] */
+            float* rows = acc + group * dim;      /* CHUNK_FLOATS */
+            float* row_scales = rows + CHUNK_FLOATS;
+            for (int64_t g = 0; g < group; g++)
+                for (int64_t d = 0; d < dim; d++)
+                    qf[g * dim + d] = load_x(q, dtype, (b * heads + h * group + g) * dim + d);
+            const int64_t* blocks = table + b * width;
+            const int64_t keys = h * head_stride, values = (kv_heads + h) * head_stride;
+#define ATTEND(D) attend_head(cache, dtype, keys, values, blocks, key0[b], block_size, lo, len, \
+                              group, qf, acc, scores, rows, scale, softcap, D)
+#define ATTEND_I8(D) attend_head_i8(cache, keys, values, blocks, key0[b], block_size, lo, len, \
+                                    group, qf, acc, scores, rows, row_scales, scale, softcap, D)
+            if (kv_i8) {
+                switch (dim) {
+                    case 64: ATTEND_I8(64); break;
+                    case 128: ATTEND_I8(128); break;
+                    case 256: ATTEND_I8(256); break;
+                    default: ATTEND_I8(dim);
+                }
+            } else {
+                switch (dim) {
+                    case 64: ATTEND(64); break;
+                    case 128: ATTEND(128); break;
+                    case 256: ATTEND(256); break;
+                    default: ATTEND(dim);
+                }
+            }
+#undef ATTEND
+#undef ATTEND_I8
+            for (int64_t g = 0; g < group; g++)
+                for (int64_t d = 0; d < dim; d++)
+                    store(out, dtype, (b * heads + h * group + g) * dim + d, acc[g * dim + d]);
+            free(work);
         }
     }
-    _Pragma("omp for collapse(2) schedule(static)")
-    for (int64_t b = 0; b < batch; b++)
-        for (int64_t h = 0; h < kv_heads; h++)
-            merge_parts(partial + (b * kv_heads + h) * parts * size, parts, group, dim, out,
-                        dtype, (b * heads + h * group) * dim);
-    _Pragma("omp single nowait")
-    free(partial);
     return failed;
 }
 
