@@ -142,7 +142,7 @@ def iter_checkpoint(path: Path, prefix: str = "", mapped_dtype: torch.dtype | No
             read += tensor.numel() * tensor.element_size()
             if read >= DROP_BYTES:
                 for mapping in mappings:
-                    mapping.drop_pages_except([])
+                    mapping.drop_pages(0, mapping.size)
                 return_freed_memory()
                 read = 0
     return_freed_memory()

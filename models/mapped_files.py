@@ -88,14 +88,23 @@ class MappedFile:
             return 0
         ranges = sorted((t.data_ptr() - self.start, t.data_ptr() - self.start + t.nbytes)
                         for t in tensors if self.holds(t))
-        page, dropped, at = mmap.PAGESIZE, 0, 0
+        dropped, at = 0, 0
         for first, last in [*ranges, (self.size, self.size)]:
-            start, end = -(-at // page) * page, first // page * page  # whole pages between
-            if end > start:
-                self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
-                dropped += end - start
+            dropped += self.drop_pages(at, first)  # the bytes between viewed tensors
             at = max(at, last)
         return dropped
+
+    def drop_pages(self, first: int, last: int) -> int:
+        """Hand back this process's hold on the whole pages within bytes [first, last) of the
+        file (they stay in the page cache; a later read faults them back). -> bytes dropped."""
+        if not hasattr(mmap, "MADV_DONTNEED"):
+            return 0
+        page = mmap.PAGESIZE
+        start, end = -(-first // page) * page, last // page * page
+        if end <= start:
+            return 0
+        self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+        return end - start
 
     def __repr__(self) -> str:
         return f"MappedFile({self.path}, {self.size} bytes)"
@@ -123,15 +132,12 @@ def let_go(tensor: torch.Tensor) -> None:
     """Drop from the resident set the whole pages of `tensor`'s bytes if it views a live
     mapping (read through once, say quantized from: the page cache keeps them, and a later
     read faults them back); otherwise nothing."""
-    if not hasattr(mmap, "MADV_DONTNEED") or not tensor.is_contiguous():
+    if not tensor.is_contiguous():
         return
     for mapping in list(_LIVE.values()):
         if mapping.holds(tensor):
-            page = mmap.PAGESIZE
             first = tensor.data_ptr() - mapping.start
-            start, end = -(-first // page) * page, (first + tensor.nbytes) // page * page
-            if end > start:
-                mapping._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+            mapping.drop_pages(first, first + tensor.nbytes)
             return
 
 
