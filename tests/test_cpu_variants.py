@@ -54,7 +54,8 @@ KERNEL_TESTS = ["tests/test_native.py", "tests/test_quantization.py", "tests/tes
                 # the ggml block kernels (not the file test: the same kernels through an engine)
                 "tests/test_gguf_blocks.py::test_the_kernels_are_the_variant_chosen",
                 "tests/test_gguf_blocks.py::test_dequantized_bit_for_bit_as_gguf_py",
-                "tests/test_gguf_blocks.py::test_decode_and_prefill_products"]
+                "tests/test_gguf_blocks.py::test_decode_and_prefill_products",
+                "tests/test_gguf_blocks.py::test_the_repacked_layouts_hold_the_files_values"]
 
 
 # ---- the choice ---------------------------------------------------------------------------

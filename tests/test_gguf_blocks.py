@@ -120,6 +120,72 @@ def test_decode_and_prefill_products(weights, name):
     assert ((got.double() - want).abs() <= 2**-8 * want.abs() + bound).all()
 
 
+def _repacked(blocks: torch.Tensor, name: str) -> tuple[str, torch.Tensor]:
+    """`blocks` in the x8 layout of `name` through the C repacking, in any build (the plain
+    path and the dequantizer read it everywhere; the engine repacks only where a vector path
+    runs it: ggml_blocks.repack)."""
+    kernels = native.load()
+    target = ggml_blocks.REPACKED[name]
+    n = blocks.shape[0]
+    out = torch.empty(n, ggml_blocks.row_bytes(ggml_blocks.KERNEL_TYPES[target], K),
+                      dtype=torch.uint8)
+    assert kernels.ggml_repack(blocks.data_ptr(), BLOCK_TYPES[name].code, n, K, out.data_ptr(),
+                               2) == 0
+    return target, out
+
+
+@pytest.mark.parametrize("name", list(ggml_blocks.REPACKED))
+def test_the_repacked_layouts_hold_the_files_values(name):
+    """Q4_K and Q6_K in groups of 8 output channels: every value bit for bit as gguf-py reads
+    the file's blocks (whole, by index, by slice), the decode products within the digits'
+    bound on the vector and the plain paths (the plain path's to the bit the file layout's:
+    it reads each block back as stored), a verify's rows each the one-row call's to the bit."""
+    rows_n = 72  # nine groups
+    raw = random_blocks(name, rows_n, K, seed=11)
+    values = torch.from_numpy(dequantize(raw, GGMLQuantizationType[name]).reshape(rows_n, K)
+                              .astype(np.float32))
+    stored = torch.from_numpy(raw)
+    kind, held = _repacked(stored, name)
+    per_channel = {"Q4_K": 148, "Q6_K": 210}[name]  # Q4_K's scales as bytes: 4 more
+    assert held.shape == (rows_n, K // 256 * per_channel)
+    assert torch.equal(dequantize_channels(held, kind, K).view(torch.int32),
+                       values.view(torch.int32))
+    ids = torch.tensor([5, 0, 71, 5, 12])
+    assert torch.equal(dequantize_channels(held, kind, K, ids), values[ids])
+    assert torch.equal(dequantize_channels(held, kind, K, slice(13, 30)), values[13:30])
+    x = torch.randn(9, K, generator=torch.Generator().manual_seed(2))
+    x[0, :32] *= 50
+    want = x.double() @ values.double().t()
+    for rows in (1, 5):
+        for digits in (1, 2):
+            bound = digit_bound(x[:rows], values, digits, 256)
+            for path in ("vector", "plain"):
+                got = ggml_blocks.block_linear(x[:rows], held, kind, K, path, digits)
+                assert ((got.double() - want[:rows]).abs() <= bound).all(), (rows, path, digits)
+            assert torch.equal(
+                ggml_blocks.block_linear(x[:rows], held, kind, K, "plain", digits),
+                ggml_blocks.block_linear(x[:rows], stored, name, K, "plain", digits))
+    for digits in (1, 2):
+        alone = torch.cat([ggml_blocks.block_linear(x[i:i + 1], held, kind, K, "vector",
+                                                    digits) for i in range(9)])
+        for rows in (2, 5, 9):
+            together = ggml_blocks.block_linear(x[:rows], held, kind, K, "vector", digits)
+            assert torch.equal(together, alone[:rows]), (rows, digits)
+    # the layer repacks where this build's vector path runs the layout, and computes the same
+    layer = BlockLinear([(name, stored)], K, None)
+    taken = bool(native.load().ggml_repack_takes(BLOCK_TYPES[name].code, rows_n, K))
+    assert layer.parts[0].kernel_type == (kind if taken else name)
+    assert layer.format == name and layer.nbytes == ggml_blocks.held_bytes(name, rows_n, K)
+    assert torch.equal(layer(x[:3]), ggml_blocks.block_linear(x[:3], held, kind, K)
+                       if taken else ggml_blocks.block_linear(x[:3], stored, name, K))
+    assert torch.equal(layer.dequantize(), values)
+    # not whole groups of 8: kept as stored; the kernel refuses such a layout
+    odd = BlockLinear([(name, stored[:70])], K, None)
+    assert odd.parts[0].kernel_type == name
+    with pytest.raises(ValueError, match="does not take"):
+        ggml_blocks.block_linear(x[:1], held[:70].contiguous(), kind, K)
+
+
 def test_parts_of_different_types_and_a_bias(weights):
     """A fused q / k / v whose tensors differ in type: each part in its own blocks."""
     (qb, qv), (vb, vv) = weights["Q4_K"], weights["Q6_K"]
@@ -199,9 +265,20 @@ def test_a_k_quant_file_runs_as_stored(k_quant_file):
     assert mapping.path == k_quant_file
     file, raw = GGUFFile(k_quant_file), k_quant_file.read_bytes()
     qkv = [file.tensor_by_name[f"blk.0.attn_{p}.weight"] for p in "qkv"]
-    parts = [part.blocks for part in layer.self_attn.qkv_proj.parts]  # q + k one where adjacent
-    assert sum(b.nbytes for b in parts) == sum(info.nbytes for info in qkv)
-    views = [([i.offset for i in qkv], blocks) for blocks in parts]
+    parts = layer.self_attn.qkv_proj.parts  # q + k one part where adjacent
+    assert sum(p.blocks.nbytes for p in parts) == sum(
+        ggml_blocks.held_bytes(i.type_name, *i.shape) for i in qkv)
+    # a part the decode kernel runs repacked (Q4_K, Q6_K in groups of 8 channels) is a copy
+    # holding the file's values; the others view the file's bytes
+    repacked = [p for p in parts if p.kernel_type != p.type_name]
+    assert bool(repacked) == bool(native.load().ggml_repack_takes(
+        BLOCK_TYPES["Q4_K"].code, 256, 256))
+    file_values = np.concatenate([dequantize(
+        np.frombuffer(raw, np.uint8, i.nbytes, i.offset).reshape(i.shape[0], -1),
+        i.ggml_type).reshape(i.shape) for i in qkv])
+    assert torch.equal(layer.self_attn.qkv_proj.dequantize(),
+                       torch.from_numpy(file_values.astype(np.float32)))
+    views = [([i.offset for i in qkv], p.blocks) for p in parts if p not in repacked]
     views += [([file.tensor_by_name["token_embd.weight"].offset], model.embed_tokens.blocks),
               ([file.tensor_by_name["output.weight"].offset], model.lm_head.parts[0].blocks)]
     for offsets, blocks in views:
@@ -221,6 +298,35 @@ def test_a_k_quant_file_runs_as_stored(k_quant_file):
     report = inspect(k_quant_file)
     assert report.weight_bytes == held
     assert "as stored" in render(report)
+
+
+def test_a_head_tied_to_a_k_quant_table_shares_its_repacked_blocks(tmp_path):
+    """A tied head on a Q6_K table: the table is held in the decode kernel's layout (where this
+    build runs it), the head reads the very same bytes, the lookups the same values: greedy
+    tokens as the file dequantized to float32."""
+    from engine import LLM
+    from engine.sampling_params import SamplingParams
+    from testing.gguf import write_gguf
+    from testing.tiny import build_text_model
+
+    checkpoint = build_text_model(tmp_path / "qwen2", "qwen2", hidden_size=256,
+                                  intermediate_size=512, tie_word_embeddings=True)
+    path = write_gguf(checkpoint, tmp_path / "tied.gguf",
+                      types={r"token_embd": GGMLQuantizationType.Q6_K,
+                             r"attn|ffn": GGMLQuantizationType.Q4_K})
+    stored = LLM(path, max_model_len=128)
+    model = stored.engine.runner.model
+    table, head = model.embed_tokens, model.lm_head
+    assert isinstance(table, BlockEmbedding) and isinstance(head, BlockLinear)
+    taken = bool(native.load().ggml_repack_takes(BLOCK_TYPES["Q6_K"].code,
+                                                 table.num_embeddings, 256))
+    assert table.kernel_type == ("Q6_Kx8" if taken else "Q6_K") == head.parts[0].kernel_type
+    assert head.parts[0].blocks.data_ptr() == table.blocks.data_ptr()
+    dense = LLM(path, max_model_len=128, dequantize_gguf=True)
+    params = SamplingParams(max_tokens=10, temperature=0)
+    prompts = ["The quick brown fox", "1, 2, 3,"]
+    assert [o.outputs[0].token_ids for o in stored.generate(prompts, params)] == [
+        o.outputs[0].token_ids for o in dense.generate(prompts, params)]
 
 
 @pytest.mark.parametrize("threads", [1, 3])

@@ -53,7 +53,7 @@ from models.gguf.tensors import (
     read_int8,
     readable,
 )
-from models.kernels.ggml_blocks import BlockEmbedding, BlockLinear, takes
+from models.kernels.ggml_blocks import BlockEmbedding, BlockLinear, held_bytes, takes
 from models.kernels.linear import Linear
 from models.kernels.quantization import (
     QuantizedLinear,
@@ -247,12 +247,14 @@ class GGUFWeights:
             owner, attr, table = _linear(model, weight)
             rows, view = self._blocks(info)
             views |= view
-            setattr(owner, attr, BlockEmbedding(rows, info.type_name, table.embedding_dim,
-                                                dtype))
+            # a table a head is tied to is held in the head's kernel layout, which its
+            # lookups read too
+            embedding = BlockEmbedding(rows, info.type_name, table.embedding_dim, dtype,
+                                       repack_blocks=bool(self.tied_heads))
+            setattr(owner, attr, embedding)
             for head in self.tied_heads:
                 owner, attr, _ = _linear(model, f"{head}.weight")
-                setattr(owner, attr, BlockLinear([(info.type_name, rows)],
-                                                 table.embedding_dim, None))
+                setattr(owner, attr, embedding.tied_head())
             placed.step()
         if views:
             keep(model, [self.file.mapping()])
@@ -302,9 +304,14 @@ class GGUFWeights:
 
     def resident_bytes(self, dtype: torch.dtype) -> int:
         """The weights' bytes as loaded (without a requested quantization): blocks as in the
-        file, our int4 / int8 with their scales, the rest at `dtype`."""
-        blocks = sum(info.nbytes for found in self.blocks.values() for info, _ in found)
-        blocks += self.embedding[1].nbytes if self.embedding else 0
+        file (or as repacked for our decode kernel: models.kernels.ggml_blocks.held_bytes), our
+        int4 / int8 with their scales, the rest at `dtype`."""
+        blocks = sum(held_bytes(info.type_name, info.shape[0], info.shape[-1])
+                     for found in self.blocks.values() for info, _ in found)
+        if self.embedding is not None:
+            info = self.embedding[1]
+            blocks += (held_bytes(info.type_name, info.shape[0], info.shape[-1])
+                       if self.tied_heads else info.nbytes)
         stored = sum(info.numel for parts in self.stored.values() for info, _ in parts)
         int8 = sum(info.numel for parts in self.int8.values() for info, _ in parts)
         dense = sum(info.numel for _, info in self.dense)

@@ -48,6 +48,14 @@ BLOCK_TYPES: dict[str, BlockType] = {t.name: t for t in (
     BlockType("Q5_0", c.GGML_Q5_0, 32, 22), BlockType("Q5_1", c.GGML_Q5_1, 32, 24),
     BlockType("Q8_0", c.GGML_Q8_0, 32, 34), BlockType("Q4_K", c.GGML_Q4_K, 256, 144),
     BlockType("Q5_K", c.GGML_Q5_K, 256, 176), BlockType("Q6_K", c.GGML_Q6_K, 256, 210))}
+# The layouts the kernels run: the file's types, and ours repacked from them (a file's type ->
+# its layout): Q4_K and Q6_K in groups of 8 output channels (models/kernels/cpu/ggml_x8.c), a
+# channel's share of a group's super-block 148 bytes for Q4_K (its 6-bit sub-block scales
+# written out as bytes), 210 for Q6_K (as stored).
+KERNEL_TYPES: dict[str, BlockType] = {
+    **BLOCK_TYPES, "Q4_Kx8": BlockType("Q4_Kx8", c.GGML_Q4_K_X8, 256, 148),
+    "Q6_Kx8": BlockType("Q6_Kx8", c.GGML_Q6_K_X8, 256, 210)}
+REPACKED = {"Q4_K": "Q4_Kx8", "Q6_K": "Q6_Kx8"}
 FEW_ROWS = 16  # up to this many rows (tokens) of x, the matrix-vector kernel; past it a GEMM
 TILE_BYTES = 4 << 20  # float32 bytes of a tile of output channels dequantized for the GEMM
 MIN_TILE_CHANNELS = 64  # a tile's output channels, at least
@@ -63,6 +71,39 @@ def row_bytes(block: BlockType, in_features: int) -> int:
     return in_features // block.values * block.nbytes
 
 
+def repack(blocks: torch.Tensor, type_name: str, in_features: int) -> tuple[str, torch.Tensor]:
+    """A weight's blocks as the file holds them ([N, row bytes] uint8) -> (the type its
+    kernels run, the blocks in that layout): Q4_K and Q6_K in groups of 8 output channels where
+    this build's vector path runs them (the quants' bytes moved, nothing widened; Q4_K's 6-bit
+    scales as bytes, 148 bytes a super-block for the file's 144), else the blocks unchanged.
+    The file's pages of a repacked weight are let go (models.mapped_files.let_go)."""
+    from models.mapped_files import let_go
+
+    kernels = native.load()
+    target = REPACKED.get(type_name)
+    n, k = blocks.shape[0], in_features
+    if target is None or kernels is None or not kernels.ggml_repack_takes(
+            BLOCK_TYPES[type_name].code, n, k):
+        return type_name, blocks
+    blocks = blocks.contiguous()
+    out = torch.empty(n, row_bytes(KERNEL_TYPES[target], k), dtype=torch.uint8)
+    status = kernels.ggml_repack(blocks.data_ptr(), BLOCK_TYPES[type_name].code, n, k,
+                                 out.data_ptr(), torch.get_num_threads())
+    assert status == 0, f"mm_ggml_repack refused {type_name} [{n}, {k}]"
+    let_go(blocks)
+    return target, out
+
+
+def held_bytes(type_name: str, n: int, k: int) -> int:
+    """Bytes of a weight [n, k] in a file's block type as a BlockLinear holds it: in our layout
+    where this build repacks the type (`repack`), else the file's."""
+    block, target = BLOCK_TYPES[type_name], REPACKED.get(type_name)
+    kernels = native.load() if target is not None else None
+    if kernels is not None and kernels.ggml_repack_takes(block.code, n, k):
+        return n * row_bytes(KERNEL_TYPES[target], k)
+    return n * row_bytes(block, k)
+
+
 def dequantize_channels(blocks: torch.Tensor, type_name: str, in_features: int,
                         channels: slice | torch.Tensor | None = None,
                         out: torch.Tensor | None = None) -> torch.Tensor:
@@ -70,7 +111,7 @@ def dequantize_channels(blocks: torch.Tensor, type_name: str, in_features: int,
     in_features], as ggml dequantizes them: all of them, a slice, or those an int64 index tensor
     names (an embedding's lookup: its channels are token ids). `out`: a float32 buffer to
     fill."""
-    block = BLOCK_TYPES[type_name]
+    block = KERNEL_TYPES[type_name]
     n = blocks.shape[0]
     assert blocks.dtype == torch.uint8 and blocks.is_contiguous()
     assert blocks.shape[1] == row_bytes(block, in_features), "blocks [N, row bytes]"
@@ -127,7 +168,7 @@ def block_linear(x: torch.Tensor, blocks: torch.Tensor, type_name: str,
                          f"{DECODE_PATHS}, the digits 1 or 2")
     kernels = native.load()
     assert kernels is not None, "the matrix-vector kernel needs the native library"
-    block = BLOCK_TYPES[type_name]
+    block = KERNEL_TYPES[type_name]
     m, k = x.shape
     assert k == in_features and blocks.shape[1] == row_bytes(block, k)
     x = x.contiguous()
@@ -180,13 +221,18 @@ def tiled_gemm(x: torch.Tensor, blocks: torch.Tensor, type_name: str,
 
 class BlockPart(nn.Module):
     """Output channels of a weight [N, K] held in ggml blocks of one type, as a GGUF file
-    stores them (`blocks` [N, row bytes] uint8): x . W^T without a bias."""
+    stores them (`blocks` [N, row bytes] uint8): x . W^T without a bias. With `repack`, held
+    in the layout our decode kernel runs the type in (`repack`), where there is one:
+    `type_name` stays the file's type, `kernel_type` names the layout."""
 
-    def __init__(self, blocks: torch.Tensor, type_name: str, in_features: int) -> None:
+    def __init__(self, blocks: torch.Tensor, type_name: str, in_features: int,
+                 repack_blocks: bool = False, kernel_type: str | None = None) -> None:
+        """`kernel_type`: the blocks are already in that layout of KERNEL_TYPES (repacked from
+        `type_name`'s: a head on its tied embedding's blocks)."""
         super().__init__()
         if not takes(type_name, in_features):
             raise ValueError(f"ggml {type_name} blocks do not hold rows of {in_features}")
-        block = BLOCK_TYPES[type_name]
+        block = KERNEL_TYPES[kernel_type or type_name]
         if blocks.dtype != torch.uint8 or blocks.dim() != 2 or (
                 blocks.shape[1] != row_bytes(block, in_features)):
             raise ValueError(f"{type_name} blocks for rows of {in_features} are [N, "
@@ -194,16 +240,19 @@ class BlockPart(nn.Module):
                              f"{list(blocks.shape)} {blocks.dtype}")
         self.type_name, self.in_features = type_name, in_features
         self.out_features = blocks.shape[0]
+        self.kernel_type = kernel_type or type_name
+        if repack_blocks and kernel_type is None:
+            self.kernel_type, blocks = repack(blocks, type_name, in_features)
         self.register_buffer("blocks", blocks.contiguous())
 
     def dequantize(self) -> torch.Tensor:
-        return dequantize_channels(self.blocks, self.type_name, self.in_features)
+        return dequantize_channels(self.blocks, self.kernel_type, self.in_features)
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [M, K] float32 / bfloat16 -> [M, N] in their dtype."""
         if rows.shape[0] <= FEW_ROWS and native.load() is not None:
-            return block_linear(rows, self.blocks, self.type_name, self.in_features)
-        return tiled_gemm(rows, self.blocks, self.type_name, self.in_features)
+            return block_linear(rows, self.blocks, self.kernel_type, self.in_features)
+        return tiled_gemm(rows, self.blocks, self.kernel_type, self.in_features)
 
 
 class BlockLinear(nn.Module):
@@ -212,12 +261,17 @@ class BlockLinear(nn.Module):
     ggml blocks of its own type, run as stored; bias in the model dtype."""
 
     def __init__(self, parts: list[tuple[str, torch.Tensor]], in_features: int,
-                 bias: torch.Tensor | None) -> None:
+                 bias: torch.Tensor | None, repack_blocks: bool = True,
+                 kernel_type: str | None = None) -> None:
+        """`repack_blocks`: each part in the layout our decode kernel runs its type in (a copy
+        of the file's blocks: `repack`). `kernel_type`: one part whose blocks are already in
+        that layout (BlockEmbedding.tied_head)."""
         super().__init__()
-        if not parts:
-            raise ValueError("a block linear needs at least one part")
-        self.parts = nn.ModuleList(BlockPart(blocks, type_name, in_features)
-                                   for type_name, blocks in parts)
+        if not parts or (kernel_type is not None and len(parts) > 1):
+            raise ValueError("a block linear needs at least one part (one in a kernel layout)")
+        self.parts = nn.ModuleList(
+            BlockPart(blocks, type_name, in_features, repack_blocks, kernel_type)
+            for type_name, blocks in parts)
         self.in_features = in_features
         self.out_features = sum(part.out_features for part in self.parts)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
@@ -257,7 +311,10 @@ class BlockEmbedding(nn.Module):
     rounds them to the model dtype (the values a table dequantized at load would hold)."""
 
     def __init__(self, blocks: torch.Tensor, type_name: str, embedding_dim: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, repack_blocks: bool = False) -> None:
+        """`repack_blocks`: the table in the layout our decode kernel runs its type in (where
+        there is one: `repack`), for a head tied to it (`tied_head`), the lookups reading the
+        same values from it."""
         super().__init__()
         if not takes(type_name, embedding_dim):
             raise ValueError(f"ggml {type_name} blocks do not hold rows of {embedding_dim}")
@@ -269,6 +326,9 @@ class BlockEmbedding(nn.Module):
                              f"{list(blocks.shape)} {blocks.dtype}")
         self.type_name, self.embedding_dim = type_name, embedding_dim
         self.num_embeddings = blocks.shape[0]
+        self.kernel_type = type_name
+        if repack_blocks:
+            self.kernel_type, blocks = repack(blocks, type_name, embedding_dim)
         self.register_buffer("blocks", blocks)
         # What callers read of an embedding's `weight`: the model dtype and device.
         self.register_buffer("probe", torch.empty(0, embedding_dim, dtype=dtype),
@@ -286,11 +346,17 @@ class BlockEmbedding(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         """The whole table as the lookups read it: [V, H] float32."""
-        return dequantize_channels(self.blocks, self.type_name, self.embedding_dim)
+        return dequantize_channels(self.blocks, self.kernel_type, self.embedding_dim)
+
+    def tied_head(self) -> BlockLinear:
+        """A head whose weight is this table: a BlockLinear on the same blocks, in their
+        layout (no copy)."""
+        return BlockLinear([(self.type_name, self.blocks)], self.embedding_dim, None,
+                           kernel_type=self.kernel_type)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids (any shape, int) -> [*ids.shape, H] in the model dtype."""
-        rows = dequantize_channels(self.blocks, self.type_name, self.embedding_dim,
+        rows = dequantize_channels(self.blocks, self.kernel_type, self.embedding_dim,
                                    ids.reshape(-1))
         return rows.to(self.probe.dtype).reshape(*ids.shape, self.embedding_dim)
 

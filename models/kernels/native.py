@@ -90,6 +90,9 @@ class NativeKernels:
         # for bench/), the dequantizer.
         self.ggml_linear, self.ggml_dequantize = lib.mm_ggml_linear, lib.mm_ggml_dequantize
         self.ggml_linear_float = lib.mm_ggml_linear_float
+        # Q4_K repacked in groups of 8 channels (cpu/ggml_x8.c): whether it pays in this build,
+        # and the repacking (the kernels above take GGML_Q4_K_X8 as one more type)
+        self.ggml_repack_takes, self.ggml_repack = lib.mm_ggml_repack_takes, lib.mm_ggml_repack
 
     @staticmethod
     def supports_linear(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:

@@ -31,6 +31,8 @@ FIT_ROUNDS = 3  # mm_fit_int4's rounds from each start
 # ggml's type codes (enum ggml_type, as GGUF stores them) of the block types ggml_blocks.c runs
 GGML_Q4_0, GGML_Q4_1, GGML_Q5_0, GGML_Q5_1, GGML_Q8_0 = 2, 3, 6, 7, 8
 GGML_Q4_K, GGML_Q5_K, GGML_Q6_K = 12, 13, 14
+# ours, not ggml's: Q4_K and Q6_K repacked in groups of 8 output channels (cpu/ggml_x8.c)
+GGML_Q4_K_X8, GGML_Q6_K_X8 = 1012, 1014
 GGML_DIGITS = 2  # int8 digits per input of the ggml decode path's activations, by default
 
 CONSTANTS: dict[str, int] = {
@@ -120,6 +122,12 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "mm_ggml_linear_float": (_int, [_ptr, _int, _ptr, _int, _ptr, _i64, _i64, _i64, _int]),
     "mm_ggml_linear": (_int, [_ptr, _int, _ptr, _int, _ptr, _i64, _i64, _i64, _i64, _int,
                               _int, _int]),
+    # ggml_x8.c
+    "mm_ggml_x8_stored": (_int, [_int]),
+    "mm_ggml_repack_takes": (_int, [_int, _i64, _i64]),
+    "mm_ggml_repack": (_int, [_ptr, _int, _i64, _i64, _ptr, _int]),
+    "mm_ggml_x8_block": (None, [_ptr, _int, _i64, _i64, _i64, _ptr]),
+    "mm_ggml_x8_rows": (None, [_int, _ptr, _i64, _ptr, _int, _ptr]),
     # decode_layers.c, moe_experts.c: the whole-step calls
     "mm_decode_layers": (_int, [ctypes.POINTER(DecoderDesc), ctypes.POINTER(LayerDesc), _i64,
                                 _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr]),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ctypes
 
-from models.kernels.ggml_blocks import BLOCK_TYPES, BlockLinear
+from models.kernels.ggml_blocks import KERNEL_TYPES, BlockLinear
 from models.kernels.linear import Linear
 from models.kernels.native_interface import (
     FORMAT_DENSE,
@@ -34,13 +34,15 @@ def linear_desc(linear: Linear | QuantizedLinear | BlockLinear,
             raise ValueError("a block linear in parts needs `keep` for its later parts")
         following = None
         for part in reversed(linear.parts[1:]):
-            desc = LinearDesc(FORMAT_GGML, BLOCK_TYPES[part.type_name].code, part.out_features,
-                              part.in_features, part.blocks.data_ptr(), None, None, following)
+            desc = LinearDesc(FORMAT_GGML, KERNEL_TYPES[part.kernel_type].code,
+                              part.out_features, part.in_features, part.blocks.data_ptr(),
+                              None, None, following)
             keep.append(desc)
             following = ctypes.addressof(desc)
         first = linear.parts[0]
-        return LinearDesc(FORMAT_GGML, BLOCK_TYPES[first.type_name].code, first.out_features,
-                          first.in_features, first.blocks.data_ptr(), None, bias, following)
+        return LinearDesc(FORMAT_GGML, KERNEL_TYPES[first.kernel_type].code,
+                          first.out_features, first.in_features, first.blocks.data_ptr(),
+                          None, bias, following)
     if linear.is_quantized:
         return LinearDesc(FORMATS[linear.mode], linear.group_size, linear.out_features,
                           linear.in_features, linear.qweight.data_ptr(),

@@ -47,6 +47,7 @@ static int block_values(int type) {
     switch (type) {
         case GGML_Q4_0: case GGML_Q4_1: case GGML_Q5_0: case GGML_Q5_1: case GGML_Q8_0: return 32;
         case GGML_Q4_K: case GGML_Q5_K: case GGML_Q6_K: return 256;
+        case GGML_Q4_K_X8: case GGML_Q6_K_X8: return 256;
         default: return 0;
     }
 }
@@ -61,6 +62,9 @@ static int block_bytes(int type) {
         case GGML_Q4_K: return 144;
         case GGML_Q5_K: return 176;
         case GGML_Q6_K: return 210;
+        /* a channel's share of its group's super-block */
+        case GGML_Q4_K_X8: return 148;
+        case GGML_Q6_K_X8: return 210;
         default: return 0;
     }
 }
@@ -128,26 +132,15 @@ NO_CONTRACT static void q8_0(const uint8_t* b, float* y) {
     for (int j = 0; j < 32; j++) y[j] = (float)qs[j] * d;
 }
 
-/* Q4_K / Q5_K's sub-block j (of 8) 6-bit scale and minimum, packed in 12 bytes */
-static inline void scale_min(int j, const uint8_t* q, int* sc, int* mn) {
-    if (j < 4) {
-        *sc = q[j] & 63;
-        *mn = q[j + 4] & 63;
-    } else {
-        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
-}
-
 NO_CONTRACT static void q4_k(const uint8_t* b, float* y) {
     const float d = half(b), dmin = half(b + 2);
     const uint8_t* scales = b + 4;
     const uint8_t* q = b + 16;
     for (int j = 0; j < 8; j += 2) {
         int sc, mn;
-        scale_min(j, scales, &sc, &mn);
+        ggml_scale_min(j, scales, &sc, &mn);
         const float d1 = d * (float)sc, m1 = dmin * (float)mn;
-        scale_min(j + 1, scales, &sc, &mn);
+        ggml_scale_min(j + 1, scales, &sc, &mn);
         const float d2 = d * (float)sc, m2 = dmin * (float)mn;
         for (int l = 0; l < 32; l++) y[l] = d1 * (float)(q[l] & 0xF) - m1;
         for (int l = 0; l < 32; l++) y[32 + l] = d2 * (float)(q[l] >> 4) - m2;
@@ -163,9 +156,9 @@ NO_CONTRACT static void q5_k(const uint8_t* b, float* y) {
     const uint8_t* ql = b + 48;
     for (int j = 0, shift = 0; j < 8; j += 2, shift += 2) {
         int sc, mn;
-        scale_min(j, scales, &sc, &mn);
+        ggml_scale_min(j, scales, &sc, &mn);
         const float d1 = d * (float)sc, m1 = dmin * (float)mn;
-        scale_min(j + 1, scales, &sc, &mn);
+        ggml_scale_min(j + 1, scales, &sc, &mn);
         const float d2 = d * (float)sc, m2 = dmin * (float)mn;
         for (int l = 0; l < 32; l++)
             y[l] = d1 * (float)((ql[l] & 0xF) + (((qh[l] >> shift) & 1) << 4)) - m1;
@@ -239,7 +232,16 @@ int mm_ggml_dequantize(const uint8_t* w, int type, const int64_t* ids, int64_t f
     _Pragma("omp parallel for num_threads(threads) schedule(static) if(rows * k > 65536)")
     for (int64_t i = 0; i < rows; i++) {
         const int64_t r = ids ? ids[i] : first + i;
-        dequantize_blocks(type, w + r * row_bytes, per_row, out + i * k);
+        const int stored = mm_ggml_x8_stored(type);
+        if (stored) {  /* each block as the file held it */
+            uint8_t block[256];
+            for (int64_t b = 0; b < per_row; b++) {
+                mm_ggml_x8_block(w, type, per_row, r, b, block);
+                dequantize_blocks(stored, block, 1, out + i * k + 256 * b);
+            }
+        } else {
+            dequantize_blocks(type, w + r * row_bytes, per_row, out + i * k);
+        }
     }
     return 0;
 }
@@ -249,7 +251,7 @@ int mm_ggml_dequantize(const uint8_t* w, int type, const int64_t* ids, int64_t f
  * does not take. */
 int mm_ggml_linear_float(const void* x, int x_dtype, const uint8_t* w, int type, void* y, int64_t m,
                    int64_t n, int64_t k, int threads) {
-    if (!mm_ggml_takes(type, k)) return 2;
+    if (!mm_ggml_takes(type, k) || mm_ggml_x8_stored(type)) return 2;
     int owned;
     const float* xf = as_f32(x, x_dtype, m * k, &owned);
     if (xf == NULL) return 1;
@@ -305,23 +307,16 @@ int mm_ggml_linear_float(const void* x, int x_dtype, const uint8_t* w, int type,
  *   Q6_K, sub-block c of 16:   d sc_c (dx sum q_w q - 32 xs16_c)
  * so that the product is W . x' exactly, up to float32 rounding: per group the error against
  * W . x is at most sum |w| * max|x| / 254 (tests/test_gguf_blocks.py holds it to that).
- * The AVX2 path (also the AVX-512 variants': their 256-bit integer instructions are the same)
- * forms the sums with PMADDUBSW (u8 quants x s8 digits, pairs into int16: at most
- * 2 * 63 * 127, never saturating; Q8_0 takes |w| and sign(x, w) as ggml does) and PMADDWD,
- * which for the K types also weights each 32 by its integer sub-block scale, so that a
- * super-block's 256 products sum in int32 and meet the float scales once; 8 float lanes per
+ * The AVX2 path (also the AVX-512 variants': 256-bit lanes) forms the sums with PMADDUBSW
+ * (u8 quants x s8 digits, pairs into int16: at most 2 * 63 * 127, never saturating; Q8_0
+ * takes |w| and sign(x, w) as ggml does) and PMADDWD, which for the K types also weights each
+ * 32 by its integer sub-block scale, so that a super-block's 256 products sum in int32 and
+ * meet the float scales once; with AVX-512 VNNI, VPDPBUSD takes the unweighted sums in one
+ * instruction and VPDPWSSD the weighted pairs' (the same integers); 8 float lanes per
  * row until the channel's end. A verify's rows (k + 1 tokens) meet each super-block's quants
  * unpacked once (dots_avx2); integer sums do not depend on their order, so each row's result is
  * the one-row call's, bit for bit. The plain path (the x86-64 and Arm variants) is the same
  * arithmetic in C loops the compiler vectorizes. */
-
-typedef struct {
-    const int8_t* q;    /* [k] first digits */
-    const int8_t* l;    /* [k] second digits, or NULL (one digit) */
-    const float* dx;    /* [k / 32] the unit of the digits' integer (q, or 256 q + l) */
-    const float* xs;    /* [k / 32] */
-    const float* xs16;  /* [k / 16] */
-} act_row;
 
 /* Row x [k] (a multiple of `group`: 32, or 256 for the super-block types) -> its first digits
  * h (step d = max|x| / 127 per group) and, where l is not NULL, its second digits l (step
@@ -371,7 +366,7 @@ static inline int dot_n(const int8_t* w, const int8_t* x, int n) {
 }
 
 /* the digits' integer of a span (at most 32 * 63 * 127 * 257: int holds it) */
-static inline int dot_a(const int8_t* w, const act_row* a, int64_t at, int n) {
+static inline int dot_a(const int8_t* w, const ggml_act_row* a, int64_t at, int n) {
     const int s = dot_n(w, a->q + at, n);
     return a->l ? 256 * s + dot_n(w, a->l + at, n) : s;
 }
@@ -385,7 +380,7 @@ static inline void unpack32(const uint8_t* qs, const uint8_t* qh, int8_t* w) {
     }
 }
 
-static float dot_plain(int type, const uint8_t* wr, int64_t nb, const act_row* a) {
+static float dot_plain(int type, const uint8_t* wr, int64_t nb, const ggml_act_row* a) {
     float acc = 0.0f;
     int8_t w[256];
     for (int64_t b = 0; b < nb; b++) {
@@ -421,7 +416,7 @@ static float dot_plain(int type, const uint8_t* wr, int64_t nb, const act_row* a
                     }
                     for (int h = 0; h < 2; h++) {
                         int sc, mn;
-                        scale_min(j + h, blk + 4, &sc, &mn);
+                        ggml_scale_min(j + h, blk + 4, &sc, &mn);
                         const int64_t c = 8 * b + j + h;
                         const float isum = (float)dot_a(w + 32 * h, a, 32 * c, 32);
                         acc += d * (float)sc * a->dx[c] * isum - dmin * (float)mn * a->xs[c];
@@ -465,24 +460,45 @@ static inline __m256i dot_u8s8(__m256i u, __m256i s, __m256i mul) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), mul);
 }
 
+#ifdef MM_AVX512_VNNI
+/* acc + the 8 lanes' sums of 4 products of u8 u and s8 s in one VPDPBUSD (no int16 step) */
+static inline __m256i add_dot(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_dpbusd_epi32(acc, u, s);
+}
+
+/* acc + dot_u8s8(u, s, mul): PMADDUBSW, then VPDPWSSD weights the pairs and adds */
+static inline __m256i add_dot_weighted(__m256i acc, __m256i u, __m256i s, __m256i mul) {
+    return _mm256_dpwssd_epi32(acc, _mm256_maddubs_epi16(u, s), mul);
+}
+#else
+static inline __m256i add_dot(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_add_epi32(acc, dot_u8s8(u, s, _mm256_set1_epi16(1)));
+}
+
+static inline __m256i add_dot_weighted(__m256i acc, __m256i u, __m256i s, __m256i mul) {
+    return _mm256_add_epi32(acc, dot_u8s8(u, s, mul));
+}
+#endif
+
 static inline __m256i load32(const int8_t* p) {
     return _mm256_loadu_si256((const __m256i*)p);
 }
 
-/* the digits' integer (q, or 256 q + l) of quants u against inputs at .. at + 31 */
-static inline __m256i dot_act(__m256i u, const act_row* a, int64_t at, __m256i mul) {
-    const __m256i p = dot_u8s8(u, load32(a->q + at), mul);
+/* the digits' integer (q, or 256 q + l) of quants u against inputs at .. at + 31: the first
+ * digits' sums, times 256, are the second digits' accumulator (exact: each lane at most
+ * 4 * 31 * 127 * 257) */
+static inline __m256i dot_act(__m256i u, const ggml_act_row* a, int64_t at) {
+    const __m256i p = add_dot(_mm256_setzero_si256(), u, load32(a->q + at));
     if (a->l == NULL) return p;
-    return _mm256_add_epi32(_mm256_slli_epi32(p, 8), dot_u8s8(u, load32(a->l + at), mul));
+    return add_dot(_mm256_slli_epi32(p, 8), u, load32(a->l + at));
 }
 
 /* as dot_act for signed quants w (Q8_0): |w| against the inputs with w's sign */
-static inline __m256i dot_act_signed(__m256i w, const act_row* a, int64_t at) {
-    const __m256i one = _mm256_set1_epi16(1), u = _mm256_sign_epi8(w, w);
-    const __m256i p = dot_u8s8(u, _mm256_sign_epi8(load32(a->q + at), w), one);
+static inline __m256i dot_act_signed(__m256i w, const ggml_act_row* a, int64_t at) {
+    const __m256i u = _mm256_sign_epi8(w, w);
+    const __m256i p = add_dot(_mm256_setzero_si256(), u, _mm256_sign_epi8(load32(a->q + at), w));
     if (a->l == NULL) return p;
-    return _mm256_add_epi32(_mm256_slli_epi32(p, 8),
-                            dot_u8s8(u, _mm256_sign_epi8(load32(a->l + at), w), one));
+    return add_dot(_mm256_slli_epi32(p, 8), u, _mm256_sign_epi8(load32(a->l + at), w));
 }
 
 /* byte j of the result 0x10 where bit j of the 32 at p is set, else 0 (Q5's fifth bits) */
@@ -508,10 +524,10 @@ static inline __m256i fifth_bits(const uint8_t* p) {
  * their order (one row at a time or several: the same result). */
 static inline __attribute__((always_inline)) void add_sums(
         __m256i* ih, __m256i* il, const __m256i* wq, const __m256i* ws, int count,
-        const act_row* a, int64_t at, const int TWO) {
+        const ggml_act_row* a, int64_t at, const int TWO) {
     for (int s = 0; s < count; s++) {
-        *ih = _mm256_add_epi32(*ih, dot_u8s8(wq[s], load32(a->q + at + 32 * s), ws[s]));
-        if (TWO) *il = _mm256_add_epi32(*il, dot_u8s8(wq[s], load32(a->l + at + 32 * s), ws[s]));
+        *ih = add_dot_weighted(*ih, wq[s], load32(a->q + at + 32 * s), ws[s]);
+        if (TWO) *il = add_dot_weighted(*il, wq[s], load32(a->l + at + 32 * s), ws[s]);
     }
 }
 
@@ -527,7 +543,7 @@ static inline __attribute__((always_inline)) __m256 add_super(__m256 acc, __m256
  * taken (ih, il), more rows' taken here from the unpacked quants wq and scales ws */
 static inline __attribute__((always_inline)) void super_rows(
         __m256 (*acc)[2], __m256i ih, __m256i il, const __m256i* wq, const __m256i* ws,
-        const act_row* a, const int R, int64_t b, float d, const int TWO) {
+        const ggml_act_row* a, const int R, int64_t b, float d, const int TWO) {
     if (R == 1) {
         acc[0][0] = add_super(acc[0][0], ih, il, TWO, d * a->dx[8 * b]);
         return;
@@ -546,9 +562,9 @@ static inline __attribute__((always_inline)) void super_rows(
  * row's arithmetic, and its result, is the same for any R: a verify's k + 1 rows sum each row
  * exactly as the one-row decode step does. */
 static inline __attribute__((always_inline)) void dots_avx2(
-        int type, const uint8_t* wr, int64_t nb, const act_row* a, const int R, const int TWO,
+        int type, const uint8_t* wr, int64_t nb, const ggml_act_row* a, const int R, const int TWO,
         float* out) {
-    const __m256i nibble = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi16(1);
+    const __m256i nibble = _mm256_set1_epi8(0xF);
     __m256 acc[MAX_ROWS][2], off[MAX_ROWS];
     __m256i wq[8], ws[8];  /* a super-block's 32s unpacked (u8 quants) and their int16 scales */
     float offset[MAX_ROWS];
@@ -573,7 +589,7 @@ static inline __attribute__((always_inline)) void dots_avx2(
                     const float d = HALF(blk), m = has_min ? HALF(blk + 2) : -shift * d;
                     for (int i = 0; i < R; i++) {
                         acc[i][h] = _mm256_fmadd_ps(
-                            _mm256_cvtepi32_ps(dot_act(w, a + i, 32 * b, ones)),
+                            _mm256_cvtepi32_ps(dot_act(w, a + i, 32 * b)),
                             _mm256_set1_ps(d * a[i].dx[b]), acc[i][h]);
                         offset[i] += m * a[i].xs[b];
                     }
@@ -600,7 +616,7 @@ static inline __attribute__((always_inline)) void dots_avx2(
             const int nbytes = block_bytes(type);
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t* blk = wr + b * nbytes;
-                /* scale_min's eight pairs at once: bytes 0 .. 7 the scales, 8 .. 15 the mins */
+                /* ggml_scale_min's eight pairs at once: bytes 0 .. 7 the scales, 8 .. 15 the mins */
                 uint32_t u[4];
                 memcpy(u, blk + 4, 12);
                 const uint32_t six = 0x3f3f3f3f, low = 0x0f0f0f0f, top2 = 0x03030303;
@@ -687,7 +703,7 @@ static inline __attribute__((always_inline)) void dots_avx2(
  * and one for any count of rows (R read at run time: each row's sums are taken one row at a
  * time over a super-block's unpacked quants), each for one and for two digits */
 #define DOTS(NAME, R, TWO)                                                                     \
-    static void NAME(int type, const uint8_t* wr, int64_t nb, const act_row* a, int rows,      \
+    static void NAME(int type, const uint8_t* wr, int64_t nb, const ggml_act_row* a, int rows,      \
                      float* out) {                                                             \
         (void)rows;                                                                            \
         dots_avx2(type, wr, nb, a, R, TWO, out);                                               \
@@ -700,7 +716,7 @@ DOTS(dots_many_2, rows, 1)
 
 /* rows a[0 .. count) (count <= MAX_ROWS, all with the same number of digits) against one
  * channel */
-static void dots_vector(int type, const uint8_t* wr, int64_t nb, const act_row* a, int count,
+static void dots_vector(int type, const uint8_t* wr, int64_t nb, const ggml_act_row* a, int count,
                         float* out) {
     const int two = a->l != NULL;
     if (count == 1) (two ? dots_one_2 : dots_one_1)(type, wr, nb, a, 1, out);
@@ -713,9 +729,46 @@ static void dots_vector(int type, const uint8_t* wr, int64_t nb, const act_row* 
 #endif
 
 /* the plain path's rows, one at a time */
-static void dots_plain(int type, const uint8_t* wr, int64_t nb, const act_row* a, int count,
+static void dots_plain(int type, const uint8_t* wr, int64_t nb, const ggml_act_row* a, int count,
                        float* out) {
     for (int i = 0; i < count; i++) out[i] = dot_plain(type, wr, nb, a + i);
+}
+
+/* ggml_linear's groups of 8 channels of an x8 weight (GGML_Q4_K_X8, GGML_Q6_K_X8) against
+ * rows[0 .. count) (rows i0 .. of y), shared by the team: each group through the vector kernel,
+ * or (generic, or no vector path) each channel's blocks as the file held them through the
+ * plain one */
+static int x8_linear(int type, const uint8_t* w, void* y, int x_dtype, int64_t ldy, int64_t i0,
+                     int64_t n, int64_t per_row, const ggml_act_row* rows, int count, int failed,
+                     int generic) {
+    const int plain = generic || !HAS_VECTOR, stored = mm_ggml_x8_stored(type);
+    const int64_t group_bytes = X8_CHANNELS * per_row * block_bytes(type);
+    /* the plain path's: one channel's blocks as stored */
+    uint8_t* file_row = plain ? malloc((size_t)(per_row * block_bytes(stored))) : NULL;
+    failed |= plain && file_row == NULL;
+    _Pragma("omp for schedule(static)")
+    for (int64_t g = 0; g < n / X8_CHANNELS; g++) {
+        if (failed) continue;
+        float out[MAX_ROWS * X8_CHANNELS];
+        if (!plain) {
+            mm_ggml_x8_rows(type, w + g * group_bytes, per_row, rows, count, out);
+        } else {
+            for (int c = 0; c < X8_CHANNELS; c++) {
+                for (int64_t b = 0; b < per_row; b++)
+                    mm_ggml_x8_block(w, type, per_row, g * X8_CHANNELS + c, b,
+                                     file_row + block_bytes(stored) * b);
+                float dots[MAX_ROWS];
+                dots_plain(stored, file_row, per_row, rows, count, dots);
+                for (int i = 0; i < count; i++) out[X8_CHANNELS * i + c] = dots[i];
+            }
+        }
+        for (int i = 0; i < count; i++)
+            for (int c = 0; c < X8_CHANNELS; c++)
+                store(y, x_dtype, (i0 + i) * ldy + g * X8_CHANNELS + c,
+                      out[X8_CHANNELS * i + c]);
+    }
+    free(file_row);
+    return failed;
 }
 
 /* The team's body of mm_ggml_linear: the rows' digits (each thread its own, a decode's few
@@ -728,7 +781,8 @@ static int ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, v
     int8_t* q = malloc((size_t)(2 * m * k));
     float* sums = malloc(sizeof(float) * (size_t)(m * per));
     const int failed = xf == NULL || q == NULL || sums == NULL;
-    act_row rows[MAX_ROWS];
+    int status = 0;
+    ggml_act_row rows[MAX_ROWS];
     const int64_t per_row = k / block_values(type), row_bytes = per_row * block_bytes(type);
     for (int64_t i0 = 0; i0 < m; i0 += MAX_ROWS) {
         const int count = m - i0 < MAX_ROWS ? (int)(m - i0) : MAX_ROWS;
@@ -737,7 +791,12 @@ static int ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, v
             int8_t* h = q + 2 * r * k;
             float* s = sums + r * per;
             quantize_row(xf + r * k, k, block_values(type), h, digits == 2 ? h + k : NULL, s);
-            rows[i] = (act_row){h, digits == 2 ? h + k : NULL, s, s + k / 32, s + k / 16};
+            rows[i] = (ggml_act_row){h, digits == 2 ? h + k : NULL, s, s + k / 32, s + k / 16};
+        }
+        if (mm_ggml_x8_stored(type)) {
+            status |= x8_linear(type, w, y, x_dtype, ldy, i0, n, per_row, rows, count, failed,
+                                generic);
+            continue;
         }
         _Pragma("omp for schedule(static)")
         for (int64_t c = 0; c < n; c++) {
@@ -754,7 +813,7 @@ static int ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, v
     }
     if (owned) free((void*)xf);
     free(q), free(sums);
-    return failed;
+    return failed | status;
 }
 
 /* y [M, N] (x's dtype, rows ldy >= N apart: a part's columns of a wider output) = x [M, K] .
@@ -763,6 +822,8 @@ static int ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, v
  * of memory, 2 a type or K it does not take (or digits not 1 or 2, or ldy < N). */
 int mm_ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, void* y, int64_t ldy,
                    int64_t m, int64_t n, int64_t k, int digits, int generic, int threads) {
-    if (!mm_ggml_takes(type, k) || (digits != 1 && digits != 2) || ldy < n) return 2;
+    if (!mm_ggml_takes(type, k) || (digits != 1 && digits != 2) || ldy < n ||
+        (mm_ggml_x8_stored(type) && n % X8_CHANNELS != 0))
+        return 2;
     ON_TEAM(threads, ggml_linear(x, x_dtype, w, type, y, ldy, m, n, k, digits, generic));
 }

@@ -498,6 +498,9 @@ void mm_fit_int4(const float* x, int64_t groups, int64_t group, float* scale, fl
 #define GGML_Q4_K 12
 #define GGML_Q5_K 13
 #define GGML_Q6_K 14
+/* ours, not ggml's: Q4_K and Q6_K repacked in groups of 8 output channels (ggml_x8.c) */
+#define GGML_Q4_K_X8 1012
+#define GGML_Q6_K_X8 1014
 int mm_ggml_takes(int type, int64_t k);
 int mm_ggml_dequantize(const uint8_t* w, int type, const int64_t* ids, int64_t first,
                        int64_t rows, int64_t k, float* out, int threads);
@@ -506,6 +509,36 @@ int mm_ggml_linear_float(const void* x, int x_dtype, const uint8_t* w, int type,
 #define GGML_DIGITS 2 /* int8 digits per input of the decode path's activations, by default */
 int mm_ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, void* y, int64_t ldy,
                    int64_t m, int64_t n, int64_t k, int digits, int generic, int threads);
+
+/* a row of x as the integer decode path writes it (ggml_blocks.c's quantize_row) */
+typedef struct {
+    const int8_t* q;    /* [k] first digits */
+    const int8_t* l;    /* [k] second digits, or NULL (one digit) */
+    const float* dx;    /* [k / 32] the unit of the digits' integer (q, or 256 q + l) */
+    const float* xs;    /* [k / 32] */
+    const float* xs16;  /* [k / 16] */
+} ggml_act_row;
+
+/* Q4_K / Q5_K's sub-block j (of 8) 6-bit scale and minimum, packed in 12 bytes */
+static inline void ggml_scale_min(int j, const uint8_t* q, int* sc, int* mn) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *mn = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* ggml_x8.c: Q4_K and Q6_K in groups of 8 output channels (GGML_Q4_K_X8, GGML_Q6_K_X8) */
+#define X8_CHANNELS 8
+int mm_ggml_x8_stored(int type); /* an x8 type's type as stored (GGML_Q4_K ..), else 0 */
+int mm_ggml_repack_takes(int type, int64_t n, int64_t k);
+int mm_ggml_repack(const uint8_t* w, int type, int64_t n, int64_t k, uint8_t* out, int threads);
+void mm_ggml_x8_block(const uint8_t* w, int type, int64_t nb, int64_t channel, int64_t b,
+                      uint8_t* block);
+void mm_ggml_x8_rows(int type, const uint8_t* group, int64_t nb, const ggml_act_row* a,
+                     int rows, float* out);
 
 /* decode_layers.c, moe_experts.c: the whole-step calls */
 typedef struct { /* one decoder layer */

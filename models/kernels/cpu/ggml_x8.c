@@ -1,0 +1,386 @@
+/* Q4_K and Q6_K weights repacked at load in groups of 8 output channels (GGML_Q4_K_X8,
+ * GGML_Q6_K_X8), so that a decode step's matrix-vector product meets 8 channels in each vector
+ * instruction (one channel per int32 lane) instead of one channel's 32 inputs, as llama.cpp's
+ * repack does for its CPU kernels. Nothing is widened or rounded: the quants' bytes are the
+ * file's, moved. Q4_K's 6-bit sub-block scales and minimums are written out as bytes (the 12
+ * packed bytes and the 16 unpacked ones hold the same 96 bits: 148 bytes a channel's
+ * super-block, the file's 144); Q6_K keeps its 210. The file's block comes back exactly
+ * (mm_ggml_x8_block), which is how the dequantizer and the plain path read these layouts.
+ *
+ * A group's super-block b (of nb = K / 256), at (g * nb + b) * 8 * (148 or 210):
+ *   Q4_K_X8  [0, 16)     d of channels 0 .. 7 (float16, as stored)
+ *            [16, 32)    dmin of channels 0 .. 7
+ *            [32, 96)    sc[j][c]: sub-block j's 6-bit scale of channel c, a byte
+ *            [96, 160)   mn[j][c]: its minimum
+ *            [160, 1184) per pair p of sub-blocks (0 .. 3) and step s (0 .. 7) 32 bytes: bytes
+ *                        4c .. 4c + 3 are channel c's stored qs[32 p + 4 s .. + 3] (low
+ *                        nibbles: inputs 64 p + 4 s .. + 3, of sub-block 2 p; high: + 32)
+ *   Q6_K_X8  [0, 16)     d of channels 0 .. 7
+ *            [16, 144)   sc[j][c]: sub-block j's (of 16) int8 scale of channel c
+ *            [144, 1168) per chunk t of ql (32 bytes, 0 .. 3) and step s: channel c's stored
+ *                        ql[32 t + 4 s .. + 3] at 4c
+ *            [1168, 1680) per chunk u of qh (0 .. 1) and step s: channel c's qh[32 u + 4 s ..]
+ * so a weight [N, K] (N a multiple of 8) is still [N, row bytes] as the other block types, a
+ * group's 8 rows together (channel slices at multiples of 8).
+ *
+ * mm_ggml_x8_rows: rows of x (written as ggml_blocks.c's integer path writes them: per
+ * super-block int8 digits h (and l) with unit dx; xs, xs16 the sums per 32 and 16) against one
+ * group. Per step, 4 inputs' digits broadcast meet the 8 channels' 4 quants: with AVX-512
+ * VNNI, VPDPBUSD sums them into each channel's int32 lane over a sub-block, then VPMULLD by the
+ * channels' sub-block scales; with AVX2, PMADDUBSW pairs them into int16 lanes, steps summed in
+ * int16 while they cannot overflow (Q4_K: a sub-block's 8 steps, at most 16 * 15 * 127; Q6_K:
+ * 2 steps, at most 4 * 63 * 127), then PMADDWD by the scales. Either way a super-block's
+ * products sum exactly in int32 per channel (the same integers) and meet the float scales once:
+ *   Q4_K  y_c += d_c dx sum_j sc_jc isum_jc - dmin_c sum_j mn_jc xs_j
+ *   Q6_K  y_c += d_c dx sum_j sc_jc isum_jc - 32 d_c sum_j sc_jc xs16_j
+ * Each row's arithmetic is the same whatever the count of rows: a verify's k + 1 rows get the
+ * one-row call's results to the bit. The integer sums are those of ggml_blocks.c's per-channel
+ * path; the float order differs, within float32 rounding.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#define X8_ROWS 16 /* rows of x at most (mm_ggml_linear's MAX_ROWS) */
+#define Q4K_BYTES 144
+#define Q6K_BYTES 210
+#define Q4K_X8_SUPER (X8_CHANNELS * 148)
+#define Q6K_X8_SUPER (X8_CHANNELS * Q6K_BYTES)
+
+int mm_ggml_x8_stored(int type) {
+    return type == GGML_Q4_K_X8 ? GGML_Q4_K : type == GGML_Q6_K_X8 ? GGML_Q6_K : 0;
+}
+
+static int repackable(int type, int64_t n, int64_t k) {
+    return (type == GGML_Q4_K || type == GGML_Q6_K) && n > 0 && n % X8_CHANNELS == 0 && k > 0 &&
+           k % 256 == 0;
+}
+
+/* Whether a weight [n, k] of `type` is worth repacking in this build: Q4_K or Q6_K in whole
+ * groups of 8 channels, where a vector path runs the groups (the plain path is faster on the
+ * file's layout) */
+int mm_ggml_repack_takes(int type, int64_t n, int64_t k) {
+#ifdef MM_AVX2
+    return repackable(type, n, k);
+#else
+    (void)type, (void)n, (void)k;
+    return 0;
+#endif
+}
+
+/* one channel's super-block src (as stored) into its group's super-block dst, as channel c */
+static void q4k_in(const uint8_t* src, int c, uint8_t* dst) {
+    memcpy(dst + 2 * c, src, 2);
+    memcpy(dst + 16 + 2 * c, src + 2, 2);
+    for (int j = 0; j < 8; j++) {
+        int sc, mn;
+        ggml_scale_min(j, src + 4, &sc, &mn);
+        dst[32 + 8 * j + c] = (uint8_t)sc;
+        dst[96 + 8 * j + c] = (uint8_t)mn;
+    }
+    for (int t = 0; t < 32; t++) memcpy(dst + 160 + 32 * t + 4 * c, src + 16 + 4 * t, 4);
+}
+
+static void q4k_out(const uint8_t* src, int c, uint8_t* block) {
+    memcpy(block, src + 2 * c, 2);
+    memcpy(block + 2, src + 16 + 2 * c, 2);
+    uint8_t sc[8], mn[8];
+    for (int j = 0; j < 8; j++) sc[j] = src[32 + 8 * j + c], mn[j] = src[96 + 8 * j + c];
+    uint8_t* q = block + 4;  /* ggml_scale_min's inverse */
+    for (int j = 0; j < 4; j++) {
+        q[j] = (uint8_t)((sc[j] & 63) | ((sc[j + 4] >> 4) << 6));
+        q[j + 4] = (uint8_t)((mn[j] & 63) | ((mn[j + 4] >> 4) << 6));
+        q[j + 8] = (uint8_t)((sc[j + 4] & 0xF) | ((mn[j + 4] & 0xF) << 4));
+    }
+    for (int t = 0; t < 32; t++) memcpy(block + 16 + 4 * t, src + 160 + 32 * t + 4 * c, 4);
+}
+
+/* Q6_K as stored: ql [0, 128), qh [128, 192), scales [192, 208), d [208, 210) */
+static void q6k_in(const uint8_t* src, int c, uint8_t* dst) {
+    memcpy(dst + 2 * c, src + 208, 2);
+    for (int j = 0; j < 16; j++) dst[16 + 8 * j + c] = src[192 + j];
+    for (int t = 0; t < 48; t++) memcpy(dst + 144 + 32 * t + 4 * c, src + 4 * t, 4);
+}
+
+static void q6k_out(const uint8_t* src, int c, uint8_t* block) {
+    memcpy(block + 208, src + 2 * c, 2);
+    for (int j = 0; j < 16; j++) block[192 + j] = src[16 + 8 * j + c];
+    for (int t = 0; t < 48; t++) memcpy(block + 4 * t, src + 144 + 32 * t + 4 * c, 4);
+}
+
+/* W [n, k] of `type` as the file holds it -> out [n, row bytes] in its x8 layout (in any
+ * build: ggml_blocks.c's plain path and dequantizer read it too). -> 0, or 2 for a type other
+ * than Q4_K / Q6_K or n not a multiple of 8. */
+int mm_ggml_repack(const uint8_t* w, int type, int64_t n, int64_t k, uint8_t* out, int threads) {
+    if (!repackable(type, n, k)) return 2;
+    const int64_t nb = k / 256, groups = n / X8_CHANNELS;
+    const int q4 = type == GGML_Q4_K;
+    const int64_t bytes = q4 ? Q4K_BYTES : Q6K_BYTES, super = q4 ? Q4K_X8_SUPER : Q6K_X8_SUPER;
+    _Pragma("omp parallel for num_threads(threads) schedule(static) if(n * k > 65536)")
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t b = 0; b < nb; b++)
+            for (int c = 0; c < X8_CHANNELS; c++) {
+                const uint8_t* src = w + ((g * X8_CHANNELS + c) * nb + b) * bytes;
+                (q4 ? q4k_in : q6k_in)(src, c, out + (g * nb + b) * super);
+            }
+    return 0;
+}
+
+/* The file's block b of channel `channel` back from w, a weight of x8 `type` (nb super-blocks
+ * per channel): 144 or 210 bytes into `block`, byte for byte as stored */
+void mm_ggml_x8_block(const uint8_t* w, int type, int64_t nb, int64_t channel, int64_t b,
+                      uint8_t* block) {
+    const int q4 = type == GGML_Q4_K_X8;
+    const int64_t g = channel / X8_CHANNELS;
+    const uint8_t* src = w + (g * nb + b) * (q4 ? Q4K_X8_SUPER : Q6K_X8_SUPER);
+    (q4 ? q4k_out : q6k_out)(src, (int)(channel % X8_CHANNELS), block);
+}
+
+#ifdef MM_AVX2
+#ifndef X8_AHEAD
+#define X8_AHEAD 4096
+#endif
+/* The cache lines of the super-block X8_AHEAD bytes on (the hardware's prefetch alone leaves
+ * these loops waiting on memory) */
+static inline void prefetch_x8(const uint8_t* p, int bytes) {
+    for (int b = 0; b < bytes; b += 64) __builtin_prefetch(p + X8_AHEAD + b, 0, 3);
+}
+
+static inline __m256i bcast4(const int8_t* p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* A run of steps of one sub-block: the 8 channels' products summed, then weighted by their
+ * sub-block scales into int32 (the same integers either way):
+ * - AVX-512 VNNI: VPDPBUSD sums each step's 4 products into the channel's int32 lane; VPMULLD
+ *   by the scale (`scale_lanes`: one per int32 lane);
+ * - AVX2: PMADDUBSW pairs each step's products into int16 lanes, summed in int16 over the run
+ *   (RUN steps, within int16: see the file's comment); PMADDWD by the scale in both int16
+ *   halves of each int32 lane. */
+#ifdef MM_AVX512_VNNI
+#define Q6_RUN 4 /* Q6_K's steps per run: a whole sub-block of 16 */
+static inline __m256i run_add(__m256i run, __m256i w, __m256i x) {
+    return _mm256_dpbusd_epi32(run, w, x);
+}
+static inline __m256i run_weighted(__m256i acc, __m256i run, __m256i scale) {
+    return _mm256_add_epi32(acc, _mm256_mullo_epi32(run, scale));
+}
+static inline __m256i scale_lanes(__m256i s) {
+    return s;
+}
+#else
+#define Q6_RUN 2
+static inline __m256i run_add(__m256i run, __m256i w, __m256i x) {
+    return _mm256_add_epi16(run, _mm256_maddubs_epi16(w, x));
+}
+static inline __m256i run_weighted(__m256i acc, __m256i run, __m256i scale) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(run, scale));
+}
+static inline __m256i scale_lanes(__m256i s) {  /* int32 lanes of -128 .. 127 */
+    return _mm256_or_si256(_mm256_and_si256(s, _mm256_set1_epi32(0xFFFF)),
+                           _mm256_slli_epi32(s, 16));
+}
+#endif
+
+/* sub-block j's scales (or minimums) of the 8 channels, one per int32 lane */
+static inline __m256i bytes8(const uint8_t* p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+}
+
+/* One Q4_K_X8 group of 8 channels against rows a[0 .. R): out[8 i + c]. R == 1 unpacks the
+ * quants as it goes; more rows take them from a super-block's unpacked copy (2 KiB, in L1). */
+static inline __attribute__((always_inline)) void q4k_rows(
+        const uint8_t* group, int64_t nb, const ggml_act_row* a, const int R, const int TWO,
+        float* out) {
+    const __m256i nibble = _mm256_set1_epi8(0xF);
+    __m256 acc[X8_ROWS], off[X8_ROWS];
+    __m256i lo[32], hi[32];  /* R > 1: a super-block's quants, per (pair, step) */
+    for (int i = 0; i < R; i++) acc[i] = off[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* sb = group + b * Q4K_X8_SUPER;
+        prefetch_x8(sb, Q4K_X8_SUPER);
+        const uint8_t* qs = sb + 160;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)sb));
+        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sb + 16)));
+        __m256i scale[8];
+        __m256 mins[8];
+        for (int j = 0; j < 8; j++) {
+            scale[j] = scale_lanes(bytes8(sb + 32 + 8 * j));
+            mins[j] = _mm256_cvtepi32_ps(bytes8(sb + 96 + 8 * j));
+        }
+        if (R > 1)
+            for (int t = 0; t < 32; t++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * t));
+                lo[t] = _mm256_and_si256(v, nibble);
+                hi[t] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+            }
+        for (int i = 0; i < R; i++) {
+            const int8_t* xh = a[i].q + 256 * b;
+            const int8_t* xl = TWO ? a[i].l + 256 * b : NULL;
+            const float* xs = a[i].xs + 8 * b;
+            __m256 m = _mm256_setzero_ps();
+            for (int j = 0; j < 8; j++) m = _mm256_fmadd_ps(mins[j], _mm256_set1_ps(xs[j]), m);
+            off[i] = _mm256_fmadd_ps(dmin, m, off[i]);
+            __m256i ih = _mm256_setzero_si256(), il = _mm256_setzero_si256();
+            for (int p = 0; p < 4; p++) {
+                __m256i lo_h = _mm256_setzero_si256(), hi_h = lo_h, lo_l = lo_h, hi_l = lo_h;
+                for (int s = 0; s < 8; s++) {
+                    const int t = 8 * p + s, at = 64 * p + 4 * s;
+                    __m256i wl, wh;
+                    if (R == 1) {
+                        const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * t));
+                        wl = _mm256_and_si256(v, nibble);
+                        wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+                    } else {
+                        wl = lo[t], wh = hi[t];
+                    }
+                    lo_h = run_add(lo_h, wl, bcast4(xh + at));
+                    hi_h = run_add(hi_h, wh, bcast4(xh + at + 32));
+                    if (TWO) {
+                        lo_l = run_add(lo_l, wl, bcast4(xl + at));
+                        hi_l = run_add(hi_l, wh, bcast4(xl + at + 32));
+                    }
+                }
+                ih = run_weighted(run_weighted(ih, lo_h, scale[2 * p]), hi_h, scale[2 * p + 1]);
+                if (TWO)
+                    il = run_weighted(run_weighted(il, lo_l, scale[2 * p]), hi_l,
+                                      scale[2 * p + 1]);
+            }
+            /* the super-block's integer in the row's unit: 256 h + l with two digits */
+            const float unit = a[i].dx[8 * b];
+            __m256 sum = _mm256_mul_ps(_mm256_cvtepi32_ps(ih),
+                                       _mm256_set1_ps(TWO ? 256.0f * unit : unit));
+            if (TWO) sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(il), _mm256_set1_ps(unit), sum);
+            acc[i] = _mm256_fmadd_ps(d, sum, acc[i]);
+        }
+    }
+    for (int i = 0; i < R; i++) _mm256_storeu_ps(out + 8 * i, _mm256_sub_ps(acc[i], off[i]));
+}
+
+/* One Q6_K_X8 group against rows a[0 .. R): out[8 i + c], as q4k_rows. A step's 4 inputs of
+ * each of the 4 groups of 32 of a half (128 values): groups 0 and 2 the low and high nibbles of
+ * ql chunk 2n, 1 and 3 of chunk 2n + 1, their top two bits at 0, 2, 4, 6 of qh chunk n. */
+static inline __attribute__((always_inline)) void q6k_rows(
+        const uint8_t* group, int64_t nb, const ggml_act_row* a, const int R, const int TWO,
+        float* out) {
+    const __m256i nibble = _mm256_set1_epi8(0xF), three = _mm256_set1_epi8(3);
+    __m256 acc[X8_ROWS], off[X8_ROWS];
+    __m256i wq[64];  /* R > 1: a super-block's quants (0 .. 63) per (half, group, step) */
+    for (int i = 0; i < R; i++) acc[i] = off[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* sb = group + b * Q6K_X8_SUPER;
+        prefetch_x8(sb, Q6K_X8_SUPER);
+        const uint8_t* ql = sb + 144;
+        const uint8_t* qh = sb + 1168;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)sb));
+        const __m256 d32 = _mm256_mul_ps(d, _mm256_set1_ps(32.0f));
+        __m256i scale[16];
+        __m256 scf[16];
+        for (int j = 0; j < 16; j++) {
+            const __m256i s = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(sb + 16 + 8 * j)));
+            scale[j] = scale_lanes(s);
+            scf[j] = _mm256_cvtepi32_ps(s);
+        }
+#define Q6_UNPACK(N, S, W)                                                                     \
+        {                                                                                      \
+            const __m256i va = _mm256_loadu_si256((const __m256i*)(ql + 32 * (16 * (N) + (S))));\
+            const __m256i vb = _mm256_loadu_si256(                                             \
+                (const __m256i*)(ql + 32 * (16 * (N) + 8 + (S))));                             \
+            const __m256i vh = _mm256_loadu_si256((const __m256i*)(qh + 32 * (8 * (N) + (S))));\
+            W[0] = _mm256_or_si256(_mm256_and_si256(va, nibble),                               \
+                                   _mm256_slli_epi16(_mm256_and_si256(vh, three), 4));         \
+            W[1] = _mm256_or_si256(_mm256_and_si256(vb, nibble), _mm256_slli_epi16(            \
+                _mm256_and_si256(_mm256_srli_epi16(vh, 2), three), 4));                        \
+            W[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(va, 4), nibble),         \
+                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 4), three), 4));      \
+            W[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(vb, 4), nibble),         \
+                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 6), three), 4));      \
+        }
+        if (R > 1)
+            for (int n = 0; n < 2; n++)
+                for (int s = 0; s < 8; s++) {
+                    __m256i w[4];
+                    Q6_UNPACK(n, s, w)
+                    for (int g = 0; g < 4; g++) wq[32 * n + 8 * g + s] = w[g];
+                }
+        for (int i = 0; i < R; i++) {
+            const int8_t* xh = a[i].q + 256 * b;
+            const int8_t* xl = TWO ? a[i].l + 256 * b : NULL;
+            const float* xs16 = a[i].xs16 + 16 * b;
+            __m256 m = _mm256_setzero_ps();
+            for (int j = 0; j < 16; j++) m = _mm256_fmadd_ps(scf[j], _mm256_set1_ps(xs16[j]), m);
+            off[i] = _mm256_fmadd_ps(d32, m, off[i]);
+            __m256i ih = _mm256_setzero_si256(), il = _mm256_setzero_si256();
+            for (int n = 0; n < 2; n++)
+                for (int s0 = 0; s0 < 8; s0 += Q6_RUN) {  /* a run, then weighted */
+                    __m256i sh[4], sl[4];
+                    for (int g = 0; g < 4; g++) sh[g] = sl[g] = _mm256_setzero_si256();
+                    for (int s = s0; s < s0 + Q6_RUN; s++) {
+                        __m256i w[4];
+                        if (R == 1) {
+                            Q6_UNPACK(n, s, w)
+                        } else {
+                            for (int g = 0; g < 4; g++) w[g] = wq[32 * n + 8 * g + s];
+                        }
+                        for (int g = 0; g < 4; g++) {
+                            const int at = 128 * n + 32 * g + 4 * s;
+                            sh[g] = run_add(sh[g], w[g], bcast4(xh + at));
+                            if (TWO) sl[g] = run_add(sl[g], w[g], bcast4(xl + at));
+                        }
+                    }
+                    for (int g = 0; g < 4; g++) {  /* sub-block 8 n + 2 g + (step >= 4) */
+                        const __m256i sc = scale[8 * n + 2 * g + (s0 >= 4)];
+                        ih = run_weighted(ih, sh[g], sc);
+                        if (TWO) il = run_weighted(il, sl[g], sc);
+                    }
+                }
+            const float unit = a[i].dx[8 * b];
+            __m256 sum = _mm256_mul_ps(_mm256_cvtepi32_ps(ih),
+                                       _mm256_set1_ps(TWO ? 256.0f * unit : unit));
+            if (TWO) sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(il), _mm256_set1_ps(unit), sum);
+            acc[i] = _mm256_fmadd_ps(d, sum, acc[i]);
+        }
+#undef Q6_UNPACK
+    }
+    for (int i = 0; i < R; i++) _mm256_storeu_ps(out + 8 * i, _mm256_sub_ps(acc[i], off[i]));
+}
+
+/* instances for one row (R a constant: its sums stay in registers) and for any count, each
+ * for one and two digits */
+#define X8(NAME, FN, R, TWO)                                                                   \
+    static void NAME(const uint8_t* group, int64_t nb, const ggml_act_row* a, int rows,       \
+                     float* out) {                                                             \
+        (void)rows;                                                                            \
+        FN(group, nb, a, R, TWO, out);                                                         \
+    }
+X8(q4k_one_1, q4k_rows, 1, 0)
+X8(q4k_one_2, q4k_rows, 1, 1)
+X8(q4k_many_1, q4k_rows, rows, 0)
+X8(q4k_many_2, q4k_rows, rows, 1)
+X8(q6k_one_1, q6k_rows, 1, 0)
+X8(q6k_one_2, q6k_rows, 1, 1)
+X8(q6k_many_1, q6k_rows, rows, 0)
+X8(q6k_many_2, q6k_rows, rows, 1)
+#undef X8
+
+typedef void (*x8_fn)(const uint8_t*, int64_t, const ggml_act_row*, int, float*);
+
+/* One group of an x8 weight of `type` (nb super-blocks per channel) against rows a[0 .. rows)
+ * (rows <= 16, all with the same number of digits): out [rows, 8]. */
+void mm_ggml_x8_rows(int type, const uint8_t* group, int64_t nb, const ggml_act_row* a,
+                     int rows, float* out) {
+    static const x8_fn fns[2][2][2] = {  /* [Q6_K][several rows][two digits] */
+        {{q4k_one_1, q4k_one_2}, {q4k_many_1, q4k_many_2}},
+        {{q6k_one_1, q6k_one_2}, {q6k_many_1, q6k_many_2}}};
+    fns[type == GGML_Q6_K_X8][rows > 1][a->l != NULL](group, nb, a, rows, out);
+}
+#else
+void mm_ggml_x8_rows(int type, const uint8_t* group, int64_t nb, const ggml_act_row* a,
+                     int rows, float* out) {  /* never called: mm_ggml_repack_takes says no */
+    (void)type, (void)group, (void)nb, (void)a;
+    memset(out, 0, sizeof(float) * 8 * (size_t)rows);
+}
+#endif
