@@ -136,18 +136,20 @@ def _repacked(blocks: torch.Tensor, name: str) -> tuple[str, torch.Tensor]:
 
 @pytest.mark.parametrize("name", list(ggml_blocks.REPACKED))
 def test_the_repacked_layouts_hold_the_files_values(name):
-    """Q4_K and Q6_K in groups of 8 output channels: every value bit for bit as gguf-py reads
-    the file's blocks (whole, by index, by slice), the decode products within the digits'
-    bound on the vector and the plain paths (the plain path's to the bit the file layout's:
-    it reads each block back as stored), a verify's rows each the one-row call's to the bit."""
+    """Q4_K, Q6_K, Q5_0, Q8_0 in groups of 8 output channels: every value bit for bit as
+    gguf-py reads the file's blocks (whole, by index, by slice), the decode products within
+    the digits' bound on the vector and the plain paths (the plain path's to the bit the file
+    layout's: it reads each block back as stored), a verify's rows each the one-row call's to
+    the bit."""
     rows_n = 72  # nine groups
     raw = random_blocks(name, rows_n, K, seed=11)
     values = torch.from_numpy(dequantize(raw, GGMLQuantizationType[name]).reshape(rows_n, K)
                               .astype(np.float32))
     stored = torch.from_numpy(raw)
     kind, held = _repacked(stored, name)
-    per_channel = {"Q4_K": 148, "Q6_K": 210}[name]  # Q4_K's scales as bytes: 4 more
-    assert held.shape == (rows_n, K // 256 * per_channel)
+    values_per, per_channel = {"Q4_K": (256, 148), "Q6_K": (256, 210), "Q5_0": (32, 22),
+                               "Q8_0": (32, 34)}[name]  # Q4_K's scales as bytes: 4 more
+    assert held.shape == (rows_n, K // values_per * per_channel)
     assert torch.equal(dequantize_channels(held, kind, K).view(torch.int32),
                        values.view(torch.int32))
     ids = torch.tensor([5, 0, 71, 5, 12])
@@ -158,7 +160,7 @@ def test_the_repacked_layouts_hold_the_files_values(name):
     want = x.double() @ values.double().t()
     for rows in (1, 5):
         for digits in (1, 2):
-            bound = digit_bound(x[:rows], values, digits, 256)
+            bound = digit_bound(x[:rows], values, digits, values_per)
             for path in ("vector", "plain"):
                 got = ggml_blocks.block_linear(x[:rows], held, kind, K, path, digits)
                 assert ((got.double() - want[:rows]).abs() <= bound).all(), (rows, path, digits)
@@ -268,19 +270,23 @@ def test_a_k_quant_file_runs_as_stored(k_quant_file):
     parts = layer.self_attn.qkv_proj.parts  # q + k one part where adjacent
     assert sum(p.blocks.nbytes for p in parts) == sum(
         ggml_blocks.held_bytes(i.type_name, *i.shape) for i in qkv)
-    # a part the decode kernel runs repacked (Q4_K, Q6_K in groups of 8 channels) is a copy
-    # holding the file's values; the others view the file's bytes
+    # a part the decode kernel runs repacked (in groups of 8 channels) is a copy holding the
+    # file's values; the others view the file's bytes
     repacked = [p for p in parts if p.kernel_type != p.type_name]
     assert bool(repacked) == bool(native.load().ggml_repack_takes(
         BLOCK_TYPES["Q4_K"].code, 256, 256))
-    file_values = np.concatenate([dequantize(
-        np.frombuffer(raw, np.uint8, i.nbytes, i.offset).reshape(i.shape[0], -1),
-        i.ggml_type).reshape(i.shape) for i in qkv])
-    assert torch.equal(layer.self_attn.qkv_proj.dequantize(),
-                       torch.from_numpy(file_values.astype(np.float32)))
+    def file_values(infos):
+        return torch.from_numpy(np.concatenate([dequantize(
+            np.frombuffer(raw, np.uint8, i.nbytes, i.offset).reshape(i.shape[0], -1),
+            i.ggml_type).reshape(i.shape) for i in infos]).astype(np.float32))
+
+    output = file.tensor_by_name["output.weight"]
+    assert torch.equal(layer.self_attn.qkv_proj.dequantize(), file_values(qkv))
+    assert torch.equal(model.lm_head.dequantize(), file_values([output]))
     views = [([i.offset for i in qkv], p.blocks) for p in parts if p not in repacked]
-    views += [([file.tensor_by_name["token_embd.weight"].offset], model.embed_tokens.blocks),
-              ([file.tensor_by_name["output.weight"].offset], model.lm_head.parts[0].blocks)]
+    views += [([file.tensor_by_name["token_embd.weight"].offset], model.embed_tokens.blocks)]
+    views += [([output.offset], p.blocks) for p in model.lm_head.parts
+              if p.kernel_type == p.type_name]
     for offsets, blocks in views:
         offset = blocks.data_ptr() - mapping.start
         assert blocks.untyped_storage().data_ptr() == mapping.start and offset in offsets

@@ -49,13 +49,15 @@ BLOCK_TYPES: dict[str, BlockType] = {t.name: t for t in (
     BlockType("Q8_0", c.GGML_Q8_0, 32, 34), BlockType("Q4_K", c.GGML_Q4_K, 256, 144),
     BlockType("Q5_K", c.GGML_Q5_K, 256, 176), BlockType("Q6_K", c.GGML_Q6_K, 256, 210))}
 # The layouts the kernels run: the file's types, and ours repacked from them (a file's type ->
-# its layout): Q4_K and Q6_K in groups of 8 output channels (models/kernels/cpu/ggml_x8.c), a
-# channel's share of a group's super-block 148 bytes for Q4_K (its 6-bit sub-block scales
-# written out as bytes), 210 for Q6_K (as stored).
+# its layout): Q4_K, Q6_K, Q5_0 and Q8_0 in groups of 8 output channels
+# (models/kernels/cpu/ggml_x8.c), a channel's share of a group's block its stored size but for
+# Q4_K's (148 bytes for 144: its 6-bit sub-block scales written out as bytes).
 KERNEL_TYPES: dict[str, BlockType] = {
     **BLOCK_TYPES, "Q4_Kx8": BlockType("Q4_Kx8", c.GGML_Q4_K_X8, 256, 148),
-    "Q6_Kx8": BlockType("Q6_Kx8", c.GGML_Q6_K_X8, 256, 210)}
-REPACKED = {"Q4_K": "Q4_Kx8", "Q6_K": "Q6_Kx8"}
+    "Q6_Kx8": BlockType("Q6_Kx8", c.GGML_Q6_K_X8, 256, 210),
+    "Q5_0x8": BlockType("Q5_0x8", c.GGML_Q5_0_X8, 32, 22),
+    "Q8_0x8": BlockType("Q8_0x8", c.GGML_Q8_0_X8, 32, 34)}
+REPACKED = {"Q4_K": "Q4_Kx8", "Q6_K": "Q6_Kx8", "Q5_0": "Q5_0x8", "Q8_0": "Q8_0x8"}
 FEW_ROWS = 16  # up to this many rows (tokens) of x, the matrix-vector kernel; past it a GEMM
 TILE_BYTES = 4 << 20  # float32 bytes of a tile of output channels dequantized for the GEMM
 MIN_TILE_CHANNELS = 64  # a tile's output channels, at least
@@ -73,9 +75,10 @@ def row_bytes(block: BlockType, in_features: int) -> int:
 
 def repack(blocks: torch.Tensor, type_name: str, in_features: int) -> tuple[str, torch.Tensor]:
     """A weight's blocks as the file holds them ([N, row bytes] uint8) -> (the type its
-    kernels run, the blocks in that layout): Q4_K and Q6_K in groups of 8 output channels where
-    this build's vector path runs them (the quants' bytes moved, nothing widened; Q4_K's 6-bit
-    scales as bytes, 148 bytes a super-block for the file's 144), else the blocks unchanged.
+    kernels run, the blocks in that layout): Q4_K, Q6_K, Q5_0 and Q8_0 in groups of 8 output
+    channels where this build's vector path runs them (the quants' bytes moved, nothing
+    widened; Q4_K's 6-bit scales as bytes, 148 bytes a super-block for the file's 144), else the
+    blocks unchanged.
     The file's pages of a repacked weight are let go (models.mapped_files.let_go)."""
     from models.mapped_files import let_go
 

@@ -48,6 +48,7 @@ static int block_values(int type) {
         case GGML_Q4_0: case GGML_Q4_1: case GGML_Q5_0: case GGML_Q5_1: case GGML_Q8_0: return 32;
         case GGML_Q4_K: case GGML_Q5_K: case GGML_Q6_K: return 256;
         case GGML_Q4_K_X8: case GGML_Q6_K_X8: return 256;
+        case GGML_Q5_0_X8: case GGML_Q8_0_X8: return 32;
         default: return 0;
     }
 }
@@ -65,6 +66,8 @@ static int block_bytes(int type) {
         /* a channel's share of its group's super-block */
         case GGML_Q4_K_X8: return 148;
         case GGML_Q6_K_X8: return 210;
+        case GGML_Q5_0_X8: return 22;
+        case GGML_Q8_0_X8: return 34;
         default: return 0;
     }
 }
@@ -237,7 +240,7 @@ int mm_ggml_dequantize(const uint8_t* w, int type, const int64_t* ids, int64_t f
             uint8_t block[256];
             for (int64_t b = 0; b < per_row; b++) {
                 mm_ggml_x8_block(w, type, per_row, r, b, block);
-                dequantize_blocks(stored, block, 1, out + i * k + 256 * b);
+                dequantize_blocks(stored, block, 1, out + i * k + block_values(type) * b);
             }
         } else {
             dequantize_blocks(type, w + r * row_bytes, per_row, out + i * k);

@@ -43,31 +43,10 @@
 #include "kernels.h"
 
 #define X8_ROWS 16 /* rows of x at most (mm_ggml_linear's MAX_ROWS) */
-#define Q4K_BYTES 144
-#define Q6K_BYTES 210
 #define Q4K_X8_SUPER (X8_CHANNELS * 148)
-#define Q6K_X8_SUPER (X8_CHANNELS * Q6K_BYTES)
-
-int mm_ggml_x8_stored(int type) {
-    return type == GGML_Q4_K_X8 ? GGML_Q4_K : type == GGML_Q6_K_X8 ? GGML_Q6_K : 0;
-}
-
-static int repackable(int type, int64_t n, int64_t k) {
-    return (type == GGML_Q4_K || type == GGML_Q6_K) && n > 0 && n % X8_CHANNELS == 0 && k > 0 &&
-           k % 256 == 0;
-}
-
-/* Whether a weight [n, k] of `type` is worth repacking in this build: Q4_K or Q6_K in whole
- * groups of 8 channels, where a vector path runs the groups (the plain path is faster on the
- * file's layout) */
-int mm_ggml_repack_takes(int type, int64_t n, int64_t k) {
-#ifdef MM_AVX2
-    return repackable(type, n, k);
-#else
-    (void)type, (void)n, (void)k;
-    return 0;
-#endif
-}
+#define Q6K_X8_SUPER (X8_CHANNELS * 210)
+#define Q50_X8_BLOCK (X8_CHANNELS * 22)
+#define Q80_X8_BLOCK (X8_CHANNELS * 34)
 
 /* one channel's super-block src (as stored) into its group's super-block dst, as channel c */
 static void q4k_in(const uint8_t* src, int c, uint8_t* dst) {
@@ -109,32 +88,109 @@ static void q6k_out(const uint8_t* src, int c, uint8_t* block) {
     for (int t = 0; t < 48; t++) memcpy(block + 4 * t, src + 144 + 32 * t + 4 * c, 4);
 }
 
+/* Q5_0 as stored: d [0, 2), qh [2, 6) (bit j: input j's fifth bit), qs [6, 22) (low nibble j:
+ * input j, high: j + 16). In the group: d at 2c, then channel c's fifth bits at 16 + 4c, byte
+ * s holding those of inputs 4s .. 4s + 3 (bits 0 .. 3) and 16 + 4s .. (bits 4 .. 7), then
+ * qs [s][c] (4 bytes each) at 48. */
+static void q50_in(const uint8_t* src, int c, uint8_t* dst) {
+    memcpy(dst + 2 * c, src, 2);
+    const uint32_t h = (uint32_t)src[2] | ((uint32_t)src[3] << 8) | ((uint32_t)src[4] << 16) |
+                       ((uint32_t)src[5] << 24);
+    for (int s = 0; s < 4; s++)
+        dst[16 + 4 * c + s] = (uint8_t)(((h >> (4 * s)) & 0xF) | (((h >> (16 + 4 * s)) & 0xF) << 4));
+    for (int s = 0; s < 4; s++) memcpy(dst + 48 + 32 * s + 4 * c, src + 6 + 4 * s, 4);
+}
+
+static void q50_out(const uint8_t* src, int c, uint8_t* block) {
+    memcpy(block, src + 2 * c, 2);
+    uint32_t h = 0;
+    for (int s = 0; s < 4; s++) {
+        const uint32_t byte = src[16 + 4 * c + s];
+        h |= ((byte & 0xF) << (4 * s)) | ((byte >> 4) << (16 + 4 * s));
+    }
+    for (int i = 0; i < 4; i++) block[2 + i] = (uint8_t)(h >> (8 * i));
+    for (int s = 0; s < 4; s++) memcpy(block + 6 + 4 * s, src + 48 + 32 * s + 4 * c, 4);
+}
+
+/* Q8_0 as stored: d [0, 2), qs [2, 34). In the group: d at 2c, qs [s][c] (4 bytes) at 16. */
+static void q80_in(const uint8_t* src, int c, uint8_t* dst) {
+    memcpy(dst + 2 * c, src, 2);
+    for (int s = 0; s < 8; s++) memcpy(dst + 16 + 32 * s + 4 * c, src + 2 + 4 * s, 4);
+}
+
+static void q80_out(const uint8_t* src, int c, uint8_t* block) {
+    memcpy(block, src + 2 * c, 2);
+    for (int s = 0; s < 8; s++) memcpy(block + 2 + 4 * s, src + 16 + 32 * s + 4 * c, 4);
+}
+
+/* The types repacked: as stored and ours, values per block, bytes of a block as stored and of
+ * a group's block, a channel's block into its group and back */
+typedef struct {
+    int stored, x8, values, bytes, group_bytes;
+    void (*in)(const uint8_t* src, int c, uint8_t* dst);
+    void (*out)(const uint8_t* src, int c, uint8_t* block);
+} x8_layout;
+
+static const x8_layout LAYOUTS[] = {
+    {GGML_Q4_K, GGML_Q4_K_X8, 256, 144, Q4K_X8_SUPER, q4k_in, q4k_out},
+    {GGML_Q6_K, GGML_Q6_K_X8, 256, 210, Q6K_X8_SUPER, q6k_in, q6k_out},
+    {GGML_Q5_0, GGML_Q5_0_X8, 32, 22, Q50_X8_BLOCK, q50_in, q50_out},
+    {GGML_Q8_0, GGML_Q8_0_X8, 32, 34, Q80_X8_BLOCK, q80_in, q80_out},
+};
+#define N_LAYOUTS ((int)(sizeof(LAYOUTS) / sizeof(LAYOUTS[0])))
+
+/* the layout repacking `stored` (a ggml type), or of the x8 type `x8`; NULL if none */
+static const x8_layout* layout_of(int stored, int x8) {
+    for (int i = 0; i < N_LAYOUTS; i++)
+        if (LAYOUTS[i].stored == stored || LAYOUTS[i].x8 == x8) return &LAYOUTS[i];
+    return NULL;
+}
+
+int mm_ggml_x8_stored(int type) {
+    const x8_layout* l = layout_of(-1, type);
+    return l ? l->stored : 0;
+}
+
+static int repackable(int type, int64_t n, int64_t k) {
+    const x8_layout* l = layout_of(type, -1);
+    return l != NULL && n > 0 && n % X8_CHANNELS == 0 && k > 0 && k % l->values == 0;
+}
+
+/* Whether a weight [n, k] of `type` is worth repacking in this build: Q4_K, Q6_K, Q5_0 or
+ * Q8_0 in whole groups of 8 channels, where a vector path runs the groups (the plain path is
+ * faster on the file's layout) */
+int mm_ggml_repack_takes(int type, int64_t n, int64_t k) {
+#ifdef MM_AVX2
+    return repackable(type, n, k);
+#else
+    (void)type, (void)n, (void)k;
+    return 0;
+#endif
+}
+
 /* W [n, k] of `type` as the file holds it -> out [n, row bytes] in its x8 layout (in any
- * build: ggml_blocks.c's plain path and dequantizer read it too). -> 0, or 2 for a type other
- * than Q4_K / Q6_K or n not a multiple of 8. */
+ * build: ggml_blocks.c's plain path and dequantizer read it too). -> 0, or 2 for a type not
+ * repacked or n not a multiple of 8. */
 int mm_ggml_repack(const uint8_t* w, int type, int64_t n, int64_t k, uint8_t* out, int threads) {
     if (!repackable(type, n, k)) return 2;
-    const int64_t nb = k / 256, groups = n / X8_CHANNELS;
-    const int q4 = type == GGML_Q4_K;
-    const int64_t bytes = q4 ? Q4K_BYTES : Q6K_BYTES, super = q4 ? Q4K_X8_SUPER : Q6K_X8_SUPER;
+    const x8_layout* l = layout_of(type, -1);
+    const int64_t nb = k / l->values, groups = n / X8_CHANNELS;
     _Pragma("omp parallel for num_threads(threads) schedule(static) if(n * k > 65536)")
     for (int64_t g = 0; g < groups; g++)
         for (int64_t b = 0; b < nb; b++)
-            for (int c = 0; c < X8_CHANNELS; c++) {
-                const uint8_t* src = w + ((g * X8_CHANNELS + c) * nb + b) * bytes;
-                (q4 ? q4k_in : q6k_in)(src, c, out + (g * nb + b) * super);
-            }
+            for (int c = 0; c < X8_CHANNELS; c++)
+                l->in(w + ((g * X8_CHANNELS + c) * nb + b) * l->bytes, c,
+                      out + (g * nb + b) * l->group_bytes);
     return 0;
 }
 
-/* The file's block b of channel `channel` back from w, a weight of x8 `type` (nb super-blocks
- * per channel): 144 or 210 bytes into `block`, byte for byte as stored */
+/* The file's block b of channel `channel` back from w, a weight of x8 `type` (nb blocks per
+ * channel): the stored block's bytes into `block`, byte for byte as stored */
 void mm_ggml_x8_block(const uint8_t* w, int type, int64_t nb, int64_t channel, int64_t b,
                       uint8_t* block) {
-    const int q4 = type == GGML_Q4_K_X8;
+    const x8_layout* l = layout_of(-1, type);
     const int64_t g = channel / X8_CHANNELS;
-    const uint8_t* src = w + (g * nb + b) * (q4 ? Q4K_X8_SUPER : Q6K_X8_SUPER);
-    (q4 ? q4k_out : q6k_out)(src, (int)(channel % X8_CHANNELS), block);
+    l->out(w + (g * nb + b) * l->group_bytes, (int)(channel % X8_CHANNELS), block);
 }
 
 #ifdef MM_AVX2
@@ -348,6 +404,120 @@ static inline __attribute__((always_inline)) void q6k_rows(
     for (int i = 0; i < R; i++) _mm256_storeu_ps(out + 8 * i, _mm256_sub_ps(acc[i], off[i]));
 }
 
+/* One Q5_0_X8 or Q8_0_X8 group (blocks of 32 inputs) against rows a[0 .. R): out[8 i + c].
+ * A block's integer per channel (256 h + l with two digits: at most 32 * 127 * 127 * 257, in
+ * int32) meets d_c dx once; Q5_0's 16-offset through 16 d_c xs.
+ * Q5_0, per step s (0 .. 3): the 32 bytes of qs give inputs 4s .. 4s + 3 (low nibbles) and
+ * 16 + 4s .. (high) of the 8 channels; the fifth bits come from byte s of each channel's 4
+ * (broadcast within the lane, one bit per byte tested). AVX2 sums each half's 4 steps in int16
+ * (at most 8 * 31 * 127). Q8_0, per step s (0 .. 7): 4 signed quants per channel, met as |w|
+ * against the digits with w's sign (as ggml does); AVX2 weights each step's pairs at once. */
+static inline __attribute__((always_inline)) void b32_rows(
+        const uint8_t* group, int64_t nb, const ggml_act_row* a, const int R, const int TWO,
+        const int Q8, float* out) {
+    const __m256i nibble = _mm256_set1_epi8(0xF), fifth = _mm256_set1_epi8(0x10);
+    const __m256i one = scale_lanes(_mm256_set1_epi32(1));
+    const __m256i low_bits = _mm256_set1_epi32(0x08040201), high_bits = _mm256_set1_epi32(
+        (int)0x80402010u);
+    const int block = Q8 ? Q80_X8_BLOCK : Q50_X8_BLOCK;
+    /* PSHUFB's index of each int32 lane's first byte (within its 128-bit half), in all 4 */
+    const __m256i lane_bytes = _mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0c0c0c0c, 0,
+                                                 0x04040404, 0x08080808, 0x0c0c0c0c);
+    __m256 acc[X8_ROWS], off[X8_ROWS];
+    __m256i wq[8], wx[8];  /* R > 1: a block's unsigned quants (and Q8_0's signs) per step */
+    for (int i = 0; i < R; i++) acc[i] = off[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* blk = group + b * block;
+        prefetch_x8(blk, block);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));
+        __m256i bits = _mm256_setzero_si256();
+        if (!Q8) bits = _mm256_loadu_si256((const __m256i*)(blk + 16));
+        const uint8_t* qs = blk + (Q8 ? 16 : 48);
+#define B32_QUANTS(S, W, X)                                                                    \
+        if (Q8) {                                                                              \
+            const __m256i raw_ = _mm256_loadu_si256((const __m256i*)(qs + 32 * (S)));          \
+            W = _mm256_sign_epi8(raw_, raw_), X = raw_;                                        \
+        } else {                                                                               \
+            const __m256i raw_ = _mm256_loadu_si256((const __m256i*)(qs + 32 * (S)));          \
+            /* byte S of each lane in all 4 of its bytes */                                    \
+            const __m256i spread = _mm256_shuffle_epi8(bits, _mm256_add_epi32(                  \
+                _mm256_set1_epi32(0x01010101 * (S)), lane_bytes));                              \
+            W = _mm256_or_si256(_mm256_and_si256(raw_, nibble), _mm256_and_si256(                 \
+                _mm256_cmpeq_epi8(_mm256_and_si256(spread, low_bits), low_bits), fifth));     \
+            X = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw_, 4), nibble),            \
+                _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, high_bits),       \
+                                                   high_bits), fifth));                        \
+        }
+        if (R > 1) {
+            for (int t = 0; t < (Q8 ? 8 : 4); t++) {
+                B32_QUANTS(t, wq[t], wx[t])
+            }
+        }
+        for (int i = 0; i < R; i++) {
+            const int8_t* xh = a[i].q + 32 * b;
+            const int8_t* xl = TWO ? a[i].l + 32 * b : NULL;
+            __m256i ih = _mm256_setzero_si256(), il = ih;
+            if (Q8) {
+                for (int t = 0; t < 8; t++) {
+                    __m256i u, v;
+                    if (R == 1) {
+                        B32_QUANTS(t, u, v)
+                    } else {
+                        u = wq[t], v = wx[t];
+                    }
+#ifdef MM_AVX512_VNNI
+                    ih = run_add(ih, u, _mm256_sign_epi8(bcast4(xh + 4 * t), v));
+                    if (TWO) il = run_add(il, u, _mm256_sign_epi8(bcast4(xl + 4 * t), v));
+#else
+                    ih = run_weighted(ih, run_add(_mm256_setzero_si256(), u,
+                                                  _mm256_sign_epi8(bcast4(xh + 4 * t), v)), one);
+                    if (TWO)
+                        il = run_weighted(il, run_add(_mm256_setzero_si256(), u,
+                                                      _mm256_sign_epi8(bcast4(xl + 4 * t), v)),
+                                          one);
+#endif
+                }
+            } else {
+                __m256i lo_h = _mm256_setzero_si256(), hi_h = lo_h, lo_l = lo_h, hi_l = lo_h;
+                for (int t = 0; t < 4; t++) {
+                    __m256i wl, wh;
+                    if (R == 1) {
+                        B32_QUANTS(t, wl, wh)
+                    } else {
+                        wl = wq[t], wh = wx[t];
+                    }
+                    lo_h = run_add(lo_h, wl, bcast4(xh + 4 * t));
+                    hi_h = run_add(hi_h, wh, bcast4(xh + 16 + 4 * t));
+                    if (TWO) {
+                        lo_l = run_add(lo_l, wl, bcast4(xl + 4 * t));
+                        hi_l = run_add(hi_l, wh, bcast4(xl + 16 + 4 * t));
+                    }
+                }
+                ih = run_weighted(run_weighted(ih, lo_h, one), hi_h, one);
+                if (TWO) il = run_weighted(run_weighted(il, lo_l, one), hi_l, one);
+            }
+            if (TWO) ih = _mm256_add_epi32(_mm256_slli_epi32(ih, 8), il);
+            acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a[i].dx[b])),
+                                     _mm256_cvtepi32_ps(ih), acc[i]);
+            if (!Q8) off[i] = _mm256_fmadd_ps(d, _mm256_set1_ps(16.0f * a[i].xs[b]), off[i]);
+        }
+#undef B32_QUANTS
+    }
+    for (int i = 0; i < R; i++) _mm256_storeu_ps(out + 8 * i, _mm256_sub_ps(acc[i], off[i]));
+}
+
+static inline __attribute__((always_inline)) void q50_rows(
+        const uint8_t* group, int64_t nb, const ggml_act_row* a, const int R, const int TWO,
+        float* out) {
+    b32_rows(group, nb, a, R, TWO, 0, out);
+}
+
+static inline __attribute__((always_inline)) void q80_rows(
+        const uint8_t* group, int64_t nb, const ggml_act_row* a, const int R, const int TWO,
+        float* out) {
+    b32_rows(group, nb, a, R, TWO, 1, out);
+}
+
 /* instances for one row (R a constant: its sums stay in registers) and for any count, each
  * for one and two digits */
 #define X8(NAME, FN, R, TWO)                                                                   \
@@ -364,6 +534,14 @@ X8(q6k_one_1, q6k_rows, 1, 0)
 X8(q6k_one_2, q6k_rows, 1, 1)
 X8(q6k_many_1, q6k_rows, rows, 0)
 X8(q6k_many_2, q6k_rows, rows, 1)
+X8(q50_one_1, q50_rows, 1, 0)
+X8(q50_one_2, q50_rows, 1, 1)
+X8(q50_many_1, q50_rows, rows, 0)
+X8(q50_many_2, q50_rows, rows, 1)
+X8(q80_one_1, q80_rows, 1, 0)
+X8(q80_one_2, q80_rows, 1, 1)
+X8(q80_many_1, q80_rows, rows, 0)
+X8(q80_many_2, q80_rows, rows, 1)
 #undef X8
 
 typedef void (*x8_fn)(const uint8_t*, int64_t, const ggml_act_row*, int, float*);
@@ -372,10 +550,13 @@ typedef void (*x8_fn)(const uint8_t*, int64_t, const ggml_act_row*, int, float*)
  * (rows <= 16, all with the same number of digits): out [rows, 8]. */
 void mm_ggml_x8_rows(int type, const uint8_t* group, int64_t nb, const ggml_act_row* a,
                      int rows, float* out) {
-    static const x8_fn fns[2][2][2] = {  /* [Q6_K][several rows][two digits] */
+    static const x8_fn fns[4][2][2] = {  /* [LAYOUTS' order][several rows][two digits] */
         {{q4k_one_1, q4k_one_2}, {q4k_many_1, q4k_many_2}},
-        {{q6k_one_1, q6k_one_2}, {q6k_many_1, q6k_many_2}}};
-    fns[type == GGML_Q6_K_X8][rows > 1][a->l != NULL](group, nb, a, rows, out);
+        {{q6k_one_1, q6k_one_2}, {q6k_many_1, q6k_many_2}},
+        {{q50_one_1, q50_one_2}, {q50_many_1, q50_many_2}},
+        {{q80_one_1, q80_one_2}, {q80_many_1, q80_many_2}}};
+    const int at = (int)(layout_of(-1, type) - LAYOUTS);
+    fns[at][rows > 1][a->l != NULL](group, nb, a, rows, out);
 }
 #else
 void mm_ggml_x8_rows(int type, const uint8_t* group, int64_t nb, const ggml_act_row* a,
