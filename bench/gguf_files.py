@@ -141,17 +141,15 @@ def _llama_speed(llm, ids: list[int], tokens: int) -> dict[str, float]:
 
 def _side_by_side(ours, theirs, ids: list[int], tokens: int, rounds: int) -> tuple:
     """Rounds alternating one generation of ours and one of llama.cpp's (a busy machine's
-    slow spells fall on both): median decode tok/s of each, the median per-round ratio, and
-    the median TTFTs."""
+    slow spells fall on both): median decode tok/s of each and the median per-round ratio
+    (the prompt is in both caches by then: no TTFT here)."""
     runs: dict[str, list[dict]] = {"ours": [], "llama.cpp": []}
     for _ in range(rounds):
         runs["ours"].append(_speed(ours, ids, tokens))
         runs["llama.cpp"].append(_llama_speed(theirs, ids, tokens))
     decode = {k: [r["decode tok/s"] for r in v] for k, v in runs.items()}
     ratio = median([a / b for a, b in zip(decode["ours"], decode["llama.cpp"], strict=True)])
-    return (median(decode["ours"]), median(decode["llama.cpp"]), ratio,
-            median([r["ttft s"] for r in runs["ours"]]),
-            median([r["ttft s"] for r in runs["llama.cpp"]]))
+    return median(decode["ours"]), median(decode["llama.cpp"]), ratio
 
 
 def main() -> None:
@@ -207,8 +205,7 @@ def main() -> None:
     if paired_rows:
         print(f"side by side, {args.rounds} alternating rounds of {args.tokens} tokens "
               f"(medians):")
-        print_table(paired_rows, ("file", "ours tok/s", "llama.cpp tok/s", "ours / llama.cpp",
-                                  "ours TTFT s", "llama.cpp TTFT s"))
+        print_table(paired_rows, ("file", "ours tok/s", "llama.cpp tok/s", "ours / llama.cpp"))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"peak RSS of the process: {peak:.0f} MiB")
 

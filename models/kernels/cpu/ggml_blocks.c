@@ -749,7 +749,9 @@ static int x8_linear(int type, const uint8_t* w, void* y, int x_dtype, int64_t l
     /* the plain path's: one channel's blocks as stored */
     uint8_t* file_row = plain ? malloc((size_t)(per_row * block_bytes(stored))) : NULL;
     failed |= plain && file_row == NULL;
-    _Pragma("omp for schedule(static)")
+    /* nowait: what a thread reads after is its own (file_row); a caller meets the team at its
+     * own barrier (ON_TEAM's end, or mm_decode_layers' team_sync) before reading y */
+    _Pragma("omp for schedule(static) nowait")
     for (int64_t g = 0; g < n / X8_CHANNELS; g++) {
         if (failed) continue;
         float out[MAX_ROWS * X8_CHANNELS];
@@ -801,7 +803,7 @@ static int ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, v
                                 generic);
             continue;
         }
-        _Pragma("omp for schedule(static)")
+        _Pragma("omp for schedule(static) nowait")  /* as x8_linear's */
         for (int64_t c = 0; c < n; c++) {
             if (failed) continue;
             const uint8_t* wr = w + c * row_bytes;

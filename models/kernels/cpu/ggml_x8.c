@@ -19,7 +19,8 @@
  *            [16, 144)   sc[j][c]: sub-block j's (of 16) int8 scale of channel c
  *            [144, 1168) per chunk t of ql (32 bytes, 0 .. 3) and step s: channel c's stored
  *                        ql[32 t + 4 s .. + 3] at 4c
- *            [1168, 1680) per chunk u of qh (0 .. 1) and step s: channel c's qh[32 u + 4 s ..]
+ *            [1168, 1680) per chunk u of qh (0 .. 1) and step s: channel c's qh[32 u + 4 s ..],
+ *                        each byte's pairs of bits reordered (q6k_in)
  * so a weight [N, K] (N a multiple of 8) is still [N, row bytes] as the other block types, a
  * group's 8 rows together (channel slices at multiples of 8).
  *
@@ -75,17 +76,33 @@ static void q4k_out(const uint8_t* src, int c, uint8_t* block) {
     for (int t = 0; t < 32; t++) memcpy(block + 16 + 4 * t, src + 160 + 32 * t + 4 * c, 4);
 }
 
-/* Q6_K as stored: ql [0, 128), qh [128, 192), scales [192, 208), d [208, 210) */
+/* Q6_K as stored: ql [0, 128), qh [128, 192), scales [192, 208), d [208, 210). A qh byte's
+ * pairs of bits (groups 0, 1, 2, 3 of its half at bits 0, 2, 4, 6) are held as groups 1, 3, 0,
+ * 2, which puts groups 0 and 2 where the kernel masks them and 1 and 3 a shift away. */
+static uint8_t q6k_bits_in(uint8_t h) {
+    return (uint8_t)(((h >> 2) & 3) | (((h >> 6) & 3) << 2) | ((h & 3) << 4) |
+                     (((h >> 4) & 3) << 6));
+}
+
+static uint8_t q6k_bits_out(uint8_t h) {
+    return (uint8_t)(((h >> 4) & 3) | ((h & 3) << 2) | (((h >> 6) & 3) << 4) |
+                     (((h >> 2) & 3) << 6));
+}
+
 static void q6k_in(const uint8_t* src, int c, uint8_t* dst) {
     memcpy(dst + 2 * c, src + 208, 2);
     for (int j = 0; j < 16; j++) dst[16 + 8 * j + c] = src[192 + j];
-    for (int t = 0; t < 48; t++) memcpy(dst + 144 + 32 * t + 4 * c, src + 4 * t, 4);
+    for (int t = 0; t < 32; t++) memcpy(dst + 144 + 32 * t + 4 * c, src + 4 * t, 4);
+    for (int t = 32; t < 48; t++)
+        for (int i = 0; i < 4; i++) dst[144 + 32 * t + 4 * c + i] = q6k_bits_in(src[4 * t + i]);
 }
 
 static void q6k_out(const uint8_t* src, int c, uint8_t* block) {
     memcpy(block + 208, src + 2 * c, 2);
     for (int j = 0; j < 16; j++) block[192 + j] = src[16 + 8 * j + c];
-    for (int t = 0; t < 48; t++) memcpy(block + 4 * t, src + 144 + 32 * t + 4 * c, 4);
+    for (int t = 0; t < 32; t++) memcpy(block + 4 * t, src + 144 + 32 * t + 4 * c, 4);
+    for (int t = 32; t < 48; t++)
+        for (int i = 0; i < 4; i++) block[4 * t + i] = q6k_bits_out(src[144 + 32 * t + 4 * c + i]);
 }
 
 /* Q5_0 as stored: d [0, 2), qh [2, 6) (bit j: input j's fifth bit), qs [6, 22) (low nibble j:
@@ -318,11 +335,12 @@ static inline __attribute__((always_inline)) void q4k_rows(
 
 /* One Q6_K_X8 group against rows a[0 .. R): out[8 i + c], as q4k_rows. A step's 4 inputs of
  * each of the 4 groups of 32 of a half (128 values): groups 0 and 2 the low and high nibbles of
- * ql chunk 2n, 1 and 3 of chunk 2n + 1, their top two bits at 0, 2, 4, 6 of qh chunk n. */
+ * ql chunk 2n, 1 and 3 of chunk 2n + 1, their top two bits in qh chunk n's bytes (held at bits
+ * 4, 6, 0, 2: q6k_in). */
 static inline __attribute__((always_inline)) void q6k_rows(
         const uint8_t* group, int64_t nb, const ggml_act_row* a, const int R, const int TWO,
         float* out) {
-    const __m256i nibble = _mm256_set1_epi8(0xF), three = _mm256_set1_epi8(3);
+    const __m256i nibble = _mm256_set1_epi8(0xF), top = _mm256_set1_epi8(0x30);
     __m256 acc[X8_ROWS], off[X8_ROWS];
     __m256i wq[64];  /* R > 1: a super-block's quants (0 .. 63) per (half, group, step) */
     for (int i = 0; i < R; i++) acc[i] = off[i] = _mm256_setzero_ps();
@@ -346,14 +364,13 @@ static inline __attribute__((always_inline)) void q6k_rows(
             const __m256i vb = _mm256_loadu_si256(                                             \
                 (const __m256i*)(ql + 32 * (16 * (N) + 8 + (S))));                             \
             const __m256i vh = _mm256_loadu_si256((const __m256i*)(qh + 32 * (8 * (N) + (S))));\
-            W[0] = _mm256_or_si256(_mm256_and_si256(va, nibble),                               \
-                                   _mm256_slli_epi16(_mm256_and_si256(vh, three), 4));         \
-            W[1] = _mm256_or_si256(_mm256_and_si256(vb, nibble), _mm256_slli_epi16(            \
-                _mm256_and_si256(_mm256_srli_epi16(vh, 2), three), 4));                        \
+            W[0] = _mm256_or_si256(_mm256_and_si256(va, nibble), _mm256_and_si256(vh, top));  \
+            W[1] = _mm256_or_si256(_mm256_and_si256(vb, nibble),                               \
+                                   _mm256_and_si256(_mm256_slli_epi16(vh, 4), top));           \
             W[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(va, 4), nibble),         \
-                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 4), three), 4));      \
+                                   _mm256_and_si256(_mm256_srli_epi16(vh, 2), top));           \
             W[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(vb, 4), nibble),         \
-                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 6), three), 4));      \
+                                   _mm256_and_si256(_mm256_slli_epi16(vh, 2), top));           \
         }
         if (R > 1)
             for (int n = 0; n < 2; n++)
