@@ -13,10 +13,16 @@ prefill) through a float32 GEMM on a tile of output channels dequantized into a 
 Without our kernels (no compiler, MMSERVE_NATIVE=0) the tile is dequantized by gguf-py, slowly
 but with the same values.
 
+Where this build's vector path runs them, Q4_K, Q6_K, Q5_0 and Q8_0 weights are repacked at load
+into groups of 8 output channels (`repack`, models/kernels/cpu/ggml_x8.c; the quants' bytes moved,
+nothing widened), which the same kernels take as one more type each (KERNEL_TYPES): a decode
+step's instruction then meets 8 channels at once. The file's block comes back byte for byte from
+a group, so the values (and the dequantizer's output) are unchanged.
+
 A token embedding table in blocks (`BlockEmbedding`) dequantizes only the rows a step looks up,
 with the same C code (ggml's values, bit for bit), into the model dtype; a head tied to it is a
-BlockLinear on the same bytes. The blocks are usually read-only views of the file's mapping
-(models/mapped_files.py): nothing here writes into them.
+BlockLinear on the same bytes (the table repacked for it). The blocks not repacked are usually
+read-only views of the file's mapping (models/mapped_files.py): nothing here writes into them.
 """
 
 from __future__ import annotations
