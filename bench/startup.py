@@ -5,6 +5,7 @@ GGUF files and transformers on the same safetensors checkpoint, in one run.
     python -m bench.startup                 # every model found, every runtime installed
     python -m bench.startup --layers 8      # the safetensors checkpoint with 8 layers
     python -m bench.startup --smoke         # a tiny random checkpoint only (checks the script)
+    python -m bench.startup --models 0.5B,1.5B   # only the models whose name holds one of these
 
 Models: the real GGUF files installed as data packages (testing/real_weights.py,
 bench/speculative.py: SmolLM2-135M Q4_1, Gemma 3 270M Q4_K_M, Qwen2.5-Coder-0.5B and 1.5B
@@ -167,7 +168,10 @@ def rows(args: argparse.Namespace) -> list[tuple]:
         ("mmserve defaults", "mmserve", {}),
         ("mmserve bf16 int4", "mmserve", {"dtype": "bfloat16", "quantization": "int4"}),
         ("transformers", "transformers", {})]))
+    wanted = [w.strip().lower() for w in args.models.split(",") if w.strip()]
     for name, path, hint, runs in models:
+        if wanted and not any(w in name.lower() for w in wanted):
+            continue
         if path is None:
             table.append((name, "-", f"not installed: {hint}", "", "", "", "", "", ""))
             continue
@@ -201,6 +205,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4,
                         help=f"layers of the safetensors checkpoint (of {FULL_LAYERS})")
     parser.add_argument("--smoke", action="store_true", help="a tiny checkpoint only")
+    parser.add_argument("--models", default="",
+                        help="only the models whose name holds one of these (comma-separated)")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

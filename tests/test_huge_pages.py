@@ -56,3 +56,27 @@ def test_disabled_by_the_environment(monkeypatch):
     assert huge_pages.place_weights(model) == 0
     assert [p.data_ptr() for p in model.parameters()] == pointers
     assert huge_pages.available() == (False, f"disabled by {huge_pages.DISABLE_ENV}=0")
+
+
+def test_a_weight_made_in_huge_pages_stays_where_it_is():
+    """A tensor made by empty_in_huge_pages (a repacked GGUF weight) is not copied again by
+    place_weights; its mapping goes with its last view; a small one is regular memory."""
+    import gc
+
+    if not huge_pages.available()[0]:
+        pytest.skip(huge_pages.available()[1])
+    made = huge_pages.empty_in_huge_pages(3 * huge_pages.HUGE_PAGE + 100)
+    assert made.dtype == torch.uint8 and made.numel() == 3 * huge_pages.HUGE_PAGE + 100
+    made.fill_(7)
+    model = _model()
+    model.register_buffer("made", made)
+    at = made.data_ptr()
+    assert huge_pages.place_weights(model) > 0
+    assert model.made.data_ptr() == at and bool((model.made == 7).all())
+    live = dict(huge_pages._PLACED)
+    assert any(start <= at < end for start, end in live.items())
+    del model, made
+    gc.collect()
+    assert not any(start <= at < end for start, end in huge_pages._PLACED.items())
+    small = huge_pages.empty_in_huge_pages(1000)
+    assert small.numel() == 1000 and not huge_pages._in_huge_pages(small)

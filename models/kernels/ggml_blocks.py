@@ -86,6 +86,7 @@ def repack(blocks: torch.Tensor, type_name: str, in_features: int) -> tuple[str,
     widened; Q4_K's 6-bit scales as bytes, 148 bytes a super-block for the file's 144), else the
     blocks unchanged.
     The file's pages of a repacked weight are let go (models.mapped_files.let_go)."""
+    from models.kernels.huge_pages import empty_in_huge_pages
     from models.mapped_files import let_go
 
     kernels = native.load()
@@ -95,7 +96,9 @@ def repack(blocks: torch.Tensor, type_name: str, in_features: int) -> tuple[str,
             BLOCK_TYPES[type_name].code, n, k):
         return type_name, blocks
     blocks = blocks.contiguous()
-    out = torch.empty(n, row_bytes(KERNEL_TYPES[target], k), dtype=torch.uint8)
+    # written once here, read every decode step: in huge pages from the start (not copied
+    # there after loading, as other weights made at load are)
+    out = empty_in_huge_pages(n * row_bytes(KERNEL_TYPES[target], k)).view(n, -1)
     status = kernels.ggml_repack(blocks.data_ptr(), BLOCK_TYPES[type_name].code, n, k,
                                  out.data_ptr(), torch.get_num_threads())
     assert status == 0, f"mm_ggml_repack refused {type_name} [{n}, {k}]"

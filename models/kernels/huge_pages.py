@@ -27,6 +27,7 @@ import functools
 import logging
 import mmap
 import os
+import weakref
 from pathlib import Path
 
 import torch
@@ -42,6 +43,7 @@ HUGE_PAGE = 2 << 20
 ALIGN = 4096
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 TRIM_BYTES = 512 << 20  # while weights move, freed memory goes back every this many bytes
+_PLACED: dict[int, int] = {}  # start -> end of each live mapping empty_in_huge_pages made
 
 
 def available() -> tuple[bool, str]:
@@ -61,8 +63,8 @@ def available() -> tuple[bool, str]:
 
 def place_weights(model: nn.Module) -> int:
     """Move the model's CPU parameters and buffers of MIN_BYTES or more (but those viewing a
-    mapped file) into one huge-page mapping, in module order (a forward's order). Returns the
-    bytes moved (0 if unavailable)."""
+    mapped file or already in huge pages: `empty_in_huge_pages`) into one huge-page mapping,
+    in module order (a forward's order). Returns the bytes moved (0 if unavailable)."""
     ok, detail = available()
     if not ok:
         log.info("weights stay in regular pages: %s", detail)
@@ -71,7 +73,7 @@ def place_weights(model: nn.Module) -> int:
     for tensor in list(model.parameters()) + list(model.buffers()):
         if (id(tensor) in seen or tensor.device.type != "cpu" or not tensor.is_contiguous()
                 or tensor.layout != torch.strided or tensor.nbytes < MIN_BYTES
-                or is_mapped(tensor)):
+                or is_mapped(tensor) or _in_huge_pages(tensor)):
             continue
         seen.add(id(tensor))
         tensors.append(tensor)
@@ -97,6 +99,31 @@ def place_weights(model: nn.Module) -> int:
     return_freed_memory()
     log.info("%d weight tensors (%.0f MB) placed in huge pages", len(tensors), total / 1e6)
     return total
+
+
+def empty_in_huge_pages(nbytes: int) -> torch.Tensor:
+    """An uninitialized uint8 tensor [nbytes] in an anonymous mapping of its own advised with
+    MADV_HUGEPAGE (for a weight made at load, such as a repacked one: written once, its pages
+    fault in 2 MiB at a time), which `place_weights` then leaves where it is. Regular memory
+    where huge pages are unavailable or `nbytes` is under a huge page."""
+    if nbytes < HUGE_PAGE or not available()[0]:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    # Its own length, not aligned to a huge page: the 2 MiB stretches inside it fault in as
+    # huge pages, its ends as small ones (a mapping rounded up to whole huge pages would hold
+    # up to 2 MiB more per weight once its last page is touched).
+    area = mmap.mmap(-1, _aligned(nbytes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    area.madvise(mmap.MADV_HUGEPAGE)
+    arena = torch.frombuffer(area, dtype=torch.uint8)  # the tensor keeps the mapping alive
+    start = arena.data_ptr()
+    _PLACED[start] = start + len(area)
+    weakref.finalize(area, _PLACED.pop, start, None)
+    return arena[:nbytes]
+
+
+def _in_huge_pages(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` lies in a mapping `empty_in_huge_pages` made"""
+    at = tensor.data_ptr()
+    return any(start <= at < end for start, end in _PLACED.items())
 
 
 def _aligned(nbytes: int) -> int:
