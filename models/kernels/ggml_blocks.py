@@ -233,9 +233,9 @@ def tiled_gemm(x: torch.Tensor, blocks: torch.Tensor, type_name: str,
 
 class BlockPart(nn.Module):
     """Output channels of a weight [N, K] held in ggml blocks of one type, as a GGUF file
-    stores them (`blocks` [N, row bytes] uint8): x . W^T without a bias. With `repack`, held
-    in the layout our decode kernel runs the type in (`repack`), where there is one:
-    `type_name` stays the file's type, `kernel_type` names the layout."""
+    stores them (`blocks` [N, row bytes] uint8): x . W^T without a bias. With
+    `repack_blocks`, held in the layout our decode kernel runs the type in (`repack`), where
+    there is one: `type_name` stays the file's type, `kernel_type` names the layout."""
 
     def __init__(self, blocks: torch.Tensor, type_name: str, in_features: int,
                  repack_blocks: bool = False, kernel_type: str | None = None) -> None:
