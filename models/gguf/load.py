@@ -306,12 +306,13 @@ class GGUFWeights:
         """The weights' bytes as loaded (without a requested quantization): blocks as in the
         file (or as repacked for our decode kernel: models.kernels.ggml_blocks.held_bytes), our
         int4 / int8 with their scales, the rest at `dtype`."""
-        blocks = sum(held_bytes(info.type_name, info.shape[0], info.shape[-1])
-                     for found in self.blocks.values() for info, _ in found)
+        def held(info: TensorInfo) -> int:  # its rows of shape[-1] values, as held
+            return held_bytes(info.type_name, info.numel // info.shape[-1], info.shape[-1])
+
+        blocks = sum(held(info) for found in self.blocks.values() for info, _ in found)
         if self.embedding is not None:
             info = self.embedding[1]
-            blocks += (held_bytes(info.type_name, info.shape[0], info.shape[-1])
-                       if self.tied_heads else info.nbytes)
+            blocks += held(info) if self.tied_heads else info.nbytes
         stored = sum(info.numel for parts in self.stored.values() for info, _ in parts)
         int8 = sum(info.numel for parts in self.int8.values() for info, _ in parts)
         dense = sum(info.numel for _, info in self.dense)
