@@ -211,11 +211,9 @@ void mm_ggml_x8_block(const uint8_t* w, int type, int64_t nb, int64_t channel, i
 }
 
 #ifdef MM_AVX2
-#ifndef X8_AHEAD
 #define X8_AHEAD 4096
-#endif
-/* The cache lines of the super-block X8_AHEAD bytes on (the hardware's prefetch alone leaves
- * these loops waiting on memory) */
+/* The cache lines of the block X8_AHEAD bytes on (the hardware's prefetch alone leaves these
+ * loops waiting on memory) */
 static inline void prefetch_x8(const uint8_t* p, int bytes) {
     for (int b = 0; b < bytes; b += 64) __builtin_prefetch(p + X8_AHEAD + b, 0, 3);
 }
@@ -244,6 +242,12 @@ static inline __m256i run_weighted(__m256i acc, __m256i run, __m256i scale) {
 static inline __m256i scale_lanes(__m256i s) {
     return s;
 }
+static inline __m256i run_sum(__m256i acc, __m256i run) {  /* unweighted */
+    return _mm256_add_epi32(acc, run);
+}
+static inline __m256i add_step(__m256i acc, __m256i w, __m256i x) {  /* a run of one step */
+    return _mm256_dpbusd_epi32(acc, w, x);
+}
 #else
 #define Q6_RUN 2
 static inline __m256i run_add(__m256i run, __m256i w, __m256i x) {
@@ -255,6 +259,12 @@ static inline __m256i run_weighted(__m256i acc, __m256i run, __m256i scale) {
 static inline __m256i scale_lanes(__m256i s) {  /* int32 lanes of -128 .. 127 */
     return _mm256_or_si256(_mm256_and_si256(s, _mm256_set1_epi32(0xFFFF)),
                            _mm256_slli_epi32(s, 16));
+}
+static inline __m256i run_sum(__m256i acc, __m256i run) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(run, _mm256_set1_epi16(1)));
+}
+static inline __m256i add_step(__m256i acc, __m256i w, __m256i x) {
+    return run_sum(acc, _mm256_maddubs_epi16(w, x));
 }
 #endif
 
@@ -433,7 +443,6 @@ static inline __attribute__((always_inline)) void b32_rows(
         const uint8_t* group, int64_t nb, const ggml_act_row* a, const int R, const int TWO,
         const int Q8, float* out) {
     const __m256i nibble = _mm256_set1_epi8(0xF), fifth = _mm256_set1_epi8(0x10);
-    const __m256i one = scale_lanes(_mm256_set1_epi32(1));
     const __m256i low_bits = _mm256_set1_epi32(0x08040201), high_bits = _mm256_set1_epi32(
         (int)0x80402010u);
     const int block = Q8 ? Q80_X8_BLOCK : Q50_X8_BLOCK;
@@ -482,17 +491,9 @@ static inline __attribute__((always_inline)) void b32_rows(
                     } else {
                         u = wq[t], v = wx[t];
                     }
-#ifdef MM_AVX512_VNNI
-                    ih = run_add(ih, u, _mm256_sign_epi8(bcast4(xh + 4 * t), v));
-                    if (TWO) il = run_add(il, u, _mm256_sign_epi8(bcast4(xl + 4 * t), v));
-#else
-                    ih = run_weighted(ih, run_add(_mm256_setzero_si256(), u,
-                                                  _mm256_sign_epi8(bcast4(xh + 4 * t), v)), one);
-                    if (TWO)
-                        il = run_weighted(il, run_add(_mm256_setzero_si256(), u,
-                                                      _mm256_sign_epi8(bcast4(xl + 4 * t), v)),
-                                          one);
-#endif
+                    /* a step at a time: its pairs may reach 2 * 127 * 127 in int16 */
+                    ih = add_step(ih, u, _mm256_sign_epi8(bcast4(xh + 4 * t), v));
+                    if (TWO) il = add_step(il, u, _mm256_sign_epi8(bcast4(xl + 4 * t), v));
                 }
             } else {
                 __m256i lo_h = _mm256_setzero_si256(), hi_h = lo_h, lo_l = lo_h, hi_l = lo_h;
@@ -510,8 +511,8 @@ static inline __attribute__((always_inline)) void b32_rows(
                         hi_l = run_add(hi_l, wh, bcast4(xl + 16 + 4 * t));
                     }
                 }
-                ih = run_weighted(run_weighted(ih, lo_h, one), hi_h, one);
-                if (TWO) il = run_weighted(run_weighted(il, lo_l, one), hi_l, one);
+                ih = run_sum(run_sum(ih, lo_h), hi_h);
+                if (TWO) il = run_sum(run_sum(il, lo_l), hi_l);
             }
             if (TWO) ih = _mm256_add_epi32(_mm256_slli_epi32(ih, 8), il);
             acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a[i].dx[b])),
