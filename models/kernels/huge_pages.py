@@ -108,16 +108,21 @@ def empty_in_huge_pages(nbytes: int) -> torch.Tensor:
     where huge pages are unavailable or `nbytes` is under a huge page."""
     if nbytes < HUGE_PAGE or not available()[0]:
         return torch.empty(nbytes, dtype=torch.uint8)
-    # Its own length, not aligned to a huge page: the 2 MiB stretches inside it fault in as
-    # huge pages, its ends as small ones (a mapping rounded up to whole huge pages would hold
-    # up to 2 MiB more per weight once its last page is touched).
-    area = mmap.mmap(-1, _aligned(nbytes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # One huge page longer, so that the tensor can start at a huge page's start (all of it but
+    # its last partial 2 MiB in huge pages); that partial stretch and the slack after it are
+    # advised back to small pages, so that touching the tensor's last bytes does not make the
+    # whole 2 MiB resident.
+    area = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     area.madvise(mmap.MADV_HUGEPAGE)
     arena = torch.frombuffer(area, dtype=torch.uint8)  # the tensor keeps the mapping alive
     start = arena.data_ptr()
     _PLACED[start] = start + len(area)
     weakref.finalize(area, _PLACED.pop, start, None)
-    return arena[:nbytes]
+    offset = -start % HUGE_PAGE
+    whole = offset + nbytes // HUGE_PAGE * HUGE_PAGE  # past the last whole huge page
+    if hasattr(mmap, "MADV_NOHUGEPAGE") and whole < len(area):
+        area.madvise(mmap.MADV_NOHUGEPAGE, whole, len(area) - whole)
+    return arena[offset:offset + nbytes]
 
 
 def _in_huge_pages(tensor: torch.Tensor) -> bool:
