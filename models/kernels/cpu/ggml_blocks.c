@@ -20,6 +20,10 @@
  * mm_ggml_dequantize: rows of the weight (consecutive, or picked by index: an embedding's
  * lookup) to float32, for a prefill's GEMM on a tile of rows (models/kernels/ggml_blocks.py)
  * and for tests.
+ *
+ * Both also take the layouts of ggml_x8.c (GGML_*_X8: Q4_K, Q6_K, Q5_0, Q8_0 repacked in
+ * groups of 8 output channels): the decode path runs a group at a time there (x8_linear), the
+ * plain path and the dequantizer read each block back as the file held it.
  */
 #include <math.h>
 #include <stdint.h>
