@@ -86,6 +86,17 @@ def digit_bound(x: torch.Tensor, values: torch.Tensor, digits: int = 2,
     return top @ w * (step + 1e-5) + 1e-5 * (x.abs().double() @ w)
 
 
+def assert_rows_as_alone(x: torch.Tensor, blocks: torch.Tensor, kind: str) -> None:
+    """A verify's rows: each row of a 2-, 5- and 9-row call of the vector path is the one-row
+    call's result, bit for bit, at one and two digits."""
+    for digits in (1, 2):
+        alone = torch.cat([ggml_blocks.block_linear(x[i:i + 1], blocks, kind, K, "vector",
+                                                    digits) for i in range(9)])
+        for rows in (2, 5, 9):
+            together = ggml_blocks.block_linear(x[:rows], blocks, kind, K, "vector", digits)
+            assert torch.equal(together, alone[:rows]), (rows, digits)
+
+
 @pytest.mark.parametrize("name", list(BLOCK_TYPES))
 def test_decode_and_prefill_products(weights, name):
     blocks, values = weights[name]
@@ -102,13 +113,7 @@ def test_decode_and_prefill_products(weights, name):
                 bound = digit_bound(x[:rows], values, digits, BLOCK_TYPES[name].values)
                 assert ((got.double() - want[:rows]).abs() <= bound).all(), (rows, path, digits)
         assert torch.equal(layer(x[:rows]), ggml_blocks.block_linear(x[:rows], blocks, name, K))
-    # a verify's rows: each row of a several-row call is the one-row call's result, bit for bit
-    for digits in (1, 2):
-        alone = torch.cat([ggml_blocks.block_linear(x[i:i + 1], blocks, name, K, "vector",
-                                                    digits) for i in range(9)])
-        for rows in (2, 5, 9):
-            together = ggml_blocks.block_linear(x[:rows], blocks, name, K, "vector", digits)
-            assert torch.equal(together, alone[:rows]), (rows, digits)
+    assert_rows_as_alone(x, blocks, name)
     got = layer(x)  # the tiled GEMM on the dequantized values
     bound = 1e-5 * (x.abs().double() @ values.abs().double().t()).max()  # float32 sums
     assert (got.double() - want).abs().max() <= bound
@@ -167,12 +172,7 @@ def test_the_repacked_layouts_hold_the_files_values(name):
             assert torch.equal(
                 ggml_blocks.block_linear(x[:rows], held, kind, K, "plain", digits),
                 ggml_blocks.block_linear(x[:rows], stored, name, K, "plain", digits))
-    for digits in (1, 2):
-        alone = torch.cat([ggml_blocks.block_linear(x[i:i + 1], held, kind, K, "vector",
-                                                    digits) for i in range(9)])
-        for rows in (2, 5, 9):
-            together = ggml_blocks.block_linear(x[:rows], held, kind, K, "vector", digits)
-            assert torch.equal(together, alone[:rows]), (rows, digits)
+    assert_rows_as_alone(x, held, kind)
     # the layer repacks where this build's vector path runs the layout, and computes the same
     layer = BlockLinear([(name, stored)], K, None)
     taken = bool(native.load().ggml_repack_takes(BLOCK_TYPES[name].code, rows_n, K))

@@ -623,7 +623,8 @@ static inline __attribute__((always_inline)) void dots_avx2(
             const int nbytes = block_bytes(type);
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t* blk = wr + b * nbytes;
-                /* ggml_scale_min's eight pairs at once: bytes 0 .. 7 the scales, 8 .. 15 the mins */
+                /* ggml_scale_min's eight pairs at once: bytes 0 .. 7 the scales, 8 .. 15 the
+                 * mins */
                 uint32_t u[4];
                 memcpy(u, blk + 4, 12);
                 const uint32_t six = 0x3f3f3f3f, low = 0x0f0f0f0f, top2 = 0x03030303;
@@ -710,8 +711,8 @@ static inline __attribute__((always_inline)) void dots_avx2(
  * and one for any count of rows (R read at run time: each row's sums are taken one row at a
  * time over a super-block's unpacked quants), each for one and for two digits */
 #define DOTS(NAME, R, TWO)                                                                     \
-    static void NAME(int type, const uint8_t* wr, int64_t nb, const ggml_act_row* a, int rows,      \
-                     float* out) {                                                             \
+    static void NAME(int type, const uint8_t* wr, int64_t nb, const ggml_act_row* a,           \
+                     int rows, float* out) {                                                   \
         (void)rows;                                                                            \
         dots_avx2(type, wr, nb, a, R, TWO, out);                                               \
     }

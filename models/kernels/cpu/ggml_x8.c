@@ -114,7 +114,8 @@ static void q50_in(const uint8_t* src, int c, uint8_t* dst) {
     const uint32_t h = (uint32_t)src[2] | ((uint32_t)src[3] << 8) | ((uint32_t)src[4] << 16) |
                        ((uint32_t)src[5] << 24);
     for (int s = 0; s < 4; s++)
-        dst[16 + 4 * c + s] = (uint8_t)(((h >> (4 * s)) & 0xF) | (((h >> (16 + 4 * s)) & 0xF) << 4));
+        dst[16 + 4 * c + s] =
+            (uint8_t)(((h >> (4 * s)) & 0xF) | (((h >> (16 + 4 * s)) & 0xF) << 4));
     for (int s = 0; s < 4; s++) memcpy(dst + 48 + 32 * s + 4 * c, src + 6 + 4 * s, 4);
 }
 
@@ -268,6 +269,16 @@ static inline __m256i add_step(__m256i acc, __m256i w, __m256i x) {
 }
 #endif
 
+/* acc + d * a super-block's integer sums in the row's unit (256 h + l with two digits: in
+ * float32, as 256 h + l can pass int32 over a super-block) */
+static inline __m256 add_super(__m256 acc, __m256 d, __m256i ih, __m256i il, float unit,
+                               const int TWO) {
+    __m256 sum = _mm256_mul_ps(_mm256_cvtepi32_ps(ih),
+                               _mm256_set1_ps(TWO ? 256.0f * unit : unit));
+    if (TWO) sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(il), _mm256_set1_ps(unit), sum);
+    return _mm256_fmadd_ps(d, sum, acc);
+}
+
 /* sub-block j's scales (or minimums) of the 8 channels, one per int32 lane */
 static inline __m256i bytes8(const uint8_t* p) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
@@ -332,12 +343,7 @@ static inline __attribute__((always_inline)) void q4k_rows(
                     il = run_weighted(run_weighted(il, lo_l, scale[2 * p]), hi_l,
                                       scale[2 * p + 1]);
             }
-            /* the super-block's integer in the row's unit: 256 h + l with two digits */
-            const float unit = a[i].dx[8 * b];
-            __m256 sum = _mm256_mul_ps(_mm256_cvtepi32_ps(ih),
-                                       _mm256_set1_ps(TWO ? 256.0f * unit : unit));
-            if (TWO) sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(il), _mm256_set1_ps(unit), sum);
-            acc[i] = _mm256_fmadd_ps(d, sum, acc[i]);
+            acc[i] = add_super(acc[i], d, ih, il, a[i].dx[8 * b], TWO);
         }
     }
     for (int i = 0; i < R; i++) _mm256_storeu_ps(out + 8 * i, _mm256_sub_ps(acc[i], off[i]));
@@ -364,7 +370,8 @@ static inline __attribute__((always_inline)) void q6k_rows(
         __m256i scale[16];
         __m256 scf[16];
         for (int j = 0; j < 16; j++) {
-            const __m256i s = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(sb + 16 + 8 * j)));
+            const __m256i s =
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(sb + 16 + 8 * j)));
             scale[j] = scale_lanes(s);
             scf[j] = _mm256_cvtepi32_ps(s);
         }
@@ -420,11 +427,7 @@ static inline __attribute__((always_inline)) void q6k_rows(
                         if (TWO) il = run_weighted(il, sl[g], sc);
                     }
                 }
-            const float unit = a[i].dx[8 * b];
-            __m256 sum = _mm256_mul_ps(_mm256_cvtepi32_ps(ih),
-                                       _mm256_set1_ps(TWO ? 256.0f * unit : unit));
-            if (TWO) sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(il), _mm256_set1_ps(unit), sum);
-            acc[i] = _mm256_fmadd_ps(d, sum, acc[i]);
+            acc[i] = add_super(acc[i], d, ih, il, a[i].dx[8 * b], TWO);
         }
 #undef Q6_UNPACK
     }
