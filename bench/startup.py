@@ -6,6 +6,7 @@ GGUF files and transformers on the same safetensors checkpoint, in one run.
     python -m bench.startup --layers 8      # the safetensors checkpoint with 8 layers
     python -m bench.startup --smoke         # a tiny random checkpoint only (checks the script)
     python -m bench.startup --models 0.5B,1.5B   # only the models whose name holds one of these
+    python -m bench.startup --rounds 5      # medians of 5 second starts, alternating runtimes
 
 Models: the real GGUF files installed as data packages (testing/real_weights.py,
 bench/speculative.py: SmolLM2-135M Q4_1, Gemma 3 270M Q4_K_M, Qwen2.5-Coder-0.5B and 1.5B
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -177,26 +179,38 @@ def rows(args: argparse.Namespace) -> list[tuple]:
             continue
         size = (path.stat().st_size if path.is_file()
                 else sum(f.stat().st_size for f in path.glob("*.safetensors")))
-        for label, runtime, options in runs:
-            module = {"llama.cpp": "llama_cpp", "transformers": "transformers"}.get(runtime)
-            if module and not _installed(module):
-                table.append((name, label, f"skipped: {module} is not installed", "", "", "",
-                              "", "", ""))
-                continue
-            with tempfile.TemporaryDirectory() as caches:
-                starts = [_run_row(runtime, path, options, Path(caches))]
-                if runtime == "mmserve":
-                    starts.append(_run_row(runtime, path, options, Path(caches)))
-            for which, r in zip(("first", "second"), starts, strict=False):
-                if "error" in r:
-                    table.append((name, f"{label} ({which})", f"failed: {r['error']}", "", "",
+        # each runtime's caches for the whole model: mmserve's first start fills them, its
+        # second starts read them back, alternating with the others' starts, `rounds` times
+        with tempfile.TemporaryDirectory() as root:
+            results: dict[str, list[dict]] = {}
+            order = []
+            for label, runtime, options in runs:
+                module = {"llama.cpp": "llama_cpp", "transformers": "transformers"}.get(runtime)
+                if module and not _installed(module):
+                    table.append((name, label, f"skipped: {module} is not installed", "", "",
                                   "", "", "", ""))
                     continue
-                table.append((name, f"{label} ({which})" if runtime == "mmserve" else label,
-                              round(r["ready_s"], 2), round(r["peak"] / 2**20),
-                              round(r["resident"] / 2**20), round(size / 2**20),
-                              round(r["peak"] / r["resident"], 2),
-                              round(r["resident"] / size, 2), r["context"]))
+                caches = Path(root) / str(len(order))
+                if runtime == "mmserve":
+                    results[f"{label} (first)"] = [_run_row(runtime, path, options, caches)]
+                    order.append((f"{label} (second)", runtime, options, caches))
+                else:
+                    order.append((label, runtime, options, caches))
+            for _ in range(args.rounds):
+                for label, runtime, options, caches in order:
+                    results.setdefault(label, []).append(
+                        _run_row(runtime, path, options, caches))
+        for label, starts in results.items():
+            failed = next((r for r in starts if "error" in r), None)
+            if failed is not None:
+                table.append((name, label, f"failed: {failed['error']}", "", "", "", "", "", ""))
+                continue
+            r = {key: statistics.median(s[key] for s in starts)
+                 for key in ("ready_s", "peak", "resident")} | {"context": starts[0]["context"]}
+            table.append((name, label, round(r["ready_s"], 2), round(r["peak"] / 2**20),
+                          round(r["resident"] / 2**20), round(size / 2**20),
+                          round(r["peak"] / r["resident"], 2),
+                          round(r["resident"] / size, 2), r["context"]))
     return table
 
 
@@ -207,6 +221,9 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="a tiny checkpoint only")
     parser.add_argument("--models", default="",
                         help="only the models whose name holds one of these (comma-separated)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="second starts (and the other runtimes' starts), alternating; "
+                             "the table holds their medians")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

@@ -2,6 +2,11 @@
 grid fitted per group, a GGUF file's blocks repacked) kept on disk, so that the second start of
 the same model reads them back instead of quantizing again.
 
+A GGUF file run as stored keeps only the blocks repacked for our kernels (`KeptRepacks`, the
+store models/gguf/repacks.py reads and fills): one entry per file (named by the file's identity
+and the layouts' version, whatever the model's settings), holding each repacked weight under
+the names of the file's tensors it was made of.
+
 An entry holds the whole model's state after quantization (the quantized linears' packs and
 scales, every other tensor at the model dtype) and which modules are quantized, in one file under
 `weights/` beside the kernel plan's cache (models.kernels.choice.cache_path; $MMSERVE_WEIGHT_CACHE
@@ -35,6 +40,7 @@ from models import mapped_files
 from models.checkpoint import safetensors_header, weight_files
 from models.gguf.reader import is_gguf
 from models.kernels.choice import cache_path
+from models.kernels.ggml_blocks import REPACK_FORMAT
 from models.kernels.quantization import QuantizedLinear
 from models.loader import SAFETENSORS_DTYPES, empty_off_meta, on_meta
 
@@ -71,6 +77,74 @@ def entry_path(path: Path, mmproj: Path | None, model_cls: type, config: EngineC
     }
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
     return folder / f"{Path(path).name[:48]}-{digest}.safetensors"
+
+
+def repacks_path(path: Path) -> Path | None:
+    """Where the repacked blocks of the GGUF file at `path` are kept (None: not cached)."""
+    folder = cache_dir()
+    if folder is None:
+        return None
+    identity = {"format": FORMAT, "repack": REPACK_FORMAT, "file": _identity(path)}
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
+    return folder / f"{Path(path).name[:48]}-{digest}.repacked.safetensors"
+
+
+class KeptRepacks:
+    """A GGUF file's repacked blocks kept in an entry (models.gguf.repacks.RepackStore): what
+    the entry holds is read back as views of its mapping; what is put is written, with it, by
+    `save` (a new entry replacing the old one). An entry that cannot be read is logged and
+    removed (its blocks are repacked anew)."""
+
+    def __init__(self, entry: Path) -> None:
+        self.entry = entry
+        self._blocks: dict[str, tuple[str, torch.Tensor]] = {}
+        self._new: set[str] = set()
+        self._mapping: mapped_files.MappedFile | None = None
+        if entry.exists():
+            try:
+                self._read()
+            except Exception as e:  # noqa: BLE001 - any unreadable entry is rebuilt
+                log.warning("the kept repacked blocks %s cannot be read back (%s: %s); "
+                            "removed, repacking anew", entry, type(e).__name__, e)
+                self._blocks.clear()
+                self._mapping = None
+                entry.unlink(missing_ok=True)
+
+    def _read(self) -> None:
+        metadata, state, self._mapping = _read(self.entry)
+        layouts = json.loads(metadata["layouts"])
+        self._blocks = {key: (layouts[key], blocks) for key, blocks in state.items()}
+
+    def get(self, key: str) -> tuple[str, torch.Tensor] | None:
+        return self._blocks.get(key)
+
+    def put(self, key: str, kernel_type: str, blocks: torch.Tensor) -> None:
+        self._blocks[key] = (kernel_type, blocks)
+        self._new.add(key)
+
+    def save(self) -> bool:
+        if not self._new:
+            return True
+        tensors = {key: blocks for key, (_, blocks) in self._blocks.items()}
+        metadata = {"format": str(FORMAT), "aliases": "{}", "layouts": json.dumps(
+            {key: layout for key, (layout, _) in self._blocks.items()})}
+        tmp = self.entry.with_suffix(f".tmp{os.getpid()}")
+        try:
+            self.entry.parent.mkdir(parents=True, exist_ok=True)
+            _write(tmp, tensors, metadata)
+            os.replace(tmp, self.entry)
+            self._read()
+        except (OSError, ValueError) as e:
+            log.warning("could not keep the repacked blocks in %s: %s", self.entry, e)
+            tmp.unlink(missing_ok=True)
+            return False
+        self._new.clear()
+        log.info("repacked blocks kept in %s (%.0f MiB): the next start reads them back",
+                 self.entry, self.entry.stat().st_size / 2**20)
+        return True
+
+    def mappings(self) -> list[mapped_files.MappedFile]:
+        return [self._mapping] if self._mapping is not None else []
 
 
 def _identity(file: Path) -> list:

@@ -1,38 +1,13 @@
-"""Maps a checkpoint's `architectures[0]` to our model class (and its multimodal processor)."""
+"""Maps a checkpoint's `architectures[0]` to our model class (and its multimodal processor); a
+family's modules are imported when an architecture first resolves to it."""
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
-from models.gemma3.model import Gemma3ForConditionalGeneration
-from models.gemma3.processor import Gemma3Processor
-from models.gemma4.model import Gemma4ForConditionalGeneration
-from models.gemma4.processor import Gemma4Processor
-from models.gemma4.text import Gemma4ForCausalLM
-from models.idefics3.model import Idefics3ForConditionalGeneration
-from models.idefics3.processor import Idefics3Processor
 from models.interfaces import LanguageModel, ProcessorFactory
-from models.internvl.model import InternVLForConditionalGeneration
-from models.internvl.processor import InternVLProcessor
 from models.layers.decoder import CausalLM
-from models.llava.model import LlavaForConditionalGeneration
-from models.llava.processor import LlavaProcessor
-from models.minicpmv.model import MiniCPMVForConditionalGeneration
-from models.minicpmv.processor import MiniCPMVProcessor
-from models.mistral3.model import PixtralVLM
-from models.mistral3.processor import PixtralProcessor
-from models.mllama.model import MllamaForConditionalGeneration
-from models.mllama.processor import MllamaProcessor
-from models.phi4mm.model import Phi4MMForCausalLM
-from models.phi4mm.processor import Phi4MMProcessor
-from models.qwen2_audio.model import QwenAudioForConditionalGeneration
-from models.qwen2_audio.processor import QwenAudioProcessor
-from models.qwen_omni.model import QwenOmniThinker
-from models.qwen_omni.processor import QwenOmniProcessor
-from models.qwen_vl.model import QwenVLForConditionalGeneration
-from models.qwen_vl.processor import QwenVLProcessor
-from models.whisper.model import WhisperForConditionalGeneration
-from models.whisper.processor import WhisperProcessor
 
 
 @dataclass(frozen=True)
@@ -44,72 +19,84 @@ class ModelSpec:
     processor: ProcessorFactory | None = None
 
 
-_REGISTRY: dict[str, ModelSpec] = {
-    "LlamaForCausalLM": ModelSpec(CausalLM),
-    "MistralForCausalLM": ModelSpec(CausalLM),
-    "Qwen2ForCausalLM": ModelSpec(CausalLM),
-    "Qwen3ForCausalLM": ModelSpec(CausalLM),
-    "Qwen3MoeForCausalLM": ModelSpec(CausalLM),
-    "Gemma3ForCausalLM": ModelSpec(CausalLM),
-    "Qwen2VLForConditionalGeneration": ModelSpec(QwenVLForConditionalGeneration, QwenVLProcessor),
-    "Qwen2_5_VLForConditionalGeneration": ModelSpec(
-        QwenVLForConditionalGeneration, QwenVLProcessor
-    ),
-    "Qwen3VLForConditionalGeneration": ModelSpec(QwenVLForConditionalGeneration, QwenVLProcessor),
-    "Qwen3_5ForConditionalGeneration": ModelSpec(QwenVLForConditionalGeneration, QwenVLProcessor),
-    "Qwen3_5ForCausalLM": ModelSpec(CausalLM),
-    "Qwen3VLMoeForConditionalGeneration": ModelSpec(
-        QwenVLForConditionalGeneration, QwenVLProcessor
-    ),
-    "Qwen3_5MoeForConditionalGeneration": ModelSpec(
-        QwenVLForConditionalGeneration, QwenVLProcessor
-    ),
-    "Qwen3_5MoeForCausalLM": ModelSpec(CausalLM),
-    "Gemma3ForConditionalGeneration": ModelSpec(Gemma3ForConditionalGeneration, Gemma3Processor),
-    "Gemma4ForCausalLM": ModelSpec(Gemma4ForCausalLM),
-    "Gemma4ForConditionalGeneration": ModelSpec(Gemma4ForConditionalGeneration,
-                                                 Gemma4Processor),
-    "LlavaForConditionalGeneration": ModelSpec(LlavaForConditionalGeneration, LlavaProcessor),
-    "LlavaNextForConditionalGeneration": ModelSpec(
-        LlavaForConditionalGeneration, LlavaProcessor
-    ),
-    "Idefics3ForConditionalGeneration": ModelSpec(
-        Idefics3ForConditionalGeneration, Idefics3Processor
-    ),
-    "SmolVLMForConditionalGeneration": ModelSpec(
-        Idefics3ForConditionalGeneration, Idefics3Processor
-    ),
-    "Mistral3ForConditionalGeneration": ModelSpec(PixtralVLM, PixtralProcessor),
-    "InternVLForConditionalGeneration": ModelSpec(
-        InternVLForConditionalGeneration, InternVLProcessor
-    ),
+@dataclass(frozen=True)
+class _Family:
+    """A family's spec by where its classes are (`package`.model and `package`.processor, or
+    `model_module`), imported when an architecture first resolves to it: a start imports the
+    family it runs, not all of them."""
+
+    package: str
+    model: str
+    processor: str | None = None
+    model_module: str = "model"
+
+    def spec(self) -> ModelSpec:
+        model = getattr(importlib.import_module(f"{self.package}.{self.model_module}"),
+                        self.model)
+        processor = None if self.processor is None else getattr(
+            importlib.import_module(f"{self.package}.processor"), self.processor)
+        return ModelSpec(model, processor)
+
+
+_TEXT = ModelSpec(CausalLM)
+_QWEN_VL = _Family("models.qwen_vl", "QwenVLForConditionalGeneration", "QwenVLProcessor")
+_LLAVA = _Family("models.llava", "LlavaForConditionalGeneration", "LlavaProcessor")
+_IDEFICS3 = _Family("models.idefics3", "Idefics3ForConditionalGeneration", "Idefics3Processor")
+_PIXTRAL = _Family("models.mistral3", "PixtralVLM", "PixtralProcessor")
+_OMNI = _Family("models.qwen_omni", "QwenOmniThinker", "QwenOmniProcessor")
+
+_REGISTRY: dict[str, ModelSpec | _Family] = {
+    "LlamaForCausalLM": _TEXT,
+    "MistralForCausalLM": _TEXT,
+    "Qwen2ForCausalLM": _TEXT,
+    "Qwen3ForCausalLM": _TEXT,
+    "Qwen3MoeForCausalLM": _TEXT,
+    "Gemma3ForCausalLM": _TEXT,
+    "Qwen2VLForConditionalGeneration": _QWEN_VL,
+    "Qwen2_5_VLForConditionalGeneration": _QWEN_VL,
+    "Qwen3VLForConditionalGeneration": _QWEN_VL,
+    "Qwen3_5ForConditionalGeneration": _QWEN_VL,
+    "Qwen3_5ForCausalLM": _TEXT,
+    "Qwen3VLMoeForConditionalGeneration": _QWEN_VL,
+    "Qwen3_5MoeForConditionalGeneration": _QWEN_VL,
+    "Qwen3_5MoeForCausalLM": _TEXT,
+    "Gemma3ForConditionalGeneration": _Family("models.gemma3", "Gemma3ForConditionalGeneration",
+                                              "Gemma3Processor"),
+    "Gemma4ForCausalLM": _Family("models.gemma4", "Gemma4ForCausalLM", model_module="text"),
+    "Gemma4ForConditionalGeneration": _Family("models.gemma4", "Gemma4ForConditionalGeneration",
+                                              "Gemma4Processor"),
+    "LlavaForConditionalGeneration": _LLAVA,
+    "LlavaNextForConditionalGeneration": _LLAVA,
+    "Idefics3ForConditionalGeneration": _IDEFICS3,
+    "SmolVLMForConditionalGeneration": _IDEFICS3,
+    "Mistral3ForConditionalGeneration": _PIXTRAL,
+    "InternVLForConditionalGeneration": _Family(
+        "models.internvl", "InternVLForConditionalGeneration", "InternVLProcessor"),
     # Llama 3.2 Vision: images through cross-attention layers.
-    "MllamaForConditionalGeneration": ModelSpec(
-        MllamaForConditionalGeneration, MllamaProcessor
-    ),
-    "MiniCPMV4_6ForConditionalGeneration": ModelSpec(
-        MiniCPMVForConditionalGeneration, MiniCPMVProcessor
-    ),
-    "Qwen2AudioForConditionalGeneration": ModelSpec(
-        QwenAudioForConditionalGeneration, QwenAudioProcessor
-    ),
+    "MllamaForConditionalGeneration": _Family(
+        "models.mllama", "MllamaForConditionalGeneration", "MllamaProcessor"),
+    "MiniCPMV4_6ForConditionalGeneration": _Family(
+        "models.minicpmv", "MiniCPMVForConditionalGeneration", "MiniCPMVProcessor"),
+    "Qwen2AudioForConditionalGeneration": _Family(
+        "models.qwen2_audio", "QwenAudioForConditionalGeneration", "QwenAudioProcessor"),
     # Qwen2.5-Omni: its thinker alone, or the whole model (whose speech output is not built).
-    "Qwen2_5OmniThinkerForConditionalGeneration": ModelSpec(QwenOmniThinker, QwenOmniProcessor),
-    "Qwen2_5OmniForConditionalGeneration": ModelSpec(QwenOmniThinker, QwenOmniProcessor),
-    "Qwen2_5OmniModel": ModelSpec(QwenOmniThinker, QwenOmniProcessor),
+    "Qwen2_5OmniThinkerForConditionalGeneration": _OMNI,
+    "Qwen2_5OmniForConditionalGeneration": _OMNI,
+    "Qwen2_5OmniModel": _OMNI,
     # Phi-4-multimodal; its vision-lora / speech-lora adapter folders load with it.
-    "Phi4MultimodalForCausalLM": ModelSpec(Phi4MMForCausalLM, Phi4MMProcessor),
+    "Phi4MultimodalForCausalLM": _Family("models.phi4mm", "Phi4MMForCausalLM",
+                                         "Phi4MMProcessor"),
     # Whisper (speech to text): an encoder-decoder, its decoder cross-attending to the clip.
-    "WhisperForConditionalGeneration": ModelSpec(WhisperForConditionalGeneration,
-                                                 WhisperProcessor),
+    "WhisperForConditionalGeneration": _Family(
+        "models.whisper", "WhisperForConditionalGeneration", "WhisperProcessor"),
 }
 
 
 # Architectures whose checkpoints come with different vision towers, by
 # (architecture, vision_config.model_type): LLaVA-layout checkpoints with a Pixtral tower
 # (Pixtral-12B) are Mistral 3's model without its merging projector.
-_VISION_VARIANTS: dict[tuple[str, str], ModelSpec] = {
-    ("LlavaForConditionalGeneration", "pixtral"): ModelSpec(PixtralVLM, PixtralProcessor),
+_VISION_VARIANTS: dict[tuple[str, str], ModelSpec | _Family] = {
+    ("LlavaForConditionalGeneration", "pixtral"): _PIXTRAL,
 }
 
 
@@ -134,9 +121,9 @@ def resolve(hf_config) -> ModelSpec:
                 "target's keys and values and cannot run alone; serve the target model "
                 "(its assistant drafter is not built)")
         if (arch, vision) in _VISION_VARIANTS:
-            return _VISION_VARIANTS[arch, vision]
+            return _spec(_VISION_VARIANTS[arch, vision])
         if arch in _REGISTRY:
-            return _REGISTRY[arch]
+            return _spec(_REGISTRY[arch])
     raise ValueError(
         f"unsupported architecture {archs or '(none in config.json)'}; "
         f"supported: {', '.join(sorted(_REGISTRY))}"
@@ -148,5 +135,9 @@ def supported_architectures() -> list[str]:
 
 
 def registered() -> dict[str, ModelSpec]:
-    """Every registered architecture and its spec."""
-    return dict(_REGISTRY)
+    """Every registered architecture and its spec (every family imported)."""
+    return {arch: _spec(entry) for arch, entry in _REGISTRY.items()}
+
+
+def _spec(entry: ModelSpec | _Family) -> ModelSpec:
+    return entry.spec() if isinstance(entry, _Family) else entry

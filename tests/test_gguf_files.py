@@ -317,6 +317,32 @@ def test_corrupt_and_truncated_files(broken, tmp_path):
     assert np.frombuffer(data[:4], np.uint8).tobytes() == b"GGUF"
 
 
+def test_long_string_arrays_are_split_when_first_read(broken, tmp_path, monkeypatch):
+    """A vocabulary's strings are kept as the file's bytes until read (a start whose tokenizer
+    is cached never splits them): the same strings as gguf-py reads, its length known before;
+    a string that is not UTF-8 is an error naming the key when read."""
+    from gguf import GGUFReader
+
+    import models.gguf.reader as reader
+
+    monkeypatch.setattr(reader, "LAZY_STRINGS", 8)
+    monkeypatch.setattr(reader, "_last_parse", None)
+    data = broken["good"].read_bytes()
+    theirs = GGUFReader(broken["good"]).fields["tokenizer.ggml.tokens"]
+    expected = [bytes(theirs.parts[i]).decode() for i in theirs.data]
+    tokens = GGUFFile(broken["good"]).metadata["tokenizer.ggml.tokens"]
+    assert isinstance(tokens, reader.StringArray) and len(tokens) == len(expected)
+    assert list(tokens) == expected and tokens[3] == expected[3] and tokens == expected
+    bad = tmp_path / "bad.gguf"
+    word = expected[-1].encode()  # the last token's bytes, its first byte made invalid
+    at = data.index(len(word).to_bytes(8, "little") + word) + 8
+    bad.write_bytes(data[:at] + b"\xff" + data[at + 1:])
+    tokens = GGUFFile(bad).metadata["tokenizer.ggml.tokens"]
+    with pytest.raises(GGUFError, match=r"bad\.gguf: metadata key tokenizer\.ggml\.tokens holds "
+                                        "a string that is not UTF-8"):
+        tokens[0]
+
+
 def test_served_over_the_api_with_its_metadata_sources(files):
     """/v1/models lists a GGUF model with every setting and the metadata key it came from, and
     a chat completion runs on it (real HTTP)."""

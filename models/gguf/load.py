@@ -8,7 +8,9 @@ for int8 / int4).
 Blocks run as stored are read-only views of the file's mapping (models/mapped_files.py: no copy;
 the model keeps the mapping), but for a llama file's q and k, whose rows llama.cpp permuted
 (reordered here, so copied). Parts of one fused linear that lie back to back in the file in one
-block type are one view; others stay parts of their own (never joined by a copy).
+block type are one view; others stay parts of their own (never joined by a copy). Parts our
+kernels run in another layout are repacked, or read back from an earlier start's
+(models/gguf/repacks.py).
 
 A linear runs as stored (by default, on the CPU) when every checkpoint tensor it is made of (q, k
 and v for our fused qkv_proj; gate and up) is of a block type our kernels run; its parts may
@@ -43,6 +45,7 @@ from torch import nn
 from models.gguf.config import read_config
 from models.gguf.mmproj import projector_weights
 from models.gguf.reader import GGUFError, GGUFFile, TensorInfo
+from models.gguf.repacks import Repacker, RepackStore
 from models.gguf.tensors import (
     BLOCK,
     STORED_INT4,
@@ -53,7 +56,7 @@ from models.gguf.tensors import (
     read_int8,
     readable,
 )
-from models.kernels.ggml_blocks import BlockEmbedding, BlockLinear, held_bytes, takes
+from models.kernels.ggml_blocks import BlockLinear, held_bytes, takes
 from models.kernels.linear import Linear
 from models.kernels.quantization import (
     QuantizedLinear,
@@ -200,12 +203,15 @@ class GGUFWeights:
 
     @torch.no_grad()
     def place_stored(self, model: nn.Module, dtype: torch.dtype,
-                     progress: StageProgress | None = None) -> None:
+                     progress: StageProgress | None = None,
+                     repacks: RepackStore | None = None) -> None:
         """Replace each linear that runs as stored by a BlockLinear holding its blocks, or a
         QuantizedLinear at group 32 made from them, int4 or int8 (its bias, if any, is left for
         the loader to fill); the embedding table in its blocks by a BlockEmbedding, and each
-        head tied to it by a BlockLinear on the same bytes. The model keeps the file's mapping
-        its blocks view. `progress` hears of each linear (and the table) placed."""
+        head tied to it by a BlockLinear on the same bytes. The blocks our kernels run in
+        another layout are repacked, or read back from `repacks` (and kept there when made
+        here: models/gguf/repacks.py). The model keeps the file's mapping its blocks view.
+        `progress` hears of each linear (and the table) placed."""
         total = (len(self.blocks) + len(self.stored) + len(self.int8)
                  + (self.embedding is not None))
         if not total:
@@ -213,16 +219,17 @@ class GGUFWeights:
         stage = ("placing the file's blocks" if not (self.stored or self.int8)
                  else "repacking the file's blocks as our int4 / int8")
         placed = StageCounter(stage, total, progress)
+        repacker = Repacker(repacks)
         views = False
         for weight, found in self.blocks.items():
             owner, attr, linear = _linear(model, weight)
             n, k = linear.out_features, linear.in_features
             parts = sorted(((_rows(shard, n).start, info) for info, shard in found),
                            key=lambda part: part[0])
-            # (type, blocks, the file offset past them when a view): a part joins the one
-            # before when of its type and back to back in the file (one view over both), or
-            # when both are copies.
-            blocks: list[tuple[str, torch.Tensor, int | None]] = []
+            # (type, blocks, the file offset past them when a view, the tensors' names): a
+            # part joins the one before when of its type and back to back in the file (one
+            # view over both), or when both are copies.
+            blocks: list[tuple[str, torch.Tensor, int | None, str]] = []
             for _, info in parts:
                 rows, view = self._blocks(info)
                 views |= view
@@ -232,15 +239,17 @@ class GGUFWeights:
                     start = info.offset - last[1].nbytes
                     joined = self.file.mapping().view(start, last[1].nbytes + info.nbytes)
                     blocks[-1] = (info.type_name, joined.view(-1, rows.shape[1]),
-                                  info.offset + info.nbytes)
+                                  info.offset + info.nbytes, f"{last[3]}+{info.name}")
                 elif last is not None and last[0] == info.type_name and not view and (
                         last[2] is None):
-                    blocks[-1] = (info.type_name, torch.cat([last[1], rows]), None)
+                    blocks[-1] = (info.type_name, torch.cat([last[1], rows]), None,
+                                  f"{last[3]}+{info.name}")
                 else:
                     blocks.append((info.type_name, rows,
-                                   info.offset + info.nbytes if view else None))
+                                   info.offset + info.nbytes if view else None, info.name))
             bias = None if linear.bias is None else torch.empty(n, dtype=dtype)
-            setattr(owner, attr, BlockLinear([(t, b) for t, b, _ in blocks], k, bias))
+            setattr(owner, attr, BlockLinear(
+                [repacker.part(key, t, b, k) for t, b, _, key in blocks], k, bias))
             placed.step()
         if self.embedding is not None:
             weight, info = self.embedding
@@ -249,9 +258,11 @@ class GGUFWeights:
             views |= view
             # a table a head is tied to is held in the head's kernel layout, which its
             # lookups read too
-            embedding = BlockEmbedding(rows, info.type_name, table.embedding_dim, dtype,
-                                       repack_blocks=bool(self.tied_heads))
+            embedding = repacker.embedding(info.name, rows, info.type_name,
+                                           table.embedding_dim, dtype, bool(self.tied_heads))
             setattr(owner, attr, embedding)
+        repacker.finish(model)  # before the heads are tied: they share the table's blocks
+        if self.embedding is not None:
             for head in self.tied_heads:
                 owner, attr, _ = _linear(model, f"{head}.weight")
                 setattr(owner, attr, embedding.tied_head())
@@ -347,13 +358,15 @@ def load_gguf(path: Path, hf_config: Any, factory: Callable[[], nn.Module], devi
               dtype: torch.dtype, observer: LoadObserver | None,
               defer: Callable[[nn.Module], list[str]] | None, dequantize_all: bool,
               mmproj: Path | None = None, progress: StageProgress | None = None,
-              stage: str = "reading weights") -> tuple[nn.Module, str]:
+              stage: str = "reading weights",
+              repacks: RepackStore | None = None) -> tuple[nn.Module, str]:
     """Build the model with `factory` and fill it from the GGUF file at `path` (see the module
     docstring), and its tower and projector from the projector file `mmproj`, if any
     (models/gguf/mmproj.py); `observer` and `defer` as for models.loader (weights quantized as
     they load). Blocks run as stored only on the CPU (our int kernels); Q8_0 ones when no
     quantization or int8 is asked. `progress` hears of the linears placed in their blocks and
-    of each tensor read (under `stage`). -> (model, what ran as stored)."""
+    of each tensor read (under `stage`); `repacks` keeps the blocks repacked for our
+    kernels between starts (models/gguf/repacks.py). -> (model, what ran as stored)."""
     int8_asked = isinstance(observer, QuantizeOnLoad) and observer.mode == "int8"
     why = ("dequantize_gguf asked" if dequantize_all else f"the model runs on {device.type}"
            if device.type != "cpu" else f"{observer.mode} asked: requantized"
@@ -378,7 +391,7 @@ def load_gguf(path: Path, hf_config: Any, factory: Callable[[], nn.Module], devi
     model = build_on_meta(factory, device, dtype,
                           defer=defer_all if (weights.blocks or weights.stored or weights.int8
                                               or weights.embedding or defer) else None)
-    weights.place_stored(model, dtype, progress)
+    weights.place_stored(model, dtype, progress, repacks)
     tensors = ((names(name), tensor) for name, tensor in weights.tensors(dtype))
     if projector is not None:
         tensors = itertools.chain(tensors, projector.tensors(dtype))

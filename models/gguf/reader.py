@@ -19,6 +19,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -38,6 +39,7 @@ MAGIC = b"GGUF"
 VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_COUNT = 1 << 24  # tensors or metadata keys: any count above is a corrupt header
+LAZY_STRINGS = 4096  # string arrays longer than this are split into strings when first read
 
 # Metadata value types: fixed-size scalars (struct format), string (8) and array (9).
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
@@ -166,6 +168,45 @@ def is_gguf(path: Path) -> bool:
         return False
 
 
+class StringArray(Sequence[str]):
+    """A metadata array of n strings (a vocabulary, its merges), kept as the file's bytes and
+    split into strings when first read: a start whose tokenizer is cached never decodes them.
+    A string that is not UTF-8 is a GGUFError then."""
+
+    def __init__(self, raw: bytes, n: int, where: str, file_name: str) -> None:
+        self._raw, self._n, self._where, self._file_name = raw, n, where, file_name
+        self._items: list[str] | None = None
+
+    def _list(self) -> list[str]:
+        if self._items is None:
+            raw, pos, items, length = self._raw, 0, [], _U64.unpack_from
+            try:
+                for _ in range(self._n):
+                    (size,) = length(raw, pos)
+                    items.append(raw[pos + 8:pos + 8 + size].decode("utf-8"))
+                    pos += 8 + size
+            except UnicodeDecodeError as e:
+                raise GGUFError(f"{self._file_name}: {self._where} holds a string that is not "
+                                f"UTF-8 ({e})") from e
+            self._items, self._raw = items, b""
+        return self._items
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, index):  # int -> str, slice -> list[str]
+        return self._list()[index]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._list())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return f"StringArray({self._n} strings)"
+
+
 class _Parser:
     """One pass over the header's bytes."""
 
@@ -196,26 +237,21 @@ class _Parser:
         except UnicodeDecodeError as e:
             raise self.fail(f"{self.where} holds a string that is not UTF-8 ({e})") from e
 
-    def strings(self, n: int) -> list[str]:
-        """n strings in a row (a vocabulary's hundreds of thousands: one tight loop)."""
-        data, pos, end, length = self.data, self.pos, len(self.data), _U64.unpack_from
-        raw = []
-        for _ in range(n):
-            if pos + 8 > end:
-                break
-            (size,) = length(data, pos)
-            if pos + 8 + size > end:
-                break
-            raw.append(data[pos + 8:pos + 8 + size])
-            pos += 8 + size
-        if len(raw) < n:
-            self.pos = pos
-            self.take(8 if pos + 8 > end else 8 + length(data, pos)[0])  # names the truncation
+    def strings(self, n: int) -> list[str] | StringArray:
+        """n strings in a row; past LAZY_STRINGS of them (a vocabulary's hundreds of
+        thousands) their bytes, split into strings when first read (`StringArray`)."""
+        data, end, length = self.data, len(self.data), _U64.unpack_from
+        first = pos = self.pos
+        count = 0
+        while count < n:  # one tight loop: only the lengths
+            if pos + 8 > end or pos + 8 + length(data, pos)[0] > end:
+                self.pos = pos
+                self.take(8 if pos + 8 > end else 8 + length(data, pos)[0])  # the truncation
+            pos += 8 + length(data, pos)[0]
+            count += 1
         self.pos = pos
-        try:
-            return [b.decode("utf-8") for b in raw]
-        except UnicodeDecodeError as e:
-            raise self.fail(f"{self.where} holds a string that is not UTF-8 ({e})") from e
+        array = StringArray(bytes(data[first:pos]), n, self.where, self.name)
+        return array if n > LAZY_STRINGS else list(array)
 
     def parse(self):
         if self.data[:4] != MAGIC:

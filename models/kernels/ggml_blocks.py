@@ -17,7 +17,8 @@ Where this build's vector path runs them, Q4_K, Q6_K, Q5_0 and Q8_0 weights are 
 into groups of 8 output channels (`repack`, models/kernels/cpu/ggml_x8.c; the quants' bytes moved,
 nothing widened), which the same kernels take as one more type each (KERNEL_TYPES): a decode
 step's instruction then meets 8 channels at once. The file's block comes back byte for byte from
-a group, so the values (and the dequantizer's output) are unchanged.
+a group, so the values (and the dequantizer's output) are unchanged. A GGUF's repacked weights
+are kept on disk between starts (models/gguf/repacks.py).
 
 A token embedding table in blocks (`BlockEmbedding`) dequantizes only the rows a step looks up,
 with the same C code (ggml's values, bit for bit), into the model dtype; a head tied to it is a
@@ -64,6 +65,7 @@ KERNEL_TYPES: dict[str, BlockType] = {
     "Q5_0x8": BlockType("Q5_0x8", c.GGML_Q5_0_X8, 32, 22),
     "Q8_0x8": BlockType("Q8_0x8", c.GGML_Q8_0_X8, 32, 34)}
 REPACKED = {"Q4_K": "Q4_Kx8", "Q6_K": "Q6_Kx8", "Q5_0": "Q5_0x8", "Q8_0": "Q8_0x8"}
+REPACK_FORMAT = 1  # bump when a repacked layout's bytes change (kept layouts then miss)
 FEW_ROWS = 16  # up to this many rows (tokens) of x, the matrix-vector kernel; past it a GEMM
 TILE_BYTES = 4 << 20  # float32 bytes of a tile of output channels dequantized for the GEMM
 MIN_TILE_CHANNELS = 64  # a tile's output channels, at least
@@ -79,6 +81,17 @@ def row_bytes(block: BlockType, in_features: int) -> int:
     return in_features // block.values * block.nbytes
 
 
+def repacked_as(type_name: str, n: int, in_features: int) -> str | None:
+    """The layout of KERNEL_TYPES `repack` turns a weight [n, in_features] of `type_name`
+    into on this build (None: it stays as stored)."""
+    target = REPACKED.get(type_name)
+    kernels = native.load() if target is not None else None
+    if kernels is None or not kernels.ggml_repack_takes(BLOCK_TYPES[type_name].code, n,
+                                                        in_features):
+        return None
+    return target
+
+
 def repack(blocks: torch.Tensor, type_name: str, in_features: int) -> tuple[str, torch.Tensor]:
     """A weight's blocks as the file holds them ([N, row bytes] uint8) -> (the type its
     kernels run, the blocks in that layout): Q4_K, Q6_K, Q5_0 and Q8_0 in groups of 8 output
@@ -89,12 +102,11 @@ def repack(blocks: torch.Tensor, type_name: str, in_features: int) -> tuple[str,
     from models.kernels.huge_pages import empty_in_huge_pages
     from models.mapped_files import let_go
 
-    kernels = native.load()
-    target = REPACKED.get(type_name)
     n, k = blocks.shape[0], in_features
-    if target is None or kernels is None or not kernels.ggml_repack_takes(
-            BLOCK_TYPES[type_name].code, n, k):
+    target = repacked_as(type_name, n, k)
+    if target is None:
         return type_name, blocks
+    kernels = native.load()
     blocks = blocks.contiguous()
     # written once here, read every decode step: in huge pages from the start (not copied
     # there after loading, as other weights made at load are)
@@ -109,11 +121,8 @@ def repack(blocks: torch.Tensor, type_name: str, in_features: int) -> tuple[str,
 def held_bytes(type_name: str, n: int, k: int) -> int:
     """Bytes of a weight [n, k] in a file's block type as a BlockLinear holds it: in our layout
     where this build repacks the type (`repack`), else the file's."""
-    block, target = BLOCK_TYPES[type_name], REPACKED.get(type_name)
-    kernels = native.load() if target is not None else None
-    if kernels is not None and kernels.ggml_repack_takes(block.code, n, k):
-        return n * row_bytes(KERNEL_TYPES[target], k)
-    return n * row_bytes(block, k)
+    target = repacked_as(type_name, n, k)
+    return n * row_bytes(KERNEL_TYPES[target or type_name], k)
 
 
 def dequantize_channels(blocks: torch.Tensor, type_name: str, in_features: int,
@@ -272,18 +281,22 @@ class BlockLinear(nn.Module):
     of consecutive output channels (a fused q / k / v whose tensors differ in type), each in
     ggml blocks of its own type, run as stored; bias in the model dtype."""
 
-    def __init__(self, parts: list[tuple[str, torch.Tensor]], in_features: int,
-                 bias: torch.Tensor | None, repack_blocks: bool = True,
+    def __init__(self, parts: list[tuple[str, torch.Tensor]] | list[BlockPart],
+                 in_features: int, bias: torch.Tensor | None, repack_blocks: bool = True,
                  kernel_type: str | None = None) -> None:
-        """`repack_blocks`: each part in the layout our decode kernel runs its type in (a copy
-        of the file's blocks: `repack`). `kernel_type`: one part whose blocks are already in
-        that layout (BlockEmbedding.tied_head)."""
+        """`parts`: (the file's type, its blocks as stored) each, or parts already made.
+        `repack_blocks`: each (type, blocks) part in the layout our decode kernel runs its
+        type in (a copy of the file's blocks: `repack`). `kernel_type`: one part whose blocks
+        are already in that layout (BlockEmbedding.tied_head)."""
         super().__init__()
         if not parts or (kernel_type is not None and len(parts) > 1):
             raise ValueError("a block linear needs at least one part (one in a kernel layout)")
         self.parts = nn.ModuleList(
-            BlockPart(blocks, type_name, in_features, repack_blocks, kernel_type)
-            for type_name, blocks in parts)
+            part if isinstance(part, BlockPart)
+            else BlockPart(part[1], part[0], in_features, repack_blocks, kernel_type)
+            for part in parts)
+        if any(part.in_features != in_features for part in self.parts):
+            raise ValueError(f"a part of the block linear does not hold rows of {in_features}")
         self.in_features = in_features
         self.out_features = sum(part.out_features for part in self.parts)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
@@ -323,23 +336,25 @@ class BlockEmbedding(nn.Module):
     rounds them to the model dtype (the values a table dequantized at load would hold)."""
 
     def __init__(self, blocks: torch.Tensor, type_name: str, embedding_dim: int,
-                 dtype: torch.dtype, repack_blocks: bool = False) -> None:
+                 dtype: torch.dtype, repack_blocks: bool = False,
+                 kernel_type: str | None = None) -> None:
         """`repack_blocks`: the table in the layout our decode kernel runs its type in (where
         there is one: `repack`), for a head tied to it (`tied_head`), the lookups reading the
-        same values from it."""
+        same values from it. `kernel_type`: the blocks are already in that layout of
+        KERNEL_TYPES (repacked at an earlier start)."""
         super().__init__()
         if not takes(type_name, embedding_dim):
             raise ValueError(f"ggml {type_name} blocks do not hold rows of {embedding_dim}")
-        block = BLOCK_TYPES[type_name]
+        block = KERNEL_TYPES[kernel_type or type_name]
         if blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous() or (
                 blocks.shape[1] != row_bytes(block, embedding_dim)):
-            raise ValueError(f"{type_name} blocks for rows of {embedding_dim} are contiguous "
+            raise ValueError(f"{block.name} blocks for rows of {embedding_dim} are contiguous "
                              f"[V, {row_bytes(block, embedding_dim)}] uint8, not "
                              f"{list(blocks.shape)} {blocks.dtype}")
         self.type_name, self.embedding_dim = type_name, embedding_dim
         self.num_embeddings = blocks.shape[0]
-        self.kernel_type = type_name
-        if repack_blocks:
+        self.kernel_type = kernel_type or type_name
+        if repack_blocks and kernel_type is None:
             self.kernel_type, blocks = repack(blocks, type_name, embedding_dim)
         self.register_buffer("blocks", blocks)
         # What callers read of an embedding's `weight`: the model dtype and device.
