@@ -34,6 +34,7 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+STATS_EVERY_S = 0.5  # while steps run, stats() is read whole this often (counters every step)
 
 
 class _Stream:
@@ -59,6 +60,7 @@ class AsyncLLM:
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # guards _streams
         self._stats: dict[str, Any] = self.engine.stats()
+        self._stats_at = time.monotonic()  # when _stats was last read whole
         self._error: BaseException | None = None
         self._stopping = False
         self._preprocessing = 0  # touched only from event loops, under _lock
@@ -212,8 +214,13 @@ class AsyncLLM:
                 if self.engine.has_unfinished() and not self._stopping:
                     outputs = self.engine.step()
                 # Refresh before delivering: a caller that sees a token also sees its request
-                # counted in stats().
-                self._stats = self.engine.stats()
+                # counted in stats(). The whole of it (the pools' resident bytes take a walk
+                # over their pages) when idle and every STATS_EVERY_S while steps run.
+                now = time.monotonic()
+                if not self.engine.has_unfinished() or now - self._stats_at >= STATS_EVERY_S:
+                    self._stats, self._stats_at = self.engine.stats(), now
+                else:
+                    self._stats = {**self._stats, **self.engine.counters()}
                 self._deliver(outputs)
         except BaseException as e:  # noqa: BLE001 - report to every waiting caller, then stop
             log.exception("engine loop died")

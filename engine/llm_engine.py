@@ -122,6 +122,7 @@ class LLMEngine:
                                         sorted(self.eos_token_ids), f"model {self.model_id!r}")
         self.fanout = FanOut()
         self.checkpoint_settings = checkpoint_settings(setup, mm_processor, self.runner.adapters)
+        self._weights_text: str | None = None  # weights_description, once read
         self.num_steps = 0
         self.num_errors = 0
         log.info(ready_line(self.model_id, self.runner))
@@ -441,25 +442,36 @@ class LLMEngine:
     # ---- introspection ----------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """Engine-wide counters for the UI panels (plain numbers)."""
+        """Engine-wide counters for the UI panels (plain numbers): `counters` and what takes
+        longer to read (the pools' resident bytes, from the page tables)."""
+        return {
+            **self.counters(),
+            "weights": self.weights_description(),
+            "checkpoint": self.checkpoint_settings,
+            **kv_stats(self.runner),
+            **state_stats(self.runner, self.state_cache),
+            **cross_stats(self.runner),
+        }
+
+    def counters(self) -> dict[str, Any]:
+        """The part of `stats` that each step changes and that is cheap to read: requests,
+        steps, blocks, encoder cache and speculation counters."""
         return {
             "requests_running": len(self.scheduler.running),
             "requests_waiting": len(self.scheduler.waiting),
             "steps": self.num_steps,
             "step_errors": self.num_errors,
-            "weights": self.weights_description(),
-            "checkpoint": self.checkpoint_settings,
             **self.block_manager.stats(),
-            **kv_stats(self.runner),
             **self.encoder_cache.stats(),
-            **state_stats(self.runner, self.state_cache),
-            **cross_stats(self.runner),
             **({} if self.speculator is None else self.speculator.stats()),
         }
 
     def weights_description(self) -> str:
-        """The weights' precision, device and kernels (engine.engine_report)."""
-        return weights_description(self.runner)
+        """The weights' precision, device and kernels (engine.engine_report; the weights do
+        not change after start-up: read once)."""
+        if self._weights_text is None:
+            self._weights_text = weights_description(self.runner)
+        return self._weights_text
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

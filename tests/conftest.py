@@ -13,6 +13,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # changes how weights are quantized must not read another test's; tests/test_weight_cache.py
 # turns it on in a folder of its own.
 os.environ["MMSERVE_WEIGHT_CACHE"] = "0"
+# The tests' small weights would run each linear on the calling thread alone (kernels.h,
+# team_threads): on a team, so that the kernels' splits between threads are what they check;
+# tests/test_native.py checks the default rule.
+os.environ["MMSERVE_SOLO_BYTES"] = "0"
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 

@@ -189,6 +189,36 @@ def test_int4_linear_matches_the_dequantized_weight(kernels, generic, group, row
                                atol=0.005 * ref_bf16.abs().max().item())
 
 
+def test_a_small_linear_on_the_calling_thread_alone_gives_the_same_bits(kernels):
+    """Under SOLO_BYTES of work (rows x weight bytes) a linear runs on the calling thread alone
+    (kernels.h, team_threads; the tests otherwise put every call on a team): the same values
+    to the bit as its team's, for every weight kind, and past the bound on a team again."""
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(128, 256, generator=gen)
+    q, scales_and_zeros = quantize_int4(w, 32)
+    packed = pack_int4(q)
+    i8 = torch.randint(-127, 128, (128, 256), dtype=torch.int8, generator=gen)
+    channel_scales = torch.rand(128, generator=gen).to(torch.bfloat16)
+    group_scales = torch.rand(128, 8, generator=gen).to(torch.bfloat16)
+    calls = {
+        "float32": lambda x: kernels.linear(x, w),
+        "bfloat16": lambda x: kernels.linear(x, w.to(torch.bfloat16)),
+        "int8": lambda x: kernels.linear(x, i8, channel_scales),
+        "int8 grouped": lambda x: kernels.linear(x, i8, group_scales),
+        "int4": lambda x: kernels.linear_int4(x, packed, scales_and_zeros, 32)}
+    for rows in (1, 3, 200):  # 200 rows x 128 KiB of float32 weight: past the bound
+        x = torch.randn(rows, 256, generator=gen)
+        try:
+            kernels.set_solo_bytes(0)
+            on_team = {name: call(x) for name, call in calls.items()}
+            kernels.set_solo_bytes(native.SOLO_BYTES)
+            alone = {name: call(x) for name, call in calls.items()}
+        finally:
+            kernels.set_solo_bytes(int(os.environ.get(native.SOLO_ENV, native.SOLO_BYTES)))
+        for name in calls:
+            assert torch.equal(alone[name], on_team[name]), (name, rows)
+
+
 def test_int4_linear_reads_pytorchs_channel_order(kernels):
     """Each output channel alone: a layout slip (a permuted block of 16 channels, a swapped
     nibble) would put its value in another column."""
@@ -691,14 +721,16 @@ def test_the_engine_panel_says_which_kernels_run(qwen2_path, monkeypatch):
     if engine.runner.native_decode:
         expected += ", decode in one native call"
     assert engine.stats()["weights"] == f"float32, cpu, {expected}"
-    monkeypatch.setattr(engine.runner, "native_decode", False)
-    monkeypatch.setattr(native, "load", lambda: None)
-    assert engine.stats()["weights"] == "float32, cpu, PyTorch kernels"
+    # as another machine would describe it (the engine reads it once: the weights stay)
     import engine.engine_report as engine_report
 
+    monkeypatch.setattr(engine.runner, "native_decode", False)
+    monkeypatch.setattr(native, "load", lambda: None)
+    describe = engine_report.weights_description
+    assert describe(engine.runner) == "float32, cpu, PyTorch kernels"
     monkeypatch.setattr(engine.runner, "dtype", torch.bfloat16)
     monkeypatch.setattr(engine_report, "cpu_has_native_bf16", lambda: False)
-    assert engine.stats()["weights"] == (
+    assert describe(engine.runner) == (
         "bfloat16, cpu, PyTorch kernels, bfloat16 kept in memory, multiplied in float32 "
         "(no bfloat16 arithmetic)")
 

@@ -30,6 +30,8 @@ from models.kernels.cpu_variants import Variant
 log = logging.getLogger(__name__)
 
 DISABLE_ENV = "MMSERVE_NATIVE"  # "0" keeps PyTorch's kernels only
+SOLO_ENV = "MMSERVE_SOLO_BYTES"
+SOLO_BYTES = 1 << 20  # kernels.h team_threads: below it a new team costs more than it saves
 DTYPES = {torch.float32: c.DTYPE_F32, torch.bfloat16: c.DTYPE_BF16}
 FUSED_ROWS = 64  # fused small ops serve inputs up to this many tokens: a decode step's
 NORM_MODES = {"float32": c.NORM_FLOAT32, "reduced": c.NORM_REDUCED,
@@ -69,6 +71,10 @@ class NativeKernels:
         c.bind(lib)
         self.build_id = build_id  # the variant and digest naming the shared object
         self.variant: str = lib.mm_variant().decode()  # the one the library was compiled as
+        # A linear whose rows x weight bytes are under this runs on the calling thread alone
+        # (kernels.h, team_threads); $MMSERVE_SOLO_BYTES sets it (0: every call on a team).
+        self.set_solo_bytes = lib.mm_set_solo_bytes
+        self.set_solo_bytes(int(os.environ.get(SOLO_ENV, SOLO_BYTES)))
         self._linear = {dtype: getattr(lib, name) for dtype, name in WEIGHT_KERNELS.items()}
         self._rows, self._gemm, self._gemm_i4 = lib.mm_linear_rows, lib.mm_gemm_dense, \
             lib.mm_gemm_int4

@@ -84,6 +84,7 @@ _ATTENTION = [_ptr, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, 
 
 SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "mm_variant": (_str, []),
+    "mm_set_solo_bytes": (None, [_i64]),
     # small_ops.c
     "mm_argmax": (None, [_ptr, _i64, _i64, _ptr]),
     "mm_read_sum": (_f64, [_ptr, _i64, _int]),

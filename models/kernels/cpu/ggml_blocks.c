@@ -835,5 +835,6 @@ int mm_ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, void*
     if (!mm_ggml_takes(type, k) || (digits != 1 && digits != 2) || ldy < n ||
         (mm_ggml_x8_stored(type) && n % X8_CHANNELS != 0))
         return 2;
-    ON_TEAM(threads, ggml_linear(x, x_dtype, w, type, y, ldy, m, n, k, digits, generic));
+    const int team = team_threads(threads, m, n * k / 2);
+    ON_TEAM(team, ggml_linear(x, x_dtype, w, type, y, ldy, m, n, k, digits, generic));
 }

@@ -51,7 +51,7 @@
  * statement of a kernel's entry point: -> the body's status (nonzero if it failed on any thread
  * of a new team). */
 #define ON_TEAM(threads, CALL)                                                                 \
-    if (IN_TEAM()) return (CALL);                                                              \
+    if (IN_TEAM() || (threads) <= 1) return (CALL);                                            \
     int failed_ = 0;                                                                           \
     _Pragma("omp parallel num_threads(threads)")                                               \
     {                                                                                          \
@@ -62,6 +62,16 @@
         }                                                                                      \
     }                                                                                          \
     return failed_
+
+/* The threads a kernel call that reads `weight_bytes` of weights for each of `rows` rows takes:
+ * a new team's start and its end cost microseconds each, and far more when another thread of
+ * the process holds a core for a moment (a front end's event loop), where the whole team waits
+ * at the end for its slowest thread; a call whose work fits in a core's cache is done before a
+ * second thread would pay for itself, so it runs on the calling thread alone. */
+extern int64_t mm_solo_bytes; /* that fit: rows x weight bytes under it (mm_set_solo_bytes) */
+static inline int team_threads(int threads, int64_t rows, int64_t weight_bytes) {
+    return rows * weight_bytes < mm_solo_bytes ? 1 : threads;
+}
 
 /* A barrier on which the threads of a team spin. OpenMP's own barriers sleep in the kernel
  * under OMP_WAIT_POLICY=passive (the policy two libraries in one process need), and each
@@ -411,6 +421,7 @@ typedef struct { /* a linear layer as the calls that run several take it */
 } mm_linear_desc;
 
 const char* mm_variant(void); /* the variant this library was compiled as */
+void mm_set_solo_bytes(int64_t bytes); /* team_threads' bound (0: every call on a team) */
 
 /* small_ops.c */
 void mm_argmax(const float* x, int64_t rows, int64_t n, int64_t* out);

@@ -19,7 +19,8 @@ LINEAR_PLAIN(linear_bf16, uint16_t, LOAD_BF16)
 
 int mm_linear_f32(const void* x, int x_dtype, const float* w, const uint16_t* scales, void* y,
                   int64_t m, int64_t n, int64_t k, int threads) {
-    ON_TEAM(threads, linear_f32(x, x_dtype, w, scales, y, m, n, k));
+    const int team = team_threads(threads, m, n * k * 4);
+    ON_TEAM(team, linear_f32(x, x_dtype, w, scales, y, m, n, k));
 }
 
 #ifdef MM_AVX512_BF16
@@ -63,5 +64,6 @@ static int linear_bf16_any(const void* x, int x_dtype, const uint16_t* w, const 
 
 int mm_linear_bf16(const void* x, int x_dtype, const uint16_t* w, const uint16_t* scales,
                    void* y, int64_t m, int64_t n, int64_t k, int threads) {
-    ON_TEAM(threads, linear_bf16_any(x, x_dtype, w, scales, y, m, n, k));
+    const int team = team_threads(threads, m, n * k * 2);
+    ON_TEAM(team, linear_bf16_any(x, x_dtype, w, scales, y, m, n, k));
 }

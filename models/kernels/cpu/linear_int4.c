@@ -329,7 +329,8 @@ static int linear_i4(const void* x, int x_dtype, const uint8_t* w, const uint16_
 int mm_linear_i4(const void* x, int x_dtype, const uint8_t* w, const uint16_t* sz, void* y,
                  int64_t m, int64_t n, int64_t k, int64_t group, int generic, int threads) {
     if (n % I4_BLOCK_N || k % group || group % 4) return 2;
-    ON_TEAM(threads, linear_i4(x, x_dtype, w, sz, y, m, n, k, group, generic));
+    const int team = team_threads(threads, m, n * k / 2);
+    ON_TEAM(team, linear_i4(x, x_dtype, w, sz, y, m, n, k, group, generic));
 }
 
 /* int4 in our pack -> out [count * 64, K]: output channels 64 first .. 64 (first + count) - 1 of

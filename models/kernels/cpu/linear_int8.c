@@ -272,7 +272,8 @@ static int linear_i8_any(const void* x, int x_dtype, const int8_t* w, const uint
 int mm_linear_i8(const void* x, int x_dtype, const int8_t* w, const uint16_t* scales,
                  int64_t group, void* y, int64_t m, int64_t n, int64_t k, int threads) {
     if (!mm_int8_group_ok(k, group)) return 2;
-    ON_TEAM(threads, linear_i8_any(x, x_dtype, w, scales, group, y, m, n, k));
+    const int team = team_threads(threads, m, n * k);
+    ON_TEAM(team, linear_i8_any(x, x_dtype, w, scales, group, y, m, n, k));
 }
 
 /* Dequantizers, for a prefill's many rows, where a dense GEMM on the dequantized weight beats

@@ -22,6 +22,9 @@
 /* The variant this library was compiled as (models/kernels/cpu_variants.py). */
 const char* mm_variant(void) { return MM_VARIANT; }
 
+int64_t mm_solo_bytes = 1 << 20;
+void mm_set_solo_bytes(int64_t bytes) { mm_solo_bytes = bytes; }
+
 /* Per row of x [rows, n] float32, the index of its largest value, the first of equal ones, as
  * torch.argmax (a NaN counts as the largest: the first NaN's index). One pass for the maximum
  * (vectorized), one to find it: PyTorch's argmax does not vectorize over a vocabulary. */
