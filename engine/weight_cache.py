@@ -47,7 +47,7 @@ from models.loader import SAFETENSORS_DTYPES, empty_off_meta, on_meta
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "MMSERVE_WEIGHT_CACHE"
-FORMAT = 2  # bump when an entry's layout or what quantization computes changes
+FORMAT = 3  # bump when an entry's layout or what quantization computes changes
 
 
 def cache_dir() -> Path | None:
@@ -181,18 +181,28 @@ def save(entry: Path, model: nn.Module, summary: str) -> None:
 
 
 _WRITE_BYTES = 64 << 20  # written a piece at a time, so a mapped weight is not read whole
+_ALIGN = 64  # every tensor of an entry starts at a multiple of this many bytes
+_PAD = "__pad"  # the bytes between two tensors, named as a tensor (safetensors has no gaps)
 _SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
 
 def _write(file: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """`tensors` as a safetensors file, streamed (no copy of the model in memory): widest
-    element first, after a header padded to a multiple of 64 bytes, so that every tensor
-    starts at a multiple of its element size and maps as a view."""
+    """`tensors` as a safetensors file, streamed (no copy of the model in memory): after a
+    header padded to a multiple of 64 bytes, each tensor at a multiple of 64 bytes (the bytes
+    between are a `_PAD` tensor each), so that every tensor maps as a view as aligned as
+    memory of the process's own (PyTorch's int8 kernel faults on a weight 8 bytes off)."""
     names = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
     header: dict[str, dict] = {"__metadata__": metadata}
-    offset = 0
+    offset, order = 0, []
     for name in names:
+        if offset % _ALIGN:
+            pad = torch.zeros(-offset % _ALIGN, dtype=torch.uint8)
+            order.append((f"{_PAD}{len(order)}", pad))
+            header[order[-1][0]] = {"dtype": "U8", "shape": [pad.numel()],
+                                    "data_offsets": [offset, offset + pad.numel()]}
+            offset += pad.numel()
         t = tensors[name]
+        order.append((name, t))
         header[name] = {"dtype": _SAFETENSORS_NAMES[t.dtype], "shape": list(t.shape),
                         "data_offsets": [offset, offset + t.nbytes]}
         offset += t.nbytes
@@ -201,8 +211,8 @@ def _write(file: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str
     with open(file, "wb") as f:
         f.write(len(text).to_bytes(8, "little"))
         f.write(text)
-        for name in names:
-            data = tensors[name].reshape(-1).view(torch.uint8)
+        for _, tensor in order:
+            data = tensor.reshape(-1).view(torch.uint8)
             for first in range(0, data.numel(), _WRITE_BYTES):
                 piece = data[first:first + _WRITE_BYTES]
                 f.write(piece.numpy().data)
@@ -241,6 +251,8 @@ def _read(entry: Path) -> tuple[dict[str, str], dict[str, torch.Tensor],
     mapping = mapped_files.map_file(entry)
     state = {}
     for name, info in header.items():
+        if name.startswith(_PAD):
+            continue
         first, last = info["data_offsets"]
         dtype, shape = SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"])
         data = mapping.view(start + first, last - first)

@@ -129,3 +129,25 @@ def test_an_entry_round_trips_tied_and_mixed_dtype_tensors(tmp_path):
     assert back.head.weight.data_ptr() == back.embed.weight.data_ptr()  # still one tensor
     assert back.norm.dtype == torch.float64 and back.mask.dtype == torch.bool
     assert all(is_mapped(t) for t in back.state_dict().values())
+
+
+def test_every_tensor_of_an_entry_is_aligned_as_process_memory(tmp_path):
+    """Each tensor starts at a multiple of 64 bytes of the mapping (PyTorch's int8 kernel
+    faults on a weight 8 bytes off): a float32 scalar and an odd-sized bfloat16 tensor before
+    an int8 weight, read back as views and run through that kernel."""
+    from engine import weight_cache
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.ones(3), "b": torch.ones(5, dtype=torch.bfloat16),
+               "w": torch.randint(-127, 128, (1812, 64), dtype=torch.int8, generator=gen),
+               "s": torch.rand(1812, generator=gen).to(torch.bfloat16)}
+    entry = tmp_path / "entry.safetensors"
+    weight_cache._write(entry, tensors, {"format": str(weight_cache.FORMAT), "aliases": "{}"})
+    _, state, mapping = weight_cache._read(entry)
+    assert state.keys() == tensors.keys()  # the padding is not a tensor of the model's
+    assert all(mapping.holds(t) and t.data_ptr() % 64 == 0 for t in state.values())
+    assert all(torch.equal(state[k], tensors[k]) for k in tensors)
+    x = torch.randn(4, 64, generator=gen).to(torch.bfloat16)
+    out = torch.ops.aten._weight_int8pack_mm(x, state["w"], state["s"])
+    torch.testing.assert_close(out, torch.ops.aten._weight_int8pack_mm(x, tensors["w"],
+                                                                      tensors["s"]))
