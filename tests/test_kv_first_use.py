@@ -18,7 +18,7 @@ PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0
 
 def _engine(path, monkeypatch, kernel: str, fill: float | None) -> LLM:
     import engine.kv_pool as pools
-    import engine.model_runner as runner
+    import engine.runner_setup as runner
 
     if fill is not None:
         monkeypatch.setattr(pools, "pool", lambda shape, dtype, device: torch.full(

@@ -593,7 +593,7 @@ def native_everywhere(kernels, monkeypatch):
     """Engines built in the test decode through our kernels wherever one exists: decode
     attention, and every linear's 1-row and 2-8-row buckets (int8 and int4 too)."""
     import engine.model_loading as loading
-    import engine.model_runner as runner
+    import engine.runner_setup as runner
     from models.kernels.quantization import QuantizedLinear
 
     def plan(model, dtype, *args, **kwargs):
