@@ -34,9 +34,14 @@ and transformers' tokenizer group them (models/whisper/words.py). A word spans f
 the token before its first token to the time of its last token (transformers' pipeline), within
 the clip.
 
-Not built: beam search. A long clip's log-mel features are computed per
-30 s window, where transformers and openai-whisper compute them over the whole clip and slice
-(the -8 dB floor is then the clip's, not the window's): past the first window, tokens can differ.
+Past a clip's first window (and for its first, when it is longer than one), each request sends
+the whole clip and the window's first 10 ms frame (`WindowAudio`): the log-mel features are
+computed once over the whole clip and sliced per window, zero-padded past the clip's end
+(models/whisper/processor.py), as transformers' long-form generation and openai-whisper compute
+them (the -8 floor under the clip's peak, not a window's). A clip of one window or less is sent
+alone for its first window, as their short-form path takes it.
+
+Not built: beam search.
 """
 
 from __future__ import annotations
@@ -218,6 +223,23 @@ def previous_tokens(cuts: Sequence[Cut], begin: int) -> list[int]:
     return out
 
 
+@dataclass(frozen=True)
+class WindowAudio:
+    """What a window's requests send: a clip of at most one window as it is (`first_frame`
+    None), else the whole clip and the window's first 10 ms frame in it."""
+
+    samples: np.ndarray
+    first_frame: int | None = None
+
+    @classmethod
+    def of(cls, clip: np.ndarray, seek: int) -> WindowAudio:
+        """The window of `clip` starting at sample `seek` (a whole number of frames): the clip
+        alone when it is one window from its start, else a slice of the whole clip's."""
+        if seek == 0 and len(clip) <= WINDOW:
+            return cls(clip)
+        return cls(clip, seek // FRAME)
+
+
 async def detect_language(llm: Any, ids: WhisperTokens, clip: np.ndarray) -> str:
     """The most likely language token after `<|startoftranscript|>` for the clip's first
     window (every language token raised by the same bias: their order is the model's)."""
@@ -226,14 +248,14 @@ async def detect_language(llm: Any, ids: WhisperTokens, clip: np.ndarray) -> str
     bias = tuple((token, 100.0) for token in ids.languages.values())
     params = SamplingParams(max_tokens=1, temperature=0.0, logit_bias=bias,
                             skip_special_tokens=False)
-    out = await _last(llm.generate(_request([ids.start], clip[:WINDOW]), params,
+    out = await _last(llm.generate(_request([ids.start], WindowAudio.of(clip, 0)), params,
                                    f"lang-{uuid.uuid4().hex[:12]}"))
     token = out.outputs[0].token_ids[0]
     return next(lang for lang, t in ids.languages.items() if t == token)
 
 
 async def no_speech_probability(llm: Any, ids: WhisperTokens, prompt: Sequence[int],
-                                window: np.ndarray, request_id: str) -> float:
+                                window: WindowAudio, request_id: str) -> float:
     """The probability of `<|nocaptions|>` right after `<|startoftranscript|>` (the model's
     own, before any rule), for the decoder prompt `prompt` (cut after its start token)."""
     token = ids.no_timestamps - 1
@@ -257,13 +279,15 @@ def alignment_heads(llm: Any, ids: WhisperTokens) -> tuple[tuple[int, int], ...]
 
 
 async def window_token_times(llm: Any, prompt: Sequence[int], generated: Sequence[int],
-                             window: np.ndarray, heads: Sequence[tuple[int, int]]) -> np.ndarray:
+                             window: WindowAudio, frames: int,
+                             heads: Sequence[tuple[int, int]]) -> np.ndarray:
     """The times (s from the window's start) of a window's generated tokens (its end token
-    included, if sampled) from the alignment heads' cross-attention over the window."""
+    included, if sampled) from the alignment heads' cross-attention over the window (of
+    `frames` 10 ms frames of audio)."""
     rows = list(prompt) + list(generated[:-1])  # the last token is fed to nothing
     weights = await llm.cross_attention_weights(_request(rows, window), heads)
     width = getattr(llm.engine.setup.hf_config, "median_filter_width", MEDIAN_FILTER_WIDTH)
-    return token_times(weights, len(prompt), -(-len(window) // FRAME), width)
+    return token_times(weights, len(prompt), frames, width)
 
 
 def cut_words(cut: Cut, first: int, times: np.ndarray, ids: WhisperTokens, decode: Decode,
@@ -304,6 +328,7 @@ async def transcribe(llm: Any, samples: np.ndarray, options: TranscriptionOption
         if len(window) < FRAME:  # under one 10 ms frame: nothing left to hear
             break
         frames = -(-len(window) // FRAME)
+        audio = WindowAudio.of(samples, seek)
         prompt = decoder_prompt(ids, language, options.task, options.timestamps,
                                 history[-kept:] if kept > 0 else [])
         t0 = time.perf_counter()
@@ -315,7 +340,7 @@ async def transcribe(llm: Any, samples: np.ndarray, options: TranscriptionOption
             params = SamplingParams(max_tokens=min(SAMPLE_LEN, room), temperature=temperature,
                                     logprobs=0, token_rules=rules, skip_special_tokens=False,
                                     seed=attempts if temperature else None)
-            out = await _last(llm.generate(_request(prompt, window), params,
+            out = await _last(llm.generate(_request(prompt, audio), params,
                                            f"{rid}-{seek}-{attempts}"))
             if attempts == 1:  # the window's encoder entry: found or computed by this one
                 (item,) = out.multi_modal_placeholders
@@ -333,7 +358,7 @@ async def transcribe(llm: Any, samples: np.ndarray, options: TranscriptionOption
             unlikely = options.logprob_threshold is not None and avg < options.logprob_threshold
             if not (repetitive or unlikely):
                 break
-        no_speech = await no_speech_probability(llm, ids, prompt, window, f"{rid}-{seek}-ns")
+        no_speech = await no_speech_probability(llm, ids, prompt, audio, f"{rid}-{seek}-ns")
         offset = seek / RATE
         record = Window(offset, time.perf_counter() - t0, attempts, temperature,
                         item.cache_hit, item.identifier)
@@ -349,7 +374,7 @@ async def transcribe(llm: Any, samples: np.ndarray, options: TranscriptionOption
             cuts, advance = [Cut(offset, offset + len(window) / RATE, tokens)], frames
         times = None
         if heads and generated:
-            times = await window_token_times(llm, prompt, generated, window, heads)
+            times = await window_token_times(llm, prompt, generated, audio, frames, heads)
             record.seconds = time.perf_counter() - t0  # the alignment pass counted
         first = 0  # the cut's first token among the window's generated tokens
         for cut in cuts:
@@ -372,8 +397,12 @@ async def transcribe(llm: Any, samples: np.ndarray, options: TranscriptionOption
     yield transcript
 
 
-def _request(prompt: list[int], window: np.ndarray) -> dict:
-    return {"prompt_token_ids": prompt, "multi_modal_data": {"audio": [(window, RATE)]}}
+def _request(prompt: list[int], window: WindowAudio) -> dict:
+    request = {"prompt_token_ids": prompt,
+               "multi_modal_data": {"audio": [(window.samples, RATE)]}}
+    if window.first_frame is not None:
+        request["mm_processor_kwargs"] = {"clip_window": window.first_frame}
+    return request
 
 
 async def _last(outputs: AsyncIterator) -> Any:

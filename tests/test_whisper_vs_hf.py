@@ -104,8 +104,45 @@ def test_decoder_prompt_is_what_generate_forces(tokens, llm):
 def test_features_match_the_feature_extractor(llm, whisper_path):
     proc = llm.engine.processor.mm_processor
     for clip in CLIPS.values():
-        ours = proc._features(AudioClip(clip, RATE))["input_features"]
+        ours = proc._features(AudioClip(clip, RATE), None)["input_features"]
         torch.testing.assert_close(ours, features(whisper_path, clip)[0], atol=2e-5, rtol=0)
+
+
+def test_a_long_clips_windows_are_slices_of_its_whole_features(llm, whisper_path, hf, tokens):
+    """A clip past one window (41 s): each window's features are transformers' long-form
+    segment input (the whole clip's features, unpadded, sliced from the window's frame and
+    zero-padded past the clip's end), and its greedy tokens, through the request
+    engine.transcription sends, those of transformers' generate on that input."""
+    import torch.nn.functional as F
+    from transformers import WhisperFeatureExtractor
+
+    from engine.transcription import FRAME, WindowAudio, _request
+
+    clip = noise(41.0, 3)
+    whole = WhisperFeatureExtractor.from_pretrained(whisper_path)(
+        [clip], sampling_rate=RATE, return_tensors="pt", truncation=False,
+        padding="longest").input_features
+    assert whole.shape[-1] == len(clip) // FRAME
+    proc = llm.engine.processor.mm_processor
+    segments = {}
+    for first in (0, 1234, 3000):  # 3000: the second window, 1,100 frames then zeros
+        part = whole[:, :, first:first + 3000]
+        segments[first] = F.pad(part, (0, 3000 - part.shape[-1]))
+        ours = proc._features(AudioClip(clip, RATE), first)["input_features"]
+        torch.testing.assert_close(ours, segments[first][0], atol=2e-5, rtol=0)
+    prompt = decoder_prompt(tokens, "en")
+    audio = WindowAudio.of(clip, 3000 * FRAME)
+    assert audio.first_frame == 3000 and len(audio.samples) == len(clip)
+    ours = llm.generate([_request(prompt, audio)], GREEDY)[0].outputs[0].token_ids
+    theirs = list(prompt)  # the plain model's greedy tokens: its forward's argmax, each step
+    with torch.no_grad():
+        states = hf.model.encoder(segments[3000]).last_hidden_state
+        for _ in range(N):
+            logits = hf(encoder_outputs=(states,), decoder_input_ids=torch.tensor([theirs]))
+            theirs.append(int(logits.logits[0, -1].argmax()))
+    assert list(ours) == theirs[len(prompt):]
+    with pytest.raises(MediaError, match="clip_window=4100 is past the clip's last 10 ms frame"):
+        proc.process(prompt, {"audio": [AudioClip(clip, RATE)]}, {"clip_window": 4100})
 
 
 def test_two_clips_batched_match_generate_in_one_encoder_call(llm, whisper_path, hf, tokens):

@@ -146,3 +146,23 @@ class LogMelExtractor:
         features[..., log.shape[-1] :] = floor.clamp(min=-10.0)  # silence, floored
         features = (features + 4.0) / 4.0
         return LogMel(features, [cfg.num_frames(len(w)) for w in waveforms])
+
+    def clip_features(self, samples: np.ndarray) -> torch.Tensor:
+        """A clip of any length -> its features [n_mels, len // hop_length], as transformers'
+        extractor computes them unpadded (no truncation, padding "longest": its long-form
+        generation's input) and openai-whisper over the whole clip: one transform over the
+        clip, the -8 floor under the clip's peak, not a window's."""
+        cfg = self.cfg
+        wave = torch.as_tensor(samples, dtype=torch.float32)
+        spec = torch.stft(wave, cfg.n_fft, cfg.hop_length, window=self.window,
+                          return_complex=True)[..., :-1]  # [F, len // hop], centred frames
+        log = (self.filters.T @ (spec.real.square() + spec.imag.square())).clamp(
+            min=1e-10).log10()
+        return (torch.maximum(log, log.max() - 8.0) + 4.0) / 4.0
+
+    def window_of(self, clip: torch.Tensor, first_frame: int) -> torch.Tensor:
+        """The window of a clip's features (`clip_features`) from frame `first_frame`:
+        [n_mels, window_frames], zeros past the clip's end (transformers' long-form segment
+        input)."""
+        part = clip[:, first_frame:first_frame + self.cfg.window_frames]
+        return torch.nn.functional.pad(part, (0, self.cfg.window_frames - part.shape[-1]))

@@ -9,7 +9,11 @@ turned into log-mel features as transformers' WhisperFeatureExtractor does
 clip is a cross-attention item placed on the prompt's first token (which keeps its text
 embedding) and attended from there to the end of the sequence, generated tokens included: in
 Whisper every decoder row sees the encoder output. Longer audio is cut into windows by the
-transcription front end, one request per window (engine/transcription.py).
+transcription front end, one request per window (engine/transcription.py): each sends the whole
+clip and its window's first 10 ms frame (`mm_processor_kwargs` `clip_window`), and the window
+is that slice of the whole clip's features, zero-padded past its end, as transformers'
+long-form generation and openai-whisper compute it (the clip's features computed once, kept in
+the processed cache).
 """
 
 from __future__ import annotations
@@ -32,7 +36,10 @@ from models.interfaces import (
 from models.processing.base import ProcessedCache, ProcessorDefaults
 from models.processing.hashing import hash_audio
 from models.processing.log_mel import FEATURE_EXTRACTOR, LogMelExtractor, MelConfig
-from models.processing.options import check_mm_kwargs
+from models.processing.options import OptionRange, check_mm_kwargs
+
+# A window of a longer clip (engine.transcription): its first 10 ms frame in the clip.
+OPTIONS = {"clip_window": OptionRange(0, integer=True, why="a frame of the clip")}
 
 
 class WhisperProcessor(ProcessorDefaults):
@@ -64,7 +71,7 @@ class WhisperProcessor(ProcessorDefaults):
 
     def loader_kwargs(self, mm_kwargs: dict[str, Any]) -> dict[str, Any]:
         """Options for engine.media: decode audio at the feature extractor's rate."""
-        check_mm_kwargs(mm_kwargs, {}, "Whisper")
+        check_mm_kwargs(mm_kwargs, OPTIONS, "Whisper")
         return {"audio_kwargs": {"sample_rate": self.mel.sample_rate}}
 
     def max_embeds_per_item(self) -> int:
@@ -73,24 +80,35 @@ class WhisperProcessor(ProcessorDefaults):
 
     def plan(self, token_ids: list[int], media: dict[str, list],
              mm_kwargs: dict[str, Any]) -> PromptPlan:
-        self._clip(token_ids, media)
+        options = check_mm_kwargs(mm_kwargs, OPTIONS, "Whisper")
+        self._clip(token_ids, media, options.get("clip_window"))
         return PromptPlan(len(token_ids), [("audio", self.positions)])
 
     def process(self, token_ids: list[int], media: dict[str, list],
                 mm_kwargs: dict[str, Any]) -> ProcessedPrompt:
-        check_mm_kwargs(mm_kwargs, {}, "Whisper")
-        clip = self._clip(token_ids, media)
+        first = check_mm_kwargs(mm_kwargs, OPTIONS, "Whisper").get("clip_window")
+        clip = self._clip(token_ids, media, first)
         stages: dict[str, float] = {}
-        identifier = hash_audio(clip, model_id=self.model_id, processor_kwargs=asdict(self.mel))
-        data = self.cache.get_or_compute(identifier, partial(self._features, clip))
+        settings = asdict(self.mel)
+        identifier = hash_audio(clip, model_id=self.model_id, processor_kwargs=settings | (
+            {} if first is None else {"clip_window": first}))
+        data = self.cache.get_or_compute(identifier, partial(self._features, clip, first))
         seconds = clip.duration_s
+        part = f"{seconds:.1f} s in a {self.mel.chunk_length} s window, cross-attended"
+        if first is not None:
+            start = first * self.mel.hop_length / self.mel.sample_rate
+            seen = min(seconds - start, self.mel.chunk_length)
+            part = (f"{seen:.1f} s from {start:.1f} s of a {seconds:.1f} s clip in a "
+                    f"{self.mel.chunk_length} s window, cross-attended")
         feature = MultiModalFeature(
-            "audio", identifier, PlaceholderRange(0, 1, is_embed=(False,)), data,
-            part=f"{seconds:.1f} s in a {self.mel.chunk_length} s window, cross-attended",
+            "audio", identifier, PlaceholderRange(0, 1, is_embed=(False,)), data, part=part,
             cross=CrossRows(0, None, self.positions))
         return ProcessedPrompt(None, list(token_ids), [feature], None, stages)
 
-    def _clip(self, token_ids: list[int], media: dict[str, list]) -> AudioClip:
+    def _clip(self, token_ids: list[int], media: dict[str, list],
+              first: int | None = None) -> AudioClip:
+        """The prompt's one clip, checked: at most one window long, or (`first`: a window of
+        a longer clip, from that frame) holding that frame."""
         clips = media.get("audio", [])
         others = sorted(m for m, items in media.items() if items and m != "audio")
         if others or len(clips) != 1:
@@ -103,7 +121,12 @@ class WhisperProcessor(ProcessorDefaults):
         if clip.sample_rate != self.mel.sample_rate:
             raise ValueError(f"audio 1 is at {clip.sample_rate} Hz, expected "
                              f"{self.mel.sample_rate} Hz (load it through engine.media)")
-        if len(clip.samples) > self.mel.window_samples:
+        if first is not None:
+            frames = len(clip.samples) // self.mel.hop_length
+            if first >= frames:
+                raise MediaError(f"audio 1: clip_window={first} is past the clip's last 10 ms "
+                                 f"frame ({frames} frames, {clip.duration_s:.1f} s)")
+        elif len(clip.samples) > self.mel.window_samples:
             raise MediaError(
                 f"audio 1: duration {clip.duration_s:.1f} s exceeds one Whisper window of "
                 f"{self.mel.chunk_length} s; transcribe it through /v1/audio/transcriptions "
@@ -112,6 +135,15 @@ class WhisperProcessor(ProcessorDefaults):
             raise MediaError("audio 1 contains no samples")
         return clip
 
-    def _features(self, clip: AudioClip) -> dict:
-        mel = self.extractor([clip.samples])
-        return {"input_features": mel.features[0], "num_frames": self.mel.window_frames}
+    def _features(self, clip: AudioClip, first: int | None) -> dict:
+        if first is None:
+            features = self.extractor([clip.samples]).features[0]
+        else:  # a window of the whole clip's features, computed once per clip
+            whole = hash_audio(clip, model_id=self.model_id, processor_kwargs=asdict(self.mel)
+                               | {"clip_window": "all"})
+            features = self.extractor.window_of(self.cache.get_or_compute(whole, partial(
+                self._clip_features, clip))["clip_features"], first)
+        return {"input_features": features, "num_frames": self.mel.window_frames}
+
+    def _clip_features(self, clip: AudioClip) -> dict:
+        return {"clip_features": self.extractor.clip_features(clip.samples)}
