@@ -244,10 +244,11 @@ class _Parser:
         first = pos = self.pos
         count = 0
         while count < n:  # one tight loop: only the lengths
-            if pos + 8 > end or pos + 8 + length(data, pos)[0] > end:
+            size = length(data, pos)[0] if pos + 8 <= end else end
+            if pos + 8 + size > end:
                 self.pos = pos
-                self.take(8 if pos + 8 > end else 8 + length(data, pos)[0])  # the truncation
-            pos += 8 + length(data, pos)[0]
+                self.take(8 + size if pos + 8 <= end else 8)  # names the truncation
+            pos += 8 + size
             count += 1
         self.pos = pos
         array = StringArray(bytes(data[first:pos]), n, self.where, self.name)
