@@ -120,11 +120,11 @@ def _load(path: Path, hf_config, model_cls: type[LanguageModel],
     summary = ""
     try:
         if is_gguf(path):
-            kept = (weight_cache.repacks_path(path) if device.type == "cpu"
-                    and quantizer is None and not config.dequantize_gguf else None)
+            entry = (weight_cache.repacks_path(path) if device.type == "cpu"
+                     and quantizer is None and not config.dequantize_gguf else None)
+            kept = None if entry is None else weight_cache.KeptRepacks(entry, path)
             model, summary = load_gguf(path, hf_config, factory, device, dtype, quantizer, defer,
-                                       config.dequantize_gguf, mmproj, progress, reading,
-                                       None if kept is None else weight_cache.KeptRepacks(kept))
+                                       config.dequantize_gguf, mmproj, progress, reading, kept)
         elif is_ctranslate2(path):  # a CTranslate2 Whisper folder (faster-whisper's)
             with progress.step(reading):
                 model = load_ctranslate2(path, factory, device, dtype, quantizer)

@@ -92,11 +92,13 @@ def repacks_path(path: Path) -> Path | None:
 class KeptRepacks:
     """A GGUF file's repacked blocks kept in an entry (models.gguf.repacks.RepackStore): what
     the entry holds is read back as views of its mapping; what is put is written, with it, by
-    `save` (a new entry replacing the old one). An entry that cannot be read is logged and
-    removed (its blocks are repacked anew)."""
+    `save` (a new entry replacing the old one, and removing the entries kept for an earlier
+    state of the same file: another size or modification time, an older layout). An entry
+    that cannot be read is logged and removed (its blocks are repacked anew)."""
 
-    def __init__(self, entry: Path) -> None:
-        self.entry = entry
+    def __init__(self, entry: Path, source: Path) -> None:
+        """`entry`: where (repacks_path); `source`: the GGUF file the blocks come from."""
+        self.entry, self.source = entry, str(Path(source).resolve())
         self._blocks: dict[str, tuple[str, torch.Tensor]] = {}
         self._new: set[str] = set()
         self._mapping: mapped_files.MappedFile | None = None
@@ -126,8 +128,9 @@ class KeptRepacks:
         if not self._new:
             return True
         tensors = {key: blocks for key, (_, blocks) in self._blocks.items()}
-        metadata = {"format": str(FORMAT), "aliases": "{}", "layouts": json.dumps(
-            {key: layout for key, (layout, _) in self._blocks.items()})}
+        metadata = {"format": str(FORMAT), "aliases": "{}", "source": self.source,
+                    "layouts": json.dumps(
+                        {key: layout for key, (layout, _) in self._blocks.items()})}
         tmp = self.entry.with_suffix(f".tmp{os.getpid()}")
         try:
             self.entry.parent.mkdir(parents=True, exist_ok=True)
@@ -141,7 +144,20 @@ class KeptRepacks:
         self._new.clear()
         log.info("repacked blocks kept in %s (%.0f MiB): the next start reads them back",
                  self.entry, self.entry.stat().st_size / 2**20)
+        self._remove_stale()
         return True
+
+    def _remove_stale(self) -> None:
+        """Remove the other entries kept for this file (its earlier states: they would never
+        be read again, and each is as large as the file's repacked blocks)."""
+        for other in self.entry.parent.glob("*.repacked.safetensors"):
+            try:
+                source = (safetensors_header(other).get("__metadata__") or {}).get("source")
+            except Exception:  # noqa: BLE001 - not an entry we can read: not ours to remove
+                continue
+            if other != self.entry and source == self.source:
+                other.unlink(missing_ok=True)
+                log.info("removed %s, kept for an earlier state of %s", other, self.source)
 
     def mappings(self) -> list[mapped_files.MappedFile]:
         return [self._mapping] if self._mapping is not None else []

@@ -66,6 +66,12 @@ def _entries(folder):
     return sorted(folder.glob("*.repacked.safetensors"))
 
 
+def _source(entry) -> str:
+    from models.checkpoint import safetensors_header
+
+    return safetensors_header(entry)["__metadata__"]["source"]
+
+
 def test_the_second_start_maps_the_kept_blocks(tied_file, cache, monkeypatch):
     first = LLM(tied_file, max_model_len=128)
     entry, = _entries(cache)
@@ -104,17 +110,23 @@ def test_the_second_start_maps_the_kept_blocks(tied_file, cache, monkeypatch):
 
 def test_a_changed_file_misses_and_a_corrupt_entry_is_rebuilt(tied_file, cache, tmp_path,
                                                               caplog):
+    """A changed file (its modification time) misses and replaces its earlier entry (another
+    file of the same name keeps its own); a truncated entry is removed and rebuilt."""
     path = tmp_path / "copy.gguf"
     path.write_bytes(tied_file.read_bytes())
     tokens = _tokens(LLM(path, max_model_len=128))
     entry, = _entries(cache)
     size = entry.stat().st_size
     stat = path.stat()
+    other = tmp_path / "other" / "copy.gguf"  # the same name, another file: kept apart
+    other.parent.mkdir()
+    other.write_bytes(tied_file.read_bytes())
+    assert _tokens(LLM(other, max_model_len=128)) == tokens
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # "changed"
     assert _tokens(LLM(path, max_model_len=128)) == tokens
-    entries = _entries(cache)
-    assert len(entries) == 2 and entry in entries
-    new = next(e for e in entries if e != entry)
+    entries = _entries(cache)  # the entry of the file's earlier state removed, the other kept
+    assert len(entries) == 2 and entry not in entries
+    new, = [e for e in entries if _source(e) == str(path.resolve())]
     with open(new, "r+b") as f:
         f.truncate(size // 2)
     with caplog.at_level(logging.WARNING):
