@@ -104,7 +104,7 @@ def test_decoder_prompt_is_what_generate_forces(tokens, llm):
 def test_features_match_the_feature_extractor(llm, whisper_path):
     proc = llm.engine.processor.mm_processor
     for clip in CLIPS.values():
-        ours = proc._features(AudioClip(clip, RATE), None)["input_features"]
+        ours = proc._features(AudioClip(clip, RATE), "", None)["input_features"]
         torch.testing.assert_close(ours, features(whisper_path, clip)[0], atol=2e-5, rtol=0)
 
 
@@ -113,10 +113,13 @@ def test_a_long_clips_windows_are_slices_of_its_whole_features(llm, whisper_path
     segment input (the whole clip's features, unpadded, sliced from the window's frame and
     zero-padded past the clip's end), and its greedy tokens, through the request
     engine.transcription sends, those of transformers' generate on that input."""
+    from dataclasses import asdict
+
     import torch.nn.functional as F
     from transformers import WhisperFeatureExtractor
 
     from engine.transcription import FRAME, WindowAudio, _request
+    from models.processing.hashing import hash_audio
 
     clip = noise(41.0, 3)
     whole = WhisperFeatureExtractor.from_pretrained(whisper_path)(
@@ -124,11 +127,13 @@ def test_a_long_clips_windows_are_slices_of_its_whole_features(llm, whisper_path
         padding="longest").input_features
     assert whole.shape[-1] == len(clip) // FRAME
     proc = llm.engine.processor.mm_processor
+    digest = hash_audio(AudioClip(clip, RATE), model_id=proc.model_id,
+                        processor_kwargs=asdict(proc.mel))
     segments = {}
     for first in (0, 1234, 3000):  # 3000: the second window, 1,100 frames then zeros
         part = whole[:, :, first:first + 3000]
         segments[first] = F.pad(part, (0, 3000 - part.shape[-1]))
-        ours = proc._features(AudioClip(clip, RATE), first)["input_features"]
+        ours = proc._features(AudioClip(clip, RATE), digest, first)["input_features"]
         torch.testing.assert_close(ours, segments[first][0], atol=2e-5, rtol=0)
     prompt = decoder_prompt(tokens, "en")
     audio = WindowAudio.of(clip, 3000 * FRAME)

@@ -61,6 +61,14 @@ def hash_audio(
     return fields.hexdigest()
 
 
+def hash_part(identity: str, **part: Any) -> str:
+    """Hex digest of a part (say one window of a clip, `clip_window=3000`) of an item whose own
+    digest is `identity`: the item's samples are not read again."""
+    fields = _Fields("part", "", part)
+    fields.text("item", identity)
+    return fields.hexdigest()
+
+
 def hash_item(
     modality: str,
     item: Image.Image | VideoFrames | AudioClip,

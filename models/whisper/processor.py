@@ -34,7 +34,7 @@ from models.interfaces import (
     PromptPlan,
 )
 from models.processing.base import ProcessedCache, ProcessorDefaults
-from models.processing.hashing import hash_audio
+from models.processing.hashing import hash_audio, hash_part
 from models.processing.log_mel import FEATURE_EXTRACTOR, LogMelExtractor, MelConfig
 from models.processing.options import OptionRange, check_mm_kwargs
 
@@ -89,10 +89,10 @@ class WhisperProcessor(ProcessorDefaults):
         first = check_mm_kwargs(mm_kwargs, OPTIONS, "Whisper").get("clip_window")
         clip = self._clip(token_ids, media, first)
         stages: dict[str, float] = {}
-        settings = asdict(self.mel)
-        identifier = hash_audio(clip, model_id=self.model_id, processor_kwargs=settings | (
-            {} if first is None else {"clip_window": first}))
-        data = self.cache.get_or_compute(identifier, partial(self._features, clip, first))
+        whole = hash_audio(clip, model_id=self.model_id, processor_kwargs=asdict(self.mel))
+        identifier = whole if first is None else hash_part(whole, clip_window=first)
+        data = self.cache.get_or_compute(identifier, partial(self._features, clip, whole,
+                                                             first))
         seconds = clip.duration_s
         part = f"{seconds:.1f} s in a {self.mel.chunk_length} s window, cross-attended"
         if first is not None:
@@ -135,14 +135,15 @@ class WhisperProcessor(ProcessorDefaults):
             raise MediaError("audio 1 contains no samples")
         return clip
 
-    def _features(self, clip: AudioClip, first: int | None) -> dict:
+    def _features(self, clip: AudioClip, whole: str, first: int | None) -> dict:
+        """The window's features (`whole`: the clip's digest; `first`: the window's first
+        frame in a longer clip, whose features are computed once and kept)."""
         if first is None:
             features = self.extractor([clip.samples]).features[0]
-        else:  # a window of the whole clip's features, computed once per clip
-            whole = hash_audio(clip, model_id=self.model_id, processor_kwargs=asdict(self.mel)
-                               | {"clip_window": "all"})
-            features = self.extractor.window_of(self.cache.get_or_compute(whole, partial(
-                self._clip_features, clip))["clip_features"], first)
+        else:
+            features = self.extractor.window_of(self.cache.get_or_compute(
+                hash_part(whole, clip_window="all"), partial(self._clip_features, clip))[
+                "clip_features"], first)
         return {"input_features": features, "num_frames": self.mel.window_frames}
 
     def _clip_features(self, clip: AudioClip) -> dict:

@@ -547,22 +547,17 @@ static inline __attribute__((always_inline)) void q80_rows(
         (void)rows;                                                                            \
         FN(group, nb, a, R, TWO, out);                                                         \
     }
-X8(q4k_one_1, q4k_rows, 1, 0)
-X8(q4k_one_2, q4k_rows, 1, 1)
-X8(q4k_many_1, q4k_rows, rows, 0)
-X8(q4k_many_2, q4k_rows, rows, 1)
-X8(q6k_one_1, q6k_rows, 1, 0)
-X8(q6k_one_2, q6k_rows, 1, 1)
-X8(q6k_many_1, q6k_rows, rows, 0)
-X8(q6k_many_2, q6k_rows, rows, 1)
-X8(q50_one_1, q50_rows, 1, 0)
-X8(q50_one_2, q50_rows, 1, 1)
-X8(q50_many_1, q50_rows, rows, 0)
-X8(q50_many_2, q50_rows, rows, 1)
-X8(q80_one_1, q80_rows, 1, 0)
-X8(q80_one_2, q80_rows, 1, 1)
-X8(q80_many_1, q80_rows, rows, 0)
-X8(q80_many_2, q80_rows, rows, 1)
+/* the four of one layout's rows kernel */
+#define X8_ALL(T)                                                                              \
+    X8(T##_one_1, T##_rows, 1, 0)                                                              \
+    X8(T##_one_2, T##_rows, 1, 1)                                                              \
+    X8(T##_many_1, T##_rows, rows, 0)                                                          \
+    X8(T##_many_2, T##_rows, rows, 1)
+X8_ALL(q4k)
+X8_ALL(q6k)
+X8_ALL(q50)
+X8_ALL(q80)
+#undef X8_ALL
 #undef X8
 
 typedef void (*x8_fn)(const uint8_t*, int64_t, const ggml_act_row*, int, float*);
