@@ -1,19 +1,24 @@
 """A/B of our CPU kernels' sources: a git revision's build against the working tree's, side by
 side in one process, on a model's linear shapes at chosen row counts.
 
-    python -m bench.kernel_ab [--base HEAD] [--kernel gemm|gemm_int4|linear_rows|ggml]
-        [--rows 16,33,64,128,313,1024] [--shapes qwen2.5-vl-3b|qwen2.5-vl-3b-tower]
+    python -m bench.kernel_ab [--base HEAD] [--kernel gemm|gemm_int4|linear_rows|ggml|linear|
+        linear_int8|linear_int4] [--rows 16,33,64,128,313,1024]
+        [--shapes qwen2.5-vl-3b|qwen2.5-vl-3b-tower|qwen2.5-1.5b]
         [--rounds 9] [--threads 2] [--ggml-type Q4_K] [--digits 2]
 
 The working tree's library is the one the engine loads (models.kernels.native.load); the other is
 compiled from models/kernels/cpu as it is at `--base`, as the same variant with the same flags and
 OpenMP runtime, and loaded beside it. Each round calls the kernel once on every shape of the
-set (bfloat16 weights and x; int4 weights quantized at group 64; `ggml`: the decode
+set (bfloat16 weights and x; int8 and int4 weights quantized at group 64, the engine's default;
+`linear`, `linear_int8`, `linear_int4`: the decode matrix-vector kernels, at a decode's and a
+verify's rows, e.g. `--rows 1,2,5,9 --shapes qwen2.5-1.5b`; `ggml`: the decode
 matrix-vector kernel mm_ggml_linear on random blocks of `--ggml-type`, rows up to 16, the
 working tree's in the layout it repacks the type to, if any),
 alternating between the two builds; per row count it prints each side's median GFLOP/s and
-the median per-round ratio (> 1: the working tree is faster). A build compared with itself
-reads 0.97-1.06 on a shared 2-core machine: smaller differences are noise there.
+the median per-round ratio (> 1: the working tree is faster), and with a row count of 1 asked,
+each side's time at every row count over its time at one row (a verify's cost). A build
+compared with itself reads 0.97-1.06 on a shared 2-core machine: smaller differences are noise
+there.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from bench.common import machine, median, print_table
 SHAPES = {  # name: [(out_features, in_features)]
     "qwen2.5-vl-3b": [(2560, 2048), (2048, 2048), (22016, 2048), (2048, 11008)],
     "qwen2.5-vl-3b-tower": [(3840, 1280), (1280, 1280), (6840, 1280), (1280, 3420)],
+    "qwen2.5-1.5b": [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)],
 }
 GROUP = 64
 
@@ -77,7 +83,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", default="HEAD")
     parser.add_argument("--kernel", default="gemm",
-                        choices=("gemm", "gemm_int4", "linear_rows", "ggml"))
+                        choices=("gemm", "gemm_int4", "linear_rows", "ggml", "linear",
+                                 "linear_int8", "linear_int4"))
     parser.add_argument("--rows", default="16,33,64,128,313,1024")
     parser.add_argument("--shapes", default="qwen2.5-vl-3b", choices=sorted(SHAPES))
     parser.add_argument("--rounds", type=int, default=9)
@@ -89,7 +96,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from models.kernels import native
-    from models.kernels.quantization import pack_int4, quantize_int4
+    from models.kernels.quantization import pack_int4, quantize_int4, quantize_int8
 
     with tempfile.TemporaryDirectory() as tmp:  # the loaded library stays mapped
         sides = {args.base: build_at(args.base, Path(tmp)),
@@ -97,9 +104,11 @@ def main() -> None:
     shapes = SHAPES[args.shapes]
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen).to(torch.bfloat16) for n, k in shapes]
-    if args.kernel == "gemm_int4":
+    if args.kernel in ("gemm_int4", "linear_int4"):
         quantized = [quantize_int4(w.float(), GROUP) for w in weights]
         weights = [(pack_int4(q), sz) for q, sz in quantized]
+    if args.kernel == "linear_int8":
+        weights = [quantize_int8(w.float(), GROUP) for w in weights]
     if args.kernel == "ggml":
         from bench.ggml_kernels import random_blocks
         from models.kernels import ggml_blocks
@@ -117,6 +126,10 @@ def main() -> None:
     def call(kernels, x, w):
         if args.kernel == "gemm_int4":
             return kernels.gemm_int4(x, w[0], w[1], GROUP)
+        if args.kernel == "linear_int4":
+            return kernels.linear_int4(x, w[0], w[1], GROUP)
+        if args.kernel == "linear_int8":
+            return kernels.linear(x, w[0], w[1])
         if args.kernel == "ggml":
             blocks, code = w[args.base if kernels is sides[args.base] else "working tree"]
             m, k = x.shape
@@ -128,7 +141,7 @@ def main() -> None:
             return y
         return getattr(kernels, args.kernel)(x, w)
 
-    table = []
+    table, one_row = [], {}
     rows_asked = [int(r) for r in args.rows.split(",")]
     if args.kernel == "ggml" and max(rows_asked) > 16:
         parser.error("--kernel ggml takes rows up to 16 (a decode step's or a verify's)")
@@ -149,14 +162,19 @@ def main() -> None:
         flops = sum(2 * rows * n * k for n, k in shapes)
         ratio = median([b / a for b, a in zip(seconds[args.base], seconds["working tree"],
                                               strict=True)])
+        if rows == 1:
+            one_row = {name: median(s) for name, s in seconds.items()}
+        over_one = [f"{median(s) / one_row[name]:.2f}x" if one_row else "-"
+                    for name, s in seconds.items()]
         table.append((rows, *(f"{flops / median(s) / 1e9:.1f}" for s in seconds.values()),
-                      f"{ratio:.3f}"))
+                      f"{ratio:.3f}", *over_one))
     what = (f"ggml {args.ggml_type}, {args.digits} digits" if args.kernel == "ggml"
             else args.kernel)
     print(f"\nmachine: {machine()}; {what} on {args.shapes}'s linears, bfloat16 x, "
           f"{args.threads} threads, medians of {args.rounds} alternating rounds")
     print_table(table, ("rows", f"{args.base} GFLOP/s", "working tree GFLOP/s",
-                        "working tree faster by"))
+                        "working tree faster by", f"{args.base} x 1 row",
+                        "working tree x 1 row"))
 
 
 if __name__ == "__main__":

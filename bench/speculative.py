@@ -14,7 +14,8 @@ correction of a given paragraph, and free chat; greedy, the same prompt for ever
 
     python -m bench.speculative                    # every pair and task, then the cost table
     python -m bench.speculative --verify-cost      # the cost table only (k = 1..8; the
-                                                   # blocks as stored, bfloat16, int8, int4)
+                                                   # blocks as stored, bfloat16, int8, int4;
+                                                   # --weights int4 for one of them)
     python -m bench.speculative --smoke            # tiny random models: the script runs
 """
 
@@ -166,9 +167,9 @@ WEIGHTS = {"as stored": {}, "bfloat16": {"dequantize_gguf": True, "dtype": "bflo
 
 
 def verify_cost(target: Path, steps: int, weights: str = "as stored") -> list[tuple]:
-    """Median seconds of a verify step of one request with k drafts (k = 1..8) against a plain
-    decode step of it, at a context of ~200 tokens; the engine's own runner, one step each;
-    the weights as `WEIGHTS[weights]` says."""
+    """Median milliseconds of a verify step of one request with k drafts (k = 1..8) and the
+    median of its ratios to the plain decode step of the same round, at a context of ~200
+    tokens; the engine's own runner, one step each; the weights as `WEIGHTS[weights]` says."""
     from engine import LLM, SamplingParams
     from engine.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -190,11 +191,18 @@ def verify_cost(target: Path, steps: int, weights: str = "as stored") -> list[tu
         engine.runner.execute(SchedulerOutput([chunk]))
         return time.perf_counter() - t0
 
-    plain = median([step(0) for _ in range(steps)])
-    rows = [(weights, 0, plain * 1e3, 1.0)]
-    for k in range(1, 9):
-        t = median([step(k) for _ in range(steps)])
-        rows.append((weights, k, t * 1e3, t / plain))
+    # rounds of every k in turn, each verify against the plain step of its own round: this
+    # machine's memory bandwidth drifts over seconds, which a block of one k's steps would read
+    # as that k's cost
+    step(0)
+    times: dict[int, list[float]] = {k: [] for k in range(9)}
+    for _ in range(steps):
+        for k in times:
+            times[k].append(step(k))
+    rows = []
+    for k, samples in times.items():
+        ratio = median([t / plain for t, plain in zip(samples, times[0], strict=True)])
+        rows.append((weights, k, median(samples) * 1e3, ratio))
     return rows
 
 
@@ -203,9 +211,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128, help="tokens generated per run")
     parser.add_argument("--runs", type=int, default=3, help="runs per engine (median)")
     parser.add_argument("--verify-cost", action="store_true", help="only the cost table")
+    parser.add_argument("--weights", default=",".join(WEIGHTS),
+                        help=f"the cost table's weights, of {', '.join(WEIGHTS)}")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny random checkpoints, 8 tokens, 1 run: the script runs")
     args = parser.parse_args()
+    chosen = [w.strip() for w in args.weights.split(",")]
+    if unknown := [w for w in chosen if w not in WEIGHTS]:
+        parser.error(f"--weights: {unknown} not among {list(WEIGHTS)}")
     print(machine())
     if args.smoke:
         target = draft = _smoke_checkpoint()
@@ -233,7 +246,7 @@ def main() -> None:
                                 args.runs, small),
                         ("task", "engine (SmolLM2-135M)", "decode tok/s", "x plain",
                          "accepted", "same text"))
-    print_table([row for weights in WEIGHTS for row in verify_cost(target, 5, weights)],
+    print_table([row for weights in chosen for row in verify_cost(target, 9, weights)],
                 ("weights", "k", "step ms", "x plain step"))
 
 

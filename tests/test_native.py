@@ -144,9 +144,8 @@ def test_int8_linear_matches_the_dequantized_weight(kernels, k, rows):
     x[:, 3] *= 200  # an outlier channel: its 64-wide block's scale grows, the others' do not
     ref = x.double() @ dequantize_int8(q, scales, torch.float64).t()
     out = kernels.linear(x, q, scales)
-    # One row: the VNNI path writes activations as two int8 digits per 64-block, within
-    # max|x| / 65024; several rows: two bfloat16 planes per float32 activation, within
-    # |x| / 2^16.
+    # With VDPBF16PS: two bfloat16 planes per float32 activation, within |x| / 2^16; with VNNI
+    # alone: two int8 digits per 64-block, within max|x| / 65024.
     err = (out.double() - ref).norm() / ref.norm()
     assert err < 1e-4, err
     out_bf16 = kernels.linear(x.to(torch.bfloat16), q, scales)
@@ -189,23 +188,33 @@ def test_int4_linear_matches_the_dequantized_weight(kernels, generic, group, row
                                atol=0.005 * ref_bf16.abs().max().item())
 
 
+def every_weight_kind(kernels, gen: torch.Generator, k: int, odd: bool = False) -> dict:
+    """Each weight kind's matrix-vector call on random weights of `k` inputs (int8 and int4
+    scales per 32): 128 output channels, or with `odd` 191 (float) and 193 (int8) where the
+    kernel takes any count (int4 takes multiples of 64: 192)."""
+    n, n8, n4 = (191, 193, 192) if odd else (128, 128, 128)
+    w = torch.randn(n4, k, generator=gen)
+    q, scales_and_zeros = quantize_int4(w, 32)
+    packed = pack_int4(q)
+    i8 = torch.randint(-127, 128, (n8, k), dtype=torch.int8, generator=gen)
+    channel_scales = torch.rand(n8, generator=gen).to(torch.bfloat16)
+    group_scales = torch.rand(n8, k // 32, generator=gen).to(torch.bfloat16)
+    return {
+        "float32": lambda x: kernels.linear(x, w[:n]),
+        "bfloat16": lambda x: kernels.linear(x, w[:n].to(torch.bfloat16)),
+        "int8": lambda x: kernels.linear(x, i8, channel_scales),
+        "int8 grouped": lambda x: kernels.linear(x, i8, group_scales),
+        "int4": lambda x: kernels.linear_int4(x, packed, scales_and_zeros, 32),
+        "int4 plain": lambda x: kernels.linear_int4(x, packed, scales_and_zeros, 32,
+                                                    generic=True)}
+
+
 def test_a_small_linear_on_the_calling_thread_alone_gives_the_same_bits(kernels):
     """Under SOLO_BYTES of work (rows x weight bytes) a linear runs on the calling thread alone
     (kernels.h, team_threads; the tests otherwise put every call on a team): the same values
     to the bit as its team's, for every weight kind, and past the bound on a team again."""
     gen = torch.Generator().manual_seed(5)
-    w = torch.randn(128, 256, generator=gen)
-    q, scales_and_zeros = quantize_int4(w, 32)
-    packed = pack_int4(q)
-    i8 = torch.randint(-127, 128, (128, 256), dtype=torch.int8, generator=gen)
-    channel_scales = torch.rand(128, generator=gen).to(torch.bfloat16)
-    group_scales = torch.rand(128, 8, generator=gen).to(torch.bfloat16)
-    calls = {
-        "float32": lambda x: kernels.linear(x, w),
-        "bfloat16": lambda x: kernels.linear(x, w.to(torch.bfloat16)),
-        "int8": lambda x: kernels.linear(x, i8, channel_scales),
-        "int8 grouped": lambda x: kernels.linear(x, i8, group_scales),
-        "int4": lambda x: kernels.linear_int4(x, packed, scales_and_zeros, 32)}
+    calls = every_weight_kind(kernels, gen, 256)
     for rows in (1, 3, 200):  # 200 rows x 128 KiB of float32 weight: past the bound
         x = torch.randn(rows, 256, generator=gen)
         try:
@@ -217,6 +226,22 @@ def test_a_small_linear_on_the_calling_thread_alone_gives_the_same_bits(kernels)
             kernels.set_solo_bytes(int(os.environ.get(native.SOLO_ENV, native.SOLO_BYTES)))
         for name in calls:
             assert torch.equal(alone[name], on_team[name]), (name, rows)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_each_row_of_a_call_is_the_one_row_calls_to_the_bit(kernels, x_dtype):
+    """A verify's rows (a request's last token and its drafts) share one call of the
+    matrix-vector kernels, whose tiles share the weights' loads and unpacking among rows: each
+    row must still sum as a decode of its token alone does, for every weight kind, at row
+    counts that fill the tiles and leave remainders, with an odd channel count where the
+    kernel takes one, and 352 inputs (the bfloat16 kernel's 64s and a 32 left)."""
+    gen = torch.Generator().manual_seed(11)
+    calls = every_weight_kind(kernels, gen, 352, odd=True)
+    for rows in (2, 3, 4, 5, 6, 9):
+        x = torch.randn(rows, 352, generator=gen).to(x_dtype)
+        for name, call in calls.items():
+            alone = torch.cat([call(x[i:i + 1]) for i in range(rows)])
+            assert torch.equal(call(x), alone), (name, rows)
 
 
 def test_int4_linear_reads_pytorchs_channel_order(kernels):

@@ -229,44 +229,52 @@ static inline void prefetch_ahead(const void* p, int bytes) {
 /* ---- the vector matrix-vector linear (AVX2 / NEON), per weight type ---- */
 
 #if defined(MM_AVX2)
-/* x [M, K] float32 . W[N, K]^T: per output channel, two rows of x at a time, each dot product
- * in four accumulators of 8 (latency-bound chains otherwise), 32 weights per step converted in
- * registers by LOAD8(w, j) (8 weights from element j as __m256). */
+static inline float hsum8(__m256 v);
+/* x [M, K] float32 . W[N, K]^T: per output channel, up to three rows of x at a time (a
+ * verify's rows share each converted weight vector; 12 accumulators and the weights fill the
+ * 16 registers), each dot product in four accumulators of 8 (latency-bound chains otherwise),
+ * 32 weights per step converted in registers by LOAD8(w, j) (8 weights from element j as
+ * __m256). Each row's sums are the same whatever the rows beside it. */
 #define LINEAR_VEC(NAME, WTYPE, LOAD8)                                                         \
+    static inline __attribute__((always_inline)) void NAME##_rows(                            \
+        const float* x, int64_t k, const WTYPE* wr, float scale, float* s, const int R) {     \
+        const int64_t body = k / 32 * 32;                                                      \
+        __m256 a[3][4];                                                                        \
+        for (int i = 0; i < R; i++)                                                            \
+            for (int q = 0; q < 4; q++) a[i][q] = _mm256_setzero_ps();                         \
+        for (int64_t j = 0; j < body; j += 32) {                                               \
+            prefetch_ahead(wr + j, 32 * (int)sizeof(WTYPE));                                   \
+            for (int q = 0; q < 4; q++) {                                                      \
+                const __m256 wv = LOAD8(wr, j + 8 * q);                                        \
+                for (int i = 0; i < R; i++)                                                    \
+                    a[i][q] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i * k + j + 8 * q),      \
+                                              a[i][q]);                                        \
+            }                                                                                  \
+        }                                                                                      \
+        for (int i = 0; i < R; i++) {                                                          \
+            float t = hsum8(_mm256_add_ps(_mm256_add_ps(a[i][0], a[i][1]),                     \
+                                          _mm256_add_ps(a[i][2], a[i][3])));                   \
+            for (int64_t j = body; j < k; j++) t += x[i * k + j] * (float)LOAD_SCALAR(wr, j);  \
+            s[i] = t * scale;                                                                  \
+        }                                                                                      \
+    }                                                                                          \
     static int NAME(const void* x, int x_dtype, const WTYPE* w, const uint16_t* scales,       \
                     void* y, int64_t m, int64_t n, int64_t k) {                                \
         int owned;                                                                             \
         const float* xf = as_f32(x, x_dtype, m * k, &owned);                                   \
-        const int64_t body = k / 32 * 32;                                                      \
         _Pragma("omp for schedule(static) nowait")                                             \
         for (int64_t r = 0; r < n; r++) {                                                      \
             if (xf == NULL) continue;                                                          \
             const WTYPE* wr = w + r * k;                                                       \
             const float scale = scales ? bf16_to_f32(scales[r]) : 1.0f;                        \
-            for (int64_t i0 = 0; i0 < m; i0 += 2) {                                            \
-                const int two = i0 + 1 < m;                                                    \
+            for (int64_t i0 = 0; i0 < m; i0 += 3) {                                            \
                 const float* x0 = xf + i0 * k;                                                 \
-                const float* x1 = two ? x0 + k : x0;                                           \
-                __m256 a[4], b[4];                                                             \
-                for (int q = 0; q < 4; q++) a[q] = b[q] = _mm256_setzero_ps();                 \
-                for (int64_t j = 0; j < body; j += 32) {                                       \
-                    prefetch_ahead(wr + j, 32 * (int)sizeof(WTYPE));                           \
-                    for (int q = 0; q < 4; q++) {                                              \
-                        const __m256 wv = LOAD8(wr, j + 8 * q);                                \
-                        a[q] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x0 + j + 8 * q), a[q]);     \
-                        b[q] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x1 + j + 8 * q), b[q]);     \
-                    }                                                                          \
-                }                                                                              \
-                float s0 = hsum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]),                      \
-                                               _mm256_add_ps(a[2], a[3])));                    \
-                float s1 = hsum8(_mm256_add_ps(_mm256_add_ps(b[0], b[1]),                      \
-                                               _mm256_add_ps(b[2], b[3])));                    \
-                for (int64_t j = body; j < k; j++) {                                           \
-                    const float wv = (float)LOAD_SCALAR(wr, j);                                \
-                    s0 += x0[j] * wv, s1 += x1[j] * wv;                                        \
-                }                                                                              \
-                store(y, x_dtype, i0 * n + r, s0 * scale);                                     \
-                if (two) store(y, x_dtype, (i0 + 1) * n + r, s1 * scale);                      \
+                float s[3];                                                                    \
+                const int rows = m - i0 < 3 ? (int)(m - i0) : 3;                               \
+                if (rows == 3) NAME##_rows(x0, k, wr, scale, s, 3);                            \
+                else if (rows == 2) NAME##_rows(x0, k, wr, scale, s, 2);                       \
+                else NAME##_rows(x0, k, wr, scale, s, 1);                                      \
+                for (int i = 0; i < rows; i++) store(y, x_dtype, (i0 + i) * n + r, s[i]);      \
             }                                                                                  \
         }                                                                                      \
         if (owned) free((void*)xf);                                                            \

@@ -64,21 +64,24 @@ static void i4_block_float(const float* xf, const float* xsum, const uint8_t* wb
  * accumulator through another register (and spills) around each dot product. */
 #define DPBUSD(ACC, A, B) __asm__("vpdpbusd %2, %1, %0" : "+v"(ACC) : "v"(A), "v"(B))
 
-/* One row of x and one block of 64 channels: per step of 4 inputs, two 64-byte loads of 16
- * columns each; their low nibbles are channels 0 .. 15 and 16 .. 31, their high ones 32 .. 47
+/* Rows [0, R) of x and one block of 64 channels: per step of 4 inputs, two 64-byte loads of
+ * 16 columns each; their low nibbles are channels 0 .. 15 and 16 .. 31, their high ones 32 .. 47
  * and 48 .. 63, each 32-bit lane the channel's four inputs: the unsigned operand of VPDPBUSD,
- * against the four digits broadcast. Written out per register, so that the 8 accumulators stay
- * in registers. */
-static inline void i4_block_vnni(const int8_t* hd, const int8_t* ld, const float* gscale,
-                                 const float* xsum, const uint8_t* wb, const uint16_t* sz,
-                                 float* out, int64_t n, int64_t k, int64_t group, int64_t b) {
+ * against each row's four digits broadcast. The nibbles are unpacked once per step for all R
+ * rows (a verify's rows share them); each row keeps its own 8 integer accumulators per group
+ * (in registers: R <= 3) and meets its group's scales in out's float sums, touched once per
+ * group. A row's arithmetic is the same whatever R: each row's result is the one-row call's. */
+static inline __attribute__((always_inline)) void i4_rows_vnni(
+    const int8_t* digits, const float* gscale, const float* xsum, const uint8_t* wb,
+    const uint16_t* sz, float* out, int64_t n, int64_t k, int64_t group, int64_t b, const int R) {
     const int64_t groups = k / group;
     const __m512i nibble = _mm512_set1_epi8(15);
-    const __m512i zero_i = _mm512_setzero_si512();
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    float* o = out + b * I4_BLOCK_N;
+    for (int r = 0; r < R; r++) memset(o + r * n, 0, sizeof(float) * I4_BLOCK_N);
     for (int64_t g = 0; g < groups; g++) {
-        __m512i h0 = zero_i, h1 = zero_i, h2 = zero_i, h3 = zero_i;
-        __m512i l0 = zero_i, l1 = zero_i, l2 = zero_i, l3 = zero_i;
+        __m512i h[3][4], l[3][4];
+        for (int r = 0; r < R; r++)
+            for (int q = 0; q < 4; q++) h[r][q] = l[r][q] = _mm512_setzero_si512();
         const uint8_t* p = wb + g * group / 4 * I4_STEP;
         for (int64_t kk = g * group; kk < (g + 1) * group; kk += 4, p += I4_STEP) {
             prefetch_ahead(p, I4_STEP);
@@ -87,40 +90,54 @@ static inline void i4_block_vnni(const int8_t* hd, const int8_t* ld, const float
             const __m512i w1 = _mm512_and_si512(c, nibble);
             const __m512i w2 = _mm512_and_si512(_mm512_srli_epi16(a, 4), nibble);
             const __m512i w3 = _mm512_and_si512(_mm512_srli_epi16(c, 4), nibble);
-            int32_t h4, l4;
-            memcpy(&h4, hd + kk, 4);
-            memcpy(&l4, ld + kk, 4);
-            const __m512i hv = _mm512_set1_epi32(h4), lv = _mm512_set1_epi32(l4);
-            DPBUSD(h0, w0, hv); DPBUSD(l0, w0, lv);
-            DPBUSD(h1, w1, hv); DPBUSD(l1, w1, lv);
-            DPBUSD(h2, w2, hv); DPBUSD(l2, w2, lv);
-            DPBUSD(h3, w3, hv); DPBUSD(l3, w3, lv);
+            for (int r = 0; r < R; r++) {
+                int32_t h4, l4;
+                memcpy(&h4, digits + 2 * r * k + kk, 4);
+                memcpy(&l4, digits + (2 * r + 1) * k + kk, 4);
+                const __m512i hv = _mm512_set1_epi32(h4), lv = _mm512_set1_epi32(l4);
+                DPBUSD(h[r][0], w0, hv); DPBUSD(l[r][0], w0, lv);
+                DPBUSD(h[r][1], w1, hv); DPBUSD(l[r][1], w1, lv);
+                DPBUSD(h[r][2], w2, hv); DPBUSD(l[r][2], w2, lv);
+                DPBUSD(h[r][3], w3, hv); DPBUSD(l[r][3], w3, lv);
+            }
         }
         /* (scale, zero) pairs of 16 channels per register, the scale in each lane's low half */
         const uint16_t* s = sz + (g * n + b * I4_BLOCK_N) * 2;
-        const __m512 sr = _mm512_set1_ps(gscale[g]), xs = _mm512_set1_ps(xsum[g]);
-#define I4_FINISH(ACC, H, L, AT)                                                              \
-        {                                                                                     \
-            const __m512i pair = _mm512_loadu_si512(s + (AT));                                \
-            const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));            \
-            const __m512 zero = _mm512_castsi512_ps(                                          \
-                _mm512_and_si512(pair, _mm512_set1_epi32((int)0xffff0000u)));                 \
-            const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale, zero);        \
-            const __m512i both = _mm512_add_epi32(_mm512_slli_epi32(H, 8), L);                \
-            const __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(both), sr);                   \
-            ACC = _mm512_fmadd_ps(offset, xs, _mm512_fmadd_ps(dot, scale, ACC));             \
+        for (int q = 0; q < 4; q++) {
+            const __m512i pair = _mm512_loadu_si512(s + 32 * q);
+            const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+            const __m512 zero = _mm512_castsi512_ps(
+                _mm512_and_si512(pair, _mm512_set1_epi32((int)0xffff0000u)));
+            const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale, zero);
+            for (int r = 0; r < R; r++) {
+                const __m512i both = _mm512_add_epi32(_mm512_slli_epi32(h[r][q], 8), l[r][q]);
+                const __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(both),
+                                                 _mm512_set1_ps(gscale[r * groups + g]));
+                float* at = o + r * n + 16 * q;
+                _mm512_storeu_ps(at, _mm512_fmadd_ps(
+                    offset, _mm512_set1_ps(xsum[r * groups + g]),
+                    _mm512_fmadd_ps(dot, scale, _mm512_loadu_ps(at))));
+            }
         }
-        I4_FINISH(acc0, h0, l0, 0)
-        I4_FINISH(acc1, h1, l1, 32)
-        I4_FINISH(acc2, h2, l2, 64)
-        I4_FINISH(acc3, h3, l3, 96)
-#undef I4_FINISH
     }
-    float* o = out + b * I4_BLOCK_N;
-    _mm512_storeu_ps(o, acc0), _mm512_storeu_ps(o + 16, acc1);
-    _mm512_storeu_ps(o + 32, acc2), _mm512_storeu_ps(o + 48, acc3);
 }
-#define I4_INT_PATH i4_block_vnni
+
+/* Every row of x against one block: tiles of up to 3 rows, each compiled with R fixed. */
+static void i4_block_vnni(const int8_t* digits, const float* gscale, const float* xsum,
+                          const uint8_t* wb, const uint16_t* sz, float* out, int64_t m, int64_t n,
+                          int64_t k, int64_t group, int64_t b) {
+    const int64_t groups = k / group;
+    for (int64_t i = 0; i < m; i += 3) {
+        const int64_t left = m - i;
+        const int8_t* d = digits + 2 * i * k;
+        const float *gs = gscale + i * groups, *xs = xsum + i * groups;
+        float* oi = out + i * n;
+        if (left >= 3) i4_rows_vnni(d, gs, xs, wb, sz, oi, n, k, group, b, 3);
+        else if (left == 2) i4_rows_vnni(d, gs, xs, wb, sz, oi, n, k, group, b, 2);
+        else i4_rows_vnni(d, gs, xs, wb, sz, oi, n, k, group, b, 1);
+    }
+}
+#define I4_ROWS_PATH i4_block_vnni
 #elif defined(MM_AVX2)
 /* 8 channels' sums of 4 products, u8 nibbles (lanes of w) x s8 digits (d, broadcast): PMADDUBSW
  * pairs them into int16 (at most 2 * 15 * 127, no saturation), PMADDWD the pairs into int32. */
@@ -140,64 +157,74 @@ static inline __m256 i4_finish8(__m256 acc, __m256i both, const uint16_t* s, __m
     return _mm256_fmadd_ps(offset, xs, _mm256_fmadd_ps(dot, scale, acc));
 }
 
-/* One row of x and one block of 64 channels, as the VNNI path. Per group, two halves of 32
- * channels (columns 0 .. 15, then 16 .. 31: their low and high nibbles), so that the int32
- * accumulators of a half, 256 h + l per channel (at most 4 * 15 * 32639 per step of 4 inputs:
- * int32 holds a group of over 4000 inputs), stay in registers; the second half reads the group's
- * bytes from L1, so memory is streamed once and in order (a half per pass over the whole block
- * reads every other cache line, which the hardware prefetchers follow poorly). The float
- * accumulators live in memory, touched once per group. (Summing PMADDUBSW's pairs in int16
- * over several steps before PMADDWD saves instructions but needs more accumulators than there
- * are registers: it measured slower, docs/performance.md.) */
-static inline void i4_block_avx2(const int8_t* hd, const int8_t* ld, const float* gscale,
-                                 const float* xsum, const uint8_t* wb, const uint16_t* sz,
-                                 float* out, int64_t n, int64_t k, int64_t group, int64_t b) {
+/* Rows [0, R) of x (R <= 2) and one block of 64 channels, as the VNNI path. Per group, two
+ * halves of 32 channels (columns 0 .. 15, then 16 .. 31: their low and high nibbles), so that
+ * the int32 accumulators of a half, 256 h + l per channel (at most 4 * 15 * 32639 per step of 4
+ * inputs: int32 holds a group of over 4000 inputs), stay in registers; the second half reads
+ * the group's bytes from L1, so memory is streamed once and in order (a half per pass over the
+ * whole block reads every other cache line, which the hardware prefetchers follow poorly). The
+ * nibbles are unpacked once per step for the R rows; each row's float sums live in out,
+ * touched once per group and half. (Summing PMADDUBSW's pairs in int16 over several steps
+ * before PMADDWD saves instructions but needs more accumulators than there are registers: it
+ * measured slower, docs/performance.md.) A row's arithmetic is the same whatever R. */
+static inline __attribute__((always_inline)) void i4_rows_avx2(
+    const int8_t* digits, const float* gscale, const float* xsum, const uint8_t* wb,
+    const uint16_t* sz, float* out, int64_t n, int64_t k, int64_t group, int64_t b, const int R) {
     const int64_t groups = k / group;
     const __m256i nibble = _mm256_set1_epi8(15);
-    __m256 acc[8];  /* channels 0 .. 15, 32 .. 47 (half 0), then 16 .. 31, 48 .. 63 */
-    for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+    float* o = out + b * I4_BLOCK_N;
+    for (int r = 0; r < R; r++) memset(o + r * n, 0, sizeof(float) * I4_BLOCK_N);
     for (int64_t g = 0; g < groups; g++) {
-        const __m256 sr = _mm256_set1_ps(gscale[g]), xs = _mm256_set1_ps(xsum[g]);
         for (int half = 0; half < 2; half++) {
-            __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
+            __m256i acc[2][4];
+            for (int r = 0; r < R; r++)
+                for (int q = 0; q < 4; q++) acc[r][q] = _mm256_setzero_si256();
             const uint8_t* p = wb + g * group / 4 * I4_STEP + 64 * half;
             for (int64_t kk = g * group; kk < (g + 1) * group; kk += 4, p += I4_STEP) {
                 if (half == 0) prefetch_ahead(p, I4_STEP);
                 const __m256i a = _mm256_loadu_si256((const __m256i*)p);
                 const __m256i c = _mm256_loadu_si256((const __m256i*)(p + 32));
-                const __m256i w0 = _mm256_and_si256(a, nibble);  /* 8 channels each */
-                const __m256i w1 = _mm256_and_si256(c, nibble);
-                const __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(a, 4), nibble);
-                const __m256i w3 = _mm256_and_si256(_mm256_srli_epi16(c, 4), nibble);
-                int32_t h4, l4;
-                memcpy(&h4, hd + kk, 4);
-                memcpy(&l4, ld + kk, 4);
-                const __m256i hv = _mm256_set1_epi32(h4), lv = _mm256_set1_epi32(l4);
-#define I4_STEP8(S, W)                                                                        \
-                S = _mm256_add_epi32(S, _mm256_add_epi32(                                     \
-                    _mm256_slli_epi32(i4_dot8(W, hv), 8), i4_dot8(W, lv)))
-                I4_STEP8(s0, w0);
-                I4_STEP8(s1, w1);
-                I4_STEP8(s2, w2);
-                I4_STEP8(s3, w3);
-#undef I4_STEP8
+                const __m256i w[4] = {  /* 8 channels each */
+                    _mm256_and_si256(a, nibble), _mm256_and_si256(c, nibble),
+                    _mm256_and_si256(_mm256_srli_epi16(a, 4), nibble),
+                    _mm256_and_si256(_mm256_srli_epi16(c, 4), nibble)};
+                for (int r = 0; r < R; r++) {
+                    int32_t h4, l4;
+                    memcpy(&h4, digits + 2 * r * k + kk, 4);
+                    memcpy(&l4, digits + (2 * r + 1) * k + kk, 4);
+                    const __m256i hv = _mm256_set1_epi32(h4), lv = _mm256_set1_epi32(l4);
+                    for (int q = 0; q < 4; q++)
+                        acc[r][q] = _mm256_add_epi32(acc[r][q], _mm256_add_epi32(
+                            _mm256_slli_epi32(i4_dot8(w[q], hv), 8), i4_dot8(w[q], lv)));
+                }
             }
             const uint16_t* s = sz + (g * n + b * I4_BLOCK_N + 16 * half) * 2;
-            __m256* at = acc + 4 * half;
-            at[0] = i4_finish8(at[0], s0, s, sr, xs);        /* channels 16 half + 0 .. 7 */
-            at[1] = i4_finish8(at[1], s1, s + 16, sr, xs);   /* + 8 .. 15 */
-            at[2] = i4_finish8(at[2], s2, s + 64, sr, xs);   /* + 32 .. 39 */
-            at[3] = i4_finish8(at[3], s3, s + 80, sr, xs);   /* + 40 .. 47 */
+            for (int r = 0; r < R; r++) {
+                const __m256 sr = _mm256_set1_ps(gscale[r * groups + g]);
+                const __m256 xs = _mm256_set1_ps(xsum[r * groups + g]);
+                float* at = o + r * n + 16 * half;
+                static const int col[4] = {0, 8, 32, 40};  /* channels of acc[r][q] - 16 half */
+                for (int q = 0; q < 4; q++)
+                    _mm256_storeu_ps(at + col[q], i4_finish8(_mm256_loadu_ps(at + col[q]),
+                                                             acc[r][q], s + 2 * col[q], sr, xs));
+            }
         }
     }
-    for (int half = 0; half < 2; half++) {
-        float* o = out + b * I4_BLOCK_N + 16 * half;
-        const __m256* at = acc + 4 * half;
-        _mm256_storeu_ps(o, at[0]), _mm256_storeu_ps(o + 8, at[1]);
-        _mm256_storeu_ps(o + 32, at[2]), _mm256_storeu_ps(o + 40, at[3]);
+}
+
+/* Every row of x against one block: tiles of up to 2 rows, each compiled with R fixed. */
+static void i4_block_avx2(const int8_t* digits, const float* gscale, const float* xsum,
+                          const uint8_t* wb, const uint16_t* sz, float* out, int64_t m, int64_t n,
+                          int64_t k, int64_t group, int64_t b) {
+    const int64_t groups = k / group;
+    for (int64_t i = 0; i < m; i += 2) {
+        const int8_t* d = digits + 2 * i * k;
+        const float *gs = gscale + i * groups, *xs = xsum + i * groups;
+        if (m - i >= 2) i4_rows_avx2(d, gs, xs, wb, sz, out + i * n, n, k, group, b, 2);
+        else i4_rows_avx2(d, gs, xs, wb, sz, out + i * n, n, k, group, b, 1);
     }
 }
-#define I4_INT_PATH i4_block_avx2
+#define I4_ROWS_PATH i4_block_avx2
 #elif defined(MM_NEON_DOT)
 /* One row of x and one block of 64 channels through SDOT: per step of 4 inputs, eight 16-byte
  * loads of 4 columns each; the nibbles less 8 are signed weights (-8 .. 7), so the offset term
@@ -304,7 +331,11 @@ static int linear_i4(const void* x, int x_dtype, const uint8_t* w, const uint16_
     for (int64_t b = 0; b < blocks; b++) {
         if (failed) continue;
         const uint8_t* wb = w + b * k * (I4_BLOCK_N / 2);
-#ifdef I4_INT_PATH
+#ifdef I4_ROWS_PATH
+        if (!generic) {
+            I4_ROWS_PATH(digits, gscale, xqsum, wb, sz, out, m, n, k, group, b);
+        } else
+#elif defined(I4_INT_PATH)
         if (!generic) {
             /* Row by row: the dot products bound the time. */
             for (int64_t i = 0; i < m; i++)

@@ -112,7 +112,7 @@ static int linear_i8_vnni(const void* x, int x_dtype, const int8_t* w, const uin
 
 #ifdef MM_AVX512_BF16
 #define I8_ROWS 4 /* rows of x per pass over a weight row (accumulators in registers) */
-/* Several rows of x: the digit path's work grows with every row, so here each block of 32
+/* Where VDPBF16PS is (the digit path's work grows with every row of a verify), each block of 32
  * weights is converted to bfloat16 once (exact: |q| <= 127) and multiplied with every row of x
  * by VDPBF16PS (exact products, float32 sums), the channel's scale applied at the end. A
  * bfloat16 x is taken as it is; a float32 x as two bfloat16 planes, hi = bf16(x) and
@@ -164,8 +164,8 @@ static int linear_i8_bf16_rows(const void* x, int x_dtype, const int8_t* w,
 /* A scale per group (group < K, a multiple of 32): each widened weight is multiplied by its
  * group's scale, exact in float32 (an 8-bit q times a bfloat16 scale), so that the sums need no
  * fold per group and every row of x shares the product. Written with GCC's vector extensions, so
- * that one source builds for every variant (vectors of 16 floats with AVX-512, else of 8); two
- * rows of x per pass over a weight row, as LINEAR_VEC. */
+ * that one source builds for every variant (vectors of 16 floats with AVX-512, else of 8); up to
+ * G_ROWS rows of x per pass over a weight row (a verify's rows share each widened weight). */
 #if defined(__AVX512F__)
 #define GV 16
 #else
@@ -202,25 +202,38 @@ static inline gvf gload_i8(const int8_t* p) {
 #endif
 }
 
-static inline __attribute__((always_inline)) void grouped_row(
-    const float* x0, const float* x1, const int8_t* wr, const uint16_t* sr, int64_t groups,
-    int64_t group, int two, float* s0, float* s1) {
-    gvf a[G_STEP / GV] = {0}, b[G_STEP / GV] = {0};
+#if defined(__AVX512F__)
+#define G_ROWS 5 /* rows of x per pass over a weight row: 2 R accumulators in registers */
+#else
+#define G_ROWS 3 /* 4 R accumulators (vectors of 8): AVX2 has 16 registers */
+#endif
+
+/* Rows x[0 .. R) (`ldx` apart) against one weight row: s[i] = x_i . w. Each weight vector is
+ * widened and scaled once for the R rows; each row's sums are the same whatever R (a row's
+ * result is the one-row call's). (x in chunks shared by several channels, so that a down
+ * projection's rows stay in L1, measured no faster.) */
+static inline __attribute__((always_inline)) void grouped_rows(
+    const float* x, int64_t ldx, const int8_t* wr, const uint16_t* sr, int64_t groups,
+    int64_t group, float* s, const int R) {
+    gvf a[G_ROWS][G_STEP / GV];
+    for (int i = 0; i < R; i++)
+        for (int q = 0; q < G_STEP / GV; q++) a[i][q] = (gvf){0};
     for (int64_t g = 0; g < groups; g++) {
         const float scale = bf16_to_f32(sr[g]);
         for (int64_t j = g * group; j < (g + 1) * group; j += G_STEP) {
             prefetch_ahead(wr + j, G_STEP);
             for (int q = 0; q < G_STEP / GV; q++) {
                 const gvf wv = gload_i8(wr + j + GV * q) * scale;
-                a[q] += wv * gload_f32(x0 + j + GV * q);
-                if (two) b[q] += wv * gload_f32(x1 + j + GV * q);
+                for (int i = 0; i < R; i++) a[i][q] += wv * gload_f32(x + i * ldx + j + GV * q);
             }
         }
     }
-    float t0 = 0.0f, t1 = 0.0f;
-    for (int q = 0; q < G_STEP / GV; q++)
-        for (int l = 0; l < GV; l++) t0 += a[q][l], t1 += b[q][l];
-    *s0 = t0, *s1 = t1;
+    for (int i = 0; i < R; i++) {
+        float t = 0.0f;
+        for (int q = 0; q < G_STEP / GV; q++)
+            for (int l = 0; l < GV; l++) t += a[i][q][l];
+        s[i] = t;
+    }
 }
 
 static int linear_i8_grouped(const void* x, int x_dtype, const int8_t* w,
@@ -234,16 +247,22 @@ static int linear_i8_grouped(const void* x, int x_dtype, const int8_t* w,
         if (xf == NULL) continue;
         const int8_t* wr = w + r * k;
         const uint16_t* sr = scales + r * groups;
-        for (int64_t i0 = 0; i0 < m; i0 += 2) {
+        for (int64_t i0 = 0; i0 < m; i0 += G_ROWS) {
             const float* x0 = xf + i0 * k;
-            float s0, s1;
-            if (i0 + 1 < m) {
-                grouped_row(x0, x0 + k, wr, sr, groups, group, 1, &s0, &s1);
-                store(y, x_dtype, (i0 + 1) * n + r, s1);
-            } else {
-                grouped_row(x0, x0, wr, sr, groups, group, 0, &s0, &s1);
+            const int rows = (int)(m - i0 < G_ROWS ? m - i0 : G_ROWS);
+            float s[G_ROWS];
+            switch (rows) {  /* each row count compiled with its loops unrolled */
+#define G_CASE(R)                                                                             \
+                case R:                                                                       \
+                    grouped_rows(x0, k, wr, sr, groups, group, s, R);                         \
+                    break;
+                G_CASE(1) G_CASE(2) G_CASE(3)
+#if G_ROWS > 3
+                G_CASE(4) G_CASE(5)
+#endif
+#undef G_CASE
             }
-            store(y, x_dtype, i0 * n + r, s0);
+            for (int i = 0; i < rows; i++) store(y, x_dtype, (i0 + i) * n + r, s[i]);
         }
     }
     if (owned) free((void*)xf);
@@ -259,8 +278,10 @@ int mm_int8_group_ok(int64_t k, int64_t group) {
 static int linear_i8_any(const void* x, int x_dtype, const int8_t* w, const uint16_t* scales,
                          int64_t group, void* y, int64_t m, int64_t n, int64_t k) {
     if (group < k) return linear_i8_grouped(x, x_dtype, w, scales, group, y, m, n, k);
+    /* chosen whatever m: a row's result must not depend on how many rows share its call (a
+     * verify's rows sum as decodes of their tokens) */
 #ifdef MM_AVX512_BF16
-    if (m > 1 && k % 32 == 0) return linear_i8_bf16_rows(x, x_dtype, w, scales, y, m, n, k);
+    if (k % 32 == 0) return linear_i8_bf16_rows(x, x_dtype, w, scales, y, m, n, k);
 #endif
 #ifdef MM_AVX512_VNNI
     if (k % I8_BLOCK == 0) return linear_i8_vnni(x, x_dtype, w, scales, y, m, n, k);
