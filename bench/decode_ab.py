@@ -11,7 +11,7 @@ Without --model it uses bench.generate's checkpoint (Qwen2-0.5B shapes, random w
 step's norm / rotary / SiLU-and-multiply as our fused kernels
 (models.kernels.native.for_small_ops) or as PyTorch's operators;
 `native_decode`: one engine, its decode steps through the layers in one native call
-(models.kernels.native_decode) or module by module; `native_experts`: one engine of a
+(models.layers.native_decode) or module by module; `native_experts`: one engine of a
 mixture-of-experts model, its routed experts at decode steps in one native call per block
 (models.kernels.native_experts) or through the modules; `float32_logits`: one engine, its LM
 head's float32 sums kept (models.kernels.linear.float32_logits) or its product in the model

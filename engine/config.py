@@ -76,7 +76,7 @@ class EngineConfig:
             docs/architecture.md).
         speculative: speculative decoding (docs/speculative.md): "ngram" (the last tokens
             looked up in the prompt and the output so far), "draft:PATH" (a small model of the
-            same tokenizer, or Gemma 4's assistant) or "mtp" (the checkpoint's own
+            same tokenizer) or "mtp" (the checkpoint's own
             multi-token-prediction layer); None: off. Requests may turn it off or down, or
             choose "ngram" instead (`SamplingParams.num_speculative_tokens`,
             `speculative_method`).

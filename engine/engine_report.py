@@ -92,7 +92,7 @@ def weights_description(runner: ModelRunner) -> str:
     which format; for a GGUF file, which of its tensors run as stored; on the CPU: the variant
     of models.kernels.native built, else PyTorch's kernels only; whether bfloat16 is widened to
     float32 for lack of bfloat16 arithmetic; whether decode steps run
-    models.kernels.native_decode's call)."""
+    models.layers.native_decode's call)."""
     text = str(runner.dtype).removeprefix("torch.")
     for fmt, count in runner.quantized_formats().items():
         mode, _, group = fmt.partition("g")

@@ -17,7 +17,7 @@ from engine import kv_pool
 from engine.config import EngineConfig, GiB
 from engine.host_memory import host_memory
 from models.interfaces import LanguageModel
-from models.kernels.delta_rule_choice import choose_delta_rule
+from models.layers.delta_rule_choice import choose_delta_rule
 
 log = logging.getLogger(__name__)
 

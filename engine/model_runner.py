@@ -27,6 +27,12 @@ import torch
 
 from engine.cross_states import cross_items
 from engine.device import DeviceTimer, to_device, wait_for_device
+from engine.draft_verification import (
+    SampleRows,
+    accepted_count,
+    resample_drafted,
+    sample_rows,
+)
 from engine.kv_blocks_in_use import chunk_blocks
 from engine.memory_plan import (
     CacheLayout,
@@ -36,8 +42,6 @@ from engine.request import Request
 from engine.runner_setup import RunnerSetup
 from engine.sampler import SamplingBatch, sample
 from engine.scheduler import SchedulerOutput
-from engine.speculative.rejection import resample_drafted
-from engine.speculative.verify import SampleRows, accepted_count, sample_rows
 from models.interfaces import MultiModalFeature
 from models.kernels.quantization import QuantizedLinear
 from models.layer_interfaces import KVCacheLayer, RecurrentStateLayer

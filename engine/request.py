@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from engine.detokenizer import IncrementalDetokenizer
     from engine.grammar import GrammarState
     from engine.reasoning import ReasoningSplitter
-    from engine.speculative.proposals import SpeculationState
+    from engine.speculation_state import SpeculationState
 
 __all__ = ["MultiModalFeature", "PlaceholderRange", "Request", "RequestStatus"]
 

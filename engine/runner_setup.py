@@ -28,9 +28,9 @@ from engine.memory_plan import (
 from engine.model_loading import load_model
 from models.interfaces import LanguageModel
 from models.kernels import native
-from models.kernels.decode_attention_choice import choose_decode_attention
 from models.kernels.linear_choice import pin_decode_rows
 from models.layers.attention_varlen import choose_backend
+from models.layers.decode_attention_choice import choose_decode_attention
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class RunnerSetup:
         self.kv_blocks_in_use.first_use([0], self.kv_caches)
 
     def prepare_native_decode(self) -> None:
-        """Set up the decode steps' one native call again (models/kernels/native_decode.py),
+        """Set up the decode steps' one native call again (models/layers/native_decode.py),
         after the caches or the linears' decode kernels changed; `native_decode` says whether
         decode steps take it."""
         self.native_decode = self.model.prepare_decode()

@@ -57,7 +57,7 @@ class ScheduledChunk:
     draft: tuple[int, ...] = ()
     accepted: tuple[int, ...] = ()
     # the distributions the drafts were drawn from ([k', V] on the model's device, opaque
-    # here), or None: chosen outright (engine/speculative/proposals.py)
+    # here), or None: chosen outright (engine/speculation_state.py)
     draft_probs: object | None = None
 
     @property

@@ -421,7 +421,7 @@ class LanguageModel(Protocol):
 
     def prepare_decode(self) -> bool:
         """Called on the CPU once the KV caches are bound and the linears planned: set up what
-        the decode steps run through (models.kernels.native_decode); whether they take one native
+        the decode steps run through (models.layers.native_decode); whether they take one native
         call (at some row counts)."""
         ...
 

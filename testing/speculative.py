@@ -13,7 +13,7 @@ import torch
 from engine import model_runner
 from engine.outputs import RequestOutput
 from engine.request import Request
-from engine.speculative.proposals import Proposal
+from engine.speculation_state import Proposal
 
 
 class ScriptedDrafter:

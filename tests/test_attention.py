@@ -317,8 +317,8 @@ def test_decode_kernels_match_reference_in_a_mixed_step(kernel, window):
 def test_the_decode_kernel_choice_is_kept_for_the_next_start(tmp_path, monkeypatch):
     """Timed once: a later process (the in-memory choices gone) reads it from the plan's
     cache file instead of timing again."""
-    from models.kernels import decode_attention_choice as choice
     from models.kernels.choice import KernelCache
+    from models.layers import decode_attention_choice as choice
 
     timed = []
     real = choice._time_decode_kernels
@@ -338,8 +338,8 @@ def test_the_decode_kernel_choice_is_kept_for_the_next_start(tmp_path, monkeypat
 
 
 def test_decode_kernel_is_chosen_by_measurement():
-    from models.kernels.decode_attention_choice import choose_decode_attention
     from models.layers.attention import KERNELS
+    from models.layers.decode_attention_choice import choose_decode_attention
 
     assert choose_decode_attention(4, 2, 8, torch.float32, CPU) in KERNELS
     assert choose_decode_attention(4, 2, 8, torch.float32, torch.device("cuda")) == "sdpa"

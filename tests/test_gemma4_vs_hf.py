@@ -120,7 +120,7 @@ def test_config_layouts_kv_sharing_and_memory(path, llm, tmp_path):
     assert stats["kv_layers"] == "4 of 6 layers (2 read another layer's)"
     assert stats["per_layer_table_bytes"] == model.per_layer_inputs.table_bytes() > 0
     # The native decode call declines these layers (it implements none of their features).
-    from models.kernels.native_decode import unsupported
+    from models.layers.native_decode import unsupported
 
     assert llm.engine.runner.native_decode is False
     assert "value norms are not implemented" in unsupported(model)

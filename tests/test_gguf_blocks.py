@@ -337,13 +337,13 @@ def test_a_head_tied_to_a_k_quant_table_shares_its_repacked_blocks(tmp_path):
 
 @pytest.mark.parametrize("threads", [1, 3])
 def test_the_native_decode_step_takes_the_block_layers(k_quant_file, threads):
-    """The one-call decode step (models.kernels.native_decode) runs the layers' blocks as stored,
+    """The one-call decode step (models.layers.native_decode) runs the layers' blocks as stored,
     q / k / v in two parts of different types and biases included: the modules' logits to the
     bit at every step, on one thread and on more threads than cores; a verify's rows past
     FEW_ROWS are left to the modules."""
     from engine import LLM
     from models.kernels.choice import BUCKETS
-    from models.kernels.native_decode import NativeDecode
+    from models.layers.native_decode import NativeDecode
     from tests.model_fixtures import NATIVE_DECODE_PROMPTS, run_decode_steps
 
     before = torch.get_num_threads()

@@ -157,7 +157,7 @@ def test_an_encoders_batch_runs_its_planned_kernel_row_by_row(monkeypatch):
 
 
 def test_plan_keeps_f_linear_when_nothing_wins_by_the_margin(tmp_path):
-    """...except at a decode's rows, where ours is kept on a tie (models.kernels.native_decode), and
+    """...except at a decode's rows, where ours is kept on a tie (models.layers.native_decode), and
     at a prefill's for quantized layers, where our GEMM is (its result is contiguous)."""
     model = Tiny(torch.float32)
     choose_linear_kernels(model, torch.float32, KernelCache(tmp_path / "k.json"),

@@ -271,7 +271,7 @@ def test_engine_chunks_prefix_hits_and_preemption(gemma3_path, gemma3_int8, monk
 
 @needs_native
 def test_fused_decode_step_writes_and_reads_int8_as_the_modules(llama_path):
-    """The one-call decode step (models.kernels.native_decode) quantizes each new key and
+    """The one-call decode step (models.layers.native_decode) quantizes each new key and
     value as kv_quant does and attends through the same int8 kernel: the modules' logits."""
     from models.kernels.choice import BUCKETS
     from models.kernels.linear import Linear

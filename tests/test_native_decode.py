@@ -1,4 +1,4 @@
-"""The decode step through one native call (models.kernels.native_decode) against the modules it
+"""The decode step through one native call (models.layers.native_decode) against the modules it
 replaces, through the engine: the same logits to the bit at every step, for float32 and
 bfloat16, dense, int8 and int4 weights, biases, tied heads, one and several requests per step;
 q / k norms (Qwen3) within float32 summation order. The steps it must decline go through the
@@ -13,8 +13,8 @@ from engine import LLM
 from models.kernels import native
 from models.kernels.choice import BUCKETS
 from models.kernels.linear import Linear
-from models.kernels.native_decode import NativeDecode, unsupported
 from models.kernels.quantization import QuantizedLinear
+from models.layers.native_decode import NativeDecode, unsupported
 from tests.model_fixtures import NATIVE_DECODE_PROMPTS, run_decode_steps, tiny_tied_model
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="native kernels unavailable")

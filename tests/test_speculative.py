@@ -25,13 +25,13 @@ import torch
 from engine import LLM, SamplingParams
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.draft_verification import speculative_sample
 from engine.encoder_cache import EncoderCacheManager
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
+from engine.speculation_state import Proposal, SpeculationState, best_k
 from engine.speculative.draft_model import DraftModelError
 from engine.speculative.ngram import NgramIndex
-from engine.speculative.proposals import Proposal, SpeculationState, best_k
-from engine.speculative.rejection import speculative_sample
 from engine.structured_outputs import StructuredOutputs
 from models.kernels import native
 from testing.speculative import run_parity

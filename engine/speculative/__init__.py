@@ -3,11 +3,14 @@ verifies them in one forward pass beside every other request's work, and only th
 target model itself would have produced are kept (docs/speculative.md). The `speculative` option
 itself is parsed in engine/speculative_option.py, which the configuration imports.
 
-- `proposals.py`    per-request bookkeeping: drafts, acceptance, the adapted number of drafts
 - `ngram.py`        n-gram lookup in the prompt and the output so far (no weights)
 - `draft_model.py`  a small model of the same tokenizer, run by the engine's own runner
 - `mtp.py`          Qwen3.5's multi-token-prediction layer (`mtp.*` weights)
-- `assistant.py`    Gemma 4's assistant drafter (`Gemma4AssistantForCausalLM`)
-- `verify.py`       the verify step's sampling rows and which drafts are accepted
-- `rejection.py`    speculative sampling's accept / resample rule for draft distributions
+- `drawing.py`      a model drafter's logits to draft tokens (argmax, or a seeded draw)
+- `speculator.py`   the engine's side: its drafters, each request's state, the next drafts
+
+What a verification keeps (the verify step's rows, speculative sampling's rule) is
+engine/draft_verification.py, below both the runner and the drafters; a request's own
+speculation (its drafts, acceptance, the adapted number of drafts) is engine/speculation_state.py,
+which the request holds (pure Python).
 """

@@ -11,7 +11,7 @@ per further draft. Drafts beyond the target's allocated blocks need their slots:
 reserves them in the target's block manager (the verify step needs them anyway; what is
 rejected is given back after it). At temperature 0 the draft is its argmax; above, a draw from
 its own distribution at the request's temperature and filters, verified by speculative
-sampling's rule (engine/speculative/rejection.py).
+sampling's rule (engine/draft_verification.py).
 
 Loaded at start-up: the checkpoint's tokenizer must be the target's (every token string and
 id the same, checked here, refused by name otherwise), and it must be a text-only decoder of
@@ -36,8 +36,8 @@ from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, SchedulerOutput
+from engine.speculation_state import Proposal
 from engine.speculative.drawing import draw
-from engine.speculative.proposals import Proposal
 
 log = logging.getLogger(__name__)
 

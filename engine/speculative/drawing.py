@@ -1,7 +1,7 @@
 """How a model drafter turns its logits into draft tokens: at temperature 0 the argmax (the
 draft is then verified against the target's argmax); above, a draw from the drafter's own
 distribution at the request's temperature and filters, kept with the draft so that speculative
-sampling's rule can verify it (engine/speculative/rejection.py). A seeded request's draws come
+sampling's rule can verify it (engine/draft_verification.py). A seeded request's draws come
 from generators seeded by (seed, completion, position): its drafts, and so its output, are the
 same run after run."""
 

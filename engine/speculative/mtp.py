@@ -28,8 +28,8 @@ from engine.config import EngineConfig
 from engine.model_runner import ModelRunner, StepResult
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
+from engine.speculation_state import Proposal
 from engine.speculative.drawing import draw
-from engine.speculative.proposals import Proposal
 from models.kernels.linear import Linear
 from models.kernels.linear_choice import choose_linear_kernels, pin_decode_rows
 from models.kernels.quantization import quantize_linear

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.request import Request
-from engine.speculative.proposals import Proposal
+from engine.speculation_state import Proposal
 
 MIN_N, MAX_N = 1, 4
 

@@ -4,7 +4,7 @@ speculation state, and after every step the drafts for the next.
 
 Each step, for every running request that speculates and decodes next (its last token is the
 only one not computed), the request's number of drafts is chosen from its measured acceptance
-(engine/speculative/proposals.py) and its drafter asked for that many. Drafters see the step
+(engine/speculation_state.py) and its drafter asked for that many. Drafters see the step
 that just ran (`after_step`): a drafter that keeps state per request (a draft model's cache, the
 MTP layer's) catches up on the tokens the step accepted there.
 """
@@ -22,8 +22,8 @@ from engine.config import EngineConfig
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import ScheduledChunk, SchedulerOutput
+from engine.speculation_state import Proposal, SpeculationState
 from engine.speculative.ngram import NgramProposer
-from engine.speculative.proposals import Proposal, SpeculationState
 from engine.speculative_option import SpeculativeMethod
 
 log = logging.getLogger(__name__)

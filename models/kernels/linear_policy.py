@@ -54,7 +54,7 @@ WHOLE_DEQUANTIZE_PAST_TOKENS = 64
 MARGIN = 0.05  # another candidate must beat the baseline (or ours, preferred) by this fraction
 # At a decode's tokens, how much faster than ours another kernel must be to be chosen: one layer
 # group planned to PyTorch's costs every decode step the one native call through all layers
-# (models.kernels.native_decode), whose saving no single linear's timing shows (a group 9%
+# (models.layers.native_decode), whose saving no single linear's timing shows (a group 9%
 # faster through PyTorch's int4 kernel, within timing noise, made a whole step 1.6x slower).
 DECODE_MARGIN = 0.25
 
@@ -208,7 +208,7 @@ def timing_order(candidates: Sequence[str], tokens: int) -> tuple[list[str], flo
     """The candidates with the preferred one first (the one kept unless another wins by the
     margin) and that margin. Ours is preferred where it is a candidate: at a decode's tokens
     by DECODE_MARGIN (a decoder whose linears all run ours takes its decode steps in one native
-    call, models.kernels.native_decode, which saves more than one linear's timing shows), past
+    call, models.layers.native_decode, which saves more than one linear's timing shows), past
     them on a tie (MARGIN). Our quantized GEMM is preferred on a tie at a prefill's tokens: its
     result is contiguous, where the dequantized `_t` formulations' is a transposed view whose
     cost falls on the operations after the linear, which timing it alone does not see

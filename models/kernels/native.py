@@ -88,7 +88,7 @@ class NativeKernels:
         self._attention_i8 = lib.mm_decode_attention_i8  # an int8 cache (layers/kv_quant.py)
         self._delta_step = lib.mm_delta_rule_step
         # A decoder's layers in one call, a sparse block's routed experts in one call
-        # (models.kernels.native_decode and native_experts wrap them).
+        # (models.layers.native_decode and native_experts wrap them).
         self.decode_layers, self.moe_experts = lib.mm_decode_layers, lib.mm_moe_experts
         # Weights in a GGUF file's ggml blocks (cpu/ggml_blocks.c; models.kernels.ggml_blocks
         # wraps them): the integer decode path (x's digits per input, 1 or 2; then nonzero for

@@ -1,7 +1,7 @@
 """A linear layer as our C calls that run several take it (`mm_linear_desc` of
 models/kernels/cpu/kernels.h, models.kernels.native_interface.LinearDesc): its weight format,
 shape and pointers to its weight, scales and bias, read once when a call is set up
-(models.kernels.native_decode, native_experts). A weight held in a GGUF file's blocks of
+(models.layers.native_decode, native_experts). A weight held in a GGUF file's blocks of
 several types (a fused q / k / v whose tensors differ) is a chain: one descriptor per part,
 each pointing at the next."""
 

@@ -27,7 +27,7 @@ Each group reads only the cache blocks its layers can see: a sliding-window laye
 block holding its first visible key. Keys are gathered from those blocks per layer (PyTorch has
 no paged kernel on the CPU); the gather is bounded by the group's own context. Decodes may
 instead take our own paged kernel (models.kernels.native), which reads the keys in place, where it
-measured faster on this machine (models.kernels.decode_attention_choice).
+measured faster on this machine (models.layers.decode_attention_choice).
 
 Layers differ in how they attend (`LayerAttention`: sliding window, logit soft-cap), so the
 metadata holds one key view per distinct window. Bidirectional spans (media whose tokens see

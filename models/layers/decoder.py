@@ -9,7 +9,7 @@ decoder computes every layer's per-layer input from the step's tokens
 store keys and values for later ones hand them over through the step's metadata.
 
 On the CPU, decode steps the native call can take run all layers in one call of ours
-(models.kernels.native_decode, set up by `prepare_decode`), with the same result. LoRA adapters
+(models.layers.native_decode, set up by `prepare_decode`), with the same result. LoRA adapters
 chosen per request (models/layers/lora.py) add their updates beside the layers' linears; the
 step's metadata says which tokens use which (`meta.adapters`).
 """
@@ -27,7 +27,6 @@ from torch import nn
 from models.checkpoint import tie_word_embeddings
 from models.interfaces import EncoderItem
 from models.kernels.linear import Linear, float32_logits
-from models.kernels.native_decode import NativeDecode
 from models.layers.activations import rowwise
 from models.layers.attention import AttentionMetadata
 from models.layers.cross_attention import CrossAttentionLayer
@@ -35,6 +34,7 @@ from models.layers.decoder_layer import Attention, DecoderConfig, DecoderLayer
 from models.layers.gated_deltanet import GatedDeltaNet
 from models.layers.lora import AdapterSet
 from models.layers.moe import MoEShape, RoutedExperts, sparse_layers, unfuse_experts
+from models.layers.native_decode import NativeDecode
 from models.layers.norm import RMSNorm
 from models.layers.per_layer_inputs import PerLayerInputs
 from models.layers.rotary import RotaryTable
@@ -160,7 +160,7 @@ class Decoder(nn.Module):
 
     def prepare_decode(self) -> bool:
         """Once the KV caches are bound and the linears planned, on the CPU: run the decode
-        steps it can take through one native call (models.kernels.native_decode), and a sparse
+        steps it can take through one native call (models.layers.native_decode), and a sparse
         block's routed experts in one call (models.kernels.native_experts). Whether the
         whole-decoder call will."""
         self.native_decode = NativeDecode.build(self)

@@ -93,7 +93,7 @@ def recurrent_step(
 
     `kernel` "torch": gathers the states, updates them, scatters them back (PyTorch ops, any
     device); "native": our CPU kernel, which updates them where they are
-    (models.kernels.native; models.kernels.delta_rule_choice picks by measurement)."""
+    (models.kernels.native; models.layers.delta_rule_choice picks by measurement)."""
     if kernel == "native":
         return native.load().delta_rule_step(q, k, v, g, beta, states, slots)
     s = states.index_select(0, slots) * rowwise("exp", g)[..., None, None]

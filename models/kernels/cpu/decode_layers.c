@@ -1,4 +1,4 @@
-/* A decoder's decode step through all of its layers in one call (models/kernels/native_decode.py).
+/* A decoder's decode step through all of its layers in one call (models/layers/native_decode.py).
  *
  * At a decode's few rows a layer's work is a dozen small operations, and calling each from
  * Python (module call, dispatch, allocation, thread-pool wake-up) costs about as much as the

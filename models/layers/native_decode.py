@@ -18,7 +18,7 @@ the modules would run exactly those kernels:
   linear held in a GGUF file's blocks (models.kernels.ggml_blocks.BlockLinear) is taken at
   the row counts its module runs the blocks' matrix-vector kernel at (FEW_ROWS at most);
 - the step decodes only (one token per request), attended by our paged kernel
-  (models.kernels.decode_attention_choice chose it), at most models.kernels.native.FUSED_ROWS
+  (models.layers.decode_attention_choice chose it), at most models.kernels.native.FUSED_ROWS
   tokens, with no per-layer media residuals and no request using a LoRA adapter (the
   adapters' updates are added by the modules' linears: models/layers/lora.py).
 
