@@ -281,7 +281,17 @@ static inline void i4_block_neon(const int8_t* hd, const int8_t* ld, const float
         for (int i = 0; i < 8; i++) vst1q_f32(o + 4 * (i % 4) + 32 * (i / 4), acc[8 * half + i]);
     }
 }
-#define I4_INT_PATH i4_block_neon
+
+/* Every row of x against one block, a row at a time (the dot products bound the time). */
+static void i4_block_neon_rows(const int8_t* digits, const float* gscale, const float* xsum,
+                               const uint8_t* wb, const uint16_t* sz, float* out, int64_t m,
+                               int64_t n, int64_t k, int64_t group, int64_t b) {
+    const int64_t groups = k / group;
+    for (int64_t i = 0; i < m; i++)
+        i4_block_neon(digits + 2 * i * k, digits + (2 * i + 1) * k, gscale + i * groups,
+                      xsum + i * groups, wb, sz, out + i * n, n, k, group, b);
+}
+#define I4_ROWS_PATH i4_block_neon_rows
 #endif
 
 /* The team's body of mm_linear_i4: x's sums and digits per thread (a decode's few rows), the
@@ -332,16 +342,9 @@ static int linear_i4(const void* x, int x_dtype, const uint8_t* w, const uint16_
         if (failed) continue;
         const uint8_t* wb = w + b * k * (I4_BLOCK_N / 2);
 #ifdef I4_ROWS_PATH
-        if (!generic) {
+        if (!generic)
             I4_ROWS_PATH(digits, gscale, xqsum, wb, sz, out, m, n, k, group, b);
-        } else
-#elif defined(I4_INT_PATH)
-        if (!generic) {
-            /* Row by row: the dot products bound the time. */
-            for (int64_t i = 0; i < m; i++)
-                I4_INT_PATH(digits + 2 * i * k, digits + (2 * i + 1) * k, gscale + i * groups,
-                            xqsum + i * groups, wb, sz, out + i * n, n, k, group, b);
-        } else
+        else
 #endif
             i4_block_float(xf, xsum, wb, sz, out, m, n, k, group, b);
         if (out != y)
