@@ -4,7 +4,7 @@ side in one process, on a model's linear shapes at chosen row counts.
     python -m bench.kernel_ab [--base HEAD] [--kernel gemm|gemm_int4|linear_rows|ggml|linear|
         linear_int8|linear_int4] [--rows 16,33,64,128,313,1024]
         [--shapes qwen2.5-vl-3b|qwen2.5-vl-3b-tower|qwen2.5-1.5b]
-        [--rounds 9] [--threads 2] [--ggml-type Q4_K] [--digits 2]
+        [--rounds 9] [--threads 2] [--ggml-type Q4_K] [--digits 2] [--base-repacked]
 
 The working tree's library is the one the engine loads (models.kernels.native.load); the other is
 compiled from models/kernels/cpu as it is at `--base`, as the same variant with the same flags and
@@ -13,7 +13,8 @@ set (bfloat16 weights and x; int8 and int4 weights quantized at group 64, the en
 `linear`, `linear_int8`, `linear_int4`: the decode matrix-vector kernels, at a decode's and a
 verify's rows, e.g. `--rows 1,2,5,9 --shapes qwen2.5-1.5b`; `ggml`: the decode
 matrix-vector kernel mm_ggml_linear on random blocks of `--ggml-type`, rows up to 16, the
-working tree's in the layout it repacks the type to, if any),
+working tree's in the layout it repacks the type to, if any; the base's as the file stores them,
+or with `--base-repacked` in the same repacked layout, for a change to the repacked kernels),
 alternating between the two builds; per row count it prints each side's median GFLOP/s and
 the median per-round ratio (> 1: the working tree is faster), and with a row count of 1 asked,
 each side's time at every row count over its time at one row (a verify's cost). A build
@@ -92,6 +93,8 @@ def main() -> None:
     parser.add_argument("--ggml-type", default="Q4_K", help="the block type of --kernel ggml")
     parser.add_argument("--digits", type=int, default=2, choices=(1, 2),
                         help="int8 digits per input of --kernel ggml's rows")
+    parser.add_argument("--base-repacked", action="store_true",
+                        help="--kernel ggml: the base runs the working tree's repacked layout")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -113,14 +116,16 @@ def main() -> None:
         from bench.ggml_kernels import random_blocks
         from models.kernels import ggml_blocks
 
-        # the file's type for the base; the working tree runs it in our layout where it
-        # repacks the type (Q4_K: Q4_Kx8), else as stored
+        # the file's type for the base (or --base-repacked: ours); the working tree runs it in
+        # our layout where it repacks the type (Q4_K: Q4_Kx8), else as stored
         stored = ggml_blocks.BLOCK_TYPES[args.ggml_type]
         weights = []
         for n, k in shapes:
             blocks = random_blocks(args.ggml_type, n, k)
             kind, held = ggml_blocks.repack(blocks, args.ggml_type, k)
-            weights.append({args.base: (blocks, stored.code),
+            base = ((held, ggml_blocks.KERNEL_TYPES[kind].code) if args.base_repacked
+                    else (blocks, stored.code))
+            weights.append({args.base: base,
                             "working tree": (held, ggml_blocks.KERNEL_TYPES[kind].code)})
 
     def call(kernels, x, w):

@@ -328,17 +328,104 @@ int mm_ggml_linear_float(const void* x, int x_dtype, const uint8_t* w, int type,
 /* Row x [k] (a multiple of `group`: 32, or 256 for the super-block types) -> its first digits
  * h (step d = max|x| / 127 per group) and, where l is not NULL, its second digits l (step
  * d / 256): x' = d (h + l / 256). sums [k / 32 * 4]: per 32 inputs the unit dx (d, or d / 256
- * with two digits; the same for the 32s of one group), xs, and per 16 xs16 (the sums of x'). */
-static void quantize_row(const float* x, int64_t k, int group, int8_t* h, int8_t* l,
-                         float* sums) {
-    for (int64_t g = 0; g < k / group; g++) {
-        float top = 0.0f;
-        for (int j = 0; j < group; j++) {
-            const float v = fabsf(x[g * group + j]);
-            top = v > top ? v : top;
+ * with two digits; the same for the 32s of one group), xs, and per 16 xs16 (the sums of x').
+ * Every thread of a team writes its own copy (a decode's few rows: cheaper than a barrier), so
+ * the loop is vectorized where AVX2 is; both forms round alike (the same float operations, not
+ * contracted, per element; integer sums), so the digits do not depend on the variant. */
+static inline NO_CONTRACT void group_top(const float* x, int group, float* top_out) {
+    float top = 0.0f;
+    int j = 0;
+#ifdef MM_AVX2
+    /* MAXPS returns its second operand where either is NaN: a NaN input is skipped, as below */
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 t = _mm256_setzero_ps();
+    for (; j + 8 <= group; j += 8)
+        t = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + j), magnitude), t);
+    float lanes[8];
+    _mm256_storeu_ps(lanes, t);
+    for (int i = 0; i < 8; i++) top = lanes[i] > top ? lanes[i] : top;
+#endif
+    for (; j < group; j++) {
+        const float v = fabsf(x[j]);
+        top = v > top ? v : top;
+    }
+    *top_out = top;
+}
+
+static inline NO_CONTRACT void write_sums(int64_t k, int64_t b, float unit, const int sum[2],
+                                          float* sums) {
+    sums[b] = unit;
+    sums[k / 32 + b] = unit * (float)(sum[0] + sum[1]);
+    sums[k / 16 + 2 * b] = unit * (float)sum[0];
+    sums[k / 16 + 2 * b + 1] = unit * (float)sum[1];
+}
+
+#ifdef MM_AVX2
+/* 8 inputs -> their first digits (int32 lanes) and, TWO, second ones; both clamped to 127 */
+static inline NO_CONTRACT __m256i digits8(const float* v, __m256 inv, const int TWO,
+                                          __m256i* second) {
+    const __m256 u = _mm256_mul_ps(_mm256_loadu_ps(v), inv);
+    const __m256 first = _mm256_round_ps(u, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256i lim = _mm256_set1_epi32(127), neg = _mm256_set1_epi32(-127);
+    const __m256i h = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(first), lim), neg);
+    if (TWO) {
+        const __m256 s = _mm256_round_ps(
+            _mm256_mul_ps(_mm256_sub_ps(u, first), _mm256_set1_ps(256.0f)),
+            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        *second = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(s), lim), neg);
+    }
+    return h;
+}
+
+static inline NO_CONTRACT int hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+/* 4 vectors of 8 int32 in -127 .. 127 -> 32 bytes in order */
+static inline NO_CONTRACT void store_bytes32(int8_t* out, const __m256i v[4]) {
+    const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]),
+                                         _mm256_packs_epi32(v[2], v[3]));
+    _mm256_storeu_si256((__m256i*)out, _mm256_permutevar8x32_epi32(
+        b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+static inline NO_CONTRACT void quantize_32s(const float* x, int64_t k, int64_t b0, int64_t b1,
+                                            float inv, float unit, int8_t* h, int8_t* l,
+                                            float* sums, const int TWO) {
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (int64_t b = b0; b < b1; b++) {
+        __m256i hv[4], lv[4];
+        int sum[2];
+        for (int q = 0; q < 4; q++) hv[q] = digits8(x + 32 * b + 8 * q, vinv, TWO, &lv[q]);
+        for (int half = 0; half < 2; half++) {
+            __m256i t = _mm256_add_epi32(hv[2 * half], hv[2 * half + 1]);
+            if (TWO)  /* 256 h + l */
+                t = _mm256_add_epi32(_mm256_slli_epi32(t, 8),
+                                     _mm256_add_epi32(lv[2 * half], lv[2 * half + 1]));
+            sum[half] = hsum_i32(t);
         }
+        store_bytes32(h + 32 * b, hv);
+        if (TWO) store_bytes32(l + 32 * b, lv);
+        write_sums(k, b, unit, sum, sums);
+    }
+}
+#endif
+
+static NO_CONTRACT void quantize_row(const float* x, int64_t k, int group, int8_t* h, int8_t* l,
+                                     float* sums) {
+    for (int64_t g = 0; g < k / group; g++) {
+        float top;
+        group_top(x + g * group, group, &top);
         const float d = top / 127.0f, inv = top > 0.0f ? 127.0f / top : 0.0f;
-        for (int64_t b = g * group / 32; b < (g + 1) * group / 32; b++) {
+        const float unit = l != NULL ? d / 256.0f : d;
+        const int64_t b0 = g * group / 32, b1 = (g + 1) * group / 32;
+#ifdef MM_AVX2
+        if (l != NULL) quantize_32s(x, k, b0, b1, inv, unit, h, l, sums, 1);
+        else quantize_32s(x, k, b0, b1, inv, unit, h, NULL, sums, 0);
+#else
+        for (int64_t b = b0; b < b1; b++) {
             const float* v = x + 32 * b;
             int sum[2] = {0, 0};  /* per half: of h, or 256 h + l */
             for (int half = 0; half < 2; half++) {
@@ -355,12 +442,9 @@ static void quantize_row(const float* x, int64_t k, int group, int8_t* h, int8_t
                     }
                 }
             }
-            const float unit = l != NULL ? d / 256.0f : d;
-            sums[b] = unit;
-            sums[k / 32 + b] = unit * (float)(sum[0] + sum[1]);
-            sums[k / 16 + 2 * b] = unit * (float)sum[0];
-            sums[k / 16 + 2 * b + 1] = unit * (float)sum[1];
+            write_sums(k, b, unit, sum, sums);
         }
+#endif
     }
 }
 

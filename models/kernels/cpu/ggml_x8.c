@@ -233,6 +233,8 @@ static inline __m256i bcast4(const int8_t* p) {
  *   (RUN steps, within int16: see the file's comment); PMADDWD by the scale in both int16
  *   halves of each int32 lane. */
 #ifdef MM_AVX512_VNNI
+#define X8_TILE 3 /* rows side by side at most (q4k_tile), one digit: 32 vector registers */
+#define X8_TILE_TWO 2 /* two digits: twice the chains a row */
 #define Q6_RUN 4 /* Q6_K's steps per run: a whole sub-block of 16 */
 static inline __m256i run_add(__m256i run, __m256i w, __m256i x) {
     return _mm256_dpbusd_epi32(run, w, x);
@@ -250,9 +252,14 @@ static inline __m256i add_step(__m256i acc, __m256i w, __m256i x) {  /* a run of
     return _mm256_dpbusd_epi32(acc, w, x);
 }
 #else
+#define X8_TILE 2 /* one digit: 16 vector registers */
+#define X8_TILE_TWO 1 /* two: slower at 2 rows side by side (8 chains in 16 registers) */
 #define Q6_RUN 2
+/* PADDSW, not PADDW: the same sums (a run stays within int16), but GCC does not reassociate
+ * saturating adds, where it would turn a run's chain into a tree, every product live at once,
+ * and spill them from 16 registers */
 static inline __m256i run_add(__m256i run, __m256i w, __m256i x) {
-    return _mm256_add_epi16(run, _mm256_maddubs_epi16(w, x));
+    return _mm256_adds_epi16(run, _mm256_maddubs_epi16(w, x));
 }
 static inline __m256i run_weighted(__m256i acc, __m256i run, __m256i scale) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(run, scale));
@@ -279,13 +286,87 @@ static inline __m256 add_super(__m256 acc, __m256 d, __m256i ih, __m256i il, flo
     return _mm256_fmadd_ps(d, sum, acc);
 }
 
+/* A super-block's quants unpacked once for several rows are read back by each row: GCC would
+ * otherwise redo the unpacking per row from the weight (the copy looks like a recomputable
+ * expression of it) */
+#define KEEP_UNPACKED(A, B) __asm__ volatile("" : : "r"(A), "r"(B) : "memory")
+
+/* a value read once into a register for all the rows that meet it: GCC would read it again from
+ * memory for each, where the loads, not the multiply-adds, then bound the loop */
+static inline void in_register(__m256i* v) {
+#ifdef __AVX512VL__
+    __asm__("" : "+v"(*v));  /* any of the 32 */
+#else
+    __asm__("" : "+x"(*v));
+#endif
+}
+
 /* sub-block j's scales (or minimums) of the 8 channels, one per int32 lane */
 static inline __m256i bytes8(const uint8_t* p) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
 }
 
+/* Rows a[0 .. T) (T a constant, at most X8_TILE) against one Q4_K_X8 super-block b, its
+ * quants unpacked (lo, hi per (pair, step)) or, with lo NULL (one row), unpacked from qs as the
+ * steps go: each row's acc[r] and off[r] take the super-block, in the one-row call's operations.
+ * A tile's rows share each step's quants in registers and interleave their chains: with one
+ * digit a row has only 2 chains, which alone wait on VPDPBUSD's latency; with two its 4 already
+ * run at the instruction's rate (X8_TILE_TWO). Integer sums: the same whatever the tile. */
+static inline __attribute__((always_inline)) void q4k_tile(
+        const uint8_t* qs, const __m256i* lo, const __m256i* hi, const __m256i* scale,
+        const __m256* mins, __m256 d, __m256 dmin, const ggml_act_row* a, int64_t b, const int T,
+        const int TWO, __m256* acc, __m256* off) {
+    const __m256i nibble = _mm256_set1_epi8(0xF);
+    for (int r = 0; r < T; r++) {  /* the minimums' part */
+        const float* xs = a[r].xs + 8 * b;
+        __m256 m = _mm256_setzero_ps();
+        for (int j = 0; j < 8; j++) m = _mm256_fmadd_ps(mins[j], _mm256_set1_ps(xs[j]), m);
+        off[r] = _mm256_fmadd_ps(dmin, m, off[r]);
+    }
+    __m256i ih[X8_TILE], il[X8_TILE];
+    const int8_t *xh[X8_TILE], *xl[X8_TILE];
+    for (int r = 0; r < T; r++) {
+        ih[r] = il[r] = _mm256_setzero_si256();
+        xh[r] = a[r].q + 256 * b, xl[r] = TWO ? a[r].l + 256 * b : NULL;
+    }
+    for (int p = 0; p < 4; p++) {
+        __m256i lo_h[X8_TILE], hi_h[X8_TILE], lo_l[X8_TILE], hi_l[X8_TILE];
+        for (int r = 0; r < T; r++)
+            lo_h[r] = hi_h[r] = lo_l[r] = hi_l[r] = _mm256_setzero_si256();
+        for (int s = 0; s < 8; s++) {
+            const int t = 8 * p + s, at = 64 * p + 4 * s;
+            __m256i wl, wh;
+            if (lo == NULL) {
+                const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * t));
+                wl = _mm256_and_si256(v, nibble);
+                wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+            } else {
+                wl = lo[t], wh = hi[t];
+                in_register(&wl), in_register(&wh);
+            }
+            for (int r = 0; r < T; r++) {
+                lo_h[r] = run_add(lo_h[r], wl, bcast4(xh[r] + at));
+                hi_h[r] = run_add(hi_h[r], wh, bcast4(xh[r] + at + 32));
+                if (TWO) {
+                    lo_l[r] = run_add(lo_l[r], wl, bcast4(xl[r] + at));
+                    hi_l[r] = run_add(hi_l[r], wh, bcast4(xl[r] + at + 32));
+                }
+            }
+        }
+        for (int r = 0; r < T; r++) {
+            ih[r] = run_weighted(run_weighted(ih[r], lo_h[r], scale[2 * p]), hi_h[r],
+                                 scale[2 * p + 1]);
+            if (TWO)
+                il[r] = run_weighted(run_weighted(il[r], lo_l[r], scale[2 * p]), hi_l[r],
+                                     scale[2 * p + 1]);
+        }
+    }
+    for (int r = 0; r < T; r++) acc[r] = add_super(acc[r], d, ih[r], il[r], a[r].dx[8 * b], TWO);
+}
+
 /* One Q4_K_X8 group of 8 channels against rows a[0 .. R): out[8 i + c]. R == 1 unpacks the
- * quants as it goes; more rows take them from a super-block's unpacked copy (2 KiB, in L1). */
+ * quants as it goes; more rows take them from a super-block's unpacked copy (2 KiB, in L1), in
+ * tiles of X8_TILE rows. */
 static inline __attribute__((always_inline)) void q4k_rows(
         const uint8_t* group, int64_t nb, const ggml_act_row* a, const int R, const int TWO,
         float* out) {
@@ -305,45 +386,25 @@ static inline __attribute__((always_inline)) void q4k_rows(
             scale[j] = scale_lanes(bytes8(sb + 32 + 8 * j));
             mins[j] = _mm256_cvtepi32_ps(bytes8(sb + 96 + 8 * j));
         }
-        if (R > 1)
+        if (R > 1) {
             for (int t = 0; t < 32; t++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * t));
                 lo[t] = _mm256_and_si256(v, nibble);
                 hi[t] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
             }
-        for (int i = 0; i < R; i++) {
-            const int8_t* xh = a[i].q + 256 * b;
-            const int8_t* xl = TWO ? a[i].l + 256 * b : NULL;
-            const float* xs = a[i].xs + 8 * b;
-            __m256 m = _mm256_setzero_ps();
-            for (int j = 0; j < 8; j++) m = _mm256_fmadd_ps(mins[j], _mm256_set1_ps(xs[j]), m);
-            off[i] = _mm256_fmadd_ps(dmin, m, off[i]);
-            __m256i ih = _mm256_setzero_si256(), il = _mm256_setzero_si256();
-            for (int p = 0; p < 4; p++) {
-                __m256i lo_h = _mm256_setzero_si256(), hi_h = lo_h, lo_l = lo_h, hi_l = lo_h;
-                for (int s = 0; s < 8; s++) {
-                    const int t = 8 * p + s, at = 64 * p + 4 * s;
-                    __m256i wl, wh;
-                    if (R == 1) {
-                        const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * t));
-                        wl = _mm256_and_si256(v, nibble);
-                        wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-                    } else {
-                        wl = lo[t], wh = hi[t];
-                    }
-                    lo_h = run_add(lo_h, wl, bcast4(xh + at));
-                    hi_h = run_add(hi_h, wh, bcast4(xh + at + 32));
-                    if (TWO) {
-                        lo_l = run_add(lo_l, wl, bcast4(xl + at));
-                        hi_l = run_add(hi_l, wh, bcast4(xl + at + 32));
-                    }
-                }
-                ih = run_weighted(run_weighted(ih, lo_h, scale[2 * p]), hi_h, scale[2 * p + 1]);
-                if (TWO)
-                    il = run_weighted(run_weighted(il, lo_l, scale[2 * p]), hi_l,
-                                      scale[2 * p + 1]);
-            }
-            acc[i] = add_super(acc[i], d, ih, il, a[i].dx[8 * b], TWO);
+            KEEP_UNPACKED(lo, hi);
+        }
+        const int tile = TWO ? X8_TILE_TWO : X8_TILE;
+        for (int i = 0; i < R; i += tile) {
+            const int n = R - i < tile ? R - i : tile;
+            /* tile and R constants where they can be: no instance a build cannot reach */
+#define Q4K_TILE(LO, HI, T) \
+            q4k_tile(qs, LO, HI, scale, mins, d, dmin, a + i, b, T, TWO, acc + i, off + i)
+            if (R == 1) Q4K_TILE(NULL, NULL, 1);
+            else if (tile == 1 || n == 1) Q4K_TILE(lo, hi, 1);
+            else if (tile == 2 || n == 2) Q4K_TILE(lo, hi, 2);
+            else Q4K_TILE(lo, hi, X8_TILE);
+#undef Q4K_TILE
         }
     }
     for (int i = 0; i < R; i++) _mm256_storeu_ps(out + 8 * i, _mm256_sub_ps(acc[i], off[i]));
