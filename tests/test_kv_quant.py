@@ -90,6 +90,25 @@ def _reference(q, raw, tables, key0, contexts, block_size, scale, window, softca
     return out
 
 
+# Our variants whose int8-cache kernel meets the query in two int8 digits (head sizes a multiple
+# of 64, up to 256: models/kernels/cpu/attention.c, scores_i8_vnni).
+VNNI_SCORES = ("avx512-vnni", "avx512-bf16")
+
+
+def query_digits(q: torch.Tensor) -> torch.Tensor:
+    """q [..., D] as that kernel sees it: per row unit * (256 h + l), h = rint(q / step) and
+    l = rint((q / step - h) * 256) clamped to 127, step = max|q| / 127, in float32 as the C
+    rounds each operation."""
+    q = q.float()
+    top = q.abs().amax(-1, keepdim=True)
+    inv = torch.where(top > 0, torch.tensor(127.0) / top, torch.zeros_like(top))
+    u = q * inv
+    first = torch.round(u)
+    second = torch.round((u - first) * 256).clamp(-127, 127)
+    unit = top / 127 / 256
+    return unit.double() * (256 * first.double() + second.double())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_decode_attention_against_a_float_reference(dtype):
     """Three sequences of different contexts in scattered blocks, 6 query heads on 2 KV heads,
@@ -108,15 +127,21 @@ def test_int8_decode_attention_against_a_float_reference(dtype):
     key0 = view.key0.tolist()
     firsts = [t[k // bs:] for t, k in zip(tables, key0, strict=True)]
     ref = _reference(q.float(), stored, firsts, key0, contexts, bs, 0.125, window, 30.0)
+    loaded = native.load()
+    # the VNNI kernel's scores: exact integer sums of the query's digits and the stored keys
+    digits_ref = _reference(query_digits(q), stored, firsts, key0, contexts, bs, 0.125, window,
+                            30.0)
     layer = LayerAttention(sliding_window=window, softcap=30.0)
-    kernels = ["sdpa", "matmul"] + (["native"] if native.load() is not None else [])
+    kernels = ["sdpa", "matmul"] + (["native"] if loaded is not None else [])
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for kernel in kernels:
         view.workspace = None
         group = AttentionGroup(torch.arange(3), 3, 1, {window: view})
         out = _attend_group(q, q, q, cache, group, 0.125, layer, kernel)
         assert out.dtype == dtype
-        torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol, msg=kernel)
+        want = digits_ref if kernel == "native" and loaded.variant in VNNI_SCORES else ref
+        torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol, msg=kernel)
+    assert (query_digits(q) - q.double()).abs().max() <= q.abs().max() / 32512
 
 
 def _gemma3(root):

@@ -2,7 +2,8 @@
  * paged cache (no gather), with sliding windows, logit soft-capping and grouped-query heads;
  * scores, softmax and the weighted sum in float32. The cache holds keys and values in the model
  * dtype, or int8 rows each followed by its float32 scale (models/layers/kv_quant.py), whose
- * scale is applied to the row's dot product and to its softmax weight: no row is widened. */
+ * scale is applied to the row's dot product and to its softmax weight: no row is widened. With
+ * AVX-512 VNNI an int8 cache's keys meet the query in integers (scores_i8_vnni). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -121,6 +122,96 @@ static inline void gather_rows_i8(const int8_t* cache, int64_t base, const int64
     }
 }
 
+#ifdef MM_AVX512_VNNI
+/* The int8 cache's scores with VPDPBUSD, no key widened: a query head in two int8 digits (as
+ * the ggml decode path writes activations: q' = unit (256 h + l), within max|q| / 32512 of q),
+ * each digit offset by 128 to be VPDPBUSD's unsigned operand (the offset's share, 128 times a
+ * key's sum, taken back out), and 16 keys a tile whose rows are transposed in 4-byte columns
+ * (lane j of column c: key j's values 4c .. 4c + 3), so that one instruction adds 4 products to
+ * each of 16 keys' sums: no horizontal sum. A head size that is a multiple of 64, up to
+ * I8_MAX_DIM, and groups up to I8_MAX_GROUP query heads; the others take the float loop. */
+#define I8_MAX_DIM 256
+#define I8_MAX_GROUP 16
+
+/* q [dim] -> its digits h' = h + 128, l' = l + 128 and their unit (tests/test_kv_quant.py's
+ * query_digits, to the bit) */
+static NO_CONTRACT void query_digits(const float* q, int64_t dim, uint8_t* h, uint8_t* l,
+                                     float* unit) {
+    float top = 0.0f;
+    for (int64_t d = 0; d < dim; d++) top = fabsf(q[d]) > top ? fabsf(q[d]) : top;
+    const float inv = top > 0.0f ? 127.0f / top : 0.0f;
+    for (int64_t d = 0; d < dim; d++) {
+        const float u = q[d] * inv, first = rintf(u);
+        float second = rintf((u - first) * 256.0f);
+        second = second > 127.0f ? 127.0f : (second < -127.0f ? -127.0f : second);
+        h[d] = (uint8_t)((int)first + 128);
+        l[d] = (uint8_t)((int)second + 128);
+    }
+    *unit = top / 127.0f / 256.0f;
+}
+
+/* scores [group, len] (before the softmax) of keys [lo, lo + len) of one head of the int8 cache
+ * against the group's query heads qf [group, dim] */
+static void scores_i8_vnni(const int8_t* cache, int64_t key_base, const int64_t* blocks,
+                           int64_t key0, int64_t block_size, int64_t lo, int64_t len,
+                           int64_t group, const float* qf, float* scores, float scale,
+                           float softcap, int64_t dim) {
+    const int64_t stride = dim + KV_SCALE_BYTES;
+    uint8_t qh[I8_MAX_GROUP * I8_MAX_DIM], ql[I8_MAX_GROUP * I8_MAX_DIM];
+    float unit[I8_MAX_GROUP];
+    for (int64_t g = 0; g < group; g++)
+        query_digits(qf + g * dim, dim, qh + g * dim, ql + g * dim, &unit[g]);
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int64_t t0 = 0; t0 < len; t0 += 16) {
+        const int n = len - t0 < 16 ? (int)(len - t0) : 16;
+        const int8_t* row[16];
+        float row_scale[16];
+        for (int j = 0; j < 16; j++) {
+            const int64_t pos = lo + t0 + (j < n ? j : 0);
+            const int64_t slot = blocks[(pos - key0) / block_size] * block_size + pos % block_size;
+            row[j] = cache + key_base + slot * stride;
+            memcpy(&row_scale[j], row[j] + dim, sizeof(float));
+        }
+        __m512i ih[I8_MAX_GROUP], il[I8_MAX_GROUP], sum = _mm512_setzero_si512();
+        for (int64_t g = 0; g < group; g++) ih[g] = il[g] = _mm512_setzero_si512();
+        for (int64_t cb = 0; cb < dim; cb += 64) {
+            __m512 moved[16];  /* kernels.h's transpose16 moves the bits, as floats */
+            for (int j = 0; j < 16; j++) moved[j] = _mm512_castsi512_ps(
+                _mm512_loadu_si512(row[j] + cb));
+            transpose16(moved);
+            __m512i col[16];
+            for (int c = 0; c < 16; c++) col[c] = _mm512_castps_si512(moved[c]);
+            for (int c = 0; c < 16; c++) sum = _mm512_dpbusd_epi32(sum, ones, col[c]);
+            for (int64_t g = 0; g < group; g++) {
+                const uint8_t *h = qh + g * dim + cb, *l = ql + g * dim + cb;
+                __m512i a = ih[g], b = il[g];
+                for (int c = 0; c < 16; c++) {
+                    int32_t hw, lw;
+                    memcpy(&hw, h + 4 * c, 4), memcpy(&lw, l + 4 * c, 4);
+                    a = _mm512_dpbusd_epi32(a, _mm512_set1_epi32(hw), col[c]);
+                    b = _mm512_dpbusd_epi32(b, _mm512_set1_epi32(lw), col[c]);
+                }
+                ih[g] = a, il[g] = b;
+            }
+        }
+        const __m512i offset = _mm512_slli_epi32(sum, 7);  /* 128 times each key's sum */
+        const __m512 scales = _mm512_loadu_ps(row_scale);
+        for (int64_t g = 0; g < group; g++) {
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(ih[g], offset));
+            const __m512 low = _mm512_cvtepi32_ps(_mm512_sub_epi32(il[g], offset));
+            __m512 dot = _mm512_add_ps(_mm512_mul_ps(hi, _mm512_set1_ps(256.0f * unit[g])),
+                                       _mm512_mul_ps(low, _mm512_set1_ps(unit[g])));
+            dot = _mm512_mul_ps(_mm512_mul_ps(dot, scales), _mm512_set1_ps(scale));
+            float out[16];
+            _mm512_storeu_ps(out, dot);
+            float* sg = scores + g * len + t0;
+            for (int j = 0; j < n; j++)
+                sg[j] = softcap > 0.0f ? softcap * tanhf(out[j] / softcap) : out[j];
+        }
+    }
+}
+#endif
+
 /* attend_head for an int8 cache: a key's score is its scale times q . row, a value row is added
  * with its softmax weight times its scale. `row_scales`: CHUNK_FLOATS / dim floats. */
 static inline __attribute__((always_inline)) void attend_head_i8(
@@ -129,7 +220,15 @@ static inline __attribute__((always_inline)) void attend_head_i8(
     float* acc, float* scores, float* rows, float* row_scales, float scale, float softcap,
     const int64_t dim) {
     const int64_t chunk = CHUNK_FLOATS / dim;
-    for (int64_t c = 0; c < len; c += chunk) {
+#ifdef MM_AVX512_VNNI
+    const int vnni = dim % 64 == 0 && dim <= I8_MAX_DIM && group <= I8_MAX_GROUP;
+    if (vnni)
+        scores_i8_vnni(cache, key_base, blocks, key0, block_size, lo, len, group, qf, scores,
+                       scale, softcap, dim);
+#else
+    const int vnni = 0;
+#endif
+    for (int64_t c = 0; c < len && !vnni; c += chunk) {
         const int64_t n = len - c < chunk ? len - c : chunk;
         gather_rows_i8(cache, key_base, blocks, key0, block_size, lo + c, n, dim, rows,
                        row_scales);

@@ -34,11 +34,6 @@
 
 #if defined(__clang__)
 #pragma clang fp contract(off)
-#define NO_CONTRACT
-#elif defined(__GNUC__)
-#define NO_CONTRACT __attribute__((optimize("fp-contract=off")))
-#else
-#define NO_CONTRACT
 #endif
 
 #define SPAN 256 /* values dequantized at once: one super-block, or eight 32-blocks */

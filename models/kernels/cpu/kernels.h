@@ -491,6 +491,15 @@ int mm_decode_attention(const void* q, const void* cache, void* out, int dtype,
                         int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
                         int64_t width, int64_t num_blocks, int64_t block_size, int64_t window,
                         float scale, float softcap, int threads);
+/* A function whose float operations round as written, each on its own (no multiply-add fused
+ * across statements, GCC's default): where its results must match another form's to the bit.
+ * Clang fuses only within one expression (a file that needs none says so with its pragma). */
+#if defined(__GNUC__) && !defined(__clang__)
+#define NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+#else
+#define NO_CONTRACT
+#endif
+
 #define KV_SCALE_BYTES 4 /* an int8 KV row's float32 scale, after its values */
 int mm_decode_attention_i8(const void* q, const int8_t* cache, void* out, int dtype,
                            const int64_t* table, const int64_t* key0, const int64_t* context,
