@@ -14,6 +14,13 @@
 #define CHUNK_FLOATS 8192  /* keys (or values) converted to float32 at a time: 32 KiB, in L1 */
 
 static inline void softmax_rows(float* scores, int64_t group, int64_t len);
+#define TILE_MAX_DIM 256 /* the tiled scores' bounds (scores_i8_vnni, scores_bf16) */
+#define TILE_MAX_GROUP 16
+#ifdef MM_AVX512_BF16
+static void scores_bf16(const uint16_t* cache, int64_t key_base, const int64_t* blocks,
+                        int64_t key0, int64_t block_size, int64_t lo, int64_t len, int64_t group,
+                        const float* qf, float* scores, float scale, float softcap, int64_t dim);
+#endif
 
 /* Rows [t0, t0 + n) of one head's keys or values (`base`: that head's first slot) as float32,
  * into `dst` [n, dim]: the slots come from the block table. */
@@ -36,7 +43,16 @@ static inline __attribute__((always_inline)) void attend_head(
     int64_t key0, int64_t block_size, int64_t lo, int64_t len, int64_t group, const float* qf,
     float* acc, float* scores, float* rows, float scale, float softcap, const int64_t dim) {
     const int64_t chunk = CHUNK_FLOATS / dim;
-    for (int64_t c = 0; c < len; c += chunk) {
+#ifdef MM_AVX512_BF16
+    const int tiled = dt == DTYPE_BF16 && dim % 32 == 0 && dim <= TILE_MAX_DIM &&
+                      group <= TILE_MAX_GROUP;
+    if (tiled)
+        scores_bf16(cache, key_base, blocks, key0, block_size, lo, len, group, qf, scores, scale,
+                    softcap, dim);
+#else
+    const int tiled = 0;
+#endif
+    for (int64_t c = 0; c < len && !tiled; c += chunk) {
         const int64_t n = len - c < chunk ? len - c : chunk;
         gather_rows(cache, dt, key_base, blocks, key0, block_size, lo + c, n, dim, rows);
         for (int64_t g = 0; g < group; g++) {
@@ -122,17 +138,49 @@ static inline void gather_rows_i8(const int8_t* cache, int64_t base, const int64
     }
 }
 
-#ifdef MM_AVX512_VNNI
-/* The int8 cache's scores with VPDPBUSD, no key widened: a query head in two int8 digits (as
- * the ggml decode path writes activations: q' = unit (256 h + l), within max|q| / 32512 of q),
- * each digit offset by 128 to be VPDPBUSD's unsigned operand (the offset's share, 128 times a
- * key's sum, taken back out), and 16 keys a tile whose rows are transposed in 4-byte columns
- * (lane j of column c: key j's values 4c .. 4c + 3), so that one instruction adds 4 products to
- * each of 16 keys' sums: no horizontal sum. A head size that is a multiple of 64, up to
- * I8_MAX_DIM, and groups up to I8_MAX_GROUP query heads; the others take the float loop. */
-#define I8_MAX_DIM 256
-#define I8_MAX_GROUP 16
+#if defined(MM_AVX512_VNNI) || defined(MM_AVX512_BF16)
+/* Scores without a horizontal sum per key: 16 keys a tile, their rows transposed in 4-byte
+ * columns (lane j of column c: key j's bytes 4c .. 4c + 3 of a 64-byte stretch), so that one
+ * instruction with a query's 4 bytes broadcast adds to each of the 16 keys' sums:
+ * - an int8 cache (VPDPBUSD): a query head in two int8 digits (as the ggml decode path writes
+ *   activations: q' = unit (256 h + l), within max|q| / 32512 of q), each digit offset by 128 to
+ *   be the instruction's unsigned operand (128 times a key's sum taken back out): integer sums;
+ * - a bfloat16 cache (VDPBF16PS): the query's bfloat16 values in pairs (a bfloat16 model's q is
+ *   bfloat16 already), float32 sums.
+ * Head sizes up to TILE_MAX_DIM (rows a multiple of 64 bytes) and groups up to TILE_MAX_GROUP
+ * query heads; the others take the float loop. */
+/* The rows (`stride` bytes apart in the cache, from byte `base`) of keys [first, first + n),
+ * n = min(left, 16), into row[16] (past n: the first again, computed and not kept) -> n */
+static inline int tile_rows(const uint8_t* cache, int64_t base, const int64_t* blocks,
+                            int64_t key0, int64_t block_size, int64_t first, int64_t left,
+                            int64_t stride, const uint8_t** row) {
+    const int n = left < 16 ? (int)left : 16;
+    for (int j = 0; j < 16; j++) {
+        const int64_t pos = first + (j < n ? j : 0);
+        const int64_t slot = blocks[(pos - key0) / block_size] * block_size + pos % block_size;
+        row[j] = cache + base + slot * stride;
+    }
+    return n;
+}
 
+/* bytes [at, at + 64) of the 16 rows as 16 columns of 4 bytes (kernels.h's transpose16 moves
+ * the bits as floats) */
+static inline void tile_columns(const uint8_t* const* row, int64_t at, __m512i* col) {
+    __m512 moved[16];
+    for (int j = 0; j < 16; j++) moved[j] = _mm512_castsi512_ps(_mm512_loadu_si512(row[j] + at));
+    transpose16(moved);
+    for (int c = 0; c < 16; c++) col[c] = _mm512_castps_si512(moved[c]);
+}
+
+/* a tile's scores `dot` (scaled) into sg [0, n), soft-capped where softcap > 0 */
+static inline void keep_scores(__m512 dot, float softcap, float* sg, int n) {
+    float out[16];
+    _mm512_storeu_ps(out, dot);
+    for (int j = 0; j < n; j++) sg[j] = softcap > 0.0f ? softcap * tanhf(out[j] / softcap) : out[j];
+}
+#endif
+
+#ifdef MM_AVX512_VNNI
 /* q [dim] -> its digits h' = h + 128, l' = l + 128 and their unit (tests/test_kv_quant.py's
  * query_digits, to the bit) */
 static NO_CONTRACT void query_digits(const float* q, int64_t dim, uint8_t* h, uint8_t* l,
@@ -156,31 +204,22 @@ static void scores_i8_vnni(const int8_t* cache, int64_t key_base, const int64_t*
                            int64_t key0, int64_t block_size, int64_t lo, int64_t len,
                            int64_t group, const float* qf, float* scores, float scale,
                            float softcap, int64_t dim) {
-    const int64_t stride = dim + KV_SCALE_BYTES;
-    uint8_t qh[I8_MAX_GROUP * I8_MAX_DIM], ql[I8_MAX_GROUP * I8_MAX_DIM];
-    float unit[I8_MAX_GROUP];
+    uint8_t qh[TILE_MAX_GROUP * TILE_MAX_DIM], ql[TILE_MAX_GROUP * TILE_MAX_DIM];
+    float unit[TILE_MAX_GROUP];
     for (int64_t g = 0; g < group; g++)
         query_digits(qf + g * dim, dim, qh + g * dim, ql + g * dim, &unit[g]);
     const __m512i ones = _mm512_set1_epi8(1);
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
-        const int n = len - t0 < 16 ? (int)(len - t0) : 16;
-        const int8_t* row[16];
+        const uint8_t* row[16];
+        const int n = tile_rows((const uint8_t*)cache, key_base, blocks, key0, block_size,
+                                lo + t0, len - t0, dim + KV_SCALE_BYTES, row);
         float row_scale[16];
-        for (int j = 0; j < 16; j++) {
-            const int64_t pos = lo + t0 + (j < n ? j : 0);
-            const int64_t slot = blocks[(pos - key0) / block_size] * block_size + pos % block_size;
-            row[j] = cache + key_base + slot * stride;
-            memcpy(&row_scale[j], row[j] + dim, sizeof(float));
-        }
-        __m512i ih[I8_MAX_GROUP], il[I8_MAX_GROUP], sum = _mm512_setzero_si512();
+        for (int j = 0; j < 16; j++) memcpy(&row_scale[j], row[j] + dim, sizeof(float));
+        __m512i ih[TILE_MAX_GROUP], il[TILE_MAX_GROUP], sum = _mm512_setzero_si512();
         for (int64_t g = 0; g < group; g++) ih[g] = il[g] = _mm512_setzero_si512();
         for (int64_t cb = 0; cb < dim; cb += 64) {
-            __m512 moved[16];  /* kernels.h's transpose16 moves the bits, as floats */
-            for (int j = 0; j < 16; j++) moved[j] = _mm512_castsi512_ps(
-                _mm512_loadu_si512(row[j] + cb));
-            transpose16(moved);
             __m512i col[16];
-            for (int c = 0; c < 16; c++) col[c] = _mm512_castps_si512(moved[c]);
+            tile_columns(row, cb, col);
             for (int c = 0; c < 16; c++) sum = _mm512_dpbusd_epi32(sum, ones, col[c]);
             for (int64_t g = 0; g < group; g++) {
                 const uint8_t *h = qh + g * dim + cb, *l = ql + g * dim + cb;
@@ -199,15 +238,49 @@ static void scores_i8_vnni(const int8_t* cache, int64_t key_base, const int64_t*
         for (int64_t g = 0; g < group; g++) {
             const __m512 hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(ih[g], offset));
             const __m512 low = _mm512_cvtepi32_ps(_mm512_sub_epi32(il[g], offset));
-            __m512 dot = _mm512_add_ps(_mm512_mul_ps(hi, _mm512_set1_ps(256.0f * unit[g])),
-                                       _mm512_mul_ps(low, _mm512_set1_ps(unit[g])));
-            dot = _mm512_mul_ps(_mm512_mul_ps(dot, scales), _mm512_set1_ps(scale));
-            float out[16];
-            _mm512_storeu_ps(out, dot);
-            float* sg = scores + g * len + t0;
-            for (int j = 0; j < n; j++)
-                sg[j] = softcap > 0.0f ? softcap * tanhf(out[j] / softcap) : out[j];
+            const __m512 dot = _mm512_add_ps(_mm512_mul_ps(hi, _mm512_set1_ps(256.0f * unit[g])),
+                                             _mm512_mul_ps(low, _mm512_set1_ps(unit[g])));
+            keep_scores(_mm512_mul_ps(_mm512_mul_ps(dot, scales), _mm512_set1_ps(scale)), softcap,
+                        scores + g * len + t0, n);
         }
+    }
+}
+#endif
+
+#ifdef MM_AVX512_BF16
+/* scores [group, len] of keys [lo, lo + len) of one head of a bfloat16 cache (`key_base` in
+ * elements) against qf [group, dim], bfloat16 values held as float32 */
+static void scores_bf16(const uint16_t* cache, int64_t key_base, const int64_t* blocks,
+                        int64_t key0, int64_t block_size, int64_t lo, int64_t len, int64_t group,
+                        const float* qf, float* scores, float scale, float softcap,
+                        int64_t dim) {
+    uint32_t pairs[TILE_MAX_GROUP * TILE_MAX_DIM / 2];  /* q's values 2i, 2i + 1 as bfloat16 */
+    for (int64_t i = 0; i < group * dim; i += 2) {
+        uint32_t a, b;
+        memcpy(&a, qf + i, 4), memcpy(&b, qf + i + 1, 4);
+        pairs[i / 2] = (a >> 16) | (b & 0xFFFF0000u);
+    }
+    for (int64_t t0 = 0; t0 < len; t0 += 16) {
+        const uint8_t* row[16];
+        const int n = tile_rows((const uint8_t*)cache, 2 * key_base, blocks, key0, block_size,
+                                lo + t0, len - t0, 2 * dim, row);
+        __m512 acc[TILE_MAX_GROUP];
+        for (int64_t g = 0; g < group; g++) acc[g] = _mm512_setzero_ps();
+        for (int64_t cb = 0; cb < 2 * dim; cb += 64) {  /* 32 values a stretch */
+            __m512i col[16];
+            tile_columns(row, cb, col);
+            for (int64_t g = 0; g < group; g++) {
+                const uint32_t* qp = pairs + (g * dim + cb / 2) / 2;
+                __m512 a = acc[g];
+                for (int c = 0; c < 16; c++)
+                    a = _mm512_dpbf16_ps(a, (__m512bh)col[c], (__m512bh)_mm512_set1_epi32(
+                        (int)qp[c]));
+                acc[g] = a;
+            }
+        }
+        for (int64_t g = 0; g < group; g++)
+            keep_scores(_mm512_mul_ps(acc[g], _mm512_set1_ps(scale)), softcap,
+                        scores + g * len + t0, n);
     }
 }
 #endif
@@ -221,7 +294,7 @@ static inline __attribute__((always_inline)) void attend_head_i8(
     const int64_t dim) {
     const int64_t chunk = CHUNK_FLOATS / dim;
 #ifdef MM_AVX512_VNNI
-    const int vnni = dim % 64 == 0 && dim <= I8_MAX_DIM && group <= I8_MAX_GROUP;
+    const int vnni = dim % 64 == 0 && dim <= TILE_MAX_DIM && group <= TILE_MAX_GROUP;
     if (vnni)
         scores_i8_vnni(cache, key_base, blocks, key0, block_size, lo, len, group, qf, scores,
                        scale, softcap, dim);
