@@ -3,7 +3,9 @@
  * scores, softmax and the weighted sum in float32. The cache holds keys and values in the model
  * dtype, or int8 rows each followed by its float32 scale (models/layers/kv_quant.py), whose
  * scale is applied to the row's dot product and to its softmax weight: no row is widened. With
- * AVX-512 VNNI an int8 cache's keys meet the query in integers (scores_i8_vnni). */
+ * AVX-512 VNNI an int8 cache's keys meet the query in integers (scores_i8_vnni), with AVX-512
+ * BF16 a bfloat16 cache's keys meet a bfloat16 query by VDPBF16PS (scores_bf16), 16 keys an
+ * instruction. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -149,6 +151,7 @@ static inline void gather_rows_i8(const int8_t* cache, int64_t base, const int64
  *   bfloat16 already), float32 sums.
  * Head sizes up to TILE_MAX_DIM (rows a multiple of 64 bytes) and groups up to TILE_MAX_GROUP
  * query heads; the others take the float loop. */
+
 /* The rows (`stride` bytes apart in the cache, from byte `base`) of keys [first, first + n),
  * n = min(left, 16), into row[16] (past n: the first again, computed and not kept) -> n */
 static inline int tile_rows(const uint8_t* cache, int64_t base, const int64_t* blocks,
