@@ -142,6 +142,13 @@ def test_int8_decode_attention_against_a_float_reference(dtype):
         want = digits_ref if kernel == "native" and loaded.variant in VNNI_SCORES else ref
         torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol, msg=kernel)
     assert (query_digits(q) - q.double()).abs().max() <= q.abs().max() / 32512
+    if loaded is not None:  # a NaN query head gives NaN in its sequence's heads, not numbers
+        bad = q.clone()
+        bad[1, 0, 5] = float("nan")
+        view.workspace = None
+        group = AttentionGroup(torch.arange(3), 3, 1, {window: view})
+        out = _attend_group(bad, bad, bad, cache, group, 0.125, layer, "native")
+        assert out[1, 0].isnan().all() and not out[[0, 2]].isnan().any()
 
 
 def _gemma3(root):

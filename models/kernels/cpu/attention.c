@@ -189,8 +189,12 @@ static inline void keep_scores(__m512 dot, float softcap, float* sg, int n) {
 static NO_CONTRACT void query_digits(const float* q, int64_t dim, uint8_t* h, uint8_t* l,
                                      float* unit) {
     float top = 0.0f;
-    for (int64_t d = 0; d < dim; d++) top = fabsf(q[d]) > top ? fabsf(q[d]) : top;
-    const float inv = top > 0.0f ? 127.0f / top : 0.0f;
+    int finite = 1;
+    for (int64_t d = 0; d < dim; d++) {
+        top = fabsf(q[d]) > top ? fabsf(q[d]) : top;
+        finite &= isfinite(q[d]) != 0;
+    }
+    const float inv = finite && top > 0.0f ? 127.0f / top : 0.0f;
     for (int64_t d = 0; d < dim; d++) {
         const float u = q[d] * inv, first = rintf(u);
         float second = rintf((u - first) * 256.0f);
@@ -198,7 +202,8 @@ static NO_CONTRACT void query_digits(const float* q, int64_t dim, uint8_t* h, ui
         h[d] = (uint8_t)((int)first + 128);
         l[d] = (uint8_t)((int)second + 128);
     }
-    *unit = top / 127.0f / 256.0f;
+    /* a NaN or infinite query scores NaN, as the float loop's would */
+    *unit = finite ? top / 127.0f / 256.0f : NAN;
 }
 
 /* scores [group, len] (before the softmax) of keys [lo, lo + len) of one head of the int8 cache
