@@ -96,9 +96,9 @@ VNNI_SCORES = ("avx512-vnni", "avx512-bf16")
 
 
 def query_digits(q: torch.Tensor) -> torch.Tensor:
-    """q [..., D] as that kernel sees it: per row unit * (256 h + l), h = rint(q / step) and
-    l = rint((q / step - h) * 256) clamped to 127, step = max|q| / 127, in float32 as the C
-    rounds each operation."""
+    """q [..., D] as that kernel sees it (the ggml decode path's two digits, mm_digits_row, one
+    group a head): per row unit * (256 h + l), h = rint(q / step) and l = rint((q / step - h) *
+    256) clamped to 127, step = max|q| / 127, in float32 as the C rounds each operation."""
     q = q.float()
     top = q.abs().amax(-1, keepdim=True)
     inv = torch.where(top > 0, torch.tensor(127.0) / top, torch.zeros_like(top))

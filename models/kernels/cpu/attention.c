@@ -184,38 +184,27 @@ static inline void keep_scores(__m512 dot, float softcap, float* sg, int n) {
 #endif
 
 #ifdef MM_AVX512_VNNI
-/* q [dim] -> its digits h' = h + 128, l' = l + 128 and their unit (tests/test_kv_quant.py's
- * query_digits, to the bit) */
-static NO_CONTRACT void query_digits(const float* q, int64_t dim, uint8_t* h, uint8_t* l,
-                                     float* unit) {
-    float top = 0.0f;
-    int finite = 1;
-    for (int64_t d = 0; d < dim; d++) {
-        top = fabsf(q[d]) > top ? fabsf(q[d]) : top;
-        finite &= isfinite(q[d]) != 0;
-    }
-    const float inv = finite && top > 0.0f ? 127.0f / top : 0.0f;
-    for (int64_t d = 0; d < dim; d++) {
-        const float u = q[d] * inv, first = rintf(u);
-        float second = rintf((u - first) * 256.0f);
-        second = second > 127.0f ? 127.0f : (second < -127.0f ? -127.0f : second);
-        h[d] = (uint8_t)((int)first + 128);
-        l[d] = (uint8_t)((int)second + 128);
-    }
-    /* a NaN or infinite query scores NaN, as the float loop's would */
-    *unit = finite ? top / 127.0f / 256.0f : NAN;
-}
-
 /* scores [group, len] (before the softmax) of keys [lo, lo + len) of one head of the int8 cache
  * against the group's query heads qf [group, dim] */
 static void scores_i8_vnni(const int8_t* cache, int64_t key_base, const int64_t* blocks,
                            int64_t key0, int64_t block_size, int64_t lo, int64_t len,
                            int64_t group, const float* qf, float* scores, float scale,
                            float softcap, int64_t dim) {
-    uint8_t qh[TILE_MAX_GROUP * TILE_MAX_DIM], ql[TILE_MAX_GROUP * TILE_MAX_DIM];
-    float unit[TILE_MAX_GROUP];
-    for (int64_t g = 0; g < group; g++)
-        query_digits(qf + g * dim, dim, qh + g * dim, ql + g * dim, &unit[g]);
+    /* each query head's digits h, l (one group of dim: mm_digits_row), then + 128 (the top bit
+     * flipped: VPDPBUSD's unsigned operand), and their unit; a NaN or infinite query scores
+     * NaN, as the float loop's does */
+    int8_t qh[TILE_MAX_GROUP * TILE_MAX_DIM], ql[TILE_MAX_GROUP * TILE_MAX_DIM];
+    float unit[TILE_MAX_GROUP], sums[TILE_MAX_DIM / 32 * 4];
+    for (int64_t g = 0; g < group; g++) {
+        const float* q = qf + g * dim;
+        int finite = 1;
+        for (int64_t d = 0; d < dim; d++) finite &= isfinite(q[d]) != 0;
+        int8_t *h = qh + g * dim, *l = ql + g * dim;
+        mm_digits_row(q, dim, (int)dim, h, l, sums);
+        for (int64_t d = 0; d < dim; d++)
+            h[d] = (int8_t)((uint8_t)h[d] ^ 0x80u), l[d] = (int8_t)((uint8_t)l[d] ^ 0x80u);
+        unit[g] = finite ? sums[0] : NAN;
+    }
     const __m512i ones = _mm512_set1_epi8(1);
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
         const uint8_t* row[16];
@@ -230,7 +219,7 @@ static void scores_i8_vnni(const int8_t* cache, int64_t key_base, const int64_t*
             tile_columns(row, cb, col);
             for (int c = 0; c < 16; c++) sum = _mm512_dpbusd_epi32(sum, ones, col[c]);
             for (int64_t g = 0; g < group; g++) {
-                const uint8_t *h = qh + g * dim + cb, *l = ql + g * dim + cb;
+                const int8_t *h = qh + g * dim + cb, *l = ql + g * dim + cb;
                 __m512i a = ih[g], b = il[g];
                 for (int c = 0; c < 16; c++) {
                     int32_t hw, lw;

@@ -408,8 +408,8 @@ static inline NO_CONTRACT void quantize_32s(const float* x, int64_t k, int64_t b
 }
 #endif
 
-static NO_CONTRACT void quantize_row(const float* x, int64_t k, int group, int8_t* h, int8_t* l,
-                                     float* sums) {
+NO_CONTRACT void mm_digits_row(const float* x, int64_t k, int group, int8_t* h, int8_t* l,
+                               float* sums) {
     for (int64_t g = 0; g < k / group; g++) {
         float top;
         group_top(x + g * group, group, &top);
@@ -879,7 +879,7 @@ static int ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, v
             const int64_t r = i0 + i;
             int8_t* h = q + 2 * r * k;
             float* s = sums + r * per;
-            quantize_row(xf + r * k, k, block_values(type), h, digits == 2 ? h + k : NULL, s);
+            mm_digits_row(xf + r * k, k, block_values(type), h, digits == 2 ? h + k : NULL, s);
             rows[i] = (ggml_act_row){h, digits == 2 ? h + k : NULL, s, s + k / 32, s + k / 16};
         }
         if (mm_ggml_x8_stored(type)) {

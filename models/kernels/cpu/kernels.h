@@ -540,7 +540,14 @@ int mm_ggml_linear_float(const void* x, int x_dtype, const uint8_t* w, int type,
 int mm_ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, void* y, int64_t ldy,
                    int64_t m, int64_t n, int64_t k, int digits, int generic, int threads);
 
-/* a row of x as the integer decode path writes it (ggml_blocks.c's quantize_row) */
+/* Row x [k] (a multiple of `group`: 32 or more, a multiple of 32) in int8 digits per group,
+ * step d = max|x| / 127: first digits h and, where l is not NULL, second ones (step d / 256),
+ * x' = d (h + l / 256). sums [k / 32 * 4]: per 32 inputs the unit dx (d, or d / 256 with two
+ * digits), xs, and per 16 xs16 (the sums of x'). The ggml decode path's activations and the
+ * int8 KV cache's queries (ggml_blocks.c). */
+void mm_digits_row(const float* x, int64_t k, int group, int8_t* h, int8_t* l, float* sums);
+
+/* a row of x as the integer decode path writes it (mm_digits_row) */
 typedef struct {
     const int8_t* q;    /* [k] first digits */
     const int8_t* l;    /* [k] second digits, or NULL (one digit) */
