@@ -123,6 +123,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "mm_ggml_linear_float": (_int, [_ptr, _int, _ptr, _int, _ptr, _i64, _i64, _i64, _int]),
     "mm_ggml_linear": (_int, [_ptr, _int, _ptr, _int, _ptr, _i64, _i64, _i64, _i64, _int,
                               _int, _int]),
+    "mm_digits_row": (None, [_ptr, _i64, _int, _ptr, _ptr, _ptr]),
     # ggml_x8.c
     "mm_ggml_x8_stored": (_int, [_int]),
     "mm_ggml_repack_takes": (_int, [_int, _i64, _i64]),

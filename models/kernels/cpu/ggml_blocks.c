@@ -320,13 +320,11 @@ int mm_ggml_linear_float(const void* x, int x_dtype, const uint8_t* w, int type,
  * the one-row call's, bit for bit. The plain path (the x86-64 and Arm variants) is the same
  * arithmetic in C loops the compiler vectorizes. */
 
-/* Row x [k] (a multiple of `group`: 32, or 256 for the super-block types) -> its first digits
- * h (step d = max|x| / 127 per group) and, where l is not NULL, its second digits l (step
- * d / 256): x' = d (h + l / 256). sums [k / 32 * 4]: per 32 inputs the unit dx (d, or d / 256
- * with two digits; the same for the 32s of one group), xs, and per 16 xs16 (the sums of x').
- * Every thread of a team writes its own copy (a decode's few rows: cheaper than a barrier), so
- * the loop is vectorized where AVX2 is; both forms round alike (the same float operations, not
- * contracted, per element; integer sums), so the digits do not depend on the variant. */
+/* digits_row (mm_digits_row, kernels.h): a row's digits, per group of 32, of 256 for the super-block types
+ * (the unit dx the same for the 32s of one group). Every thread of a team writes its own copy
+ * (a decode's few rows: cheaper than a barrier), so the loop is vectorized where AVX2 is; both
+ * forms round alike (the same float operations, not contracted, per element; integer sums), so
+ * the digits do not depend on the variant. */
 static inline NO_CONTRACT void group_top(const float* x, int group, float* top_out) {
     float top = 0.0f;
     int j = 0;
@@ -408,8 +406,8 @@ static inline NO_CONTRACT void quantize_32s(const float* x, int64_t k, int64_t b
 }
 #endif
 
-NO_CONTRACT void mm_digits_row(const float* x, int64_t k, int group, int8_t* h, int8_t* l,
-                               float* sums) {
+static NO_CONTRACT void digits_row(const float* x, int64_t k, int group, int8_t* h, int8_t* l,
+                                   float* sums) {
     for (int64_t g = 0; g < k / group; g++) {
         float top;
         group_top(x + g * group, group, &top);
@@ -441,6 +439,10 @@ NO_CONTRACT void mm_digits_row(const float* x, int64_t k, int group, int8_t* h, 
         }
 #endif
     }
+}
+
+void mm_digits_row(const float* x, int64_t k, int group, int8_t* h, int8_t* l, float* sums) {
+    digits_row(x, k, group, h, l, sums);  /* the export (kernels.h), without the attribute */
 }
 
 /* ---- plain path: a block's quants unpacked to bytes, dot products in int ---- */
@@ -879,7 +881,7 @@ static int ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, v
             const int64_t r = i0 + i;
             int8_t* h = q + 2 * r * k;
             float* s = sums + r * per;
-            mm_digits_row(xf + r * k, k, block_values(type), h, digits == 2 ? h + k : NULL, s);
+            digits_row(xf + r * k, k, block_values(type), h, digits == 2 ? h + k : NULL, s);
             rows[i] = (ggml_act_row){h, digits == 2 ? h + k : NULL, s, s + k / 32, s + k / 16};
         }
         if (mm_ggml_x8_stored(type)) {
