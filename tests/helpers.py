@@ -1,7 +1,7 @@
 """Test helpers shared by several modules: serving an app in a thread, waiting for an engine
 to go idle or pacing its steps, checking that a request released everything, counting encoder
 forwards, processing a chat the way the engine does, greedy sampling parameters, transformers'
-greedy reference."""
+greedy reference, driving a model's forward directly, a random walk through a grammar."""
 
 from __future__ import annotations
 
@@ -236,3 +236,25 @@ def run_chunks(model, seqs, block_size: int = 16) -> list:
         out.append(logits[offset : offset + e - s])
         offset += e - s
     return out
+
+
+def walk(compiler, spec, seed: int, limit: int = 200) -> list[int]:
+    """A reply the grammar of `spec` (StructuredOutputs) allows, each token drawn at random
+    among the ones `compiler` (engine.grammar.GrammarCompiler) allows (EOS only once nothing
+    else is); AssertionError if it has not ended within `limit` tokens."""
+    state = compiler.state(spec)
+    gen = torch.Generator().manual_seed(seed)
+    eos, out = compiler.eos_token_ids[0], []
+    for _ in range(limit):
+        row = torch.zeros(compiler.mask_words, dtype=torch.int32)
+        state.fill(row, out)
+        bits = (row[:, None] >> torch.arange(32, dtype=torch.int32)) & 1
+        allowed = bits.flatten().nonzero().flatten().tolist()
+        allowed = [i for i in allowed if i != eos] or allowed
+        token = allowed[int(torch.randint(len(allowed), (1,), generator=gen))]
+        out.append(token)
+        assert state.error is None
+        if token == eos or state.accept(token, out):
+            assert state.error is None, state.error
+            return out
+    raise AssertionError(f"the grammar did not end within {limit} tokens")

@@ -9,13 +9,13 @@ import json
 import string
 
 import pytest
-import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from engine.grammar import GrammarCompiler, GrammarError
 from engine.structured_outputs import StructuredOutputs
 from engine.token_table import SPECIAL_MARK, read_token_table
+from tests.helpers import walk
 
 CHARS = string.ascii_letters + string.digits + string.punctuation
 SCHEMA = {"type": "object", "properties": {
@@ -47,27 +47,6 @@ def unigram() -> PreTrainedTokenizerFast:
     corpus = 'the red fox and the blue fox {"name": "fox", "count": 12} ' + " ".join(CHARS)
     tok.train_from_iterator([corpus] * 4, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>")
-
-
-def walk(compiler: GrammarCompiler, spec: StructuredOutputs, seed: int) -> list[int]:
-    """A reply the grammar allows, each token drawn at random among the allowed ones (EOS only
-    once nothing else is)."""
-    state = compiler.state(spec)
-    gen = torch.Generator().manual_seed(seed)
-    eos, out = compiler.eos_token_ids[0], []
-    for _ in range(200):
-        row = torch.zeros(compiler.mask_words, dtype=torch.int32)
-        state.fill(row, out)
-        bits = (row[:, None] >> torch.arange(32, dtype=torch.int32)) & 1
-        allowed = bits.flatten().nonzero().flatten().tolist()
-        allowed = [i for i in allowed if i != eos] or allowed
-        token = allowed[int(torch.randint(len(allowed), (1,), generator=gen))]
-        out.append(token)
-        assert state.error is None
-        if token == eos or state.accept(token, out):
-            assert state.error is None, state.error
-            return out
-    raise AssertionError("the grammar did not end")
 
 
 @pytest.mark.parametrize("make", [wordpiece, unigram])

@@ -296,10 +296,6 @@ def test_a_thinking_model_shows_its_thought_folded(served, browser):
         page.close()
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known bug, open: a required call of the random demo model sometimes runs to max_tokens "
-    "(640 seen) although its grammar should bound it (one compact call, a city of at most 40 "
-    "characters); seen after an earlier test's prefix hit"))
 def test_the_demo_tool_call_shows_folded_under_its_name(served, browser):
     """The demo's Qwen2-VL template renders tools (Hermes calls): with the demo tool required,
     the reply is a get_weather call, shown as a message titled with its name."""
@@ -310,8 +306,8 @@ def test_the_demo_tool_call_shows_folded_under_its_name(served, browser):
         expect(page.get_by_role("combobox", name="Model")).to_have_value(VL)
         page.get_by_text("Tools", exact=True).click()
         page.locator("#tool-choice").get_by_text("required", exact=True).click()
-        # the grammar should bound the call (compact JSON, one call, a city of at most 40
-        # characters: under 600 of the demo's byte tokens even as escapes); see the xfail
+        # the grammar bounds the call (compact JSON, one call, its one argument a city of at
+        # most 40 characters: under 640 of the demo's byte tokens even as escapes)
         set_max_tokens(page, 640)
         send(page, "What is the weather in Paris?")
         expect(page.locator("#timing")).to_contain_text("finish stop")

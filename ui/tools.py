@@ -36,6 +36,9 @@ DEMO_TOOL: dict[str, Any] = {
             "properties": {"city": {"type": "string", "description": "The city's name",
                                     "maxLength": 40}},
             "required": ["city"],
+            # no other argument: a required call's grammar is then bounded (JSON Schema lets
+            # an object hold keys it does not name, which a random model writes on and on)
+            "additionalProperties": False,
         },
     },
 }
