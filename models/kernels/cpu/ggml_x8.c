@@ -1,5 +1,5 @@
-/* Q4_K and Q6_K weights repacked at load in groups of 8 output channels (GGML_Q4_K_X8,
- * GGML_Q6_K_X8), so that a decode step's matrix-vector product meets 8 channels in each vector
+/* Weights of every ggml type but Q5_K repacked at load in groups of 8 output channels
+ * (GGML_Q4_0_X8 .. GGML_Q6_K_X8; the 32-value types' layouts at b32_in), so that a decode step's matrix-vector product meets 8 channels in each vector
  * instruction (one channel per int32 lane) instead of one channel's 32 inputs, as llama.cpp's
  * repack does for its CPU kernels. Nothing is widened or rounded: the quants' bytes are the
  * file's, moved. Q4_K's 6-bit sub-block scales and minimums are written out as bytes (the 12
@@ -46,7 +46,10 @@
 #define X8_ROWS 16 /* rows of x at most (mm_ggml_linear's MAX_ROWS) */
 #define Q4K_X8_SUPER (X8_CHANNELS * 148)
 #define Q6K_X8_SUPER (X8_CHANNELS * 210)
+#define Q40_X8_BLOCK (X8_CHANNELS * 18)
+#define Q41_X8_BLOCK (X8_CHANNELS * 20)
 #define Q50_X8_BLOCK (X8_CHANNELS * 22)
+#define Q51_X8_BLOCK (X8_CHANNELS * 24)
 #define Q80_X8_BLOCK (X8_CHANNELS * 34)
 
 /* one channel's super-block src (as stored) into its group's super-block dst, as channel c */
@@ -105,30 +108,53 @@ static void q6k_out(const uint8_t* src, int c, uint8_t* block) {
         for (int i = 0; i < 4; i++) block[4 * t + i] = q6k_bits_out(src[144 + 32 * t + 4 * c + i]);
 }
 
-/* Q5_0 as stored: d [0, 2), qh [2, 6) (bit j: input j's fifth bit), qs [6, 22) (low nibble j:
- * input j, high: j + 16). In the group: d at 2c, then channel c's fifth bits at 16 + 4c, byte
- * s holding those of inputs 4s .. 4s + 3 (bits 0 .. 3) and 16 + 4s .. (bits 4 .. 7), then
- * qs [s][c] (4 bytes each) at 48. */
-static void q50_in(const uint8_t* src, int c, uint8_t* dst) {
+/* The 32-value 4- and 5-bit types as stored: d [0, 2), for _1 the minimum m [2, 4), for Q5 qh
+ * (4 bytes, bit j: input j's fifth bit), then qs (16 bytes: low nibble j input j, high j + 16).
+ * In the group: d at 2c, m at 16 + 2c (_1), channel c's fifth bits at `gh` + 4c, byte s holding
+ * those of inputs 4s .. 4s + 3 (bits 0 .. 3) and 16 + 4s .. (bits 4 .. 7) (Q5), then qs [s][c]
+ * (4 bytes each) at `gq`: Q4_0 16, Q4_1 32, Q5_0 48, Q5_1 64. */
+static void b32_in(const uint8_t* src, int c, uint8_t* dst, int min, int fifth) {
+    const int gh = 16 + 16 * min, gq = gh + 32 * fifth, sq = 2 + 2 * min + 4 * fifth;
     memcpy(dst + 2 * c, src, 2);
-    const uint32_t h = (uint32_t)src[2] | ((uint32_t)src[3] << 8) | ((uint32_t)src[4] << 16) |
-                       ((uint32_t)src[5] << 24);
-    for (int s = 0; s < 4; s++)
-        dst[16 + 4 * c + s] =
-            (uint8_t)(((h >> (4 * s)) & 0xF) | (((h >> (16 + 4 * s)) & 0xF) << 4));
-    for (int s = 0; s < 4; s++) memcpy(dst + 48 + 32 * s + 4 * c, src + 6 + 4 * s, 4);
+    if (min) memcpy(dst + 16 + 2 * c, src + 2, 2);
+    if (fifth) {
+        const uint8_t* qh = src + 2 + 2 * min;
+        const uint32_t h = (uint32_t)qh[0] | ((uint32_t)qh[1] << 8) | ((uint32_t)qh[2] << 16) |
+                           ((uint32_t)qh[3] << 24);
+        for (int s = 0; s < 4; s++)
+            dst[gh + 4 * c + s] =
+                (uint8_t)(((h >> (4 * s)) & 0xF) | (((h >> (16 + 4 * s)) & 0xF) << 4));
+    }
+    for (int s = 0; s < 4; s++) memcpy(dst + gq + 32 * s + 4 * c, src + sq + 4 * s, 4);
 }
 
-static void q50_out(const uint8_t* src, int c, uint8_t* block) {
+static void b32_out(const uint8_t* src, int c, uint8_t* block, int min, int fifth) {
+    const int gh = 16 + 16 * min, gq = gh + 32 * fifth, sq = 2 + 2 * min + 4 * fifth;
     memcpy(block, src + 2 * c, 2);
-    uint32_t h = 0;
-    for (int s = 0; s < 4; s++) {
-        const uint32_t byte = src[16 + 4 * c + s];
-        h |= ((byte & 0xF) << (4 * s)) | ((byte >> 4) << (16 + 4 * s));
+    if (min) memcpy(block + 2, src + 16 + 2 * c, 2);
+    if (fifth) {
+        uint32_t h = 0;
+        for (int s = 0; s < 4; s++) {
+            const uint32_t byte = src[gh + 4 * c + s];
+            h |= ((byte & 0xF) << (4 * s)) | ((byte >> 4) << (16 + 4 * s));
+        }
+        for (int i = 0; i < 4; i++) block[2 + 2 * min + i] = (uint8_t)(h >> (8 * i));
     }
-    for (int i = 0; i < 4; i++) block[2 + i] = (uint8_t)(h >> (8 * i));
-    for (int s = 0; s < 4; s++) memcpy(block + 6 + 4 * s, src + 48 + 32 * s + 4 * c, 4);
+    for (int s = 0; s < 4; s++) memcpy(block + sq + 4 * s, src + gq + 32 * s + 4 * c, 4);
 }
+
+#define B32_LAYOUT(T, MIN, FIFTH)                                                              \
+    static void T##_in(const uint8_t* src, int c, uint8_t* dst) {                              \
+        b32_in(src, c, dst, MIN, FIFTH);                                                       \
+    }                                                                                          \
+    static void T##_out(const uint8_t* src, int c, uint8_t* block) {                           \
+        b32_out(src, c, block, MIN, FIFTH);                                                    \
+    }
+B32_LAYOUT(q40, 0, 0)
+B32_LAYOUT(q41, 1, 0)
+B32_LAYOUT(q50, 0, 1)
+B32_LAYOUT(q51, 1, 1)
+#undef B32_LAYOUT
 
 /* Q8_0 as stored: d [0, 2), qs [2, 34). In the group: d at 2c, qs [s][c] (4 bytes) at 16. */
 static void q80_in(const uint8_t* src, int c, uint8_t* dst) {
@@ -154,6 +180,9 @@ static const x8_layout LAYOUTS[] = {
     {GGML_Q6_K, GGML_Q6_K_X8, 256, 210, Q6K_X8_SUPER, q6k_in, q6k_out},
     {GGML_Q5_0, GGML_Q5_0_X8, 32, 22, Q50_X8_BLOCK, q50_in, q50_out},
     {GGML_Q8_0, GGML_Q8_0_X8, 32, 34, Q80_X8_BLOCK, q80_in, q80_out},
+    {GGML_Q4_0, GGML_Q4_0_X8, 32, 18, Q40_X8_BLOCK, q40_in, q40_out},
+    {GGML_Q4_1, GGML_Q4_1_X8, 32, 20, Q41_X8_BLOCK, q41_in, q41_out},
+    {GGML_Q5_1, GGML_Q5_1_X8, 32, 24, Q51_X8_BLOCK, q51_in, q51_out},
 };
 #define N_LAYOUTS ((int)(sizeof(LAYOUTS) / sizeof(LAYOUTS[0])))
 
@@ -174,8 +203,8 @@ static int repackable(int type, int64_t n, int64_t k) {
     return l != NULL && n > 0 && n % X8_CHANNELS == 0 && k > 0 && k % l->values == 0;
 }
 
-/* Whether a weight [n, k] of `type` is worth repacking in this build: Q4_K, Q6_K, Q5_0 or
- * Q8_0 in whole groups of 8 channels, where a vector path runs the groups (the plain path is
+/* Whether a weight [n, k] of `type` is worth repacking in this build: a type of LAYOUTS in whole
+ * groups of 8 channels, where a vector path runs the groups (the plain path is
  * faster on the file's layout) */
 int mm_ggml_repack_takes(int type, int64_t n, int64_t k) {
 #ifdef MM_AVX2
@@ -495,21 +524,29 @@ static inline __attribute__((always_inline)) void q6k_rows(
     for (int i = 0; i < R; i++) _mm256_storeu_ps(out + 8 * i, _mm256_sub_ps(acc[i], off[i]));
 }
 
-/* One Q5_0_X8 or Q8_0_X8 group (blocks of 32 inputs) against rows a[0 .. R): out[8 i + c].
- * A block's integer per channel (256 h + l with two digits: at most 32 * 127 * 127 * 257, in
- * int32) meets d_c dx once; Q5_0's 16-offset through 16 d_c xs.
- * Q5_0, per step s (0 .. 3): the 32 bytes of qs give inputs 4s .. 4s + 3 (low nibbles) and
- * 16 + 4s .. (high) of the 8 channels; the fifth bits come from byte s of each channel's 4
- * (broadcast within the lane, one bit per byte tested). AVX2 sums each half's 4 steps in int16
- * (at most 8 * 31 * 127). Q8_0, per step s (0 .. 7): 4 signed quants per channel, met as |w|
+enum { B32_Q4_0, B32_Q4_1, B32_Q5_0, B32_Q5_1, B32_Q8_0 }; /* b32_rows' KIND */
+
+/* One group of a 32-value type's x8 layout (KIND: Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0) against
+ * rows a[0 .. R): out[8 i + c]. A block's integer per channel (256 h + l with two digits: at
+ * most 32 * 127 * 127 * 257, in int32) meets d_c dx once; Q4_0's and Q5_0's offsets (8, 16)
+ * through 8 or 16 d_c xs, the _1 types' minimum through m_c xs.
+ * 4- and 5-bit types, per step s (0 .. 3): the 32 bytes of qs give inputs 4s .. 4s + 3 (low
+ * nibbles) and 16 + 4s .. (high) of the 8 channels; Q5's fifth bits come from byte s of each
+ * channel's 4 (broadcast within the lane, one bit per byte tested). AVX2 sums each half's 4
+ * steps in int16 (at most 8 * 31 * 127). Q8_0, per step s (0 .. 7): 4 signed quants per channel, met as |w|
  * against the digits with w's sign (as ggml does); AVX2 weights each step's pairs at once. */
 static inline __attribute__((always_inline)) void b32_rows(
         const uint8_t* group, int64_t nb, const ggml_act_row* a, const int R, const int TWO,
-        const int Q8, float* out) {
+        const int KIND, float* out) {
+    const int Q8 = KIND == B32_Q8_0, MIN = KIND == B32_Q4_1 || KIND == B32_Q5_1;
+    const int FIFTH = KIND == B32_Q5_0 || KIND == B32_Q5_1;
+    /* the offset of a type without a minimum (q - 8 or q - 16: Q8_0's is 0) */
+    const float offset = KIND == B32_Q4_0 ? 8.0f : KIND == B32_Q5_0 ? 16.0f : 0.0f;
     const __m256i nibble = _mm256_set1_epi8(0xF), fifth = _mm256_set1_epi8(0x10);
     const __m256i low_bits = _mm256_set1_epi32(0x08040201), high_bits = _mm256_set1_epi32(
         (int)0x80402010u);
-    const int block = Q8 ? Q80_X8_BLOCK : Q50_X8_BLOCK;
+    const int block = X8_CHANNELS * (Q8 ? 34 : 2 + 2 * MIN + 4 * FIFTH + 16);
+    const int bits_at = 16 + 16 * MIN, qs_at = Q8 ? 16 : bits_at + 32 * FIFTH;
     /* PSHUFB's index of each int32 lane's first byte (within its 128-bit half), in all 4 */
     const __m256i lane_bytes = _mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0c0c0c0c, 0,
                                                  0x04040404, 0x08080808, 0x0c0c0c0c);
@@ -521,12 +558,23 @@ static inline __attribute__((always_inline)) void b32_rows(
         prefetch_x8(blk, block);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));
         __m256i bits = _mm256_setzero_si256();
-        if (!Q8) bits = _mm256_loadu_si256((const __m256i*)(blk + 16));
-        const uint8_t* qs = blk + (Q8 ? 16 : 48);
+        if (FIFTH) bits = _mm256_loadu_si256((const __m256i*)(blk + bits_at));
+        const uint8_t* qs = blk + qs_at;
+        /* the block's offset or minimum per channel, times xs (subtracted at the end) */
+        __m256 off_scale = _mm256_setzero_ps();
+        if (MIN)
+            off_scale = _mm256_sub_ps(off_scale, _mm256_cvtph_ps(
+                _mm_loadu_si128((const __m128i*)(blk + 16))));
+        else if (!Q8)
+            off_scale = _mm256_mul_ps(d, _mm256_set1_ps(offset));
 #define B32_QUANTS(S, W, X)                                                                    \
         if (Q8) {                                                                              \
             const __m256i raw_ = _mm256_loadu_si256((const __m256i*)(qs + 32 * (S)));          \
             W = _mm256_sign_epi8(raw_, raw_), X = raw_;                                        \
+        } else if (!FIFTH) {                                                                   \
+            const __m256i raw_ = _mm256_loadu_si256((const __m256i*)(qs + 32 * (S)));          \
+            W = _mm256_and_si256(raw_, nibble);                                                \
+            X = _mm256_and_si256(_mm256_srli_epi16(raw_, 4), nibble);                          \
         } else {                                                                               \
             const __m256i raw_ = _mm256_loadu_si256((const __m256i*)(qs + 32 * (S)));          \
             /* byte S of each lane in all 4 of its bytes */                                    \
@@ -581,24 +629,25 @@ static inline __attribute__((always_inline)) void b32_rows(
             if (TWO) ih = _mm256_add_epi32(_mm256_slli_epi32(ih, 8), il);
             acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a[i].dx[b])),
                                      _mm256_cvtepi32_ps(ih), acc[i]);
-            if (!Q8) off[i] = _mm256_fmadd_ps(d, _mm256_set1_ps(16.0f * a[i].xs[b]), off[i]);
+            if (!Q8) off[i] = _mm256_fmadd_ps(off_scale, _mm256_set1_ps(a[i].xs[b]), off[i]);
         }
 #undef B32_QUANTS
     }
     for (int i = 0; i < R; i++) _mm256_storeu_ps(out + 8 * i, _mm256_sub_ps(acc[i], off[i]));
 }
 
-static inline __attribute__((always_inline)) void q50_rows(
-        const uint8_t* group, int64_t nb, const ggml_act_row* a, const int R, const int TWO,
-        float* out) {
-    b32_rows(group, nb, a, R, TWO, 0, out);
-}
-
-static inline __attribute__((always_inline)) void q80_rows(
-        const uint8_t* group, int64_t nb, const ggml_act_row* a, const int R, const int TWO,
-        float* out) {
-    b32_rows(group, nb, a, R, TWO, 1, out);
-}
+#define B32_ROWS(T, KIND)                                                                      \
+    static inline __attribute__((always_inline)) void T##_rows(                                \
+            const uint8_t* group, int64_t nb, const ggml_act_row* a, const int R,              \
+            const int TWO, float* out) {                                                       \
+        b32_rows(group, nb, a, R, TWO, KIND, out);                                             \
+    }
+B32_ROWS(q40, B32_Q4_0)
+B32_ROWS(q41, B32_Q4_1)
+B32_ROWS(q50, B32_Q5_0)
+B32_ROWS(q51, B32_Q5_1)
+B32_ROWS(q80, B32_Q8_0)
+#undef B32_ROWS
 
 /* instances for one row (R a constant: its sums stay in registers) and for any count, each
  * for one and two digits */
@@ -618,6 +667,9 @@ X8_ALL(q4k)
 X8_ALL(q6k)
 X8_ALL(q50)
 X8_ALL(q80)
+X8_ALL(q40)
+X8_ALL(q41)
+X8_ALL(q51)
 #undef X8_ALL
 #undef X8
 
@@ -627,11 +679,14 @@ typedef void (*x8_fn)(const uint8_t*, int64_t, const ggml_act_row*, int, float*)
  * (rows <= 16, all with the same number of digits): out [rows, 8]. */
 void mm_ggml_x8_rows(int type, const uint8_t* group, int64_t nb, const ggml_act_row* a,
                      int rows, float* out) {
-    static const x8_fn fns[4][2][2] = {  /* [LAYOUTS' order][several rows][two digits] */
+    static const x8_fn fns[N_LAYOUTS][2][2] = {  /* [LAYOUTS' order][many rows][two digits] */
         {{q4k_one_1, q4k_one_2}, {q4k_many_1, q4k_many_2}},
         {{q6k_one_1, q6k_one_2}, {q6k_many_1, q6k_many_2}},
         {{q50_one_1, q50_one_2}, {q50_many_1, q50_many_2}},
-        {{q80_one_1, q80_one_2}, {q80_many_1, q80_many_2}}};
+        {{q80_one_1, q80_one_2}, {q80_many_1, q80_many_2}},
+        {{q40_one_1, q40_one_2}, {q40_many_1, q40_many_2}},
+        {{q41_one_1, q41_one_2}, {q41_many_1, q41_many_2}},
+        {{q51_one_1, q51_one_2}, {q51_many_1, q51_many_2}}};
     const int at = (int)(layout_of(-1, type) - LAYOUTS);
     fns[at][rows > 1][a->l != NULL](group, nb, a, rows, out);
 }
