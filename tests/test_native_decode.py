@@ -1,7 +1,8 @@
 """The decode step through one native call (models.layers.native_decode) against the modules it
 replaces, through the engine: the same logits to the bit at every step, for float32 and
 bfloat16, dense, int8 and int4 weights, biases, tied heads, one and several requests per step;
-q / k norms (Qwen3) within float32 summation order. The steps it must decline go through the
+q / k norms (Qwen3) within float32 summation order; Gemma 3's layers (sandwich norms, GELU,
+sliding windows). The steps it must decline go through the
 modules, and models it cannot run are refused with the reason."""
 
 from __future__ import annotations
@@ -93,6 +94,42 @@ def test_qk_norms_within_summation_order(qwen3_path, dtype):
         torch.testing.assert_close(a, b, atol=tol, rtol=0)
 
 
+@pytest.fixture(scope="module")
+def gemma3_path(tmp_path_factory):
+    """Gemma 3's layers: norms after attention and MLP (sandwich), GELU (tanh), q / k norms
+    with a unit offset, a sliding window of 6 keys on all layers but every third (two rope
+    tables), shorter than most prompts."""
+    from testing.tiny import build_text_model
+
+    return build_text_model(
+        tmp_path_factory.mktemp("ckpt") / "gemma3", "gemma3_text", num_layers=3,
+        tie_word_embeddings=True,
+        config_overrides={"head_dim": 16, "sliding_window": 6, "sliding_window_pattern": 3,
+                          "layer_types": ["sliding_attention", "sliding_attention",
+                                          "full_attention"]})
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gemma3_layers_as_the_modules(gemma3_path, dtype):
+    """Sandwich norms, GELU and sliding windows: one request's steps are the modules' to the
+    bit; several requests' within the q / k norms' summation order (as Qwen3's above)."""
+    llm = _engine(gemma3_path, dtype, None)
+    model = llm.engine.runner.model
+    assert {layer.self_attn.layout.sliding_window for layer in model.layers} == {6, None}
+    assert model.layers[0].sandwich and model.layers[0].mlp.activation == "gelu_pytorch_tanh"
+    native_logits, native_tokens, taken = run_decode_steps(llm, True, PROMPTS[:1])
+    module_logits, module_tokens, _ = run_decode_steps(llm, False, PROMPTS[:1])
+    assert taken and native_tokens == module_tokens
+    for a, b in zip(native_logits, module_logits, strict=True):
+        assert torch.equal(a, b), (a - b).abs().max()
+    native_logits, native_tokens, taken = run_decode_steps(llm, True)
+    module_logits, module_tokens, _ = run_decode_steps(llm, False)
+    assert taken and max(taken) == len(PROMPTS) and native_tokens == module_tokens
+    tol = 1e-5 if dtype == "float32" else 0.05
+    for a, b in zip(native_logits, module_logits, strict=True):
+        torch.testing.assert_close(a, b, atol=tol, rtol=0)
+
+
 def test_declines_what_it_does_not_take(qwen2_path):
     llm = _engine(qwen2_path, "float32", None)
     model = llm.engine.runner.model
@@ -114,11 +151,10 @@ def test_declines_what_it_does_not_take(qwen2_path):
 def test_refuses_layers_it_does_not_implement(tmp_path):
     from testing.tiny import build_text_model
 
-    path = build_text_model(tmp_path / "gemma3", "gemma3_text", num_layers=1,
-                            tie_word_embeddings=True)
+    path = build_text_model(tmp_path / "moe", "qwen3_moe", num_layers=1)
     model = LLM(path, dtype="float32", max_model_len=64).engine.runner.model
     assert model.native_decode is None
-    assert "norms after attention and MLP" in unsupported(model)
+    assert "mixture-of-experts" in unsupported(model)
 
 
 def test_refuses_a_model_whose_caches_are_not_bound():

@@ -58,14 +58,15 @@ class LayerDesc(ctypes.Structure):
 
     _fields_ = [("qkv", LinearDesc), ("o", LinearDesc), ("gate_up", LinearDesc),
                 ("down", LinearDesc), ("input_norm", _ptr), ("post_norm", _ptr),
-                ("q_norm", _ptr), ("k_norm", _ptr), ("kv_cache", _ptr), ("rope", _i64)]
+                ("q_norm", _ptr), ("k_norm", _ptr), ("kv_cache", _ptr), ("rope", _i64),
+                ("attn_out_norm", _ptr), ("mlp_out_norm", _ptr), ("window", _i64)]
 
 
 class DecoderDesc(ctypes.Structure):
     """mm_decoder_desc: what a decoder's layers share (mm_decode_layers)."""
 
     _fields_ = [("dtype", _i32), ("norm_mode", _i32), ("threads", _i32), ("kv_int8", _i32),
-                ("eps", _f32), ("scale", _f32), ("hidden", _i64), ("heads", _i64),
+                ("act", _i32), ("eps", _f32), ("scale", _f32), ("hidden", _i64), ("heads", _i64),
                 ("kv_heads", _i64), ("head_dim", _i64), ("intermediate", _i64),
                 ("num_blocks", _i64), ("block_size", _i64)]
 
@@ -93,6 +94,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "mm_rotary": (None, [_ptr, _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64]),
     "mm_silu_mul": (None, [_ptr, _ptr, _int, _i64, _i64]),
     "mm_activation": (None, [_ptr, _ptr, _int, _i64, _int]),
+    "mm_act_mul": (None, [_ptr, _ptr, _int, _i64, _i64, _int]),
     # linear_dense.c, linear_int8.c, linear_int4.c: the matrix-vector linears
     "mm_linear_f32": (_int, [_ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]),
     "mm_linear_bf16": (_int, [_ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]),

@@ -23,6 +23,8 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=bias)
         # A decoder's activation at a decode's rows: value by value (models/layers/activations.py)
         self.act = (DECODER_ACTIVATIONS if fused_decode else ACTIVATIONS)[act]
+        self.activation = act  # its name (transformers')
+        self.fused_decode = fused_decode
         self.fused_silu = fused_decode and act == "silu"  # our kernel at a decode's rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

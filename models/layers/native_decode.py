@@ -7,12 +7,13 @@ would run at those rows (models.kernels.native), in their order and with their r
 result is theirs to the bit; it only replaces the calls. It therefore takes a step only where
 the modules would run exactly those kernels:
 
-- the layers have the shape the kernel implements (pre-norm residual, gated SiLU MLP, full
-  attention without soft-capping; optional q / k norms and biases; a KV cache in the model
-  dtype or int8 (models/layers/kv_quant.py, quantized as the modules do); every layer of one
-  shape,
-  with keys and values of its own, no per-layer inputs or output scalars), with the fused
-  decode ops on, which `unsupported` checks once when the runner prepares the model;
+- the layers have the shape the kernel implements (pre-norm residual, optionally with norms
+  of the attention's and the MLP's outputs too (sandwich norms: Gemma 3), a gated MLP with
+  SiLU or GELU, attention without soft-capping, over all keys or a sliding window per layer;
+  optional q / k norms and biases; a KV cache in the model dtype or int8
+  (models/layers/kv_quant.py, quantized as the modules do); every layer of one shape, with
+  keys and values of its own, no per-layer inputs or output scalars), with the fused decode
+  ops on, which `unsupported` checks once when the runner prepares the model;
 - every linear's planned formulation (models.kernels.linear_choice) for the step's row count
   is ours ("native"): where PyTorch's measured faster for some layer, the modules run; a
   linear held in a GGUF file's blocks (models.kernels.ggml_blocks.BlockLinear) is taken at
@@ -50,6 +51,10 @@ from models.layers.norm import RMSNorm
 log = logging.getLogger(__name__)
 
 DISABLE_ENV = "MMSERVE_NATIVE_DECODE"  # "0": decode steps through the modules
+# the MLP activations (transformers' names) the call computes as the modules do at a decode's
+# rows (mm_silu_mul; mm_activation's kinds, as models/layers/activations.py's `rowwise`)
+ACTIVATIONS = {"silu": native.ACTIVATIONS["silu"], "gelu_pytorch_tanh": native.ACTIVATIONS[
+    "gelu_tanh"], "gelu": native.ACTIVATIONS["gelu"]}
 
 
 class DecoderStack(Protocol):
@@ -77,6 +82,7 @@ def unsupported(model: DecoderStack) -> str | None:
         attn, mlp = layer.self_attn, layer.mlp
         # The kernel implements these classes' forwards; a family overriding one is not served.
         if (type(layer).forward is not DecoderLayer.forward
+                or type(layer).feed_forward is not DecoderLayer.feed_forward
                 or type(attn).forward is not Attention.forward
                 or type(mlp).forward is not GatedMLP.forward):
             return f"layer {i} runs a forward of its own"
@@ -91,18 +97,18 @@ def unsupported(model: DecoderStack) -> str | None:
                     "are not implemented")
         if layer.per_layer_input is not None or layer.scaled:
             return "per-layer inputs and layer output scalars are not implemented"
-        if layer.sandwich:
-            return "layers with norms after attention and MLP are not implemented"
-        if not mlp.fused_silu:
-            return "the MLP activation is not SiLU"
-        if attn.layout.sliding_window is not None or attn.layout.softcap is not None:
-            return "sliding windows and attention soft-capping are not implemented"
+        if mlp.activation not in ACTIVATIONS or not mlp.fused_decode:
+            return f"the MLP activation {mlp.activation} is not implemented"
+        if attn.layout.softcap is not None:
+            return "attention soft-capping is not implemented"
         # [2, Hkv, blocks, block_size, D] (or int8 rows [.., D + 4]) once the runner binds it
         cache = attn.kv_cache
         if cache.dim() != 5 or not cache.is_contiguous() or cache.dtype not in (dtype,
                                                                                torch.int8):
             return "the KV cache is not bound"
         norms += [layer.input_layernorm, layer.post_attention_layernorm]
+        if layer.sandwich:
+            norms += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
         if attn.qk_norm:
             norms += [attn.q_norm, attn.k_norm]
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
@@ -126,6 +132,8 @@ def unsupported(model: DecoderStack) -> str | None:
         return "the norms differ in epsilon or convention"
     if len({layer.self_attn.scale for layer in model.layers}) > 1:
         return "the layers' attention scales differ"
+    if len({layer.mlp.activation for layer in model.layers}) > 1:
+        return "the layers' MLP activations differ"
     return None
 
 
@@ -144,6 +152,7 @@ class NativeDecode:
             dtype=native.DTYPES[self.dtype], norm_mode=mode, eps=norm.eps,
             scale=first.self_attn.scale, hidden=cfg.hidden_size, heads=cfg.num_heads,
             kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            act=ACTIVATIONS[first.mlp.activation],
             intermediate=cfg.intermediate_size, num_blocks=cache.shape[2],
             block_size=cache.shape[3], kv_int8=int(cache.dtype == torch.int8))
         # Pointers to the weights and KV caches as they are now: the runner binds the caches
@@ -218,14 +227,23 @@ class NativeDecode:
 
 def _layer_desc(layer: DecoderLayer, keep: list[LinearDesc]) -> LayerDesc:
     attn, mlp = layer.self_attn, layer.mlp
+    # with sandwich norms the norm before the MLP is pre_feedforward_layernorm, and
+    # post_attention_layernorm norms the attention's output
+    before_mlp = layer.pre_feedforward_layernorm if layer.sandwich else (
+        layer.post_attention_layernorm)
     return LayerDesc(
         qkv=linear_desc(attn.qkv_proj, keep), o=linear_desc(attn.o_proj, keep),
         gate_up=linear_desc(mlp.gate_up_proj, keep), down=linear_desc(mlp.down_proj, keep),
         input_norm=layer.input_layernorm.weight.data_ptr(),
-        post_norm=layer.post_attention_layernorm.weight.data_ptr(),
+        post_norm=before_mlp.weight.data_ptr(),
         q_norm=attn.q_norm.weight.data_ptr() if attn.qk_norm else None,
         k_norm=attn.k_norm.weight.data_ptr() if attn.qk_norm else None,
-        kv_cache=attn.kv_cache.data_ptr(), rope=layer.rope_index)
+        kv_cache=attn.kv_cache.data_ptr(), rope=layer.rope_index,
+        attn_out_norm=(layer.post_attention_layernorm.weight.data_ptr() if layer.sandwich
+                       else None),
+        mlp_out_norm=(layer.post_feedforward_layernorm.weight.data_ptr() if layer.sandwich
+                      else None),
+        window=attn.layout.sliding_window or 0)
 
 
 def _decode_tables(meta: AttentionMetadata,

@@ -5,8 +5,10 @@
  * smaller ones compute. This runs the same kernels of this folder in the order the
  * modules run them, with the intermediate results in the model dtype as the modules keep them,
  * so that the result is the modules' to the bit (tests/test_native_decode.py). Only the layer
- * shape the modules' fused decode path takes is served: pre-norm residual layers, gated SiLU
- * MLP, full attention without soft-capping, optional per-head q / k norms and biases.
+ * shape the modules' fused decode path takes is served: pre-norm residual layers, optionally
+ * with norms of the attention's and the MLP's outputs too (sandwich norms, Gemma 2 / 3), a
+ * gated MLP (SiLU or GELU), attention without soft-capping, over all keys or a sliding window
+ * per layer, optional per-head q / k norms and biases.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -108,24 +110,39 @@ int mm_decode_layers(const mm_decoder_desc* d, const mm_layer_desc* layers, int6
             if (kv_int8)
                 NOTE(mm_decode_attention_i8(parts[Q], L->kv_cache, parts[ATTN], dt, table,
                                             key0, context, m, hq, hkv, dim, width,
-                                            d->num_blocks, d->block_size, 0, d->scale, 0.0f,
-                                            threads));
+                                            d->num_blocks, d->block_size, L->window, d->scale,
+                                            0.0f, threads));
             else
                 NOTE(mm_decode_attention(parts[Q], L->kv_cache, parts[ATTN], dt, table, key0,
                                          context, m, hq, hkv, dim, width, d->num_blocks,
-                                         d->block_size, 0, d->scale, 0.0f, threads));
+                                         d->block_size, L->window, d->scale, 0.0f, threads));
             team_sync(&team);
             NOTE(run_linear(&L->o, parts[ATTN], parts[O], m, dt, threads, &team));
             team_sync(&team);
-            if (lead)
+            if (lead) {
+                /* sandwich norms: the attention's output normed (in place) before its add */
+                if (L->attn_out_norm != NULL)
+                    NOTE(mm_rms_norm(parts[O], NULL, NULL, L->attn_out_norm, parts[O], dt, m,
+                                     hidden, d->eps, d->norm_mode));
                 NOTE(mm_rms_norm(h, parts[O], h, L->post_norm, parts[NORMED], dt, m, hidden,
                                  d->eps, d->norm_mode));
+            }
             team_sync(&team);
             NOTE(run_linear(&L->gate_up, parts[NORMED], parts[GATE_UP], m, dt, threads, &team));
             team_sync(&team);
-            if (lead) mm_silu_mul(parts[GATE_UP], parts[ACT], dt, m, d->intermediate);
+            if (lead) {
+                if (d->act == ACT_SILU)
+                    mm_silu_mul(parts[GATE_UP], parts[ACT], dt, m, d->intermediate);
+                else
+                    mm_act_mul(parts[GATE_UP], parts[ACT], dt, m, d->intermediate, d->act);
+            }
             team_sync(&team);
             NOTE(run_linear(&L->down, parts[ACT], parts[MLP], m, dt, threads, &team));
+            team_sync(&team);
+            /* the MLP's output normed (sandwich norms) before the next input norm adds it */
+            if (lead && L->mlp_out_norm != NULL)
+                NOTE(mm_rms_norm(parts[MLP], NULL, NULL, L->mlp_out_norm, parts[MLP], dt, m,
+                                 hidden, d->eps, d->norm_mode));
             team_sync(&team);
         }
 #undef NOTE

@@ -450,6 +450,7 @@ void mm_silu_mul(const void* gate_up, void* out, int dt, int64_t rows, int64_t i
 #define ACT_GELU_TANH 5
 #define ACT_GELU 6
 void mm_activation(const void* x, void* out, int dt, int64_t n, int kind);
+void mm_act_mul(const void* gate_up, void* out, int dt, int64_t rows, int64_t inner, int kind);
 
 /* linear_dense.c, linear_int8.c, linear_int4.c: the matrix-vector linears */
 int mm_linear_f32(const void* x, int x_dtype, const float* w, const uint16_t* scales, void* y,
@@ -591,10 +592,15 @@ typedef struct { /* one decoder layer */
     void* kv_cache;         /* [2, kv_heads, num_blocks, block_size, head_dim] in the dtype, or
                                int8 rows [.., head_dim + KV_SCALE_BYTES] (kv_int8) */
     int64_t rope;           /* which of the step's cos / sin tables the layer rotates by */
+    const void* attn_out_norm; /* [hidden], or NULL: the norm of the attention's output before
+                                  its residual add (sandwich norms) */
+    const void* mlp_out_norm;  /* [hidden], or NULL: the same for the MLP's output */
+    int64_t window;            /* > 0: the layer attends to the last `window` keys only */
 } mm_layer_desc;
 
 typedef struct { /* what the layers share */
     int32_t dtype, norm_mode, threads, kv_int8; /* kv_int8: the caches hold int8 rows */
+    int32_t act; /* the MLP's activation of its gate: ACT_SILU, ACT_GELU_TANH or ACT_GELU */
     float eps, scale;
     int64_t hidden, heads, kv_heads, head_dim, intermediate, num_blocks, block_size;
 } mm_decoder_desc;

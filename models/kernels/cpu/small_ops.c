@@ -193,7 +193,10 @@ static inline float activation(int kind, float x) {
     }
 }
 
-void mm_activation(const void* x, void* out, int dt, int64_t n, int kind) {
+/* noinline: mm_activation and mm_act_mul run this very code, so that their activations agree
+ * to the bit (the compiler may contract a copy inlined elsewhere otherwise) */
+__attribute__((noinline)) static void activation_row(const void* x, void* out, int dt, int64_t n,
+                                                     int kind) {
     if (dt == DTYPE_F32) {
         const float* in = (const float*)x;
         float* o = (float*)out;
@@ -202,5 +205,23 @@ void mm_activation(const void* x, void* out, int dt, int64_t n, int kind) {
         const uint16_t* in = (const uint16_t*)x;
         uint16_t* o = (uint16_t*)out;
         for (int64_t i = 0; i < n; i++) o[i] = f32_to_bf16(activation(kind, bf16_to_f32(in[i])));
+    }
+}
+
+void mm_activation(const void* x, void* out, int dt, int64_t n, int kind) {
+    activation_row(x, out, dt, n, kind);
+}
+
+/* act(gate) * up for gate_up [rows, 2 * inner] (gate first) -> out [rows, inner]: the gate's
+ * activation by mm_activation (rounded to the dtype), then the product rounded, as a decoder's
+ * modules compute a gated MLP with another activation than SiLU (models/layers/mlp.py). */
+void mm_act_mul(const void* gate_up, void* out, int dt, int64_t rows, int64_t inner, int kind) {
+    const size_t elem = dt == DTYPE_F32 ? 4 : 2;
+    for (int64_t r = 0; r < rows; r++) {
+        activation_row((const char*)gate_up + (size_t)(2 * r * inner) * elem,
+                       (char*)out + (size_t)(r * inner) * elem, dt, inner, kind);
+        for (int64_t j = 0; j < inner; j++)
+            store(out, dt, r * inner + j,
+                  load_x(out, dt, r * inner + j) * load_x(gate_up, dt, (2 * r + 1) * inner + j));
     }
 }
