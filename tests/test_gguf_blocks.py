@@ -141,7 +141,7 @@ def _repacked(blocks: torch.Tensor, name: str) -> tuple[str, torch.Tensor]:
 
 @pytest.mark.parametrize("name", list(ggml_blocks.REPACKED))
 def test_the_repacked_layouts_hold_the_files_values(name):
-    """Every type but Q5_K in groups of 8 output channels: every value bit for bit as
+    """Every type in groups of 8 output channels: every value bit for bit as
     gguf-py reads the file's blocks (whole, by index, by slice), the decode products within
     the digits' bound on the vector and the plain paths (the plain path's to the bit the file
     layout's: it reads each block back as stored), a verify's rows each the one-row call's to
@@ -152,9 +152,10 @@ def test_the_repacked_layouts_hold_the_files_values(name):
                               .astype(np.float32))
     stored = torch.from_numpy(raw)
     kind, held = _repacked(stored, name)
-    values_per, per_channel = {"Q4_K": (256, 148), "Q6_K": (256, 210), "Q4_0": (32, 18),
+    values_per, per_channel = {"Q4_K": (256, 148), "Q5_K": (256, 180), "Q6_K": (256, 210),
+                               "Q4_0": (32, 18),
                                "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
-                               "Q8_0": (32, 34)}[name]  # Q4_K's scales as bytes: 4 more
+                               "Q8_0": (32, 34)}[name]  # Q4/5_K's scales as bytes: 4 more
     assert held.shape == (rows_n, K // values_per * per_channel)
     assert torch.equal(dequantize_channels(held, kind, K).view(torch.int32),
                        values.view(torch.int32))
@@ -187,6 +188,28 @@ def test_the_repacked_layouts_hold_the_files_values(name):
     assert odd.parts[0].kernel_type == name
     with pytest.raises(ValueError, match="does not take"):
         ggml_blocks.block_linear(x[:1], held[:70].contiguous(), kind, K)
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_the_largest_sums_stay_exact(name):
+    """Every quant at its largest and every input at the digits' top: the repacked kernels'
+    narrow sums (AVX2's int16 runs: a run of Q5_K's steps is cut where 8 would overflow) hold
+    them, the vector path within the digits' bound of x . W^T as the plain one."""
+    rows_n = 16
+    raw = random_blocks(name, rows_n, K, seed=5)
+    quants = {"Q4_K": slice(16, 144), "Q5_K": slice(16, 176), "Q6_K": slice(0, 192)}[name]
+    raw.reshape(rows_n, -1, BLOCK_TYPES[name].nbytes)[:, :, quants] = 0xFF
+    values = torch.from_numpy(dequantize(raw, GGMLQuantizationType[name]).reshape(rows_n, K)
+                              .astype(np.float32))
+    kind, held = _repacked(torch.from_numpy(raw), name)
+    x = torch.ones(2, K)
+    x[1] = -1.0
+    want = x.double() @ values.double().t()
+    for digits in (1, 2):
+        bound = digit_bound(x, values, digits, 256)
+        for path in ("vector", "plain"):
+            got = ggml_blocks.block_linear(x, held, kind, K, path, digits)
+            assert ((got.double() - want).abs() <= bound).all(), (path, digits)
 
 
 def test_parts_of_different_types_and_a_bias(weights):

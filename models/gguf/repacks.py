@@ -1,5 +1,5 @@
-"""A GGUF file's blocks in the layouts our kernels run (models.kernels.ggml_blocks.repack: every
-type but Q5_K in groups of 8 channels), repacked at load or read back from a store that
+"""A GGUF file's blocks in the layouts our kernels run (models.kernels.ggml_blocks.repack: each
+type in groups of 8 channels), repacked at load or read back from a store that
 kept an earlier start's (engine/weight_cache.py keeps them on disk, mapped at the next start:
 no repacking, and no fresh memory to fault in, zero and fill).
 

@@ -13,7 +13,7 @@ prefill) through a float32 GEMM on a tile of output channels dequantized into a 
 Without our kernels (no compiler, MMSERVE_NATIVE=0) the tile is dequantized by gguf-py, slowly
 but with the same values.
 
-Where this build's vector path runs them, weights of every type but Q5_K are repacked at load
+Where this build's vector path runs them, weights of every type are repacked at load
 into groups of 8 output channels (`repack`, models/kernels/cpu/ggml_x8.c; the quants' bytes moved,
 nothing widened), which the same kernels take as one more type each (KERNEL_TYPES): a decode
 step's instruction then meets 8 channels at once. The file's block comes back byte for byte from
@@ -56,19 +56,19 @@ BLOCK_TYPES: dict[str, BlockType] = {t.name: t for t in (
     BlockType("Q8_0", c.GGML_Q8_0, 32, 34), BlockType("Q4_K", c.GGML_Q4_K, 256, 144),
     BlockType("Q5_K", c.GGML_Q5_K, 256, 176), BlockType("Q6_K", c.GGML_Q6_K, 256, 210))}
 # The layouts the kernels run: the file's types, and ours repacked from them (a file's type ->
-# its layout): every type but Q5_K in groups of 8 output channels
-# (models/kernels/cpu/ggml_x8.c), a channel's share of a group's block its stored size but for
-# Q4_K's (148 bytes for 144: its 6-bit sub-block scales written out as bytes).
+# its layout): each type in groups of 8 output channels (models/kernels/cpu/ggml_x8.c), a
+# channel's share of a group's block its stored size but for Q4_K's and Q5_K's (4 bytes more:
+# their 6-bit sub-block scales written out as bytes).
 KERNEL_TYPES: dict[str, BlockType] = {
     **BLOCK_TYPES, "Q4_Kx8": BlockType("Q4_Kx8", c.GGML_Q4_K_X8, 256, 148),
+    "Q5_Kx8": BlockType("Q5_Kx8", c.GGML_Q5_K_X8, 256, 180),
     "Q6_Kx8": BlockType("Q6_Kx8", c.GGML_Q6_K_X8, 256, 210),
     "Q4_0x8": BlockType("Q4_0x8", c.GGML_Q4_0_X8, 32, 18),
     "Q4_1x8": BlockType("Q4_1x8", c.GGML_Q4_1_X8, 32, 20),
     "Q5_0x8": BlockType("Q5_0x8", c.GGML_Q5_0_X8, 32, 22),
     "Q5_1x8": BlockType("Q5_1x8", c.GGML_Q5_1_X8, 32, 24),
     "Q8_0x8": BlockType("Q8_0x8", c.GGML_Q8_0_X8, 32, 34)}
-REPACKED = {"Q4_K": "Q4_Kx8", "Q6_K": "Q6_Kx8", "Q4_0": "Q4_0x8", "Q4_1": "Q4_1x8",
-            "Q5_0": "Q5_0x8", "Q5_1": "Q5_1x8", "Q8_0": "Q8_0x8"}
+REPACKED = {name: f"{name}x8" for name in BLOCK_TYPES}  # each type: its groups of 8
 REPACK_FORMAT = 1  # bump when a repacked layout's bytes change (kept layouts then miss)
 FEW_ROWS = 16  # up to this many rows (tokens) of x, the matrix-vector kernel; past it a GEMM
 TILE_BYTES = 4 << 20  # float32 bytes of a tile of output channels dequantized for the GEMM
@@ -98,7 +98,7 @@ def repacked_as(type_name: str, n: int, in_features: int) -> str | None:
 
 def repack(blocks: torch.Tensor, type_name: str, in_features: int) -> tuple[str, torch.Tensor]:
     """A weight's blocks as the file holds them ([N, row bytes] uint8) -> (the type its
-    kernels run, the blocks in that layout): every type but Q5_K in groups of 8 output
+    kernels run, the blocks in that layout): every type in groups of 8 output
     channels where this build's vector path runs them (the quants' bytes moved, nothing
     widened; Q4_K's 6-bit scales as bytes, 148 bytes a super-block for the file's 144), else the
     blocks unchanged.

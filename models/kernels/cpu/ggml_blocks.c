@@ -21,8 +21,8 @@
  * lookup) to float32, for a prefill's GEMM on a tile of rows (models/kernels/ggml_blocks.py)
  * and for tests.
  *
- * Both also take the layouts of ggml_x8.c (GGML_*_X8: every type but Q5_K repacked in groups
- * of 8 output channels): the decode path runs a group at a time there (x8_linear), the
+ * Both also take the layouts of ggml_x8.c (GGML_*_X8: each type repacked in groups of 8
+ * output channels): the decode path runs a group at a time there (x8_linear), the
  * plain path and the dequantizer read each block back as the file held it.
  */
 #include <math.h>
@@ -46,7 +46,7 @@ static int block_values(int type) {
     switch (type) {
         case GGML_Q4_0: case GGML_Q4_1: case GGML_Q5_0: case GGML_Q5_1: case GGML_Q8_0: return 32;
         case GGML_Q4_K: case GGML_Q5_K: case GGML_Q6_K: return 256;
-        case GGML_Q4_K_X8: case GGML_Q6_K_X8: return 256;
+        case GGML_Q4_K_X8: case GGML_Q5_K_X8: case GGML_Q6_K_X8: return 256;
         case GGML_Q4_0_X8: case GGML_Q4_1_X8: case GGML_Q5_0_X8: case GGML_Q5_1_X8:
         case GGML_Q8_0_X8: return 32;
         default: return 0;
@@ -65,6 +65,7 @@ static int block_bytes(int type) {
         case GGML_Q6_K: return 210;
         /* a channel's share of its group's super-block */
         case GGML_Q4_K_X8: return 148;
+        case GGML_Q5_K_X8: return 180;
         case GGML_Q6_K_X8: return 210;
         case GGML_Q4_0_X8: return 18;
         case GGML_Q4_1_X8: return 20;

@@ -1,5 +1,6 @@
-/* Weights of every ggml type but Q5_K repacked at load in groups of 8 output channels
- * (GGML_Q4_0_X8 .. GGML_Q6_K_X8; the 32-value types' layouts at b32_in), so that a decode step's matrix-vector product meets 8 channels in each vector
+/* Weights of every ggml type we run repacked at load in groups of 8 output channels
+ * (GGML_Q4_0_X8 .. GGML_Q6_K_X8; the 32-value types' layouts at b32_in, Q5_K's at q5k_in),
+ * so that a decode step's matrix-vector product meets 8 channels in each vector
  * instruction (one channel per int32 lane) instead of one channel's 32 inputs, as llama.cpp's
  * repack does for its CPU kernels. Nothing is widened or rounded: the quants' bytes are the
  * file's, moved. Q4_K's 6-bit sub-block scales and minimums are written out as bytes (the 12
@@ -29,10 +30,11 @@
  * group. Per step, 4 inputs' digits broadcast meet the 8 channels' 4 quants: with AVX-512
  * VNNI, VPDPBUSD sums them into each channel's int32 lane over a sub-block, then VPMULLD by the
  * channels' sub-block scales; with AVX2, PMADDUBSW pairs them into int16 lanes, steps summed in
- * int16 while they cannot overflow (Q4_K: a sub-block's 8 steps, at most 16 * 15 * 127; Q6_K:
- * 2 steps, at most 4 * 63 * 127), then PMADDWD by the scales. Either way a super-block's
+ * int16 while they cannot overflow (Q4_K: a sub-block's 8 steps, at most 16 * 15 * 127; Q5_K:
+ * 4 steps, at most 8 * 31 * 127; Q6_K: 2 steps, at most 4 * 63 * 127), then PMADDWD by the
+ * scales. Either way a super-block's
  * products sum exactly in int32 per channel (the same integers) and meet the float scales once:
- *   Q4_K  y_c += d_c dx sum_j sc_jc isum_jc - dmin_c sum_j mn_jc xs_j
+ *   Q4_K  y_c += d_c dx sum_j sc_jc isum_jc - dmin_c sum_j mn_jc xs_j (Q5_K too)
  *   Q6_K  y_c += d_c dx sum_j sc_jc isum_jc - 32 d_c sum_j sc_jc xs16_j
  * Each row's arithmetic is the same whatever the count of rows: a verify's k + 1 rows get the
  * one-row call's results to the bit. The integer sums are those of ggml_blocks.c's per-channel
@@ -45,6 +47,7 @@
 
 #define X8_ROWS 16 /* rows of x at most (mm_ggml_linear's MAX_ROWS) */
 #define Q4K_X8_SUPER (X8_CHANNELS * 148)
+#define Q5K_X8_SUPER (X8_CHANNELS * 180)
 #define Q6K_X8_SUPER (X8_CHANNELS * 210)
 #define Q40_X8_BLOCK (X8_CHANNELS * 18)
 #define Q41_X8_BLOCK (X8_CHANNELS * 20)
@@ -77,6 +80,24 @@ static void q4k_out(const uint8_t* src, int c, uint8_t* block) {
         q[j + 8] = (uint8_t)((sc[j + 4] & 0xF) | ((mn[j + 4] & 0xF) << 4));
     }
     for (int t = 0; t < 32; t++) memcpy(block + 16 + 4 * t, src + 160 + 32 * t + 4 * c, 4);
+}
+
+/* Q5_K as stored: Q4_K's d, dmin and scales [0, 16), qh [16, 48) (byte i: bit 2p the fifth bit
+ * of input 64p + i of the low nibbles' half, bit 2p + 1 of 64p + 32 + i), qs [48, 176). In the
+ * group: Q4_K_X8's layout, then per step s (0 .. 7) channel c's qh[4s .. 4s + 3] at 1184 + 32s +
+ * 4c (the fifth bits of every pair's step s). */
+static void q5k_in(const uint8_t* src, int c, uint8_t* dst) {
+    uint8_t as_q4k[144];
+    memcpy(as_q4k, src, 16), memcpy(as_q4k + 16, src + 48, 128);
+    q4k_in(as_q4k, c, dst);
+    for (int s = 0; s < 8; s++) memcpy(dst + 1184 + 32 * s + 4 * c, src + 16 + 4 * s, 4);
+}
+
+static void q5k_out(const uint8_t* src, int c, uint8_t* block) {
+    uint8_t as_q4k[144];
+    q4k_out(src, c, as_q4k);
+    memcpy(block, as_q4k, 16), memcpy(block + 48, as_q4k + 16, 128);
+    for (int s = 0; s < 8; s++) memcpy(block + 16 + 4 * s, src + 1184 + 32 * s + 4 * c, 4);
 }
 
 /* Q6_K as stored: ql [0, 128), qh [128, 192), scales [192, 208), d [208, 210). A qh byte's
@@ -177,6 +198,7 @@ typedef struct {
 
 static const x8_layout LAYOUTS[] = {
     {GGML_Q4_K, GGML_Q4_K_X8, 256, 144, Q4K_X8_SUPER, q4k_in, q4k_out},
+    {GGML_Q5_K, GGML_Q5_K_X8, 256, 176, Q5K_X8_SUPER, q5k_in, q5k_out},
     {GGML_Q6_K, GGML_Q6_K_X8, 256, 210, Q6K_X8_SUPER, q6k_in, q6k_out},
     {GGML_Q5_0, GGML_Q5_0_X8, 32, 22, Q50_X8_BLOCK, q50_in, q50_out},
     {GGML_Q8_0, GGML_Q8_0_X8, 32, 34, Q80_X8_BLOCK, q80_in, q80_out},
@@ -265,6 +287,7 @@ static inline __m256i bcast4(const int8_t* p) {
 #define X8_TILE 3 /* rows side by side at most (q4k_tile), one digit: 32 vector registers */
 #define X8_TILE_TWO 2 /* two digits: twice the chains a row */
 #define Q6_RUN 4 /* Q6_K's steps per run: a whole sub-block of 16 */
+#define Q5_RUN 8 /* Q5_K's: a whole sub-block */
 static inline __m256i run_add(__m256i run, __m256i w, __m256i x) {
     return _mm256_dpbusd_epi32(run, w, x);
 }
@@ -284,6 +307,7 @@ static inline __m256i add_step(__m256i acc, __m256i w, __m256i x) {  /* a run of
 #define X8_TILE 2 /* one digit: 16 vector registers */
 #define X8_TILE_TWO 1 /* two: slower at 2 rows side by side (8 chains in 16 registers) */
 #define Q6_RUN 2
+#define Q5_RUN 4 /* 4 steps of 2 products each at most 2 * 31 * 127: within int16 */
 /* PADDSW, not PADDW: the same sums (a run stays within int16), but GCC does not reassociate
  * saturating adds, where it would turn a run's chain into a tree, every product live at once,
  * and spill them from 16 registers */
@@ -335,16 +359,24 @@ static inline __m256i bytes8(const uint8_t* p) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
 }
 
-/* Rows a[0 .. T) (T a constant, at most X8_TILE) against one Q4_K_X8 super-block b, its
- * quants unpacked (lo, hi per (pair, step)) or, with lo NULL (one row), unpacked from qs as the
- * steps go: each row's acc[r] and off[r] take the super-block, in the one-row call's operations.
+/* Q5_K's fifth bits: bit `bit` of each byte of h as 0x10 */
+static inline __m256i fifth_bits(__m256i h, int bit) {
+    const __m256i m = _mm256_set1_epi8((char)(1 << bit));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, m), m),
+                            _mm256_set1_epi8(0x10));
+}
+
+/* Rows a[0 .. T) (T a constant, at most X8_TILE) against one Q4_K_X8 (or, FIVE, Q5_K_X8)
+ * super-block b, its quants unpacked (lo, hi per (pair, step)) or, with lo NULL (one row),
+ * unpacked from qs (and qh) as the steps go: each row's acc[r] and off[r] take the super-block,
+ * in the one-row call's operations.
  * A tile's rows share each step's quants in registers and interleave their chains: with one
  * digit a row has only 2 chains, which alone wait on VPDPBUSD's latency; with two its 4 already
  * run at the instruction's rate (X8_TILE_TWO). Integer sums: the same whatever the tile. */
 static inline __attribute__((always_inline)) void q4k_tile(
-        const uint8_t* qs, const __m256i* lo, const __m256i* hi, const __m256i* scale,
-        const __m256* mins, __m256 d, __m256 dmin, const ggml_act_row* a, int64_t b, const int T,
-        const int TWO, __m256* acc, __m256* off) {
+        const uint8_t* qs, const uint8_t* qh, const __m256i* lo, const __m256i* hi,
+        const __m256i* scale, const __m256* mins, __m256 d, __m256 dmin, const ggml_act_row* a,
+        int64_t b, const int T, const int TWO, const int FIVE, __m256* acc, __m256* off) {
     const __m256i nibble = _mm256_set1_epi8(0xF);
     for (int r = 0; r < T; r++) {  /* the minimums' part */
         const float* xs = a[r].xs + 8 * b;
@@ -369,6 +401,11 @@ static inline __attribute__((always_inline)) void q4k_tile(
                 const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * t));
                 wl = _mm256_and_si256(v, nibble);
                 wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+                if (FIVE) {
+                    const __m256i h = _mm256_loadu_si256((const __m256i*)(qh + 32 * s));
+                    wl = _mm256_or_si256(wl, fifth_bits(h, 2 * p));
+                    wh = _mm256_or_si256(wh, fifth_bits(h, 2 * p + 1));
+                }
             } else {
                 wl = lo[t], wh = hi[t];
                 in_register(&wl), in_register(&wh);
@@ -379,6 +416,18 @@ static inline __attribute__((always_inline)) void q4k_tile(
                 if (TWO) {
                     lo_l[r] = run_add(lo_l[r], wl, bcast4(xl[r] + at));
                     hi_l[r] = run_add(hi_l[r], wh, bcast4(xl[r] + at + 32));
+                }
+            }
+            /* Q5_K on AVX2: the first half of the run weighted before its int16 sums could
+             * overflow */
+            if (FIVE && Q5_RUN < 8 && s == Q5_RUN - 1) {
+                for (int r = 0; r < T; r++) {
+                    ih[r] = run_weighted(run_weighted(ih[r], lo_h[r], scale[2 * p]), hi_h[r],
+                                         scale[2 * p + 1]);
+                    if (TWO)
+                        il[r] = run_weighted(run_weighted(il[r], lo_l[r], scale[2 * p]),
+                                             hi_l[r], scale[2 * p + 1]);
+                    lo_h[r] = hi_h[r] = lo_l[r] = hi_l[r] = _mm256_setzero_si256();
                 }
             }
         }
@@ -393,20 +442,22 @@ static inline __attribute__((always_inline)) void q4k_tile(
     for (int r = 0; r < T; r++) acc[r] = add_super(acc[r], d, ih[r], il[r], a[r].dx[8 * b], TWO);
 }
 
-/* One Q4_K_X8 group of 8 channels against rows a[0 .. R): out[8 i + c]. R == 1 unpacks the
- * quants as it goes; more rows take them from a super-block's unpacked copy (2 KiB, in L1), in
- * tiles of X8_TILE rows. */
-static inline __attribute__((always_inline)) void q4k_rows(
+/* One Q4_K_X8 (or, FIVE, Q5_K_X8) group of 8 channels against rows a[0 .. R): out[8 i + c].
+ * R == 1 unpacks the quants as it goes; more rows take them from a super-block's unpacked copy
+ * (2 KiB, in L1), in tiles of X8_TILE rows. */
+static inline __attribute__((always_inline)) void qk_rows(
         const uint8_t* group, int64_t nb, const ggml_act_row* a, const int R, const int TWO,
-        float* out) {
+        const int FIVE, float* out) {
+    const int64_t super = FIVE ? Q5K_X8_SUPER : Q4K_X8_SUPER;
     const __m256i nibble = _mm256_set1_epi8(0xF);
     __m256 acc[X8_ROWS], off[X8_ROWS];
     __m256i lo[32], hi[32];  /* R > 1: a super-block's quants, per (pair, step) */
     for (int i = 0; i < R; i++) acc[i] = off[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t* sb = group + b * Q4K_X8_SUPER;
-        prefetch_x8(sb, Q4K_X8_SUPER);
+        const uint8_t* sb = group + b * super;
+        prefetch_x8(sb, (int)super);
         const uint8_t* qs = sb + 160;
+        const uint8_t* qh = FIVE ? sb + 1184 : NULL;
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)sb));
         const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sb + 16)));
         __m256i scale[8];
@@ -420,6 +471,11 @@ static inline __attribute__((always_inline)) void q4k_rows(
                 const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * t));
                 lo[t] = _mm256_and_si256(v, nibble);
                 hi[t] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+                if (FIVE) {  /* pair t / 8, step t % 8 */
+                    const __m256i h = _mm256_loadu_si256((const __m256i*)(qh + 32 * (t % 8)));
+                    lo[t] = _mm256_or_si256(lo[t], fifth_bits(h, 2 * (t / 8)));
+                    hi[t] = _mm256_or_si256(hi[t], fifth_bits(h, 2 * (t / 8) + 1));
+                }
             }
             KEEP_UNPACKED(lo, hi);
         }
@@ -428,7 +484,8 @@ static inline __attribute__((always_inline)) void q4k_rows(
             const int n = R - i < tile ? R - i : tile;
             /* tile and R constants where they can be: no instance a build cannot reach */
 #define Q4K_TILE(LO, HI, T) \
-            q4k_tile(qs, LO, HI, scale, mins, d, dmin, a + i, b, T, TWO, acc + i, off + i)
+            q4k_tile(qs, qh, LO, HI, scale, mins, d, dmin, a + i, b, T, TWO, FIVE, acc + i,     \
+                     off + i)
             if (R == 1) Q4K_TILE(NULL, NULL, 1);
             else if (tile == 1 || n == 1) Q4K_TILE(lo, hi, 1);
             else if (tile == 2 || n == 2) Q4K_TILE(lo, hi, 2);
@@ -439,7 +496,19 @@ static inline __attribute__((always_inline)) void q4k_rows(
     for (int i = 0; i < R; i++) _mm256_storeu_ps(out + 8 * i, _mm256_sub_ps(acc[i], off[i]));
 }
 
-/* One Q6_K_X8 group against rows a[0 .. R): out[8 i + c], as q4k_rows. A step's 4 inputs of
+static inline __attribute__((always_inline)) void q4k_rows(
+        const uint8_t* group, int64_t nb, const ggml_act_row* a, const int R, const int TWO,
+        float* out) {
+    qk_rows(group, nb, a, R, TWO, 0, out);
+}
+
+static inline __attribute__((always_inline)) void q5k_rows(
+        const uint8_t* group, int64_t nb, const ggml_act_row* a, const int R, const int TWO,
+        float* out) {
+    qk_rows(group, nb, a, R, TWO, 1, out);
+}
+
+/* One Q6_K_X8 group against rows a[0 .. R): out[8 i + c], as qk_rows. A step's 4 inputs of
  * each of the 4 groups of 32 of a half (128 values): groups 0 and 2 the low and high nibbles of
  * ql chunk 2n, 1 and 3 of chunk 2n + 1, their top two bits in qh chunk n's bytes (held at bits
  * 4, 6, 0, 2: q6k_in). */
@@ -664,6 +733,7 @@ B32_ROWS(q80, B32_Q8_0)
     X8(T##_many_1, T##_rows, rows, 0)                                                          \
     X8(T##_many_2, T##_rows, rows, 1)
 X8_ALL(q4k)
+X8_ALL(q5k)
 X8_ALL(q6k)
 X8_ALL(q50)
 X8_ALL(q80)
@@ -681,6 +751,7 @@ void mm_ggml_x8_rows(int type, const uint8_t* group, int64_t nb, const ggml_act_
                      int rows, float* out) {
     static const x8_fn fns[N_LAYOUTS][2][2] = {  /* [LAYOUTS' order][many rows][two digits] */
         {{q4k_one_1, q4k_one_2}, {q4k_many_1, q4k_many_2}},
+        {{q5k_one_1, q5k_one_2}, {q5k_many_1, q5k_many_2}},
         {{q6k_one_1, q6k_one_2}, {q6k_many_1, q6k_many_2}},
         {{q50_one_1, q50_one_2}, {q50_many_1, q50_many_2}},
         {{q80_one_1, q80_one_2}, {q80_many_1, q80_many_2}},

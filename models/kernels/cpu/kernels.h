@@ -527,14 +527,14 @@ void mm_fit_int4(const float* x, int64_t groups, int64_t group, float* scale, fl
 #define GGML_Q4_K 12
 #define GGML_Q5_K 13
 #define GGML_Q6_K 14
-/* ours, not ggml's: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K in groups of 8 output channels
- * (ggml_x8.c) */
+/* ours, not ggml's: each of the above in groups of 8 output channels (ggml_x8.c) */
 #define GGML_Q4_0_X8 1002
 #define GGML_Q4_1_X8 1003
 #define GGML_Q5_0_X8 1006
 #define GGML_Q5_1_X8 1007
 #define GGML_Q8_0_X8 1008
 #define GGML_Q4_K_X8 1012
+#define GGML_Q5_K_X8 1013
 #define GGML_Q6_K_X8 1014
 int mm_ggml_takes(int type, int64_t k);
 int mm_ggml_dequantize(const uint8_t* w, int type, const int64_t* ids, int64_t first,
@@ -572,7 +572,7 @@ static inline void ggml_scale_min(int j, const uint8_t* q, int* sc, int* mn) {
     }
 }
 
-/* ggml_x8.c: the 32-value types, Q4_K and Q6_K in groups of 8 output channels (GGML_*_X8) */
+/* ggml_x8.c: each block type in groups of 8 output channels (GGML_*_X8) */
 #define X8_CHANNELS 8
 int mm_ggml_x8_stored(int type); /* an x8 type's type as stored (GGML_Q4_K ..), else 0 */
 int mm_ggml_repack_takes(int type, int64_t n, int64_t k);
