@@ -6,7 +6,7 @@
  * modules run them, with the intermediate results in the model dtype as the modules keep them,
  * so that the result is the modules' to the bit (tests/test_native_decode.py). Only the layer
  * shape the modules' fused decode path takes is served: pre-norm residual layers, optionally
- * with norms of the attention's and the MLP's outputs too (sandwich norms, Gemma 2 / 3), a
+ * with norms of the attention's and the MLP's outputs too (sandwich norms: Gemma 3), a
  * gated MLP (SiLU or GELU), attention without soft-capping, over all keys or a sliding window
  * per layer, optional per-head q / k norms and biases.
  */

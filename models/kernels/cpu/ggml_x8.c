@@ -602,8 +602,9 @@ enum { B32_Q4_0, B32_Q4_1, B32_Q5_0, B32_Q5_1, B32_Q8_0 }; /* b32_rows' KIND */
  * 4- and 5-bit types, per step s (0 .. 3): the 32 bytes of qs give inputs 4s .. 4s + 3 (low
  * nibbles) and 16 + 4s .. (high) of the 8 channels; Q5's fifth bits come from byte s of each
  * channel's 4 (broadcast within the lane, one bit per byte tested). AVX2 sums each half's 4
- * steps in int16 (at most 8 * 31 * 127). Q8_0, per step s (0 .. 7): 4 signed quants per channel, met as |w|
- * against the digits with w's sign (as ggml does); AVX2 weights each step's pairs at once. */
+ * steps in int16 (at most 8 * 31 * 127). Q8_0, per step s (0 .. 7): 4 signed quants per
+ * channel, met as |w| against the digits with w's sign (as ggml does); AVX2 weights each step's
+ * pairs at once. */
 static inline __attribute__((always_inline)) void b32_rows(
         const uint8_t* group, int64_t nb, const ggml_act_row* a, const int R, const int TWO,
         const int KIND, float* out) {

@@ -213,8 +213,9 @@ void mm_activation(const void* x, void* out, int dt, int64_t n, int kind) {
 }
 
 /* act(gate) * up for gate_up [rows, 2 * inner] (gate first) -> out [rows, inner]: the gate's
- * activation by mm_activation (rounded to the dtype), then the product rounded, as a decoder's
- * modules compute a gated MLP with another activation than SiLU (models/layers/mlp.py). */
+ * activation by mm_activation's code (rounded to the dtype), then the product rounded, as a
+ * decoder's modules compute a gated MLP with another activation than SiLU
+ * (models/layers/mlp.py). */
 void mm_act_mul(const void* gate_up, void* out, int dt, int64_t rows, int64_t inner, int kind) {
     const size_t elem = dt == DTYPE_F32 ? 4 : 2;
     for (int64_t r = 0; r < rows; r++) {
