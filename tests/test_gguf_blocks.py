@@ -190,15 +190,23 @@ def test_the_repacked_layouts_hold_the_files_values(name):
         ggml_blocks.block_linear(x[:1], held[:70].contiguous(), kind, K)
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+# each type's quant bytes in a block (and Q5's fifth bits), and the byte that makes every quant
+# its largest in magnitude (Q8_0's signed: -127)
+LARGEST = {"Q4_0": (slice(2, 18), 0xFF), "Q4_1": (slice(4, 20), 0xFF),
+           "Q5_0": (slice(2, 22), 0xFF), "Q5_1": (slice(4, 24), 0xFF),
+           "Q8_0": (slice(2, 34), 0x81), "Q4_K": (slice(16, 144), 0xFF),
+           "Q5_K": (slice(16, 176), 0xFF), "Q6_K": (slice(0, 192), 0xFF)}
+
+
+@pytest.mark.parametrize("name", list(ggml_blocks.REPACKED))
 def test_the_largest_sums_stay_exact(name):
     """Every quant at its largest and every input at the digits' top: the repacked kernels'
     narrow sums (AVX2's int16 runs: a run of Q5_K's steps is cut where 8 would overflow) hold
     them, the vector path within the digits' bound of x . W^T as the plain one."""
     rows_n = 16
     raw = random_blocks(name, rows_n, K, seed=5)
-    quants = {"Q4_K": slice(16, 144), "Q5_K": slice(16, 176), "Q6_K": slice(0, 192)}[name]
-    raw.reshape(rows_n, -1, BLOCK_TYPES[name].nbytes)[:, :, quants] = 0xFF
+    quants, largest = LARGEST[name]
+    raw.reshape(rows_n, -1, BLOCK_TYPES[name].nbytes)[:, :, quants] = largest
     values = torch.from_numpy(dequantize(raw, GGMLQuantizationType[name]).reshape(rows_n, K)
                               .astype(np.float32))
     kind, held = _repacked(torch.from_numpy(raw), name)
@@ -206,7 +214,7 @@ def test_the_largest_sums_stay_exact(name):
     x[1] = -1.0
     want = x.double() @ values.double().t()
     for digits in (1, 2):
-        bound = digit_bound(x, values, digits, 256)
+        bound = digit_bound(x, values, digits, BLOCK_TYPES[name].values)
         for path in ("vector", "plain"):
             got = ggml_blocks.block_linear(x, held, kind, K, path, digits)
             assert ((got.double() - want).abs() <= bound).all(), (path, digits)

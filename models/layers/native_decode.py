@@ -53,8 +53,8 @@ log = logging.getLogger(__name__)
 DISABLE_ENV = "MMSERVE_NATIVE_DECODE"  # "0": decode steps through the modules
 # the MLP activations (transformers' names) the call computes as the modules do at a decode's
 # rows (mm_silu_mul; mm_activation's kinds, as models/layers/activations.py's `rowwise`)
-ACTIVATIONS = {"silu": native.ACTIVATIONS["silu"], "gelu_pytorch_tanh": native.ACTIVATIONS[
-    "gelu_tanh"], "gelu": native.ACTIVATIONS["gelu"]}
+ACTIVATIONS = {name: native.ACTIVATIONS[kind] for name, kind in (
+    ("silu", "silu"), ("gelu_pytorch_tanh", "gelu_tanh"), ("gelu", "gelu"))}
 
 
 class DecoderStack(Protocol):
@@ -134,6 +134,10 @@ def unsupported(model: DecoderStack) -> str | None:
         return "the layers' attention scales differ"
     if len({layer.mlp.activation for layer in model.layers}) > 1:
         return "the layers' MLP activations differ"
+    if all(layer.self_attn.layout.sliding_window is not None for layer in model.layers):
+        # the windowed layers read the full view's block table (_decode_tables), which a
+        # step's metadata holds only where some layer sees every key
+        return "sliding windows on every layer are not implemented"
     return None
 
 
