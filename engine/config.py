@@ -58,6 +58,12 @@ class EngineConfig:
         dequantize_gguf: a GGUF checkpoint's blocks are all dequantized as they load (what
             transformers does), instead of its linears running in their ggml blocks as stored
             (CPU); the weights then run at the dtype and `quantization`.
+        gguf_activation_digits: a GGUF's linears run as stored (CPU) write their inputs in
+            this many int8 digits for the integer products: 2 (each input within max|x| /
+            32512: the file's float32 reading to float32 rounding; a prefill through a float32
+            GEMM) or 1 (within max|x| / 254 per block, llama.cpp's Q8 activations: half the
+            integer work of a decode step and of a verify, and a prefill through the integer
+            kernel too, at a measurable cost in the logits: docs/performance.md).
         state_snapshot_bytes: hybrid models (linear-attention layers) only: bytes for prefix
             snapshots of the layers' recurrent state (what a prefix-cache hit restores); None =
             automatic (64 snapshots, at most 1 GiB); 0 = no snapshots (no prefix hits).
@@ -96,6 +102,7 @@ class EngineConfig:
     quantization: str | None = None
     quantization_group_size: int = 64
     dequantize_gguf: bool = False
+    gguf_activation_digits: int = 2
     state_snapshot_bytes: int | None = None
     cross_attention_cache_bytes: int | None = None
     lora_adapters: tuple[tuple[str, str], ...] = ()
@@ -129,6 +136,10 @@ class EngineConfig:
         for flag in ("enable_prefix_caching", "dequantize_gguf"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+        if self.gguf_activation_digits not in (1, 2) or isinstance(
+                self.gguf_activation_digits, bool):
+            raise ValueError(f"gguf_activation_digits must be 1 or 2, got "
+                             f"{self.gguf_activation_digits!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be one of {', '.join(map(str, QUANTIZATIONS))}, "

@@ -24,6 +24,7 @@ from models.gguf.load import load_gguf
 from models.gguf.reader import is_gguf
 from models.interfaces import LanguageModel
 from models.kernels import native
+from models.kernels.ggml_blocks import set_activation_digits
 from models.kernels.huge_pages import place_weights, return_freed_memory
 from models.kernels.linear_choice import choose_linear_kernels
 from models.kernels.quantization import QuantizeOnLoad, quantize_language_model
@@ -96,6 +97,9 @@ def load_model(path: Path, hf_config, model_cls: type[LanguageModel], config: En
                 model.eval()
                 adapters, modality_adapters = attach_adapters(model, path, (), device, dtype)
                 return_freed_memory()
+    if set_activation_digits(model, config.gguf_activation_digits) and (
+            config.gguf_activation_digits == 1):
+        summary += "; their inputs in one int8 digit (llama.cpp's Q8 activations)"
     if device.type == "cpu":
         with progress.step("placing the weights in huge pages"):
             place_weights(model)  # before planning: the plan times them where they run

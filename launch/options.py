@@ -32,6 +32,10 @@ ENGINE_OPTIONS = {  # flag -> (engine option, type, help)
     "--kv-cache-dtype": (
         "kv_cache_dtype", str, "auto (the model dtype) or int8 (keys and values as int8 with "
         "a scale per token and head: about twice the tokens in the same bytes)"),
+    "--gguf-activation-digits": (
+        "gguf_activation_digits", int, "int8 digits per input of a GGUF's linears run as stored: "
+        "2 (the file's float32 reading, default) or 1 (llama.cpp's Q8 activations: faster "
+        "decode, verify and prefill, logits a little further off)"),
     "--speculative": (
         "speculative", str, "speculative decoding: ngram (lookup in the prompt and output), "
         "draft:PATH (a small model of the same tokenizer, or Gemma 4's assistant) or mtp (the "

@@ -55,6 +55,7 @@ KERNEL_TESTS = ["tests/test_native.py", "tests/test_quantization.py", "tests/tes
                 "tests/test_gguf_blocks.py::test_the_kernels_are_the_variant_chosen",
                 "tests/test_gguf_blocks.py::test_dequantized_bit_for_bit_as_gguf_py",
                 "tests/test_gguf_blocks.py::test_decode_and_prefill_products",
+                "tests/test_gguf_blocks.py::test_a_long_prefill_in_chunks",
                 "tests/test_gguf_blocks.py::test_the_repacked_layouts_hold_the_files_values",
                 "tests/test_gguf_blocks.py::test_the_largest_sums_stay_exact",
                 # the int8 cache's kernel: integer scores (VNNI) or the float loop (the others)

@@ -97,6 +97,25 @@ def assert_rows_as_alone(x: torch.Tensor, blocks: torch.Tensor, kind: str) -> No
             assert torch.equal(together, alone[:rows]), (rows, digits)
 
 
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q8_0"])
+@pytest.mark.parametrize("digits", [1, 2])
+def test_a_long_prefill_in_chunks(type_name, digits):
+    """The integer kernel on more rows than the chunk it meets the whole weight with at once
+    (512 KiB of digits: 256 rows of 1024 inputs at two digits, 512 at one): every row as it is
+    alone, repacked (groups of 8) and as stored, float32 and bfloat16 x."""
+    k = 1024
+    blocks = torch.from_numpy(random_blocks(type_name, 24, k, seed=3))
+    x = torch.randn(600, k, generator=torch.Generator().manual_seed(2))
+    for part in (BlockLinear([(type_name, blocks)], k, None).parts[0],
+                 BlockLinear([(type_name, blocks)], k, None, repack_blocks=False).parts[0]):
+        def run(rows: torch.Tensor, part=part) -> torch.Tensor:
+            return ggml_blocks.block_linear(rows, part.blocks, part.kernel_type, k,
+                                            digits=digits)
+        for rows in (x, x.bfloat16()):
+            assert torch.equal(run(rows), torch.cat([run(rows[i:i + 1])
+                                                     for i in range(len(rows))]))
+
+
 @pytest.mark.parametrize("name", list(BLOCK_TYPES))
 def test_decode_and_prefill_products(weights, name):
     blocks, values = weights[name]
@@ -117,6 +136,15 @@ def test_decode_and_prefill_products(weights, name):
     got = layer(x)  # the tiled GEMM on the dequantized values
     bound = 1e-5 * (x.abs().double() @ values.abs().double().t()).max()  # float32 sums
     assert (got.double() - want).abs().max() <= bound
+    # at one digit a prefill's rows take the integer kernel, each row as a decode step sums it
+    for part in layer.parts:
+        part.digits = 1
+    got = layer(x)
+    assert ((got.double() - want).abs() <= digit_bound(x, values, 1, BLOCK_TYPES[name].values)
+            ).all()
+    assert torch.equal(got, torch.cat([layer(x[i:i + 1]) for i in range(len(x))]))
+    for part in layer.parts:
+        part.digits = 2
     # bfloat16 activations: rounded once at the end
     got = layer(x[:2].bfloat16())
     assert got.dtype == torch.bfloat16
@@ -336,6 +364,64 @@ def test_a_k_quant_file_runs_as_stored(k_quant_file):
     report = inspect(k_quant_file)
     assert report.weight_bytes == held
     assert "as stored" in render(report)
+
+
+def test_one_activation_digit_runs_every_row_through_the_integer_kernel(k_quant_file):
+    """gguf_activation_digits=1 (llama.cpp's Q8 activations): every block linear's parts write
+    x in one digit, the start-up line says so, the one-call decode step takes the digits from
+    its descriptors (the modules' logits to the bit), and a prompt's rows go through the
+    integer kernel, not the GEMM."""
+    from engine import LLM
+    from engine.config import EngineConfig
+    from models.layers.attention import build_metadata
+    from tests.model_fixtures import run_decode_steps
+
+    with pytest.raises(ValueError, match="gguf_activation_digits must be 1 or 2"):
+        EngineConfig(gguf_activation_digits=3)
+    one = LLM(k_quant_file, max_model_len=128, gguf_activation_digits=1,
+              enable_prefix_caching=False)
+    model = one.engine.runner.model
+    parts = [m for m in model.modules() if isinstance(m, ggml_blocks.BlockPart)]
+    assert parts and {part.digits for part in parts} == {1}
+    assert "one int8 digit" in one.engine.runner.gguf_summary
+    one.engine.runner.decode_kernel = "native"
+    model.prepare_decode()
+    native_logits, native_tokens, taken = run_decode_steps(one, True)
+    module_logits, module_tokens, _ = run_decode_steps(one, False)
+    assert taken and native_tokens == module_tokens
+    for a, b in zip(native_logits, module_logits, strict=True):
+        assert torch.equal(a, b), (a - b).abs().max()
+
+    # a prompt's rows: each linear within one digit's bound of x . W^T, the logits not the
+    # two-digit engine's (a random model moves far on such differences: no bound on them)
+    ids = list(range(3, 43))
+    checked: list[str] = []
+
+    def within_one_digit(linear, inputs, out) -> None:
+        x = inputs[0].reshape(-1, linear.in_features).float()
+        values = linear.dequantize()
+        got = out.reshape(x.shape[0], -1).double() - (
+            0 if linear.bias is None else linear.bias.double())
+        bound = digit_bound(x, values, 1, 256)  # a 32-value type's bound is within it
+        assert ((got - x.double() @ values.double().t()).abs() <= bound).all(), linear.format
+        checked.append(linear.format)
+
+    def prompt_logits(llm, hook=None) -> torch.Tensor:
+        stack = llm.engine.runner.model
+        hooks = [m.register_forward_hook(hook) for m in stack.modules()
+                 if hook is not None and isinstance(m, BlockLinear)]
+        meta = build_metadata([0], [len(ids)], [list(range(3))], 16, torch.device("cpu"))
+        try:
+            with torch.inference_mode():
+                return stack.compute_logits(stack(torch.tensor(ids), torch.arange(len(ids)),
+                                                  meta))
+        finally:
+            for handle in hooks:
+                handle.remove()
+
+    got = prompt_logits(one, within_one_digit)
+    assert len(checked) == 4 * len(model.layers) + 1  # the head too
+    assert not torch.equal(got, prompt_logits(LLM(k_quant_file, max_model_len=128)))
 
 
 def test_a_head_tied_to_a_k_quant_table_shares_its_repacked_blocks(tmp_path):

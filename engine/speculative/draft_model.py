@@ -110,6 +110,7 @@ class DraftModelProposer:
             enable_prefix_caching=False, quantization=config.quantization,
             quantization_group_size=config.quantization_group_size,
             dequantize_gguf=config.dequantize_gguf,
+            gguf_activation_digits=config.gguf_activation_digits,
             # its cache holds the target's block count: quantized as the target's is
             kv_cache_dtype=config.kv_cache_dtype)
         runner = ModelRunner(path, setup.hf_config, setup.spec.model, draft_config, target.device,

@@ -9,7 +9,9 @@ max|x| / 32512 of x), and takes integer dot products with the blocks' quants (as
 vec_dot does with one digit), the blocks' scales joining in float32; a verify's k + 1 rows meet
 each unpacked block together, each row's result the one-row call's to the bit. More rows (a
 prefill) through a float32 GEMM on a tile of output channels dequantized into a reused buffer
-(the same values: dequantizing is ggml's, bit for bit).
+(the same values: dequantizing is ggml's, bit for bit); at one digit (`set_activation_digits`,
+the engine's `gguf_activation_digits`: llama.cpp's arithmetic) a prefill's rows take the integer
+kernel too, in chunks whose digits stay in cache while the whole weight meets them.
 Without our kernels (no compiler, MMSERVE_NATIVE=0) the tile is dequantized by gguf-py, slowly
 but with the same values.
 
@@ -269,14 +271,20 @@ class BlockPart(nn.Module):
         if repack_blocks and kernel_type is None:
             self.kernel_type, blocks = repack(blocks, type_name, in_features)
         self.register_buffer("blocks", blocks.contiguous())
+        # int8 digits per input of x in the integer kernel (set_activation_digits)
+        self.digits = DIGITS
 
     def dequantize(self) -> torch.Tensor:
         return dequantize_channels(self.blocks, self.kernel_type, self.in_features)
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows [M, K] float32 / bfloat16 -> [M, N] in their dtype."""
-        if rows.shape[0] <= FEW_ROWS and native.load() is not None:
-            return block_linear(rows, self.blocks, self.kernel_type, self.in_features)
+        """rows [M, K] float32 / bfloat16 -> [M, N] in their dtype: a decode's or a verify's few
+        rows through the integer kernel, a prefill's through the float32 GEMM (the file's
+        values, only the order of the sums differing) or, at one digit, through the integer
+        kernel too (int8 products, twice the GEMM's rate on the CPUs measured)."""
+        if (rows.shape[0] <= FEW_ROWS or self.digits == 1) and native.load() is not None:
+            return block_linear(rows, self.blocks, self.kernel_type, self.in_features,
+                                digits=self.digits)
         return tiled_gemm(rows, self.blocks, self.kernel_type, self.in_features)
 
 
@@ -332,6 +340,19 @@ class BlockLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"blocks={self.format}, bias={self.bias is not None}")
+
+
+def set_activation_digits(model: nn.Module, digits: int) -> int:
+    """Every block linear of `model` (heads tied to a table too) writes x in `digits` int8
+    digits per input from now on: 2 (within max|x| / 32512 of x: the file's float32 reading to
+    float32 rounding) or 1 (within max|x| / 254: llama.cpp's Q8 activations, half the integer
+    work, and a prefill through the integer kernel). -> the number of parts set."""
+    if digits not in (1, 2):
+        raise ValueError(f"activation digits are 1 or 2, not {digits!r}")
+    parts = [module for module in model.modules() if isinstance(module, BlockPart)]
+    for part in parts:
+        part.digits = digits
+    return len(parts)
 
 
 class BlockEmbedding(nn.Module):

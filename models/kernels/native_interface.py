@@ -50,7 +50,8 @@ class LinearDesc(ctypes.Structure):
     """mm_linear_desc: a linear layer as the calls that run several take it."""
 
     _fields_ = [("format", _i32), ("group", _i32), ("n", _i64), ("k", _i64),
-                ("weight", _ptr), ("scales", _ptr), ("bias", _ptr), ("next", _ptr)]
+                ("weight", _ptr), ("scales", _ptr), ("bias", _ptr), ("next", _ptr),
+                ("digits", _i64)]
 
 
 class LayerDesc(ctypes.Structure):

@@ -36,13 +36,13 @@ def linear_desc(linear: Linear | QuantizedLinear | BlockLinear,
         for part in reversed(linear.parts[1:]):
             desc = LinearDesc(FORMAT_GGML, KERNEL_TYPES[part.kernel_type].code,
                               part.out_features, part.in_features, part.blocks.data_ptr(),
-                              None, None, following)
+                              None, None, following, part.digits)
             keep.append(desc)
             following = ctypes.addressof(desc)
         first = linear.parts[0]
         return LinearDesc(FORMAT_GGML, KERNEL_TYPES[first.kernel_type].code,
                           first.out_features, first.in_features, first.blocks.data_ptr(),
-                          None, bias, following)
+                          None, bias, following, first.digits)
     if linear.is_quantized:
         return LinearDesc(FORMATS[linear.mode], linear.group_size, linear.out_features,
                           linear.in_features, linear.qweight.data_ptr(),

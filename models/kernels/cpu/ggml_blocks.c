@@ -40,6 +40,7 @@
 #define ROW_CHUNK 8 /* rows of x per pass over the weight (their partial sums stay in cache) */
 #define LANES 32    /* partial sums per row: independent lanes the compiler vectorizes */
 #define MAX_ROWS 16 /* rows of x the integer path meets each unpacked block with */
+#define X_CHUNK_BYTES (512 * 1024) /* a prefill's rows' digits met by the whole weight at once */
 
 /* values per block and bytes per block of `type`; 0 for a type this file does not read */
 static int block_values(int type) {
@@ -829,12 +830,13 @@ static void dots_plain(int type, const uint8_t* wr, int64_t nb, const ggml_act_r
 }
 
 /* ggml_linear's groups of 8 channels of an x8 weight (GGML_Q4_K_X8, GGML_Q6_K_X8) against
- * rows[0 .. count) (rows i0 .. of y), shared by the team: each group through the vector kernel,
- * or (generic, or no vector path) each channel's blocks as the file held them through the
- * plain one */
-static int x8_linear(int type, const uint8_t* w, void* y, int x_dtype, int64_t ldy, int64_t i0,
-                     int64_t n, int64_t per_row, const ggml_act_row* rows, int count, int failed,
-                     int generic) {
+ * rows[0 .. m) (rows y0 .. of y), shared by the team: each group through the vector kernel,
+ * MAX_ROWS rows at a time (a prefill's chunk of rows meets a group while it is in cache), or
+ * (generic, or no vector path) each channel's blocks as the file held them through the plain
+ * one */
+static int x8_linear(int type, const uint8_t* w, void* y, int x_dtype, int64_t ldy, int64_t y0,
+                     int64_t m, int64_t n, int64_t per_row, const ggml_act_row* rows,
+                     int failed, int generic) {
     const int plain = generic || !HAS_VECTOR, stored = mm_ggml_x8_stored(type);
     const int64_t group_bytes = X8_CHANNELS * per_row * block_bytes(type);
     /* the plain path's: one channel's blocks as stored */
@@ -845,52 +847,61 @@ static int x8_linear(int type, const uint8_t* w, void* y, int x_dtype, int64_t l
     _Pragma("omp for schedule(static) nowait")
     for (int64_t g = 0; g < n / X8_CHANNELS; g++) {
         if (failed) continue;
-        float out[MAX_ROWS * X8_CHANNELS];
-        if (!plain) {
-            mm_ggml_x8_rows(type, w + g * group_bytes, per_row, rows, count, out);
-        } else {
-            for (int c = 0; c < X8_CHANNELS; c++) {
-                for (int64_t b = 0; b < per_row; b++)
-                    mm_ggml_x8_block(w, type, per_row, g * X8_CHANNELS + c, b,
-                                     file_row + block_bytes(stored) * b);
-                float dots[MAX_ROWS];
-                dots_plain(stored, file_row, per_row, rows, count, dots);
-                for (int i = 0; i < count; i++) out[X8_CHANNELS * i + c] = dots[i];
+        for (int64_t i0 = 0; i0 < m; i0 += MAX_ROWS) {
+            const int count = m - i0 < MAX_ROWS ? (int)(m - i0) : MAX_ROWS;
+            float out[MAX_ROWS * X8_CHANNELS];
+            if (!plain) {
+                mm_ggml_x8_rows(type, w + g * group_bytes, per_row, rows + i0, count, out);
+            } else {
+                for (int c = 0; c < X8_CHANNELS; c++) {
+                    for (int64_t b = 0; b < per_row; b++)
+                        mm_ggml_x8_block(w, type, per_row, g * X8_CHANNELS + c, b,
+                                         file_row + block_bytes(stored) * b);
+                    float dots[MAX_ROWS];
+                    dots_plain(stored, file_row, per_row, rows + i0, count, dots);
+                    for (int i = 0; i < count; i++) out[X8_CHANNELS * i + c] = dots[i];
+                }
             }
+            for (int i = 0; i < count; i++)
+                for (int c = 0; c < X8_CHANNELS; c++)
+                    store(y, x_dtype, (y0 + i0 + i) * ldy + g * X8_CHANNELS + c,
+                          out[X8_CHANNELS * i + c]);
         }
-        for (int i = 0; i < count; i++)
-            for (int c = 0; c < X8_CHANNELS; c++)
-                store(y, x_dtype, (i0 + i) * ldy + g * X8_CHANNELS + c,
-                      out[X8_CHANNELS * i + c]);
     }
     free(file_row);
     return failed;
 }
 
-/* The team's body of mm_ggml_linear: the rows' digits (each thread its own, a decode's few
- * rows), then the output channels shared. */
+/* The team's body of mm_ggml_linear: x's rows in chunks (a decode's few rows are one), each
+ * chunk's digits written by every thread for itself (O(rows k), small beside the product's
+ * O(rows k n / threads)) into buffers of the chunk's size, then the output channels shared. A
+ * prefill's chunk holds the rows whose digits fit in X_CHUNK_BYTES: they stay in a core's cache
+ * while the whole weight meets them, which it is read once for. */
 static int ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, void* y,
                        int64_t ldy, int64_t m, int64_t n, int64_t k, int digits, int generic) {
-    int owned;
-    const float* xf = as_f32(x, x_dtype, m * k, &owned);
+    int64_t chunk = X_CHUNK_BYTES / (digits * k) / MAX_ROWS * MAX_ROWS;
+    chunk = chunk < MAX_ROWS ? MAX_ROWS : chunk < m ? chunk : m;
     const int64_t per = k / 32 * 4;  /* floats of one row's dx, xs, xs16 */
-    int8_t* q = malloc((size_t)(2 * m * k));
-    float* sums = malloc(sizeof(float) * (size_t)(m * per));
-    const int failed = xf == NULL || q == NULL || sums == NULL;
+    float* xf = x_dtype == DTYPE_F32 ? NULL : malloc(sizeof(float) * (size_t)(chunk * k));
+    int8_t* q = malloc((size_t)(2 * chunk * k));
+    float* sums = malloc(sizeof(float) * (size_t)(chunk * per));
+    ggml_act_row* rows = malloc(sizeof(ggml_act_row) * (size_t)chunk);
+    const int failed = (x_dtype != DTYPE_F32 && xf == NULL) || q == NULL || sums == NULL ||
+                       rows == NULL;
     int status = 0;
-    ggml_act_row rows[MAX_ROWS];
     const int64_t per_row = k / block_values(type), row_bytes = per_row * block_bytes(type);
-    for (int64_t i0 = 0; i0 < m; i0 += MAX_ROWS) {
-        const int count = m - i0 < MAX_ROWS ? (int)(m - i0) : MAX_ROWS;
-        for (int i = 0; i < count && !failed; i++) {
-            const int64_t r = i0 + i;
+    for (int64_t c0 = 0; c0 < m; c0 += chunk) {
+        const int64_t here = m - c0 < chunk ? m - c0 : chunk;
+        const float* xc = (const float*)x + c0 * k;
+        if (!failed && xf != NULL) load_row(xf, x, x_dtype, c0 * k, here * k), xc = xf;
+        for (int64_t r = 0; r < here && !failed; r++) {
             int8_t* h = q + 2 * r * k;
             float* s = sums + r * per;
-            digits_row(xf + r * k, k, block_values(type), h, digits == 2 ? h + k : NULL, s);
-            rows[i] = (ggml_act_row){h, digits == 2 ? h + k : NULL, s, s + k / 32, s + k / 16};
+            digits_row(xc + r * k, k, block_values(type), h, digits == 2 ? h + k : NULL, s);
+            rows[r] = (ggml_act_row){h, digits == 2 ? h + k : NULL, s, s + k / 32, s + k / 16};
         }
         if (mm_ggml_x8_stored(type)) {
-            status |= x8_linear(type, w, y, x_dtype, ldy, i0, n, per_row, rows, count, failed,
+            status |= x8_linear(type, w, y, x_dtype, ldy, c0, here, n, per_row, rows, failed,
                                 generic);
             continue;
         }
@@ -898,17 +909,20 @@ static int ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, v
         for (int64_t c = 0; c < n; c++) {
             if (failed) continue;
             const uint8_t* wr = w + c * row_bytes;
-            float out[MAX_ROWS];
+            for (int64_t i0 = 0; i0 < here; i0 += MAX_ROWS) {
+                const int count = here - i0 < MAX_ROWS ? (int)(here - i0) : MAX_ROWS;
+                float out[MAX_ROWS];
 #if HAS_VECTOR
-            if (!generic) dots_vector(type, wr, per_row, rows, count, out);
-            else
+                if (!generic) dots_vector(type, wr, per_row, rows + i0, count, out);
+                else
 #endif
-                dots_plain(type, wr, per_row, rows, count, out);
-            for (int i = 0; i < count; i++) store(y, x_dtype, (i0 + i) * ldy + c, out[i]);
+                    dots_plain(type, wr, per_row, rows + i0, count, out);
+                for (int i = 0; i < count; i++)
+                    store(y, x_dtype, (c0 + i0 + i) * ldy + c, out[i]);
+            }
         }
     }
-    if (owned) free((void*)xf);
-    free(q), free(sums);
+    free(xf), free(q), free(sums), free(rows);
     return failed | status;
 }
 

@@ -426,6 +426,7 @@ typedef struct { /* a linear layer as the calls that run several take it */
     const void* bias; /* [n of the whole chain] in the model dtype, or NULL */
     const void* next; /* the mm_linear_desc of the next output channels (a weight stored in
                          parts of different ggml types: FORMAT_GGML only), or NULL */
+    int64_t digits;   /* FORMAT_GGML: int8 digits per input of x (1 or 2: mm_ggml_linear) */
 } mm_linear_desc;
 
 const char* mm_variant(void); /* the variant this library was compiled as */

@@ -21,7 +21,7 @@ int run_linear(const mm_linear_desc* l, const void* x, void* y, int64_t m, int d
          * part's barriers) */
         for (const mm_linear_desc* p = l; p != NULL; first += p->n, p = p->next) {
             const int s = mm_ggml_linear(x, dt, p->weight, p->group, (char*)y + first * elem, n,
-                                         m, p->n, p->k, GGML_DIGITS, 0, threads);
+                                         m, p->n, p->k, (int)p->digits, 0, threads);
             status = status ? status : s;
         }
     } else if (l->format == FORMAT_INT4)
