@@ -880,7 +880,8 @@ static int x8_linear(int type, const uint8_t* w, void* y, int x_dtype, int64_t l
 static int ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, void* y,
                        int64_t ldy, int64_t m, int64_t n, int64_t k, int digits, int generic) {
     int64_t chunk = X_CHUNK_BYTES / (digits * k) / MAX_ROWS * MAX_ROWS;
-    chunk = chunk < MAX_ROWS ? MAX_ROWS : chunk < m ? chunk : m;
+    chunk = chunk < MAX_ROWS ? MAX_ROWS : chunk;
+    chunk = chunk < m ? chunk : m;  /* a decode's buffers: its rows only */
     const int64_t per = k / 32 * 4;  /* floats of one row's dx, xs, xs16 */
     float* xf = x_dtype == DTYPE_F32 ? NULL : malloc(sizeof(float) * (size_t)(chunk * k));
     int8_t* q = malloc((size_t)(2 * chunk * k));
