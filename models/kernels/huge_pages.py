@@ -12,8 +12,9 @@ parameters survive). The mapping lives as long as the tensors viewing it.
 Weights that view a mapped file (models/mapped_files.py: GGUF blocks, safetensors tensors at
 the model dtype) stay where they are: they are the page cache's pages, shared with other
 processes and not this process's to copy (a copy would double them); they stay in the file's
-regular pages (not timed against huge pages yet: MMSERVE_MAP_WEIGHTS=0 copies them here, for
-that comparison).
+regular pages. MMSERVE_MAP_WEIGHTS=0 copies a file's own tensors here instead; a GGUF's
+repacked blocks come from the kept repack file (engine/weight_cache.py), mapped either way
+unless MMSERVE_WEIGHT_CACHE=0 too (then repacked in memory and copied here).
 
 Nothing changes where the kernel's THP setting is "never", off Linux, or with
 MMSERVE_HUGE_PAGES=0. Memory freed as the weights move (and while they load:
