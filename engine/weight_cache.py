@@ -10,12 +10,13 @@ the names of the file's tensors it was made of.
 An entry holds the whole model's state after quantization (the quantized linears' packs and
 scales, every other tensor at the model dtype) and which modules are quantized, in one file under
 `weights/` beside the kernel plan's cache (models.kernels.choice.cache_path; $MMSERVE_WEIGHT_CACHE
-overrides the folder, and "0" turns the cache off). Its name is a hash of what decides the
-result: each weights file's path, size and modification time (and the projector's), the model
-class, the dtype, the context the model is built for, the quantization settings, the torch
-version and this format's version; so a changed file or setting misses and is quantized anew,
-and a stale entry is never read. An entry that cannot be read back (truncated, corrupt, from
-another layout) is logged, removed and rebuilt. Models with LoRA adapters are not cached.
+overrides the folder, "0" turns the cache off and "1" keeps it on in its default folder). Its
+name is a hash of what decides the result: each weights file's path, size and modification
+time (and the projector's), the model class, the dtype, the context the model is built for, the
+quantization settings, the torch version and this format's version; so a changed file or
+setting misses and is quantized anew, and a stale entry is never read. An entry that cannot be
+read back (truncated, corrupt, from another layout) is logged, removed and rebuilt. Models with
+LoRA adapters are not cached.
 
 An entry is a safetensors file (what it is for in its metadata), read back mapped: its tensors
 are views of the file's read-only mapping (models/mapped_files.py), so a second start copies
@@ -51,11 +52,14 @@ FORMAT = 3  # bump when an entry's layout or what quantization computes changes
 
 
 def cache_dir() -> Path | None:
-    """The folder of entries (None: turned off by $MMSERVE_WEIGHT_CACHE=0)."""
-    root = os.environ.get(CACHE_ENV)
-    if root == "0":
+    """The folder of entries: $MMSERVE_WEIGHT_CACHE's, else the default one (also for "1",
+    "on", "true": on, not a folder named so); None where it says "0", "off" or "false"."""
+    root = (os.environ.get(CACHE_ENV) or "").strip()
+    if root.lower() in ("0", "off", "false"):
         return None
-    return Path(root) if root else cache_path().parent / "weights"
+    if not root or root.lower() in ("1", "on", "true"):
+        return cache_path().parent / "weights"
+    return Path(root)
 
 
 def entry_path(path: Path, mmproj: Path | None, model_cls: type, config: EngineConfig,

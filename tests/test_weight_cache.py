@@ -151,3 +151,16 @@ def test_every_tensor_of_an_entry_is_aligned_as_process_memory(tmp_path):
     out = torch.ops.aten._weight_int8pack_mm(x, state["w"], state["s"])
     torch.testing.assert_close(out, torch.ops.aten._weight_int8pack_mm(x, tensors["w"],
                                                                       tensors["s"]))
+
+
+@pytest.mark.parametrize(("value", "where"), [
+    ("0", None), ("off", None), ("False", None), ("1", "default"), ("on", "default"),
+    ("", "default"), ("~/kept", "given")])
+def test_the_cache_folder_setting(monkeypatch, value, where):
+    """$MMSERVE_WEIGHT_CACHE: a folder, or the words for off and on (never a folder named 1)."""
+    from engine import weight_cache
+
+    monkeypatch.setenv("MMSERVE_WEIGHT_CACHE", value)
+    default = weight_cache.cache_path().parent / "weights"
+    expected = {None: None, "default": default, "given": weight_cache.Path(value)}[where]
+    assert weight_cache.cache_dir() == expected
