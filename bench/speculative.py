@@ -160,8 +160,7 @@ def compare(target: Path, configs: dict[str, str | None], n: int, runs: int,
 
 
 # The weights a verify step is timed with: the GGUF's blocks as stored (at two activation digits
-# and at one), and the file
-# dequantized to bfloat16 and requantized to our int8 and int4.
+# and at one), and the file dequantized to bfloat16 and requantized to our int8 and int4.
 WEIGHTS = {"as stored": {}, "one digit": {"gguf_activation_digits": 1},
            "bfloat16": {"dequantize_gguf": True, "dtype": "bfloat16"},
            "int8": {"dequantize_gguf": True, "dtype": "bfloat16", "quantization": "int8"},

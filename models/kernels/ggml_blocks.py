@@ -177,7 +177,7 @@ def _gguf_dequantize(blocks: torch.Tensor, block: BlockType) -> np.ndarray:
 
 
 DECODE_PATHS = ("vector", "plain", "float")
-DIGITS = c.GGML_DIGITS  # int8 digits per input of the matrix-vector kernel's activations
+DIGITS = 2  # int8 digits per input of the integer kernel's x, by default (set_activation_digits)
 
 
 def block_linear(x: torch.Tensor, blocks: torch.Tensor, type_name: str,

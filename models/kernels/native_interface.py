@@ -34,7 +34,6 @@ GGML_Q4_K, GGML_Q5_K, GGML_Q6_K = 12, 13, 14
 # ours, not ggml's: each of them in groups of 8 output channels (cpu/ggml_x8.c)
 GGML_Q4_0_X8, GGML_Q4_1_X8, GGML_Q5_0_X8, GGML_Q5_1_X8 = 1002, 1003, 1006, 1007
 GGML_Q8_0_X8, GGML_Q4_K_X8, GGML_Q5_K_X8, GGML_Q6_K_X8 = 1008, 1012, 1013, 1014
-GGML_DIGITS = 2  # int8 digits per input of the ggml decode path's activations, by default
 
 CONSTANTS: dict[str, int] = {
     name: value for name, value in globals().items()

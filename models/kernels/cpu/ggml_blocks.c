@@ -886,7 +886,8 @@ static int ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, v
     float* xf = x_dtype == DTYPE_F32 ? NULL : malloc(sizeof(float) * (size_t)(chunk * k));
     int8_t* q = malloc((size_t)(2 * chunk * k));
     float* sums = malloc(sizeof(float) * (size_t)(chunk * per));
-    ggml_act_row* rows = malloc(sizeof(ggml_act_row) * (size_t)chunk);
+    ggml_act_row few[MAX_ROWS];  /* a decode's or a verify's rows: no allocation */
+    ggml_act_row* rows = chunk <= MAX_ROWS ? few : malloc(sizeof(ggml_act_row) * (size_t)chunk);
     const int failed = (x_dtype != DTYPE_F32 && xf == NULL) || q == NULL || sums == NULL ||
                        rows == NULL;
     int status = 0;
@@ -923,7 +924,8 @@ static int ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, v
             }
         }
     }
-    free(xf), free(q), free(sums), free(rows);
+    free(xf), free(q), free(sums);
+    if (rows != few) free(rows);
     return failed | status;
 }
 

@@ -542,7 +542,6 @@ int mm_ggml_dequantize(const uint8_t* w, int type, const int64_t* ids, int64_t f
                        int64_t rows, int64_t k, float* out, int threads);
 int mm_ggml_linear_float(const void* x, int x_dtype, const uint8_t* w, int type, void* y,
                          int64_t m, int64_t n, int64_t k, int threads);
-#define GGML_DIGITS 2 /* int8 digits per input of the decode path's activations, by default */
 int mm_ggml_linear(const void* x, int x_dtype, const uint8_t* w, int type, void* y, int64_t ldy,
                    int64_t m, int64_t n, int64_t k, int digits, int generic, int threads);
 
