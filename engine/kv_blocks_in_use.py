@@ -1,45 +1,33 @@
-"""The KV blocks written since the pools were reserved, each zeroed at its first use.
+"""The KV blocks written since the pools were reserved, counted for the resident-memory report.
 
-The pools are reserved with torch.empty (engine/memory_plan.py), so their physical pages are
-taken as blocks are first written and resident memory follows the conversations, not the
-budget. What an unwritten slot holds is then undefined (NaN possible), and the padded gathers of
-the SDPA attention paths read whole blocks: the slots past a request's last key in its last
-block, and block 0, where the padding of a block table points (models/layers/attention.py).
-Their scores are masked, but masked probabilities of 0 times NaN values are NaN. So a block is
-zeroed, in every layer's pool, the first time a step writes it (or a prefix-cache tail is
-copied into it), and block 0 at start-up; after that it holds keys and values or zeros, and
-reuse by another request leaves finite values. Our C decode kernels and flash-attn's varlen
-path read exactly the keys of the context and need none of this.
+The pools are reserved with torch.empty (engine/kv_pool.py), so their physical pages are taken
+as blocks are first written and resident memory follows the conversations, not the budget.
+Nothing is zero-filled: a slot never written holds anything, NaN included, and every reader
+keeps such slots out by masking. Our C decode kernels and flash-attn's varlen path read exactly
+the keys of the context; the padded gathers of the SDPA paths zero the gathered rows past each
+request's last key and in padding blocks (models/layers/attention.py, `KeyView.unwritten`).
+Where the platform cannot say which pages are resident (engine/host_memory.py), the blocks
+counted here times a block's bytes stand for them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-import torch
-
 
 class BlocksInUse:
-    """Which of `num_blocks` blocks have been zeroed (first used); the pools are zeroed block
-    by block through `first_use`."""
+    """Which of `num_blocks` blocks a step (or a prefix-cache copy) has written."""
 
     def __init__(self, num_blocks: int) -> None:
         self.used = bytearray(num_blocks)
         self.count = 0
 
-    def first_use(self, blocks: Iterable[int], pools: list[torch.Tensor]) -> None:
-        """Zero those of `blocks` never used before in every pool [2, Hkv, blocks, bs, D]."""
-        fresh = []
+    def mark(self, blocks: Iterable[int]) -> None:
+        """Count those of `blocks` not written before."""
         for b in blocks:
             if not self.used[b]:
                 self.used[b] = 1
-                fresh.append(b)
-        if not fresh:
-            return
-        self.count += len(fresh)
-        index = torch.tensor(fresh, dtype=torch.int64).to(pools[0].device, non_blocking=True)
-        for pool in pools:
-            pool.index_fill_(2, index, 0)
+                self.count += 1
 
 
 def chunk_blocks(chunks, block_size: int) -> list[int]:

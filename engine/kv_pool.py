@@ -53,6 +53,6 @@ def allocate(layers: Sequence[KVCacheLayer], num_blocks: int, block_size: int,
 
 def pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """One layer's pool (the one place pools are made): reserved, not written, so that pages
-    are taken as blocks are first used. Unwritten slots hold anything; the runner zeroes each
-    block at its first use (engine/kv_blocks_in_use.py), since padded gathers read them."""
+    are taken as blocks are first used. Unwritten slots hold anything (NaN included); the
+    padded gathers that read them zero those rows (models/layers/attention.py)."""
     return torch.empty(shape, dtype=dtype, device=device)

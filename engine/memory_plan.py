@@ -159,7 +159,8 @@ def state_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
 def allocate_kv_cache(model: LanguageModel, layout: CacheLayout, dtype: torch.dtype,
                       kv_cache_dtype: str, device: torch.device) -> list[torch.Tensor]:
     """The KV pools bound to the attention layers (engine/kv_pool.py: reserved, not written;
-    engine/kv_blocks_in_use.py zeroes each block at its first use). Returns the caches."""
+    unwritten slots kept out of attention by masking: engine/kv_blocks_in_use.py). Returns the
+    caches."""
     return kv_pool.allocate(model.attention_layers(), layout.num_blocks, layout.block_size,
                             dtype, kv_cache_dtype, device)
 

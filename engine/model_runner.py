@@ -158,7 +158,7 @@ class ModelRunner(RunnerSetup):
         """Copy the keys and values of the first `tokens` slots of block `src` into block `dst`
         in every layer's cache (a prefix-cache tail, engine/block_manager.py). Enqueued on the
         device's stream: it runs before the next step's forward, which reads it."""
-        self.kv_blocks_in_use.first_use([dst], self.kv_caches)
+        self.kv_blocks_in_use.mark([dst])
         for cache in self.kv_caches:
             cache[:, :, dst, :tokens] = cache[:, :, src, :tokens]
 
@@ -173,8 +173,7 @@ class ModelRunner(RunnerSetup):
         encoder = self._run_encoders(out) if out.encoder_inputs else None
 
         chunks = out.chunks
-        self.kv_blocks_in_use.first_use(chunk_blocks(chunks, self.layout.block_size),
-                                        self.kv_caches)
+        self.kv_blocks_in_use.mark(chunk_blocks(chunks, self.layout.block_size))
         ids: list[int] = []
         for c in chunks:
             ids.extend(c.token_ids)

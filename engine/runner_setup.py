@@ -99,12 +99,10 @@ class RunnerSetup:
             self.prepare_native_decode()  # it holds the caches' pointers
 
     def _allocate_kv_cache(self) -> None:
-        """The KV pools of `self.layout` (reserved, untouched), block 0 zeroed: the padding of
-        block tables points at it (engine/kv_blocks_in_use.py)."""
+        """The KV pools of `self.layout`, reserved, not written (engine/kv_blocks_in_use.py)."""
         self.kv_caches = allocate_kv_cache(self.model, self.layout, self.dtype,
                                            self.config.kv_cache_dtype, self.device)
         self.kv_blocks_in_use = BlocksInUse(self.layout.num_blocks)
-        self.kv_blocks_in_use.first_use([0], self.kv_caches)
 
     def prepare_native_decode(self) -> None:
         """Set up the decode steps' one native call again (models/layers/native_decode.py),

@@ -9,7 +9,6 @@ import asyncio
 import socket
 import threading
 import time
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -201,26 +200,11 @@ def assert_matches_reference(output, tokens: list[int], logprobs, label: str = "
             assert abs(entry[t] - v) < atol, (label, step, t)
 
 
-_BLOCKS_IN_USE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _first_use(model, blocks: list[int]) -> None:
-    """Zero `blocks` at their first use in `model`'s KV pools, as the runner does before a
-    step (engine/kv_blocks_in_use.py): a padded gather reads a block's unwritten slots."""
-    from engine.kv_blocks_in_use import BlocksInUse
-
-    pools = list({id(a.kv_cache): a.kv_cache for a in model.attention_layers()}.values())
-    if model not in _BLOCKS_IN_USE:
-        _BLOCKS_IN_USE[model] = BlocksInUse(pools[0].shape[2])
-    _BLOCKS_IN_USE[model].first_use(blocks, pools)
-
-
 def run_chunks(model, seqs, block_size: int = 16) -> list:
     """Drive `model` directly (no scheduler) over one flat batch: seqs are (all ids, start,
     end, block ids) per sequence -> logits [end - start, V] each."""
     from models.layers.attention import build_metadata
 
-    _first_use(model, [b for *_, blocks in seqs for b in blocks])
     ids, pos = [], []
     for all_ids, start, end, _ in seqs:
         ids += all_ids[start:end]

@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -180,11 +182,11 @@ def _logits(model, ids, pieces, kernel, kv_cache_dtype, store=None):
     blocks, bs = [5, 0, 7, 2, 9, 1, 3, 8, 11, 4], 4
     layers = model.attention_layers()
     bound = [a.kv_cache for a in layers]
-    # pools are reserved, not written: the runner zeroes blocks at first use
-    # (engine/kv_blocks_in_use.py), which this direct forward skips, so all of them here
+    # pools are reserved, not written: here every slot starts as NaN (an int8 cache's scales
+    # too: all bytes 0xFF), which the padded gathers must keep out of attention
     for cache in kv_pool.allocate(layers, 12, bs, torch.float32, kv_cache_dtype,
                                   torch.device("cpu")):
-        cache.zero_()
+        cache.fill_(math.nan if cache.is_floating_point() else -1)
     out = []
     try:
         with pytest.MonkeyPatch.context() as patch:

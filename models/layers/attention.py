@@ -102,6 +102,9 @@ class KeyView:
     gathered_from: int | None = None
     # An int8 cache's gathered rows [2, Hkv, B * nb, block_size, D + 4], before dequantizing.
     gathered_int8: torch.Tensor | None = None
+    # [R] int64: the gathered rows (of B * nb * block_size) holding no key of their request
+    # (past its last key, or in a padding block), zeroed in each gather (gather_blocks).
+    unwritten: torch.Tensor | None = None
 
 
 @dataclass
@@ -144,7 +147,7 @@ class AttentionMetadata:
             if isinstance(g.rows, torch.Tensor):
                 tensors.append(g.rows)
             for v in g.views.values():
-                tensors += [v.mask, v.block_table]
+                tensors += [v.mask, v.block_table, v.unwritten]
         if self.varlen is not None:
             tensors += [self.varlen.rows, self.varlen.key_slots]
         return _nbytes(tensors)
@@ -271,7 +274,10 @@ def _chunk_view(
     if window is not None:  # after the spans: a window limits how far back even they see
         visible &= rows - keys < window
     mask = _additive(visible, shape.dtype)[None, None]  # [1, 1, q, L]
-    return KeyView(table, None, to_device(mask, shape.device))
+    unwritten = None
+    if table is not None and end - key0 < length:  # the last block's slots past the chunk
+        unwritten = to_device(torch.arange(end - key0, length), shape.device)
+    return KeyView(table, None, to_device(mask, shape.device), unwritten=unwritten)
 
 
 def _decode_view(
@@ -296,7 +302,9 @@ def _decode_view(
     if window is not None:
         visible &= query - keys < window
     mask = _additive(visible, shape.dtype)[:, None, None]  # [B, 1, 1, L]
-    return KeyView(table, None, to_device(mask, shape.device), key0=key0, context=context)
+    unwritten = (keys > query).view(-1).nonzero().view(-1)  # past each request's last key
+    return KeyView(table, None, to_device(mask, shape.device), key0=key0, context=context,
+                   unwritten=to_device(unwritten, shape.device) if unwritten.numel() else None)
 
 
 def _bucket_decodes(contexts: list[int]) -> list[list[int]]:
@@ -387,6 +395,11 @@ def gather_blocks(kv_cache: torch.Tensor, view: KeyView, b: int,
     A layer reading a cache whose blocks are already there (KV sharing: the cache's own layer
     stored its keys, then gathered them, earlier in this step) gathers nothing. An int8 cache's
     gathered blocks are dequantized to `dtype` there: only the blocks the view reads widen.
+
+    The rows of `view.unwritten` are then zeroed: slots never written hold anything (the pools
+    are reserved, not filled: engine/kv_pool.py), NaN included, and a masked score's zero
+    probability times a NaN value is NaN. The masks keep them out of the softmax; this keeps
+    them out of the products.
     """
     blocks = view.block_table.view(-1)
     _, num_kv_heads, _, block_size, row = kv_cache.shape
@@ -410,6 +423,8 @@ def gather_blocks(kv_cache: torch.Tensor, view: KeyView, b: int,
                 torch.index_select(kv_cache[i, h], 0, blocks, out=into[i, h])
         if quantized:
             view.workspace.copy_(kv_quant.dequantize_rows(into, dtype))
+        if view.unwritten is not None:
+            view.workspace.view(2, num_kv_heads, -1, head_dim).index_fill_(2, view.unwritten, 0)
         view.gathered_from = kv_cache.data_ptr()
     keys, values = view.workspace.view(2, num_kv_heads, b, -1, head_dim).transpose(1, 2)
     if view.length is not None:
