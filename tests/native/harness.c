@@ -703,6 +703,92 @@ static void test_ggml_blocks(int dt) {
     }
 }
 
+/* Every block type, as stored and (where this build repacks: mm_ggml_repack) in groups of 8
+ * channels, at one and two digits: rows of x against random blocks, each output within the
+ * digits' bound of the float64 product of x with the dequantized weight; the vector path and
+ * the plain one (generic); and each row of a many-row call equal, bit for bit, to its one-row
+ * call (a verify's rows sum as the decode step does). */
+static void test_ggml_types(int dt) {
+    static const struct { int code, qk, bytes, d, m; const char* name; } T[] = {
+        {GGML_Q4_0, 32, 18, 0, -1, "Q4_0"}, {GGML_Q4_1, 32, 20, 0, 2, "Q4_1"},
+        {GGML_Q5_0, 32, 22, 0, -1, "Q5_0"}, {GGML_Q5_1, 32, 24, 0, 2, "Q5_1"},
+        {GGML_Q8_0, 32, 34, 0, -1, "Q8_0"}, {GGML_Q4_K, 256, 144, 0, 2, "Q4_K"},
+        {GGML_Q5_K, 256, 176, 0, 2, "Q5_K"}, {GGML_Q6_K, 256, 210, 208, -1, "Q6_K"},
+    };
+    const int64_t n = 16, k = 512, m = 5;
+    for (size_t t = 0; t < sizeof T / sizeof T[0]; t++) {
+        const int64_t row = k / T[t].qk * T[t].bytes;
+        uint8_t* w = alloc((size_t)(n * row));
+        uint8_t* x8 = alloc((size_t)(n * row + X8_CHANNELS * 4 * k));  /* Q4_K_X8: 148 / 144 */
+        for (int64_t i = 0; i < n * row; i++) w[i] = (uint8_t)(uniform() * 128 + 128);
+        for (int64_t b = 0; b < n * k / T[t].qk; b++) {
+            put_half(w + b * T[t].bytes + T[t].d, (float)(0.01 + 0.02 * fabs(uniform())));
+            if (T[t].m >= 0)
+                put_half(w + b * T[t].bytes + T[t].m, (float)(0.003 + 0.01 * fabs(uniform())));
+        }
+        float* deq = alloc(sizeof(float) * (size_t)(n * k));
+        void* x = alloc(sizeof(float) * (size_t)(m * k));
+        double* xr = alloc(sizeof(double) * (size_t)(m * k));
+        fill(x, dt, xr, m * k, 1.0);
+        const size_t esize = dt == DTYPE_F32 ? 4 : 2;
+        void* y = alloc(sizeof(float) * (size_t)(m * n));
+        void* one = alloc(sizeof(float) * (size_t)n);
+        double* ref = alloc(sizeof(double) * (size_t)(m * n));
+        char name[96];
+        if (mm_ggml_dequantize(w, T[t].code, NULL, 0, n, k, deq, 1) != 0) {
+            failures++, printf("FAIL ggml %s dequantize\n", T[t].name);
+            goto done;
+        }
+        const int repacked = mm_ggml_repack_takes(T[t].code, n, k) &&
+                             mm_ggml_repack(w, T[t].code, n, k, x8, 1) == 0;
+        for (int digits = 1; digits <= 2; digits++) {
+            double bound = 0;  /* per output: sum over groups of max|x| * sum |w| / unit */
+            for (int64_t i = 0; i < m; i++)
+                for (int64_t r = 0; r < n; r++) {
+                    double acc = 0, err = 0;
+                    for (int64_t j0 = 0; j0 < k; j0 += T[t].qk) {
+                        double top = 0, mass = 0;
+                        for (int64_t j = j0; j < j0 + T[t].qk; j++) {
+                            acc += xr[i * k + j] * deq[r * k + j];
+                            top = fmax(top, fabs(xr[i * k + j]));
+                            mass += fabs(deq[r * k + j]);
+                        }
+                        err += top * mass / (digits == 2 ? 32512 : 254);
+                    }
+                    ref[i * n + r] = acc;
+                    bound = fmax(bound, err);
+                }
+            for (int layout = 0; layout < 1 + repacked; layout++)
+                for (int generic = 0; generic < 2; generic++) {
+                    const uint8_t* wl = layout ? x8 : w;
+                    const int code = T[t].code + (layout ? 1000 : 0);
+                    snprintf(name, sizeof name, "ggml %s%s linear %s, %d digit%s%s", T[t].name,
+                             layout ? " x8" : "", dname(dt), digits, digits == 2 ? "s" : "",
+                             generic ? ", plain" : "");
+                    if (mm_ggml_linear(x, dt, wl, code, y, n, m, n, k, digits, generic, 2)) {
+                        failures++, printf("FAIL %s\n", name);
+                        continue;
+                    }
+                    check(name, y, dt, ref, m * n, 1e-4 + bound, dt == DTYPE_F32 ? 1e-5 : 1e-2);
+                    int same = 1;
+                    for (int64_t i = 0; i < m && same; i++) {
+                        if (mm_ggml_linear((const char*)x + i * k * esize, dt, wl, code, one, n,
+                                           1, n, k, digits, generic, 1)) {
+                            same = 0;
+                            break;
+                        }
+                        same = memcmp((const char*)y + i * n * esize, one, n * esize) == 0;
+                    }
+                    if (same) printf("ok   %s: rows as one-row calls\n", name);
+                    else failures++, printf("FAIL %s: a row differs from its one-row call\n",
+                                            name);
+                }
+        }
+    done:
+        free(w), free(x8), free(deq), free(x), free(xr), free(y), free(one), free(ref);
+    }
+}
+
 int main(void) {
     printf("variant %s\n", mm_variant());
     for (int dt = 0; dt < 2; dt++) {
@@ -750,6 +836,7 @@ int main(void) {
         test_attention(dt, 0, 30.0f);
         test_moe_experts(dt);
         test_ggml_blocks(dt);
+        test_ggml_types(dt);
     }
     test_argmax();
     test_delta_rule();

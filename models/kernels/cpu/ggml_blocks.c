@@ -324,7 +324,7 @@ int mm_ggml_linear_float(const void* x, int x_dtype, const uint8_t* w, int type,
  * row until the channel's end. A verify's rows (k + 1 tokens) meet each super-block's quants
  * unpacked once (dots_avx2); integer sums do not depend on their order, so each row's result is
  * the one-row call's, bit for bit. The plain path (the x86-64 and Arm variants) is the same
- * arithmetic in C loops the compiler vectorizes. */
+ * arithmetic in C loops (on Arm, NEON's dot products), a block unpacked once for all rows. */
 
 /* digits_row (mm_digits_row, kernels.h): a row's digits, per group of 32, of 256 for the super-block types
  * (the unit dx the same for the 32s of one group). Every thread of a team writes its own copy
@@ -451,12 +451,34 @@ void mm_digits_row(const float* x, int64_t k, int group, int8_t* h, int8_t* l, f
     digits_row(x, k, group, h, l, sums);  /* the export (kernels.h), without the attribute */
 }
 
-/* ---- plain path: a block's quants unpacked to bytes, dot products in int ---- */
+/* ---- plain path: a block's quants unpacked to bytes once for every row, dot products in
+ * int (NEON's SDOT, or SMULL / SMLAL pairs, where built: the same integers) ---- */
 
+#ifdef MM_NEON
+/* acc + the 4 lanes' sums of 4 products of w and x: SDOT, or two products per int16 lane
+ * (at most 2 * 128 * 127: no overflow for any quant here), pairs added into int32 */
+static inline int32x4_t dot16(int32x4_t acc, int8x16_t w, int8x16_t x) {
+#ifdef MM_NEON_DOT
+    return vdotq_s32(acc, w, x);
+#else
+    const int16x8_t lo = vmlal_s8(vmull_s8(vget_low_s8(w), vget_low_s8(x)), vget_high_s8(w),
+                                  vget_high_s8(x));
+    return vpadalq_s16(acc, lo);
+#endif
+}
+#endif
+
+/* the integer dot product of n (16 or 32) quants with n digits */
 static inline int dot_n(const int8_t* w, const int8_t* x, int n) {
+#ifdef MM_NEON
+    int32x4_t acc = vdupq_n_s32(0);
+    for (int j = 0; j < n; j += 16) acc = dot16(acc, vld1q_s8(w + j), vld1q_s8(x + j));
+    return vaddvq_s32(acc);
+#else
     int s = 0;
     for (int j = 0; j < n; j++) s += w[j] * x[j];
     return s;
+#endif
 }
 
 /* the digits' integer of a span (at most 32 * 63 * 127 * 257: int holds it) */
@@ -474,9 +496,15 @@ static inline void unpack32(const uint8_t* qs, const uint8_t* qh, int8_t* w) {
     }
 }
 
-static float dot_plain(int type, const uint8_t* wr, int64_t nb, const ggml_act_row* a) {
-    float acc = 0.0f;
-    int8_t w[256];
+/* Rows a[0 .. count) (count <= MAX_ROWS) against one output channel's blocks wr (nb blocks):
+ * out[i] = W . x'_i. Each block's quants are unpacked once for all the rows; each row's
+ * float accumulator takes the same operations in the same order whatever the count, so a
+ * row's result is its one-row call's, bit for bit (and, the integer sums being exact, the same
+ * with NEON's dot products as without). */
+static void dots_plain(int type, const uint8_t* wr, int64_t nb, const ggml_act_row* a, int count,
+                       float* out) {
+    float acc[MAX_ROWS] = {0.0f};
+    int8_t w[64];
     for (int64_t b = 0; b < nb; b++) {
         switch (type) {
             case GGML_Q4_0: case GGML_Q5_0: case GGML_Q4_1: case GGML_Q5_1: {
@@ -485,15 +513,20 @@ static float dot_plain(int type, const uint8_t* wr, int64_t nb, const ggml_act_r
                 const uint8_t* blk = wr + b * block_bytes(type);
                 const int at = has_min ? 4 : 2;
                 unpack32(blk + at + (five ? 4 : 0), five ? blk + at : NULL, w);
-                const float d = half(blk), isum = (float)dot_a(w, a, 32 * b, 32);
-                if (has_min) acc += d * a->dx[b] * isum + half(blk + 2) * a->xs[b];
-                else acc += d * (a->dx[b] * isum - (five ? 16.0f : 8.0f) * a->xs[b]);
+                const float d = half(blk), m = has_min ? half(blk + 2) : 0.0f;
+                for (int i = 0; i < count; i++) {
+                    const float isum = (float)dot_a(w, a + i, 32 * b, 32);
+                    if (has_min) acc[i] += d * a[i].dx[b] * isum + m * a[i].xs[b];
+                    else acc[i] += d * (a[i].dx[b] * isum - (five ? 16.0f : 8.0f) * a[i].xs[b]);
+                }
                 break;
             }
             case GGML_Q8_0: {
                 const uint8_t* blk = wr + b * 34;
-                acc += half(blk) * a->dx[b] *
-                       (float)dot_a((const int8_t*)(blk + 2), a, 32 * b, 32);
+                const float d = half(blk);
+                for (int i = 0; i < count; i++)
+                    acc[i] += d * a[i].dx[b] *
+                              (float)dot_a((const int8_t*)(blk + 2), a + i, 32 * b, 32);
                 break;
             }
             case GGML_Q4_K: case GGML_Q5_K: {
@@ -512,8 +545,11 @@ static float dot_plain(int type, const uint8_t* wr, int64_t nb, const ggml_act_r
                         int sc, mn;
                         ggml_scale_min(j + h, blk + 4, &sc, &mn);
                         const int64_t c = 8 * b + j + h;
-                        const float isum = (float)dot_a(w + 32 * h, a, 32 * c, 32);
-                        acc += d * (float)sc * a->dx[c] * isum - dmin * (float)mn * a->xs[c];
+                        for (int i = 0; i < count; i++) {
+                            const float isum = (float)dot_a(w + 32 * h, a + i, 32 * c, 32);
+                            acc[i] += d * (float)sc * a[i].dx[c] * isum -
+                                      dmin * (float)mn * a[i].xs[c];
+                        }
                     }
                 }
                 break;
@@ -532,11 +568,13 @@ static float dot_plain(int type, const uint8_t* wr, int64_t nb, const ggml_act_r
                             w[l] = (int8_t)(((lo[l] >> shift) & 0xF) |
                                             (((qh[l] >> (2 * g)) & 3) << 4));
                         const int64_t c = 8 * b + 4 * n + g;  /* the block of 32 */
-                        for (int h = 0; h < 2; h++) {
-                            const float isum = (float)dot_a(w + 16 * h, a, 32 * c + 16 * h, 16);
-                            acc += d * (float)sc[8 * n + 2 * g + h] *
-                                   (a->dx[c] * isum - 32.0f * a->xs16[2 * c + h]);
-                        }
+                        for (int h = 0; h < 2; h++)
+                            for (int i = 0; i < count; i++) {
+                                const float isum =
+                                    (float)dot_a(w + 16 * h, a + i, 32 * c + 16 * h, 16);
+                                acc[i] += d * (float)sc[8 * n + 2 * g + h] *
+                                          (a[i].dx[c] * isum - 32.0f * a[i].xs16[2 * c + h]);
+                            }
                     }
                 }
                 break;
@@ -544,7 +582,7 @@ static float dot_plain(int type, const uint8_t* wr, int64_t nb, const ggml_act_r
             default: break;
         }
     }
-    return acc;
+    for (int i = 0; i < count; i++) out[i] = acc[i];
 }
 
 #ifdef MM_AVX2
@@ -822,12 +860,6 @@ static void dots_vector(int type, const uint8_t* wr, int64_t nb, const ggml_act_
 #else
 #define HAS_VECTOR 0
 #endif
-
-/* the plain path's rows, one at a time */
-static void dots_plain(int type, const uint8_t* wr, int64_t nb, const ggml_act_row* a, int count,
-                       float* out) {
-    for (int i = 0; i < count; i++) out[i] = dot_plain(type, wr, nb, a + i);
-}
 
 /* ggml_linear's groups of 8 channels of an x8 weight (GGML_Q4_K_X8, GGML_Q6_K_X8) against
  * rows[0 .. m) (rows y0 .. of y), shared by the team: each group through the vector kernel,
