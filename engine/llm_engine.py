@@ -33,10 +33,11 @@ from engine.grammar import GrammarCompiler
 from engine.hub import resolve_files
 from engine.load_progress import ProgressListener, StartupProgress, TerminalProgress
 from engine.model_runner import EncoderItemsFailed, ItemFailure, ModelRunner, StepResult
-from engine.outputs import CompletionOutput, PlaceholderInfo, RequestOutput
+from engine.outputs import RequestOutput
 from engine.processing import InputProcessor, ProcessedPrompt
 from engine.reasoning import ReasoningSplitter
 from engine.request import Request, RequestStatus
+from engine.request_output import request_output, stop_status
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.speculative.speculator import build_speculator
@@ -233,7 +234,7 @@ class LLMEngine:
         reqs = [r for r in reqs if r is not None]
         for req in reqs:
             self._finish(req, RequestStatus.FINISHED_ABORTED)
-        return self._output(reqs[-1]) if reqs else None
+        return request_output(self.fanout, reqs[-1]) if reqs else None
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         """Finish `req` (and, for a first completion that never sampled, its siblings that
@@ -302,34 +303,13 @@ class LLMEngine:
                     req.logprobs.append(logprobs[i])
                 if req.metrics.first_token_time is None:
                     req.metrics.first_token_time = now
-                status = self._check_stop(req, token)
+                status = stop_status(req, token)
                 if status is not None:
                     self._finish(req, status)
                     break
             req.metrics.last_token_time = now
-            outputs.append(self._output(req))
+            outputs.append(request_output(self.fanout, req))
         return outputs
-
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        complete = False
-        if req.grammar is not None and token not in req.eos_token_ids:
-            complete = req.grammar.accept(token, req.output_token_ids)
-            if req.grammar.error is not None:
-                req.error = req.grammar.error
-                return RequestStatus.FINISHED_ERROR
-        if token in req.eos_token_ids or token in req.sampling_params.stop_token_ids:
-            # (not detokenized: its text, kept with skip_special_tokens false, is no output)
-            req.stop_reason = None if token in req.eos_token_ids else token
-            return RequestStatus.FINISHED_STOPPED
-        stop_string = req.detokenizer.add(token)
-        if stop_string is not None:
-            req.stop_reason = stop_string
-            return RequestStatus.FINISHED_STOPPED
-        if complete:  # the grammar allows nothing more: the output is whole
-            return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def _refuse_unschedulable(self) -> list[RequestOutput]:
         """Nothing runs, yet the oldest waiting request got no tokens: it never will (its
@@ -342,7 +322,7 @@ class LLMEngine:
             f"{len(req.mm_features)} media items); raise kv_cache_bytes or encoder_cache_size"
         )
         self._finish(req, RequestStatus.FINISHED_ERROR)
-        return [self._output(req)]
+        return [request_output(self.fanout, req)]
 
     def _fail(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         """A failure not attributable to a media item (the decoder's forward, sampling): every
@@ -353,7 +333,7 @@ class LLMEngine:
         for chunk in out.chunks:
             chunk.req.error = f"{type(error).__name__}: {error}"
             self._finish(chunk.req, RequestStatus.FINISHED_ERROR)
-            outputs.append(self._output(chunk.req))
+            outputs.append(request_output(self.fanout, chunk.req))
         self._forget_unencoded(out)
         return outputs
 
@@ -383,7 +363,7 @@ class LLMEngine:
             log.warning("request %s failed: %s", req.request_id, error)
             req.error = error
             self._finish(req, RequestStatus.FINISHED_ERROR)
-            outputs.append(self._output(req))
+            outputs.append(request_output(self.fanout, req))
         self._forget_unencoded(out)
         return outputs
 
@@ -394,50 +374,6 @@ class LLMEngine:
             identifier = req.mm_features[idx].identifier
             if not self.runner.has_encoder_output(identifier):
                 self.encoder_cache.discard(identifier)
-
-    def _output(self, req: Request) -> RequestOutput:
-        finished = req.finished
-        if finished and req.metrics.finished_time is None:
-            req.metrics.finished_time = time.monotonic()
-        delta_text = req.detokenizer.delta(finished)
-        text, reasoning, delta_reasoning = req.detokenizer.streamed_text, None, ""
-        if req.reasoning is not None:
-            delta_reasoning, delta_text = req.reasoning.feed(delta_text, finished)
-            text, reasoning = req.reasoning.content, req.reasoning.reasoning
-        sent, req.num_streamed_tokens = req.num_streamed_tokens, req.num_output_tokens
-        completion = CompletionOutput(
-            index=req.index,
-            text=text,
-            token_ids=list(req.output_token_ids),
-            finish_reason=req.status.value if finished else None,
-            stop_reason=req.stop_reason,
-            logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None else None,
-            delta_text=delta_text,
-            delta_token_ids=req.output_token_ids[sent:],
-            reasoning_content=reasoning,
-            delta_reasoning_content=delta_reasoning,
-            num_draft_tokens=req.metrics.draft_tokens,
-            num_accepted_tokens=req.metrics.accepted_tokens,
-        )
-        single = RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=[completion],
-            finished=finished,
-            num_cached_tokens=max(req.num_cached_tokens, 0),
-            metrics=req.metrics.snapshot(),
-            multi_modal_placeholders=[
-                PlaceholderInfo(
-                    f.modality, f.placeholder.offset, f.placeholder.length,
-                    f.placeholder.num_embeds, f.identifier, f.cache_hit, f.placeholder.parts,
-                    f.placeholder.text_offsets(), f.item, f.part,
-                )
-                for f in req.mm_features
-            ],
-            error=req.error,
-        )
-        return single if req.parent_id is None else self.fanout.merge(req, single)
 
     # ---- introspection ----------------------------------------------------------------------
 
