@@ -84,7 +84,7 @@ def _ours(path: Path, context: int, dequantize: bool, digits: int = 2):
 
 
 def _teacher_forced(llm, ids: list[int]) -> torch.Tensor:
-    from models.layers.attention import build_metadata
+    from models.layers.attention_metadata import build_metadata
 
     model = llm.engine.runner.model
     size = llm.engine.runner.layout.block_size

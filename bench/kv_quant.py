@@ -68,7 +68,7 @@ def text_ids(path: Path, tokens: int, smoke: bool) -> tuple[list[int], int]:
 def chunked_logits(llm, ids: list[int], chunk: int) -> torch.Tensor:
     """Teacher-forced logits [len, vocab] of `ids` as one sequence prefilled in chunks through
     the engine's paged cache (its blocks 0, 1, ...)."""
-    from models.layers.attention import build_metadata
+    from models.layers.attention_metadata import build_metadata
 
     runner = llm.engine.runner
     model, size = runner.model, runner.layout.block_size

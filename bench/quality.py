@@ -102,7 +102,7 @@ def ours(path: Path, window: int, decode: bool = False, int8_rounding: int | Non
     linears and the head rounded to int8 values times bfloat16 scales and run dense, so that
     the row measures that rounding alone (round_to_int8)."""
     from engine import LLM
-    from models.layers.attention import build_metadata
+    from models.layers.attention_metadata import build_metadata
 
     llm = LLM(path, max_model_len=window, max_num_seqs=1, **options)
     runner = llm.engine.runner

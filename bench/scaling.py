@@ -61,7 +61,7 @@ class Stepper:
         self.rng = random.Random(0)
 
     def metadata(self, shape: list[tuple[int, int]]):
-        from models.layers.attention import build_metadata
+        from models.layers.attention_metadata import build_metadata
 
         need = [-(-(s + n) // self.block_size) for s, n in shape]
         pool = self.rng.sample(range(self.num_blocks), sum(need))

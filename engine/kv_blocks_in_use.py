@@ -5,7 +5,7 @@ as blocks are first written and resident memory follows the conversations, not t
 Nothing is zero-filled: a slot never written holds anything, NaN included, and every reader
 keeps such slots out by masking. Our C decode kernels and flash-attn's varlen path read exactly
 the keys of the context; the padded gathers of the SDPA paths zero the gathered rows past each
-request's last key and in padding blocks (models/layers/attention.py, `KeyView.unwritten`).
+request's last key and in padding blocks (`KeyView.unwritten`, models/layers/attention_metadata.py).
 Where the platform cannot say which pages are resident (engine/host_memory.py), the blocks
 counted here times a block's bytes stand for them.
 """

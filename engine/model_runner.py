@@ -45,7 +45,7 @@ from engine.scheduler import SchedulerOutput
 from models.interfaces import MultiModalFeature
 from models.kernels.quantization import QuantizedLinear
 from models.layer_interfaces import KVCacheLayer, RecurrentStateLayer
-from models.layers.attention import build_metadata
+from models.layers.attention_metadata import build_metadata
 from models.layers.cross_metadata import build_cross_metadata
 from models.layers.lora import build_adapter_batch
 from models.layers.state_metadata import build_state_metadata

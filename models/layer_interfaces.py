@@ -6,8 +6,8 @@ runner read their shapes and bind their caches), `state_layers()` returns `Recur
 keeps a verification's accepted state), and every step's forward takes a `ForwardMetadata`:
 the paged-attention indices and, beside them, the state, cross-attention and LoRA batches.
 The families' own classes (models/layers/decoder_layer.py's `Attention`, gated_deltanet.py's
-`GatedDeltaNet`, attention.py's `AttentionMetadata`) satisfy them by their attributes; nothing
-subclasses these. Like models/interfaces.py, which imports it, this module sits below
+`GatedDeltaNet`, attention_metadata.py's `AttentionMetadata`) satisfy them by their attributes;
+nothing subclasses these. Like models/interfaces.py, which imports it, this module sits below
 models/layers/ (it imports none of it) and imports without torch (the annotations are strings).
 """
 
@@ -101,8 +101,8 @@ class RecurrentStateLayer(Protocol):
 @runtime_checkable
 class ForwardMetadata(Protocol):
     """One step's metadata, built by the runner on the host from models/layers/' builders and
-    read by the layers in the forward (models/layers/attention.py's `AttentionMetadata` is the
-    one implementation; the layers read it by that type). Its parts, each built by its own
+    read by the layers in the forward (models/layers/attention_metadata.py's `AttentionMetadata`
+    is the one implementation; the layers read it by that type). Its parts, each built by its own
     module there and None where the model or the step has none:"""
 
     # The attention batch (attention.py's build_metadata): where each of the step's T tokens'

@@ -203,7 +203,7 @@ def assert_matches_reference(output, tokens: list[int], logprobs, label: str = "
 def run_chunks(model, seqs, block_size: int = 16) -> list:
     """Drive `model` directly (no scheduler) over one flat batch: seqs are (all ids, start,
     end, block ids) per sequence -> logits [end - start, V] each."""
-    from models.layers.attention import build_metadata
+    from models.layers.attention_metadata import build_metadata
 
     ids, pos = [], []
     for all_ids, start, end, _ in seqs:

@@ -18,13 +18,8 @@ from engine.encoder_cache import EncoderCacheManager
 from engine.request import MultiModalFeature, PlaceholderRange, Request
 from engine.sampling_params import SamplingParams as Params
 from engine.scheduler import Scheduler
-from models.layers.attention import (
-    DECODE_PADDING,
-    LayerAttention,
-    attend,
-    build_metadata,
-    paged_attention,
-)
+from models.layers.attention import LayerAttention, attend, paged_attention
+from models.layers.attention_metadata import DECODE_PADDING, build_metadata
 from tests.helpers import run_chunks
 
 ATOL = 2e-4
@@ -338,7 +333,7 @@ def test_the_decode_kernel_choice_is_kept_for_the_next_start(tmp_path, monkeypat
 
 
 def test_decode_kernel_is_chosen_by_measurement():
-    from models.layers.attention import KERNELS
+    from models.layers.attention_metadata import KERNELS
     from models.layers.decode_attention_choice import choose_decode_attention
 
     assert choose_decode_attention(4, 2, 8, torch.float32, CPU) in KERNELS

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from engine import LLM, SamplingParams
-from models.layers.attention import build_metadata
+from models.layers.attention_metadata import build_metadata
 
 pytestmark = [
     pytest.mark.gpu,

@@ -373,7 +373,7 @@ def test_one_activation_digit_runs_every_row_through_the_integer_kernel(k_quant_
     integer kernel, not the GEMM."""
     from engine import LLM
     from engine.config import EngineConfig
-    from models.layers.attention import build_metadata
+    from models.layers.attention_metadata import build_metadata
     from tests.model_fixtures import run_decode_steps
 
     with pytest.raises(ValueError, match="gguf_activation_digits must be 1 or 2"):

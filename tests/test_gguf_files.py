@@ -24,7 +24,7 @@ from engine.inspect import inspect, render
 from models.gguf.reader import GGUFError, GGUFFile
 from models.gguf.tensors import Rearrange, read_int4
 from models.kernels.quantization import QuantizedLinear
-from models.layers.attention import build_metadata
+from models.layers.attention_metadata import build_metadata
 
 GEMMA3_SHAPE = {
     "head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 6,

@@ -50,7 +50,7 @@ def test_built_models_and_processors_satisfy_the_protocols(qwen2_path, qwen2_vl_
 def test_the_step_metadata_satisfies_the_forward_protocol():
     import torch
 
-    from models.layers.attention import build_metadata
+    from models.layers.attention_metadata import build_metadata
 
     meta = build_metadata([0, 3], [3, 1], [[1], [2]], 4, torch.device("cpu"))
     assert isinstance(meta, ForwardMetadata)

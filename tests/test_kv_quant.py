@@ -24,14 +24,8 @@ import torch
 from engine import LLM, SamplingParams, kv_pool
 from models.kernels import native
 from models.layers import kv_quant
-from models.layers.attention import (
-    AttentionGroup,
-    LayerAttention,
-    _attend_group,
-    _decode_view,
-    _Shape,
-    build_metadata,
-)
+from models.layers.attention import LayerAttention, _attend_group
+from models.layers.attention_metadata import AttentionGroup, _decode_view, _Shape, build_metadata
 from tests.model_fixtures import GEMMA3_1B_SHAPE
 
 needs_native = pytest.mark.skipif(native.load() is None, reason="native kernels unavailable")

@@ -220,7 +220,7 @@ async def test_the_api_takes_lora_per_request(setup):
 def test_a_step_with_adapters_has_no_host_sync(setup):
     """Contract 1: a forward whose rows use two adapters and none (the hooks' gathers and
     indexed adds) reads nothing back from the device."""
-    from models.layers.attention import build_metadata
+    from models.layers.attention_metadata import build_metadata
     from models.layers.lora import build_adapter_batch
     from tests.model_fixtures import SyncRecorder
 
@@ -273,7 +273,7 @@ def test_engine_and_command_line_options(tmp_path):
 def test_adapters_on_cuda_match_the_cpu_without_a_host_sync(setup):
     """The same mixed batch on CUDA: tokens equal to the CPU's, and a step whose rows use two
     adapters and none runs under CUDA's sync debug mode."""
-    from models.layers.attention import build_metadata
+    from models.layers.attention_metadata import build_metadata
     from models.layers.lora import build_adapter_batch
 
     cases = [(p, a) for p in PROMPTS for a in ADAPTERS]

@@ -261,7 +261,7 @@ def test_soak_with_aborts_failures_and_preemption_leaves_nothing_held(path, monk
 def test_tower_states_and_cross_layers_have_no_host_sync(llm):
     from engine.cross_states import cross_items
     from engine.scheduler import ScheduledChunk
-    from models.layers.attention import build_metadata
+    from models.layers.attention_metadata import build_metadata
     from models.layers.cross_metadata import build_cross_metadata
     from tests.model_fixtures import SyncRecorder
 
@@ -303,7 +303,7 @@ def test_cuda_matches_the_cpu_and_never_synchronizes(path):
     (any synchronizing call is an error)."""
     from engine.cross_states import cross_items
     from engine.scheduler import ScheduledChunk
-    from models.layers.attention import build_metadata
+    from models.layers.attention_metadata import build_metadata
     from models.layers.cross_metadata import build_cross_metadata
 
     options = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=5, max_num_seqs=8)

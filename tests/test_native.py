@@ -516,7 +516,8 @@ def test_decode_attention_matches_float64(kernels, dtype, dim, window, softcap):
 
 def test_paged_attention_takes_the_native_decode_kernel(kernels):
     """Through the engine's metadata: decodes in two buckets beside a chunk, sliding window."""
-    from models.layers.attention import LayerAttention, build_metadata, paged_attention
+    from models.layers.attention import LayerAttention, paged_attention
+    from models.layers.attention_metadata import build_metadata
 
     gen = torch.Generator().manual_seed(1)
     cpu = torch.device("cpu")
@@ -639,7 +640,7 @@ def native_everywhere(kernels, monkeypatch):
 def test_decode_logits_and_greedy_tokens_match_transformers(text_model, hf_models,
                                                             native_everywhere):
     from engine import LLM, SamplingParams
-    from models.layers.attention import build_metadata
+    from models.layers.attention_metadata import build_metadata
 
     hf = hf_models(text_model)
     llm = LLM(text_model, dtype="float32", max_model_len=256, block_size=4)

@@ -32,7 +32,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.checkpoint_setup import CheckpointSetup
 from models.kernels.ggml_blocks import BlockLinear
-from models.layers.attention import build_metadata
+from models.layers.attention_metadata import build_metadata
 from testing.real_weights import (
     gemma3_path,
     missing_reason,

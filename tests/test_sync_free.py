@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine import LLM
-from models.layers.attention import build_metadata
+from models.layers.attention_metadata import build_metadata
 from tests.model_fixtures import SyncRecorder
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import LLM
-from models.layers.attention import build_metadata
+from models.layers.attention_metadata import build_metadata
 from tests.helpers import greedy
 from tests.model_fixtures import GEMMA3_1B_SHAPE
 

@@ -33,7 +33,7 @@ from engine.speculative.drawing import draw
 from models.kernels.linear import Linear
 from models.kernels.linear_choice import choose_linear_kernels, pin_decode_rows
 from models.kernels.quantization import quantize_linear
-from models.layers.attention import build_metadata
+from models.layers.attention_metadata import build_metadata
 from models.layers.decoder import Decoder
 from models.layers.mtp import PREFIX, MultiTokenPredictor, mtp_layers
 from models.layers.transfer import to_device

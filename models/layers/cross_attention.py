@@ -20,7 +20,8 @@ from torch import nn
 
 from models.kernels import native
 from models.kernels.linear import Linear
-from models.layers.attention import AttentionMetadata, attend
+from models.layers.attention import attend
+from models.layers.attention_metadata import AttentionMetadata
 from models.layers.cross_metadata import CrossSegment
 from models.layers.decoder_layer import DecoderConfig
 from models.layers.mlp import GatedMLP

@@ -14,13 +14,8 @@ from models.kernels import native
 from models.kernels.choice import KernelCache, cache_path
 from models.kernels.linear_policy import PLAN_RULES
 from models.layers import kv_quant
-from models.layers.attention import (
-    AttentionGroup,
-    LayerAttention,
-    _attend_group,
-    _decode_view,
-    _Shape,
-)
+from models.layers.attention import LayerAttention, _attend_group
+from models.layers.attention_metadata import AttentionGroup, _decode_view, _Shape
 
 log = logging.getLogger(__name__)
 

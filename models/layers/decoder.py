@@ -28,7 +28,7 @@ from models.checkpoint import tie_word_embeddings
 from models.interfaces import EncoderItem
 from models.kernels.linear import Linear, float32_logits
 from models.layers.activations import rowwise
-from models.layers.attention import AttentionMetadata
+from models.layers.attention_metadata import AttentionMetadata
 from models.layers.cross_attention import CrossAttentionLayer
 from models.layers.decoder_layer import Attention, DecoderConfig, DecoderLayer
 from models.layers.gated_deltanet import GatedDeltaNet

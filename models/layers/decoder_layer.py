@@ -29,7 +29,8 @@ from torch import nn
 from models.checkpoint import tie_word_embeddings
 from models.kernels.linear import Linear
 from models.layers.activations import rowwise
-from models.layers.attention import AttentionMetadata, LayerAttention, paged_attention
+from models.layers.attention import LayerAttention, paged_attention
+from models.layers.attention_metadata import AttentionMetadata
 from models.layers.gated_deltanet import GatedDeltaNet, LinearAttentionShape
 from models.layers.mlp import GatedMLP
 from models.layers.moe import MoEShape, SparseMoE

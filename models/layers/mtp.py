@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from models.kernels.linear import Linear
-from models.layers.attention import AttentionMetadata, LayerAttention
+from models.layers.attention import LayerAttention
+from models.layers.attention_metadata import AttentionMetadata
 from models.layers.decoder_layer import DecoderConfig, DecoderLayer
 from models.layers.norm import RMSNorm
 

@@ -43,7 +43,7 @@ from models.kernels.linear import Linear
 from models.kernels.native_interface import DecoderDesc, LayerDesc, LinearDesc
 from models.kernels.native_linear import linear_desc
 from models.kernels.quantization import QuantizedLinear
-from models.layers.attention import AttentionMetadata
+from models.layers.attention_metadata import AttentionMetadata
 from models.layers.decoder_layer import Attention, DecoderConfig, DecoderLayer
 from models.layers.mlp import GatedMLP
 from models.layers.norm import RMSNorm

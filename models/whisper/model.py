@@ -33,7 +33,8 @@ from models.encoders.whisper import (
 from models.interfaces import EncoderItem
 from models.kernels.linear import Linear, float32_logits
 from models.layers.activations import rowwise
-from models.layers.attention import AttentionMetadata, LayerAttention, paged_attention
+from models.layers.attention import LayerAttention, paged_attention
+from models.layers.attention_metadata import AttentionMetadata
 from models.layers.cross_attention import attend_segments
 from models.layers.cross_metadata import CrossSegment
 from models.layers.decoder_layer import DecoderConfig
