@@ -99,7 +99,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from models.kernels import native
-    from models.kernels.quantization import pack_int4, quantize_int4, quantize_int8
+    from models.kernels.int_formats import pack_int4, quantize_int4, quantize_int8
 
     with tempfile.TemporaryDirectory() as tmp:  # the loaded library stays mapped
         sides = {args.base: build_at(args.base, Path(tmp)),

@@ -138,7 +138,8 @@ def round_to_int8(model: torch.nn.Module, group: int) -> None:
     place, so that the native decode step's pointers stay right; a oneDNN copy the plan made is
     made again. A tied head rounds the embedding too (as a q8_0 GGUF's shared tensor is). A
     linear whose inputs `group` does not divide is left as it is."""
-    from models.kernels.quantization import dequantize_int8, quantize_int8, quantized_linears
+    from models.kernels.int_formats import dequantize_int8, quantize_int8
+    from models.kernels.quantization import quantized_linears
 
     for parent, name in quantized_linears(model):
         linear = getattr(parent, name)

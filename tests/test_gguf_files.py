@@ -196,7 +196,7 @@ def test_int8_blocks_hold_the_files_values(checkpoints, tmp_path):
     from gguf.quants import dequantize
 
     from models.gguf.tensors import read_int8
-    from models.kernels.quantization import dequantize_int8
+    from models.kernels.int_formats import dequantize_int8
     from testing.gguf import write_gguf
 
     path = write_gguf(checkpoints["qwen2"], tmp_path / "q8.gguf",
@@ -218,7 +218,7 @@ def test_int4_blocks_hold_the_files_values(files):
     of the block's largest value)."""
     from gguf.quants import dequantize
 
-    from models.kernels.quantization import dequantize_int4_values
+    from models.kernels.int_formats import dequantize_int4_values
 
     file = GGUFFile(files["qwen2"])
     for name in ("blk.0.ffn_down.weight", "blk.0.ffn_up.weight"):  # Q4_0, Q4_1

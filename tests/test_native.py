@@ -18,10 +18,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.kernels import native, native_build, quantization
+from models.kernels import native, native_build
 from models.kernels.choice import BUCKETS
-from models.kernels.linear import Linear, float32_logits
-from models.kernels.quantization import (
+from models.kernels.int_formats import (
     dequantize_int4,
     dequantize_int8,
     fit_int4_torch,
@@ -29,6 +28,7 @@ from models.kernels.quantization import (
     quantize_int4,
     quantize_int8,
 )
+from models.kernels.linear import Linear, float32_logits
 from tests.model_fixtures import GEMMA3_1B_SHAPE
 
 
@@ -330,7 +330,7 @@ def test_int4_quantizes_alike_without_our_kernels(kernels, monkeypatch):
     rounding tie went the other way."""
     w = torch.randn(128, 256, generator=torch.Generator().manual_seed(3))
     q, scales_and_zeros = quantize_int4(w, 64)
-    monkeypatch.setattr(quantization.native, "load", lambda: None)
+    monkeypatch.setattr(native, "load", lambda: None)
     q_t, scales_and_zeros_t = quantize_int4(w, 64)
     assert (q == q_t).float().mean() > 0.999
     assert (scales_and_zeros == scales_and_zeros_t).float().mean() > 0.99

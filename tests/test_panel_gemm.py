@@ -20,9 +20,10 @@ import torch
 
 from models.kernels import native
 from models.kernels.choice import BUCKETS
+from models.kernels.int_formats import pack_int4, quantize_int4, quantize_int8
 from models.kernels.linear import QUANTIZED_KERNELS
 from models.kernels.linear_choice import candidates, panel_gemm_takes
-from models.kernels.quantization import QuantizedLinear, pack_int4, quantize_int4, quantize_int8
+from models.kernels.quantization import QuantizedLinear
 
 
 @pytest.fixture(scope="module")

@@ -19,16 +19,15 @@ from engine.config import EngineConfig
 from models.kernels import linear as linear_kernels
 from models.kernels import native, quantization
 from models.kernels.choice import BUCKETS
-from models.kernels.linear_choice import candidates
-from models.kernels.quantization import (
-    QuantizedLinear,
+from models.kernels.int_formats import (
     dequantize_int4,
     dequantize_int4_values,
     fit_int4,
     pack_int4,
-    quantize_language_model,
     unpack_int4,
 )
+from models.kernels.linear_choice import candidates
+from models.kernels.quantization import QuantizedLinear, quantize_language_model
 from models.layers.decoder import CausalLM
 from tests.model_fixtures import tiny_tied_model
 

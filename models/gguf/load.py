@@ -57,13 +57,9 @@ from models.gguf.tensors import (
     readable,
 )
 from models.kernels.ggml_blocks import BlockLinear, held_bytes, takes
+from models.kernels.int_formats import int4_supported, pack_int4
 from models.kernels.linear import Linear
-from models.kernels.quantization import (
-    QuantizedLinear,
-    QuantizeOnLoad,
-    int4_supported,
-    pack_int4,
-)
+from models.kernels.quantization import QuantizedLinear, QuantizeOnLoad
 from models.loader import (
     LoadObserver,
     Shard,

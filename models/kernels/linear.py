@@ -77,7 +77,7 @@ def _dequantized(layer: nn.Module, x: torch.Tensor, weight_first: bool) -> torch
 
 # A weight dequantized per call is dequantized in tiles of output channels:
 TILE_BYTES = 4 << 20  # bytes of a dequantized tile: well inside a last-level cache
-# tiles start on a block of the int4 pack (models.kernels.quantization.INT4_BLOCK_N channels)
+# tiles start on a block of the int4 pack (models.kernels.int_formats.INT4_BLOCK_N channels)
 TILE_CHANNEL_BLOCK = 64
 MIN_TILE_CHANNELS = 1024  # thinner tiles make thin GEMMs (a long-k weight is dequantized whole)
 

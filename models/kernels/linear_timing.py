@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from models.kernels import native
+from models.kernels.int_formats import INT4_BLOCK_N
 from models.kernels.linear import KERNELS, QUANTIZED_KERNELS, Linear, prepack_onednn
-from models.kernels.quantization import INT4_BLOCK_N
 
 TIMED_BYTES = 32 << 20  # weight bytes one timed call streams through, at most (more than L2)
 TIMED_FLOPS = 1e9  # and FLOPs

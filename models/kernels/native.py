@@ -141,7 +141,7 @@ class NativeKernels:
 
     def gemm_int4(self, x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
                   group_size: int) -> torch.Tensor:
-        """As `gemm`, for int4 weights in our pack (models.kernels.quantization.pack_int4),
+        """As `gemm`, for int4 weights in our pack (models.kernels.int_formats.pack_int4),
         each panel dequantized to float32 as it is packed: x [M, K] -> [M, N] in x's dtype."""
         assert packed.dtype == torch.uint8 and packed.shape[1] * 2 == x.shape[1]
         assert scales_and_zeros.dtype == torch.bfloat16 and scales_and_zeros.is_contiguous()
@@ -178,7 +178,7 @@ class NativeKernels:
     def linear_int4(self, x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
                     group_size: int, generic: bool = False) -> torch.Tensor:
         """x [M, K] (float32 / bfloat16) through int4 weights read in place from our pack
-        (models.kernels.quantization.pack_int4): packed [N, K / 2] uint8, scales_and_zeros
+        (models.kernels.int_formats.pack_int4): packed [N, K / 2] uint8, scales_and_zeros
         [K / group_size, N, 2] bfloat16. -> [M, N] in x's dtype. `generic` runs the plain-C
         path even where the VNNI one is built (for tests)."""
         m, k = x.shape
