@@ -309,7 +309,7 @@ def test_the_plan_knows_the_prompt_before_processing(llm, name):
 
 
 def test_a_sound_track_longer_than_the_window_is_refused_with_the_limit(llm):
-    from models.interfaces import MediaError
+    from models.media_inputs import MediaError
 
     long = user(movie(31, fps=1), "What happens?")  # the tiny extractor's window is 30 s
     with pytest.raises(MediaError, match=r"video 1: its sound track: duration 31\.\d s exceeds "

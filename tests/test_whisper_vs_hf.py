@@ -14,7 +14,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.transcription import split_segments
 from models.checkpoint import GENERATION_CONFIG
-from models.interfaces import AudioClip, MediaError
+from models.media_inputs import AudioClip, MediaError
 from models.whisper.prompt import WhisperTokens, decoder_prompt
 from tests.helpers import assert_released, assert_top_logprobs, count_calls
 

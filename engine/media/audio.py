@@ -20,7 +20,7 @@ from engine.media.formats import (
     open_container,
 )
 from engine.media.limits import MediaError, MediaLimits, decoder_errors
-from models.interfaces import AudioClip
+from models.media_inputs import AudioClip
 
 DEFAULT_SAMPLE_RATE = 16000
 _BLOCK_FRAMES = 1 << 16

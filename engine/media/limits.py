@@ -9,7 +9,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from models.interfaces import MediaError
+from models.media_inputs import MediaError
 
 log = logging.getLogger(__name__)
 

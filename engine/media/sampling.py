@@ -9,7 +9,7 @@ import numbers
 import numpy as np
 
 from engine.media.limits import MediaError, MediaLimits
-from models.interfaces import MAX_FPS, VideoSampling
+from models.media_inputs import MAX_FPS, VideoSampling
 
 DEFAULT_FPS = 2.0
 SPREADS = ("uniform", "frame_linspace", "segment_centers", "whole_seconds")

@@ -19,7 +19,7 @@ from engine.media.image import to_rgb
 from engine.media.limits import MediaError, MediaLimits, decoder_errors
 from engine.media.orientation import display_matrix, orientation_of
 from engine.media.sampling import VideoSampling, sample_offsets
-from models.interfaces import VideoFrames
+from models.media_inputs import VideoFrames
 
 # Frame times are rationals; this absorbs float rounding when comparing them to targets.
 _TIME_EPS = 1e-6

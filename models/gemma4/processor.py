@@ -49,16 +49,13 @@ from models.gemma4.preprocess import (
     soft_tokens,
 )
 from models.interfaces import (
-    MAX_FPS,
-    AudioClip,
-    MediaError,
     MultiModalFeature,
     PlaceholderRange,
     ProcessedPrompt,
     ProcessorContext,
     PromptPlan,
-    VideoFrames,
 )
+from models.media_inputs import MAX_FPS, AudioClip, MediaError, VideoFrames
 from models.processing.base import (
     Pieces,
     ProcessedCache,

@@ -42,13 +42,13 @@ from models.idefics3.preprocess import (
     video_clock,
 )
 from models.interfaces import (
-    MAX_FPS,
     MultiModalFeature,
     PlaceholderRange,
     ProcessedPrompt,
     ProcessorContext,
     PromptPlan,
 )
+from models.media_inputs import MAX_FPS
 from models.processing.base import (
     Pieces,
     ProcessedCache,

@@ -28,7 +28,6 @@ from typing import Any
 from models.checkpoint import CheckpointError, Schema, Settings, choose_schema, read_settings
 from models.encoders.internvit import InternViTConfig
 from models.interfaces import (
-    MAX_FPS,
     MultiModalFeature,
     PlaceholderRange,
     ProcessedPrompt,
@@ -50,6 +49,7 @@ from models.internvl.preprocess import (
     tile_count,
     tile_limits,
 )
+from models.media_inputs import MAX_FPS
 from models.processing.base import (
     ProcessedCache,
     ProcessorDefaults,

@@ -32,12 +32,7 @@ from functools import partial
 from typing import Any
 
 from models.checkpoint import CheckpointError, Schema, choose_schema, read_settings
-from models.interfaces import (
-    MultiModalFeature,
-    ProcessedPrompt,
-    ProcessorContext,
-    PromptPlan,
-)
+from models.interfaces import MultiModalFeature, ProcessedPrompt, ProcessorContext, PromptPlan
 from models.minicpmv.preprocess import (
     IMAGE_PROCESSORS,
     MODES,

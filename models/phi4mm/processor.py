@@ -23,13 +23,8 @@ from functools import partial
 from typing import Any
 
 from models.checkpoint import CheckpointError, Schema, choose_schema, own_keys, read_settings
-from models.interfaces import (
-    AudioClip,
-    MediaError,
-    ProcessedPrompt,
-    ProcessorContext,
-    PromptPlan,
-)
+from models.interfaces import ProcessedPrompt, ProcessorContext, PromptPlan
+from models.media_inputs import AudioClip, MediaError
 from models.phi4mm.fbank import FEATURE_EXTRACTOR, FbankConfig, FbankExtractor
 from models.phi4mm.preprocess import HDConfig, hd_layout, num_image_tokens, preprocess_hd
 from models.processing.base import (

@@ -17,7 +17,7 @@ import numpy as np
 from blake3 import blake3
 from PIL import Image
 
-from models.interfaces import AudioClip, VideoFrames
+from models.media_inputs import AudioClip, VideoFrames
 
 _DOMAIN = "mmserve.media-identity.v1"
 

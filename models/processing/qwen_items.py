@@ -12,7 +12,7 @@ from typing import Any
 
 from PIL import Image
 
-from models.interfaces import MAX_FPS, VideoFrames
+from models.media_inputs import MAX_FPS, VideoFrames
 from models.processing.base import ProcessedCache, hashed_and_processed
 from models.processing.hashing import hash_image, hash_video
 from models.processing.options import OptionRange

@@ -27,13 +27,8 @@ import numpy as np
 
 from models.checkpoint import CheckpointError, Schema, choose_schema, read_settings
 from models.encoders.whisper import encoder_lengths, receptive_frames
-from models.interfaces import (
-    AudioClip,
-    MediaError,
-    ProcessedPrompt,
-    ProcessorContext,
-    PromptPlan,
-)
+from models.interfaces import ProcessedPrompt, ProcessorContext, PromptPlan
+from models.media_inputs import AudioClip, MediaError
 from models.processing.base import (
     Expansion,
     Pieces,

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from models.interfaces import MultiModalFeature, PlaceholderRange, VideoFrames
+from models.interfaces import MultiModalFeature, PlaceholderRange
+from models.media_inputs import VideoFrames
 from models.processing.qwen_items import temporal_patches
 from models.qwen_omni.layout import Positions, grid_offsets, interleave
 from models.qwen_omni.sound import Clip

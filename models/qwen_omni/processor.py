@@ -36,14 +36,9 @@ from models.checkpoint import (
     own_keys,
     read_settings,
 )
-from models.interfaces import (
-    MultiModalFeature,
-    ProcessedPrompt,
-    ProcessorContext,
-    PromptPlan,
-    VideoFrames,
-)
+from models.interfaces import MultiModalFeature, ProcessedPrompt, ProcessorContext, PromptPlan
 from models.layers.mrope import MRopePositions
+from models.media_inputs import VideoFrames
 from models.processing.base import ProcessedCache, ProcessorDefaults, check_placeholder_count
 from models.processing.log_mel import FEATURE_EXTRACTOR, MelConfig
 from models.processing.options import Flag, check_mm_kwargs

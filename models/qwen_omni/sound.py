@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from models.encoders.whisper import encoder_lengths
-from models.interfaces import AudioClip, MediaError
+from models.media_inputs import AudioClip, MediaError
 from models.processing.base import ProcessedCache
 from models.processing.hashing import hash_audio
 from models.processing.log_mel import LogMelExtractor, MelConfig

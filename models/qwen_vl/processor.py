@@ -22,11 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from models.checkpoint import Schema, choose_schema, read_settings
-from models.interfaces import (
-    ProcessedPrompt,
-    ProcessorContext,
-    PromptPlan,
-)
+from models.interfaces import ProcessedPrompt, ProcessorContext, PromptPlan
 from models.layers.mrope import MRopePositions, mrope_positions
 from models.processing.base import (
     Expansion,

@@ -24,15 +24,14 @@ from typing import Any
 
 from models.checkpoint import CheckpointError, choose_schema, read_settings
 from models.interfaces import (
-    AudioClip,
     CrossRows,
-    MediaError,
     MultiModalFeature,
     PlaceholderRange,
     ProcessedPrompt,
     ProcessorContext,
     PromptPlan,
 )
+from models.media_inputs import AudioClip, MediaError
 from models.processing.base import ProcessedCache, ProcessorDefaults
 from models.processing.hashing import hash_audio, hash_part
 from models.processing.log_mel import FEATURE_EXTRACTOR, LogMelExtractor, MelConfig
