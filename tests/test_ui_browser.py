@@ -40,6 +40,7 @@ FLAGS = [
 ]
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
 LATE = "demo-loaded-when-chosen"  # the picker lists it; it loads when chosen
+THINKING = "demo-minicpm-v-4.6"  # its template opens <think>
 
 pytestmark = [
     pytest.mark.browser,
@@ -78,8 +79,10 @@ def served(tmp_path_factory):
     root = demo_root(tmp_path_factory)
     with demo_engines(root) as engines:
         # Replies here sample (temperature 0.7) from random weights: without EOS they end only
-        # at max tokens or Stop, so each test knows which finish to wait for.
-        engines[VL].engine.eos_token_ids = frozenset()
+        # at max tokens or Stop, so each test knows which finish to wait for (with it, a
+        # 16-token reply of a byte vocabulary drew EOS now and then).
+        for name in (VL, THINKING):
+            engines[name].engine.eos_token_ids = frozenset()
         late = HeldLoad(ensure_demo_models(root)[VL])
         app = build_app(engines, notes=dict.fromkeys(engines, DEMO_NOTE),
                         available={LATE: late})
@@ -284,8 +287,8 @@ def test_a_thinking_model_shows_its_thought_folded(served, browser):
     page = open_app(browser, served[2])
     try:
         page.get_by_role("combobox", name="Model").click()
-        page.get_by_role("option", name="demo-minicpm-v-4.6").click()
-        expect(page.get_by_role("combobox", name="Model")).to_have_value("demo-minicpm-v-4.6")
+        page.get_by_role("option", name=THINKING).click()
+        expect(page.get_by_role("combobox", name="Model")).to_have_value(THINKING)
         set_max_tokens(page, 16)
         send(page, "Think it over, then answer.")
         expect(page.locator("#timing")).to_contain_text("finish length")
