@@ -14,7 +14,8 @@ set (bfloat16 weights and x; int8 and int4 weights quantized at group 64, the en
 verify's rows, e.g. `--rows 1,2,5,9 --shapes qwen2.5-1.5b`; `ggml`: the decode
 matrix-vector kernel mm_ggml_linear on random blocks of `--ggml-type`, rows up to 16, the
 working tree's in the layout it repacks the type to, if any; the base's as the file stores them,
-or with `--base-repacked` in the same repacked layout, for a change to the repacked kernels),
+or with `--base-repacked` repacked by the base's own code (its layout, of the same size), for a
+change to the repacked kernels or their layout),
 alternating between the two builds; per row count it prints each side's median GFLOP/s and
 the median per-round ratio (> 1: the working tree is faster), and with a row count of 1 asked,
 each side's time at every row count over its time at one row (a verify's cost). A build
@@ -94,7 +95,7 @@ def main() -> None:
     parser.add_argument("--digits", type=int, default=2, choices=(1, 2),
                         help="int8 digits per input of --kernel ggml's rows")
     parser.add_argument("--base-repacked", action="store_true",
-                        help="--kernel ggml: the base runs the working tree's repacked layout")
+                        help="--kernel ggml: the base runs its own repacked layout")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -116,17 +117,23 @@ def main() -> None:
         from bench.ggml_kernels import random_blocks
         from models.kernels import ggml_blocks
 
-        # the file's type for the base (or --base-repacked: ours); the working tree runs it in
-        # our layout where it repacks the type (Q4_K: Q4_Kx8), else as stored
+        # the file's type for the base (or --base-repacked: its own layout); the working tree
+        # runs it in our layout where it repacks the type (Q4_K: Q4_Kx8), else as stored
         stored = ggml_blocks.BLOCK_TYPES[args.ggml_type]
         weights = []
         for n, k in shapes:
             blocks = random_blocks(args.ggml_type, n, k)
             kind, held = ggml_blocks.repack(blocks, args.ggml_type, k)
-            base = ((held, ggml_blocks.KERNEL_TYPES[kind].code) if args.base_repacked
-                    else (blocks, stored.code))
-            weights.append({args.base: base,
-                            "working tree": (held, ggml_blocks.KERNEL_TYPES[kind].code)})
+            code = ggml_blocks.KERNEL_TYPES[kind].code
+            base = (blocks, stored.code)
+            if args.base_repacked and kind != args.ggml_type:
+                # repacked by the base's own code: its layout, which a change may have moved
+                base_held = torch.empty_like(held)
+                status = sides[args.base].ggml_repack(blocks.data_ptr(), stored.code, n, k,
+                                                      base_held.data_ptr(), 1)
+                assert status == 0, f"the base's mm_ggml_repack refused {args.ggml_type}"
+                base = (base_held, code)
+            weights.append({args.base: base, "working tree": (held, code)})
 
     def call(kernels, x, w):
         if args.kernel == "gemm_int4":

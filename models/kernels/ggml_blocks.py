@@ -71,7 +71,7 @@ KERNEL_TYPES: dict[str, BlockType] = {
     "Q5_1x8": BlockType("Q5_1x8", c.GGML_Q5_1_X8, 32, 24),
     "Q8_0x8": BlockType("Q8_0x8", c.GGML_Q8_0_X8, 32, 34)}
 REPACKED = {name: f"{name}x8" for name in BLOCK_TYPES}  # each type: its groups of 8
-REPACK_FORMAT = 1  # bump when a repacked layout's bytes change (kept layouts then miss)
+REPACK_FORMAT = 2  # bump when a repacked layout's bytes change (kept layouts then miss)
 FEW_ROWS = 16  # up to this many rows (tokens) of x, the matrix-vector kernel; past it a GEMM
 TILE_BYTES = 4 << 20  # float32 bytes of a tile of output channels dequantized for the GEMM
 MIN_TILE_CHANNELS = 64  # a tile's output channels, at least

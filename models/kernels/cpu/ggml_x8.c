@@ -18,10 +18,9 @@
  *                        nibbles: inputs 64 p + 4 s .. + 3, of sub-block 2 p; high: + 32)
  *   Q6_K_X8  [0, 16)     d of channels 0 .. 7
  *            [16, 144)   sc[j][c]: sub-block j's (of 16) int8 scale of channel c
- *            [144, 1168) per chunk t of ql (32 bytes, 0 .. 3) and step s: channel c's stored
- *                        ql[32 t + 4 s .. + 3] at 4c
- *            [1168, 1680) per chunk u of qh (0 .. 1) and step s: channel c's qh[32 u + 4 s ..],
- *                        each byte's pairs of bits reordered (q6k_in)
+ *            [144, 1680) per half n (0 .. 1) and step s (0 .. 7) 96 bytes: P, Q, R (32 each),
+ *                        bytes 4c .. 4c + 3 channel c's of inputs 4 s .. + 3 of each group of
+ *                        32 (q6k_in: the quants' bits regrouped, none added)
  * so a weight [N, K] (N a multiple of 8) is still [N, row bytes] as the other block types, a
  * group's 8 rows together (channel slices at multiples of 8).
  *
@@ -100,33 +99,38 @@ static void q5k_out(const uint8_t* src, int c, uint8_t* block) {
     for (int s = 0; s < 8; s++) memcpy(block + 16 + 4 * s, src + 1184 + 32 * s + 4 * c, 4);
 }
 
-/* Q6_K as stored: ql [0, 128), qh [128, 192), scales [192, 208), d [208, 210). A qh byte's
- * pairs of bits (groups 0, 1, 2, 3 of its half at bits 0, 2, 4, 6) are held as groups 1, 3, 0,
- * 2, which puts groups 0 and 2 where the kernel masks them and 1 and 3 a shift away. */
-static uint8_t q6k_bits_in(uint8_t h) {
-    return (uint8_t)(((h >> 2) & 3) | (((h >> 6) & 3) << 2) | ((h & 3) << 4) |
-                     (((h >> 4) & 3) << 6));
-}
-
-static uint8_t q6k_bits_out(uint8_t h) {
-    return (uint8_t)(((h >> 4) & 3) | ((h & 3) << 2) | (((h >> 6) & 3) << 4) |
-                     (((h >> 2) & 3) << 6));
-}
-
+/* Q6_K as stored: ql [0, 128), qh [128, 192), scales [192, 208), d [208, 210). In half n
+ * (values 128 n ..), byte l of ql chunk 2n (ql[64 n + l]) holds the low nibbles of values
+ * 128 n + l (group 0) and + 64 (group 2), of chunk 2n + 1 those of + 32 (group 1) and + 96
+ * (group 3); qh[32 n + l] their top two bits at bits 0, 2, 4, 6 (groups 0, 1, 2, 3). In the
+ * group, per half and step (l = 4 s + i) three bytes of channel c: P = group 0's six bits and
+ * group 2's top two above them, Q = the same of groups 1 and 3, R = the low nibbles of groups
+ * 2 and 3; so that groups 0 and 1 are a mask away, 2 and 3 a shift and a merge. */
 static void q6k_in(const uint8_t* src, int c, uint8_t* dst) {
     memcpy(dst + 2 * c, src + 208, 2);
     for (int j = 0; j < 16; j++) dst[16 + 8 * j + c] = src[192 + j];
-    for (int t = 0; t < 32; t++) memcpy(dst + 144 + 32 * t + 4 * c, src + 4 * t, 4);
-    for (int t = 32; t < 48; t++)
-        for (int i = 0; i < 4; i++) dst[144 + 32 * t + 4 * c + i] = q6k_bits_in(src[4 * t + i]);
+    for (int n = 0; n < 2; n++)
+        for (int l = 0; l < 32; l++) {
+            const uint8_t a = src[64 * n + l], b = src[64 * n + 32 + l], h = src[128 + 32 * n + l];
+            uint8_t* at = dst + 144 + 96 * (8 * n + l / 4) + 4 * c + l % 4;
+            at[0] = (uint8_t)((a & 0xF) | ((h & 3) << 4) | (((h >> 4) & 3) << 6));
+            at[32] = (uint8_t)((b & 0xF) | (((h >> 2) & 3) << 4) | (((h >> 6) & 3) << 6));
+            at[64] = (uint8_t)((a >> 4) | (b & 0xF0));
+        }
 }
 
 static void q6k_out(const uint8_t* src, int c, uint8_t* block) {
     memcpy(block + 208, src + 2 * c, 2);
     for (int j = 0; j < 16; j++) block[192 + j] = src[16 + 8 * j + c];
-    for (int t = 0; t < 32; t++) memcpy(block + 4 * t, src + 144 + 32 * t + 4 * c, 4);
-    for (int t = 32; t < 48; t++)
-        for (int i = 0; i < 4; i++) block[4 * t + i] = q6k_bits_out(src[144 + 32 * t + 4 * c + i]);
+    for (int n = 0; n < 2; n++)
+        for (int l = 0; l < 32; l++) {
+            const uint8_t* at = src + 144 + 96 * (8 * n + l / 4) + 4 * c + l % 4;
+            const uint8_t p = at[0], q = at[32], r = at[64];
+            block[64 * n + l] = (uint8_t)((p & 0xF) | ((r & 0xF) << 4));
+            block[64 * n + 32 + l] = (uint8_t)((q & 0xF) | (r & 0xF0));
+            block[128 + 32 * n + l] = (uint8_t)(((p >> 4) & 3) | (((q >> 4) & 3) << 2) |
+                                                (((p >> 6) & 3) << 4) | (((q >> 6) & 3) << 6));
+        }
 }
 
 /* The 32-value 4- and 5-bit types as stored: d [0, 2), for _1 the minimum m [2, 4), for Q5 qh
@@ -288,6 +292,12 @@ static inline __m256i bcast4(const int8_t* p) {
 #define X8_TILE_TWO 2 /* two digits: twice the chains a row */
 #define Q6_RUN 4 /* Q6_K's steps per run: a whole sub-block of 16 */
 #define Q5_RUN 8 /* Q5_K's: a whole sub-block */
+/* Quants met where they lie in their byte, a power of two times their value: Q4_K's high
+ * nibbles as 16 q (at most 240, a byte still), Q6_K's group 3 as 4 q (q6k_rows). A run's sum is
+ * then that multiple of the quants' (exactly: every product is one; Q4_K's at most
+ * 8 * 4 * 240 * 128 in int32), shifted down once a run where the quants would take a shift
+ * each step. Not on AVX2, whose int16 pairs would pass 2 * 240 * 127. */
+#define HIGH_IN_PLACE 1
 static inline __m256i run_add(__m256i run, __m256i w, __m256i x) {
     return _mm256_dpbusd_epi32(run, w, x);
 }
@@ -308,6 +318,7 @@ static inline __m256i add_step(__m256i acc, __m256i w, __m256i x) {  /* a run of
 #define X8_TILE_TWO 1 /* two: slower at 2 rows side by side (8 chains in 16 registers) */
 #define Q6_RUN 2
 #define Q5_RUN 4 /* 4 steps of 2 products each at most 2 * 31 * 127: within int16 */
+#define HIGH_IN_PLACE 0
 /* PADDSW, not PADDW: the same sums (a run stays within int16), but GCC does not reassociate
  * saturating adds, where it would turn a run's chain into a tree, every product live at once,
  * and spill them from 16 registers */
@@ -377,7 +388,8 @@ static inline __attribute__((always_inline)) void q4k_tile(
         const uint8_t* qs, const uint8_t* qh, const __m256i* lo, const __m256i* hi,
         const __m256i* scale, const __m256* mins, __m256 d, __m256 dmin, const ggml_act_row* a,
         int64_t b, const int T, const int TWO, const int FIVE, __m256* acc, __m256* off) {
-    const __m256i nibble = _mm256_set1_epi8(0xF);
+    const __m256i nibble = _mm256_set1_epi8(0xF), high = _mm256_set1_epi8((char)0xF0);
+    const int IN_PLACE = HIGH_IN_PLACE && !FIVE;
     for (int r = 0; r < T; r++) {  /* the minimums' part */
         const float* xs = a[r].xs + 8 * b;
         __m256 m = _mm256_setzero_ps();
@@ -400,7 +412,8 @@ static inline __attribute__((always_inline)) void q4k_tile(
             if (lo == NULL) {
                 const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * t));
                 wl = _mm256_and_si256(v, nibble);
-                wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+                wh = IN_PLACE ? _mm256_and_si256(v, high)
+                              : _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
                 if (FIVE) {
                     const __m256i h = _mm256_loadu_si256((const __m256i*)(qh + 32 * s));
                     wl = _mm256_or_si256(wl, fifth_bits(h, 2 * p));
@@ -432,6 +445,10 @@ static inline __attribute__((always_inline)) void q4k_tile(
             }
         }
         for (int r = 0; r < T; r++) {
+            if (IN_PLACE) {
+                hi_h[r] = _mm256_srai_epi32(hi_h[r], 4);
+                if (TWO) hi_l[r] = _mm256_srai_epi32(hi_l[r], 4);
+            }
             ih[r] = run_weighted(run_weighted(ih[r], lo_h[r], scale[2 * p]), hi_h[r],
                                  scale[2 * p + 1]);
             if (TWO)
@@ -470,7 +487,9 @@ static inline __attribute__((always_inline)) void qk_rows(
             for (int t = 0; t < 32; t++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * t));
                 lo[t] = _mm256_and_si256(v, nibble);
-                hi[t] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+                hi[t] = HIGH_IN_PLACE && !FIVE  /* as q4k_tile unpacks them */
+                            ? _mm256_and_si256(v, _mm256_set1_epi8((char)0xF0))
+                            : _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
                 if (FIVE) {  /* pair t / 8, step t % 8 */
                     const __m256i h = _mm256_loadu_si256((const __m256i*)(qh + 32 * (t % 8)));
                     lo[t] = _mm256_or_si256(lo[t], fifth_bits(h, 2 * (t / 8)));
@@ -509,21 +528,21 @@ static inline __attribute__((always_inline)) void q5k_rows(
 }
 
 /* One Q6_K_X8 group against rows a[0 .. R): out[8 i + c], as qk_rows. A step's 4 inputs of
- * each of the 4 groups of 32 of a half (128 values): groups 0 and 2 the low and high nibbles of
- * ql chunk 2n, 1 and 3 of chunk 2n + 1, their top two bits in qh chunk n's bytes (held at bits
- * 4, 6, 0, 2: q6k_in). */
+ * each of the 4 groups of 32 of a half (128 values) from its P, Q, R (q6k_in): groups 0 and 1
+ * P's and Q's low six bits, 2 and 3 R's nibbles under P's and Q's top two bits. */
 static inline __attribute__((always_inline)) void q6k_rows(
         const uint8_t* group, int64_t nb, const ggml_act_row* a, const int R, const int TWO,
         float* out) {
     const __m256i nibble = _mm256_set1_epi8(0xF), top = _mm256_set1_epi8(0x30);
+    const __m256i six = _mm256_set1_epi8(0x3F), top2 = _mm256_set1_epi8((char)0xC0);
+    const __m256i above2 = _mm256_set1_epi8((char)0xFC);
     __m256 acc[X8_ROWS], off[X8_ROWS];
     __m256i wq[64];  /* R > 1: a super-block's quants (0 .. 63) per (half, group, step) */
     for (int i = 0; i < R; i++) acc[i] = off[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t* sb = group + b * Q6K_X8_SUPER;
         prefetch_x8(sb, Q6K_X8_SUPER);
-        const uint8_t* ql = sb + 144;
-        const uint8_t* qh = sb + 1168;
+        const uint8_t* q = sb + 144;
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)sb));
         const __m256 d32 = _mm256_mul_ps(d, _mm256_set1_ps(32.0f));
         __m256i scale[16];
@@ -536,17 +555,21 @@ static inline __attribute__((always_inline)) void q6k_rows(
         }
 #define Q6_UNPACK(N, S, W)                                                                     \
         {                                                                                      \
-            const __m256i va = _mm256_loadu_si256((const __m256i*)(ql + 32 * (16 * (N) + (S))));\
-            const __m256i vb = _mm256_loadu_si256(                                             \
-                (const __m256i*)(ql + 32 * (16 * (N) + 8 + (S))));                             \
-            const __m256i vh = _mm256_loadu_si256((const __m256i*)(qh + 32 * (8 * (N) + (S))));\
-            W[0] = _mm256_or_si256(_mm256_and_si256(va, nibble), _mm256_and_si256(vh, top));  \
-            W[1] = _mm256_or_si256(_mm256_and_si256(vb, nibble),                               \
-                                   _mm256_and_si256(_mm256_slli_epi16(vh, 4), top));           \
-            W[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(va, 4), nibble),         \
-                                   _mm256_and_si256(_mm256_srli_epi16(vh, 2), top));           \
-            W[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(vb, 4), nibble),         \
-                                   _mm256_and_si256(_mm256_slli_epi16(vh, 2), top));           \
+            const uint8_t* at_ = q + 96 * (8 * (N) + (S));                                     \
+            const __m256i vp = _mm256_loadu_si256((const __m256i*)at_);                        \
+            const __m256i vq = _mm256_loadu_si256((const __m256i*)(at_ + 32));                 \
+            const __m256i vr = _mm256_loadu_si256((const __m256i*)(at_ + 64));                 \
+            W[0] = _mm256_and_si256(vp, six);                                                  \
+            W[1] = _mm256_and_si256(vq, six);                                                  \
+            W[2] = _mm256_or_si256(_mm256_and_si256(vr, nibble),                               \
+                                   _mm256_and_si256(_mm256_srli_epi16(vp, 2), top));           \
+            W[3] = HIGH_IN_PLACE /* 4 q: Q's top bits in place, R's nibble under them */      \
+                ? _mm256_and_si256(_mm256_or_si256(_mm256_and_si256(vq, top2),                 \
+                                                   _mm256_andnot_si256(                        \
+                                                       top2, _mm256_srli_epi16(vr, 2))),       \
+                                   above2)                                                     \
+                : _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(vr, 4), nibble),          \
+                                  _mm256_and_si256(_mm256_srli_epi16(vq, 2), top));            \
         }
         if (R > 1)
             for (int n = 0; n < 2; n++)
@@ -579,6 +602,10 @@ static inline __attribute__((always_inline)) void q6k_rows(
                             sh[g] = run_add(sh[g], w[g], bcast4(xh + at));
                             if (TWO) sl[g] = run_add(sl[g], w[g], bcast4(xl + at));
                         }
+                    }
+                    if (HIGH_IN_PLACE) {  /* group 3's sums: 4 times its quants' */
+                        sh[3] = _mm256_srai_epi32(sh[3], 2);
+                        if (TWO) sl[3] = _mm256_srai_epi32(sl[3], 2);
                     }
                     for (int g = 0; g < 4; g++) {  /* sub-block 8 n + 2 g + (step >= 4) */
                         const __m256i sc = scale[8 * n + 2 * g + (s0 >= 4)];
