@@ -3,9 +3,9 @@
  * scores, softmax and the weighted sum in float32. The cache holds keys and values in the model
  * dtype, or int8 rows each followed by its float32 scale (models/layers/kv_quant.py), whose
  * scale is applied to the row's dot product and to its softmax weight: no row is widened. With
- * AVX-512 VNNI an int8 cache's keys meet the query in integers (scores_i8_vnni), with AVX-512
- * BF16 a bfloat16 cache's keys meet a bfloat16 query by VDPBF16PS (scores_bf16), 16 keys an
- * instruction. */
+ * AVX-512 VNNI an int8 cache's keys meet the query in integers (scores_i8_vnni) and its values
+ * the weights (values_i8_vnni), with AVX-512 BF16 a bfloat16 cache's keys meet a bfloat16 query
+ * by VDPBF16PS (scores_bf16), 16 keys an instruction. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -244,6 +244,89 @@ static void scores_i8_vnni(const int8_t* cache, int64_t key_base, const int64_t*
 }
 #endif
 
+#ifdef MM_AVX512_VNNI
+/* acc [group, dim] = sum_t p[g][t] s_t v_t over values [lo, lo + len) of one head of the int8
+ * cache (s_t a row's scale, p the softmax's weights `probs` [group, len]) without widening a
+ * value: per tile of 16 keys, each query head's weights p s in two uint8 digits of a unit (the
+ * tile's largest / 65535: each weight within half a unit, and a tile's error at most 16 half
+ * units, so within 2^-13 of the tile's share of the sum), 4 keys' bytes of each value
+ * interleaved into an int32 lane, and VPDPBUSD with the 4 keys' digits broadcast: integer sums
+ * per tile, met by the unit once. An interleaved stretch of 64 values holds value
+ * 16 L + 4 m + i at lane 4 L + i of its column m; `acc` takes them back in order at the end. */
+static void values_i8_vnni(const int8_t* cache, int64_t value_base, const int64_t* blocks,
+                           int64_t key0, int64_t block_size, int64_t lo, int64_t len,
+                           int64_t group, const float* probs, float* acc, int64_t dim) {
+    float held[TILE_MAX_GROUP * TILE_MAX_DIM];  /* acc, values in the columns' order */
+    memset(held, 0, sizeof(float) * (size_t)(group * dim));
+    const __m512i byte = _mm512_set1_epi32(0xFF);
+    for (int64_t t0 = 0; t0 < len; t0 += 16) {
+        const uint8_t* row[16];
+        const int n = tile_rows((const uint8_t*)cache, value_base, blocks, key0, block_size,
+                                lo + t0, len - t0, dim + KV_SCALE_BYTES, row);
+        const __mmask16 keep = (__mmask16)((1u << n) - 1u);
+        float row_scale[16];
+        for (int j = 0; j < 16; j++) memcpy(&row_scale[j], row[j] + dim, sizeof(float));
+        const __m512 scales = _mm512_loadu_ps(row_scale);
+        /* the digits of 4 keys in an int32 each: [head][key / 4] */
+        int32_t dh[TILE_MAX_GROUP][4], dl[TILE_MAX_GROUP][4];
+        float unit[TILE_MAX_GROUP];
+        for (int64_t g = 0; g < group; g++) {
+            const __m512 w = _mm512_mul_ps(_mm512_maskz_loadu_ps(keep, probs + g * len + t0),
+                                           scales);
+            const float top = _mm512_mask_reduce_max_ps(keep, w);
+            const int nan = _mm512_mask_cmp_ps_mask(keep, w, w, _CMP_UNORD_Q) != 0;
+            const float per_unit = top > 0.0f ? 65535.0f / top : 0.0f;
+            const __m512i q = _mm512_maskz_cvtps_epi32(
+                keep, _mm512_mul_ps(w, _mm512_set1_ps(per_unit)));
+            _mm_storeu_si128((__m128i*)dh[g], _mm512_cvtepi32_epi8(_mm512_srli_epi32(q, 8)));
+            _mm_storeu_si128((__m128i*)dl[g], _mm512_cvtepi32_epi8(_mm512_and_si512(q, byte)));
+            unit[g] = nan ? NAN : top / 65535.0f;
+        }
+        for (int64_t cb = 0; cb < dim; cb += 64) {
+            __m512i col[4][4];  /* [keys 4k .. 4k + 3][m] */
+            for (int k = 0; k < 4; k++) {
+                const __m512i r0 = _mm512_loadu_si512(row[4 * k] + cb);
+                const __m512i r1 = _mm512_loadu_si512(row[4 * k + 1] + cb);
+                const __m512i r2 = _mm512_loadu_si512(row[4 * k + 2] + cb);
+                const __m512i r3 = _mm512_loadu_si512(row[4 * k + 3] + cb);
+                const __m512i lo01 = _mm512_unpacklo_epi8(r0, r1);
+                const __m512i hi01 = _mm512_unpackhi_epi8(r0, r1);
+                const __m512i lo23 = _mm512_unpacklo_epi8(r2, r3);
+                const __m512i hi23 = _mm512_unpackhi_epi8(r2, r3);
+                col[k][0] = _mm512_unpacklo_epi16(lo01, lo23);
+                col[k][1] = _mm512_unpackhi_epi16(lo01, lo23);
+                col[k][2] = _mm512_unpacklo_epi16(hi01, hi23);
+                col[k][3] = _mm512_unpackhi_epi16(hi01, hi23);
+            }
+            for (int64_t g = 0; g < group; g++) {
+                __m512i ih[4], il[4];
+                for (int m = 0; m < 4; m++) ih[m] = il[m] = _mm512_setzero_si512();
+                for (int k = 0; k < 4; k++) {
+                    const __m512i h = _mm512_set1_epi32(dh[g][k]);
+                    const __m512i l = _mm512_set1_epi32(dl[g][k]);
+                    for (int m = 0; m < 4; m++) {
+                        ih[m] = _mm512_dpbusd_epi32(ih[m], h, col[k][m]);
+                        il[m] = _mm512_dpbusd_epi32(il[m], l, col[k][m]);
+                    }
+                }
+                float* out = held + g * dim + cb;
+                for (int m = 0; m < 4; m++) {  /* 256 h + l: at most 16 * 65535 * 128 */
+                    const __m512 sum = _mm512_cvtepi32_ps(
+                        _mm512_add_epi32(_mm512_slli_epi32(ih[m], 8), il[m]));
+                    _mm512_storeu_ps(out + 16 * m, _mm512_fmadd_ps(
+                        sum, _mm512_set1_ps(unit[g]), _mm512_loadu_ps(out + 16 * m)));
+                }
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t d = 0; d < dim; d++) {  /* d = cb + 16 L + 4 m + i at cb + 16 m + 4 L + i */
+            const int64_t r = d % 64, at = d - r + 16 * ((r % 16) / 4) + 4 * (r / 16) + r % 4;
+            acc[g * dim + d] = held[g * dim + at];
+        }
+}
+#endif
+
 #ifdef MM_AVX512_BF16
 /* scores [group, len] of keys [lo, lo + len) of one head of a bfloat16 cache (`key_base` in
  * elements) against qf [group, dim], bfloat16 values held as float32 */
@@ -333,6 +416,13 @@ static inline __attribute__((always_inline)) void attend_head_i8(
         }
     }
     softmax_rows(scores, group, len);
+#ifdef MM_AVX512_VNNI
+    if (vnni) {
+        values_i8_vnni(cache, value_base, blocks, key0, block_size, lo, len, group, scores, acc,
+                       dim);
+        return;
+    }
+#endif
     memset(acc, 0, sizeof(float) * (size_t)(group * dim));
     for (int64_t c = 0; c < len; c += chunk) {
         const int64_t n = len - c < chunk ? len - c : chunk;
