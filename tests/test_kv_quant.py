@@ -121,12 +121,14 @@ def query_digits(q: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_decode_attention_against_a_float_reference(dtype):
-    """Three sequences of different contexts in scattered blocks, 6 query heads on 2 KV heads,
-    a window that cuts the longest, a soft-cap: our int8 kernel (where it builds) and the
-    PyTorch paths (gather the blocks, dequantize them, attend)."""
+@pytest.mark.parametrize("kv_heads, heads, dim", [(2, 6, 64), (1, 4, 256)])
+def test_int8_decode_attention_against_a_float_reference(dtype, kv_heads, heads, dim):
+    """Three sequences of different contexts in scattered blocks, grouped query heads (a head
+    size of 64, and Gemma 3's 256: four stretches of 64 values), a window that cuts the
+    longest, a soft-cap: our int8 kernel (where it builds) and the PyTorch paths (gather the
+    blocks, dequantize them, attend)."""
     gen = torch.Generator().manual_seed(1)
-    kv_heads, heads, dim, bs, blocks = 2, 6, 64, 4, 48
+    bs, blocks, scale = 4, 48, dim ** -0.5
     raw = torch.randn(2, kv_heads, blocks, bs, dim, generator=gen) * 2
     cache = kv_quant.quantize_rows(raw)
     stored = kv_quant.dequantize_rows(cache, torch.float32)  # what the cache holds
@@ -137,19 +139,19 @@ def test_int8_decode_attention_against_a_float_reference(dtype):
     view = _decode_view(_Shape(bs, torch.device("cpu"), dtype), contexts, tables, window)
     key0 = view.key0.tolist()
     firsts = [t[k // bs:] for t, k in zip(tables, key0, strict=True)]
-    ref = _reference(q.float(), stored, firsts, key0, contexts, bs, 0.125, window, 30.0)
+    ref = _reference(q.float(), stored, firsts, key0, contexts, bs, scale, window, 30.0)
     loaded = native.load()
     # the VNNI kernel's scores: exact integer sums of the query's digits and the stored keys;
     # its weighted sum: the weights in digits, within `digits_bound` of the exact one
     digits_ref, digits_bound = _reference(query_digits(q), stored, firsts, key0, contexts, bs,
-                                          0.125, window, 30.0, rows=cache)
+                                          scale, window, 30.0, rows=cache)
     layer = LayerAttention(sliding_window=window, softcap=30.0)
     kernels = ["sdpa", "matmul"] + (["native"] if loaded is not None else [])
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for kernel in kernels:
         view.workspace = None
         group = AttentionGroup(torch.arange(3), 3, 1, {window: view})
-        out = _attend_group(q, q, q, cache, group, 0.125, layer, kernel)
+        out = _attend_group(q, q, q, cache, group, scale, layer, kernel)
         assert out.dtype == dtype
         if kernel == "native" and loaded.variant in VNNI_SCORES:
             assert digits_bound.max() < 1e-3  # a weight's unit, not a test that cannot fail
@@ -163,7 +165,7 @@ def test_int8_decode_attention_against_a_float_reference(dtype):
         bad[1, 0, 5] = float("nan")
         view.workspace = None
         group = AttentionGroup(torch.arange(3), 3, 1, {window: view})
-        out = _attend_group(bad, bad, bad, cache, group, 0.125, layer, "native")
+        out = _attend_group(bad, bad, bad, cache, group, scale, layer, "native")
         assert out[1, 0].isnan().all() and not out[[0, 2]].isnan().any()
 
 

@@ -370,6 +370,13 @@ static inline __m256i bytes8(const uint8_t* p) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
 }
 
+/* Q4_K's (and Q5_K's) high nibbles of v as the kernels meet them: in place (16 q) where
+ * IN_PLACE (HIGH_IN_PLACE, not Q5_K: its fifth bit goes above them), else shifted down */
+static inline __m256i high_nibbles(__m256i v, const int IN_PLACE) {
+    return IN_PLACE ? _mm256_and_si256(v, _mm256_set1_epi8((char)0xF0))
+                    : _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0xF));
+}
+
 /* Q5_K's fifth bits: bit `bit` of each byte of h as 0x10 */
 static inline __m256i fifth_bits(__m256i h, int bit) {
     const __m256i m = _mm256_set1_epi8((char)(1 << bit));
@@ -388,7 +395,7 @@ static inline __attribute__((always_inline)) void q4k_tile(
         const uint8_t* qs, const uint8_t* qh, const __m256i* lo, const __m256i* hi,
         const __m256i* scale, const __m256* mins, __m256 d, __m256 dmin, const ggml_act_row* a,
         int64_t b, const int T, const int TWO, const int FIVE, __m256* acc, __m256* off) {
-    const __m256i nibble = _mm256_set1_epi8(0xF), high = _mm256_set1_epi8((char)0xF0);
+    const __m256i nibble = _mm256_set1_epi8(0xF);
     const int IN_PLACE = HIGH_IN_PLACE && !FIVE;
     for (int r = 0; r < T; r++) {  /* the minimums' part */
         const float* xs = a[r].xs + 8 * b;
@@ -412,8 +419,7 @@ static inline __attribute__((always_inline)) void q4k_tile(
             if (lo == NULL) {
                 const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * t));
                 wl = _mm256_and_si256(v, nibble);
-                wh = IN_PLACE ? _mm256_and_si256(v, high)
-                              : _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+                wh = high_nibbles(v, IN_PLACE);
                 if (FIVE) {
                     const __m256i h = _mm256_loadu_si256((const __m256i*)(qh + 32 * s));
                     wl = _mm256_or_si256(wl, fifth_bits(h, 2 * p));
@@ -487,9 +493,7 @@ static inline __attribute__((always_inline)) void qk_rows(
             for (int t = 0; t < 32; t++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * t));
                 lo[t] = _mm256_and_si256(v, nibble);
-                hi[t] = HIGH_IN_PLACE && !FIVE  /* as q4k_tile unpacks them */
-                            ? _mm256_and_si256(v, _mm256_set1_epi8((char)0xF0))
-                            : _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+                hi[t] = high_nibbles(v, HIGH_IN_PLACE && !FIVE);
                 if (FIVE) {  /* pair t / 8, step t % 8 */
                     const __m256i h = _mm256_loadu_si256((const __m256i*)(qh + 32 * (t % 8)));
                     lo[t] = _mm256_or_si256(lo[t], fifth_bits(h, 2 * (t / 8)));
