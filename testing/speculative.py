@@ -112,13 +112,15 @@ def run_parity(llm, generate: Callable[[dict], list[RequestOutput]],
                wrong_every: int = 4) -> Parity:
     """`generate(overrides)` runs the same requests with SamplingParams fields `overrides`:
     first without speculation, then drafted by a ScriptedDrafter that knows the first run's
-    outputs (installed as the engine's n-gram drafter, which the requests then choose)."""
+    outputs (installed as the engine's n-gram drafter, which the requests then choose), the
+    cost of a draft held (the number of drafts set by acceptance, not by this run's timing)."""
     with LogitsRecorder() as plain:
         off = generate({"num_speculative_tokens": 0})
     script = {(tuple(o.prompt_token_ids), c.index): c.token_ids
               for o in off for c in o.outputs}
     llm.engine.speculator.drafters["ngram"] = ScriptedDrafter(
         script, llm.engine.runner.vocab_size, wrong_every)
+    llm.engine.speculator.costs.hold(0.08)  # drafts by acceptance alone, not by timing
     with LogitsRecorder() as spec:
         on = generate({"speculative_method": "ngram"})
     return Parity(off, on, plain.rows, spec.rows)

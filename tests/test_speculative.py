@@ -29,13 +29,17 @@ from engine.draft_verification import speculative_sample
 from engine.encoder_cache import EncoderCacheManager
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
+from engine.speculation_costs import StepCosts
 from engine.speculation_state import Proposal, SpeculationState, best_k
 from engine.speculative.draft_model import DraftModelError
 from engine.speculative.ngram import NgramIndex
+from engine.speculative.speculator import Speculator
+from engine.speculative_option import SpeculativeMethod
 from engine.structured_outputs import StructuredOutputs
 from models.kernels import native
 from testing.speculative import run_parity
 from tests.helpers import greedy
+from ui.panels import engine_html
 
 needs_native = pytest.mark.skipif(native.load() is None, reason="native kernels unavailable")
 PROMPTS = [[5, 9, 200, 17, 3, 5, 9, 200, 17], list(range(40, 61)) * 2, [7, 7, 7]]
@@ -163,7 +167,11 @@ def test_ngram_drafter_is_lossless(qwen2_path):
     outs = llm.generate(PROMPTS, _params(24))
     assert [o.outputs[0].token_ids for o in outs] == want
     assert sum(o.metrics.draft_tokens for o in outs) > 0
-    assert llm.engine.stats()["speculative"] == "ngram"
+    stats = llm.engine.stats()
+    assert stats["speculative"] == "ngram"
+    # the costs the number of drafts was chosen by, measured on this run's steps
+    assert stats["verify_1_cost"] > 0 and stats["verify_4_cost"] > 0
+    assert "a step verifying 1 / 4 drafts costs" in engine_html(stats)
 
 
 def test_options_are_checked(spec_llm, plain_llm):
@@ -192,14 +200,14 @@ def small_draft(tmp_path_factory):
 
 
 def test_a_draft_model_is_lossless(qwen2_path, small_draft, spec_llm):
-    """A small draft model, and the target as its own draft (every draft accepted, its cost
-    per token set to nothing so that the adaptive k asks for the most)."""
+    """A small draft model, and the target as its own draft (every draft accepted, the costs
+    held low so that the adaptive k asks for the most)."""
     want = [o.outputs[0].token_ids for o in spec_llm.generate(
         PROMPTS, _params(24, num_speculative_tokens=0))]
     llm = LLM(qwen2_path, max_model_len=256, block_size=4, speculative=f"draft:{small_draft}")
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, _params(24))] == want
     own = LLM(qwen2_path, max_model_len=256, block_size=4, speculative=f"draft:{qwen2_path}")
-    own.engine.speculator.drafters["draft"].cost_per_token = 0.0
+    own.engine.speculator.costs.hold(0.08)
     outs = own.generate(PROMPTS, _params(24))
     assert [o.outputs[0].token_ids for o in outs] == want
     for o in outs:
@@ -222,20 +230,76 @@ def test_a_draft_model_of_another_tokenizer_is_refused_by_name(qwen2_path, llama
 # ---- the pieces ------------------------------------------------------------------------------
 
 
+def _linear(per_draft: float):
+    return lambda k: 1.0 + per_draft * k
+
+
 def test_the_number_of_drafts_follows_the_acceptance():
-    assert best_k(0.95, 8, 0.08) == 8
-    assert 2 <= best_k(0.7, 8, 0.08) <= 5
-    assert best_k(0.7, 8, 0.5) < best_k(0.7, 8, 0.08)  # a costly drafter is asked for fewer
-    assert best_k(0.05, 8, 0.08) == 0  # a draft kept 1 time in 20 costs more than it yields
+    assert best_k(0.95, 8, _linear(0.08)) == 8
+    assert 2 <= best_k(0.7, 8, _linear(0.08)) <= 5
+    # a costly drafter is asked for fewer
+    assert best_k(0.7, 8, _linear(0.5)) < best_k(0.7, 8, _linear(0.08))
+    # a draft kept 1 time in 20 costs more than it yields
+    assert best_k(0.05, 8, _linear(0.08)) == 0
     state = SpeculationState("ngram", 6)
     for _ in range(8):
         state.record(5, 5)
-    assert state.acceptance > 0.9 and state.next_k(0.08, 0.0) == 6
+    assert state.acceptance > 0.9 and state.next_k(_linear(0.08)) == 6
     for _ in range(40):
         state.record(3, 0)
     assert state.acceptance < 0.1
-    asked = [state.next_k(0.08, 0.0) for _ in range(16)]
+    asked = [state.next_k(_linear(0.08)) for _ in range(16)]
     assert asked.count(1) == 2 and asked.count(0) == 14  # a probe every 8 steps
+    # drafts that would not pay even if all were accepted: no probe either
+    assert [state.next_k(_linear(1.5)) for _ in range(16)] == [0] * 16
+    assert state.asked == 0
+    # ... once measured enough to believe it (until then, probes)
+    assert [state.next_k(_linear(1.5), settled=False) for _ in range(16)].count(1) == 2
+
+
+def test_the_cost_of_drafts_is_measured():
+    """Step times by row count read as the cost of k drafts: between, past and before the
+    counts measured; the prior until a plain step is; a plain step asked for when stale."""
+    costs = StepCosts(prior_per_draft=0.25)
+    cost = costs.cost(1, 8, "ngram", 0.0)
+    assert cost(0) == 1.0 and cost(4) == pytest.approx(2.0)  # the prior: 1 + 4 * 0.25
+    assert costs.needs_plain(1)
+    costs.record_step(1, 0.100)
+    costs.record_step(3, 0.200)  # 2 drafts: 0.05 s each
+    assert not costs.needs_plain(1) and costs.needs_plain(2)
+    cost = costs.cost(1, 8, "draft", 0.3)
+    assert cost(1) == pytest.approx(1.5 + 0.3)  # between 1 and 3 rows, plus the prior draft
+    assert cost(4) == pytest.approx(3.0 + 1.2)  # past 3 rows at the last two's slope
+    costs.record_drafting("draft", 4, 0.040)  # 0.01 s a draft: 0.1 plain steps
+    assert costs.cost(1, 8, "draft", 0.3)(4) == pytest.approx(3.0 + 0.4)
+    # one count measured: the prior's slope on either side
+    only = StepCosts(prior_per_draft=0.5)
+    only.record_step(4, 0.2)
+    assert only.step_seconds(2) == pytest.approx(0.1)
+    assert only.step_seconds(6) == pytest.approx(0.4)
+    # a decayed mean: a slower machine moves the estimate toward it
+    for _ in range(20):
+        costs.record_step(3, 0.400)
+    assert 0.39 < costs.step_seconds(3) < 0.4
+    assert costs.cost(1, 8, "ngram", 0.0)(2) > 3.9
+    # fewer drafts once a verified row costs most of a plain step
+    state = SpeculationState("ngram", 8)
+    for _ in range(6):
+        state.record(4, 2)
+    assert state.next_k(costs.cost(1, 8, "ngram", 0.0)) == 0
+    assert not costs.needs_plain(1)
+    assert not costs.cost(1, 8, "ngram", 0.0).settled  # no step with one draft yet
+    for _ in range(3):
+        costs.record_step(2, 0.3)
+    assert costs.cost(1, 8, "ngram", 0.0).settled
+    assert costs.step_seconds(2) == pytest.approx(0.3)  # the plain mean of the first few
+    for _ in range(11 - 3):  # 32 steps since: a plain step of one request measured again
+        costs.record_step(3, 0.400)
+    assert costs.needs_plain(1)
+    costs.hold(0.08)
+    assert not costs.needs_plain(1) and costs.cost(1, 8, "draft", 0.3)(5) == pytest.approx(1.4)
+    with pytest.raises(ValueError, match="per_draft must be >= 0"):
+        costs.hold(-1.0)
 
 
 def test_ngram_index_finds_the_latest_continuation():
@@ -357,3 +421,43 @@ def test_speculative_sampling_keeps_the_target_distribution():
     point[0, 2] = 1.0
     kept = sum(speculative_sample(p, point, [2])[0] for _ in range(5000)) / 5000
     assert math.isclose(kept, p[0, 2].item(), abs_tol=0.03)
+
+
+class _CountingDrafter:
+    """Drafts token 7 k times; counts its rounds."""
+
+    name = "ngram"
+    cost_per_token = 0.0
+
+    def __init__(self) -> None:
+        self.rounds = 0
+
+    def propose(self, reqs, ks):
+        self.rounds += 1
+        return [Proposal((7,) * k) for k in ks]
+
+    def forget(self, req) -> None:
+        pass
+
+    def observe(self, out, result) -> None:
+        pass
+
+
+def test_a_drafters_cost_is_timed_on_rounds_that_continue():
+    """The speculator times a drafter's round as the cost of its drafts only when each of its
+    requests drafted the step before (a resumed request's round includes its catching up on
+    every token since, a draft model's prefill); and a plain step is asked for while a plain
+    step's time is unknown."""
+    drafter = _CountingDrafter()
+    spec = Speculator(SpeculativeMethod.parse("ngram"), 4, drafter)
+    req = Request("r", [1, 2, 3], SamplingParams(max_tokens=50), frozenset(), 50)
+    req.status, req.num_computed_tokens = RequestStatus.RUNNING, 2
+    req.speculation = spec.state_for(req.sampling_params)
+    spec.propose([req])  # no plain step measured: none drafted
+    assert drafter.rounds == 0 and req.draft_token_ids == ()
+    spec.costs.record_step(1, 0.01)
+    spec.propose([req])  # resumed: drafted, not timed
+    assert drafter.rounds == 1 and req.draft_token_ids and "draft_cost_ngram" not in (
+        spec.costs.report())
+    spec.propose([req])  # continues: timed
+    assert drafter.rounds == 2 and "draft_cost_ngram" in spec.costs.report()

@@ -49,6 +49,7 @@ def test_drafted_tokens_in_the_usage_and_the_text_unchanged(engines, client):
               off.choices[0].model_extra["token_ids"]}
     spec.engine.speculator.drafters["ngram"] = ScriptedDrafter(
         script, spec.engine.runner.vocab_size)
+    spec.engine.speculator.costs.hold(0.08)  # drafts by acceptance alone, not by timing
     on = client.chat.completions.create(model="spec", messages=MESSAGES, **GREEDY, **_config())
     assert on.choices[0].message.content == reply
     details = on.usage.completion_tokens_details

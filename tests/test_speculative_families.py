@@ -59,8 +59,8 @@ def _assert_parity(llm, conversations):
 
 def _assert_mtp_lossless(llm, conversations, parity) -> None:
     """The engine's own MTP drafter (random weights: poor drafts, asked for at every step, its
-    cost taken as nothing) leaves the greedy output plain decoding's."""
-    llm.engine.speculator.drafters["mtp"].cost_per_token = 0.0
+    costs held low) leaves the greedy output plain decoding's."""
+    llm.engine.speculator.costs.hold(0.08)
     outs = llm.chat(conversations, greedy(12, logprobs=2))
     assert [o.outputs[0].token_ids for o in outs] == [
         o.outputs[0].token_ids for o in parity.plain]
@@ -169,7 +169,7 @@ def test_mtp_drafts_as_defined(tmp_path_factory):
     path = add_mtp_weights(build_qwen3_5_text_model(tmp_path_factory.mktemp("q35") / "m"))
     llm = LLM(path, max_model_len=512, block_size=4, speculative="mtp")
     drafter = llm.engine.speculator.drafters["mtp"]
-    drafter.cost_per_token = 0.0  # as many drafts as allowed
+    llm.engine.speculator.costs.hold(0.0)  # as many drafts as allowed
     engine = llm.engine
     prompt = list(range(30, 60))
     req = engine.make_request(engine.processor.process(engine.processor.parse(prompt), {}),

@@ -336,7 +336,10 @@ def engine_html(stats: Mapping[str, Any]) -> str:
             f"<b>Speculative decoding</b>: {html.escape(str(stats['speculative']))}, up to "
             f"{stats['speculative_max_tokens']} drafts per step; {stats['accepted_tokens']} of "
             f"{drafted} draft tokens accepted{rate}, {stats['draft_rounds']} drafting rounds "
-            f"({ms(stats['draft_seconds'])})")
+            f"({ms(stats['draft_seconds'])})"
+            + (f"; measured here, a step verifying 1 / 4 drafts costs "
+               f"{stats['verify_1_cost']:.2f}x / {stats['verify_4_cost']:.2f}x a plain step"
+               if "verify_1_cost" in stats else ""))
     if stats.get("checkpoint"):
         lines.append(_settings_html(stats["checkpoint"]))
     return section("Engine", lines, css_class="mm-engine")

@@ -4,9 +4,10 @@ speculation state, and after every step the drafts for the next.
 
 Each step, for every running request that speculates and decodes next (its last token is the
 only one not computed), the request's number of drafts is chosen from its measured acceptance
-(engine/speculation_state.py) and its drafter asked for that many. Drafters see the step
-that just ran (`after_step`): a drafter that keeps state per request (a draft model's cache, the
-MTP layer's) catches up on the tokens the step accepted there.
+(engine/speculation_state.py) and what drafts cost on this machine, measured on the engine's
+own steps (engine/speculation_costs.py), and its drafter asked for that many. Drafters see the
+step that just ran (`after_step`): a drafter that keeps state per request (a draft model's
+cache, the MTP layer's) catches up on the tokens the step accepted there.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from engine.config import EngineConfig
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import ScheduledChunk, SchedulerOutput
+from engine.speculation_costs import StepCosts
 from engine.speculation_state import Proposal, SpeculationState
 from engine.speculative.ngram import NgramProposer
 from engine.speculative_option import SpeculativeMethod
@@ -31,16 +33,12 @@ log = logging.getLogger(__name__)
 if TYPE_CHECKING:
     from engine.model_runner import ModelRunner, StepResult
 
-# A verified row costs about this share of a plain decode step on our CPU kernels (the
-# weights are read once for all rows); the adaptive k weighs drafts by it.
-VERIFY_COST = 0.08
-
 
 class Proposer(Protocol):
     """A drafter: proposes up to k tokens per request."""
 
     name: str
-    cost_per_token: float  # drafting one token, in plain decode steps
+    cost_per_token: float  # drafting one token, in plain decode steps, until measured
 
     def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> list[Proposal | None]:
         """Drafts for each request (None: no draft), at most ks[i] tokens each."""
@@ -66,6 +64,7 @@ class Speculator:
         self.draft_seconds = 0.0
         self.drafted = 0  # draft tokens verified, all requests
         self.accepted = 0
+        self.costs = StepCosts()
 
     def state_for(self, params: SamplingParams) -> SpeculationState | None:
         """A new request's speculation (None: it does not speculate). Asking for a drafter
@@ -82,21 +81,34 @@ class Speculator:
     def propose(self, running: Sequence[Request]) -> None:
         """Drafts for the next step of every running request that speculates and decodes."""
         t0 = time.monotonic()
+        decoding = [req for req in running if req.status is RequestStatus.RUNNING
+                    and req.num_tokens - req.num_computed_tokens == 1]
+        plain = self.costs.needs_plain(len(decoding))  # a plain step to measure
         by_drafter: dict[str, list[tuple[Request, int]]] = {}
-        for req in running:
+        resumed: set[str] = set()  # drafters with a request that did not draft last step
+        for req in decoding:
             spec = req.speculation
-            if spec is None or req.status is not RequestStatus.RUNNING or (
-                    req.num_tokens - req.num_computed_tokens != 1):
+            if spec is None:
                 continue
             spec.proposal = None
+            drafted_last = spec.asked > 0
+            if plain:
+                spec.asked = 0
+                continue
             drafter = self.drafters[spec.method]
-            room = req.max_tokens - req.num_output_tokens - 1
-            k = min(spec.next_k(VERIFY_COST, drafter.cost_per_token), room)
+            cost = self.costs.cost(len(decoding), spec.cap, spec.method, drafter.cost_per_token)
+            k = min(spec.next_k(cost, cost.settled), req.max_tokens - req.num_output_tokens - 1)
             if k > 0:
                 by_drafter.setdefault(spec.method, []).append((req, k))
+                if not drafted_last:
+                    resumed.add(spec.method)
         for name, items in by_drafter.items():
             reqs = [r for r, _ in items]
+            t_draft = time.monotonic()
             proposals = self.drafters[name].propose(reqs, [k for _, k in items])
+            if name not in resumed:  # a resumed request's catching up is not a draft's cost
+                self.costs.record_drafting(name, max(k for _, k in items),
+                                           time.monotonic() - t_draft)
             for req, proposal in zip(reqs, proposals, strict=True):
                 req.speculation.proposal = proposal
         seconds = time.monotonic() - t0
@@ -119,6 +131,14 @@ class Speculator:
         self.drafted += drafted
         self.accepted += accepted
 
+    def timed(self, out: SchedulerOutput, result: StepResult, seconds: float) -> None:
+        """The step that ran took `seconds`: recorded where it computed decodes and
+        verifications only (called before the step's tokens are appended)."""
+        if not result.encoder_time and all(
+                chunk.num_tokens == 1 + len(chunk.draft) and chunk.samples
+                for chunk in out.chunks):
+            self.costs.record_step(sum(chunk.num_tokens for chunk in out.chunks), seconds)
+
     def after_step(self, out: SchedulerOutput, result: StepResult) -> None:
         """Let the drafters see the step that ran (before they propose for the next)."""
         for drafter in self.drafters.values():
@@ -133,7 +153,8 @@ class Speculator:
         """Engine-wide counters for the panels (plain numbers)."""
         return {"speculative": str(self.method), "speculative_max_tokens": self.cap,
                 "draft_rounds": self.draft_rounds, "draft_seconds": self.draft_seconds,
-                "draft_tokens": self.drafted, "accepted_tokens": self.accepted}
+                "draft_tokens": self.drafted, "accepted_tokens": self.accepted,
+                **self.costs.report()}
 
 
 def build_speculator(config: EngineConfig, runner: ModelRunner, setup: CheckpointSetup,
