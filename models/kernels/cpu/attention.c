@@ -36,6 +36,39 @@ static inline void gather_rows(const void* cache, int dt, int64_t base, const in
     }
 }
 
+/* One query head's scores against n gathered float32 key rows ([n, dim]): each dot product
+ * (times the row's scale where row_scales is given: an int8 cache's), times `scale`, soft-capped
+ * where softcap > 0, into sg[0 .. n) */
+static inline __attribute__((always_inline)) void float_scores(
+        const float* qg, const float* rows, const float* row_scales, int64_t n, int64_t dim,
+        float scale, float softcap, float* sg) {
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4) {  /* four keys at once: four independent sums */
+        const float *k0 = rows + t * dim, *k1 = k0 + dim, *k2 = k1 + dim, *k3 = k2 + dim;
+        float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+        _Pragma("omp simd reduction(+:s0, s1, s2, s3)")
+        for (int64_t d = 0; d < dim; d++) {
+            s0 += qg[d] * k0[d];
+            s1 += qg[d] * k1[d];
+            s2 += qg[d] * k2[d];
+            s3 += qg[d] * k3[d];
+        }
+        sg[t] = s0, sg[t + 1] = s1, sg[t + 2] = s2, sg[t + 3] = s3;
+    }
+    for (; t < n; t++) {
+        const float* kr = rows + t * dim;
+        float s = 0.0f;
+        _Pragma("omp simd reduction(+:s)")
+        for (int64_t d = 0; d < dim; d++) s += qg[d] * kr[d];
+        sg[t] = s;
+    }
+    for (t = 0; t < n; t++) {
+        if (row_scales != NULL) sg[t] *= row_scales[t];
+        sg[t] *= scale;
+        if (softcap > 0.0f) sg[t] = softcap * tanhf(sg[t] / softcap);
+    }
+}
+
 /* One sequence and one KV head: its `group` query heads qf [group, dim] (float32) over keys
  * [lo, lo + len) -> acc [group, dim]. Inlined per head size, so that the loops over `dim` are
  * unrolled and an accumulator row stays in registers. `scores` [group, len], `rows` CHUNK_FLOATS
@@ -57,34 +90,9 @@ static inline __attribute__((always_inline)) void attend_head(
     for (int64_t c = 0; c < len && !tiled; c += chunk) {
         const int64_t n = len - c < chunk ? len - c : chunk;
         gather_rows(cache, dt, key_base, blocks, key0, block_size, lo + c, n, dim, rows);
-        for (int64_t g = 0; g < group; g++) {
-            const float* qg = qf + g * dim;
-            float* sg = scores + g * len + c;
-            int64_t t = 0;
-            for (; t + 4 <= n; t += 4) {  /* four keys at once: four independent sums */
-                const float *k0 = rows + t * dim, *k1 = k0 + dim, *k2 = k1 + dim, *k3 = k2 + dim;
-                float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-                _Pragma("omp simd reduction(+:s0, s1, s2, s3)")
-                for (int64_t d = 0; d < dim; d++) {
-                    s0 += qg[d] * k0[d];
-                    s1 += qg[d] * k1[d];
-                    s2 += qg[d] * k2[d];
-                    s3 += qg[d] * k3[d];
-                }
-                sg[t] = s0, sg[t + 1] = s1, sg[t + 2] = s2, sg[t + 3] = s3;
-            }
-            for (; t < n; t++) {
-                const float* kr = rows + t * dim;
-                float s = 0.0f;
-                _Pragma("omp simd reduction(+:s)")
-                for (int64_t d = 0; d < dim; d++) s += qg[d] * kr[d];
-                sg[t] = s;
-            }
-            for (t = 0; t < n; t++) {
-                sg[t] *= scale;
-                if (softcap > 0.0f) sg[t] = softcap * tanhf(sg[t] / softcap);
-            }
-        }
+        for (int64_t g = 0; g < group; g++)
+            float_scores(qf + g * dim, rows, NULL, n, dim, scale, softcap,
+                         scores + g * len + c);
     }
     softmax_rows(scores, group, len);
     memset(acc, 0, sizeof(float) * (size_t)(group * dim));
@@ -385,35 +393,9 @@ static inline __attribute__((always_inline)) void attend_head_i8(
         const int64_t n = len - c < chunk ? len - c : chunk;
         gather_rows_i8(cache, key_base, blocks, key0, block_size, lo + c, n, dim, rows,
                        row_scales);
-        for (int64_t g = 0; g < group; g++) {
-            const float* qg = qf + g * dim;
-            float* sg = scores + g * len + c;
-            int64_t t = 0;
-            for (; t + 4 <= n; t += 4) {  /* four keys at once: four independent sums */
-                const float *k0 = rows + t * dim, *k1 = k0 + dim, *k2 = k1 + dim, *k3 = k2 + dim;
-                float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-                _Pragma("omp simd reduction(+:s0, s1, s2, s3)")
-                for (int64_t d = 0; d < dim; d++) {
-                    s0 += qg[d] * k0[d];
-                    s1 += qg[d] * k1[d];
-                    s2 += qg[d] * k2[d];
-                    s3 += qg[d] * k3[d];
-                }
-                sg[t] = s0 * row_scales[t], sg[t + 1] = s1 * row_scales[t + 1];
-                sg[t + 2] = s2 * row_scales[t + 2], sg[t + 3] = s3 * row_scales[t + 3];
-            }
-            for (; t < n; t++) {
-                const float* kr = rows + t * dim;
-                float s = 0.0f;
-                _Pragma("omp simd reduction(+:s)")
-                for (int64_t d = 0; d < dim; d++) s += qg[d] * kr[d];
-                sg[t] = s * row_scales[t];
-            }
-            for (t = 0; t < n; t++) {
-                sg[t] *= scale;
-                if (softcap > 0.0f) sg[t] = softcap * tanhf(sg[t] / softcap);
-            }
-        }
+        for (int64_t g = 0; g < group; g++)
+            float_scores(qf + g * dim, rows, row_scales, n, dim, scale, softcap,
+                         scores + g * len + c);
     }
     softmax_rows(scores, group, len);
 #ifdef MM_AVX512_VNNI
