@@ -19,6 +19,9 @@ correction of a given paragraph, and free chat; greedy, the same prompt for ever
     python -m bench.speculative --models smollm2 --held-cost 0.08 --weights ""
                                                    # SmolLM2 only, beside drafters whose
                                                    # cost is held (not measured), no table
+    python -m bench.speculative --models 1.5b --target-weights int4 --weights ""
+                                                   # every engine on the file requantized
+                                                   # to our int4
     python -m bench.speculative --smoke            # tiny random models: the script runs
 """
 
@@ -145,19 +148,20 @@ def llama_cpp_run(gguf: Path, tokenizer, messages, n: int, runs: int,
 
 
 def compare(target: Path, configs: dict[str, str | None], n: int, runs: int,
-            llama_gguf: Path | None, held: float | None = None) -> list[tuple]:
+            llama_gguf: Path | None, held: float | None = None,
+            weights: str = "as stored") -> list[tuple]:
     """One row per (task, engine): decode tokens/s, its ratio to plain, acceptance. With
     `held`, each speculating engine also runs with its drafts' cost held at `held` plain
-    steps (the number of drafts chosen by acceptance alone, as before costs were measured)."""
+    steps (the number of drafts chosen by acceptance alone, as before costs were measured).
+    Every engine (a draft model too) loads its GGUF as `WEIGHTS[weights]` says."""
     from engine import LLM
 
-    engines = {name: LLM(target, max_model_len=4096, speculative=spec)
-               for name, spec in configs.items()}
+    options = {"max_model_len": 4096, **WEIGHTS[weights]}
+    engines = {name: LLM(target, speculative=spec, **options) for name, spec in configs.items()}
     if held is not None:
         for name, spec in configs.items():
             if spec is not None:
-                engines[f"{name}, cost held"] = llm = LLM(target, max_model_len=4096,
-                                                         speculative=spec)
+                engines[f"{name}, cost held"] = llm = LLM(target, speculative=spec, **options)
                 llm.engine.speculator.costs.hold(held)
     tokenizer = engines["plain"].tokenizer
     rows = []
@@ -237,6 +241,8 @@ def main() -> None:
                         help=f"the cost table's weights, of {', '.join(WEIGHTS)}")
     parser.add_argument("--models", default="1.5b,smollm2",
                         help="the comparisons' targets, of 1.5b, smollm2")
+    parser.add_argument("--target-weights", default="as stored",
+                        help=f"the comparisons' weights, one of {', '.join(WEIGHTS)}")
     parser.add_argument("--held-cost", type=float, default=None,
                         help="also run each drafter with its drafts' cost held at this many "
                         "plain steps (0.08: the fixed estimate before costs were measured)")
@@ -246,6 +252,8 @@ def main() -> None:
     chosen = [w.strip() for w in args.weights.split(",") if w.strip()]  # "": no cost table
     if unknown := [w for w in chosen if w not in WEIGHTS]:
         parser.error(f"--weights: {unknown} not among {list(WEIGHTS)}")
+    if args.target_weights not in WEIGHTS:
+        parser.error(f"--target-weights: {args.target_weights!r} not among {list(WEIGHTS)}")
     print(machine())
     if args.smoke:
         target = draft = _smoke_checkpoint()
@@ -264,18 +272,18 @@ def main() -> None:
     if not args.verify_cost and "1.5b" in models:
         print_table(compare(target, {"plain": None, "ngram": "ngram",
                                      "draft 0.5B": f"draft:{draft}"}, args.tokens, args.runs,
-                            target, args.held_cost),
-                    ("task", "engine (1.5B)", "decode tok/s", "x plain", "accepted",
-                     "same text"))
+                            target, args.held_cost, args.target_weights),
+                    ("task", f"engine (1.5B, {args.target_weights})", "decode tok/s",
+                     "x plain", "accepted", "same text"))
     if not args.verify_cost and "smollm2" in models:
         from testing.real_weights import smollm2_path
 
         small = smollm2_path()
         if small is not None:
             print_table(compare(small, {"plain": None, "ngram": "ngram"}, args.tokens,
-                                args.runs, small, args.held_cost),
-                        ("task", "engine (SmolLM2-135M)", "decode tok/s", "x plain",
-                         "accepted", "same text"))
+                                args.runs, small, args.held_cost, args.target_weights),
+                        ("task", f"engine (SmolLM2-135M, {args.target_weights})",
+                         "decode tok/s", "x plain", "accepted", "same text"))
     if chosen:
         print_table([row for weights in chosen for row in verify_cost(target, 9, weights)],
                     ("weights", "k", "step ms", "x plain step"))
