@@ -54,10 +54,11 @@ class StepCosts:
     """Measured step and drafting times, read as costs in plain decode steps."""
 
     prior_per_draft: float = PRIOR_PER_DRAFT
-    steps: int = 0  # decode-only steps recorded
-    _rows: dict[int, _Mean] = field(default_factory=dict)  # R -> seconds of a step of R rows
-    _drafting: dict[str, _Mean] = field(default_factory=dict)  # drafter -> seconds per draft
-    _held: float | None = None
+    steps: int = field(default=0, init=False)  # decode-only steps recorded
+    # R -> seconds of a step of R rows; drafter -> seconds per draft
+    _rows: dict[int, _Mean] = field(default_factory=dict, init=False)
+    _drafting: dict[str, _Mean] = field(default_factory=dict, init=False)
+    _held: float | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if not self.prior_per_draft >= 0:
