@@ -447,17 +447,22 @@ def test_a_drafters_cost_is_timed_on_rounds_that_continue():
     """The speculator times a drafter's round as the cost of its drafts only when each of its
     requests drafted the step before (a resumed request's round includes its catching up on
     every token since, a draft model's prefill); and a plain step is asked for while a plain
-    step's time is unknown."""
+    step's time is unknown, unless a prompt's chunk will share the step."""
     drafter = _CountingDrafter()
     spec = Speculator(SpeculativeMethod.parse("ngram"), 4, drafter)
     req = Request("r", [1, 2, 3], SamplingParams(max_tokens=50), frozenset(), 50)
     req.status, req.num_computed_tokens = RequestStatus.RUNNING, 2
     req.speculation = spec.state_for(req.sampling_params)
+    prompt = Request("p", list(range(1, 40)), SamplingParams(max_tokens=5), frozenset(), 5)
+    prompt.status = RequestStatus.RUNNING  # mid-prompt: the next step is not decodes only
+    spec.propose([req, prompt])  # so no plain step is asked for: the prior's drafts
+    assert drafter.rounds == 1 and req.draft_token_ids
+    req.speculation.asked = 0
     spec.propose([req])  # no plain step measured: none drafted
-    assert drafter.rounds == 0 and req.draft_token_ids == ()
+    assert drafter.rounds == 1 and req.draft_token_ids == ()
     spec.costs.record_step(1, 0.01)
     spec.propose([req])  # resumed: drafted, not timed
-    assert drafter.rounds == 1 and req.draft_token_ids and "draft_cost_ngram" not in (
+    assert drafter.rounds == 2 and req.draft_token_ids and "draft_cost_ngram" not in (
         spec.costs.report())
     spec.propose([req])  # continues: timed
-    assert drafter.rounds == 2 and "draft_cost_ngram" in spec.costs.report()
+    assert drafter.rounds == 3 and "draft_cost_ngram" in spec.costs.report()

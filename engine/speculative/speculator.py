@@ -83,7 +83,9 @@ class Speculator:
         t0 = time.monotonic()
         decoding = [req for req in running if req.status is RequestStatus.RUNNING
                     and req.num_tokens - req.num_computed_tokens == 1]
-        plain = self.costs.needs_plain(len(decoding))  # a plain step to measure
+        # a plain step to measure, where the next step can be one of decodes only (a prompt
+        # chunk beside them would keep it from being measured)
+        plain = len(decoding) == len(running) and self.costs.needs_plain(len(decoding))
         by_drafter: dict[str, list[tuple[Request, int]]] = {}
         resumed: set[str] = set()  # drafters with a request that did not draft last step
         for req in decoding:
