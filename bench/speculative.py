@@ -268,7 +268,9 @@ def main() -> None:
     draft = joined_gguf(*DRAFT)
     if target is None or draft is None:
         raise SystemExit(f"the Qwen2.5-Coder GGUFs are not installed: {PIP}")
-    models = {m.strip() for m in args.models.split(",")}
+    models = {m.strip() for m in args.models.split(",") if m.strip()}
+    if unknown := models - {"1.5b", "smollm2"}:
+        parser.error(f"--models: {sorted(unknown)} not among ['1.5b', 'smollm2']")
     if not args.verify_cost and "1.5b" in models:
         print_table(compare(target, {"plain": None, "ngram": "ngram",
                                      "draft 0.5B": f"draft:{draft}"}, args.tokens, args.runs,

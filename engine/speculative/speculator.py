@@ -23,7 +23,7 @@ from engine.config import EngineConfig
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import ScheduledChunk, SchedulerOutput
-from engine.speculation_costs import StepCosts
+from engine.speculation_costs import CostOfDrafts, StepCosts
 from engine.speculation_state import Proposal, SpeculationState
 from engine.speculative.ngram import NgramProposer
 from engine.speculative_option import SpeculativeMethod
@@ -88,6 +88,7 @@ class Speculator:
         plain = len(decoding) == len(running) and self.costs.needs_plain(len(decoding))
         by_drafter: dict[str, list[tuple[Request, int]]] = {}
         resumed: set[str] = set()  # drafters with a request that did not draft last step
+        costs: dict[tuple[str, int], CostOfDrafts] = {}  # one reading per drafter and cap
         for req in decoding:
             spec = req.speculation
             if spec is None:
@@ -97,8 +98,10 @@ class Speculator:
             if plain:
                 spec.asked = 0
                 continue
-            drafter = self.drafters[spec.method]
-            cost = self.costs.cost(len(decoding), spec.cap, spec.method, drafter.cost_per_token)
+            cost = costs.get((spec.method, spec.cap))
+            if cost is None:
+                cost = costs[spec.method, spec.cap] = self.costs.cost(
+                    len(decoding), spec.cap, spec.method, self.drafters[spec.method].cost_per_token)
             k = min(spec.next_k(cost, cost.settled), req.max_tokens - req.num_output_tokens - 1)
             if k > 0:
                 by_drafter.setdefault(spec.method, []).append((req, k))
