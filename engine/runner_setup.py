@@ -29,6 +29,7 @@ from engine.model_loading import load_model
 from models.interfaces import LanguageModel
 from models.kernels import native
 from models.kernels.linear_choice import pin_decode_rows
+from models.kernels.row_invariance import pad_device_rows
 from models.layers.attention_varlen import choose_backend
 from models.layers.decode_attention_choice import choose_decode_attention
 
@@ -111,12 +112,18 @@ class RunnerSetup:
         self.native_decode = self.model.prepare_decode()
 
     def pin_decode_kernels(self) -> None:
-        """On the CPU, the decode rows' kernels pinned to ours, which compute each row by
-        itself (a verification's rows then sum as decodes of their tokens do, whatever shares
-        the step: speculative decoding): the linears' decode buckets
+        """The decode rows' kernels made to compute each row by itself (a verification's rows
+        then sum as decodes of their tokens do, whatever shares the step: speculative
+        decoding). On the CPU, pinned to ours: the linears' decode buckets
         (models.kernels.linear_choice.pin_decode_rows) and the paged decode attention, where
         the library builds (PyTorch's decode attention batches decodes with padding, rounding
-        a row differently by what shares its bucket)."""
+        a row differently by what shares its bucket). Elsewhere, the inputs of up to a decode
+        bucket's rows padded to one shape in the linears measured to need it
+        (models.kernels.row_invariance); the norms (fused) and attention there compute a row
+        alike at any row count (tests/test_cuda_features.py)."""
+        if self.device.type != "cpu":
+            pad_device_rows(self.model, self.dtype)
+            return
         if pin_decode_rows(self.model, self.dtype):
             self.prepare_native_decode()  # it serves the pinned buckets
         if self.decode_kernel != "native" and native.load() is not None and (

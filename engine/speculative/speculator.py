@@ -170,8 +170,7 @@ def build_speculator(config: EngineConfig, runner: ModelRunner, setup: Checkpoin
     if method is None:
         return None
     runner.bind_verify_backups()
-    if runner.device.type == "cpu":
-        runner.pin_decode_kernels()
+    runner.pin_decode_kernels()
     if method.name == "ngram":
         drafter: Proposer = NgramProposer()
     elif method.name == "draft":

@@ -223,8 +223,15 @@ def run_kernel(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
             lead = x.shape[:-1]
             return run_kernel(layer, x.reshape(-1, x.shape[-1])).reshape(*lead, -1)
         return F.linear(x, layer.weight, layer.bias)
-    if x.device.type != "cpu" and not quantized:
-        return F.linear(x, layer.weight, layer.bias)
+    if x.device.type != "cpu":
+        rows = layer.pad_rows
+        if rows is not None and x.shape[0] < rows:
+            # one shape, so one library kernel, for every row count up to `rows`: a row's
+            # result then does not depend on how many rows share its step
+            n = x.shape[0]
+            return run_kernel(layer, F.pad(x, (0, 0, 0, rows - n)))[:n]
+        if not quantized:
+            return F.linear(x, layer.weight, layer.bias)
     plan = layer.kernels
     if plan is not None:
         name = plan[bucket_index(x.shape[0])]
@@ -255,6 +262,7 @@ class Linear(nn.Linear):
 
     is_quantized = False
     kernels: tuple[str, ...] | None = None
+    pad_rows: int | None = None  # off the CPU: fewer rows run padded to this many
     packed: torch.Tensor | None = None  # the oneDNN-prepacked weight, when planned
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,

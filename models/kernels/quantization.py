@@ -60,6 +60,7 @@ class QuantizedLinear(nn.Module):
     """
 
     is_quantized = True
+    pad_rows: int | None = None  # off the CPU: fewer rows run padded to this many
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mode: str,
                  group_size: int = 128) -> None:

@@ -45,11 +45,11 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x.float(), self.weight.shape, self.weight.float(),
                               self.eps).to(x.dtype)
         # Reduced precision: normalize in float32, scale in the input dtype (the reference's
-        # cast order, which decides the rounding).
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # cast order, which decides the rounding). The fused normalization sums a row alike
+        # at any row count; pow and mean as separate ops did not on CUDA (a verified row then
+        # differed from the decode row of its token).
+        normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
+        return self.weight * normed.to(x.dtype)
 
     def add_and_norm(self, h: torch.Tensor,
                      delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
