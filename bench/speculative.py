@@ -22,6 +22,10 @@ correction of a given paragraph, and free chat; greedy, the same prompt for ever
     python -m bench.speculative --models 1.5b --target-weights int4 --weights ""
                                                    # every engine on the file requantized
                                                    # to our int4
+    python -m bench.speculative --cuda             # the cost table on CUDA: random weights
+                                                   # at Qwen2.5-1.5B's widths, bfloat16 and
+                                                   # float32, the linears' padding as
+                                                   # measured, forced on and off
     python -m bench.speculative --smoke            # tiny random models: the script runs
 """
 
@@ -192,16 +196,25 @@ WEIGHTS = {"as stored": {}, "one digit": {"gguf_activation_digits": 1},
            "int4": {"dequantize_gguf": True, "dtype": "bfloat16", "quantization": "int4"}}
 
 
-def verify_cost(target: Path, steps: int, weights: str = "as stored") -> list[tuple]:
+def verify_cost(target: Path, steps: int, weights: str = "as stored", device: str = "cpu",
+                padding: str = "measured") -> list[tuple]:
     """Median milliseconds of a verify step of one request with k drafts (k = 1..8) and the
     median of its ratios to the plain decode step of the same round, at a context of ~200
-    tokens; the engine's own runner, one step each; the weights as `WEIGHTS[weights]` says."""
+    tokens; the engine's own runner, one step each; the weights as `WEIGHTS[weights]` says
+    (a name not there: a dtype). Off the CPU, `padding` "all" pads every linear's few rows,
+    "none" none (rows then not summed alike), "measured" those measured to need it (the
+    engine's way: models/kernels/row_invariance.py)."""
     from engine import LLM, SamplingParams
     from engine.scheduler import ScheduledChunk, SchedulerOutput
+    from models.kernels import native
+    from models.kernels.row_invariance import pad_device_rows
 
     llm = LLM(target, max_model_len=1024, speculative="ngram", enable_prefix_caching=False,
-              **WEIGHTS[weights])
+              device=device, **WEIGHTS.get(weights, {"dtype": weights}))
     engine = llm.engine
+    if device != "cpu" and padding != "measured":
+        pad_device_rows(engine.runner.model, engine.runner.dtype,
+                        None if padding == "none" else native.FUSED_ROWS, measure=False)
     prompt = [(1000 + i) % engine.runner.vocab_size for i in range(200)]
     req = engine.make_request(engine.processor.process(engine.processor.parse(prompt), {}),
                               SamplingParams(max_tokens=400, temperature=0, ignore_eos=True,
@@ -228,7 +241,27 @@ def verify_cost(target: Path, steps: int, weights: str = "as stored") -> list[tu
     rows = []
     for k, samples in times.items():
         ratio = median([t / plain for t, plain in zip(samples, times[0], strict=True)])
-        rows.append((weights, k, median(samples) * 1e3, ratio))
+        name = weights if device == "cpu" else f"{weights}, padding {padding}"
+        rows.append((name, k, median(samples) * 1e3, ratio))
+    return rows
+
+
+def cuda_verify_cost(steps: int, layers: int) -> list[tuple]:
+    """verify_cost on CUDA, random weights at Qwen2.5-1.5B's widths with `layers` of its 28
+    layers (its GGUF's blocks run as stored on our CPU kernels only), in bfloat16 and float32,
+    the linears' padding as the engine measures it and forced on or off."""
+    from bench.common import cached_checkpoint
+    from testing.tiny import build_text_model
+
+    target = cached_checkpoint(
+        f"qwen2.5-1.5b-widths-{layers}", f"Qwen2.5-1.5B-wide {layers}-layer",
+        lambda path: build_text_model(path, "qwen2", hidden_size=1536, num_layers=layers,
+                                      num_heads=12, num_kv_heads=2, intermediate_size=8960,
+                                      vocab_size=151936, tie_word_embeddings=True, std=0.02))
+    rows = []
+    for weights, padding in (("bfloat16", "measured"), ("bfloat16", "all"),
+                             ("float32", "measured"), ("float32", "none")):
+        rows += verify_cost(target, steps, weights, "cuda", padding)
     return rows
 
 
@@ -246,6 +279,12 @@ def main() -> None:
     parser.add_argument("--held-cost", type=float, default=None,
                         help="also run each drafter with its drafts' cost held at this many "
                         "plain steps (0.08: the fixed estimate before costs were measured)")
+    parser.add_argument("--cuda", action="store_true",
+                        help="only the cost table, on CUDA (random weights at the 1.5B's "
+                        "widths, bfloat16 and float32, the linears' padding as measured, "
+                        "forced on and off)")
+    parser.add_argument("--layers", type=int, default=28,
+                        help="with --cuda: how many of the 1.5B's 28 layers")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny random checkpoints, 8 tokens, 1 run: the script runs")
     args = parser.parse_args()
@@ -254,6 +293,11 @@ def main() -> None:
         parser.error(f"--weights: {unknown} not among {list(WEIGHTS)}")
     if args.target_weights not in WEIGHTS:
         parser.error(f"--target-weights: {args.target_weights!r} not among {list(WEIGHTS)}")
+    if args.cuda:
+        print(machine("cuda"))
+        print_table(cuda_verify_cost(9, args.layers), ("weights", "k", "step ms",
+                                                        "x plain step"))
+        return
     print(machine())
     if args.smoke:
         target = draft = _smoke_checkpoint()
