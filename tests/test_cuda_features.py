@@ -1,13 +1,12 @@
-"""Speculative decoding, the int8 KV cache and GGUF files on CUDA: the same code as on the CPU.
+"""Speculative decoding and GGUF files on CUDA: the same code as on the CPU.
 
 Speculation: greedy output identical to plain decoding with n-gram lookup, a draft model and
 Qwen3.5's MTP layer (a hybrid), and every logits row both runs sample after the same tokens
 compared to the bit (the linears whose rows the library sums by the row count run few rows
-padded to one shape: models/kernels/row_invariance.py), also at a real model's widths. The
-int8 cache: the engine's tokens and log-probabilities those of the unquantized engine
-writing the values the int8 cache holds, through chunked prefill, prefix hits and preemption.
-A GGUF file (its blocks dequantized on CUDA, and said so): the tokens of the CPU engine
-reading the same file dequantized. Skipped without a GPU.
+padded to one shape: models/kernels/row_invariance.py), also at a real model's widths. A
+GGUF file (its blocks dequantized on CUDA, and said so): the tokens of the CPU engine
+reading the same file dequantized. Skipped without a GPU. (The int8 KV cache on CUDA:
+tests/test_kv_quant.py's engine test, its "cuda" case.)
 """
 
 from __future__ import annotations
@@ -16,10 +15,8 @@ import pytest
 import torch
 
 from engine import LLM
-from models.layers import kv_quant
 from testing.speculative import run_parity
 from tests.helpers import greedy, user
-from tests.test_kv_quant import SAME_VALUES_TOL, _store_as_int8
 
 pytestmark = [
     pytest.mark.gpu,
@@ -111,44 +108,6 @@ def test_hybrid_with_its_mtp_layer(tmp_path_factory):
     assert _tokens(outs) == _tokens(parity.plain)
     assert sum(o.metrics.draft_tokens for o in outs) > 0
     llm.engine.check_integrity()
-
-
-def _kv_engine(path, kv_cache_dtype: str) -> LLM:
-    """The tiny Gemma 3 in float32 with 22 blocks of 4 tokens and 16-token steps."""
-    per_block = 4 * 6 * 2 * (32 + kv_quant.SCALE_BYTES if kv_cache_dtype == "int8" else 32 * 4)
-    llm = LLM(path, device=DEVICE, dtype="float32", max_model_len=64, block_size=4,
-              kv_cache_bytes=22 * per_block, kv_cache_dtype=kv_cache_dtype,
-              max_num_batched_tokens=16)
-    assert llm.engine.block_manager.num_blocks == 22
-    return llm
-
-
-def test_int8_kv_cache(tmp_path_factory, monkeypatch):
-    """Gemma 3's sliding and global layers; a prompt extending a finished one hits the prefix
-    cache (a block's tail copied with its scales); four prompts too long for 22 blocks preempt.
-    Tokens and log-probabilities: the unquantized engine writing the int8 cache's values."""
-    from tests.test_kv_quant import _gemma3
-
-    path = _gemma3(tmp_path_factory.mktemp("kvq"))
-    gen = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(4, 500, (n,), generator=gen).tolist() for n in (30, 26, 33, 28)]
-    params = greedy(8, logprobs=0)
-    runs = {}
-    for kv in ("int8", "auto"):
-        if kv == "auto":
-            monkeypatch.setattr(kv_quant, "store", _store_as_int8)
-        llm = _kv_engine(path, kv)
-        first = llm.generate(prompts[:1], params)
-        again = llm.generate([prompts[0] + [7, 8, 9, 10, 11]], params)
-        assert again[0].num_cached_tokens == 30
-        batch = llm.generate(prompts, params)
-        assert sum(o.metrics.num_preemptions for o in batch) > 0
-        llm.engine.check_integrity()
-        runs[kv] = first + again + batch
-    for a, b in zip(runs["auto"], runs["int8"], strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
-            assert abs(next(iter(x.values())) - next(iter(y.values()))) <= SAME_VALUES_TOL
 
 
 def test_gguf_file_dequantized_on_cuda(qwen2_path, tmp_path):

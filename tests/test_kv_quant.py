@@ -271,10 +271,10 @@ def test_every_attention_path_attends_what_the_int8_cache_holds(request, checkpo
         assert torch.equal(quantized[:9], plain[:9])  # the first chunk attends its own keys
 
 
-def _engine(path, kv_cache_dtype: str) -> LLM:
+def _engine(path, kv_cache_dtype: str, device: str = "cpu") -> LLM:
     """The tiny Gemma 3 in float32 with 22 blocks of 4 tokens and 16-token steps."""
     per_block = 4 * 6 * 2 * (32 + kv_quant.SCALE_BYTES if kv_cache_dtype == "int8" else 32 * 4)
-    llm = LLM(path, dtype="float32", max_model_len=64, block_size=4,
+    llm = LLM(path, device=device, dtype="float32", max_model_len=64, block_size=4,
               kv_cache_bytes=22 * per_block, kv_cache_dtype=kv_cache_dtype,
               max_num_batched_tokens=16)
     assert llm.engine.block_manager.num_blocks == 22
@@ -286,17 +286,23 @@ def gemma3_int8(gemma3_path):
     return _engine(gemma3_path, "int8")
 
 
-def test_engine_chunks_prefix_hits_and_preemption(gemma3_path, monkeypatch):
+CUDA = pytest.param("cuda", marks=[
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_engine_chunks_prefix_hits_and_preemption(gemma3_path, monkeypatch, device):
     """A prompt extending a finished one hits the prefix cache (whole blocks, and a block's
     tail copied with its scales: engine/block_manager.py); 22 blocks of 4 tokens cannot hold
     four ~38-token sequences: the newest are preempted and recomputed; 16-token steps cut the
     prompts into chunks. The int8 engine's
     greedy tokens and log-probabilities are those of the unquantized engine writing the values
-    the int8 cache holds."""
+    the int8 cache holds. On CUDA the same code (SDPA over the gathered, dequantized blocks)."""
     import engine.runner_setup as runner
 
-    # both engines' decodes through our paged kernel, whatever this machine's timing prefers
-    monkeypatch.setattr(runner, "choose_decode_attention", lambda *args, **kwargs: "native")
+    if device == "cpu":  # both engines' decodes through our paged kernel, whatever is faster
+        monkeypatch.setattr(runner, "choose_decode_attention", lambda *args, **kwargs: "native")
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(4, 500, (n,), generator=gen).tolist() for n in (30, 26, 33, 28)]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
@@ -308,7 +314,7 @@ def test_engine_chunks_prefix_hits_and_preemption(gemma3_path, monkeypatch):
             # unquantized engine's decodes run the modules (the int8 engine's take the call,
             # which quantizes as kv_quant does)
             monkeypatch.setattr(NativeDecode, "build", staticmethod(lambda model: None))
-        llm = _engine(gemma3_path, kv)
+        llm = _engine(gemma3_path, kv, device)
         first = llm.generate(prompts[:1], params)
         again = llm.generate([prompts[0] + [7, 8, 9, 10, 11]], params)
         # 7 full blocks of the first prompt's 30 tokens, and 2 of its 8th copied
