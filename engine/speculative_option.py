@@ -1,8 +1,8 @@
 """The `speculative` engine option: which drafter proposes tokens, parsed once and checked.
 
 "ngram" looks the last tokens up in the prompt and the output so far; "draft:PATH" runs a small
-model of the same tokenizer (a checkpoint directory, a GGUF file or a Hub id; Gemma 4's
-assistant drafter is not built and is refused by name); "mtp" runs the target
+model of the same tokenizer (a checkpoint directory, a GGUF file or a Hub id) or, where PATH
+holds one, Gemma 4's assistant drafter for its Gemma 4 target; "mtp" runs the target
 checkpoint's own multi-token-prediction layer (Qwen3.5's `mtp.*` weights). Pure Python.
 """
 

@@ -101,8 +101,9 @@ _VISION_VARIANTS: dict[tuple[str, str], ModelSpec | _Family] = {
 
 
 # Drafters for speculative decoding: models that cannot run alone (their attention reads their
-# target's keys and values). Speculative decoding is not built: such a checkpoint is refused,
-# naming its target family; a target checkpoint that carries drafter tensors reads past them.
+# target's keys and values). Served as a model, such a checkpoint is refused, naming its target
+# family and how to draft with it; a target checkpoint that carries drafter tensors reads past
+# them.
 _DRAFTERS = {"Gemma4AssistantForCausalLM": "Gemma 4"}
 
 
@@ -118,8 +119,8 @@ def resolve(hf_config) -> ModelSpec:
         if arch in _DRAFTERS:
             raise ValueError(
                 f"{arch} is a speculative-decoding drafter for {_DRAFTERS[arch]}: it reads its "
-                "target's keys and values and cannot run alone; serve the target model "
-                "(its assistant drafter is not built)")
+                "target's keys and values and cannot run alone; serve the target model with "
+                "speculative=\"draft:PATH\" (--speculative draft:PATH) naming this checkpoint")
         if (arch, vision) in _VISION_VARIANTS:
             return _spec(_VISION_VARIANTS[arch, vision])
         if arch in _REGISTRY:

@@ -263,3 +263,75 @@ def _pad(items: list[dict], values: str, marks: str, fill) -> tuple[torch.Tensor
         n = d[values].shape[0]
         v[i, :n], m[i, :n] = d[values], d[marks]
     return v, m
+
+
+def build_gemma4_assistant(path: Path, target: Path, *, ordered: bool = False,
+                           centroids: int | None = None, top_centroids: int | None = None,
+                           hidden_size: int = 32, seed: int = 1, std: float = 0.25,
+                           **text_overrides) -> Path:
+    """A tiny random Gemma4AssistantForCausalLM (no tokenizer, as the drafter's repos ship)
+    for the text-only target at `target` (build_gemma4_model's, `text_only=True`): 2 layers,
+    a sliding and a global one, whose attention shapes are the target's; `ordered`: with
+    `use_ordered_embeddings` (`centroids` over a random token ordering, the `top_centroids`
+    scored; by default centroids of about 20 tokens, a quarter of them scored);
+    `text_overrides`: its text config's settings."""
+    import transformers
+
+    target_text = transformers.AutoConfig.from_pretrained(target).get_text_config()
+    vocab = target_text.vocab_size
+    options = dict(
+        vocab_size=vocab, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        global_head_dim=32, num_global_key_value_heads=1,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=target_text.sliding_window, max_position_embeddings=2048,
+        hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
+        pad_token_id=target_text.pad_token_id, eos_token_id=target_text.eos_token_id,
+        bos_token_id=target_text.bos_token_id)
+    options.update(text_overrides)
+    options["num_kv_shared_layers"] = options["num_hidden_layers"]  # all read the target's
+    text = transformers.Gemma4TextConfig(**options)
+    if centroids is None:  # a divisor of the vocabulary: centroids of about 20 tokens
+        centroids = next(c for c in range(vocab // 20, vocab + 1) if vocab % c == 0)
+    config = transformers.Gemma4AssistantConfig(
+        text_config=text, backbone_hidden_size=target_text.hidden_size,
+        use_ordered_embeddings=ordered, num_centroids=centroids,
+        centroid_intermediate_top_k=top_centroids or max(2, centroids // 4),
+        architectures=["Gemma4AssistantForCausalLM"])
+    torch.manual_seed(seed)
+    model = transformers.Gemma4AssistantForCausalLM(config)
+    randomize(model, std=std, seed=seed)
+    if ordered:
+        gen = torch.Generator().manual_seed(seed)
+        model.masked_embedding.token_ordering.copy_(torch.randperm(vocab, generator=gen))
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    return path
+
+
+@torch.no_grad()
+def assistant_reference(target, assistant, tokens: list[int], drafts: int
+                        ) -> tuple[list[torch.Tensor], list[int]]:
+    """transformers' greedy drafts after `tokens` (the newest last, not yet computed by the
+    target): the target (a Gemma4ForCausalLM) over the tokens before the newest returns its
+    shared keys and values and its final hidden state, then the assistant (a
+    Gemma4AssistantForCausalLM) drafts as transformers' multi-token candidate generator does
+    (the newest token's embedding beside that hidden state, at the newest token's position).
+    Returns each draft's logits [V] and the drafts."""
+    out = target(torch.tensor([tokens[:-1]]), output_hidden_states=True,
+                 return_shared_kv_states=True, use_cache=True)
+    shared = out.shared_kv_states
+    hidden = out.hidden_states[-1][:, -1:]
+    last = torch.tensor([[tokens[-1]]])
+    position = torch.tensor([[len(tokens) - 1]])
+    mask = torch.ones(1, len(tokens), dtype=torch.long)
+    embed = target.get_input_embeddings()
+    logits, picked = [], []
+    for _ in range(drafts):
+        step = assistant(inputs_embeds=torch.cat([embed(last), hidden], dim=-1),
+                         attention_mask=mask, position_ids=position, shared_kv_states=shared)
+        logits.append(step.logits[0, -1])
+        last, hidden = step.logits.argmax(-1), step.last_hidden_state
+        picked.append(int(last))
+    return logits, picked

@@ -131,8 +131,9 @@ def test_config_layouts_kv_sharing_and_memory(path, llm, tmp_path):
 
 
 def test_inspect_reads_past_drafter_tensors_and_refuses_a_drafter(path, tmp_path):
-    """A checkpoint carrying a drafter's tensors (for speculative decoding, not built) loads
-    without them and the inspector says so; a drafter alone is refused, naming its target."""
+    """A checkpoint carrying a drafter's tensors loads without them and the inspector says so;
+    a drafter served alone is refused, naming its target (it drafts with `draft:PATH`:
+    tests/test_gemma4_assistant.py)."""
     import json
     import shutil
 

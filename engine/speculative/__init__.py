@@ -5,6 +5,7 @@ itself is parsed in engine/speculative_option.py, which the configuration import
 
 - `ngram.py`        n-gram lookup in the prompt and the output so far (no weights)
 - `draft_model.py`  a small model of the same tokenizer, run by the engine's own runner
+- `assistant.py`    Gemma 4's assistant drafter (`draft:PATH` to one), reading its target's state
 - `mtp.py`          Qwen3.5's multi-token-prediction layer (`mtp.*` weights)
 - `drawing.py`      a model drafter's logits to draft tokens (argmax, or a seeded draw)
 - `speculator.py`   the engine's side: its drafters, each request's state, the next drafts

@@ -174,9 +174,18 @@ def build_speculator(config: EngineConfig, runner: ModelRunner, setup: Checkpoin
     if method.name == "ngram":
         drafter: Proposer = NgramProposer()
     elif method.name == "draft":
-        from engine.speculative.draft_model import DraftModelProposer
+        from engine.hub import resolve_model
+        from engine.speculative.assistant import AssistantProposer, is_assistant
 
-        drafter = DraftModelProposer.load(method.path, runner, config, setup.tokenizer, blocks)
+        source = resolve_model(method.path)
+        if is_assistant(source):  # Gemma 4's assistant: reads the target's state
+            drafter = AssistantProposer.load(source, runner, setup.hf_config, setup.tokenizer,
+                                             config)
+        else:
+            from engine.speculative.draft_model import DraftModelProposer
+
+            drafter = DraftModelProposer.load(method.path, runner, config, setup.tokenizer,
+                                              blocks)
     else:
         from engine.speculative.mtp import MTPProposer
 

@@ -15,7 +15,9 @@ in float32, values are RMS-normed without a scale, attention
 is unscaled (q and k are normed), every layer's output is scaled by its `layer_scalar`, and with
 `hidden_size_per_layer_input` every layer takes a per-layer input
 (models/layers/per_layer_inputs.py). With `enable_moe_block` (26B-A4B) every layer has routed
-experts beside its dense MLP (models/gemma4/experts.py).
+experts beside its dense MLP (models/gemma4/experts.py). Gemma 4's assistant drafter
+(models/gemma4/assistant.py) is a decoder of these options whose every layer reads its
+target's keys and values (`target_kv`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,13 @@ from models.layers.per_layer_inputs import PerLayerInputShape
 SLIDING = "sliding_attention"
 
 
+def store_layers(text) -> dict[str, int]:
+    """Per layer type, the layer whose keys and values the config marks "store" (the last
+    layer of that type computing its own): what KV sharing and the assistant drafter read."""
+    types = list(text.layer_types)
+    return {types[i]: i for i, m in enumerate(text.kv_sharing_modes) if m == "store"}
+
+
 def kv_sources(text) -> list[int | None]:
     """Per layer, the layer whose keys and values it reads (None: its own), from the config's
     `kv_sharing_modes`: a "reuse" layer reads the "store" layer of its type."""
@@ -45,23 +54,25 @@ def kv_sources(text) -> list[int | None]:
             "every layer of this model reads another model's keys and values "
             f"(num_kv_shared_layers={text.num_kv_shared_layers} of {text.num_hidden_layers}): "
             "a speculative-decoding drafter is not served on its own")
-    store = {types[i]: i for i, m in enumerate(modes) if m == "store"}
+    store = store_layers(text)
     return [store[types[i]] if m == "reuse" else None for i, m in enumerate(modes)]
 
 
-def decoder_config(text, tie_word_embeddings: bool) -> DecoderConfig:
-    """The decoder options of a Gemma4TextConfig (see the module docstring)."""
+def decoder_config(text, tie_word_embeddings: bool, target_kv: bool = False) -> DecoderConfig:
+    """The decoder options of a Gemma4TextConfig (see the module docstring). `target_kv`: every
+    layer reads the keys and values of its target's layer of its type (Gemma 4's assistant
+    drafter, models/gemma4/assistant.py), whose config marks every layer "reuse"."""
     if text.use_bidirectional_attention == "all":
         raise NotImplementedError(
             "use_bidirectional_attention='all' (every token attending both ways: an encoder, "
             "not a generator) is not supported")
     types = list(text.layer_types)
     layers = [text.per_layer_config[i] for i in range(text.num_hidden_layers)]
-    sources = kv_sources(text)
+    sources = [None] * len(layers) if target_kv else kv_sources(text)
     shapes = tuple(
         LayerShape(layer.num_key_value_heads, layer.head_dim,
                    values_are_keys=bool(text.attention_k_eq_v) and kind != SLIDING,
-                   kv_source=source)
+                   kv_source=source, external_kv=target_kv)
         for layer, kind, source in zip(layers, types, sources, strict=True))
     wide = 2 if text.use_double_wide_mlp else 1
     mlp_sizes = tuple(layer.intermediate_size * (wide if source is not None else 1)
@@ -76,7 +87,10 @@ def decoder_config(text, tie_word_embeddings: bool) -> DecoderConfig:
     # Media spans are attended both ways on the sliding-window layers only (with
     # use_bidirectional_attention="vision"); the global layers stay causal.
     both_ways = text.use_bidirectional_attention == "vision"
-    layouts = tuple(LayerAttention(text.sliding_window if kind == SLIDING else None, None,
+    # The assistant's sliding layers read one key more than the target's: its reference
+    # attends every key within distance sliding_window of the query, inclusive.
+    window = text.sliding_window + 1 if target_kv else text.sliding_window
+    layouts = tuple(LayerAttention(window if kind == SLIDING else None, None,
                                    bidirectional=both_ways and kind == SLIDING)
                     for kind in types)
     return DecoderConfig.from_hf(
@@ -93,9 +107,10 @@ class Gemma4Decoder(Decoder):
     dense MLP beside routed experts (models/gemma4/experts.py)."""
 
     def __init__(self, text, tie_word_embeddings: bool, max_positions: int,
-                 device: torch.device) -> None:
+                 device: torch.device, target_kv: bool = False) -> None:
         self.expert_shape = moe_shape(text) if text.enable_moe_block else None
-        super().__init__(decoder_config(text, tie_word_embeddings), max_positions, device)
+        super().__init__(decoder_config(text, tie_word_embeddings, target_kv), max_positions,
+                         device)
 
     def make_layer(self, cfg: DecoderConfig, layout, rope_index: int, index: int):
         if self.expert_shape is None:

@@ -255,7 +255,7 @@ class Decoder(nn.Module):
                 return ".".join(parts[:-2] + ["per_layer_input"] + parts[-2:]), None
             if parts[-2] in ("k_norm", "v_norm") and parts[1].isdigit():
                 layer = attention.get(int(parts[1]))
-                if layer is not None and layer.kv_source is not None:
+                if layer is not None and not layer.own_kv:
                     return None  # KV sharing: this layer has no keys of its own
             if parts[-2] in ("gate_proj", "up_proj"):  # gate and up, in one
                 inter = mlp_rows(parts)
@@ -287,7 +287,7 @@ def _qkv_shards(attn: Attention) -> dict[str, tuple[str, Shard]]:
     reading another's keys and values has only q; one whose values are its keys, no v)."""
     q, kv = attn.q_rows, attn.kv_size
     shards = {"q_proj": ("qkv_proj", Shard(0, q))}
-    if attn.kv_source is None:
+    if attn.own_kv:
         shards["k_proj"] = ("qkv_proj", Shard(q, kv))
         if not attn.values_are_keys:
             shards["v_proj"] = ("qkv_proj", Shard(q + kv, kv))

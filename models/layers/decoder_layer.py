@@ -45,12 +45,15 @@ class LayerShape:
 
     `values_are_keys`: the layer has no value projection, its values are the key projection
     (before the key norm); `kv_source`: the index of an earlier layer whose keys and values
-    (its KV cache) this layer reads instead of computing and storing its own."""
+    (its KV cache) this layer reads instead of computing and storing its own; `external_kv`:
+    the layer reads keys and values another model stored (a drafter attending its target's
+    cache, bound to it by the drafter) and computes none, its rows attending as decodes."""
 
     num_kv_heads: int
     head_dim: int
     values_are_keys: bool = False
     kv_source: int | None = None
+    external_kv: bool = False
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,9 @@ class DecoderConfig:
             raise ValueError(f"layer {i}: num_heads={self.num_heads} is not a multiple of "
                              f"its {shape.num_kv_heads} KV heads")
         src = shape.kv_source
+        if src is not None and shape.external_kv:
+            raise ValueError(f"layer {i} reads the keys and values of layer {src} and of "
+                             "another model (external_kv): one source at most")
         if src is None:
             return
         if not 0 <= src < i or self.shape(src).kv_source is not None:
@@ -298,10 +304,13 @@ class Attention(nn.Module):
         self.rotary_dim = cfg.rotary_dim or self.head_dim
         self.output_gate = cfg.attn_output_gate
         self.kv_source = shape.kv_source  # None: keys and values of its own
+        self.external_kv = shape.external_kv
+        # Whether the layer computes (and stores) keys and values of its own.
+        self.own_kv = self.kv_source is None and not self.external_kv
         self.values_are_keys = shape.values_are_keys
         # q_proj's rows: per head, its query then (with the output gate) its gate.
         self.q_rows = 2 * self.q_size if self.output_gate else self.q_size
-        self.kv_rows = (0 if self.kv_source is not None
+        self.kv_rows = (0 if not self.own_kv
                         else self.kv_size * (1 if self.values_are_keys else 2))
         self.qkv_proj = Linear(cfg.hidden_size, self.q_rows + self.kv_rows, cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
@@ -310,7 +319,7 @@ class Attention(nn.Module):
                                           cfg.norm_unit_offset, fused_decode=True,
                                           float32_scale=cfg.norm_float32_scale)
             self.q_norm = head_norm()
-            if self.kv_source is None:
+            if self.own_kv:
                 self.k_norm = head_norm()
         self.qk_norm = cfg.qk_norm
         self.v_norm = cfg.v_norm
@@ -321,7 +330,7 @@ class Attention(nn.Module):
         self.kv_cache = torch.empty(0)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
-        if self.kv_source is not None or self.values_are_keys:
+        if not self.own_kv or self.values_are_keys:
             return self._forward_shaped(x, cos, sin, meta)
         t = x.shape[0]
         gate = None
@@ -356,14 +365,17 @@ class Attention(nn.Module):
         return torch.cat([apply_rotary(x[..., :r], cos, sin), x[..., r:]], dim=-1)
 
     def _forward_shaped(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
-        """A layer that reads another's keys and values, or whose values are its keys (no
-        output gate in either)."""
+        """A layer that reads another's (or another model's) keys and values, or whose values
+        are its keys (no output gate in any)."""
         t = x.shape[0]
         proj = self.qkv_proj(x)
         q = proj[:, : self.q_size].view(t, self.num_heads, self.head_dim)
         if self.qk_norm:
             q = self.q_norm(q.contiguous())  # contiguous: see forward
         q = self._rotate(q, cos, sin)
+        if self.external_kv:  # every row a decode: the keys are read from the cache alone
+            return self.o_proj(paged_attention(q, None, None, self.kv_cache, meta, self.scale,
+                                               self.layout, store=False))
         if self.kv_source is not None:
             k, v = meta.shared_kv[self.kv_source]
             return self.o_proj(paged_attention(q, k, v, self.kv_cache, meta, self.scale,
