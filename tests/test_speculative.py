@@ -306,11 +306,30 @@ def test_ngram_index_finds_the_latest_continuation():
     tokens = [1, 2, 3, 4, 9, 9, 1, 2, 3, 5, 7, 1, 2, 3]
     index = NgramIndex()
     index.extend(tokens, len(tokens) - 1)
-    assert index.lookup(tokens, 3) == (5, 7, 1)  # after the latest earlier "1 2 3"
+    assert index.lookup(tokens, 3) == (5, 7, 1)  # no draft before: the latest "1 2 3"
     assert index.lookup([*tokens, 8], 2) == ()
     media = NgramIndex(blocked=[(0, 5)])  # an image's placeholders are not looked up
     media.extend(tokens, len(tokens) - 1)
     assert media.lookup(tokens[:5] + [1, 2, 3, 4], 2) == ()
+
+
+def test_ngram_index_copies_from_where_the_copy_reached():
+    """Copying the prompt with an edit (its 4 made 9): after the edit, the common token 7
+    resumes the copy at the prompt's place, not at 7's latest occurrence (the output's own)."""
+    prompt = [1, 2, 7, 3, 4, 7, 5, 6, 7, 8]
+    index = NgramIndex()
+
+    def lookup(tokens):
+        index.extend(tokens, len(tokens) - 1)
+        return index.lookup(tokens, 3)
+
+    assert lookup([*prompt, 1, 2]) == (7, 3, 4)  # "1 2" occurs once: the copy starts
+    assert lookup([*prompt, 1, 2, 7, 3, 9]) == ()  # the edit: 9 occurs nowhere before
+    assert lookup([*prompt, 1, 2, 7, 3, 9, 7]) == (5, 6, 7)  # after the prompt's second 7
+    latest = NgramIndex()  # without a copy position: the latest 7, the output's own
+    tokens = [*prompt, 1, 2, 7, 3, 9, 7]
+    latest.extend(tokens, len(tokens) - 1)
+    assert latest.lookup(tokens, 3) == (3, 9, 7)
 
 
 def _request(rid: str, prompt: int, drafts: tuple[int, ...], max_tokens: int = 50) -> Request:
