@@ -114,7 +114,8 @@ class AssistantProposer:
         if target.device.type == "cpu":
             choose_linear_kernels(assistant, target.dtype)
             pin_decode_rows(assistant, target.dtype)
-        # a draft reads the assistant's weights once: their bytes against the target's
+        # a draft reads the assistant's weights once: their bytes against the target's (with
+        # ordered embeddings a few of the head's rows only); measured once serving
         cost = sum(t.numel() * t.element_size() for t in assistant.state_dict().values()) / max(
             target.weight_bytes(), 1)
         log.info("Gemma 4 assistant drafter %s: %d layers reading target layers %s, %.1f%% of "
@@ -140,7 +141,7 @@ class AssistantProposer:
             seq.hidden = None
             kept = 1 + len(chunk.accepted) if chunk.draft else chunk.num_tokens
             if chunk.start + kept == req.num_tokens - 1:  # its last row chose the newest token
-                seq.hidden = result.hidden[first + kept - 1]
+                seq.hidden = result.hidden[first + kept - 1].clone()  # not the step's rows
 
     # ---- proposing --------------------------------------------------------------------------
 
