@@ -11,7 +11,9 @@ keys) and a tiny random assistant (a sliding and a global layer reading the targ
   KV cache (the assistant reads the target's quantized keys in place), in a batch
   where one request does not speculate; sampling at temperature > 0 runs through the drafter's
   own distribution and releases every block;
-- an assistant that does not fit the target is refused, naming why.
+- an assistant that does not fit the target is refused, naming why;
+- on the multimodal target (Gemma4ForConditionalGeneration), an image prompt's greedy output is
+  plain decoding's.
 """
 
 from __future__ import annotations
@@ -137,3 +139,22 @@ def test_an_assistant_for_another_target_is_refused(paths, tmp_path):
     with pytest.raises(AssistantError, match="backbone_hidden_size=64; this target's "
                                              "hidden_size is 96"):
         LLM(wider, max_model_len=256, speculative=f"draft:{paths['plain']}")
+
+
+def test_an_image_prompt_on_the_multimodal_target(tmp_path):
+    """The same drafter for Gemma4ForConditionalGeneration (its text config read from the
+    composite one): an image prompt's greedy output is plain decoding's."""
+    from testing.gemma4 import build_gemma4_assistant, build_gemma4_model
+    from tests.helpers import random_image, user
+
+    target = build_gemma4_model(tmp_path / "target", audio=False)
+    assistant = build_gemma4_assistant(tmp_path / "assistant", target, ordered=True)
+    conversations = [user(random_image(64, 70, 0), "Describe the image in detail."),
+                     user("The quick brown fox jumps over the lazy dog.")]
+    plain = LLM(target, max_model_len=512, block_size=4).chat(conversations, greedy(12))
+    llm = LLM(target, max_model_len=512, block_size=4, speculative=f"draft:{assistant}")
+    llm.engine.speculator.costs.hold(0.05)
+    got = llm.chat(conversations, greedy(12))
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    assert sum(o.metrics.draft_tokens for o in got) > 0
+    assert llm.engine.block_manager.num_used_blocks == 0
