@@ -139,6 +139,16 @@ def test_an_assistant_for_another_target_is_refused(paths, tmp_path):
     with pytest.raises(AssistantError, match="backbone_hidden_size=64; this target's "
                                              "hidden_size is 96"):
         LLM(wider, max_model_len=256, speculative=f"draft:{paths['plain']}")
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    unordered = shutil.copytree(paths["ordered"], tmp_path / "unordered")
+    tensors = load_file(unordered / "model.safetensors")
+    del tensors["masked_embedding.token_ordering"]
+    save_file(tensors, unordered / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(AssistantError, match="token_ordering is missing or not a permutation"):
+        LLM(paths["target"], max_model_len=256, speculative=f"draft:{unordered}")
 
 
 def test_an_image_prompt_on_the_multimodal_target(tmp_path):

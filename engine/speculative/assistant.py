@@ -108,6 +108,9 @@ class AssistantProposer:
             target.device, target.dtype)
         load_weights(assistant, _with_ordering(assistant, iter_checkpoint(path)),
                      assistant.checkpoint_map())
+        if assistant.ordered and not assistant.ordering_is_a_permutation():
+            raise AssistantError(f"{path.name} sets use_ordered_embeddings, but its {ORDERING} "
+                                 "is missing or not a permutation of the vocabulary")
         assistant.eval()
         if config.quantization is not None:
             _quantize(assistant, config)

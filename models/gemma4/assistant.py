@@ -108,7 +108,7 @@ class Gemma4Assistant(Gemma4Decoder):
                                      f"the vocabulary ({text.vocab_size} tokens)")
             self.centroids = Linear(hidden, hf_config.num_centroids, bias=False)
             self.top_centroids = hf_config.centroid_intermediate_top_k
-            # Token ids by centroid ([C * V / C]), read from the checkpoint (set by the loader).
+            # [V]: the token ids, grouped by centroid (set by the loader from the checkpoint)
             self.register_buffer("token_ordering", torch.zeros(text.vocab_size,
                                                               dtype=torch.int64),
                                  persistent=False)
@@ -141,6 +141,12 @@ class Gemma4Assistant(Gemma4Decoder):
         scores = scores.float()  # [B, K * V / C]
         out = (scores.amin(dim=-1, keepdim=True) - 1.0).expand(-1, self.cfg.vocab_size)
         return out.clone().scatter_(1, picked, scores)
+
+    def ordering_is_a_permutation(self) -> bool:
+        """Whether the token ordering holds every token id once (a checkpoint without one
+        leaves it zero)."""
+        ids = self.token_ordering.sort().values
+        return bool(torch.equal(ids, torch.arange(ids.numel(), device=ids.device)))
 
     def bind_target(self, target_layers: list, stores: dict[str, int]) -> None:
         """Each layer's attention reads the cache of the target layer its type names."""
