@@ -31,7 +31,7 @@ from engine.model_runner import ModelRunner, StepResult
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
 from engine.speculation_state import Proposal
-from engine.speculative.drawing import draw
+from engine.speculative.drawing import draw, proposals
 from models.gemma4.assistant import (
     ARCHITECTURE,
     ORDERING,
@@ -157,15 +157,7 @@ class AssistantProposer:
         probs: dict[str, list[torch.Tensor]] = {req.request_id: [] for req, _ in live}
         if live:
             self._draft(live, drafts, probs)
-        out: list[Proposal | None] = []
-        for req in reqs:
-            tokens = drafts.get(req.request_id)
-            if not tokens:
-                out.append(None)
-                continue
-            q = probs[req.request_id]
-            out.append(Proposal(tuple(tokens), torch.stack(q) if q else None))
-        return out
+        return proposals(reqs, drafts, probs)
 
     def queries(self, reqs: Sequence[Request]) -> tuple[AttentionMetadata, torch.Tensor]:
         """The attention metadata and positions of one query per request at its newest

@@ -13,6 +13,7 @@ import torch
 
 from engine.request import Request
 from engine.sampler import SamplingBatch, sampling_probs
+from engine.speculation_state import Proposal
 
 
 def draw(logits: torch.Tensor, reqs: Sequence[Request], positions: Sequence[int],
@@ -37,4 +38,16 @@ def draw(logits: torch.Tensor, reqs: Sequence[Request], positions: Sequence[int]
                 key = hash((seed, reqs[i].index, positions[i], "draft")) & (2**63 - 1)
                 gen = torch.Generator(device=q.device).manual_seed(key)
             out[i] = (int(torch.multinomial(q[j], 1, generator=gen)[0]), q[j])
+    return out
+
+
+def proposals(reqs: Sequence[Request], drafts: dict[str, list[int]],
+              probs: dict[str, list[torch.Tensor]]) -> list[Proposal | None]:
+    """Per request, its drafts (by request id) as a Proposal, with the distributions they were
+    drawn from when drawn (None: no draft)."""
+    out: list[Proposal | None] = []
+    for req in reqs:
+        tokens = drafts.get(req.request_id)
+        q = probs.get(req.request_id)
+        out.append(Proposal(tuple(tokens), torch.stack(q) if q else None) if tokens else None)
     return out

@@ -29,7 +29,7 @@ from engine.model_runner import ModelRunner, StepResult
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
 from engine.speculation_state import Proposal
-from engine.speculative.drawing import draw
+from engine.speculative.drawing import draw, proposals
 from models.kernels.linear import Linear
 from models.kernels.linear_choice import choose_linear_kernels, pin_decode_rows
 from models.kernels.quantization import quantize_linear
@@ -208,15 +208,7 @@ class MTPProposer:
             states = self._forward([drafts[r.request_id][-1] for r in reqs_now], states[keep],
                                    reqs_now, [r.num_tokens - 2 + step for r in reqs_now],
                                    [1] * len(reqs_now), step)
-        out: list[Proposal | None] = []
-        for req in reqs:
-            tokens = drafts.get(req.request_id)
-            if not tokens:
-                out.append(None)
-                continue
-            q = probs[req.request_id]
-            out.append(Proposal(tuple(tokens), torch.stack(q) if q else None))
-        return out
+        return proposals(reqs, drafts, probs)
 
     def _room(self, req: Request, k: int) -> int:
         """Drafts whose chain positions (up to num_tokens + k - 3) have slots: reserved in the
