@@ -365,6 +365,34 @@ def test_head_logits_are_float32_sums_not_rounded(kernels, monkeypatch, rows, pl
         assert torch.equal(float32_logits(layer, x), rounded.float())
 
 
+@pytest.mark.parametrize("mode, group", [(None, 0), ("int8", 64), ("int8", 0)])
+def test_few_rows_of_logits_sum_each_row_as_its_one_row_call(kernels, mode, group):
+    """A decode's and a verify's rows of an LM head (bfloat16 x): float32 sums within float32
+    rounding of the exact product, and each row's logits the same bits whatever rows share the
+    call (plain decoding and a verify of its tokens must pick alike), dense and int8 heads,
+    grouped and per channel, at 352 inputs (a group's 64s and a 32 left over in the dense head's
+    loop). Where the build has VDPBF16PS the LM-head kernel serves them (x taken as bfloat16,
+    `native.logits`); elsewhere it declines and the matrix-vector kernels do."""
+    from models.kernels.quantization import QuantizedLinear
+
+    gen = torch.Generator().manual_seed(5)
+    head = Linear(352, 200, bias=False)
+    head.weight.data = torch.randn(200, 352, generator=gen).bfloat16()
+    layer = QuantizedLinear(head.weight.data, None, mode, group or 352) if mode else head
+    weight = layer.dequantize(torch.float64) if mode else head.weight.double()
+    x = torch.randn(9, 352, generator=gen).bfloat16()
+    taken = kernels.logits(x[:1], layer.qweight if mode else head.weight,
+                           layer.scales if mode else None) is not None
+    assert taken == (kernels.variant == "avx512-bf16"), kernels.variant
+    for rows in range(1, 10):
+        logits = float32_logits(layer, x[:rows])
+        torch.testing.assert_close(logits.double(), x[:rows].double() @ weight.t(),
+                                   rtol=1e-5, atol=1e-4)
+        alone = torch.cat([float32_logits(layer, x[i:i + 1]) for i in range(rows)])
+        assert torch.equal(logits, alone), rows
+    assert kernels.logits(torch.zeros(2, 48).bfloat16(), torch.zeros(3, 48).bfloat16()) is None
+
+
 def test_native_linear_is_a_planned_candidate_for_few_rows_only(kernels):
     """Dense and quantized weights up to the 9-64 bucket (a second turn's short prefill chunk:
     the rows come from cache again cheaper than a GEMM that widens or dequantizes the whole

@@ -295,18 +295,33 @@ TAKE_FLOAT32_X = ("native", "native_rows", "native_gemm", "panel_gemm")
 FEW_ROWS = 16  # up to this many rows of x, our matrix-vector loop; past it our GEMM
 
 
+def _few_logits(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """native.logits for a bfloat16 or int8 head (bias added in float32), else None."""
+    if layer.is_quantized and layer.mode != "int8":
+        return None
+    weight, scales = (layer.qweight, layer.scales) if layer.is_quantized else (layer.weight, None)
+    logits = native.load().logits(x, weight, scales)
+    if logits is not None and layer.bias is not None:
+        logits += layer.bias.float()
+    return logits
+
+
 def float32_logits(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The LM head's x W^T (+ b) as float32, summed in float32 and not rounded to bfloat16
     where our kernels run it (a bfloat16 x on the CPU with the library loaded): rounding a
     logit to bfloat16 (up to 2^-9 of its size) made about a third of a bfloat16 model's KL
     divergence from float32 (docs/performance.md). The planned formulation where it is one of
     ours, else ours for that many rows (the int4 pack has no tiled one); elsewhere layer(x)
-    widened."""
+    widened. A decode's or a verify's few rows against a bfloat16 or int8 head take x as it
+    is (bfloat16) through VDPBF16PS where the build has it (`native.logits`), whatever the
+    plan: every row count up to FEW_ROWS then sums a row alike."""
     if isinstance(layer, BlockLinear):  # a GGUF head in its blocks: float32 sums already
         return layer(x.float())
     ours = x.dtype == torch.bfloat16 and x.dim() == 2 and x.device.type == "cpu"
     if not ours or native.load() is None:
         return layer(x).float()
+    if x.shape[0] <= FEW_ROWS and (logits := _few_logits(layer, x)) is not None:
+        return logits
     plan = layer.kernels
     name = None if plan is None else plan[bucket_index(x.shape[0])]
     int4 = layer.is_quantized and layer.mode == "int4"

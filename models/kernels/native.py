@@ -79,6 +79,7 @@ class NativeKernels:
         self._rows, self._gemm, self._gemm_i4 = lib.mm_linear_rows, lib.mm_gemm_dense, \
             lib.mm_gemm_int4
         self._int4 = lib.mm_linear_i4
+        self._logits = lib.mm_logits_bf16
         self._dequant_i8, self._dequant_i4 = lib.mm_dequantize_i8, lib.mm_dequantize_i4
         self._gemm_q, self._gemm_q_takes = lib.mm_gemm_quantized, lib.mm_gemm_quantized_takes
         self._norm, self._rotary, self._silu_mul = lib.mm_rms_norm, lib.mm_rotary, lib.mm_silu_mul
@@ -125,6 +126,30 @@ class NativeKernels:
         if status:
             raise MemoryError("native linear: out of memory for the input's float32 copy")
         return y
+
+    def logits(self, x: torch.Tensor, weight: torch.Tensor,
+               scales: torch.Tensor | None = None) -> torch.Tensor | None:
+        """An LM head's few rows: x [M, K] bfloat16 . weight [N, K]^T (bfloat16, or int8 with
+        bfloat16 `scales` as `linear` takes them) -> float32 [M, N], each product exact and the
+        sums float32 (models/kernels/cpu/logits_bf16.c); each row's logits the same whatever
+        rows share the call. None where this build does not take it (no VDPBF16PS, or K or the
+        group not a multiple of 32): the caller runs another formulation."""
+        m, k = x.shape
+        n = weight.shape[0]
+        assert x.dtype == torch.bfloat16, "logits take a bfloat16 x"
+        assert weight.is_contiguous() and weight.shape[1] == k, "weight [N, K], contiguous"
+        if weight.dtype == torch.bfloat16:
+            args: tuple = (weight.data_ptr(), c.DTYPE_BF16, None, k)
+        elif weight.dtype == torch.int8:
+            args = (weight.data_ptr(), c.DTYPE_I8, scales.data_ptr(),
+                    _scales_group(weight, scales))
+        else:
+            return None
+        x = x.contiguous()
+        y = torch.empty(m, n, dtype=torch.float32)
+        status = self._logits(x.data_ptr(), *args, y.data_ptr(), m, n, k,
+                              torch.get_num_threads())
+        return None if status else y
 
     def linear_rows(self, x: torch.Tensor, weight: torch.Tensor,
                     scales: torch.Tensor | None = None) -> torch.Tensor:

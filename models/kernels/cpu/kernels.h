@@ -471,6 +471,10 @@ void mm_dequantize_i4_block(const uint8_t* w, const uint16_t* sz, void* out, int
                             int64_t ldo, int64_t n, int64_t k, int64_t group, int64_t b,
                             int64_t g0, int64_t g1);
 
+/* logits_bf16.c: the LM head of a bfloat16 x's few rows, float32 logits (2: not taken here) */
+int mm_logits_bf16(const uint16_t* x, const void* w, int w_dtype, const uint16_t* scales,
+                   int64_t group, float* y, int64_t m, int64_t n, int64_t k, int threads);
+
 /* linear_rows.c, gemm_dense.c, gemm_quantized.c: the tiled products */
 int mm_linear_rows(const void* x, int x_dtype, const void* w, int w_dtype,
                    const uint16_t* scales, int64_t group, void* y, int64_t m, int64_t n,
