@@ -5,7 +5,7 @@ runner read their shapes and bind their caches), `state_layers()` returns `Recur
 (a hybrid model's linear-attention layers: the memory plan binds their state pools, the runner
 keeps a verification's accepted state), and every step's forward takes a `ForwardMetadata`:
 the paged-attention indices and, beside them, the state, cross-attention and LoRA batches.
-The families' own classes (models/layers/decoder_layer.py's `Attention`, gated_deltanet.py's
+The families' own classes (models/layers/decoder_attention.py's `Attention`, gated_deltanet.py's
 `GatedDeltaNet`, attention_metadata.py's `AttentionMetadata`) satisfy them by their attributes;
 nothing subclasses these. Like models/interfaces.py, which imports it, this module sits below
 models/layers/ (it imports none of it) and imports without torch (the annotations are strings).

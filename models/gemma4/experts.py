@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from models.kernels.linear import Linear
-from models.layers.decoder_layer import DecoderConfig, DecoderLayer
+from models.layers.decoder_config import DecoderConfig
+from models.layers.decoder_layer import DecoderLayer
 from models.layers.moe import MoEShape, RoutedExperts
 from models.layers.norm import RMSNorm, rms_norm_unscaled
 

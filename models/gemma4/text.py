@@ -30,7 +30,7 @@ import torch
 from models.gemma4.experts import ExpertsLayer, moe_shape
 from models.layers.attention import LayerAttention
 from models.layers.decoder import Decoder
-from models.layers.decoder_layer import DecoderConfig, LayerShape
+from models.layers.decoder_config import DecoderConfig, LayerShape
 from models.layers.moe import unfuse_experts
 from models.layers.per_layer_inputs import PerLayerInputShape
 

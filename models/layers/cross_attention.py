@@ -23,7 +23,7 @@ from models.kernels.linear import Linear
 from models.layers.attention import attend
 from models.layers.attention_metadata import AttentionMetadata
 from models.layers.cross_metadata import CrossSegment
-from models.layers.decoder_layer import DecoderConfig
+from models.layers.decoder_config import DecoderConfig
 from models.layers.mlp import GatedMLP
 from models.layers.norm import RMSNorm
 

@@ -30,7 +30,9 @@ from models.kernels.linear import Linear, float32_logits
 from models.layers.activations import rowwise
 from models.layers.attention_metadata import AttentionMetadata
 from models.layers.cross_attention import CrossAttentionLayer
-from models.layers.decoder_layer import Attention, DecoderConfig, DecoderLayer
+from models.layers.decoder_attention import Attention
+from models.layers.decoder_config import DecoderConfig
+from models.layers.decoder_layer import DecoderLayer
 from models.layers.gated_deltanet import GatedDeltaNet
 from models.layers.lora import AdapterSet
 from models.layers.moe import MoEShape, RoutedExperts, sparse_layers, unfuse_experts

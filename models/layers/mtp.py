@@ -27,7 +27,8 @@ from torch import nn
 from models.kernels.linear import Linear
 from models.layers.attention import LayerAttention
 from models.layers.attention_metadata import AttentionMetadata
-from models.layers.decoder_layer import DecoderConfig, DecoderLayer
+from models.layers.decoder_config import DecoderConfig
+from models.layers.decoder_layer import DecoderLayer
 from models.layers.norm import RMSNorm
 
 PREFIX = "mtp."

@@ -44,7 +44,9 @@ from models.kernels.native_interface import DecoderDesc, LayerDesc, LinearDesc
 from models.kernels.native_linear import linear_desc
 from models.kernels.quantization import QuantizedLinear
 from models.layers.attention_metadata import AttentionMetadata
-from models.layers.decoder_layer import Attention, DecoderConfig, DecoderLayer
+from models.layers.decoder_attention import Attention
+from models.layers.decoder_config import DecoderConfig
+from models.layers.decoder_layer import DecoderLayer
 from models.layers.mlp import GatedMLP
 from models.layers.norm import RMSNorm
 

@@ -25,7 +25,7 @@ from models.interfaces import EncoderItem
 from models.kernels.linear import EncoderLinear
 from models.layers.attention import LayerAttention
 from models.layers.decoder import Decoder, DecoderConfig
-from models.layers.decoder_layer import layer_attention_from_hf, layer_rope_from_hf
+from models.layers.decoder_config import layer_attention_from_hf, layer_rope_from_hf
 from models.layers.rotary import longrope_attention_factor
 from models.layers.transfer import to_device
 from models.phi4mm.vision import ImageEmbedding

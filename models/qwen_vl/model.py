@@ -3,7 +3,7 @@ mixture-of-experts feed-forward blocks): a Qwen decoder with multimodal rotary p
 and the vision towers of models/encoders/qwen_vl.py. Images and videos share the tower, so one
 step's items of both modalities go through it in a single forward. Qwen3.5's decoder is hybrid
 (three Gated DeltaNet layers to one attention layer, attention with an output gate and RoPE on a
-quarter of each head; see models/layers/decoder_layer.py), its tower Qwen3-VL's without
+quarter of each head; see models/layers/decoder_attention.py), its tower Qwen3-VL's without
 DeepStack.
 
 mRoPE: positions are [3, T] (temporal, row, column). The rotary table is indexed by each row and

@@ -37,7 +37,7 @@ from models.layers.attention import LayerAttention, paged_attention
 from models.layers.attention_metadata import AttentionMetadata
 from models.layers.cross_attention import attend_segments
 from models.layers.cross_metadata import CrossSegment
-from models.layers.decoder_layer import DecoderConfig
+from models.layers.decoder_config import DecoderConfig
 from models.whisper.alignment import alignment_probabilities
 
 _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
