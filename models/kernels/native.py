@@ -131,7 +131,7 @@ class NativeKernels:
                scales: torch.Tensor | None = None) -> torch.Tensor | None:
         """An LM head's few rows: x [M, K] bfloat16 . weight [N, K]^T (bfloat16, or int8 with
         bfloat16 `scales` as `linear` takes them) -> float32 [M, N], each product exact and the
-        sums float32 (models/kernels/cpu/logits_bf16.c); each row's logits the same whatever
+        sums float32 (models/kernels/cpu/dot_bf16.c); each row's logits the same whatever
         rows share the call. None where this build does not take it (no VDPBF16PS, or K or the
         group not a multiple of 32): the caller runs another formulation."""
         m, k = x.shape

@@ -32,7 +32,7 @@ SOURCES = tuple(HERE / name for name in (
     "small_ops.c", "linear_dense.c", "linear_int8.c", "linear_int4.c", "attention.c",
     "decode_layers.c", "gemm_quantized.c", "delta_rule.c", "moe_experts.c", "linear_rows.c",
     "gemm_dense.c", "fit_int4.c", "ggml_blocks.c", "ggml_x8.c", "linear_desc.c",
-    "logits_bf16.c"))
+    "dot_bf16.c"))
 HEADER = HERE / "kernels.h"
 BUILD_TIMEOUT_S = 120
 # + the variant's target. -fno-trapping-math: no kernel reads floating-point exception flags,

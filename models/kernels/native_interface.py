@@ -105,7 +105,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "mm_dequantize_i4": (None, [_ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64, _i64, _int]),
     "mm_dequantize_i4_block": (None, [_ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64, _i64,
                                       _i64, _i64]),
-    # logits_bf16.c: the LM head of a bfloat16 x's few rows, float32 logits
+    # dot_bf16.c: the LM head of a bfloat16 x's few rows, float32 logits
     "mm_logits_bf16": (_int, [_ptr, _ptr, _int, _ptr, _i64, _ptr, _i64, _i64, _i64, _int]),
     # linear_rows.c, gemm_dense.c, gemm_quantized.c: the tiled products
     "mm_linear_rows": (_int, _TILED),

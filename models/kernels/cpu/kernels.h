@@ -471,7 +471,7 @@ void mm_dequantize_i4_block(const uint8_t* w, const uint16_t* sz, void* out, int
                             int64_t ldo, int64_t n, int64_t k, int64_t group, int64_t b,
                             int64_t g0, int64_t g1);
 
-/* logits_bf16.c: the LM head of a bfloat16 x's few rows, float32 logits (2: not taken here) */
+/* dot_bf16.c: the LM head of a bfloat16 x's few rows, float32 logits (2: not taken here) */
 int mm_logits_bf16(const uint16_t* x, const void* w, int w_dtype, const uint16_t* scales,
                    int64_t group, float* y, int64_t m, int64_t n, int64_t k, int threads);
 
@@ -632,5 +632,13 @@ static inline void add_into(void* a, const void* b, int dt, int64_t n, int64_t p
  * call; else NULL. */
 int run_linear(const mm_linear_desc* l, const void* x, void* y, int64_t m, int dt, int threads,
                mm_team* team);
+
+#ifdef MM_AVX512_BF16
+/* dot_bf16.c (internal, as run_linear): the body of a VDPBF16PS product of a bfloat16 x and
+ * bfloat16 or int8 weights (mm_logits_bf16's arguments), y float32 or bfloat16 (y_dtype), run
+ * by the calling team (an orphaned omp for); requires k and group multiples of 32. */
+int dot_bf16_rows(const uint16_t* x, const void* w, int w_dtype, const uint16_t* scales,
+                  int64_t group, void* y, int y_dtype, int64_t m, int64_t n, int64_t k);
+#endif
 
 #endif

@@ -277,6 +277,12 @@ int mm_int8_group_ok(int64_t k, int64_t group) {
 
 static int linear_i8_any(const void* x, int x_dtype, const int8_t* w, const uint16_t* scales,
                          int64_t group, void* y, int64_t m, int64_t n, int64_t k) {
+#ifdef MM_AVX512_BF16
+    /* a bfloat16 x (a bfloat16 model's) as it is, through VDPBF16PS (dot_bf16.c): half the
+     * float32 loop's instructions per row, which a verify's rows pay each */
+    if (group < k && x_dtype == DTYPE_BF16 && group % 32 == 0)
+        return dot_bf16_rows(x, w, DTYPE_I8, scales, group, y, DTYPE_BF16, m, n, k);
+#endif
     if (group < k) return linear_i8_grouped(x, x_dtype, w, scales, group, y, m, n, k);
     /* chosen whatever m: a row's result must not depend on how many rows share its call (a
      * verify's rows sum as decodes of their tokens) */

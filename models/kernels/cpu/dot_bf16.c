@@ -1,21 +1,20 @@
-/* The LM head of a bfloat16 model's few rows (a decode's, a verify's) through VDPBF16PS:
- * logits [M, N] float32 = x [M, K] bfloat16 . W [N, K]^T, W bfloat16 or int8 with a bfloat16
- * scale per `group` inputs of each channel (group == K: one per channel).
+/* A bfloat16 x's few rows (a decode's, a verify's) through VDPBF16PS: y [M, N] = x [M, K] .
+ * W [N, K]^T, W bfloat16 or int8 with a bfloat16 scale per `group` inputs of each channel
+ * (group == K: one per channel), float32 sums; y float32 (mm_logits_bf16: the LM head, whose
+ * logits are kept in float32) or bfloat16 (dot_bf16_rows: an int8 linear of a bfloat16 model,
+ * from linear_int8.c).
  *
- * Why a kernel of its own: the logits are kept in float32 (models/kernels/linear.py's
- * float32_logits), and the matrix-vector kernels write y in x's dtype, so the head ran as float32
- * x against widened weights: one float32 multiply-add per 16 weights and row. x is bfloat16
- * already (the final norm's output), so VDPBF16PS takes it as it is: each product exact (a
- * bfloat16 times a bfloat16, or an int8 q, which bfloat16 holds exactly), float32 sums, one
- * instruction per 32 weights and row. A verify's rows (up to LOGIT_ROWS) share each weight vector
- * loaded (and, int8, converted) once, and each row's sums are the same whatever the rows beside
- * it: a row's logits are the one-row call's. */
+ * x is taken as the bfloat16 it is: each product exact (a bfloat16 times a bfloat16, or an int8
+ * q, which bfloat16 holds exactly), float32 sums, one instruction per 32 weights and row where a
+ * float32 loop over widened weights spends one multiply-add per 16. A verify's rows (up to
+ * DOT_ROWS) share each weight vector loaded (and, int8, converted) once, and each row's sums are
+ * the same whatever the rows beside it: a row's result is the one-row call's. */
 #include <stdint.h>
 
 #include "kernels.h"
 
 #ifdef MM_AVX512_BF16
-#define LOGIT_ROWS 5 /* rows of x per pass over a weight row: 2 R accumulators in registers */
+#define DOT_ROWS 5 /* rows of x per pass over a weight row: 2 R accumulators in registers */
 
 /* 32 int8 at q as bfloat16 (exact: |q| <= 128) */
 static inline __m512bh i8x32_to_bf16(const int8_t* q) {
@@ -27,15 +26,15 @@ static inline __m512bh i8x32_to_bf16(const int8_t* q) {
 /* Rows [i0, i0 + R) of x against weight row r. Per group (the whole row for a bfloat16
  * weight), two independent sums per row (even and odd vectors of 32), added and scaled once at
  * the group's end into the row's float32 total. */
-static inline __attribute__((always_inline)) void logit_rows(
+static inline __attribute__((always_inline)) void dot_rows(
     const uint16_t* x, const void* w, int w_dtype, const uint16_t* scales, int64_t group,
-    float* y, int64_t n, int64_t k, int64_t r, int64_t i0, const int R) {
+    void* y, int y_dtype, int64_t n, int64_t k, int64_t r, int64_t i0, const int R) {
     const int64_t groups = k / group;
-    __m512 total[LOGIT_ROWS];
+    __m512 total[DOT_ROWS];
     for (int i = 0; i < R; i++) total[i] = _mm512_setzero_ps();
     const uint16_t* xr = x + i0 * k;
     for (int64_t g = 0; g < groups; g++) {
-        __m512 a0[LOGIT_ROWS], a1[LOGIT_ROWS];
+        __m512 a0[DOT_ROWS], a1[DOT_ROWS];
         for (int i = 0; i < R; i++) a0[i] = a1[i] = _mm512_setzero_ps();
         int64_t j = g * group;
         const int64_t end = j + group;
@@ -70,20 +69,21 @@ static inline __attribute__((always_inline)) void logit_rows(
         for (int i = 0; i < R; i++)
             total[i] = _mm512_fmadd_ps(_mm512_add_ps(a0[i], a1[i]), scale, total[i]);
     }
-    for (int i = 0; i < R; i++) y[(i0 + i) * n + r] = _mm512_reduce_add_ps(total[i]);
+    for (int i = 0; i < R; i++)
+        store(y, y_dtype, (i0 + i) * n + r, _mm512_reduce_add_ps(total[i]));
 }
 
-static int logits_bf16(const uint16_t* x, const void* w, int w_dtype, const uint16_t* scales,
-                       int64_t group, float* y, int64_t m, int64_t n, int64_t k) {
+int dot_bf16_rows(const uint16_t* x, const void* w, int w_dtype, const uint16_t* scales,
+                  int64_t group, void* y, int y_dtype, int64_t m, int64_t n, int64_t k) {
     _Pragma("omp for schedule(static) nowait")
     for (int64_t r = 0; r < n; r++) {
-        for (int64_t i0 = 0; i0 < m; i0 += LOGIT_ROWS) {
-            switch (m - i0 < LOGIT_ROWS ? m - i0 : LOGIT_ROWS) {  /* each compiled unrolled */
-                case 1: logit_rows(x, w, w_dtype, scales, group, y, n, k, r, i0, 1); break;
-                case 2: logit_rows(x, w, w_dtype, scales, group, y, n, k, r, i0, 2); break;
-                case 3: logit_rows(x, w, w_dtype, scales, group, y, n, k, r, i0, 3); break;
-                case 4: logit_rows(x, w, w_dtype, scales, group, y, n, k, r, i0, 4); break;
-                default: logit_rows(x, w, w_dtype, scales, group, y, n, k, r, i0, 5);
+        for (int64_t i0 = 0; i0 < m; i0 += DOT_ROWS) {
+            switch (m - i0 < DOT_ROWS ? m - i0 : DOT_ROWS) {  /* each compiled unrolled */
+                case 1: dot_rows(x, w, w_dtype, scales, group, y, y_dtype, n, k, r, i0, 1); break;
+                case 2: dot_rows(x, w, w_dtype, scales, group, y, y_dtype, n, k, r, i0, 2); break;
+                case 3: dot_rows(x, w, w_dtype, scales, group, y, y_dtype, n, k, r, i0, 3); break;
+                case 4: dot_rows(x, w, w_dtype, scales, group, y, y_dtype, n, k, r, i0, 4); break;
+                default: dot_rows(x, w, w_dtype, scales, group, y, y_dtype, n, k, r, i0, 5);
             }
         }
     }
@@ -102,7 +102,7 @@ int mm_logits_bf16(const uint16_t* x, const void* w, int w_dtype, const uint16_t
     if (!taken || k % 32 || group % 32) return 2;
     if (m == 0 || n == 0) return 0;
     const int team = team_threads(threads, m, n * k * (w_dtype == DTYPE_BF16 ? 2 : 1));
-    ON_TEAM(team, logits_bf16(x, w, w_dtype, scales, group, y, m, n, k));
+    ON_TEAM(team, dot_bf16_rows(x, w, w_dtype, scales, group, y, DTYPE_F32, m, n, k));
 #else
     (void)x, (void)w, (void)w_dtype, (void)scales, (void)group, (void)y, (void)m, (void)n,
         (void)k, (void)threads;
