@@ -154,6 +154,23 @@ def test_int8_linear_matches_the_dequantized_weight(kernels, k, rows):
                                rtol=0.01)
 
 
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group, rows", [(32, 1), (64, 5), (128, 7)])
+def test_grouped_int8_linear_matches_the_dequantized_weight(kernels, x_dtype, group, rows):
+    """A scale per group: a float32 x through widened weights, a bfloat16 x (a bfloat16
+    model's) through VDPBF16PS where the build has it (each product exact, a group's sum scaled
+    once): the exact product of the dequantized weight and x, to the output's rounding."""
+    gen = torch.Generator().manual_seed(group + rows)
+    q, scales = quantize_int8(torch.randn(96, 384, generator=gen) * 0.05, group)
+    x = torch.randn(rows, 384, generator=gen).to(x_dtype)
+    x[:, 3] *= 200
+    ref = x.double() @ dequantize_int8(q, scales, torch.float64).t()
+    out = kernels.linear(x, q, scales)
+    assert out.dtype == x_dtype
+    step = 2.0 ** -8 if x_dtype == torch.bfloat16 else 2.0 ** -20  # the output's rounding
+    assert ((out.double() - ref).abs() <= step * ref.abs() + 1e-5 * ref.abs().max()).all()
+
+
 @pytest.mark.parametrize("generic", [False, True])  # the VNNI path where the CPU has one
 @pytest.mark.parametrize("group, rows", [(32, 1), (128, 3), (64, 6)])
 def test_int4_linear_matches_the_dequantized_weight(kernels, generic, group, rows):
