@@ -60,8 +60,11 @@ def test_resident_kv_memory_grows_with_use_not_the_budget(reference):
     assert stats["kv_reserved_bytes"] >= 255 * MIB
     # nothing zero-filled: at start only the first page of each layer's pool (glibc's header
     # of an mmap'd allocation sits there; block 0, where block tables are padded, is never
-    # written either), then the short request's block per layer
-    assert start <= 2 * os.sysconf("SC_PAGE_SIZE") and start < short < MIB, (start, short)
+    # written either), then the short request's block per layer. One page more than the two
+    # headers was seen once in a full CI run (not reproduced alone; cause unknown): allowed,
+    # since a block written at start-up would show 4 pages per layer (its keys and values of
+    # each head lie in separate pages) and a zero-filled pool 128 MiB.
+    assert start <= 3 * os.sysconf("SC_PAGE_SIZE") and start < short < MIB, (start, short)
     # the long request's 449 tokens: 29 blocks (the short one's freed block may be among them)
     assert 29 <= stats["kv_blocks_first_used"] <= 30, stats
     # 447 tokens: 28 blocks of 2 layers x 2 x 2 heads x 16 x 16 x 4 bytes
