@@ -1,8 +1,19 @@
 """The options a decoder is assembled from, named by feature and read once from a Hugging Face
 text config: `DecoderConfig`, with per-layer shapes (`LayerShape`), windows and soft-caps
 (`layer_attention_from_hf`) and rope settings (`layer_rope_from_hf`). The layers they build are
-models/layers/decoder_layer.py and models/layers/decoder_attention.py; what each option means is
-said where it is declared below.
+models/layers/decoder_layer.py and models/layers/decoder_attention.py.
+
+Options: bias on q/k/v and on o, RMSNorm over each head's q and k (`qk_norm`), norms that scale
+by (1 + w) (`norm_unit_offset`), norms after attention and MLP as well (`sandwich_norms`), the
+attention scale, per-layer sliding windows and soft-caps, RoPE on the first `rotary_dim`
+dimensions of each head only, an output gate (`attn_output_gate`: q_proj also emits a per-head
+gate, and the attention output is multiplied by its sigmoid), hybrid stacks whose layers mix
+tokens by Gated DeltaNet linear attention instead (`layer_mixers`), mixture-of-experts
+feed-forward blocks in some or all layers (`moe`). Layers may differ in shape (`layer_shapes`:
+KV heads and head size per layer, values that are the keys' projection, a layer that reads
+another layer's keys and values instead of computing its own, and `layer_mlp_sizes`), normalize
+their values (`v_norm`), scale their output by a learned scalar (`layer_scalar`) and take a
+per-layer input (`per_layer_inputs`). Other options are said where they are declared below.
 """
 
 from __future__ import annotations
