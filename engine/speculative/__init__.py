@@ -8,6 +8,7 @@ itself is parsed in engine/speculative_option.py, which the configuration import
 - `assistant.py`    Gemma 4's assistant drafter (`draft:PATH` to one), reading its target's state
 - `mtp.py`          Qwen3.5's multi-token-prediction layer (`mtp.*` weights)
 - `drawing.py`      a model drafter's logits to draft tokens (argmax, or a seeded draw)
+- `kept_rows.py`    which rows of a finished step a model drafter reads
 - `speculator.py`   the engine's side: its drafters, each request's state, the next drafts
 
 What a verification keeps (the verify step's rows, speculative sampling's rule) is

@@ -32,6 +32,7 @@ from engine.request import Request
 from engine.scheduler import SchedulerOutput
 from engine.speculation_state import Proposal
 from engine.speculative.drawing import draw, proposals
+from engine.speculative.kept_rows import kept_rows
 from models.gemma4.assistant import (
     ARCHITECTURE,
     ORDERING,
@@ -133,16 +134,10 @@ class AssistantProposer:
         where this step computed it (the step's tokens are appended already)."""
         if result.hidden is None:
             return
-        offset = 0
-        for chunk in out.chunks:
-            req, first = chunk.req, offset
-            offset += chunk.num_tokens
-            spec = req.speculation
-            if spec is None or spec.method != self.name or req.finished:
-                continue
+        for chunk, first, kept in kept_rows(out, self.name):
+            req = chunk.req
             seq = self.seqs.setdefault(req.request_id, AssistantSequence())
             seq.hidden = None
-            kept = 1 + len(chunk.accepted) if chunk.draft else chunk.num_tokens
             if chunk.start + kept == req.num_tokens - 1:  # its last row chose the newest token
                 seq.hidden = result.hidden[first + kept - 1].clone()  # not the step's rows
 

@@ -30,6 +30,7 @@ from engine.request import Request
 from engine.scheduler import SchedulerOutput
 from engine.speculation_state import Proposal
 from engine.speculative.drawing import draw, proposals
+from engine.speculative.kept_rows import kept_rows
 from models.kernels.linear import Linear
 from models.kernels.linear_choice import choose_linear_kernels, pin_decode_rows
 from models.kernels.quantization import quantize_linear
@@ -119,17 +120,10 @@ class MTPProposer:
         if result.hidden is None:
             return
         rows, ids, starts, counts, reqs = [], [], [], [], []
-        offset = 0
-        for chunk in out.chunks:
+        for chunk, first, kept in kept_rows(out, self.name):
             req = chunk.req
-            first = offset
-            offset += chunk.num_tokens
-            spec = req.speculation
-            if spec is None or spec.method != self.name or req.finished:
-                continue
             seq = self.seqs.setdefault(req.request_id, MTPSequence())
             seq.hidden = None
-            kept = 1 + len(chunk.accepted) if chunk.draft else chunk.num_tokens
             # a position's next token must be known: not the chunk's last when it ends a
             # sequence that sampled nothing (a prefill chunk mid-prompt knows its next token)
             kept = min(kept, req.num_tokens - 1 - chunk.start)
