@@ -28,7 +28,7 @@ from models.kernels.ggml_blocks import set_activation_digits
 from models.kernels.huge_pages import place_weights, return_freed_memory
 from models.kernels.linear_choice import choose_linear_kernels
 from models.kernels.quantization import QuantizeOnLoad, quantize_language_model
-from models.layers.lora import attach_adapters
+from models.layers.lora import AdapterSet, attach_adapters
 from models.loader import (
     MissingWeights,
     build_on_meta,
@@ -50,8 +50,8 @@ class LoadedModel:
 
     model: LanguageModel
     gguf_summary: str
-    adapters: object
-    modality_adapters: dict
+    adapters: AdapterSet | None
+    modality_adapters: dict[str, str]
 
 
 def load_model(path: Path, hf_config, model_cls: type[LanguageModel], config: EngineConfig,

@@ -119,10 +119,13 @@ class RunnerSetup:
         the library builds (PyTorch's decode attention batches decodes with padding, rounding
         a row differently by what shares its bucket). Elsewhere, the inputs of up to a decode
         bucket's rows padded to one shape in the linears measured to need it
-        (models.kernels.row_invariance); the norms (fused) and attention there compute a row
-        alike at any row count (tests/test_cuda_features.py)."""
+        (models.kernels.row_invariance), and in the LoRA adapters' products
+        (models/layers/lora.py); the norms (fused) and attention there compute a row alike at
+        any row count (tests/test_cuda_features.py)."""
         if self.device.type != "cpu":
             pad_device_rows(self.model, self.dtype)
+            if self.adapters is not None:  # their small products, unmeasured: padding is cheap
+                self.adapters.pad_rows = native.FUSED_ROWS
             return
         if pin_decode_rows(self.model, self.dtype):
             self.prepare_native_decode()  # it serves the pinned buckets

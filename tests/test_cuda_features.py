@@ -3,7 +3,8 @@
 Speculation: greedy output identical to plain decoding with n-gram lookup, a draft model and
 Qwen3.5's MTP layer (a hybrid), and every logits row both runs sample after the same tokens
 compared to the bit (the linears whose rows the library sums by the row count run few rows
-padded to one shape: models/kernels/row_invariance.py), also at a real model's widths. A
+padded to one shape: models/kernels/row_invariance.py), also at a real model's widths, with
+LoRA adapters (their products padded alike), a mixture of experts and a media prompt. A
 GGUF file (its blocks dequantized on CUDA, and said so): the tokens of the CPU engine
 reading the same file dequantized. Skipped without a GPU. (The int8 KV cache on CUDA:
 tests/test_kv_quant.py's engine test, its "cuda" case.)
@@ -16,7 +17,7 @@ import torch
 
 from engine import LLM
 from testing.speculative import run_parity
-from tests.helpers import greedy, user
+from tests.helpers import greedy, random_image, user
 
 pytestmark = [
     pytest.mark.gpu,
@@ -107,6 +108,72 @@ def test_hybrid_with_its_mtp_layer(tmp_path_factory):
     outs = llm.chat(chats, greedy(12, logprobs=2))
     assert _tokens(outs) == _tokens(parity.plain)
     assert sum(o.metrics.draft_tokens for o in outs) > 0
+    llm.engine.check_integrity()
+
+
+def _lora_engine(root, dtype: str):
+    """A Llama with an attention adapter: requests with and without it share the steps."""
+    from transformers import AutoModelForCausalLM
+
+    from testing.lora import save_random_adapter
+    from testing.tiny import build_text_model
+
+    path = build_text_model(root / "llama", "llama", num_kv_heads=1)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    folder = save_random_adapter(hf, root / "attn", ["q_proj", "k_proj", "v_proj", "o_proj"],
+                                 r=4, lora_alpha=8, seed=1)
+    return LLM(path, device=DEVICE, dtype=dtype, max_model_len=256, block_size=4,
+               enable_prefix_caching=False, speculative="ngram",
+               lora_adapters={"attn": str(folder)})
+
+
+def _moe_engine(root, dtype: str):
+    """Qwen3-MoE: every expert runs on every token off the CPU (models/layers/moe.py)."""
+    from testing.tiny import build_text_model
+
+    path = build_text_model(root / "qwen3_moe", "qwen3_moe", config_overrides={
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "head_dim": 16})
+    return LLM(path, device=DEVICE, dtype=dtype, max_model_len=512, block_size=4,
+               enable_prefix_caching=False, speculative="ngram")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lora_and_experts_rows_equal_plain_decoding(tmp_path_factory, dtype):
+    """LoRA products (padded off the CPU: models/layers/lora.py) and a mixture's experts:
+    every logits row both runs sample after the same tokens, to the bit."""
+    root = tmp_path_factory.mktemp("lora_moe")
+    prompts = ["The quick brown fox jumps over the lazy dog.", "Describe the image.",
+               "Numbers: 0 1 2 3 4 5"]
+    for llm, adapters in ((_lora_engine(root, dtype), ("attn", None, "attn")),
+                          (_moe_engine(root, dtype), (None, None, None))):
+        def run(overrides, llm=llm, adapters=adapters):
+            return llm.generate(prompts, [
+                greedy(16, logprobs=2, lora=lora, **{
+                    **overrides, **({"num_speculative_tokens": 0} if i == 1 else {})})
+                for i, lora in enumerate(adapters)])
+
+        parity = run_parity(llm, run)
+        parity.assert_identical()
+        llm.engine.check_integrity()
+        assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_a_media_prompt_rows_equal_plain_decoding(qwen2_vl_path):
+    """Qwen2-VL with an image (mRoPE positions, the encoder's rows spliced in) beside a text
+    request that does not speculate."""
+    llm = LLM(qwen2_vl_path, device=DEVICE, dtype="float32", max_model_len=1024, block_size=4,
+              enable_prefix_caching=False, speculative="ngram")
+    chats = [user(random_image(120, 150, 0), "Describe the image in detail."),
+             user("Hello there, how are you today?")]
+
+    def run(overrides):
+        return llm.chat(chats, [greedy(12, logprobs=2, **{
+            **overrides, **({"num_speculative_tokens": 0} if i == 1 else {})})
+            for i in range(len(chats))])
+
+    parity = run_parity(llm, run)
+    parity.assert_identical()
     llm.engine.check_integrity()
 
 

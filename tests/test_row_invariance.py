@@ -70,3 +70,40 @@ def test_few_rows_run_padded_off_the_cpu(monkeypatch):
     seen[:] = []
     assert layer(torch.empty(70, 16, device="meta")).shape == (70, 8)  # past it: as it is
     assert seen == [(70, 16)]
+
+
+def test_lora_products_of_few_rows_run_padded_off_the_cpu(monkeypatch):
+    """An adapter's two products see the padded rows; the output keeps the caller's rows,
+    updated on the rows the adapter targets (every row, or the batch's listed ones)."""
+    from pathlib import Path
+
+    from models.adapters import LoraAdapter, LoraPart
+    from models.layers import lora
+
+    seen = []
+    product = lora._product
+
+    def record(x, w):
+        seen.append(tuple(x.shape))
+        return product(x, w)
+
+    monkeypatch.setattr(lora, "_product", record)
+    layer = nn.Module()
+    layer.self_attn = nn.Module()
+    layer.self_attn.qkv_proj = Linear(16, 24, device="meta")
+    model = nn.Module()
+    model.layers = nn.ModuleList([layer])
+    part = LoraPart("layers.0.self_attn.qkv_proj", 8, torch.empty(4, 16), torch.empty(8, 4))
+    adapters = lora.AdapterSet(model, [LoraAdapter("a", Path("a"), (part,), None)],
+                               torch.device("meta"), torch.float32)
+    linear = layer.self_attn.qkv_proj
+    for rows, pad, want in ((None, None, [(5, 16), (5, 4)]), (None, 64, [(64, 16), (64, 4)]),
+                            (torch.tensor([0, 3], device="meta"), 64, [(64, 16), (64, 4)])):
+        adapters.step = lora.AdapterBatch(((1, rows),))
+        adapters.pad_rows, seen[:] = pad, []
+        assert linear(torch.empty(5, 16, device="meta")).shape == (5, 24)
+        assert seen == want
+    adapters.pad_rows, seen[:] = 4, []  # past it: as it is
+    adapters.step = lora.AdapterBatch(((1, None),))
+    assert linear(torch.empty(5, 16, device="meta")).shape == (5, 24)
+    assert seen == [(5, 16), (5, 4)]

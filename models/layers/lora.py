@@ -14,6 +14,11 @@ of the output: grouped by adapter (a few per step), never by token. Rows without
 keep the base output. Nothing reads a device value: the rows are index tensors made on the
 host, the loop runs over host lists.
 
+A speculating engine needs a verified row's update to round as a decode row's does: on the CPU
+the products at a decode's rows go through our matrix-vector kernel (each row by itself); off
+it, `pad_rows` set (by the runner) runs the products of fewer rows padded to that many, one
+shape and so one library kernel (as models/kernels/row_invariance.py does for the linears).
+
 Adapters apply to the linears of attention and dense MLP blocks, whose inputs are the step's
 token rows in order; other targets (embeddings, the LM head, routed experts) are refused.
 """
@@ -26,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from models.adapters import LoraAdapter, read_adapter
@@ -86,6 +92,7 @@ class AdapterSet:
             raise ValueError(f"adapter names repeat: {self.names}")
         self.adapters = tuple(adapters)
         self.step: AdapterBatch | None = None
+        self.pad_rows: int | None = None  # off the CPU: fewer rows run padded to this many
         allowed = adaptable_linears(model)
         updates: dict[str, dict[int, _Update]] = {}
         for slot, adapter in enumerate(adapters, start=1):
@@ -121,9 +128,13 @@ class AdapterSet:
                 if update is None:
                     continue
                 xs = x if rows is None else x.index_select(0, rows)
-                xa = _product(xs, update.a)  # [R, sum of ranks]
+                count = xs.shape[0]
+                if self.pad_rows is not None and count < self.pad_rows and (
+                        xs.device.type != "cpu"):
+                    xs = F.pad(xs, (0, 0, 0, self.pad_rows - count))
+                xa = _product(xs, update.a)  # [R, sum of ranks] (R: padded, if it is)
                 for lo, hi, first, b in update.parts:
-                    delta = _product(xa[:, lo:hi], b)  # [R, rows]
+                    delta = _product(xa[:, lo:hi], b)[:count]  # [count, rows]
                     target = out.narrow(-1, first, b.shape[0])
                     if rows is None:
                         target.add_(delta)
