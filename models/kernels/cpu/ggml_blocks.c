@@ -40,6 +40,9 @@
 #define ROW_CHUNK 8 /* rows of x per pass over the weight (their partial sums stay in cache) */
 #define LANES 32    /* partial sums per row: independent lanes the compiler vectorizes */
 #define MAX_ROWS 16 /* rows of x the integer path meets each unpacked block with */
+/* rows from which two x8 groups at once (mm_ggml_x8_rows_pair) are the faster: below, the
+ * one-group kernels (`python -m bench.kernel_ab --kernel ggml --rows 2,3,4,5`) */
+#define PAIR_ROWS 4
 #define X_CHUNK_BYTES (512 * 1024) /* a prefill's rows' digits met by the whole weight at once */
 
 /* values per block and bytes per block of `type`; 0 for a type this file does not read */
@@ -876,9 +879,34 @@ static int x8_linear(int type, const uint8_t* w, void* y, int x_dtype, int64_t l
     failed |= plain && file_row == NULL;
     /* nowait: what a thread reads after is its own (file_row); a caller meets the team at its
      * own barrier (ON_TEAM's end, or mm_decode_layers' team_sync) before reading y */
+    /* a verify's rows (from PAIR_ROWS) take two groups at a time where the build has it:
+     * units of two groups, the last alone when their count is odd */
+    const int64_t groups = n / X8_CHANNELS;
+    const int pairs = !plain && m >= PAIR_ROWS && mm_ggml_x8_pairs(type);
     _Pragma("omp for schedule(static) nowait")
-    for (int64_t g = 0; g < n / X8_CHANNELS; g++) {
+    for (int64_t u = 0; u < (pairs ? (groups + 1) / 2 : groups); u++) {
         if (failed) continue;
+        if (pairs && 2 * u + 1 < groups) {
+            const int64_t g = 2 * u;
+            for (int64_t i0 = 0; i0 < m; i0 += MAX_ROWS) {
+                const int count = m - i0 < MAX_ROWS ? (int)(m - i0) : MAX_ROWS;
+                float out[MAX_ROWS * 2 * X8_CHANNELS];
+                if (count == 1)
+                    for (int h = 0; h < 2; h++) {
+                        mm_ggml_x8_rows(type, w + (g + h) * group_bytes, per_row, rows + i0, 1,
+                                        out + h * X8_CHANNELS);
+                    }
+                else
+                    mm_ggml_x8_rows_pair(type, w + g * group_bytes, w + (g + 1) * group_bytes,
+                                         per_row, rows + i0, count, out);
+                for (int i = 0; i < count; i++)
+                    for (int c = 0; c < 2 * X8_CHANNELS; c++)
+                        store(y, x_dtype, (y0 + i0 + i) * ldy + g * X8_CHANNELS + c,
+                              out[2 * X8_CHANNELS * i + c]);
+            }
+            continue;
+        }
+        const int64_t g = pairs ? 2 * u : u;
         for (int64_t i0 = 0; i0 < m; i0 += MAX_ROWS) {
             const int count = m - i0 < MAX_ROWS ? (int)(m - i0) : MAX_ROWS;
             float out[MAX_ROWS * X8_CHANNELS];

@@ -36,8 +36,10 @@
  *   Q4_K  y_c += d_c dx sum_j sc_jc isum_jc - dmin_c sum_j mn_jc xs_j (Q5_K too)
  *   Q6_K  y_c += d_c dx sum_j sc_jc isum_jc - 32 d_c sum_j sc_jc xs16_j
  * Each row's arithmetic is the same whatever the count of rows: a verify's k + 1 rows get the
- * one-row call's results to the bit. The integer sums are those of ggml_blocks.c's per-channel
- * path; the float order differs, within float32 rounding.
+ * one-row call's results to the bit. mm_ggml_x8_rows_pair (AVX-512 VNNI, Q4_K and Q6_K): two
+ * groups in one 512-bit register for a verify's rows, each lane's operations the same. The
+ * integer sums are those of ggml_blocks.c's per-channel path; the float order differs, within
+ * float32 rounding.
  */
 #include <stdint.h>
 #include <string.h>
@@ -793,10 +795,296 @@ void mm_ggml_x8_rows(int type, const uint8_t* group, int64_t nb, const ggml_act_
     const int at = (int)(layout_of(-1, type) - LAYOUTS);
     fns[at][rows > 1][a->l != NULL](group, nb, a, rows, out);
 }
+
+#ifdef MM_AVX512_VNNI
+/* Two groups side by side for a verify's rows: 16 channels, the first group's in int32 lanes
+ * 0 .. 7, the second's in 8 .. 15, so that one 512-bit VPDPBUSD meets both groups' quants where
+ * the 256-bit one above meets one group's (a verify's rows are bound by their integer work,
+ * which takes half the instructions). Each lane's operations are the one-group kernels' (the
+ * same integer sums, then the same float operations in the same order), so every row's results
+ * are the one-row call's, to the bit. Q4_K and Q6_K (a Q4_K_M file's types); rows in tiles of
+ * X8_PAIR_TILE sharing each step's quants in registers. */
+#define X8_PAIR_TILE 3
+/* acc += dot(u8 lanes of A, s8 lanes of B), written as an instruction whose accumulator the
+ * compiler keeps in place (as linear_int4.c's DPBUSD: GCC copies the intrinsic's) */
+#define DPBUSD512(ACC, A, B) __asm__("vpdpbusd %2, %1, %0" : "+v"(ACC) : "v"(A), "v"(B))
+
+static inline __m512i pair_vectors(const uint8_t* p0, const uint8_t* p1) {  /* 32 bytes each */
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)p0)),
+                              _mm256_loadu_si256((const __m256i*)p1), 1);
+}
+
+static inline __m512 pair_halves(const uint8_t* p0, const uint8_t* p1) {  /* 8 float16 each */
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)p0)),
+        _mm_loadu_si128((const __m128i*)p1), 1));
+}
+
+static inline __m128i pair_bytes(const uint8_t* p0, const uint8_t* p1) {  /* 8 bytes each */
+    return _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i*)p0),
+                              _mm_loadl_epi64((const __m128i*)p1));
+}
+
+static inline __m512i bcast4_512(const int8_t* p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+static inline void in_register512(__m512i* v) {
+    __asm__("" : "+v"(*v));
+}
+
+/* add_super's operations on 16 lanes */
+static inline __m512 add_super512(__m512 acc, __m512 d, __m512i ih, __m512i il, float unit,
+                                  const int TWO) {
+    __m512 sum = _mm512_mul_ps(_mm512_cvtepi32_ps(ih),
+                               _mm512_set1_ps(TWO ? 256.0f * unit : unit));
+    if (TWO) sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(il), _mm512_set1_ps(unit), sum);
+    return _mm512_fmadd_ps(d, sum, acc);
+}
+
+/* q4k_tile's rows a[0 .. T) against a pair's super-block b, its quants unpacked (lo, hi) */
+static inline __attribute__((always_inline)) void q4k_pair_tile(
+        const __m512i* lo, const __m512i* hi, const __m512i* scale, const __m512* mins,
+        __m512 d, __m512 dmin, const ggml_act_row* a, int64_t b, const int T, const int TWO,
+        __m512* acc, __m512* off) {
+    for (int r = 0; r < T; r++) {
+        const float* xs = a[r].xs + 8 * b;
+        __m512 m = _mm512_setzero_ps();
+        for (int j = 0; j < 8; j++) m = _mm512_fmadd_ps(mins[j], _mm512_set1_ps(xs[j]), m);
+        off[r] = _mm512_fmadd_ps(dmin, m, off[r]);
+    }
+    __m512i ih[X8_PAIR_TILE], il[X8_PAIR_TILE];
+    const int8_t *xh[X8_PAIR_TILE], *xl[X8_PAIR_TILE];
+    for (int r = 0; r < T; r++) {
+        ih[r] = il[r] = _mm512_setzero_si512();
+        xh[r] = a[r].q + 256 * b, xl[r] = TWO ? a[r].l + 256 * b : NULL;
+    }
+    for (int p = 0; p < 4; p++) {
+        __m512i lo_h[X8_PAIR_TILE], hi_h[X8_PAIR_TILE], lo_l[X8_PAIR_TILE], hi_l[X8_PAIR_TILE];
+        for (int r = 0; r < T; r++)
+            lo_h[r] = hi_h[r] = lo_l[r] = hi_l[r] = _mm512_setzero_si512();
+        for (int s = 0; s < 8; s++) {
+            const int t = 8 * p + s, at = 64 * p + 4 * s;
+            __m512i wl = lo[t], wh = hi[t];
+            in_register512(&wl), in_register512(&wh);
+            for (int r = 0; r < T; r++) {
+                DPBUSD512(lo_h[r], wl, bcast4_512(xh[r] + at));
+                DPBUSD512(hi_h[r], wh, bcast4_512(xh[r] + at + 32));
+                if (TWO) {
+                    DPBUSD512(lo_l[r], wl, bcast4_512(xl[r] + at));
+                    DPBUSD512(hi_l[r], wh, bcast4_512(xl[r] + at + 32));
+                }
+            }
+        }
+        for (int r = 0; r < T; r++) {  /* the high nibbles met in place (16 q) */
+            hi_h[r] = _mm512_srai_epi32(hi_h[r], 4);
+            ih[r] = _mm512_add_epi32(_mm512_add_epi32(ih[r], _mm512_mullo_epi32(lo_h[r],
+                                                                                 scale[2 * p])),
+                                     _mm512_mullo_epi32(hi_h[r], scale[2 * p + 1]));
+            if (TWO) {
+                hi_l[r] = _mm512_srai_epi32(hi_l[r], 4);
+                il[r] = _mm512_add_epi32(
+                    _mm512_add_epi32(il[r], _mm512_mullo_epi32(lo_l[r], scale[2 * p])),
+                    _mm512_mullo_epi32(hi_l[r], scale[2 * p + 1]));
+            }
+        }
+    }
+    for (int r = 0; r < T; r++)
+        acc[r] = add_super512(acc[r], d, ih[r], il[r], a[r].dx[8 * b], TWO);
+}
+
+/* Two Q4_K_X8 groups (g0's channels then g1's) against rows a[0 .. R): out[16 i + c] */
+static inline __attribute__((always_inline)) void q4k_pair_rows(
+        const uint8_t* g0, const uint8_t* g1, int64_t nb, const ggml_act_row* a, int R,
+        const int TWO, float* out) {
+    const __m512i nibble = _mm512_set1_epi8(0xF), high = _mm512_set1_epi8((char)0xF0);
+    __m512 acc[X8_ROWS], off[X8_ROWS];
+    __m512i lo[32], hi[32];  /* a super-block's quants, per (pair, step) */
+    for (int i = 0; i < R; i++) acc[i] = off[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *s0 = g0 + b * Q4K_X8_SUPER, *s1 = g1 + b * Q4K_X8_SUPER;
+        prefetch_x8(s0, Q4K_X8_SUPER), prefetch_x8(s1, Q4K_X8_SUPER);
+        const __m512 d = pair_halves(s0, s1), dmin = pair_halves(s0 + 16, s1 + 16);
+        __m512i scale[8];
+        __m512 mins[8];
+        for (int j = 0; j < 8; j++) {
+            scale[j] = _mm512_cvtepu8_epi32(pair_bytes(s0 + 32 + 8 * j, s1 + 32 + 8 * j));
+            mins[j] = _mm512_cvtepi32_ps(
+                _mm512_cvtepu8_epi32(pair_bytes(s0 + 96 + 8 * j, s1 + 96 + 8 * j)));
+        }
+        for (int t = 0; t < 32; t++) {
+            const __m512i v = pair_vectors(s0 + 160 + 32 * t, s1 + 160 + 32 * t);
+            lo[t] = _mm512_and_si512(v, nibble);
+            hi[t] = _mm512_and_si512(v, high);
+        }
+        KEEP_UNPACKED(lo, hi);
+        for (int i = 0; i < R; i += X8_PAIR_TILE) {
+            const int n = R - i < X8_PAIR_TILE ? R - i : X8_PAIR_TILE;
+#define Q4K_PAIR_TILE(T) \
+            q4k_pair_tile(lo, hi, scale, mins, d, dmin, a + i, b, T, TWO, acc + i, off + i)
+            if (n == 1) Q4K_PAIR_TILE(1);
+            else if (n == 2) Q4K_PAIR_TILE(2);
+            else Q4K_PAIR_TILE(X8_PAIR_TILE);
+#undef Q4K_PAIR_TILE
+        }
+    }
+    for (int i = 0; i < R; i++) _mm512_storeu_ps(out + 16 * i, _mm512_sub_ps(acc[i], off[i]));
+}
+
+/* q6k_rows' rows a[0 .. T) against a pair's super-block b, its quants unpacked (wq) */
+static inline __attribute__((always_inline)) void q6k_pair_tile(
+        const __m512i* wq, const __m512i* scale, const __m512* scf, __m512 d, __m512 d32,
+        const ggml_act_row* a, int64_t b, const int T, const int TWO, __m512* acc,
+        __m512* off) {
+    __m512i ih[X8_PAIR_TILE], il[X8_PAIR_TILE];
+    const int8_t *xh[X8_PAIR_TILE], *xl[X8_PAIR_TILE];
+    for (int r = 0; r < T; r++) {
+        const float* xs16 = a[r].xs16 + 16 * b;
+        __m512 m = _mm512_setzero_ps();
+        for (int j = 0; j < 16; j++) m = _mm512_fmadd_ps(scf[j], _mm512_set1_ps(xs16[j]), m);
+        off[r] = _mm512_fmadd_ps(d32, m, off[r]);
+        ih[r] = il[r] = _mm512_setzero_si512();
+        xh[r] = a[r].q + 256 * b, xl[r] = TWO ? a[r].l + 256 * b : NULL;
+    }
+    for (int n = 0; n < 2; n++)
+        for (int s0 = 0; s0 < 8; s0 += Q6_RUN) {  /* a run (a sub-block), then weighted */
+            __m512i sh[X8_PAIR_TILE][4], sl[X8_PAIR_TILE][4];
+            for (int r = 0; r < T; r++)
+                for (int g = 0; g < 4; g++) sh[r][g] = sl[r][g] = _mm512_setzero_si512();
+            for (int s = s0; s < s0 + Q6_RUN; s++)
+                for (int g = 0; g < 4; g++) {
+                    __m512i w = wq[32 * n + 8 * g + s];
+                    in_register512(&w);
+                    const int at = 128 * n + 32 * g + 4 * s;
+                    for (int r = 0; r < T; r++) {
+                        DPBUSD512(sh[r][g], w, bcast4_512(xh[r] + at));
+                        if (TWO) DPBUSD512(sl[r][g], w, bcast4_512(xl[r] + at));
+                    }
+                }
+            for (int r = 0; r < T; r++) {
+                sh[r][3] = _mm512_srai_epi32(sh[r][3], 2);  /* group 3's: 4 times its quants' */
+                if (TWO) sl[r][3] = _mm512_srai_epi32(sl[r][3], 2);
+                for (int g = 0; g < 4; g++) {  /* sub-block 8 n + 2 g + (step >= 4) */
+                    const __m512i sc = scale[8 * n + 2 * g + (s0 >= 4)];
+                    ih[r] = _mm512_add_epi32(ih[r], _mm512_mullo_epi32(sh[r][g], sc));
+                    if (TWO) il[r] = _mm512_add_epi32(il[r], _mm512_mullo_epi32(sl[r][g], sc));
+                }
+            }
+        }
+    for (int r = 0; r < T; r++)
+        acc[r] = add_super512(acc[r], d, ih[r], il[r], a[r].dx[8 * b], TWO);
+}
+
+/* Two Q6_K_X8 groups (g0's channels then g1's) against rows a[0 .. R): out[16 i + c] */
+static inline __attribute__((always_inline)) void q6k_pair_rows(
+        const uint8_t* g0, const uint8_t* g1, int64_t nb, const ggml_act_row* a, int R,
+        const int TWO, float* out) {
+    const __m512i nibble = _mm512_set1_epi8(0xF), top = _mm512_set1_epi8(0x30);
+    const __m512i six = _mm512_set1_epi8(0x3F), top2 = _mm512_set1_epi8((char)0xC0);
+    const __m512i above2 = _mm512_set1_epi8((char)0xFC);
+    __m512 acc[X8_ROWS], off[X8_ROWS];
+    __m512i wq[64];  /* a super-block's quants (0 .. 63) per (half, group, step) */
+    for (int i = 0; i < R; i++) acc[i] = off[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *s0 = g0 + b * Q6K_X8_SUPER, *s1 = g1 + b * Q6K_X8_SUPER;
+        prefetch_x8(s0, Q6K_X8_SUPER), prefetch_x8(s1, Q6K_X8_SUPER);
+        const __m512 d = pair_halves(s0, s1);
+        const __m512 d32 = _mm512_mul_ps(d, _mm512_set1_ps(32.0f));
+        __m512i scale[16];
+        __m512 scf[16];
+        for (int j = 0; j < 16; j++) {
+            scale[j] = _mm512_cvtepi8_epi32(pair_bytes(s0 + 16 + 8 * j, s1 + 16 + 8 * j));
+            scf[j] = _mm512_cvtepi32_ps(scale[j]);
+        }
+        for (int n = 0; n < 2; n++)
+            for (int s = 0; s < 8; s++) {  /* q6k_rows' unpacking, in place (HIGH_IN_PLACE) */
+                const int at = 144 + 96 * (8 * n + s);
+                const __m512i vp = pair_vectors(s0 + at, s1 + at);
+                const __m512i vq = pair_vectors(s0 + at + 32, s1 + at + 32);
+                const __m512i vr = pair_vectors(s0 + at + 64, s1 + at + 64);
+                wq[32 * n + s] = _mm512_and_si512(vp, six);
+                wq[32 * n + 8 + s] = _mm512_and_si512(vq, six);
+                wq[32 * n + 16 + s] = _mm512_or_si512(
+                    _mm512_and_si512(vr, nibble),
+                    _mm512_and_si512(_mm512_srli_epi16(vp, 2), top));
+                wq[32 * n + 24 + s] = _mm512_and_si512(
+                    _mm512_or_si512(_mm512_and_si512(vq, top2),
+                                    _mm512_andnot_si512(top2, _mm512_srli_epi16(vr, 2))),
+                    above2);
+            }
+        KEEP_UNPACKED(wq, wq);
+        for (int i = 0; i < R; i += X8_PAIR_TILE) {
+            const int n = R - i < X8_PAIR_TILE ? R - i : X8_PAIR_TILE;
+#define Q6K_PAIR_TILE(T) \
+            q6k_pair_tile(wq, scale, scf, d, d32, a + i, b, T, TWO, acc + i, off + i)
+            if (n == 1) Q6K_PAIR_TILE(1);
+            else if (n == 2) Q6K_PAIR_TILE(2);
+            else Q6K_PAIR_TILE(X8_PAIR_TILE);
+#undef Q6K_PAIR_TILE
+        }
+    }
+    for (int i = 0; i < R; i++) _mm512_storeu_ps(out + 16 * i, _mm512_sub_ps(acc[i], off[i]));
+}
+
+static void q4k_pair_1(const uint8_t* g0, const uint8_t* g1, int64_t nb, const ggml_act_row* a,
+                       int rows, float* out) {
+    q4k_pair_rows(g0, g1, nb, a, rows, 0, out);
+}
+static void q4k_pair_2(const uint8_t* g0, const uint8_t* g1, int64_t nb, const ggml_act_row* a,
+                       int rows, float* out) {
+    q4k_pair_rows(g0, g1, nb, a, rows, 1, out);
+}
+static void q6k_pair_1(const uint8_t* g0, const uint8_t* g1, int64_t nb, const ggml_act_row* a,
+                       int rows, float* out) {
+    q6k_pair_rows(g0, g1, nb, a, rows, 0, out);
+}
+static void q6k_pair_2(const uint8_t* g0, const uint8_t* g1, int64_t nb, const ggml_act_row* a,
+                       int rows, float* out) {
+    q6k_pair_rows(g0, g1, nb, a, rows, 1, out);
+}
+
+int mm_ggml_x8_pairs(int type) {
+    return type == GGML_Q4_K_X8 || type == GGML_Q6_K_X8;
+}
+
+/* Two consecutive groups g0, g1 of an x8 weight of `type` (mm_ggml_x8_pairs) against rows
+ * a[0 .. rows) (2 <= rows <= 16, one number of digits): out [rows, 16], g0's channels first. */
+void mm_ggml_x8_rows_pair(int type, const uint8_t* g0, const uint8_t* g1, int64_t nb,
+                          const ggml_act_row* a, int rows, float* out) {
+    const int two = a->l != NULL;
+    if (type == GGML_Q4_K_X8) (two ? q4k_pair_2 : q4k_pair_1)(g0, g1, nb, a, rows, out);
+    else (two ? q6k_pair_2 : q6k_pair_1)(g0, g1, nb, a, rows, out);
+}
+#else
+int mm_ggml_x8_pairs(int type) {
+    (void)type;
+    return 0;
+}
+
+void mm_ggml_x8_rows_pair(int type, const uint8_t* g0, const uint8_t* g1, int64_t nb,
+                          const ggml_act_row* a, int rows, float* out) {
+    (void)type, (void)g0, (void)g1, (void)nb, (void)a;  /* never called: no pairs here */
+    memset(out, 0, sizeof(float) * 16 * (size_t)rows);
+}
+#endif
+
 #else
 void mm_ggml_x8_rows(int type, const uint8_t* group, int64_t nb, const ggml_act_row* a,
                      int rows, float* out) {  /* never called: mm_ggml_repack_takes says no */
     (void)type, (void)group, (void)nb, (void)a;
     memset(out, 0, sizeof(float) * 8 * (size_t)rows);
+}
+
+int mm_ggml_x8_pairs(int type) {
+    (void)type;
+    return 0;
+}
+
+void mm_ggml_x8_rows_pair(int type, const uint8_t* g0, const uint8_t* g1, int64_t nb,
+                          const ggml_act_row* a, int rows, float* out) {
+    (void)type, (void)g0, (void)g1, (void)nb, (void)a;  /* never called: no pairs here */
+    memset(out, 0, sizeof(float) * 16 * (size_t)rows);
 }
 #endif

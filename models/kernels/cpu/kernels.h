@@ -585,6 +585,11 @@ void mm_ggml_x8_block(const uint8_t* w, int type, int64_t nb, int64_t channel, i
                       uint8_t* block);
 void mm_ggml_x8_rows(int type, const uint8_t* group, int64_t nb, const ggml_act_row* a,
                      int rows, float* out);
+/* two consecutive groups at once for 2 .. 16 rows, where this build has it (mm_ggml_x8_pairs):
+ * out [rows, 16], each row's results those of mm_ggml_x8_rows */
+int mm_ggml_x8_pairs(int type);
+void mm_ggml_x8_rows_pair(int type, const uint8_t* g0, const uint8_t* g1, int64_t nb,
+                          const ggml_act_row* a, int rows, float* out);
 
 /* decode_layers.c, moe_experts.c: the whole-step calls */
 typedef struct { /* one decoder layer */
