@@ -135,6 +135,8 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "mm_ggml_repack": (_int, [_ptr, _int, _i64, _i64, _ptr, _int]),
     "mm_ggml_x8_block": (None, [_ptr, _int, _i64, _i64, _i64, _ptr]),
     "mm_ggml_x8_rows": (None, [_int, _ptr, _i64, _ptr, _int, _ptr]),
+    "mm_ggml_x8_pairs": (_int, [_int]),
+    "mm_ggml_x8_rows_pair": (None, [_int, _ptr, _ptr, _i64, _ptr, _int, _ptr]),
     # decode_layers.c, moe_experts.c: the whole-step calls
     "mm_decode_layers": (_int, [ctypes.POINTER(DecoderDesc), ctypes.POINTER(LayerDesc), _i64,
                                 _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr]),
