@@ -81,3 +81,17 @@ def write_lora_folder(
     }
     (path / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path
+
+
+def llama_with_attention_adapter(root: Path) -> tuple[Path, Path]:
+    """A tiny Llama at root/llama and a random adapter of its attention's q, k, v and o
+    projections (rank 4) at root/attn: (checkpoint, adapter folder)."""
+    from transformers import AutoModelForCausalLM
+
+    from testing.tiny import build_text_model
+
+    path = build_text_model(root / "llama", "llama", num_kv_heads=1)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    folder = save_random_adapter(hf, root / "attn", ["q_proj", "k_proj", "v_proj", "o_proj"],
+                                 r=4, lora_alpha=8, seed=1)
+    return path, folder

@@ -113,15 +113,9 @@ def test_hybrid_with_its_mtp_layer(tmp_path_factory):
 
 def _lora_engine(root, dtype: str):
     """A Llama with an attention adapter: requests with and without it share the steps."""
-    from transformers import AutoModelForCausalLM
+    from testing.lora import llama_with_attention_adapter
 
-    from testing.lora import save_random_adapter
-    from testing.tiny import build_text_model
-
-    path = build_text_model(root / "llama", "llama", num_kv_heads=1)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    folder = save_random_adapter(hf, root / "attn", ["q_proj", "k_proj", "v_proj", "o_proj"],
-                                 r=4, lora_alpha=8, seed=1)
+    path, folder = llama_with_attention_adapter(root)
     return LLM(path, device=DEVICE, dtype=dtype, max_model_len=256, block_size=4,
                enable_prefix_caching=False, speculative="ngram",
                lora_adapters={"attn": str(folder)})

@@ -131,16 +131,9 @@ def test_gemma4(tmp_path_factory):
 def test_lora_adapters_per_request(tmp_path_factory):
     """Requests with an adapter and without share the verify steps (the adapters' products
     through our row kernel at a decode's rows)."""
-    from transformers import AutoModelForCausalLM
+    from testing.lora import llama_with_attention_adapter
 
-    from testing.lora import save_random_adapter
-    from testing.tiny import build_text_model
-
-    root = tmp_path_factory.mktemp("lora")
-    path = build_text_model(root / "llama", "llama", num_kv_heads=1)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    folder = save_random_adapter(hf, root / "attn", ["q_proj", "k_proj", "v_proj", "o_proj"],
-                                 r=4, lora_alpha=8, seed=1)
+    path, folder = llama_with_attention_adapter(tmp_path_factory.mktemp("lora"))
     llm = LLM(path, max_model_len=256, block_size=4, enable_prefix_caching=False,
               speculative="ngram", lora_adapters={"attn": str(folder)})
     prompts = ["The quick brown fox jumps over the lazy dog.", "Describe the image.",

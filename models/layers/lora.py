@@ -129,8 +129,7 @@ class AdapterSet:
                     continue
                 xs = x if rows is None else x.index_select(0, rows)
                 count = xs.shape[0]
-                if self.pad_rows is not None and count < self.pad_rows and (
-                        xs.device.type != "cpu"):
+                if self.pad_rows is not None and count < self.pad_rows:
                     xs = F.pad(xs, (0, 0, 0, self.pad_rows - count))
                 xa = _product(xs, update.a)  # [R, sum of ranks] (R: padded, if it is)
                 for lo, hi, first, b in update.parts:

@@ -877,42 +877,21 @@ static int x8_linear(int type, const uint8_t* w, void* y, int x_dtype, int64_t l
     /* the plain path's: one channel's blocks as stored */
     uint8_t* file_row = plain ? malloc((size_t)(per_row * block_bytes(stored))) : NULL;
     failed |= plain && file_row == NULL;
-    /* nowait: what a thread reads after is its own (file_row); a caller meets the team at its
-     * own barrier (ON_TEAM's end, or mm_decode_layers' team_sync) before reading y */
     /* a verify's rows (from PAIR_ROWS) take two groups at a time where the build has it:
      * units of two groups, the last alone when their count is odd */
     const int64_t groups = n / X8_CHANNELS;
     const int pairs = !plain && m >= PAIR_ROWS && mm_ggml_x8_pairs(type);
+    /* nowait: what a thread reads after is its own (file_row); a caller meets the team at its
+     * own barrier (ON_TEAM's end, or mm_decode_layers' team_sync) before reading y */
     _Pragma("omp for schedule(static) nowait")
     for (int64_t u = 0; u < (pairs ? (groups + 1) / 2 : groups); u++) {
         if (failed) continue;
-        if (pairs && 2 * u + 1 < groups) {
-            const int64_t g = 2 * u;
-            for (int64_t i0 = 0; i0 < m; i0 += MAX_ROWS) {
-                const int count = m - i0 < MAX_ROWS ? (int)(m - i0) : MAX_ROWS;
-                float out[MAX_ROWS * 2 * X8_CHANNELS];
-                if (count == 1)
-                    for (int h = 0; h < 2; h++) {
-                        mm_ggml_x8_rows(type, w + (g + h) * group_bytes, per_row, rows + i0, 1,
-                                        out + h * X8_CHANNELS);
-                    }
-                else
-                    mm_ggml_x8_rows_pair(type, w + g * group_bytes, w + (g + 1) * group_bytes,
-                                         per_row, rows + i0, count, out);
-                for (int i = 0; i < count; i++)
-                    for (int c = 0; c < 2 * X8_CHANNELS; c++)
-                        store(y, x_dtype, (y0 + i0 + i) * ldy + g * X8_CHANNELS + c,
-                              out[2 * X8_CHANNELS * i + c]);
-            }
-            continue;
-        }
         const int64_t g = pairs ? 2 * u : u;
+        const int width = (pairs && g + 1 < groups ? 2 : 1) * X8_CHANNELS;  /* the unit's */
         for (int64_t i0 = 0; i0 < m; i0 += MAX_ROWS) {
             const int count = m - i0 < MAX_ROWS ? (int)(m - i0) : MAX_ROWS;
-            float out[MAX_ROWS * X8_CHANNELS];
-            if (!plain) {
-                mm_ggml_x8_rows(type, w + g * group_bytes, per_row, rows + i0, count, out);
-            } else {
+            float out[MAX_ROWS * 2 * X8_CHANNELS];  /* [count, width] */
+            if (plain) {
                 for (int c = 0; c < X8_CHANNELS; c++) {
                     for (int64_t b = 0; b < per_row; b++)
                         mm_ggml_x8_block(w, type, per_row, g * X8_CHANNELS + c, b,
@@ -921,11 +900,18 @@ static int x8_linear(int type, const uint8_t* w, void* y, int x_dtype, int64_t l
                     dots_plain(stored, file_row, per_row, rows + i0, count, dots);
                     for (int i = 0; i < count; i++) out[X8_CHANNELS * i + c] = dots[i];
                 }
+            } else if (width > X8_CHANNELS && count > 1) {
+                mm_ggml_x8_rows_pair(type, w + g * group_bytes, w + (g + 1) * group_bytes,
+                                     per_row, rows + i0, count, out);
+            } else {  /* one group, or a pair's groups one by one for a last lone row */
+                for (int h = 0; h < width / X8_CHANNELS; h++)
+                    mm_ggml_x8_rows(type, w + (g + h) * group_bytes, per_row, rows + i0, count,
+                                    out + h * X8_CHANNELS);
             }
             for (int i = 0; i < count; i++)
-                for (int c = 0; c < X8_CHANNELS; c++)
+                for (int c = 0; c < width; c++)
                     store(y, x_dtype, (y0 + i0 + i) * ldy + g * X8_CHANNELS + c,
-                          out[X8_CHANNELS * i + c]);
+                          out[width * i + c]);
         }
     }
     free(file_row);
